@@ -1,0 +1,5 @@
+"""dgr: the Distributed GGUF Runtime."""
+
+__all__ = ["__version__"]
+
+__version__ = "0.1.0"

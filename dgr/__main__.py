@@ -1,0 +1,3 @@
+from dgr.cli import main
+
+raise SystemExit(main())

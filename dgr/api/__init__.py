@@ -1,0 +1,1 @@
+"""The HTTP faces of dgr: the OpenAI API, errors as JSON, streaming text."""

@@ -1,0 +1,215 @@
+"""OpenAI request parsing and response shapes, with no I/O.
+
+`parse_request` turns a chat or completions body into a `GenerationRequest`
+or raises `CallerError(INVALID_REQUEST, param=...)` naming the bad field, the
+way OpenAI does. The builders produce the exact JSON shapes the official
+clients read. dgr adds, and standard clients ignore:
+- a top-level `dgr` object on non-streaming responses (route session id and
+  final telemetry);
+- in streams, SSE comment lines `: dgr-telemetry {...}` (always), and, only
+  when the request sets `dgr_telemetry: true`, extra chunks with
+  `choices: []` and a `dgr_telemetry` object.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import attrs
+
+from dgr.errors import CallerError, Reason
+from dgr.sampling import SamplingParams
+
+__all__ = ["GenerationRequest", "parse_request", "completion_body", "chunk_body", "usage_body", "DEFAULT_MAX_TOKENS"]
+
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP = 4
+
+
+@attrs.frozen
+class GenerationRequest:
+    kind: Literal["chat", "completion"]
+    model: str
+    messages: tuple[dict[str, Any], ...] | None
+    prompt: str | None
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    telemetry_chunks: bool
+
+    def tokenize_body(self) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"messages": list(self.messages or ())}
+        return {"prompt": self.prompt}
+
+
+def _bad(message: str, param: str) -> CallerError:
+    return CallerError(Reason.INVALID_REQUEST, message, param=param)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"'{key}' must be a number", key)
+    if not (lo <= value <= hi):
+        raise _bad(f"'{key}' must be between {lo} and {hi}, got {value}", key)
+    return float(value)
+
+
+def _messages(body: dict) -> tuple[dict[str, Any], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise _bad(f"messages[{i}].role must be system, user, assistant, developer or tool", f"messages[{i}].role")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(out)
+
+
+def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> GenerationRequest:
+    """Validate an OpenAI body.
+
+    Raises:
+        CallerError(INVALID_REQUEST) with `param` naming the field.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' must be a non-empty string", "model")
+    messages = prompt = None
+    if kind == "chat":
+        messages = _messages(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string", "prompt")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key, DEFAULT_MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise _bad(f"'{key}' must be a positive integer, got {max_tokens!r}", key)
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise _bad("only n=1 is supported", "n")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("'top_p' must be greater than 0", "top_p")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise _bad("'seed' must be a non-negative integer", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
+        stops = tuple(stop)
+    else:
+        raise _bad(f"'stop' must be a string or an array of at most {MAX_STOP} strings", "stop")
+    if any(s == "" for s in stops):
+        raise _bad("'stop' strings must not be empty", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    telemetry = body.get("dgr_telemetry", False)
+    if not isinstance(telemetry, bool):
+        raise _bad("'dgr_telemetry' must be a boolean", "dgr_telemetry")
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        messages=messages,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+        stop=stops,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        telemetry_chunks=telemetry,
+    )
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _ids(req: GenerationRequest, sid: str) -> tuple[str, str]:
+    if req.kind == "chat":
+        return f"chatcmpl-{sid}", "chat.completion"
+    return f"cmpl-{sid}", "text_completion"
+
+
+def completion_body(req: GenerationRequest, sid: str, text: str, finish_reason: str,
+                    usage: dict[str, int], telemetry: dict[str, Any], created: int | None = None) -> dict[str, Any]:
+    rid, obj = _ids(req, sid)
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created or int(time.time()),
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage,
+        "system_fingerprint": None,
+        "dgr": {"route_session": sid, "telemetry": telemetry},
+    }
+
+
+def chunk_body(req: GenerationRequest, sid: str, created: int, *, text: str | None = None,
+               role: bool = False, finish_reason: str | None = None, usage: dict[str, int] | None = None,
+               telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+    rid, obj = _ids(req, sid)
+    if req.kind == "chat":
+        obj = "chat.completion.chunk"
+    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
+                            "system_fingerprint": None}
+    if usage is not None or telemetry is not None:
+        body["choices"] = []
+        if usage is not None:
+            body["usage"] = usage
+        if telemetry is not None:
+            body["dgr_telemetry"] = telemetry
+        return body
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+    body["choices"] = [choice]
+    return body

@@ -1,0 +1,157 @@
+"""The contract every shard backend meets.
+
+A backend computes layers [start, stop) of one model for many Route Sessions
+at once, each with its own Hot KV State. It is synchronous and blocking: the
+node's trio driver calls it through `trio.to_thread.run_sync` with a limiter
+of one, so a backend never sees two calls at once.
+
+Shapes at the boundary (W = ModelInfo.seam_width):
+- head shard (start == 0): token ids in, int32 [n]
+- other shards: hidden states in, float32 [n, W]
+- non-tail shards (stop == n_layers): hidden states out, float32 [n, W]
+- tail shard: logits out for the last position only, float32 [vocab]
+
+Positions are always passed in. `forward(sid, pos0, ...)` must be called with
+pos0 equal to the number of positions already in that session's KV; the node
+session FSM enforces it, the backend checks it again and raises.
+
+Left out: sampling (dgr.sampling does it, the same for every backend) and
+transport (dgr.seam).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import attrs
+import numpy as np
+
+__all__ = ["LayerRange", "ModelInfo", "ShardBackend", "ChatMessage"]
+
+ChatMessage = dict[str, Any]
+
+
+@attrs.frozen
+class LayerRange:
+    """Contiguous transformer layers [start, stop)."""
+
+    start: int
+    stop: int
+
+    def __attrs_post_init__(self) -> None:
+        if not (0 <= self.start < self.stop):
+            raise ValueError(f"bad layer range {self.start}:{self.stop}")
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerRange":
+        """Parse 'A:B'."""
+        a, sep, b = text.partition(":")
+        if not sep:
+            raise ValueError(f"layer range must look like A:B, got {text!r}")
+        return cls(int(a), int(b))
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@attrs.frozen
+class ModelInfo:
+    """What a node and the tracker need to know of a model, whatever the backend."""
+
+    name: str  # id served by /v1/models
+    architecture: str
+    n_layers: int
+    hidden_size: int
+    seam_width: int  # floats per token on the seam; hidden_size for most models
+    vocab_size: int
+    context_length: int
+    digest: str  # identity of the weights (sha256 of the file); nodes of different digests never share a route
+    needs_token_ids: bool = False  # the seam also carries token ids (DeepSeek-V4 hash-routed layers)
+    metadata: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelInfo":
+        return cls(**data)
+
+
+class ShardBackend(abc.ABC):
+    """Layers [layers.start, layers.stop) of a model, with per-session KV."""
+
+    info: ModelInfo
+    layers: LayerRange
+    name: str  # backend name: stub, torch, llama, llama_shard
+
+    @property
+    def is_head(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.layers.stop == self.info.n_layers
+
+    # -- sessions -----------------------------------------------------------
+    @abc.abstractmethod
+    def open_session(self, sid: str, max_positions: int) -> None:
+        """Reserve Hot KV State for up to max_positions positions."""
+
+    @abc.abstractmethod
+    def close_session(self, sid: str) -> None:
+        """Free the session's KV. Idempotent."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        sid: str,
+        pos0: int,
+        token_ids: np.ndarray | None,  # int32 [n]   (head, or needs_token_ids)
+        hidden: np.ndarray | None,  # float32 [n, W] (non-head)
+        want_logits: bool,  # tail: return logits of the last position
+    ) -> np.ndarray | None:
+        """Run positions [pos0, pos0 + n) through this shard, appending to KV.
+
+        Returns float32 [n, W] on a non-tail shard, float32 [vocab] on the tail
+        when want_logits, else None.
+        """
+
+    @abc.abstractmethod
+    def positions_computed(self, sid: str) -> int:
+        """How many positions this shard evaluated for the session (never recomputed)."""
+
+    @abc.abstractmethod
+    def kv_bytes(self) -> int:
+        """Bytes of Hot KV State held now, over all sessions."""
+
+    def session_count(self) -> int:
+        return 0
+
+    def max_sessions(self) -> int:
+        """How many sessions fit in KV memory at once."""
+        return 16
+
+    # -- head: text in ---------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        raise NotImplementedError
+
+    # -- tail: text out --------------------------------------------------------
+    def token_bytes(self, token: int) -> bytes:
+        raise NotImplementedError
+
+    def is_eog(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the model. Called once when the node stops."""
+
+    def describe(self) -> dict[str, Any]:
+        """Backend metadata for /v1/models and node status."""
+        return {"backend": self.name, "layers": str(self.layers)}

@@ -1,0 +1,200 @@
+"""The stub backend: a deterministic fake model with real cache semantics.
+
+It has no weights worth the name, but it behaves like a transformer where it
+matters to the runtime:
+- each layer appends one KV entry per position to the session's state;
+- each position's output depends on every earlier position through that
+  state (a running sum), and on its own position (a RoPE-like phase), so a
+  missing, repeated, reordered or recomputed position changes the answer;
+- the same positions give bit-identical outputs however the prompt is cut
+  into chunks and however the layers are cut into shards (only elementwise
+  ops and sequential `cumsum`; the tail's one matmul always sees one row);
+- it counts positions computed per session, so tests can prove decode never
+  recomputes the prompt;
+- `delay_s` per position makes it slow on purpose for telemetry and fault
+  tests.
+
+`StubSpec` describes the fake model. Its seam width may differ from its
+hidden size, and it may need token ids beside the hidden state in its first
+`hash_layers` layers, the way DeepSeek-V4 does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dgr.backends.base import ChatMessage, LayerRange, ModelInfo, ShardBackend
+from dgr.errors import CallerError, Reason
+
+__all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
+
+# id 0 is end-of-generation; then printable ASCII and newline.
+STUB_VOCAB: tuple[str, ...] = ("</s>",) + tuple(chr(c) for c in range(32, 127)) + ("\n",)
+_EOS = 0
+_ID = {s: i for i, s in enumerate(STUB_VOCAB)}
+
+
+@attrs.frozen
+class StubSpec:
+    name: str = "stub"
+    n_layers: int = 30
+    hidden_size: int = 576
+    seam_mult: int = 1  # seam width = seam_mult x hidden_size (DeepSeek-V4: 4)
+    hash_layers: int = 0  # first layers that also read token ids (DeepSeek-V4: 3)
+    context_length: int = 8192
+    seed: int = 1234
+
+    @property
+    def seam_width(self) -> int:
+        return self.seam_mult * self.hidden_size
+
+    def info(self) -> ModelInfo:
+        digest = hashlib.sha256(repr(attrs.astuple(self)).encode()).hexdigest()
+        return ModelInfo(
+            name=self.name,
+            architecture="stub",
+            n_layers=self.n_layers,
+            hidden_size=self.hidden_size,
+            seam_width=self.seam_width,
+            vocab_size=len(STUB_VOCAB),
+            context_length=self.context_length,
+            digest=digest,
+            needs_token_ids=self.hash_layers > 0,
+        )
+
+
+DEEPSEEK_LIKE = StubSpec(name="stub-dsv4", n_layers=8, hidden_size=64, seam_mult=4, hash_layers=3)
+
+
+@attrs.define
+class _Session:
+    max_positions: int
+    kv_sum: np.ndarray  # float32 [n_local_layers, W]: running sum of KV entries
+    positions: int = 0
+    computed: int = 0
+
+
+@attrs.define
+class StubBackend(ShardBackend):
+    spec: StubSpec
+    layers: LayerRange
+    delay_s: float = 0.0
+    capacity: int = 64
+    name: str = "stub"
+    info: ModelInfo = attrs.field(init=False)
+    _a: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
+    _b: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
+    _embed: np.ndarray = attrs.field(init=False)  # float32 [vocab, W]
+    _unembed: np.ndarray = attrs.field(init=False)  # float32 [W, vocab]
+    _sessions: dict[str, _Session] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.info = self.spec.info()
+        if self.layers.stop > self.spec.n_layers:
+            raise CallerError(Reason.INVALID_REQUEST, f"layers {self.layers} exceed the stub's {self.spec.n_layers}")
+        w, v = self.spec.seam_width, len(STUB_VOCAB)
+        per_layer = [np.random.default_rng([self.spec.seed, il]) for il in range(self.layers.start, self.layers.stop)]
+        self._a = np.stack([r.uniform(0.5, 1.5, w) for r in per_layer]).astype(np.float32)
+        self._b = np.stack([r.uniform(-0.5, 0.5, w) for r in per_layer]).astype(np.float32)
+        glob = np.random.default_rng([self.spec.seed, 10_000])
+        self._embed = glob.standard_normal((v, w)).astype(np.float32)
+        self._unembed = (glob.standard_normal((w, v)) / np.sqrt(w)).astype(np.float32)
+
+    # -- sessions -------------------------------------------------------------
+    def open_session(self, sid: str, max_positions: int) -> None:
+        if sid in self._sessions:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
+        n_local = len(self.layers)
+        self._sessions[sid] = _Session(max_positions, np.zeros((n_local, self.spec.seam_width), np.float32))
+
+    def close_session(self, sid: str) -> None:
+        self._sessions.pop(sid, None)
+
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def max_sessions(self) -> int:
+        return self.capacity
+
+    def positions_computed(self, sid: str) -> int:
+        return self._sessions[sid].computed
+
+    def kv_bytes(self) -> int:
+        # what a real model would hold: one W-wide entry per layer per position
+        return sum(s.positions * s.kv_sum.nbytes for s in self._sessions.values())
+
+    # -- compute --------------------------------------------------------------
+    def forward(
+        self,
+        sid: str,
+        pos0: int,
+        token_ids: np.ndarray | None,  # int32 [n]
+        hidden: np.ndarray | None,  # float32 [n, W]
+        want_logits: bool,
+    ) -> np.ndarray | None:
+        s = self._sessions.get(sid)
+        if s is None:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on this shard")
+        if pos0 != s.positions:
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"pos0 {pos0} != {s.positions} positions held")
+        needs_ids = self.is_head or self.layers.start < self.spec.hash_layers
+        if needs_ids and token_ids is None:
+            raise CallerError(Reason.BAD_FRAME, f"layers {self.layers} need token ids")
+        if self.is_head:
+            h = self._embed[np.asarray(token_ids, dtype=np.int64)]  # [n, W]
+        else:
+            if hidden is None or hidden.ndim != 2 or hidden.shape[1] != self.spec.seam_width:
+                raise CallerError(Reason.WRONG_WIDTH, f"expected hidden [n, {self.spec.seam_width}]")
+            h = np.array(hidden, dtype=np.float32)
+        n = h.shape[0]
+        pos = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None]  # [n, 1]
+        for i in range(len(self.layers)):
+            il = self.layers.start + i
+            if il < self.spec.hash_layers:
+                h = h + 0.25 * self._embed[np.asarray(token_ids, dtype=np.int64)]
+            k = np.tanh(h * self._a[i] + self._b[i] + np.sin(pos * (0.01 * (i + 1))))  # [n, W]: this layer's KV entries
+            # sequential running sum: identical whatever the chunking
+            run = np.cumsum(np.vstack([s.kv_sum[i : i + 1], k]), axis=0)[1:]  # [n, W]
+            s.kv_sum[i] = run[-1]
+            h = h + 0.5 * np.tanh(run / (pos + 1.0) * self._a[i])  # [n, W]
+        s.positions += n
+        s.computed += n
+        if self.delay_s:
+            time.sleep(self.delay_s * n)  # simulated compute time; runs in a worker thread
+        if not self.is_tail:
+            return h.astype(np.float32)
+        if not want_logits:
+            return None
+        logits = h[-1] @ self._unembed  # [vocab]
+        logits[_EOS] -= 4.0  # rare end of generation, so answers have some length
+        return logits.astype(np.float32)
+
+    # -- text -----------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return [_ID.get(ch, _ID["?"]) for ch in text]
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        lines = [f"<{m.get('role', 'user')}>: {m.get('content', '')}" for m in messages]
+        return "\n".join(lines) + "\n<assistant>:"
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token == _EOS else STUB_VOCAB[token].encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == _EOS
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "layers": str(self.layers),
+            "architecture": "stub",
+            "n_layers": self.spec.n_layers,
+            "hidden_size": self.spec.hidden_size,
+            "seam_width": self.spec.seam_width,
+            "delay_s": self.delay_s,
+        }

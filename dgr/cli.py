@@ -1,0 +1,146 @@
+"""The `dgr` command line: tracker, node, up, and the tools that register here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Callable
+
+import trio
+
+from dgr.errors import DgrError
+
+__all__ = ["main", "run_until_signal"]
+
+
+def run_until_signal(fn: Callable, *args, **kwargs) -> int:
+    """Run an async main under trio; SIGINT or SIGTERM cancels it cleanly."""
+
+    async def wrapper() -> None:
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            await fn(*args, **kwargs)
+            nursery.cancel_scope.cancel()
+
+    trio.run(wrapper)
+    return 0
+
+
+def _threads_default() -> int:
+    return max(1, (os.cpu_count() or 1))
+
+
+def cmd_tracker(args) -> int:
+    from dgr.seam.wire import DType
+    from dgr.tracker.gateway import GatewayConfig
+    from dgr.tracker.run import run_tracker
+
+    config = GatewayConfig(
+        prefill_chunk=args.prefill_chunk,
+        step_deadline_s=args.step_deadline,
+        seam_dtype=DType[args.seam_dtype.upper()],
+    )
+    return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after)
+
+
+def cmd_node(args) -> int:
+    from dgr.backends.base import LayerRange
+    from dgr.backends.factory import make_backend, resolve_model
+    from dgr.node.run import run_node
+
+    model = resolve_model(args.backend, args.model)
+    layers = LayerRange.parse(args.layers) if args.layers else None
+    backend = make_backend(
+        args.backend, layers, model, threads=args.threads, n_ctx=args.ctx, max_sessions=args.max_sessions,
+        stub_delay_s=args.stub_delay, stub_model=args.stub_model,
+    )
+    node_id = args.name or f"{args.backend}-{backend.layers}-{os.getpid()}"
+    return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
+                            tracker=args.tracker, idle_timeout_s=args.idle_timeout)
+
+
+def cmd_up(args) -> int:
+    from dgr.up import run_up
+
+    return run_until_signal(run_up, args)
+
+
+def _add_node_model_args(p: argparse.ArgumentParser) -> None:
+    from dgr.backends.factory import BACKENDS
+
+    p.add_argument("--backend", default="stub", choices=BACKENDS)
+    p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--ctx", type=int, default=4096, help="context positions per session")
+    p.add_argument("--max-sessions", type=int, default=8, help="Route Sessions a node holds at once")
+    p.add_argument("--stub-delay", type=float, default=0.0, help="stub: seconds of fake compute per position")
+    p.add_argument("--stub-model", default="default", choices=("default", "dsv4"),
+                   help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tracker", help="the Tracker Node and Gateway (OpenAI API)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt positions per prefill frame")
+    p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
+    p.add_argument("--dead-after", type=float, default=1.0, help="seconds without heartbeat before a node is dead")
+    p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
+    p.set_defaults(func=cmd_tracker)
+
+    p = sub.add_parser("node", help="serve one Shard (a layer range)")
+    p.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--layers", help="A:B, layers [A, B) (default: all)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--name", help="node id (default: backend-layers-pid)")
+    p.add_argument("--threads", type=int, default=_threads_default())
+    p.add_argument("--idle-timeout", type=float, default=120.0, help="free a session's KV after this idle time")
+    _add_node_model_args(p)
+    p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("up", help="a tracker and N nodes on 127.0.0.1, each its own process")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--threads", type=int, help="threads per node (default: cores / nodes)")
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--step-deadline", type=float, default=10.0)
+    p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
+    _add_node_model_args(p)
+    p.set_defaults(func=cmd_up)
+
+    for module in ("dgr.artifact.cli", "dgr.plan", "dgr.bench.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except DgrError as exc:
+        print(f"dgr: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

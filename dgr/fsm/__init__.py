@@ -1,0 +1,16 @@
+"""The pure state machines: no I/O, standard library and attrs only."""
+
+from dgr.fsm.machine import Transition, TransitionTable
+from dgr.fsm.node import NodeEvent, NodeSession, NodeState
+from dgr.fsm.route import RouteEvent, RouteSession, RouteState
+
+__all__ = [
+    "Transition",
+    "TransitionTable",
+    "NodeEvent",
+    "NodeSession",
+    "NodeState",
+    "RouteEvent",
+    "RouteSession",
+    "RouteState",
+]

@@ -1,0 +1,166 @@
+"""Node Session: one Route Session's life on one shard.
+
+Contract:
+- States: created -> prefill -> decode -> done | failed. done and failed are
+  terminal; failure is sticky and records a `Failure`.
+- A prefill step carries a chunk of n >= 1 positions; a decode step carries
+  exactly one. Decode needs at least one prefilled position before it.
+- Steps are numbered 0, 1, 2, ... in the order the node must apply them
+  (`seq`), and each starts at the first position not yet in the Hot KV State
+  (`pos0 == positions`). A replayed, skipped or reordered step, or a position
+  gap or overlap, is refused with a typed `CallerError` and changes nothing.
+- The check is complete before anything is assigned; `accept` then moves the
+  session as if the step was applied. If computing the step fails after that,
+  the driver calls `fail`: the KV no longer matches the counters, so the
+  session cannot go on.
+
+Theory: the node's trio driver parses a frame (dgr.seam), calls `accept`,
+runs the backend, and answers. This module never touches the backend or the
+network; it only decides.
+
+Left out: the payload itself (width, dtype, checksum are checked by
+dgr.seam.frame before a frame reaches here) and time (the driver passes `now`
+for idle expiry).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from dgr.errors import CallerError, Failure, Reason
+from dgr.fsm.machine import Transition, TransitionTable
+
+__all__ = ["NodeState", "NodeEvent", "NODE_TABLE", "NodeSession", "StepKind"]
+
+
+class NodeState(enum.Enum):
+    CREATED = "created"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class NodeEvent(enum.Enum):
+    PREFILL_CHUNK = "prefill_chunk"
+    DECODE_STEP = "decode_step"
+    CLOSE = "close"
+    FAIL = "fail"
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+_LIVE = (NodeState.CREATED, NodeState.PREFILL, NodeState.DECODE)
+
+NODE_TABLE: TransitionTable[NodeState, NodeEvent] = TransitionTable(
+    machine="node_session",
+    states=NodeState,
+    events=NodeEvent,
+    initial=NodeState.CREATED,
+    transitions=(
+        Transition(NodeState.CREATED, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL, "first prompt chunk"),
+        Transition(NodeState.PREFILL, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL, "next prompt chunk"),
+        Transition(NodeState.PREFILL, NodeEvent.DECODE_STEP, NodeState.DECODE, "first generated token's step"),
+        Transition(NodeState.DECODE, NodeEvent.DECODE_STEP, NodeState.DECODE, "one more token"),
+        *(Transition(s, NodeEvent.CLOSE, NodeState.DONE, "session ended normally") for s in _LIVE),
+        *(Transition(s, NodeEvent.FAIL, NodeState.FAILED, "route failed, expired or compute error") for s in _LIVE),
+    ),
+)
+
+_STEP_EVENT = {StepKind.PREFILL: NodeEvent.PREFILL_CHUNK, StepKind.DECODE: NodeEvent.DECODE_STEP}
+
+
+@attrs.define
+class NodeSession:
+    """The per-shard state of one Route Session. Pure: no I/O, no clock."""
+
+    sid: str
+    max_positions: int
+    created_at: float
+    state: NodeState = NODE_TABLE.initial
+    positions: int = 0  # positions held in Hot KV State
+    next_seq: int = 0  # seq number the next step must carry
+    last_active: float = 0.0
+    failure: Failure | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.last_active = self.created_at
+
+    def _check_live(self) -> None:
+        if self.state is NodeState.FAILED:
+            # sticky failure: say why it failed, not merely that it is over
+            raise CallerError(
+                Reason.SESSION_ENDED,
+                f"session {self.sid} failed earlier: {self.failure.reason.value if self.failure else '?'}",
+                failure=self.failure,
+            )
+        if self.state is NodeState.DONE:
+            raise CallerError(Reason.SESSION_ENDED, f"session {self.sid} has ended")
+
+    def check_step(self, kind: StepKind, seq: int, pos0: int, n_tokens: int) -> NodeState:
+        """Validate a step without changing anything; return the state it leads to.
+
+        Raises:
+            CallerError(SESSION_ENDED | STEP_OUT_OF_ORDER | POSITION_DISCONTINUITY |
+                        WRONG_SIZE | ILLEGAL_TRANSITION)
+        """
+        self._check_live()
+        target = NODE_TABLE.next(self.state, _STEP_EVENT[kind])
+        if seq != self.next_seq:
+            what = "replayed" if seq < self.next_seq else "skips ahead"
+            raise CallerError(
+                Reason.STEP_OUT_OF_ORDER,
+                f"step {seq} {what}: session {self.sid} expects step {self.next_seq}",
+                expected=self.next_seq,
+                got=seq,
+            )
+        if n_tokens < 1 or (kind is StepKind.DECODE and n_tokens != 1):
+            raise CallerError(
+                Reason.WRONG_SIZE,
+                f"a {kind.value} step cannot carry {n_tokens} positions"
+                + (" (decode carries exactly one)" if kind is StepKind.DECODE else ""),
+            )
+        if pos0 != self.positions:
+            raise CallerError(
+                Reason.POSITION_DISCONTINUITY,
+                f"step starts at position {pos0} but the KV holds {self.positions} positions",
+                expected=self.positions,
+                got=pos0,
+            )
+        if pos0 + n_tokens > self.max_positions:
+            raise CallerError(
+                Reason.CONTEXT_LENGTH_EXCEEDED,
+                f"positions up to {pos0 + n_tokens} exceed this session's {self.max_positions}",
+            )
+        return target
+
+    def accept(self, kind: StepKind, seq: int, pos0: int, n_tokens: int, now: float) -> None:
+        """Apply a step's bookkeeping. Validates first; on refusal nothing changes."""
+        target = self.check_step(kind, seq, pos0, n_tokens)
+        self.state = target
+        self.positions = pos0 + n_tokens
+        self.next_seq = seq + 1
+        self.last_active = now
+
+    def close(self) -> None:
+        """End normally. Raises IllegalTransition when already ended."""
+        self._check_live()
+        self.state = NODE_TABLE.next(self.state, NodeEvent.CLOSE)
+
+    def fail(self, failure: Failure) -> None:
+        """Fail for good. Raises when already ended (failure stays the first one)."""
+        self._check_live()
+        self.state = NODE_TABLE.next(self.state, NodeEvent.FAIL)
+        self.failure = failure
+
+    @property
+    def ended(self) -> bool:
+        return self.state in NODE_TABLE.terminal
+
+    def idle_for(self, now: float) -> float:
+        return now - self.last_active

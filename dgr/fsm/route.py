@@ -1,0 +1,201 @@
+"""Route Session: one client request's life across an Inference Route.
+
+Contract:
+- States: created -> routing -> prefill -> decode -> done | failed. done and
+  failed are terminal. Failure is sticky: it records one `Failure` (reason
+  code, node, phase, step, message) and every later event raises.
+- routing: the tracker picks a sticky route and opens a node session on each
+  hop. prefill: prompt chunks flow through the hops; `prefill_progress`
+  counts positions done at the tail. The first generated token moves the
+  session to decode. Each further token is a decode step.
+- Every transition returns a telemetry snapshot, so a driver can publish one
+  event per change with no extra bookkeeping.
+
+Theory: the trio driver (dgr.tracker.driver) feeds events with the current
+time passed in; this module holds no clock and does no I/O. Rolling tokens/s
+is computed over the last `RATE_WINDOW` token times.
+
+Left out: the route choice itself (dgr.tracker.routing), text (stop strings
+and detokenizing live in dgr.api), and repair: alpha never repairs a route.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Any
+
+import attrs
+
+from dgr.errors import CallerError, Failure, Reason
+from dgr.fsm.machine import Transition, TransitionTable
+
+__all__ = ["RouteState", "RouteEvent", "ROUTE_TABLE", "RouteSession", "Hop", "RATE_WINDOW"]
+
+RATE_WINDOW = 16
+
+
+class RouteState(enum.Enum):
+    CREATED = "created"
+    ROUTING = "routing"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RouteEvent(enum.Enum):
+    START_ROUTING = "start_routing"
+    ROUTE_READY = "route_ready"
+    PREFILL_PROGRESS = "prefill_progress"
+    TOKEN = "token"
+    FINISH = "finish"
+    FAIL = "fail"
+
+
+_LIVE = (RouteState.CREATED, RouteState.ROUTING, RouteState.PREFILL, RouteState.DECODE)
+
+ROUTE_TABLE: TransitionTable[RouteState, RouteEvent] = TransitionTable(
+    machine="route_session",
+    states=RouteState,
+    events=RouteEvent,
+    initial=RouteState.CREATED,
+    transitions=(
+        Transition(RouteState.CREATED, RouteEvent.START_ROUTING, RouteState.ROUTING, "request accepted"),
+        Transition(RouteState.ROUTING, RouteEvent.ROUTE_READY, RouteState.PREFILL, "route chosen, node sessions open"),
+        Transition(RouteState.PREFILL, RouteEvent.PREFILL_PROGRESS, RouteState.PREFILL, "a prompt chunk left the tail"),
+        Transition(RouteState.PREFILL, RouteEvent.TOKEN, RouteState.DECODE, "first token sampled"),
+        Transition(RouteState.DECODE, RouteEvent.TOKEN, RouteState.DECODE, "one more token"),
+        Transition(RouteState.DECODE, RouteEvent.FINISH, RouteState.DONE, "stop, EOS or max_tokens"),
+        *(Transition(s, RouteEvent.FAIL, RouteState.FAILED, "structured failure") for s in _LIVE),
+    ),
+)
+
+
+@attrs.frozen
+class Hop:
+    """One node of a route: who serves which layers."""
+
+    node_id: str
+    url: str
+    start: int
+    stop: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node_id, "url": self.url, "layers": f"{self.start}:{self.stop}"}
+
+
+@attrs.define
+class RouteSession:
+    """The gateway's view of one Route Session. Pure: time is passed in."""
+
+    sid: str
+    model: str
+    created_at: float
+    state: RouteState = ROUTE_TABLE.initial
+    route: tuple[Hop, ...] = ()
+    prompt_tokens: int = 0
+    prefill_done: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    finish_reason: str | None = None
+    failure: Failure | None = None
+    updated_at: float = 0.0
+    hop_latency_ms: dict[str, float] = attrs.field(factory=dict)  # node -> last step's overhead
+    _token_times: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=RATE_WINDOW))
+
+    def _move(self, event: RouteEvent, now: float) -> RouteState:
+        if self.state is RouteState.FAILED:
+            raise CallerError(
+                Reason.SESSION_ENDED,
+                f"route session {self.sid} already failed: {self.failure.reason.value if self.failure else '?'}",
+            )
+        target = ROUTE_TABLE.next(self.state, event)
+        self.state = target
+        self.updated_at = now
+        return target
+
+    # -- events ---------------------------------------------------------------
+    def start_routing(self, now: float) -> dict[str, Any]:
+        self._move(RouteEvent.START_ROUTING, now)
+        return self.snapshot(now)
+
+    def route_ready(self, route: tuple[Hop, ...], prompt_tokens: int, now: float) -> dict[str, Any]:
+        if not route:
+            raise CallerError(Reason.INVALID_REQUEST, "a route needs at least one hop")
+        if prompt_tokens < 1:
+            raise CallerError(Reason.INVALID_REQUEST, "a prompt needs at least one token")
+        self._move(RouteEvent.ROUTE_READY, now)
+        self.route = route
+        self.prompt_tokens = prompt_tokens
+        return self.snapshot(now)
+
+    def prefill_progress(self, done: int, now: float) -> dict[str, Any]:
+        if not (self.prefill_done <= done <= self.prompt_tokens):
+            raise CallerError(
+                Reason.INVALID_REQUEST,
+                f"prefill progress {done} outside [{self.prefill_done}, {self.prompt_tokens}]",
+            )
+        self._move(RouteEvent.PREFILL_PROGRESS, now)
+        self.prefill_done = done
+        return self.snapshot(now)
+
+    def token(self, now: float) -> dict[str, Any]:
+        previous = self.state
+        self._move(RouteEvent.TOKEN, now)
+        if previous is RouteState.PREFILL:
+            self.prefill_done = self.prompt_tokens
+            self.first_token_at = now
+        self.generated += 1
+        self._token_times.append(now)
+        return self.snapshot(now)
+
+    def finish(self, reason: str, now: float) -> dict[str, Any]:
+        self._move(RouteEvent.FINISH, now)
+        self.finish_reason = reason
+        self.ended_at = now
+        return self.snapshot(now)
+
+    def fail(self, failure: Failure, now: float) -> dict[str, Any]:
+        phase = self.state.value
+        self._move(RouteEvent.FAIL, now)
+        self.failure = failure if failure.phase else attrs.evolve(failure, phase=phase)
+        self.ended_at = now
+        return self.snapshot(now)
+
+    # -- telemetry ------------------------------------------------------------
+    def tokens_per_second(self) -> float:
+        times = self._token_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ROUTE_TABLE.terminal
+
+    def health(self) -> str:
+        if self.state is RouteState.FAILED:
+            return "failed"
+        if self.state is RouteState.DONE:
+            return "closed"
+        return "ok" if self.route or self.state in (RouteState.CREATED, RouteState.ROUTING) else "unknown"
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Generation Telemetry: everything a client may want to see right now."""
+        return {
+            "id": self.sid,
+            "model": self.model,
+            "phase": self.state.value,
+            "route": [h.to_json() for h in self.route],
+            "prefill": {"done": self.prefill_done, "total": self.prompt_tokens},
+            "tokens": self.generated,
+            "tokens_per_second": round(self.tokens_per_second(), 3),
+            "ttft_ms": None if self.first_token_at is None else round((self.first_token_at - self.created_at) * 1e3, 3),
+            "hop_latency_ms": dict(self.hop_latency_ms),
+            "health": self.health(),
+            "finish_reason": self.finish_reason,
+            "failure": None if self.failure is None else self.failure.to_json(),
+            "elapsed_ms": round(((self.ended_at or now) - self.created_at) * 1e3, 3),
+        }

@@ -1,0 +1,1 @@
+"""A node: one Shard served over the seam protocol."""

@@ -1,0 +1,235 @@
+"""The node's driver: seam frames in, backend compute, seam frames out.
+
+Theory: a frame is parsed and checked (dgr.seam.frame), matched against its
+`NodeSession` (dgr.fsm.node), which refuses anything out of order before any
+state changes, then the backend computes in a worker thread behind a limiter
+of one. The backend is blocking and not thread-safe; a cancelled call still
+runs to its end in its thread, and the result is discarded because the
+request that wanted it has gone. The session's counters were advanced before
+compute, so the KV and the counters agree either way.
+
+Sessions end by `close` (the gateway is done), by failure (the gateway saw
+the route break, or compute raised) or by idle expiry. Each frees its KV.
+Ended session ids are remembered (bounded) so a late frame is refused as
+`session_ended`, not `unknown_session`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from dgr.backends.base import ShardBackend
+from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
+from dgr.fsm.node import NodeSession, StepKind
+from dgr.sampling import Sampler, SamplingParams
+from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
+from dgr.seam.wire import MAX_FRAME_BYTES, DType, Flag, FrameKind
+
+__all__ = ["NodeService", "SeamStats"]
+
+_ENDED_MEMORY = 4096
+_KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
+
+
+@attrs.define
+class SeamStats:
+    """Bytes and counts of frames received, by kind; the decode seam measured on the wire."""
+
+    frames_in: collections.Counter = attrs.field(factory=collections.Counter)
+    bytes_in: collections.Counter = attrs.field(factory=collections.Counter)
+    bytes_out: collections.Counter = attrs.field(factory=collections.Counter)
+    last_decode_frame_bytes: int = 0
+    last_decode_hidden_bytes: int = 0
+    refused: collections.Counter = attrs.field(factory=collections.Counter)
+    compute_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "frames_in": dict(self.frames_in),
+            "bytes_in": dict(self.bytes_in),
+            "bytes_out": dict(self.bytes_out),
+            "last_decode_frame_bytes": self.last_decode_frame_bytes,
+            "last_decode_hidden_bytes": self.last_decode_hidden_bytes,
+            "refused": dict(self.refused),
+            "compute_s": round(self.compute_s, 6),
+        }
+
+
+@attrs.define
+class NodeService:
+    backend: ShardBackend
+    node_id: str
+    idle_timeout_s: float = 120.0
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    sessions: dict[str, NodeSession] = attrs.field(factory=dict)
+    samplers: dict[str, Sampler] = attrs.field(factory=dict)
+    ended: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # sid -> Failure | None
+    stats: SeamStats = attrs.field(factory=SeamStats)
+    limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
+    started_at: float = attrs.field(factory=time.monotonic)
+
+    # -- session lifecycle ----------------------------------------------------
+    def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
+        """Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)."""
+        if sid in self.sessions or sid in self.ended:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} exists or existed on {self.node_id}")
+        if len(self.sessions) >= self.backend.max_sessions():
+            raise CallerError(
+                Reason.NODE_AT_CAPACITY,
+                f"{self.node_id} holds {len(self.sessions)} sessions, its KV capacity",
+                retry_after=1,
+            )
+        if not (1 <= max_positions <= self.backend.info.context_length):
+            raise CallerError(
+                Reason.CONTEXT_LENGTH_EXCEEDED,
+                f"{max_positions} positions requested, the context is {self.backend.info.context_length}",
+            )
+        self.backend.open_session(sid, max_positions)
+        self.sessions[sid] = NodeSession(sid=sid, max_positions=max_positions, created_at=time.monotonic())
+        if self.backend.is_tail:
+            self.samplers[sid] = Sampler(sampling)
+
+    def _lookup(self, sid: str) -> NodeSession:
+        session = self.sessions.get(sid)
+        if session is not None:
+            return session
+        if sid in self.ended:
+            failure = self.ended[sid]
+            why = f" ({failure.reason.value})" if failure else ""
+            raise CallerError(Reason.SESSION_ENDED, f"session {sid} has ended on {self.node_id}{why}")
+        raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on {self.node_id}")
+
+    def _forget(self, sid: str, failure: Failure | None) -> None:
+        self.sessions.pop(sid, None)
+        self.samplers.pop(sid, None)
+        self.backend.close_session(sid)
+        self.ended[sid] = failure
+        while len(self.ended) > _ENDED_MEMORY:
+            self.ended.popitem(last=False)
+
+    def close_session(self, sid: str) -> None:
+        session = self._lookup(sid)
+        session.close()
+        self._forget(sid, None)
+
+    def fail_session(self, sid: str, failure: Failure) -> None:
+        session = self.sessions.get(sid)
+        if session is None:
+            return
+        session.fail(failure)
+        self._forget(sid, failure)
+
+    def expire_idle(self, now: float) -> list[str]:
+        expired = [sid for sid, s in self.sessions.items() if s.idle_for(now) > self.idle_timeout_s]
+        for sid in expired:
+            self.fail_session(
+                sid,
+                Failure(Reason.SESSION_TIMEOUT, f"idle for over {self.idle_timeout_s:g}s", node=self.node_id),
+            )
+        return expired
+
+    # -- the seam ---------------------------------------------------------------
+    def _check_frame(self, frame: Frame) -> StepKind:
+        info = self.backend.info
+        step = _KIND_STEP.get(frame.kind)
+        if step is None:
+            raise CallerError(Reason.BAD_FRAME, f"a node accepts PREFILL or DECODE frames, not {frame.kind.name}")
+        if frame.width != info.seam_width:
+            raise CallerError(Reason.WRONG_WIDTH, f"seam width {frame.width}, this model's is {info.seam_width}")
+        if self.backend.is_head or info.needs_token_ids:
+            if frame.token_ids is None:
+                raise CallerError(Reason.BAD_FRAME, f"layers {self.backend.layers} need token ids in the frame")
+            if frame.token_ids.size and (frame.token_ids.min() < 0 or frame.token_ids.max() >= info.vocab_size):
+                raise CallerError(Reason.BAD_FRAME, f"token id outside [0, {info.vocab_size})")
+        if not self.backend.is_head:
+            if frame.hidden is None:
+                raise CallerError(Reason.BAD_FRAME, f"layers {self.backend.layers} need hidden states in the frame")
+            if not np.isfinite(frame.hidden).all():
+                raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
+        return step
+
+    async def step(self, body: bytes) -> tuple[bytes, float]:
+        """Apply one frame; return (response frame, compute seconds).
+
+        Raises:
+            CallerError: the frame was refused; nothing changed.
+            PeerError(NODE_ERROR): compute failed; the session is failed and freed.
+        """
+        try:
+            frame = decode_frame(body, max_bytes=self.max_frame_bytes)
+            step = self._check_frame(frame)
+            session = self._lookup(frame.session)
+            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
+        except CallerError as exc:
+            self.stats.refused[exc.reason.value] += 1
+            raise
+        self.stats.frames_in[frame.kind.name] += 1
+        self.stats.bytes_in[frame.kind.name] += frame.size
+        if frame.kind is FrameKind.DECODE:
+            self.stats.last_decode_frame_bytes = frame.size
+            self.stats.last_decode_hidden_bytes = 0 if frame.hidden is None else frame.hidden.nbytes
+        want = bool(frame.flags & Flag.SAMPLE)
+        t0 = time.perf_counter()
+        try:
+            out = await trio.to_thread.run_sync(
+                self.backend.forward, frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), want,
+                limiter=self.limiter,
+            )
+        except DgrError as exc:
+            self.fail_session(frame.session, exc.failure(node=self.node_id))
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: {exc.message}", node=self.node_id) from exc
+        except (ValueError, RuntimeError, IndexError, OSError) as exc:
+            self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
+        compute = time.perf_counter() - t0
+        self.stats.compute_s += compute
+        reply = self._reply(frame, out, want)
+        self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
+        return reply, compute
+
+    def _reply(self, frame: Frame, out: np.ndarray | None, want: bool) -> bytes:
+        common = dict(session=frame.session, seq=frame.seq, pos0=frame.pos0)
+        if not self.backend.is_tail:
+            # the hidden state leaves in the dtype it arrived in (f16 routes stay f16)
+            return encode_frame(
+                FrameKind.HIDDEN, n_tokens=frame.n_tokens, width=frame.width, dtype=frame.dtype, hidden=out, **common
+            )
+        if not want:
+            return encode_frame(FrameKind.ACK, n_tokens=0, width=frame.width, **common)
+        token, logprob = self.samplers[frame.session].sample(out)
+        eog = self.backend.is_eog(token)
+        result = TokenResult(token, logprob, self.backend.token_bytes(token), eog)
+        return encode_frame(
+            FrameKind.TOKEN, n_tokens=1, width=frame.width, flags=Flag.EOG if eog else Flag(0),
+            extra=result.payload(), **common,
+        )
+
+    # -- status -----------------------------------------------------------------
+    def session_json(self, sid: str) -> dict[str, Any]:
+        session = self._lookup(sid)
+        return {
+            "id": sid,
+            "state": session.state.value,
+            "positions": session.positions,
+            "positions_computed": self.backend.positions_computed(sid),
+            "next_seq": session.next_seq,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "node": self.node_id,
+            "backend": self.backend.describe(),
+            "model": self.backend.info.to_json(),
+            "layers": str(self.backend.layers),
+            "sessions": len(self.sessions),
+            "capacity": self.backend.max_sessions(),
+            "kv_bytes": self.backend.kv_bytes(),
+            "seam": self.stats.to_json(),
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }

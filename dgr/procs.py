@@ -1,0 +1,90 @@
+"""Child processes that announce readiness with one `dgr-ready {json}` line.
+
+Used by `dgr up` and by the test harness. A child is started in its own
+process group, dies with its parent (PR_SET_PDEATHSIG on Linux), and is
+stopped with SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import attrs
+import trio
+
+from dgr.errors import PeerError, Reason
+from dgr.serve import READY_PREFIX
+
+__all__ = ["Child", "run_child", "dgr_command", "die_with_parent"]
+
+
+def dgr_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dgr", *args]
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM this child when its parent dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: children are still stopped by the parent's finally
+
+
+@attrs.define
+class Child:
+    name: str
+    process: trio.Process
+    ready: dict[str, Any]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+async def _lines(stream):
+    buf = b""
+    async for chunk in stream:
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode(errors="replace")
+    if buf:
+        yield buf.decode(errors="replace")
+
+
+async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = None,
+                    grace_s: float = 5.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Start `cmd`, report `Child` once it prints its ready line, stop it when cancelled.
+
+    Raises:
+        PeerError(NODE_ERROR): the child exited (before or after it was ready).
+    """
+    proc = await trio.lowlevel.open_process(
+        cmd, stdout=subprocess.PIPE, env={**os.environ, **(env or {})}, preexec_fn=die_with_parent,
+    )
+    started = False
+    try:
+        async for line in _lines(proc.stdout):
+            if not started and line.startswith(READY_PREFIX):
+                started = True
+                task_status.started(Child(name, proc, json.loads(line[len(READY_PREFIX):])))
+            elif line:
+                print(f"[{name}] {line}", file=sys.stderr)
+        code = await proc.wait()
+        raise PeerError(Reason.NODE_ERROR, f"{name} exited with code {code}", node=name)
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                with trio.move_on_after(grace_s):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()

@@ -1,0 +1,191 @@
+"""Encode and decode seam frames, refusing anything malformed with a reason.
+
+A frame is `HEADER` (dgr.seam.wire) followed by the payload: optional int32
+token ids, then optional hidden states as raw little-endian floats. Decoding
+checks magic, version, kind, dtype, flags, sizes and the CRC before anything
+reaches a session, and never trusts a length it has not checked against the
+bytes actually received. Every refusal is a `CallerError` with a reason, so
+the node answers 4xx and its state is unchanged.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+
+import attrs
+import numpy as np
+
+from dgr.errors import CallerError, Reason
+from dgr.seam.wire import (
+    DTYPE_NUMPY,
+    DTYPE_SIZE,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_FRAME_BYTES,
+    TOKEN_RESULT,
+    VERSION,
+    DType,
+    Flag,
+    FrameKind,
+)
+
+__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame", "session_bytes", "session_str"]
+
+
+def session_bytes(sid: str) -> bytes:
+    try:
+        return uuid.UUID(hex=sid).bytes
+    except ValueError:
+        raise CallerError(Reason.BAD_FRAME, f"session id {sid!r} is not a 32-hex-digit UUID") from None
+
+
+def session_str(raw: bytes) -> str:
+    return raw.hex()
+
+
+@attrs.frozen
+class Frame:
+    """A decoded frame. Arrays are read-only views of the received bytes."""
+
+    kind: FrameKind
+    session: str  # 32 hex digits
+    seq: int
+    pos0: int
+    n_tokens: int
+    width: int
+    dtype: DType = DType.F32
+    flags: Flag = Flag(0)
+    token_ids: np.ndarray | None = None  # int32 [n_tokens]
+    hidden: np.ndarray | None = None  # dtype [n_tokens, width]
+    extra: bytes = b""  # TOKEN frames: TOKEN_RESULT + piece bytes
+    crc32: int = 0
+    size: int = 0  # bytes on the wire, header included
+
+    def hidden_f32(self) -> np.ndarray | None:
+        if self.hidden is None:
+            return None
+        return self.hidden.astype(np.float32, copy=False)
+
+
+@attrs.frozen
+class TokenResult:
+    token: int
+    logprob: float
+    piece: bytes
+    eog: bool
+
+    def payload(self) -> bytes:
+        return TOKEN_RESULT.pack(self.token, self.logprob) + self.piece
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> "TokenResult":
+        if frame.kind is not FrameKind.TOKEN or len(frame.extra) < TOKEN_RESULT.size:
+            raise CallerError(Reason.BAD_FRAME, f"expected a TOKEN frame, got {frame.kind.name}")
+        token, logprob = TOKEN_RESULT.unpack_from(frame.extra)
+        return cls(token, logprob, frame.extra[TOKEN_RESULT.size :], bool(frame.flags & Flag.EOG))
+
+
+def encode_frame(
+    kind: FrameKind,
+    session: str,
+    seq: int,
+    pos0: int,
+    n_tokens: int,
+    width: int,
+    *,
+    dtype: DType = DType.F32,
+    flags: Flag = Flag(0),
+    token_ids: np.ndarray | None = None,  # int [n_tokens]
+    hidden: np.ndarray | bytes | None = None,  # [n_tokens, width] or its raw bytes
+    extra: bytes = b"",
+) -> bytes:
+    """Build a frame's bytes. Sets the TOKENS/HIDDEN flags from what is given."""
+    parts: list[bytes] = []
+    if token_ids is not None:
+        ids = np.ascontiguousarray(token_ids, dtype="<i4").reshape(-1)
+        if ids.shape[0] != n_tokens:
+            raise CallerError(Reason.WRONG_SIZE, f"{ids.shape[0]} token ids for {n_tokens} positions")
+        parts.append(ids.tobytes())
+        flags |= Flag.TOKENS
+    if hidden is not None:
+        if isinstance(hidden, (bytes, bytearray, memoryview)):
+            raw = bytes(hidden)
+        else:
+            arr = np.ascontiguousarray(hidden, dtype=DTYPE_NUMPY[dtype])
+            if arr.shape != (n_tokens, width):
+                raise CallerError(Reason.WRONG_SIZE, f"hidden shape {arr.shape} != ({n_tokens}, {width})")
+            raw = arr.tobytes()
+        if len(raw) != n_tokens * width * DTYPE_SIZE[dtype]:
+            raise CallerError(Reason.WRONG_SIZE, "hidden bytes do not match n_tokens x width x dtype")
+        parts.append(raw)
+        flags |= Flag.HIDDEN
+    parts.append(extra)
+    payload = b"".join(parts)
+    header = HEADER.pack(
+        MAGIC, VERSION, int(kind), int(dtype), int(flags), session_bytes(session),
+        seq, pos0, n_tokens, width, len(payload), zlib.crc32(payload),
+    )
+    return header + payload
+
+
+def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
+    """Parse and check a frame.
+
+    Raises:
+        CallerError(FRAME_TOO_LARGE | BAD_FRAME | WRONG_DTYPE | WRONG_SIZE | BAD_CHECKSUM)
+    """
+    size = len(data)
+    if size > max_bytes:
+        raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds the limit of {max_bytes}")
+    if size < HEADER_SIZE:
+        raise CallerError(Reason.BAD_FRAME, f"frame of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, kind, dtype, flags, session, seq, pos0, n_tokens, width, payload_len, crc) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CallerError(Reason.BAD_FRAME, f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CallerError(Reason.BAD_FRAME, f"unsupported seam version {version}")
+    try:
+        kind = FrameKind(kind)
+    except ValueError:
+        raise CallerError(Reason.BAD_FRAME, f"unknown frame kind {kind}") from None
+    try:
+        dtype = DType(dtype)
+    except ValueError:
+        raise CallerError(Reason.WRONG_DTYPE, f"unknown dtype {dtype}") from None
+    if flags & ~int(Flag.TOKENS | Flag.HIDDEN | Flag.SAMPLE | Flag.EOG):
+        raise CallerError(Reason.BAD_FRAME, f"unknown flag bits {flags:#x}")
+    flags = Flag(flags)
+    if payload_len != size - HEADER_SIZE:
+        raise CallerError(
+            Reason.WRONG_SIZE,
+            f"header says {payload_len} payload bytes, {size - HEADER_SIZE} arrived",
+        )
+    payload = memoryview(data)[HEADER_SIZE:]
+    if zlib.crc32(payload) != crc:
+        raise CallerError(Reason.BAD_CHECKSUM, "payload CRC-32 does not match the header")
+    offset = 0
+    token_ids = hidden = None
+    if flags & Flag.TOKENS:
+        end = offset + 4 * n_tokens
+        if end > payload_len:
+            raise CallerError(Reason.WRONG_SIZE, f"{n_tokens} token ids need {4 * n_tokens} bytes")
+        token_ids = np.frombuffer(payload[offset:end], dtype="<i4")
+        offset = end
+    if flags & Flag.HIDDEN:
+        end = offset + n_tokens * width * DTYPE_SIZE[dtype]
+        if end > payload_len:
+            raise CallerError(
+                Reason.WRONG_SIZE,
+                f"{n_tokens} x {width} {dtype.name} values need {end - offset} bytes, {payload_len - offset} left",
+            )
+        hidden = np.frombuffer(payload[offset:end], dtype=DTYPE_NUMPY[dtype]).reshape(n_tokens, width)
+        offset = end
+    extra = bytes(payload[offset:])
+    if extra and kind is not FrameKind.TOKEN:
+        raise CallerError(Reason.WRONG_SIZE, f"{len(extra)} unexpected trailing payload bytes")
+    return Frame(
+        kind=kind, session=session_str(session), seq=seq, pos0=pos0, n_tokens=n_tokens, width=width,
+        dtype=dtype, flags=flags, token_ids=token_ids, hidden=hidden, extra=extra, crc32=crc, size=size,
+    )

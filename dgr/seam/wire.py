@@ -1,0 +1,78 @@
+"""Every constant that crosses the seam, in one place, with explicit numbers.
+
+spec/seam.md is generated from this module (dgr.seam.spec) and a test fails
+when the committed document differs.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "HEADER",
+    "HEADER_SIZE",
+    "HEADER_FIELDS",
+    "FrameKind",
+    "DType",
+    "Flag",
+    "DTYPE_SIZE",
+    "DTYPE_NUMPY",
+    "TOKEN_RESULT",
+    "MAX_FRAME_BYTES",
+    "CONTENT_TYPE",
+]
+
+MAGIC = b"DGRS"
+VERSION = 1
+CONTENT_TYPE = "application/x-dgr-seam"
+# A 2,048-token prefill chunk of a 7,168-wide model in f32 is 58 MiB; larger
+# chunks must be split by the sender.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+# (name, struct code, meaning); little-endian, no padding.
+HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("magic", "4s", "b'DGRS'"),
+    ("version", "B", "format version, 1"),
+    ("kind", "B", "FrameKind"),
+    ("dtype", "B", "DType of the hidden-state payload"),
+    ("flags", "B", "bit set of Flag"),
+    ("session", "16s", "Route Session id, 16 raw bytes (a UUID)"),
+    ("seq", "I", "step sequence number within the session, from 0"),
+    ("pos0", "I", "first position the step covers"),
+    ("n_tokens", "I", "positions in this step (1 for decode)"),
+    ("width", "I", "seam width: floats per position (hidden_size for most models)"),
+    ("payload_len", "I", "bytes after the header"),
+    ("crc32", "I", "zlib CRC-32 of the payload bytes"),
+)
+HEADER = struct.Struct("<" + "".join(code for _, code, _ in HEADER_FIELDS))
+HEADER_SIZE = HEADER.size
+
+
+class FrameKind(enum.IntEnum):
+    PREFILL = 1  # gateway -> node: a chunk of prompt positions
+    DECODE = 2  # gateway -> node: exactly one position
+    HIDDEN = 3  # node -> gateway: hidden states after the node's last layer
+    TOKEN = 4  # tail -> gateway: the sampled token (payload: TOKEN_RESULT + piece bytes)
+    ACK = 5  # tail -> gateway: a prefill chunk that needed no sample
+
+
+class DType(enum.IntEnum):
+    F32 = 0
+    F16 = 1
+
+
+class Flag(enum.IntFlag):
+    TOKENS = 1  # payload starts with n_tokens int32 token ids
+    HIDDEN = 2  # payload carries n_tokens x width hidden values of dtype
+    SAMPLE = 4  # tail: sample a token after the last position of this step
+    EOG = 8  # TOKEN frame: the sampled token ends generation
+
+
+DTYPE_SIZE: dict[DType, int] = {DType.F32: 4, DType.F16: 2}
+DTYPE_NUMPY: dict[DType, str] = {DType.F32: "<f4", DType.F16: "<f2"}
+
+# TOKEN payload: token id, its log-probability, then the token's raw bytes.
+TOKEN_RESULT = struct.Struct("<if")

@@ -1,0 +1,1 @@
+"""The Tracker Node and Gateway: registry, routing, Route Session drivers."""

@@ -1,0 +1,208 @@
+"""The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from dgr.api.http import error_response, install_error_handlers, json_response, read_json
+from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
+from dgr.errors import CallerError, Failure, Reason, openai_error_body
+from dgr.fsm.route import RouteState
+from dgr.tracker.gateway import Delta, Gateway, LiveSession
+
+__all__ = ["make_tracker_app", "SESSION_HEADER"]
+
+SESSION_HEADER = "X-Dgr-Route-Session"
+_REGISTRY_LIMIT = 1024 * 1024
+TELEMETRY_EVERY_S = 0.25
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {payload}\n\n".encode()
+
+
+def _comment(snapshot: dict[str, Any]) -> bytes:
+    return f": dgr-telemetry {json.dumps(snapshot)}\n\n".encode()
+
+
+def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024) -> QuartTrio:
+    app = QuartTrio("dgr.tracker")
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    install_error_handlers(app)
+    registry = gateway.registry
+
+    # -- node registry ----------------------------------------------------------
+    @app.post("/v1/nodes/register")
+    async def register():
+        entry = registry.register(await read_json(_REGISTRY_LIMIT), time.monotonic())
+        return json_response({"node": entry.node_id, "registered": True})
+
+    @app.post("/v1/nodes/heartbeat")
+    async def heartbeat():
+        registry.heartbeat(await read_json(_REGISTRY_LIMIT), time.monotonic())
+        return json_response({"ok": True})
+
+    @app.get("/v1/nodes")
+    async def nodes():
+        now = time.monotonic()
+        return json_response({"nodes": [n.to_json(now) for n in registry.nodes.values()]})
+
+    # -- OpenAI API -------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        data = []
+        for name, entries in sorted(gateway.models().items()):
+            first = entries[0]
+            data.append({
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "dgr",
+                "dgr": {
+                    "backend": first.backend,
+                    "architecture": first.model.architecture,
+                    "n_layers": first.model.n_layers,
+                    "hidden_size": first.model.hidden_size,
+                    "seam_width": first.model.seam_width,
+                    "context_length": first.model.context_length,
+                    "digest": first.model.digest,
+                    "metadata": first.model.metadata,
+                    "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", **n.describe} for n in entries],
+                },
+            })
+        return json_response({"object": "list", "data": data})
+
+    async def generate(kind: str):
+        req = parse_request(await read_json(max_body_bytes), kind)  # type: ignore[arg-type]
+        live = await gateway.open(req)
+        headers = {SESSION_HEADER: live.rs.sid}
+        if req.stream:
+            return Response(_stream(gateway, live), 200, mimetype="text/event-stream",
+                            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text = []
+            async for delta in live.recv:
+                text.append(delta.text)
+        finally:
+            gateway.cancel(live.rs.sid, "the client went away")
+        rs = live.rs
+        snapshot = rs.snapshot(time.monotonic())
+        if rs.state is not RouteState.DONE:
+            failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
+            return error_response(failure, headers=headers, route_session=rs.sid)
+        return json_response(
+            completion_body(req, rs.sid, "".join(text), rs.finish_reason or "stop", live.usage(), snapshot),
+            headers=headers,
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        return await generate("chat")
+
+    @app.post("/v1/completions")
+    async def completions():
+        return await generate("completion")
+
+    # -- Route Sessions ---------------------------------------------------------
+    @app.get("/v1/route-sessions")
+    async def route_sessions():
+        now = time.monotonic()
+        live = [l.rs.snapshot(now) for l in gateway.sessions.values()]
+        ended = [rs.snapshot(now) for rs in list(gateway.ended.values())[-50:]]
+        return json_response({"active": live, "recent": ended})
+
+    @app.get("/v1/route-sessions/<sid>")
+    async def route_session(sid: str):
+        rs = gateway.lookup(sid)
+        if rs is None:
+            raise CallerError(Reason.NOT_FOUND, f"no route session {sid}")
+        return json_response(rs.snapshot(time.monotonic()))
+
+    @app.get("/v1/route-sessions/<sid>/events")
+    async def route_session_events(sid: str):
+        rs = gateway.lookup(sid)
+        if rs is None:
+            raise CallerError(Reason.NOT_FOUND, f"no route session {sid}")
+        hub = gateway.telemetry(sid)
+
+        async def events() -> AsyncIterator[bytes]:
+            if hub is None:  # already ended: its final state, once
+                yield b"event: telemetry\n" + _sse(rs.snapshot(time.monotonic()))
+                return
+            recv = hub.subscribe()
+            async with recv:
+                async for snapshot in recv:
+                    yield b"event: telemetry\n" + _sse(snapshot)
+
+        return Response(events(), 200, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/stats")
+    async def stats():
+        return json_response(gateway.stats())
+
+    @app.get("/healthz")
+    async def healthz():
+        return json_response({"ok": True, "nodes": len(registry.alive())})
+
+    return app
+
+
+async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:
+    """The next delta; None when waiting timed out; False when the stream ended."""
+    with trio.move_on_after(wait_s):
+        try:
+            return await live.recv.receive()
+        except trio.EndOfChannel:
+            return False
+    return None
+
+
+async def _stream(gateway: Gateway, live: LiveSession) -> AsyncIterator[bytes]:
+    """SSE for a streaming completion. No cancel scope spans a yield."""
+    req: GenerationRequest = live.request
+    rs = live.rs
+    created = int(time.time())
+    finished = False
+    try:
+        yield _comment(live.telemetry.latest or rs.snapshot(time.monotonic()))
+        if req.telemetry_chunks:
+            yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(time.monotonic())))
+        if req.kind == "chat":
+            yield _sse(chunk_body(req, rs.sid, created, role=True, text=""))
+        last_telemetry = time.monotonic()
+        while True:
+            item = await _next(live, TELEMETRY_EVERY_S)
+            if item is False:
+                break
+            if item is not None:
+                yield _sse(chunk_body(req, rs.sid, created, text=item.text))
+            now = time.monotonic()
+            if now - last_telemetry >= TELEMETRY_EVERY_S:
+                last_telemetry = now
+                snapshot = rs.snapshot(now)
+                yield _comment(snapshot)
+                if req.telemetry_chunks:
+                    yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
+        snapshot = rs.snapshot(time.monotonic())
+        yield _comment(snapshot)
+        if rs.state is RouteState.DONE:
+            yield _sse(chunk_body(req, rs.sid, created, finish_reason=rs.finish_reason or "stop"))
+            if req.telemetry_chunks:
+                yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
+            if req.include_usage:
+                yield _sse(chunk_body(req, rs.sid, created, usage=live.usage()))
+            yield _sse("[DONE]")
+        else:
+            failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
+            yield _sse(openai_error_body(failure, route_session=rs.sid))
+        finished = True
+    finally:
+        if not finished:
+            gateway.cancel(rs.sid, "the client went away mid-stream")

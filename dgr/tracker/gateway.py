@@ -1,0 +1,442 @@
+"""The Gateway: Route Sessions from request to done or failed.
+
+Theory of operation:
+- `open` runs in the request handler: route choice, tokenizing at the head,
+  the context check, and one node session per hop. Anything wrong there is
+  raised to the handler before a response starts, so the client gets a plain
+  4xx/5xx. Then the session's driver starts in the gateway's own nursery and
+  the handler only reads its output channel.
+- The driver (`_drive`) runs prefill and decode inside the session's cancel
+  scope. Topology: the gateway relays every hop (a star). Per decoded token
+  that is N round trips for N hops, 2N messages, each carrying one position
+  (seam width x dtype + header). The reasons: one place sees every hop's
+  latency and every failure, nodes need no knowledge of their neighbours, and
+  failure handling stays here. A forwarding chain would save N-1 messages per
+  token on a WAN; the seam frame does not change for it.
+- Prefill is pipelined: one task per hop, joined by memory channels of one
+  chunk, so hop i+1 works on chunk k while hop i works on chunk k+1.
+- Failure: a node's transport error, a refused step, a missed per-step
+  deadline, or the registry declaring a node dead (its heartbeats stopped)
+  fails the session with a structured reason naming node, phase and step.
+  The dead node is marked so new routes avoid it. Survivors are told to drop
+  the session's KV (shielded, bounded), and no repair is attempted.
+- A client that goes away cancels its session: reason `cancelled`, KV freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+import time
+import uuid
+from typing import Any
+
+import attrs
+import trio
+
+from dgr.api.openai import GenerationRequest, usage_body
+from dgr.api.textstream import TextAssembler
+from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
+from dgr.fsm.route import Hop, RouteSession, RouteState
+from dgr.seam.frame import TokenResult, encode_frame
+from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
+from dgr.tracker.registry import NodeEntry, Registry
+from dgr.tracker.routing import choose_route
+from dgr.tracker.seam_client import NodeClient, StepReply
+from dgr.tracker.telemetry import Broadcast
+
+__all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]
+
+log = logging.getLogger("dgr.gateway")
+
+
+@attrs.frozen
+class GatewayConfig:
+    prefill_chunk: int = 128
+    step_deadline_s: float = 10.0  # a step's base deadline; SIGSTOP is usually caught sooner by heartbeats
+    per_token_deadline_s: float = 0.05
+    seam_dtype: DType = DType.F32
+    sweep_s: float = 0.1
+    keep_ended: int = 1000
+
+
+@attrs.frozen
+class Delta:
+    text: str
+    tokens: int  # completion tokens so far
+
+
+@attrs.define
+class LiveSession:
+    rs: RouteSession
+    request: GenerationRequest
+    prompt: list[int]
+    max_tokens: int
+    nodes: tuple[NodeEntry, ...]
+    model_width: int
+    needs_token_ids: bool
+    telemetry: Broadcast
+    send: trio.MemorySendChannel
+    recv: trio.MemoryReceiveChannel
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    pending_failure: Failure | None = None
+    completion_tokens: int = 0
+    text: TextAssembler = attrs.field(init=False)
+    lost: set[str] = attrs.field(factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        self.text = TextAssembler(stop=self.request.stop)
+
+    def usage(self) -> dict[str, int]:
+        return usage_body(self.rs.prompt_tokens, self.completion_tokens)
+
+    def abort(self, failure: Failure) -> None:
+        """Fail from outside the driver (node death, client gone). First reason wins."""
+        if self.pending_failure is None:
+            self.pending_failure = failure
+        self.scope.cancel()
+
+
+@attrs.define
+class HopStats:
+    """Per-node seam overhead (round trip minus compute) for benchmarks and /v1/stats."""
+
+    overhead_ms: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))
+    decode_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data = sorted(self.overhead_ms)
+        if not data:
+            return {"samples": 0}
+        return {
+            "samples": len(data),
+            "p50_ms": round(statistics.median(data), 4),
+            "p99_ms": round(data[min(len(data) - 1, math.ceil(0.99 * len(data)) - 1)], 4),
+            "decode_frame_bytes": self.decode_bytes,
+        }
+
+
+@attrs.define
+class Gateway:
+    registry: Registry
+    config: GatewayConfig = attrs.field(factory=GatewayConfig)
+    sessions: dict[str, LiveSession] = attrs.field(factory=dict)
+    ended: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # sid -> RouteSession
+    clients: dict[str, NodeClient] = attrs.field(factory=dict)
+    hop_stats: dict[str, HopStats] = attrs.field(factory=lambda: collections.defaultdict(HopStats))
+    failures: collections.Counter = attrs.field(factory=collections.Counter)
+    recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
+    _nursery: trio.Nursery | None = None
+
+    # -- service --------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the drivers' nursery and watch node liveness until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._watch_nodes)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                for c in self.clients.values():
+                    await c.aclose()
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            await trio.sleep(self.config.sweep_s)
+            for node_id in self.registry.sweep(time.monotonic()):
+                log.warning("node %s stopped sending heartbeats", node_id)
+                self.node_lost(node_id, "heartbeats stopped (node dead or hung)")
+
+    def node_lost(self, node_id: str, why: str) -> None:
+        self.registry.mark_dead(node_id)
+        for live in list(self.sessions.values()):
+            if any(h.node_id == node_id for h in live.rs.route):
+                live.lost.add(node_id)
+                live.abort(Failure(Reason.ROUTE_NODE_LOST, f"lost node {node_id}: {why}", node=node_id,
+                                   phase=live.rs.state.value))
+
+    def client(self, hop: Hop | NodeEntry) -> NodeClient:
+        node_id = hop.node_id
+        url = hop.url
+        c = self.clients.get(node_id)
+        if c is None or c.url != url:
+            c = self.clients[node_id] = NodeClient(node_id, url)
+        return c
+
+    def lookup(self, sid: str) -> RouteSession | None:
+        live = self.sessions.get(sid)
+        return live.rs if live is not None else self.ended.get(sid)
+
+    def telemetry(self, sid: str) -> Broadcast | None:
+        live = self.sessions.get(sid)
+        return None if live is None else live.telemetry
+
+    def models(self) -> dict[str, list[NodeEntry]]:
+        out: dict[str, list[NodeEntry]] = {}
+        for n in self.registry.alive():
+            out.setdefault(n.model.name, []).append(n)
+        return out
+
+    # -- opening a session ------------------------------------------------------
+    async def open(self, req: GenerationRequest) -> LiveSession:
+        """Route, tokenize, check the context and open node sessions.
+
+        Raises:
+            CallerError: bad model, prompt too long, nodes at capacity.
+            PeerError: no route, a node lost while opening.
+        """
+        now = time.monotonic()
+        rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
+        rs.start_routing(now)
+        opened: list[NodeClient] = []
+        try:
+            choice = choose_route(self.registry.alive(), req.model)
+            head = self.client(choice.hops[0])
+            with trio.fail_after(self.config.step_deadline_s):
+                prompt = await head.tokenize(req.tokenize_body())
+            info = choice.nodes[0].model
+            if not prompt:
+                raise CallerError(Reason.INVALID_REQUEST, "the prompt is empty after tokenizing", param="prompt")
+            if len(prompt) >= info.context_length:
+                raise CallerError(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    f"the prompt has {len(prompt)} tokens; this model's context is {info.context_length} "
+                    "and at least one must remain for the answer",
+                    param="messages" if req.kind == "chat" else "prompt",
+                )
+            max_tokens = min(req.max_tokens, info.context_length - len(prompt))
+            positions = len(prompt) + max_tokens
+
+            async def _open(hop: Hop) -> None:
+                c = self.client(hop)
+                await c.open(rs.sid, positions, req.sampling.to_json())
+                opened.append(c)
+
+            with trio.fail_after(self.config.step_deadline_s):
+                async with trio.open_nursery() as nursery:
+                    for hop in choice.hops:
+                        nursery.start_soon(_open, hop)
+        except BaseException as raised:
+            exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
+            failure = _failure_of(exc, rs)
+            with trio.CancelScope(shield=True):
+                await self._close_nodes(rs.sid, opened, failure)
+            if failure is not None:
+                rs.fail(failure, time.monotonic())
+                self._retire(rs)
+            if isinstance(exc, trio.TooSlowError):
+                raise PeerError(Reason.ROUTE_NODE_LOST, failure.message, node=failure.node) from None
+            if exc is not raised and isinstance(exc, DgrError):
+                raise exc from None
+            raise
+        for n in choice.nodes:
+            n.reserved += 1
+        send, recv = trio.open_memory_channel(math.inf)
+        live = LiveSession(
+            rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
+            model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
+            send=send, recv=recv,
+        )
+        live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), time.monotonic()))
+        self.sessions[rs.sid] = live
+        if self._nursery is None:
+            raise PeerError(Reason.INTERNAL, "the gateway is not running")
+        self._nursery.start_soon(self._drive, live)
+        return live
+
+    def cancel(self, sid: str, why: str) -> None:
+        live = self.sessions.get(sid)
+        if live is not None and not live.rs.ended:
+            live.abort(Failure(Reason.CANCELLED, why, phase=live.rs.state.value))
+
+    # -- the driver -------------------------------------------------------------
+    async def _drive(self, live: LiveSession) -> None:
+        rs = live.rs
+        failure: Failure | None = None
+        try:
+            with live.scope:
+                try:
+                    first = await self._prefill(live)
+                    await self._decode(live, first)
+                except (DgrError, BaseExceptionGroup) as raised:
+                    exc = first_dgr_error(raised)
+                    if not isinstance(exc, DgrError):
+                        if isinstance(raised, BaseExceptionGroup) and raised.split(trio.Cancelled)[1] is None:
+                            raise  # only cancellations: the scope records why, below
+                        log.error("route session %s crashed", rs.sid, exc_info=raised)
+                        failure = Failure(Reason.INTERNAL, f"gateway error: {raised!r}"[:300], phase=rs.state.value)
+                    else:
+                        failure = exc.failure(phase=exc.details.get("phase") or rs.state.value)
+                        if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
+                            live.lost.add(exc.details["node"])
+                            self.node_lost(exc.details["node"], exc.message)
+                except Exception as exc:
+                    log.exception("route session %s crashed", rs.sid)
+                    failure = Failure(Reason.INTERNAL, f"gateway error: {exc!r}"[:300], phase=rs.state.value)
+            if failure is None and live.scope.cancelled_caught:
+                # cancelled from outside: a node died (registry) or the client went away
+                failure = live.pending_failure or Failure(Reason.CANCELLED, "cancelled", phase=rs.state.value)
+        finally:
+            with trio.CancelScope(shield=True):
+                if failure is None and not rs.ended:
+                    failure = Failure(Reason.INTERNAL, "driver ended without finishing", phase=rs.state.value)
+                if failure is not None:
+                    live.telemetry.publish(rs.fail(failure, time.monotonic()))
+                    self.failures[failure.reason.value] += 1
+                    self.recent_failures.append({"session": rs.sid, "at": time.time(), **failure.to_json()})
+                survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
+                await self._close_nodes(rs.sid, survivors, failure)
+                for n in live.nodes:
+                    n.reserved = max(0, n.reserved - 1)
+                live.send.close()
+                live.telemetry.close()
+                self.sessions.pop(rs.sid, None)
+                self._retire(rs)
+
+    async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None) -> None:
+        async def _one(c: NodeClient) -> None:
+            try:
+                await c.close(sid, failure)
+            except DgrError as exc:
+                log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
+
+        with trio.move_on_after(2.0):
+            async with trio.open_nursery() as nursery:
+                for c in clients:
+                    nursery.start_soon(_one, c)
+
+    def _retire(self, rs: RouteSession) -> None:
+        self.ended[rs.sid] = rs
+        while len(self.ended) > self.config.keep_ended:
+            self.ended.popitem(last=False)
+
+    def _deadline(self, n_tokens: int) -> float:
+        return self.config.step_deadline_s + self.config.per_token_deadline_s * n_tokens
+
+    async def _call(self, live: LiveSession, i: int, frame: bytes, n_tokens: int, step: int) -> StepReply:
+        hop = live.rs.route[i]
+        with trio.move_on_after(self._deadline(n_tokens)) as cs:
+            reply = await self.client(hop).step(frame)
+        if cs.cancelled_caught:
+            raise PeerError(
+                Reason.ROUTE_NODE_LOST,
+                f"node {hop.node_id} did not answer step {step} within {self._deadline(n_tokens):.1f}s",
+                node=hop.node_id, step=step, phase=live.rs.state.value,
+            )
+        overhead = max(0.0, reply.rtt_s - reply.compute_s) * 1e3
+        live.rs.hop_latency_ms[hop.node_id] = round(overhead, 4)
+        self.hop_stats[hop.node_id].overhead_ms.append(overhead)
+        return reply
+
+    def _frame(self, live: LiveSession, i: int, kind: FrameKind, seq: int, pos0: int, ids: list[int],
+               hidden: bytes | None, sample: bool) -> bytes:
+        head = i == 0
+        return encode_frame(
+            kind, live.rs.sid, seq, pos0, len(ids), live.model_width,
+            dtype=self.config.seam_dtype,
+            flags=Flag.SAMPLE if sample else Flag(0),
+            token_ids=ids if (head or live.needs_token_ids) else None,
+            hidden=None if head else hidden,
+        )
+
+    async def _prefill(self, live: LiveSession) -> TokenResult:
+        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
+        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(0, len(prompt), chunk))]
+        last = len(chunks) - 1
+        n_hops = len(rs.route)
+        result: list[TokenResult] = []
+
+        async def hop_task(i: int, recv: trio.MemoryReceiveChannel, send: trio.MemorySendChannel | None) -> None:
+            async with recv:
+                async for k, pos0, ids, hidden in recv:
+                    tail = i == n_hops - 1
+                    frame = self._frame(live, i, FrameKind.PREFILL, k, pos0, ids, hidden, tail and k == last)
+                    reply = await self._call(live, i, frame, len(ids), k)
+                    if not tail:
+                        if reply.frame.kind is not FrameKind.HIDDEN:
+                            raise PeerError(Reason.NODE_ERROR, f"{rs.route[i].node_id} sent {reply.frame.kind.name}",
+                                            node=rs.route[i].node_id)
+                        await send.send((k, pos0, ids, reply.raw[HEADER_SIZE:]))
+                    elif k == last:
+                        result.append(TokenResult.from_frame(reply.frame))
+                    else:
+                        live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), time.monotonic()))
+            if send is not None:
+                await send.aclose()
+
+        async with trio.open_nursery() as nursery:
+            first_send, recv = trio.open_memory_channel(1)
+            for i in range(n_hops):
+                if i < n_hops - 1:
+                    nxt_send, nxt_recv = trio.open_memory_channel(1)
+                else:
+                    nxt_send, nxt_recv = None, None
+                nursery.start_soon(hop_task, i, recv, nxt_send)
+                recv = nxt_recv
+            async with first_send:
+                for k, pos0, ids in chunks:
+                    await first_send.send((k, pos0, ids, None))
+        if not result:
+            raise PeerError(Reason.NODE_ERROR, "the tail gave no token after prefill")
+        return result[0]
+
+    async def _decode(self, live: LiveSession, token: TokenResult) -> None:
+        rs = live.rs
+        pos = len(live.prompt)
+        seq = math.ceil(len(live.prompt) / self.config.prefill_chunk)
+        n_hops = len(rs.route)
+        while True:
+            live.telemetry.publish(rs.token(time.monotonic()))
+            if token.eog:
+                return self._finish(live, "stop")
+            live.completion_tokens += 1
+            text = live.text.feed(token.piece)
+            if text:
+                live.send.send_nowait(Delta(text, live.completion_tokens))
+            if live.text.stopped:
+                return self._finish(live, "stop")
+            if live.completion_tokens >= live.max_tokens:
+                return self._finish(live, "length")
+            hidden: bytes | None = None
+            for i in range(n_hops):
+                frame = self._frame(live, i, FrameKind.DECODE, seq, pos, [token.token], hidden, i == n_hops - 1)
+                reply = await self._call(live, i, frame, 1, seq)
+                self.hop_stats[rs.route[i].node_id].decode_bytes = len(frame)
+                if i < n_hops - 1:
+                    hidden = reply.raw[HEADER_SIZE:]
+            token = TokenResult.from_frame(reply.frame)
+            pos += 1
+            seq += 1
+
+    def _finish(self, live: LiveSession, reason: str) -> None:
+        tail = live.text.finish()
+        if tail:
+            live.send.send_nowait(Delta(tail, live.completion_tokens))
+        live.telemetry.publish(live.rs.finish(reason, time.monotonic()))
+
+    # -- views --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        states = collections.Counter(l.rs.state.value for l in self.sessions.values())
+        states.update(rs.state.value for rs in self.ended.values())
+        return {
+            "sessions": dict(states),
+            "active": len(self.sessions),
+            "failures": dict(self.failures),
+            "recent_failures": list(self.recent_failures),
+            "hops": {k: v.to_json() for k, v in self.hop_stats.items()},
+        }
+
+
+def _failure_of(exc: BaseException, rs: RouteSession) -> Failure | None:
+    if isinstance(exc, DgrError):
+        return exc.failure(phase=rs.state.value)
+    if isinstance(exc, trio.TooSlowError):
+        return Failure(Reason.ROUTE_NODE_LOST, "a node did not answer while the route was being opened",
+                       phase=rs.state.value)
+    if isinstance(exc, trio.Cancelled):
+        return Failure(Reason.CANCELLED, "the client went away while the route was being opened",
+                       phase=rs.state.value)
+    return Failure(Reason.INTERNAL, f"{type(exc).__name__}: {exc}", phase=rs.state.value)

@@ -1,0 +1,101 @@
+"""Choosing an Inference Route: a contiguous cover of [0, n_layers).
+
+The rule, in order:
+1. Only live nodes serving the requested model, and only nodes of one weight
+   digest in a route: nodes with other files of the same model are never mixed.
+2. Fewest hops: every hop costs a network round trip per decoded token.
+3. Among routes with the fewest hops, the least loaded: the lowest maximum
+   session load (sessions / capacity) over the route's nodes, then the lowest
+   total, then node ids for a deterministic tie-break.
+A node at capacity is skipped; if only full nodes would complete a route the
+answer is 429 with Retry-After, else 503 with the missing layer ranges.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dgr.errors import CallerError, PeerError, Reason
+from dgr.fsm.route import Hop
+from dgr.tracker.registry import NodeEntry
+
+__all__ = ["choose_route", "missing_ranges", "RouteChoice"]
+
+
+@attrs.frozen
+class RouteChoice:
+    hops: tuple[Hop, ...]
+    nodes: tuple[NodeEntry, ...]
+    digest: str
+
+
+def missing_ranges(nodes: list[NodeEntry], n_layers: int) -> list[str]:
+    covered = [False] * n_layers
+    for n in nodes:
+        for i in range(n.start, min(n.stop, n_layers)):
+            covered[i] = True
+    gaps, i = [], 0
+    while i < n_layers:
+        if covered[i]:
+            i += 1
+            continue
+        j = i
+        while j < n_layers and not covered[j]:
+            j += 1
+        gaps.append(f"{i}:{j}")
+        i = j
+    return gaps
+
+
+def _best_path(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
+    # best[b] = best path covering [0, b); layers ascend so one forward pass suffices
+    best: dict[int, tuple[tuple[int, float, float, tuple[str, ...]], tuple[NodeEntry, ...]]] = {0: ((0, 0.0, 0.0, ()), ())}
+    for boundary in range(n_layers):
+        if boundary not in best:
+            continue
+        (hops, worst, total, ids), path = best[boundary]
+        for n in nodes:
+            if n.start != boundary:
+                continue
+            key = (hops + 1, max(worst, n.load()), total + n.load(), ids + (n.node_id,))
+            if n.stop not in best or key < best[n.stop][0]:
+                best[n.stop] = (key, path + (n,))
+    found = best.get(n_layers)
+    return None if found is None else found[1]
+
+
+def choose_route(candidates: list[NodeEntry], model: str) -> RouteChoice:
+    """Pick the route for a new Route Session.
+
+    Raises:
+        CallerError(MODEL_NOT_FOUND): no live node serves `model`.
+        CallerError(NODE_AT_CAPACITY): a route exists but its nodes are full.
+        PeerError(NO_ROUTE): live nodes leave layer ranges uncovered.
+    """
+    serving = [n for n in candidates if n.alive and n.model.name == model]
+    if not serving:
+        raise CallerError(Reason.MODEL_NOT_FOUND, f"the model {model!r} does not exist or no live node serves it")
+    by_digest: dict[str, list[NodeEntry]] = {}
+    for n in serving:
+        by_digest.setdefault(n.model.digest, []).append(n)
+    capacity_blocked = False
+    best: RouteChoice | None = None
+    for digest, group in sorted(by_digest.items()):
+        n_layers = group[0].model.n_layers
+        path = _best_path([n for n in group if not n.full()], n_layers)
+        if path is None:
+            capacity_blocked |= _best_path(group, n_layers) is not None
+            continue
+        if best is None or len(path) < len(best.nodes):
+            hops = tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path)
+            best = RouteChoice(hops, path, digest)
+    if best is not None:
+        return best
+    if capacity_blocked:
+        raise CallerError(Reason.NODE_AT_CAPACITY, "every route for this model is at its session capacity", retry_after=1)
+    gaps = sorted({g for group in by_digest.values() for g in missing_ranges(group, group[0].model.n_layers)})
+    raise PeerError(
+        Reason.NO_ROUTE,
+        f"no live route covers all layers of {model!r}; missing layers: {', '.join(gaps)}",
+        missing=gaps,
+    )

@@ -1,0 +1,115 @@
+"""The gateway's client for one node: one pooled HTTP/1.1 connection set per node.
+
+Every call maps transport trouble to `PeerError(ROUTE_NODE_LOST)` naming the
+node, and a node's refusal to `PeerError(NODE_ERROR)` (or capacity to
+`CallerError(NODE_AT_CAPACITY)`), so the driver has one kind of failure to
+handle. Deadlines are the caller's cancel scopes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import httpx
+
+from dgr.errors import CallerError, Failure, PeerError, Reason
+from dgr.seam.frame import Frame, decode_frame
+from dgr.seam.wire import CONTENT_TYPE
+
+__all__ = ["NodeClient", "StepReply"]
+
+
+@attrs.frozen
+class StepReply:
+    frame: Frame
+    raw: bytes
+    rtt_s: float
+    compute_s: float
+    sent_bytes: int
+
+
+@attrs.define
+class NodeClient:
+    node_id: str
+    url: str
+    _http: httpx.AsyncClient = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(None),  # deadlines are cancel scopes at the call site
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=300),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _lost(self, exc: Exception, phase: str | None = None) -> PeerError:
+        return PeerError(
+            Reason.ROUTE_NODE_LOST,
+            f"lost node {self.node_id} ({self.url}): {type(exc).__name__}: {exc}".rstrip(": "),
+            node=self.node_id,
+            phase=phase,
+        )
+
+    def _refused(self, r: httpx.Response) -> Exception:
+        try:
+            err = r.json()["error"]
+            code, message = err.get("code"), err.get("message", "")
+        except (ValueError, KeyError, TypeError):
+            code, message = None, r.text[:200]
+        if code == Reason.NODE_AT_CAPACITY.value:
+            return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
+                               retry_after=int(r.headers.get("Retry-After", "1")))
+        if code == Reason.CONTEXT_LENGTH_EXCEEDED.value:
+            return CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"{self.node_id}: {message}", node=self.node_id)
+        return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({r.status_code} {code}): {message}",
+                         node=self.node_id, node_code=code)
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise self._lost(exc) from None
+
+    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any]) -> None:
+        r = await self._request("POST", "/v1/seam/sessions",
+                                json={"session": sid, "max_positions": max_positions, "sampling": sampling})
+        if r.status_code != 201:
+            raise self._refused(r)
+
+    async def close(self, sid: str, failure: Failure | None = None) -> None:
+        params = {} if failure is None else {"reason": failure.reason.value, "message": failure.message[:200]}
+        r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params)
+        if r.status_code not in (200, 404, 410):
+            raise self._refused(r)
+
+    async def step(self, frame_bytes: bytes) -> StepReply:
+        t0 = time.perf_counter()
+        r = await self._request("POST", "/v1/seam/step", content=frame_bytes,
+                                headers={"Content-Type": CONTENT_TYPE})
+        rtt = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise self._refused(r)
+        raw = r.content
+        try:
+            frame = decode_frame(raw)
+        except CallerError as exc:
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a bad frame: {exc.message}",
+                            node=self.node_id) from None
+        compute = int(r.headers.get("X-Dgr-Compute-Us", "0")) / 1e6
+        return StepReply(frame, raw, rtt, compute, len(frame_bytes))
+
+    async def tokenize(self, body: dict[str, Any]) -> list[int]:
+        r = await self._request("POST", "/v1/node/tokenize", json=body)
+        if r.status_code != 200:
+            raise self._refused(r)
+        return list(r.json()["tokens"])
+
+    async def status(self) -> dict[str, Any]:
+        r = await self._request("GET", "/v1/node/status")
+        if r.status_code != 200:
+            raise self._refused(r)
+        return r.json()

@@ -1,0 +1,71 @@
+"""`dgr up`: a tracker and N nodes on 127.0.0.1, each its own process.
+
+The layers are split evenly (the shard planner refines this when it lands),
+each node gets cores / nodes threads so llama.cpp's spinning threads never
+oversubscribe the machine, and one line on stdout says where the OpenAI API
+is once every node has registered. SIGINT or SIGTERM stops every child.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import trio
+
+from dgr.backends.base import LayerRange
+from dgr.backends.factory import model_layer_count, resolve_model
+from dgr.errors import CallerError, Reason
+from dgr.procs import dgr_command, run_child
+
+__all__ = ["run_up", "even_split", "READY_TIMEOUT_S"]
+
+READY_TIMEOUT_S = 900.0  # first start of a llama_shard route builds shard files
+
+
+def even_split(n_layers: int, n_nodes: int) -> list[LayerRange]:
+    if not (1 <= n_nodes <= n_layers):
+        raise CallerError(Reason.INVALID_REQUEST, f"cannot split {n_layers} layers over {n_nodes} nodes")
+    bounds = [round(i * n_layers / n_nodes) for i in range(n_nodes + 1)]
+    return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -> list[str]:
+    cmd = dgr_command(
+        "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
+        "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
+        "--max-sessions", str(args.max_sessions), "--stub-delay", str(args.stub_delay),
+        "--stub-model", args.stub_model,
+    )
+    if args.model:
+        cmd += ["--model", str(args.model)]
+    return cmd
+
+
+async def run_up(args) -> None:
+    model = resolve_model(args.backend, args.model)
+    n_layers = model_layer_count(args.backend, model, args.stub_model)
+    if args.backend == "llama" and args.nodes != 1:
+        raise CallerError(Reason.INVALID_REQUEST, "the llama backend serves a whole model: use --nodes 1, or llama_shard")
+    splits = even_split(n_layers, args.nodes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(READY_TIMEOUT_S):
+            tracker = await nursery.start(
+                run_child, "tracker",
+                dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
+                            "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype),
+            )
+            url = tracker.ready["url"]
+            print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
+                  + ", ".join(str(s) for s in splits), file=sys.stderr)
+
+            async def start(i: int, layers: LayerRange) -> None:
+                child = await nursery.start(run_child, f"node{i}", node_args(args, layers, url, f"node{i}", threads))
+                print(f"dgr up: node{i} ready, layers {layers}, pid {child.pid}", file=sys.stderr)
+
+            async with trio.open_nursery() as starting:
+                for i, layers in enumerate(splits):
+                    starting.start_soon(start, i, layers)
+        print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)
+        # children run until a signal cancels us, or one of them exits and fails the nursery
