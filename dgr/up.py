@@ -8,6 +8,7 @@ is once every node has registered. SIGINT or SIGTERM stops every child.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -61,7 +62,9 @@ async def run_up(args) -> None:
                   + ", ".join(str(s) for s in splits), file=sys.stderr)
 
             async def start(i: int, layers: LayerRange) -> None:
-                child = await nursery.start(run_child, f"node{i}", node_args(args, layers, url, f"node{i}", threads))
+                child = await nursery.start(
+                    functools.partial(run_child, fatal=False), f"node{i}", node_args(args, layers, url, f"node{i}", threads)
+                )
                 print(f"dgr up: node{i} ready, layers {layers}, pid {child.pid}", file=sys.stderr)
 
             async with trio.open_nursery() as starting:

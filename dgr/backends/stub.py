@@ -39,6 +39,18 @@ _EOS = 0
 _ID = {s: i for i, s in enumerate(STUB_VOCAB)}
 
 
+def _softsign(x: np.ndarray) -> np.ndarray:
+    # only correctly rounded ops (+, *, /, abs): numpy's SIMD tanh/sin may round an
+    # element differently depending on the array's length, which would make
+    # results depend on chunking
+    return x / (1.0 + np.abs(x))
+
+
+def _phase(pos: np.ndarray, layer: int) -> np.ndarray:
+    # a RoPE-like dependence on the absolute position, from exact arithmetic
+    return (pos * (layer + 1) % 97.0) / 97.0 - 0.5
+
+
 @attrs.frozen
 class StubSpec:
     name: str = "stub"
@@ -157,11 +169,11 @@ class StubBackend(ShardBackend):
             il = self.layers.start + i
             if il < self.spec.hash_layers:
                 h = h + 0.25 * self._embed[np.asarray(token_ids, dtype=np.int64)]
-            k = np.tanh(h * self._a[i] + self._b[i] + np.sin(pos * (0.01 * (i + 1))))  # [n, W]: this layer's KV entries
+            k = _softsign(h * self._a[i] + self._b[i] + _phase(pos, il))  # [n, W]: this layer's KV entries
             # sequential running sum: identical whatever the chunking
             run = np.cumsum(np.vstack([s.kv_sum[i : i + 1], k]), axis=0)[1:]  # [n, W]
             s.kv_sum[i] = run[-1]
-            h = h + 0.5 * np.tanh(run / (pos + 1.0) * self._a[i])  # [n, W]
+            h = h + 0.5 * _softsign(run / (pos + 1.0) * self._a[i])  # [n, W]
         s.positions += n
         s.computed += n
         if self.delay_s:

@@ -9,6 +9,7 @@ open sessions meanwhile.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ def registration(service: NodeService, url: str) -> dict[str, Any]:
     return {
         "node": service.node_id,
         "url": url,
+        "pid": os.getpid(),
         "layers": [backend.layers.start, backend.layers.stop],
         "backend": backend.name,
         "model": backend.info.to_json(),

@@ -34,6 +34,7 @@ class NodeEntry:
     kv_bytes: int = 0
     reserved: int = 0  # sessions the gateway has placed but the node has not reported yet
     alive: bool = True
+    pid: int | None = None  # for local tooling (dgr up, the test harness); never trusted for routing
 
     def load(self) -> float:
         return (max(self.sessions, self.reserved)) / max(self.capacity, 1)
@@ -54,6 +55,7 @@ class NodeEntry:
             "sessions": self.sessions,
             "kv_bytes": self.kv_bytes,
             "alive": self.alive,
+            "pid": self.pid,
             "heartbeat_age_s": round(now - self.last_seen, 3),
             "describe": self.describe,
         }
@@ -80,6 +82,7 @@ class Registry:
                 describe=dict(data.get("describe") or {}),
                 registered_at=now,
                 last_seen=now,
+                pid=int(data["pid"]) if data.get("pid") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}") from None

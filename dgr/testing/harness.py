@@ -1,0 +1,257 @@
+"""Fault-injection harness: real `dgr up` routes on loopback, and ways to break them.
+
+`LocalRoute` starts `dgr up` as a real process (a tracker and N node
+processes), learns each node's pid and URL from the tracker's registry, and
+can then, at a chosen phase and step of a Route Session:
+- kill a node (SIGKILL), stop it (SIGSTOP) or slow it (a SIGSTOP/SIGCONT
+  duty cycle), and restart it as a new process;
+- cut a connection to a node mid-frame (send half a seam frame, then close);
+- send malformed seam frames and malformed OpenAI requests.
+
+Everything is bounded in time, uses 127.0.0.1 only, and stops every process
+it started, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import attrs
+import httpx
+
+from dgr.procs import dgr_command, die_with_parent
+
+__all__ = ["LocalRoute", "RouteTimeout", "free_port", "cut_mid_frame"]
+
+
+class RouteTimeout(Exception):
+    """A harness wait ran out of time (test code only)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cut_mid_frame(url: str, frame: bytes, fraction: float = 0.5) -> None:
+    """POST a seam frame but close the connection after `fraction` of its bytes."""
+    u = urlparse(url)
+    head = (
+        f"POST /v1/seam/step HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+        f"Content-Type: application/x-dgr-seam\r\nContent-Length: {len(frame)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=5) as s:
+        s.sendall(head + frame[: int(len(frame) * fraction)])
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(5)
+        try:
+            s.recv(4096)
+        except OSError:
+            pass
+
+
+@attrs.define
+class LocalRoute:
+    backend: str = "stub"
+    nodes: int = 3
+    extra: tuple[str, ...] = ()
+    ready_timeout_s: float = 120.0
+    port: int = attrs.field(factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_lines: list[str] = attrs.field(factory=list)
+    restarted: list[subprocess.Popen] = attrs.field(factory=list)
+    _threads: list[threading.Thread] = attrs.field(factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/v1"
+
+    # -- lifecycle --------------------------------------------------------------
+    def __enter__(self) -> "LocalRoute":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cmd = dgr_command("up", "--backend", self.backend, "--nodes", str(self.nodes), "--port", str(self.port),
+                          *self.extra)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=die_with_parent)
+        deadline = time.monotonic() + self.ready_timeout_s
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                self.log_lines.append(line.rstrip())
+                if "serving the OpenAI API" in line:
+                    ready.set()
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        self._threads.append(t)
+        while not ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RouteTimeout("dgr up did not become ready:\n" + "\n".join(self.log_lines[-40:]))
+
+    def close(self) -> None:
+        for p in self.restarted:
+            _stop(p)
+        if self.proc is not None:
+            for n in self._registry_pids():
+                _signal(n, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
+            _stop(self.proc)
+            self.proc = None
+
+    # -- registry ---------------------------------------------------------------
+    def node_table(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.url}/v1/nodes", timeout=5).json()["nodes"]
+
+    def node(self, name: str) -> dict[str, Any]:
+        for n in self.node_table():
+            if n["node"] == name:
+                return n
+        raise KeyError(name)
+
+    def _registry_pids(self) -> list[int]:
+        try:
+            return [n["pid"] for n in self.node_table() if n.get("pid")]
+        except (httpx.HTTPError, ValueError):
+            return []
+
+    def node_status(self, name: str) -> dict[str, Any]:
+        return httpx.get(f"{self.node(name)['url']}/v1/node/status", timeout=5).json()
+
+    def wait_nodes_alive(self, names: list[str], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = {n["node"] for n in self.node_table() if n["alive"]}
+            if set(names) <= alive:
+                return
+            time.sleep(0.1)
+        raise RouteTimeout(f"nodes {names} not alive after {timeout_s}s")
+
+    # -- faults -----------------------------------------------------------------
+    def kill(self, name: str) -> float:
+        """SIGKILL a node; returns the time it happened (monotonic)."""
+        os.kill(self.node(name)["pid"], signal.SIGKILL)
+        return time.monotonic()
+
+    def stop(self, name: str) -> float:
+        os.kill(self.node(name)["pid"], signal.SIGSTOP)
+        return time.monotonic()
+
+    def cont(self, name: str) -> None:
+        os.kill(self.node(name)["pid"], signal.SIGCONT)
+
+    def slow(self, name: str, duty: float = 0.5, period_s: float = 0.05, duration_s: float = 5.0) -> threading.Thread:
+        """Run a node at `duty` of its speed for `duration_s` (SIGSTOP/SIGCONT)."""
+        pid = self.node(name)["pid"]
+
+        def cycle() -> None:
+            end = time.monotonic() + duration_s
+            while time.monotonic() < end:
+                time.sleep(period_s * duty)
+                _signal(pid, signal.SIGSTOP)
+                time.sleep(period_s * (1 - duty))
+                _signal(pid, signal.SIGCONT)
+            _signal(pid, signal.SIGCONT)
+
+        t = threading.Thread(target=cycle, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def restart_node(self, name: str, layers: str, timeout_s: float = 120.0) -> subprocess.Popen:
+        """Start a fresh `dgr node` with the same name and layers; wait until it is alive."""
+        cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
+                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra())
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        self.restarted.append(p)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                n = self.node(name)
+                if n["alive"] and n["pid"] == p.pid:
+                    return p
+            except (KeyError, httpx.HTTPError):
+                pass
+            time.sleep(0.1)
+        raise RouteTimeout(f"restarted {name} did not register")
+
+    def _node_extra(self) -> list[str]:
+        keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions"}
+        out, it = [], iter(self.extra)
+        for a in it:
+            if a in keep:
+                out += [a, next(it)]
+        return out
+
+    def when(self, sid: str, predicate: Callable[[dict[str, Any]], bool], action: Callable[[], Any],
+             timeout_s: float = 30.0) -> threading.Thread:
+        """Run `action` once the session's telemetry satisfies `predicate` (polled every 5 ms)."""
+
+        def watch() -> None:
+            deadline = time.monotonic() + timeout_s
+            with httpx.Client(timeout=5) as client:
+                while time.monotonic() < deadline:
+                    snap = client.get(f"{self.api}/route-sessions/{sid}").json()
+                    if predicate(snap):
+                        action()
+                        return
+                    if snap.get("phase") in ("done", "failed"):
+                        return
+                    time.sleep(0.005)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def session(self, sid: str) -> dict[str, Any]:
+        return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5).json()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def sse_events(response: httpx.Response):
+    """Yield ('comment', text) and ('data', json-or-str) items of an SSE stream."""
+    for line in response.iter_lines():
+        if line.startswith(":"):
+            yield "comment", line[1:].strip()
+        elif line.startswith("data: "):
+            payload = line[6:]
+            try:
+                yield "data", json.loads(payload)
+            except ValueError:
+                yield "data", payload

@@ -1,0 +1,250 @@
+"""The pure state machines: every (state, event) pair, stateful models, no I/O imports."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import attrs
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dgr.errors import CallerError, Failure, IllegalTransition, Reason
+from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind
+from dgr.fsm.route import ROUTE_TABLE, Hop, RouteEvent, RouteSession, RouteState
+
+HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
+
+
+# -- node session ----------------------------------------------------------------
+def _node_in(state: NodeState) -> NodeSession:
+    s = NodeSession(sid="s", max_positions=100, created_at=0.0)
+    if state in (NodeState.PREFILL, NodeState.DECODE):
+        s.accept(StepKind.PREFILL, 0, 0, 4, now=1.0)
+    if state is NodeState.DECODE:
+        s.accept(StepKind.DECODE, 1, 4, 1, now=2.0)
+    if state is NodeState.DONE:
+        s.close()
+    if state is NodeState.FAILED:
+        s.fail(Failure(Reason.ROUTE_NODE_LOST, "x"))
+    return s
+
+
+def _apply_node(s: NodeSession, event: NodeEvent) -> None:
+    if event is NodeEvent.PREFILL_CHUNK:
+        s.accept(StepKind.PREFILL, s.next_seq, s.positions, 3, now=5.0)
+    elif event is NodeEvent.DECODE_STEP:
+        s.accept(StepKind.DECODE, s.next_seq, s.positions, 1, now=5.0)
+    elif event is NodeEvent.CLOSE:
+        s.close()
+    else:
+        s.fail(Failure(Reason.CANCELLED, "y"))
+
+
+@pytest.mark.parametrize("state", list(NodeState))
+@pytest.mark.parametrize("event", list(NodeEvent))
+def test_node_every_state_event_pair(state: NodeState, event: NodeEvent) -> None:
+    s = _node_in(state)
+    before = copy.deepcopy(attrs.asdict(s, recurse=False))
+    if NODE_TABLE.allows(state, event):
+        _apply_node(s, event)
+        assert s.state is NODE_TABLE.next(state, event)
+    else:
+        with pytest.raises(CallerError) as info:
+            _apply_node(s, event)
+        assert attrs.asdict(s, recurse=False) == before
+        if state in (NodeState.DONE, NodeState.FAILED):
+            assert info.value.reason is Reason.SESSION_ENDED
+        else:
+            assert isinstance(info.value, IllegalTransition)
+
+
+def test_node_refusals_change_nothing() -> None:
+    s = _node_in(NodeState.PREFILL)  # 4 positions, next seq 1
+    before = attrs.asdict(s, recurse=False)
+    cases = [
+        ((StepKind.PREFILL, 0, 4, 2), Reason.STEP_OUT_OF_ORDER),  # replay
+        ((StepKind.PREFILL, 2, 4, 2), Reason.STEP_OUT_OF_ORDER),  # skip
+        ((StepKind.PREFILL, 1, 3, 2), Reason.POSITION_DISCONTINUITY),  # overlap
+        ((StepKind.PREFILL, 1, 5, 2), Reason.POSITION_DISCONTINUITY),  # gap
+        ((StepKind.DECODE, 1, 4, 2), Reason.WRONG_SIZE),  # decode carries one position
+        ((StepKind.PREFILL, 1, 4, 0), Reason.WRONG_SIZE),
+        ((StepKind.PREFILL, 1, 4, 97), Reason.CONTEXT_LENGTH_EXCEEDED),
+    ]
+    for args, reason in cases:
+        with pytest.raises(CallerError) as info:
+            s.accept(*args, now=9.0)
+        assert info.value.reason is reason, args
+        assert attrs.asdict(s, recurse=False) == before
+
+
+def test_node_failure_is_sticky() -> None:
+    s = _node_in(NodeState.DECODE)
+    s.fail(Failure(Reason.ROUTE_NODE_LOST, "gone", node="n1"))
+    for event in NodeEvent:
+        with pytest.raises(CallerError) as info:
+            _apply_node(s, event)
+        assert info.value.reason is Reason.SESSION_ENDED
+    assert s.failure.reason is Reason.ROUTE_NODE_LOST
+
+
+# -- route session ---------------------------------------------------------------
+def _route_in(state: RouteState) -> RouteSession:
+    rs = RouteSession(sid="r", model="m", created_at=0.0)
+    path = [RouteState.ROUTING, RouteState.PREFILL, RouteState.DECODE, RouteState.DONE]
+    if state is RouteState.FAILED:
+        rs.fail(Failure(Reason.NO_ROUTE, "none"), 0.1)
+        return rs
+    for target in path[: path.index(state) + 1] if state in path else []:
+        _apply_route(rs, {RouteState.ROUTING: RouteEvent.START_ROUTING, RouteState.PREFILL: RouteEvent.ROUTE_READY,
+                          RouteState.DECODE: RouteEvent.TOKEN, RouteState.DONE: RouteEvent.FINISH}[target])
+    return rs
+
+
+def _apply_route(rs: RouteSession, event: RouteEvent) -> None:
+    now = 1.0
+    if event is RouteEvent.START_ROUTING:
+        rs.start_routing(now)
+    elif event is RouteEvent.ROUTE_READY:
+        rs.route_ready(HOPS, 10, now)
+    elif event is RouteEvent.PREFILL_PROGRESS:
+        rs.prefill_progress(min(rs.prompt_tokens, rs.prefill_done + 1), now)
+    elif event is RouteEvent.TOKEN:
+        rs.token(now)
+    elif event is RouteEvent.FINISH:
+        rs.finish("stop", now)
+    else:
+        rs.fail(Failure(Reason.ROUTE_NODE_LOST, "lost", node="b"), now)
+
+
+@pytest.mark.parametrize("state", list(RouteState))
+@pytest.mark.parametrize("event", list(RouteEvent))
+def test_route_every_state_event_pair(state: RouteState, event: RouteEvent) -> None:
+    rs = _route_in(state)
+    assert rs.state is state
+    before = attrs.asdict(rs, recurse=False)
+    if ROUTE_TABLE.allows(state, event):
+        _apply_route(rs, event)
+        assert rs.state is ROUTE_TABLE.next(state, event)
+    else:
+        with pytest.raises(CallerError):
+            _apply_route(rs, event)
+        assert attrs.asdict(rs, recurse=False) == before
+
+
+def test_route_failure_records_phase_and_is_sticky() -> None:
+    rs = _route_in(RouteState.DECODE)
+    snap = rs.fail(Failure(Reason.ROUTE_NODE_LOST, "lost b", node="b"), 2.0)
+    assert snap["failure"] == {"code": "route_node_lost", "message": "lost b", "node": "b", "phase": "decode",
+                               "step": None}
+    for event in RouteEvent:
+        with pytest.raises(CallerError):
+            _apply_route(rs, event)
+
+
+def test_every_state_appears_in_its_table() -> None:
+    for table in (NODE_TABLE, ROUTE_TABLE):
+        touched = {t.source for t in table.transitions} | {t.target for t in table.transitions}
+        assert touched == set(table.states)
+        assert table.terminal == {s for s in table.states if s.value in ("done", "failed")}
+
+
+# -- stateful models -------------------------------------------------------------
+class NodeSessionMachine(RuleBasedStateMachine):
+    """Drive a NodeSession and a tiny model side by side with random, often wrong, steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = NodeSession(sid="s", max_positions=64, created_at=0.0)
+        self.positions = 0
+        self.seq = 0
+        self.state = "created"
+
+    @rule(kind=st.sampled_from(list(StepKind)), dseq=st.integers(-2, 2), dpos=st.integers(-2, 2),
+          n=st.integers(0, 20))
+    def step(self, kind: StepKind, dseq: int, dpos: int, n: int) -> None:
+        seq, pos0 = self.seq + dseq, self.positions + dpos
+        ok = (
+            self.state in ("created", "prefill", "decode")
+            and not (kind is StepKind.DECODE and self.state == "created")
+            and not (kind is StepKind.PREFILL and self.state == "decode")
+            and dseq == 0 and dpos == 0 and n >= 1
+            and not (kind is StepKind.DECODE and n != 1)
+            and pos0 + n <= 64
+        )
+        if ok:
+            self.s.accept(kind, seq, pos0, n, now=1.0)
+            self.positions += n
+            self.seq += 1
+            self.state = kind.value
+        else:
+            with pytest.raises(CallerError):
+                self.s.accept(kind, seq, pos0, n, now=1.0)
+
+    @rule()
+    def close(self) -> None:
+        if self.state in ("done", "failed"):
+            with pytest.raises(CallerError):
+                self.s.close()
+        else:
+            self.s.close()
+            self.state = "done"
+
+    @rule()
+    def fail(self) -> None:
+        if self.state in ("done", "failed"):
+            with pytest.raises(CallerError):
+                self.s.fail(Failure(Reason.CANCELLED, "z"))
+        else:
+            self.s.fail(Failure(Reason.CANCELLED, "z"))
+            self.state = "failed"
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.s.state.value == self.state
+        assert self.s.positions == self.positions
+        assert self.s.next_seq == self.seq
+
+
+class RouteSessionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rs = RouteSession(sid="r", model="m", created_at=0.0)
+        self.tokens = 0
+
+    @rule(event=st.sampled_from(list(RouteEvent)))
+    def event(self, event: RouteEvent) -> None:
+        state = self.rs.state
+        legal = ROUTE_TABLE.allows(state, event)
+        before = attrs.asdict(self.rs, recurse=False)
+        if legal:
+            _apply_route(self.rs, event)
+            if event is RouteEvent.TOKEN:
+                self.tokens += 1
+            assert self.rs.state is ROUTE_TABLE.next(state, event)
+        else:
+            with pytest.raises(CallerError):
+                _apply_route(self.rs, event)
+            assert attrs.asdict(self.rs, recurse=False) == before
+
+    @invariant()
+    def counts(self) -> None:
+        assert self.rs.generated == self.tokens
+        assert (self.rs.failure is not None) == (self.rs.state is RouteState.FAILED)
+        assert 0 <= self.rs.prefill_done <= max(self.rs.prompt_tokens, 0)
+
+
+TestNodeSessionMachine = NodeSessionMachine.TestCase
+TestRouteSessionMachine = RouteSessionMachine.TestCase
+
+
+def test_fsm_core_imports_no_io_libraries() -> None:
+    code = (
+        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.machine, dgr.errors\n"
+        "bad = [m for m in ('trio', 'torch', 'llama_cpp', 'httpx', 'quart', 'numpy') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

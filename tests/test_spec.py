@@ -1,0 +1,53 @@
+"""spec/ documents are generated from the code; drift fails here."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from dgr import specgen
+from dgr.errors import HTTP_TABLE, Reason
+from dgr.seam import wire
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("rel", sorted(specgen.DOCUMENTS))
+def test_committed_spec_matches_code(rel: str) -> None:
+    committed = (ROOT / rel).read_text()
+    assert committed == specgen.DOCUMENTS[rel](), f"{rel} is stale: run `python -m dgr.specgen`"
+
+
+def test_seam_doc_lists_every_header_field_at_its_offset() -> None:
+    doc = (ROOT / "spec/seam.md").read_text()
+    offset = 0
+    for name, code, _ in wire.HEADER_FIELDS:
+        size = struct.calcsize("<" + code)
+        assert f"| {offset} | {size} | `{name}` |" in doc
+        offset += size
+    assert offset == wire.HEADER_SIZE == 48
+    for enum in (wire.FrameKind, wire.DType, wire.Flag):
+        for member in enum:
+            assert f"`{member.name}`" in doc
+
+
+def test_every_reason_has_an_http_mapping_and_a_spec_row() -> None:
+    doc = (ROOT / "spec/reasons.md").read_text()
+    for r in Reason:
+        assert r in HTTP_TABLE
+        assert 400 <= HTTP_TABLE[r][0] < 600
+        assert f"`{r.value}`" in doc
+    assert set(wire.DTYPE_SIZE) == set(wire.DType) == set(wire.DTYPE_NUMPY)
+
+
+def test_no_assert_on_input_in_the_package() -> None:
+    offenders = []
+    for path in (ROOT / "dgr").rglob("*.py"):
+        if "testing" in path.parts:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("assert "):
+                offenders.append(f"{path.relative_to(ROOT)}:{i}")
+    assert offenders == []
