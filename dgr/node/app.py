@@ -1,17 +1,24 @@
-"""The node's HTTP face: seam sessions and steps, tokenizing, status."""
+"""The node's HTTP face: seam sessions and steps, tokenizing, status.
+
+`POST /v1/seam/step` is served by a bare ASGI handler in front of Quart: it
+runs once per token per hop, and Quart's request and response objects cost
+more than the step's own bookkeeping. Everything else goes through Quart.
+"""
 
 from __future__ import annotations
+
+import json
 
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.api.http import install_error_handlers, json_response, read_json
-from dgr.errors import CallerError, Failure, Reason
+from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.wire import CONTENT_TYPE
 
-__all__ = ["make_node_app"]
+__all__ = ["make_node_app", "seam_fast_path"]
 
 _JSON_LIMIT = 4 * 1024 * 1024
 
@@ -39,12 +46,6 @@ def make_node_app(service: NodeService) -> QuartTrio:
             raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
         service.open_session(sid, max_positions, params)
         return json_response({"session": sid, "node": service.node_id}, 201)
-
-    @app.post("/v1/seam/step")
-    async def step():
-        body = await request.get_data(cache=False)
-        reply, compute_s = await service.step(body)
-        return Response(reply, 200, content_type=CONTENT_TYPE, headers={"X-Dgr-Compute-Us": str(int(compute_s * 1e6))})
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
@@ -86,4 +87,52 @@ def make_node_app(service: NodeService) -> QuartTrio:
     async def healthz():
         return json_response({"ok": True, "node": service.node_id})
 
-    return app
+    return seam_fast_path(service, app)
+
+
+def seam_fast_path(service: NodeService, app):
+    """Wrap `app` so that POST /v1/seam/step skips the framework."""
+
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/seam/step" and scope["method"] == "POST":
+            await _step(service, scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return asgi
+
+
+async def _respond(send, status: int, body: bytes, content_type: bytes, extra=()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _step(service: NodeService, scope, receive, send) -> None:
+    limit = service.max_frame_bytes
+    try:
+        for name, value in scope["headers"]:
+            if name == b"content-length" and int(value) > limit:
+                raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {int(value)} bytes exceeds {limit}")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the sender went away mid-frame: nothing was applied
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise CallerError(Reason.FRAME_TOO_LARGE, f"frame exceeds {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        reply, compute_s = await service.step(b"".join(chunks))
+    except DgrError as exc:
+        body = json.dumps(openai_error_body(exc.failure())).encode()
+        await _respond(send, http_status(exc.reason), body, b"application/json")
+        return
+    except ValueError as exc:
+        body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad request: {exc}"))).encode()
+        await _respond(send, 400, body, b"application/json")
+        return
+    await _respond(send, 200, reply, CONTENT_TYPE.encode(), [(b"x-dgr-compute-us", str(int(compute_s * 1e6)).encode())])

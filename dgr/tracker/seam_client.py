@@ -8,6 +8,7 @@ handle. Deadlines are the caller's cancel scopes.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import httpx
 
 from dgr.errors import CallerError, Failure, PeerError, Reason
 from dgr.seam.frame import Frame, decode_frame
+from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
 from dgr.seam.wire import CONTENT_TYPE
 
 __all__ = ["NodeClient", "StepReply"]
@@ -34,7 +36,8 @@ class StepReply:
 class NodeClient:
     node_id: str
     url: str
-    _http: httpx.AsyncClient = attrs.field(init=False)
+    _http: httpx.AsyncClient = attrs.field(init=False)  # control calls: open, close, tokenize, status
+    _seam: ConnectionPool = attrs.field(init=False)  # the per-token hot path
 
     def __attrs_post_init__(self) -> None:
         self._http = httpx.AsyncClient(
@@ -42,9 +45,11 @@ class NodeClient:
             timeout=httpx.Timeout(None),  # deadlines are cancel scopes at the call site
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=300),
         )
+        self._seam = ConnectionPool(self.url)
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._seam.aclose()
 
     def _lost(self, exc: Exception, phase: str | None = None) -> PeerError:
         return PeerError(
@@ -54,18 +59,20 @@ class NodeClient:
             phase=phase,
         )
 
-    def _refused(self, r: httpx.Response) -> Exception:
+    def _refused(self, r: httpx.Response | HttpResponse) -> Exception:
+        body = r.content if isinstance(r, httpx.Response) else r.body
+        status = r.status_code if isinstance(r, httpx.Response) else r.status
         try:
-            err = r.json()["error"]
+            err = json.loads(body)["error"]
             code, message = err.get("code"), err.get("message", "")
         except (ValueError, KeyError, TypeError):
-            code, message = None, r.text[:200]
+            code, message = None, body[:200].decode(errors="replace")
         if code == Reason.NODE_AT_CAPACITY.value:
             return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
-                               retry_after=int(r.headers.get("Retry-After", "1")))
+                               retry_after=int(r.headers.get("retry-after", "1")))
         if code == Reason.CONTEXT_LENGTH_EXCEEDED.value:
             return CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"{self.node_id}: {message}", node=self.node_id)
-        return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({r.status_code} {code}): {message}",
+        return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({status} {code}): {message}",
                          node=self.node_id, node_code=code)
 
     async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -88,18 +95,20 @@ class NodeClient:
 
     async def step(self, frame_bytes: bytes) -> StepReply:
         t0 = time.perf_counter()
-        r = await self._request("POST", "/v1/seam/step", content=frame_bytes,
-                                headers={"Content-Type": CONTENT_TYPE})
+        try:
+            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, [("Content-Type", CONTENT_TYPE)])
+        except TransportError as exc:
+            raise self._lost(exc) from None
         rtt = time.perf_counter() - t0
-        if r.status_code != 200:
+        if r.status != 200:
             raise self._refused(r)
-        raw = r.content
+        raw = r.body
         try:
             frame = decode_frame(raw)
         except CallerError as exc:
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a bad frame: {exc.message}",
                             node=self.node_id) from None
-        compute = int(r.headers.get("X-Dgr-Compute-Us", "0")) / 1e6
+        compute = int(r.headers.get("x-dgr-compute-us", "0")) / 1e6
         return StepReply(frame, raw, rtt, compute, len(frame_bytes))
 
     async def tokenize(self, body: dict[str, Any]) -> list[int]:

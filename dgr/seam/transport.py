@@ -1,0 +1,130 @@
+"""A lean HTTP/1.1 client for seam steps: h11 over trio, pooled keep-alive connections.
+
+The decode seam sends one small frame per token per hop, so per-request
+overhead is the route's tax on every token. A general client (httpx) costs
+about a millisecond per request here; this one does the minimum: one
+keep-alive connection per concurrent step per node, reused in LIFO order, no
+redirects, no cookies, no retries.
+
+No retries on purpose: a seam step is not idempotent (the node advances its
+session when it accepts a frame), so a request that may have reached the node
+is never sent twice. A connection that broke is dropped and the caller sees
+`TransportError`.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import attrs
+import h11
+import trio
+
+__all__ = ["TransportError", "HttpResponse", "ConnectionPool"]
+
+_READ = 256 * 1024
+_IDLE_S = 60.0  # the server keeps connections 300 s; drop ours well before
+
+
+class TransportError(Exception):
+    """The connection failed: refused, reset, closed early, or spoke bad HTTP."""
+
+
+@attrs.frozen
+class HttpResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@attrs.define
+class _Conn:
+    stream: trio.SocketStream
+    h11: h11.Connection
+    last_used: float
+
+    async def request(self, method: str, target: str, host: str, headers: list[tuple[str, str]],
+                      body: bytes) -> HttpResponse:
+        conn = self.h11
+        out = conn.send(h11.Request(method=method, target=target,
+                                    headers=[("Host", host), ("Content-Length", str(len(body))), *headers]))
+        out += conn.send(h11.Data(data=body)) if body else b""
+        out += conn.send(h11.EndOfMessage())
+        await self.stream.send_all(out)
+        status, resp_headers, chunks = 0, {}, []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await self.stream.receive_some(_READ)
+                conn.receive_data(data)
+                if not data and conn.their_state is not h11.DONE:
+                    raise TransportError("the server closed the connection mid-response")
+                continue
+            if isinstance(event, h11.Response):
+                status = event.status_code
+                resp_headers = {k.decode().lower(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise TransportError("connection closed")
+        return HttpResponse(status, resp_headers, b"".join(chunks))
+
+
+@attrs.define
+class ConnectionPool:
+    """Keep-alive connections to one server."""
+
+    url: str
+    _idle: list[_Conn] = attrs.field(factory=list)
+    _host: str = attrs.field(init=False)
+    _port: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or 80
+
+    async def _connect(self) -> _Conn:
+        try:
+            stream = await trio.open_tcp_stream(self._host, self._port)
+        except OSError as exc:
+            raise TransportError(f"connect to {self._host}:{self._port} failed: {exc}") from None
+        stream.setsockopt(6, 1, 1)  # TCP_NODELAY: a frame must not wait for Nagle
+        return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic())
+
+    async def request(self, method: str, target: str, body: bytes = b"",
+                      headers: list[tuple[str, str]] | None = None) -> HttpResponse:
+        now = time.monotonic()
+        conn = None
+        while self._idle:
+            candidate = self._idle.pop()
+            if now - candidate.last_used < _IDLE_S:
+                conn = candidate
+                break
+            await candidate.stream.aclose()
+        if conn is None:
+            conn = await self._connect()
+        ok = False
+        try:
+            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body)
+            ok = True
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if not ok:
+                with trio.CancelScope(shield=True):
+                    await conn.stream.aclose()
+        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+            conn.h11.start_next_cycle()
+            conn.last_used = time.monotonic()
+            self._idle.append(conn)
+        else:
+            await conn.stream.aclose()
+        return response
+
+    async def aclose(self) -> None:
+        while self._idle:
+            await self._idle.pop().stream.aclose()
