@@ -66,7 +66,7 @@ def make_backend(
     if name == "torch":
         from dgr.backends.torch_backend import TorchBackend
 
-        return TorchBackend(model, layers, n_threads=threads, max_sessions=max_sessions, n_ctx=n_ctx)
+        return TorchBackend(model, layers, n_threads=threads, capacity=max_sessions)
     if name == "llama":
         from dgr.backends.llama import LlamaBackend
 
