@@ -12,6 +12,7 @@ import json
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import install_error_handlers, json_response, read_json
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.node.service import NodeService
@@ -82,6 +83,10 @@ def make_node_app(service: NodeService) -> QuartTrio:
     @app.get("/v1/node/status")
     async def status():
         return json_response(service.status())
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(service.metrics.registry), 200, content_type=METRICS_TYPE)
 
     @app.get("/healthz")
     async def healthz():

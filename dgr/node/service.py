@@ -27,6 +27,7 @@ import trio
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
+from dgr.metrics import NodeMetrics, gauge
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, DType, Flag, FrameKind
@@ -73,6 +74,16 @@ class NodeService:
     stats: SeamStats = attrs.field(factory=SeamStats)
     limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
     started_at: float = attrs.field(factory=time.monotonic)
+    metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
+
+    def __attrs_post_init__(self) -> None:
+        self.metrics.watch(self._gauges)
+
+    def _gauges(self):
+        yield gauge("dgr_node_sessions", "Route Sessions holding KV on this node", [], [([], float(len(self.sessions)))])
+        yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
+                    [([], float(self.backend.max_sessions()))])
+        yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.backend.kv_bytes()))])
 
     # -- session lifecycle ----------------------------------------------------
     def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
@@ -168,6 +179,7 @@ class NodeService:
             session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
         except CallerError as exc:
             self.stats.refused[exc.reason.value] += 1
+            self.metrics.refused_total.labels(reason=exc.reason.value).inc()
             raise
         self.stats.frames_in[frame.kind.name] += 1
         self.stats.bytes_in[frame.kind.name] += frame.size
@@ -189,6 +201,9 @@ class NodeService:
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
         compute = time.perf_counter() - t0
         self.stats.compute_s += compute
+        self.metrics.frames_total.labels(kind=frame.kind.name).inc()
+        self.metrics.frame_bytes_total.labels(kind=frame.kind.name).inc(frame.size)
+        self.metrics.compute_seconds.labels(kind=frame.kind.name).observe(compute)
         reply = self._reply(frame, out, want)
         self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
         return reply, compute

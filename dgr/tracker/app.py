@@ -10,6 +10,7 @@ import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import error_response, install_error_handlers, json_response, read_json
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
 from dgr.errors import CallerError, Failure, Reason, openai_error_body
@@ -146,6 +147,10 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024)
     @app.get("/v1/stats")
     async def stats():
         return json_response(gateway.stats())
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(gateway.metrics.registry), 200, content_type=METRICS_TYPE)
 
     @app.get("/healthz")
     async def healthz():

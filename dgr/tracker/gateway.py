@@ -40,6 +40,7 @@ from dgr.api.openai import GenerationRequest, usage_body
 from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
+from dgr.metrics import TrackerMetrics, gauge
 from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
 from dgr.tracker.registry import NodeEntry, Registry
@@ -128,7 +129,23 @@ class Gateway:
     hop_stats: dict[str, HopStats] = attrs.field(factory=lambda: collections.defaultdict(HopStats))
     failures: collections.Counter = attrs.field(factory=collections.Counter)
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
+    metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
     _nursery: trio.Nursery | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.metrics.watch(self._gauges)
+
+    def _gauges(self):
+        states = collections.Counter(l.rs.state.value for l in self.sessions.values())
+        yield gauge("dgr_route_sessions_active", "Active Route Sessions by state", ["state"],
+                    [([s.value], float(states.get(s.value, 0))) for s in RouteState if s not in (RouteState.DONE, RouteState.FAILED)])
+        nodes = list(self.registry.nodes.values())
+        yield gauge("dgr_node_up", "1 while the node heartbeats, else 0", ["node", "layers"],
+                    [([n.node_id, f"{n.start}:{n.stop}"], float(n.alive)) for n in nodes])
+        yield gauge("dgr_node_sessions", "Sessions a node reported holding", ["node"],
+                    [([n.node_id], float(n.sessions)) for n in nodes])
+        yield gauge("dgr_node_kv_bytes", "Hot KV State bytes a node reported", ["node"],
+                    [([n.node_id], float(n.kv_bytes)) for n in nodes])
 
     # -- service --------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -226,6 +243,7 @@ class Gateway:
                 await self._close_nodes(rs.sid, opened, failure)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
+                self._count_end(rs)
                 self._retire(rs)
             if isinstance(exc, trio.TooSlowError):
                 raise PeerError(Reason.ROUTE_NODE_LOST, failure.message, node=failure.node) from None
@@ -241,6 +259,7 @@ class Gateway:
             send=send, recv=recv,
         )
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), time.monotonic()))
+        self.metrics.prompt_tokens_total.inc(len(prompt))
         self.sessions[rs.sid] = live
         if self._nursery is None:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
@@ -285,8 +304,7 @@ class Gateway:
                     failure = Failure(Reason.INTERNAL, "driver ended without finishing", phase=rs.state.value)
                 if failure is not None:
                     live.telemetry.publish(rs.fail(failure, time.monotonic()))
-                    self.failures[failure.reason.value] += 1
-                    self.recent_failures.append({"session": rs.sid, "at": time.time(), **failure.to_json()})
+                self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
                 await self._close_nodes(rs.sid, survivors, failure)
                 for n in live.nodes:
@@ -308,6 +326,13 @@ class Gateway:
                 for c in clients:
                     nursery.start_soon(_one, c)
 
+    def _count_end(self, rs: RouteSession) -> None:
+        self.metrics.sessions_total.labels(outcome=rs.state.value).inc()
+        if rs.failure is not None:
+            self.failures[rs.failure.reason.value] += 1
+            self.metrics.failures_total.labels(reason=rs.failure.reason.value).inc()
+            self.recent_failures.append({"session": rs.sid, "model": rs.model, "at": time.time(), **rs.failure.to_json()})
+
     def _retire(self, rs: RouteSession) -> None:
         self.ended[rs.sid] = rs
         while len(self.ended) > self.config.keep_ended:
@@ -326,9 +351,11 @@ class Gateway:
                 f"node {hop.node_id} did not answer step {step} within {self._deadline(n_tokens):.1f}s",
                 node=hop.node_id, step=step, phase=live.rs.state.value,
             )
-        overhead = max(0.0, reply.rtt_s - reply.compute_s) * 1e3
-        live.rs.hop_latency_ms[hop.node_id] = round(overhead, 4)
-        self.hop_stats[hop.node_id].overhead_ms.append(overhead)
+        overhead = max(0.0, reply.rtt_s - reply.compute_s)
+        live.rs.hop_latency_ms[hop.node_id] = round(overhead * 1e3, 4)
+        self.hop_stats[hop.node_id].overhead_ms.append(overhead * 1e3)
+        self.metrics.hop_latency_seconds.labels(node=hop.node_id).observe(overhead)
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
         return reply
 
     def _frame(self, live: LiveSession, i: int, kind: FrameKind, seq: int, pos0: int, ids: list[int],
@@ -388,8 +415,16 @@ class Gateway:
         pos = len(live.prompt)
         seq = math.ceil(len(live.prompt) / self.config.prefill_chunk)
         n_hops = len(rs.route)
+        last = None
         while True:
-            live.telemetry.publish(rs.token(time.monotonic()))
+            now = time.monotonic()
+            live.telemetry.publish(rs.token(now))
+            self.metrics.generated_tokens_total.inc()
+            if last is None:
+                self.metrics.ttft_seconds.observe(now - rs.created_at)
+            else:
+                self.metrics.token_latency_seconds.observe(now - last)
+            last = now
             if token.eog:
                 return self._finish(live, "stop")
             live.completion_tokens += 1
