@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from dgr.testing.harness import LocalRoute, sse_events
+from dgr.testing.harness import LocalRoute, first_error, first_text, sse_events
 
 DELAY = ("--stub-delay", "0.004")  # 4 ms per position per node: prefill of 400 tokens takes seconds
 
@@ -18,39 +18,19 @@ def _stream(route: LocalRoute, prompt: str, max_tokens: int):
     return httpx.stream("POST", f"{route.api}/completions", json=body, timeout=30)
 
 
-def _error_of(events) -> tuple[dict, float]:
-    for kind, data in events:
-        if kind == "data" and isinstance(data, dict) and "error" in data:
-            return data["error"], time.monotonic()
-    raise AssertionError("stream ended without an error")
-
-
-def _wait_sessions_zero(route: LocalRoute, names: list[str], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = {n: route.node_status(n)["sessions"] for n in names}
-        kv = {n: route.node_status(n)["kv_bytes"] for n in names}
-        if not any(counts.values()) and not any(kv.values()):
-            return
-        assert time.monotonic() < deadline, f"survivors still hold sessions: {counts} kv: {kv}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("victim", ["node1", "node2"])
 def test_kill_in_decode_fails_fast_and_frees_survivors(victim: str) -> None:
     with LocalRoute(nodes=3, extra=DELAY) as route:
         with _stream(route, "hello", 400) as r:
             events = sse_events(r)
-            for kind, data in events:  # wait for real decode
-                if kind == "data" and isinstance(data, dict) and data.get("choices") and data["choices"][0]["text"]:
-                    break
+            first_text(events)  # wait for real decode
             killed_at = route.kill(victim)
-            error, seen_at = _error_of(events)
+            error, seen_at = first_error(events)
         assert seen_at - killed_at < 2.0, f"failure took {seen_at - killed_at:.2f}s"
         assert error["code"] == "route_node_lost"
         assert error["node"] == victim and error["phase"] == "decode"
         survivors = [n for n in ("node0", "node1", "node2") if n != victim]
-        _wait_sessions_zero(route, survivors)
+        route.wait_sessions_freed(survivors)
         # no repair, and no route without the dead node: a clear 503 naming the missing layers
         lost_layers = {"node1": "10:20", "node2": "20:30"}[victim]
         deadline = time.monotonic() + 3
@@ -73,11 +53,11 @@ def test_kill_in_prefill_is_reported_in_prefill() -> None:
             killed: list[float] = []
             route.when(sid, lambda s: s["phase"] == "prefill" and s["prefill"]["done"] >= 128,
                        lambda: killed.append(route.kill("node1")))
-            error, seen_at = _error_of(sse_events(r))
+            error, seen_at = first_error(sse_events(r))
         assert killed, "the fault never fired"
         assert seen_at - killed[0] < 2.0
         assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", "node1", "prefill")
-        _wait_sessions_zero(route, ["node0", "node2"])
+        route.wait_sessions_freed(["node0", "node2"])
         snap = route.session(sid)
         assert snap["phase"] == "failed" and snap["failure"]["code"] == "route_node_lost"
 
@@ -86,17 +66,15 @@ def test_hung_node_is_caught_and_recovers() -> None:
     with LocalRoute(nodes=3, extra=DELAY) as route:
         with _stream(route, "hello", 400) as r:
             events = sse_events(r)
-            for kind, data in events:
-                if kind == "data" and isinstance(data, dict) and data.get("choices") and data["choices"][0]["text"]:
-                    break
+            first_text(events)
             stopped_at = route.stop("node1")
             try:
-                error, seen_at = _error_of(events)
+                error, seen_at = first_error(events)
             finally:
                 route.cont("node1")
         assert seen_at - stopped_at < 2.0, f"hang detected after {seen_at - stopped_at:.2f}s"
         assert (error["code"], error["node"]) == ("route_node_lost", "node1")
-        _wait_sessions_zero(route, ["node0", "node2"])
+        route.wait_sessions_freed(["node0", "node2"])
         # once it runs again, it re-registers and serves new sessions
         route.wait_nodes_alive(["node0", "node1", "node2"], timeout_s=10)
         ok = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 3}, timeout=30)

@@ -29,7 +29,7 @@ import httpx
 
 from dgr.procs import dgr_command, die_with_parent
 
-__all__ = ["LocalRoute", "RouteTimeout", "free_port", "cut_mid_frame"]
+__all__ = ["LocalRoute", "RouteTimeout", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
 
 
 class RouteTimeout(Exception):
@@ -223,6 +223,18 @@ class LocalRoute:
         self._threads.append(t)
         return t
 
+    def wait_sessions_freed(self, names: list[str], timeout_s: float = 3.0) -> None:
+        """Wait until every named node holds no session and no KV bytes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = {n: self.node_status(n) for n in names}
+            held = {n: (s["sessions"], s["kv_bytes"]) for n, s in status.items() if s["sessions"] or s["kv_bytes"]}
+            if not held:
+                return
+            if time.monotonic() > deadline:
+                raise RouteTimeout(f"nodes still hold (sessions, kv_bytes): {held}")
+            time.sleep(0.05)
+
     def session(self, sid: str) -> dict[str, Any]:
         return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5).json()
 
@@ -255,3 +267,21 @@ def sse_events(response: httpx.Response):
                 yield "data", json.loads(payload)
             except ValueError:
                 yield "data", payload
+
+
+def first_text(events) -> None:
+    """Consume SSE events up to the first chunk that carries generated text."""
+    for kind, data in events:
+        if kind == "data" and isinstance(data, dict) and data.get("choices"):
+            choice = data["choices"][0]
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                return
+    raise RouteTimeout("the stream ended before any text")
+
+
+def first_error(events) -> tuple[dict[str, Any], float]:
+    """Consume SSE events up to the error object; return it and when it was seen."""
+    for kind, data in events:
+        if kind == "data" and isinstance(data, dict) and "error" in data:
+            return data["error"], time.monotonic()
+    raise RouteTimeout("the stream ended without an error")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 from typing import Any, AsyncIterator
 
 import trio
@@ -155,6 +156,12 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024)
     @app.get("/healthz")
     async def healthz():
         return json_response({"ok": True, "nodes": len(registry.alive())})
+
+    @app.get("/")
+    async def dashboard():
+        # Read per request: the page is small, and a missing file then fails only this route.
+        page = resources.files("dgr.tracker").joinpath("dashboard.html").read_bytes()
+        return Response(page, 200, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
     return app
 

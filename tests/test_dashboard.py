@@ -1,0 +1,147 @@
+"""The route dashboard at GET / in a real headless browser, over a real stub route.
+
+Chromium (Debian's /usr/bin/chromium) driven by Playwright loads the page the
+tracker serves, and the page must show what the tracker's JSON says: three
+nodes with layer bars laid out over [0, n_layers), a live Route Session whose
+token count grows, then, after a node is SIGKILLed, that node marked down and
+the failure with its reason. The test skips only when the browser or
+Playwright is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dgr.testing.harness import LocalRoute, sse_events
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = Path("/tmp/dashboard.png")
+SCREENSHOT_LIVE = Path("/tmp/dashboard-live.png")
+ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+WAIT_MS = 10_000  # every browser-side wait; the page polls every 500 ms
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
+                                reason="no /usr/bin/chromium (apt-get install -y chromium)")
+
+
+class _Stream:
+    """A long streaming completion in a thread; keeps its session id and the error it ended with."""
+
+    def __init__(self, route: LocalRoute, max_tokens: int) -> None:
+        self.route = route
+        self.max_tokens = max_tokens
+        self.sid: str | None = None
+        self.error: dict | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": "stub", "prompt": "watch me", "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.route.api}/completions", json=body, timeout=30) as r:
+                self.sid = r.headers["x-dgr-route-session"]
+                self.started.set()
+                for kind, data in sse_events(r):
+                    if kind == "data" and isinstance(data, dict) and "error" in data:
+                        self.error = data["error"]
+        except httpx.HTTPError:
+            pass  # the route is torn down at the end of a failing test
+        finally:
+            self.started.set()
+
+
+def _fill_geometry(page, node: str) -> tuple[float, float]:
+    """The layer fill's left edge and width as fractions of its track, measured from layout.
+
+    One evaluate call, because the page redraws its tables on every poll.
+    """
+    return tuple(page.evaluate(
+        """node => {
+            const row = document.querySelector(`#nodes tr[data-node='${node}']`);
+            const t = row.querySelector('.layer-track').getBoundingClientRect();
+            const f = row.querySelector('.layer-fill').getBoundingClientRect();
+            return [(f.left - t.left) / t.width, f.width / t.width];
+        }""", node))
+
+
+def test_dashboard_shows_nodes_live_session_and_node_loss() -> None:
+    expect = sync_api.expect
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004")) as route:
+        index = httpx.get(f"{route.url}/", timeout=5)
+        assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+        assert b'id="nodes"' in index.content
+
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True, timeout=30_000)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+                page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+                page.goto(f"{route.url}/", timeout=WAIT_MS)
+
+                # three live nodes, each bar drawn where its layers are
+                rows = page.locator("#nodes tr[data-node]")
+                expect(rows).to_have_count(3, timeout=WAIT_MS)
+                expect(page.locator('#conn[data-state="live"]')).to_have_count(1, timeout=WAIT_MS)
+                for name, (a, b) in {"node0": (0, 10), "node1": (10, 20), "node2": (20, 30)}.items():
+                    row = page.locator(f'#nodes tr[data-node="{name}"]')
+                    expect(row).to_have_attribute("data-alive", "true", timeout=WAIT_MS)
+                    expect(row).to_have_attribute("data-layers", f"{a}:{b}")
+                    expect(row).to_contain_text("alive")
+                    left, width = _fill_geometry(page, name)
+                    assert left == pytest.approx(a / 30, abs=0.01) and width == pytest.approx((b - a) / 30, abs=0.01)
+                expect(page.locator('#coverage [data-complete="true"]')).to_have_count(1, timeout=WAIT_MS)
+
+                # a long completion appears as a live session whose token count grows
+                stream = _Stream(route, max_tokens=2000)
+                stream.thread.start()
+                assert stream.started.wait(15) and stream.sid, "the streaming completion did not start"
+                session = page.locator(f'#sessions tr[data-session="{stream.sid}"]')
+                expect(session).to_have_attribute("data-phase", "decode", timeout=WAIT_MS)
+                page.wait_for_function(
+                    "sid => { const r = document.querySelector(`#sessions tr[data-session='${sid}']`);"
+                    " return r && Number(r.dataset.tokens) >= 5; }", arg=stream.sid, timeout=WAIT_MS)
+                first = int(session.get_attribute("data-tokens"))
+                page.wait_for_function(
+                    "a => { const r = document.querySelector(`#sessions tr[data-session='${a[0]}']`);"
+                    " return r && Number(r.dataset.tokens) > a[1]; }", arg=[stream.sid, first], timeout=WAIT_MS)
+                expect(session).to_contain_text("decode")
+                expect(session).to_contain_text("node1 [10:20]")
+                prefill_total = int(session.get_attribute("data-prefill-total"))
+                assert prefill_total > 0 and int(session.get_attribute("data-prefill-done")) == prefill_total
+                page.screenshot(path=str(SCREENSHOT_LIVE), full_page=True)
+
+                # kill a node mid-decode: it goes down, the session fails with the reason, the gap shows
+                route.kill("node1")
+                expect(page.locator('#nodes tr[data-node="node1"]')).to_have_attribute(
+                    "data-alive", "false", timeout=WAIT_MS)
+                expect(page.locator('#nodes tr[data-node="node1"]')).to_contain_text("down")
+                failure = page.locator(f'#failures li[data-failure-session="{stream.sid}"]')
+                expect(failure).to_have_attribute("data-reason", "route_node_lost", timeout=WAIT_MS)
+                expect(failure).to_have_attribute("data-failed-node", "node1")
+                expect(failure).to_have_attribute("data-failed-phase", "decode")
+                expect(failure).to_contain_text("route_node_lost")
+                expect(session).to_have_count(0, timeout=WAIT_MS)
+                expect(page.locator(f'#recent tr[data-session="{stream.sid}"]')).to_have_attribute(
+                    "data-reason", "route_node_lost", timeout=WAIT_MS)
+                expect(page.locator('#failure-counts [data-reason-count="route_node_lost"]')).to_have_text("1")
+                expect(page.locator('#coverage [data-complete="false"]')).to_have_attribute("data-missing", "10:20")
+                for name in ("node0", "node2"):
+                    expect(page.locator(f'#nodes tr[data-node="{name}"]')).to_have_attribute("data-alive", "true")
+                page.screenshot(path=str(SCREENSHOT), full_page=True)
+                assert not errors, errors
+            finally:
+                browser.close()
+
+        stream.thread.join(timeout=10)
+        assert not stream.thread.is_alive(), "the stream did not end after the node was killed"
+        assert stream.error is not None and stream.error["code"] == "route_node_lost"
