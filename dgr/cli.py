@@ -121,12 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    for module in ("dgr.artifact.cli", "dgr.plan", "dgr.bench.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError:
-            continue
-        mod.register(sub)
+    from dgr.artifact import cli as artifact_cli
+
+    artifact_cli.register(sub)
     return parser
 
 

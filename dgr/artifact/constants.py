@@ -1,0 +1,95 @@
+"""Every constant of the Model Artifact format, in one place.
+
+These numbers cross the disk (the manifest JSON) and the wire (BitTorrent,
+possession proofs). Changing one changes manifest ids, so each lives here
+once, with an explicit value, and spec/artifact-manifest.md is checked
+against this module by tests/test_artifact_manifest.py.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "SchemaVersion",
+    "SCHEMA_VERSION",
+    "MANIFEST_KIND",
+    "BLOCK_SIZE",
+    "PieceSize",
+    "TARGET_PIECE_COUNT",
+    "TORRENT_META_VERSION",
+    "HASH_CHUNK",
+    "Role",
+    "GlobalNeed",
+    "GLOBAL_ROLES",
+    "LAYER_PREFIX",
+]
+
+
+class SchemaVersion(enum.IntEnum):
+    """Manifest schema versions. A reader refuses any version it does not list."""
+
+    V1 = 1
+
+
+SCHEMA_VERSION = SchemaVersion.V1
+MANIFEST_KIND = "dgr.model-artifact"
+
+# BEP 52 fixes the merkle leaf at 16 KiB; pieces are 16 KiB * 2^k.
+BLOCK_SIZE = 16 * 1024
+
+
+class PieceSize(enum.IntEnum):
+    """Bounds on the BitTorrent piece length, in bytes."""
+
+    MIN = 16 * 1024
+    # 16 MiB keeps a 700 GB model at ~42k pieces (1.3 MB of piece layers),
+    # well under libtorrent's 10 MB metadata limit for torrent_info(path).
+    MAX = 16 * 1024 * 1024
+
+
+# The piece length is the smallest power of two >= file_size / TARGET_PIECE_COUNT
+# (clamped to PieceSize). Small pieces make layer ranges round up less and
+# challenges finer; more pieces make the manifest and torrent larger.
+# 2048 gives 64 KiB pieces for the 98 MB default model.
+TARGET_PIECE_COUNT = 2048
+
+TORRENT_META_VERSION = 2
+
+# Streaming read size when hashing; a multiple of BLOCK_SIZE.
+HASH_CHUNK = 4 * 1024 * 1024
+
+
+class Role(enum.Enum):
+    """Which shards need a tensor. Values are written into the manifest."""
+
+    LAYER = "layer"  # blk.N.*: the shard holding layer N
+    HEAD = "head"  # input side: the shard with layer 0
+    TAIL = "tail"  # output side: the shard with the last layer
+    HEAD_TAIL = "head+tail"  # tied embeddings: both ends
+    SHARED = "shared"  # every shard computes with it (rope_freqs)
+
+
+class GlobalNeed(enum.Enum):
+    """Which global (non-layer) tensors a layer range is said to need."""
+
+    # Only the globals the layers compute with: token_embd for the head,
+    # output_norm/output for the tail, shared ones (rope_freqs) for all.
+    COMPUTE = "compute"
+    # Every global: today's llama.cpp loader needs token_embd and output_norm
+    # in every shard file (see /work/shared/LLAMACPP.md), so a node that will
+    # write a shard GGUF must hold them all.
+    LOADER = "loader"
+
+
+# Global tensor name prefix (before the first '.') -> role. Anything else
+# that is not blk.N.* is SHARED. token_embd becomes HEAD_TAIL when the file has
+# no output.weight (tied embeddings).
+GLOBAL_ROLES: dict[str, Role] = {
+    "token_embd": Role.HEAD,
+    "token_embd_norm": Role.HEAD,
+    "output_norm": Role.TAIL,
+    "output": Role.TAIL,
+}
+
+LAYER_PREFIX = "blk."

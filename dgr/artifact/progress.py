@@ -1,0 +1,105 @@
+"""Progress bars on stderr for long artifact jobs (hashing, verifying, moving).
+
+Hashing a large GGUF or fetching its layers takes minutes, so the CLI shows
+a bar. It uses `rich` when it is installed and stderr is a terminal, and is
+silent otherwise, so that logs, pipes and tests get no control characters.
+Library functions take a `Progress` (or None) instead of printing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+__all__ = ["Progress", "NullProgress", "terminal_progress"]
+
+
+class Progress(Protocol):
+    """What the artifact functions report to."""
+
+    def start(self, description: str, total: int | None) -> None:
+        """Begin a new step of `total` units (bytes), or an open-ended one."""
+
+    def advance(self, amount: int) -> None:
+        """Units done since the last call."""
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None) -> None:
+        """Absolute position, for sources that report totals (libtorrent)."""
+
+
+class NullProgress:
+    """Reports nowhere."""
+
+    def start(self, description: str, total: int | None) -> None:
+        pass
+
+    def advance(self, amount: int) -> None:
+        pass
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None) -> None:
+        pass
+
+
+class _RichProgress:
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+        self._task: Any = None
+
+    def start(self, description: str, total: int | None) -> None:
+        if self._task is not None:
+            # An open-ended step (reading metadata) has no useful final line.
+            if self._bar.tasks[self._task].total is None:
+                self._bar.remove_task(self._task)
+            else:
+                self._bar.stop_task(self._task)
+        self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, amount: int) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, amount)
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None) -> None:
+        if self._task is None:
+            self.start(description or "", total)
+        fields: dict[str, Any] = {"completed": completed}
+        if total is not None:
+            fields["total"] = total
+        if description is not None:
+            fields["description"] = description
+        self._bar.update(self._task, **fields)
+
+
+@contextlib.contextmanager
+def terminal_progress(enabled: bool = True) -> Iterator[Progress]:
+    """A rich progress bar on stderr when it is a TTY and rich is installed, else NullProgress."""
+    if not enabled or not sys.stderr.isatty():
+        yield NullProgress()
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+        from rich.progress import (
+            Progress as RichBar,
+        )
+    except ImportError:
+        yield NullProgress()
+        return
+    bar = RichBar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    with bar:
+        yield _RichProgress(bar)
