@@ -44,12 +44,20 @@ def cmd_tracker(args) -> int:
     from dgr.tracker.gateway import GatewayConfig
     from dgr.tracker.run import run_tracker
 
+    from dgr.artifact.manifest import Manifest
+    from dgr.tracker.proofs import Prover
+
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,
         step_deadline_s=args.step_deadline,
         seam_dtype=DType[args.seam_dtype.upper()],
     )
-    return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after)
+    manifests = [Manifest.load(m) for m in args.manifest]
+    for m in manifests:
+        print(f"dgr tracker: checking layer proofs against manifest {m.id[:12]} ({m.file.name})", file=sys.stderr)
+    prover = Prover.from_manifests(manifests, challenges=args.proof_challenges, deadline_s=args.proof_deadline)
+    return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after,
+                            prover=prover, require_proof=args.require_proof)
 
 
 def cmd_node(args) -> int:
@@ -57,15 +65,25 @@ def cmd_node(args) -> int:
     from dgr.backends.factory import make_backend, resolve_model
     from dgr.node.run import run_node
 
-    model = resolve_model(args.backend, args.model)
     layers = LayerRange.parse(args.layers) if args.layers else None
+    artifact = None
+    if args.manifest or args.fetch:
+        from dgr.node.artifact import prepare_node_artifact
+
+        artifact = prepare_node_artifact(args, layers)
+        model, layers = artifact.path, artifact.layers
+    else:
+        model = resolve_model(args.backend, args.model)
     backend = make_backend(
         args.backend, layers, model, threads=args.threads, n_ctx=args.ctx, max_sessions=args.max_sessions,
         stub_delay_s=args.stub_delay, stub_model=args.stub_model,
     )
+    if artifact is not None:
+        artifact.check_backend(backend)
     node_id = args.name or f"{args.backend}-{backend.layers}-{os.getpid()}"
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
-                            tracker=args.tracker, idle_timeout_s=args.idle_timeout)
+                            tracker=args.tracker, idle_timeout_s=args.idle_timeout, artifact=artifact,
+                            seed_port=args.seed_port)
 
 
 def cmd_up(args) -> int:
@@ -98,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--dead-after", type=float, default=1.0, help="seconds without heartbeat before a node is dead")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
+    p.add_argument("--manifest", action="append", default=[], metavar="M",
+                   help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
+    p.add_argument("--require-proof", action="store_true",
+                   help="route only nodes that proved their layers (nodes without --manifest are not routed)")
+    p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
+    p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
     p.set_defaults(func=cmd_tracker)
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
@@ -108,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="node id (default: backend-layers-pid)")
     p.add_argument("--threads", type=int, default=_threads_default())
     p.add_argument("--idle-timeout", type=float, default=120.0, help="free a session's KV after this idle time")
+    p.add_argument("--manifest", metavar="M",
+                   help="Model Artifact manifest: verify the served layers against it, seed the file, and prove "
+                        "the layers to the tracker")
+    p.add_argument("--fetch", action="store_true",
+                   help="with --manifest and --tracker: download only the pieces the layers need from the "
+                        "tracker's peers (no --model)")
+    p.add_argument("--model-dir", help="where --fetch writes the file (default: ~/.cache/dgr/artifacts/ID)")
+    p.add_argument("--fetch-timeout", type=float, default=None, help="give up fetching after this many seconds")
+    p.add_argument("--seed-port", type=int, default=0, help="BitTorrent port to seed the artifact on (0: any)")
     _add_node_model_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -118,12 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
+    p.add_argument("--manifest", metavar="M",
+                   help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "
+                        "seeds and proves its layers")
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
+    from dgr import plan
     from dgr.artifact import cli as artifact_cli
 
     artifact_cli.register(sub)
+    plan.register(sub)
     return parser
 
 

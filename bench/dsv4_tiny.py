@@ -1,0 +1,269 @@
+"""Check the DeepSeek-V4 layout against llama.cpp itself, on a tiny random deepseek4 GGUF.
+
+No DeepSeek-V4 weights are needed: tools/make_dsv4_layout.py describes the
+model with its sizes as parameters, so the same tensor list, at toy sizes,
+becomes a GGUF with random data. Loading it in the llama.cpp that
+llama-cpp-python ships checks, on this machine:
+
+1. names and shapes: llama.cpp refuses a file with a missing, misshapen or
+   extra tensor, so a clean load means the fixture's tensor list is the one
+   its deepseek4 loader creates;
+2. KV per layer kind: the cache sizes llama.cpp logs against
+   dgr.plan_layout's KV terms for the same model;
+3. what breaks for a layer-range shard (see spec/deepseek-v4-flash.md):
+   the width llama.cpp takes as embeddings input vs the width of the
+   residual stream between layers; a shard GGUF starting after the
+   hash-routed layers; capturing the residual after a shard's last layer;
+   and shards that lack a CSA or an HCA layer (each run in a child
+   process, because llama.cpp kills the process).
+
+    python bench/dsv4_tiny.py
+
+Prints a report; exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import gguf
+import make_dsv4_layout as mk
+
+from dgr.plan_layout import layout_from_json
+
+TINY = mk.Dims(
+    hidden=64, vocab=256, layers=6, heads=4, head_dim=128, rope_dim=16, q_lora=32, o_lora=16, o_groups=2,
+    experts=4, experts_used=2, experts_shared=1, ff_exp=32, idx_heads=2, idx_dim=128, idx_topk=8,
+    window=16, hc=4, hash_layers=3, context=4096,
+)  # fmt: skip
+CTX, SEQS = 1024, 2
+
+# Everything f32 but the hash table; the planner is checked on structure, not on quant types.
+TYPES = {role: "F32" for role in mk.RECIPES["q8_0"]["types"]} | {"hash": "I32"}
+
+
+def write_gguf(d: mk.Dims, path: Path) -> dict:
+    data = mk.layout(d)
+    data["recipes"] = {"f32": {"description": "probe", "types": TYPES}}
+    data["default_recipe"] = "f32"
+    w = gguf.GGUFWriter(str(path), arch="deepseek4")
+    for key, value in data["metadata"].items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    p = "deepseek4."
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(p + "rope.freq_base", 10000.0)
+    w.add_float32(p + "attention.compress_rope_freq_base", 160000.0)
+    w.add_float32(p + "hyper_connection.epsilon", 1e-6)
+    w.add_uint32(p + "hyper_connection.sinkhorn_iterations", 20)
+    w.add_float32(p + "expert_weights_scale", 1.5)
+    w.add_bool(p + "expert_weights_norm", True)
+    w.add_uint32(p + "expert_gating_func", 4)  # sqrtsoftplus
+    w.add_float32(p + "swiglu_clamp_exp", 10.0)
+    w.add_uint32(p + "leading_dense_block_count", 0)
+    w.add_string("tokenizer.ggml.model", "no_vocab")
+    rng = np.random.default_rng(0)
+    for group in data["tensor_groups"]:
+        spec = group["layers"]
+        layers = [None] if spec == "global" else range(d.layers) if spec == "all" else spec
+        for il in layers:
+            for t in group["tensors"]:
+                name = t["name"].format(i=il) if il is not None else t["name"]
+                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
+                if t["role"] == "hash":
+                    arr = rng.integers(0, d.experts, shape, dtype=np.int32)
+                elif name.endswith("norm.weight"):
+                    arr = np.ones(shape, np.float32)
+                else:
+                    arr = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+                w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return data
+
+
+def main() -> int:
+    from dgr.backends import gguf_text
+    from dgr.backends.base import LayerRange
+    from dgr.backends.llama_engine import LlamaEngine
+    from dgr.backends.shardfile import write_shard
+    from dgr.errors import DgrError
+
+    lib = gguf_text.llama_lib()
+    # dgr keeps only llama.cpp's last 40 log lines; the cache sizes come earlier than that.
+    gguf_text._LOG = collections.deque(maxlen=100_000)
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "dsv4-tiny.gguf"
+        data = write_gguf(TINY, path)
+        n_tensors = len(gguf.GGUFReader(path).tensors)
+        print(f"tiny deepseek4 GGUF: {TINY.layers} layers, ratios {TINY.ratios}, {n_tensors} tensors")
+
+        # 1. names and shapes: llama.cpp loads exactly this tensor list, and computes with it.
+        gguf_text._LOG.clear()
+        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
+        log = "".join(gguf_text._LOG)
+        logits = e.eval(0, 0, np.arange(40, dtype=np.int32) % TINY.vocab, None)
+        ok = logits is not None and bool(np.isfinite(logits).all()) and float(np.ptp(logits)) > 0
+        print(f"1. llama.cpp loads the fixture's tensor list and computes finite logits: {'yes' if ok else 'NO'}")
+        failures += not ok
+
+        # 2. KV per layer kind: llama.cpp's logged cache sizes against the planner's terms, with
+        # dgr's engine as it is (llama.cpp's default swa_full=true) and with swa_full=false.
+        layout = layout_from_json(data, recipe="f32")
+        failures += _kv_check(log, layout, e.n_batch, swa_full=True)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx, cparams.n_seq_max, cparams.n_batch, cparams.n_ubatch = CTX * SEQS, SEQS, e.n_batch, e.n_batch
+        cparams.kv_unified, cparams.swa_full, cparams.n_threads, cparams.n_threads_batch = False, False, 1, 1
+        gguf_text._LOG.clear()
+        ctx = lib.llama_init_from_model(e._model, cparams)
+        failures += _kv_check("".join(gguf_text._LOG), layout, e.n_batch, swa_full=False)
+        lib.llama_free(ctx)
+
+        # 3. the layer-range technique.
+        model = e._model
+        n_in, n_out = lib.llama_model_n_embd_inp(model), lib.llama_model_n_embd_out(model)
+        print(f"3. embeddings input width {n_in}, residual width between layers {n_out} (= {n_out // n_in} x {n_in})")
+        failures += n_out != TINY.hc * TINY.hidden
+        e.close()
+        shard = Path(tmp) / "dsv4-tiny.3-6.gguf"
+        write_shard(path, LayerRange(3, 6), shard)
+        try:
+            LlamaEngine.load(shard, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX).close()
+            print("   shard GGUF of layers 3:6 (after the hash-routed layers): loads (unexpected)")
+            failures += 1
+        except DgrError as exc:
+            why = re.search(r"error loading model: (.*)", exc.message)
+            print(
+                f"   shard GGUF of layers 3:6 (after the hash-routed layers): refused by llama.cpp: "
+                f"{why.group(1) if why else exc.message[:200]}"
+            )
+        # Without hash layers a middle shard loads; it takes n_embd-wide input only.
+        flat = Path(tmp) / "dsv4-tiny-nohash.gguf"
+        write_gguf(attrs.evolve(TINY, hash_layers=0), flat)
+        middle = Path(tmp) / "dsv4-tiny-nohash.2-4.gguf"
+        write_shard(flat, LayerRange(2, 4), middle)
+        m = LlamaEngine.load(middle, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        try:
+            m.eval(0, 0, None, np.zeros((2, n_out), np.float32))
+            print(f"   middle shard 2:4 given the {n_out}-wide residual: accepted (unexpected)")
+            failures += 1
+        except DgrError as exc:
+            print(f"   middle shard 2:4 given the {n_out}-wide residual: refused ({exc.reason.value}: {exc.message})")
+        m.eval(0, 0, None, np.zeros((2, n_in), np.float32))
+        print(f"   middle shard 2:4 given {n_in} values per position: runs (on 4 copies of one stream)")
+        m.close()
+        head = Path(tmp) / "dsv4-tiny.0-4.gguf"
+        write_shard(path, LayerRange(0, 4), head)
+        h = LlamaEngine.load(head, hidden_out=True, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        try:
+            out = h.eval(0, 0, np.arange(4, dtype=np.int32), None)
+            print(f"   head shard 0:4, residual captured after its last layer: {None if out is None else out.shape}")
+        except DgrError as exc:
+            print(f"   head shard 0:4, residual captured after its last layer: no ({exc.reason.value}: {exc.message})")
+        h.close()
+    # Shards that lack a CSA or an HCA layer, each run in a child: llama.cpp may kill the process.
+    for layers, a, b, what in (
+        (2, 0, 2, "window-only layers 0:2"),
+        (3, 0, 3, "layers 0:3, no HCA"),
+        (6, 3, 4, "one HCA layer 3:4"),
+        (6, 2, 4, "layers 2:4, CSA and HCA"),
+    ):
+        child = subprocess.run(
+            [sys.executable, __file__, "--kinds", str(layers), str(a), str(b)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        print(
+            f"   a deepseek4 model/shard of {what}: "
+            + ("loads and runs" if child.returncode == 0 else f"the process dies (exit {child.returncode})")
+        )
+    print("all checks passed" if not failures else f"{failures} check(s) failed")
+    return 1 if failures else 0
+
+
+def _kv_check(log: str, layout, ubatch: int, *, swa_full: bool) -> int:
+    """Print llama.cpp's logged cache sizes next to the planner's; return the number that differ."""
+    planned: dict[str, int] = {}
+    for layer in layout.layers:
+        for term in layer.kv:
+            planned[term.name] = planned.get(term.name, 0) + SEQS * term.nbytes(CTX, "f16", ubatch, swa_full)
+    sizes = _mib_all(log, r"llama_kv_cache: size = +([\d.]+) MiB \( *\d+ cells, +\d+ layers")
+    raw = _mib(log, rf"llama_kv_cache: size = +([\d.]+) MiB \( *\d+ cells, +{TINY.layers} layers")
+    logged = {
+        "raw_k (window)": raw,
+        "csa_k+indexer_k+hca_k": sum(sizes) - raw,
+        "compressor states": sum(_mib_all(log, r"llama_dsv4_comp_state: +\w+ ratio .* size = +([\d.]+) MiB")),
+    }
+    want = {
+        "raw_k (window)": planned.get("raw_k", 0),
+        "csa_k+indexer_k+hca_k": sum(planned.get(k, 0) for k in ("csa_k", "indexer_k", "hca_k")),
+        "compressor states": sum(planned.get(k, 0) for k in ("csa_state", "indexer_state", "hca_state")),
+    }
+    print(f"2. KV at context {CTX} x {SEQS} sequences, f16, swa_full={swa_full} (llama.cpp log vs dgr.plan_layout):")
+    bad = 0
+    for k, v in want.items():
+        same = abs(logged[k] * 2**20 - v) < 0.006 * 2**20  # the log rounds to 0.01 MiB
+        bad += not same
+        print(
+            f"   {k:<22} llama.cpp {logged[k]:8.2f} MiB   planner {v / 2**20:8.2f} MiB   {'same' if same else 'DIFFERENT'}"
+        )
+    return bad
+
+
+def _mib(log: str, pattern: str) -> float:
+    m = re.search(pattern, log)
+    return float(m.group(1)) if m else 0.0
+
+
+def _mib_all(log: str, pattern: str) -> list[float]:
+    return [float(x) for x in re.findall(pattern, log)]
+
+
+def kinds_probe(layers: int, a: int, b: int) -> int:
+    """Load layers [a, b) of a tiny model with no hash layers and run four positions through them."""
+    from dgr.backends.base import LayerRange
+    from dgr.backends.llama_engine import LlamaEngine
+    from dgr.backends.shardfile import write_shard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "dsv4-tiny.gguf"
+        write_gguf(attrs.evolve(TINY, layers=layers, hash_layers=0), path)
+        if (a, b) != (0, layers):
+            shard = Path(tmp) / "shard.gguf"
+            write_shard(path, LayerRange(a, b), shard)
+            path = shard
+        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        if a == 0:
+            e.eval(0, 0, np.arange(4, dtype=np.int32), None)
+        else:
+            e.eval(0, 0, None, np.zeros((4, e.n_embd), np.float32))
+        e.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--kinds"]:
+        sys.exit(kinds_probe(*map(int, sys.argv[2:5])))
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Check `dgr plan` against the memory real llama.cpp shards take.
+
+For the default model split into 1, 2 and 3 shards, each shard runs in a
+fresh process the way a dgr llama_shard node holds it: dgr's node stack
+imported, the shard GGUF (dgr.backends.shardfile) loaded by
+dgr.backends.llama_engine with one sequence per session, a full-ubatch
+prefill and a few decode steps per session. The process's VmRSS is then
+compared with the planner's total for the same node (dgr.plan.shard_cost).
+
+It also prints the two constants the planner takes from here: the RSS of a
+node process before any model (LLAMA_CPU_RUNTIME_BYTES) and llama.cpp's
+"CPU compute buffer size" line (dgr.plan_layout.gguf_compute_rule).
+
+    python bench/plan_overhead.py [--context 2048] [--sessions 2]
+
+Not a test: it needs llama-cpp-python and takes a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dgr.backends.base import LayerRange
+from dgr.models import default_model_path
+from dgr.plan import (
+    LLAMA_CPU_RUNTIME_BYTES,
+    Node,
+    PlanParams,
+    format_size,
+    plan_even,
+    shard_cost,
+)
+from dgr.plan_layout import layout_from_gguf
+
+CHILD = r"""
+import json, sys, numpy as np
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
+import dgr.node.app, dgr.node.run  # the node stack, as a real node has it
+from dgr.backends import gguf_text
+from dgr.backends.llama_engine import LlamaEngine
+gguf_text.llama_lib()
+base = rss()
+path, is_head, is_tail, ctx, sessions = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
+e = LlamaEngine.load(path, hidden_out=not is_tail, n_threads=1, n_seq_max=sessions, n_ctx_seq=ctx)
+rng = np.random.default_rng(0)
+def feed(seq, pos, n):
+    if is_head:
+        e.eval(seq, pos, rng.integers(0, e.n_vocab, n, dtype=np.int32), None)
+    else:
+        e.eval(seq, pos, None, rng.standard_normal((n, e.n_embd)).astype(np.float32))
+for s in range(sessions):
+    feed(s, 0, e.n_batch)  # a full batch (= ubatch here), so the compute buffer is really used
+    for k in range(8):
+        feed(s, e.n_batch + k, 1)
+lines = [l.strip() for l in gguf_text._LOG if "compute buffer size" in l]
+print(json.dumps({"base": base, "rss": rss(), "compute_log": lines[-1] if lines else ""}))
+"""
+
+
+def run_shard(path: Path, layers: LayerRange, n_layers: int, ctx: int, sessions: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [str(path), str(int(layers.start == 0)), str(int(layers.stop == n_layers)), str(ctx), str(sessions)]
+    out = subprocess.run([sys.executable, "-c", CHILD, *args], check=False, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"shard {layers} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--sessions", type=int, default=2)
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2, 3])
+    args = ap.parse_args()
+
+    from dgr.backends.shardfile import shard_path
+
+    model = default_model_path()
+    layout = layout_from_gguf(model)
+    params = PlanParams(context=args.context, sessions=args.sessions)
+    print(f"model {model.name}, context {args.context} x {args.sessions} sessions, KV f16, n_threads 1")
+    print(f"{'shards':<7}{'layers':<8}{'planned':>12}{'RSS':>12}{'RSS/plan':>10}  compute buffer (llama.cpp log)")
+    bases, ratios = [], []
+    for k in args.shards:
+        for r in plan_even(layout, k):
+            path = model if k == 1 else shard_path(model, r)  # built here, so the child only loads
+            got = run_shard(path, r, layout.n_layers, args.context, args.sessions)
+            want = shard_cost(layout, params, Node("n", 0), r).total_bytes
+            bases.append(got["base"])
+            ratios.append(got["rss"] / want)
+            compute = re.sub(r".*=\s*", "", got["compute_log"])
+            print(
+                f"{k:<7}{r!s:<8}{format_size(want):>12}{format_size(got['rss']):>12}{got['rss'] / want:>10.3f}  {compute}"
+            )
+    print(
+        f"node process before any model: {format_size(min(bases))} to {format_size(max(bases))} "
+        f"(LLAMA_CPU_RUNTIME_BYTES = {format_size(LLAMA_CPU_RUNTIME_BYTES)})"
+    )
+    print(f"RSS/plan: {min(ratios):.3f} to {max(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
