@@ -57,6 +57,10 @@ class Reason(enum.Enum):
     BAD_CHECKSUM = "bad_checksum"
     FRAME_TOO_LARGE = "frame_too_large"
     ILLEGAL_TRANSITION = "illegal_transition"
+    # Who may talk to whom.
+    UNAUTHENTICATED = "unauthenticated"
+    REPLAYED = "replayed"
+    FORBIDDEN = "forbidden"
     # Capacity.
     NODE_AT_CAPACITY = "node_at_capacity"
     # The route failed us.
@@ -161,6 +165,9 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.BAD_CHECKSUM: (422, "seam_error"),
     Reason.FRAME_TOO_LARGE: (413, "seam_error"),
     Reason.ILLEGAL_TRANSITION: (409, "seam_error"),
+    Reason.UNAUTHENTICATED: (401, "authentication_error"),
+    Reason.REPLAYED: (401, "authentication_error"),
+    Reason.FORBIDDEN: (403, "permission_error"),
     Reason.NODE_AT_CAPACITY: (429, "rate_limit_error"),
     Reason.NO_ROUTE: (503, "route_error"),
     Reason.ROUTE_NODE_LOST: (502, "route_error"),

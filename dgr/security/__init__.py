@@ -1,0 +1,1 @@
+"""Who may talk to a route: cluster membership, session capabilities, API keys."""
