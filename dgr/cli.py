@@ -159,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dgr import plan
     from dgr.artifact import cli as artifact_cli
+    from dgr.bench import cli as bench_cli
 
     artifact_cli.register(sub)
     plan.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

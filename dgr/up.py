@@ -40,6 +40,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -
     )
     if args.model:
         cmd += ["--model", str(args.model)]
+    if getattr(args, "manifest", None):
+        cmd += ["--manifest", str(args.manifest)]
     return cmd
 
 
@@ -55,7 +57,8 @@ async def run_up(args) -> None:
             tracker = await nursery.start(
                 run_child, "tracker",
                 dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-                            "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype),
+                            "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype,
+                            *(["--manifest", str(args.manifest)] if getattr(args, "manifest", None) else [])),
             )
             url = tracker.ready["url"]
             print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "

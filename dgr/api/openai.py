@@ -39,6 +39,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     telemetry_chunks: bool
+    ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
 
     def tokenize_body(self) -> dict[str, Any]:
         if self.kind == "chat":
@@ -139,6 +140,9 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     telemetry = body.get("dgr_telemetry", False)
     if not isinstance(telemetry, bool):
         raise _bad("'dgr_telemetry' must be a boolean", "dgr_telemetry")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -150,6 +154,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         telemetry_chunks=telemetry,
+        ignore_eos=ignore_eos,
     )
 
 

@@ -1,4 +1,4 @@
-"""The node's HTTP face: seam sessions and steps, tokenizing, status.
+"""The node's HTTP face: seam sessions and steps, tokenizing, status, artifact proofs.
 
 `POST /v1/seam/step` is served by a bare ASGI handler in front of Quart: it
 runs once per token per hop, and Quart's request and response objects cost
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import install_error_handlers, json_response, read_json
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
+from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.wire import CONTENT_TYPE
@@ -24,7 +26,8 @@ __all__ = ["make_node_app", "seam_fast_path"]
 _JSON_LIMIT = 4 * 1024 * 1024
 
 
-def make_node_app(service: NodeService) -> QuartTrio:
+def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
+    """The node's app; with an artifact it also answers the tracker's layer-possession challenges."""
     app = QuartTrio("dgr.node")
     app.config["MAX_CONTENT_LENGTH"] = service.max_frame_bytes
     install_error_handlers(app)
@@ -79,6 +82,23 @@ def make_node_app(service: NodeService) -> QuartTrio:
             raise CallerError(Reason.INVALID_REQUEST, "tokenize needs messages or a prompt string")
         tokens = backend.tokenize(text, add_special=True, parse_special=True)
         return json_response({"tokens": tokens, "text": text})
+
+    def _artifact() -> NodeArtifact:
+        if artifact is None:
+            raise CallerError(Reason.NOT_FOUND, f"{service.node_id} claims no Model Artifact (no --manifest)")
+        return artifact
+
+    @app.post("/v1/artifact/challenge")
+    async def artifact_challenge():
+        art = _artifact()
+        body = await read_json(_JSON_LIMIT)
+        # Reading and hashing a piece blocks; the limiter keeps a flood of
+        # challenges from taking every worker thread.
+        return json_response(await trio.to_thread.run_sync(art.answer, body, limiter=art.limiter))
+
+    @app.get("/v1/artifact")
+    async def artifact_status():
+        return json_response(_artifact().status())
 
     @app.get("/v1/node/status")
     async def status():

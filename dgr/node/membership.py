@@ -4,6 +4,11 @@ A heartbeat the tracker does not recognise (it restarted, or declared us
 dead) is answered 404, and the node registers again. A tracker that cannot
 be reached is retried at the heartbeat period; the node keeps serving its
 open sessions meanwhile.
+
+A node with a Model Artifact adds its claim (manifest id, seed address) to
+each registration; the tracker answers with the proof's state, and every
+heartbeat reply repeats it, so the node can say on stderr when its layers
+are proven (or why not).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import httpx
 import trio
 
+from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
 
 __all__ = ["HEARTBEAT_S", "stay_registered", "registration"]
@@ -23,9 +29,11 @@ log = logging.getLogger("dgr.node")
 HEARTBEAT_S = 0.25
 
 
-def registration(service: NodeService, url: str) -> dict[str, Any]:
+def registration(service: NodeService, url: str, artifact: NodeArtifact | None = None) -> dict[str, Any]:
     backend = service.backend
+    claim = {} if artifact is None else {"artifact": artifact.claim()}
     return {
+        **claim,
         "node": service.node_id,
         "url": url,
         "pid": os.getpid(),
@@ -41,25 +49,59 @@ def _load(service: NodeService) -> dict[str, Any]:
     return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.backend.kv_bytes()}
 
 
-async def stay_registered(service: NodeService, tracker: str, url: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Register with the tracker, report ready, then heartbeat forever."""
+def _note_proof(artifact: NodeArtifact | None, reply: Any) -> None:
+    """Keep the tracker's latest proof verdict and say it on stderr when it changes."""
+    proof = reply.get("proof") if isinstance(reply, dict) else None
+    if artifact is None or not isinstance(proof, dict) or proof == artifact.proof:
+        return
+    before = artifact.proof.get("state")
+    artifact.proof = proof
+    state = proof.get("state")
+    if state == before:
+        return
+    if state == "passed":
+        artifact.timings.setdefault("proved_after_s", artifact.age())
+        say(f"layers {artifact.layers} proven to the tracker: {proof.get('message', '')}; routable")
+    elif state == "failed":
+        say(f"the tracker refused the layer proof ({proof.get('reason')}): {proof.get('message', '')}; not routed")
+    elif state == "pending":
+        say("registered; the tracker is challenging the layer claim")
+
+
+def _decided(artifact: NodeArtifact | None) -> bool:
+    return artifact is None or artifact.proof.get("state") in ("passed", "failed", "none")
+
+
+async def stay_registered(service: NodeService, tracker: str, url: str, *, artifact: NodeArtifact | None = None,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Register with the tracker, report ready, then heartbeat forever.
+
+    With an artifact, ready means the tracker has decided on the layer claim
+    (passed or failed), so `dgr up` announces the API once nodes are routable.
+    """
     started = False
     async with httpx.AsyncClient(base_url=tracker, timeout=2.0) as client:
         registered = False
         while True:
             try:
                 if not registered:
-                    r = await client.post("/v1/nodes/register", json=registration(service, url))
+                    r = await client.post("/v1/nodes/register", json=registration(service, url, artifact))
                     r.raise_for_status()
+                    _note_proof(artifact, r.json())
                     registered = True
                     log.info("registered with %s as %s", tracker, service.node_id)
-                    if not started:
+                    if not started and _decided(artifact):
                         started = True
                         task_status.started()
                 r = await client.post("/v1/nodes/heartbeat", json=_load(service))
                 if r.status_code == 404:
                     registered = False
                     continue
+                if r.status_code == 200:
+                    _note_proof(artifact, r.json())
+                if not started and _decided(artifact):
+                    started = True
+                    task_status.started()
             except (httpx.TransportError, httpx.HTTPStatusError) as exc:
                 registered = False
                 log.warning("tracker %s unreachable or refused: %s", tracker, exc)

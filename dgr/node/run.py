@@ -1,13 +1,21 @@
-"""`dgr node`: load a backend, serve it, join the tracker, expire idle sessions."""
+"""`dgr node`: load a backend, serve it, join the tracker, expire idle sessions.
+
+With a Model Artifact (dgr.node.artifact), the node also seeds its file and
+claims its layers at registration; seeding starts first so that the claim
+can carry the seed address, and the HTTP app before registration so that the
+tracker's challenges find it answering.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import trio
 
 from dgr.backends.base import ShardBackend
 from dgr.node.app import make_node_app
+from dgr.node.artifact import NodeArtifact, seed_artifact
 from dgr.node.membership import stay_registered
 from dgr.node.service import NodeService
 from dgr.serve import print_ready, serve_app
@@ -22,15 +30,17 @@ async def _expire(service: NodeService) -> None:
 
 
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
-                   idle_timeout_s: float = 120.0) -> None:
+                   idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None, seed_port: int = 0) -> None:
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s)
-    app = make_node_app(service)
+    app = make_node_app(service, artifact=artifact)
     try:
         async with trio.open_nursery() as nursery:
+            if artifact is not None:
+                await nursery.start(seed_artifact, artifact, host, seed_port)
             url = await nursery.start(serve_app, app, host, port)
             nursery.start_soon(_expire, service)
             if tracker:
-                await nursery.start(stay_registered, service, tracker, url)
+                await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact))
             print_ready({"role": "node", "node": node_id, "url": url, "layers": str(backend.layers)})
     finally:
         backend.close()

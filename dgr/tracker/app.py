@@ -1,4 +1,4 @@
-"""The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry."""
+"""The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry, artifact peers."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse
 from dgr.errors import CallerError, Failure, Reason, openai_error_body
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
+from dgr.tracker.proofs import Prover
 
 __all__ = ["make_tracker_app", "SESSION_HEADER"]
 
@@ -34,7 +35,9 @@ def _comment(snapshot: dict[str, Any]) -> bytes:
     return f": dgr-telemetry {json.dumps(snapshot)}\n\n".encode()
 
 
-def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024) -> QuartTrio:
+def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
+                     prover: Prover | None = None) -> QuartTrio:
+    """The tracker's app. Without a prover, every Model Artifact claim fails (nothing can check it)."""
     app = QuartTrio("dgr.tracker")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     install_error_handlers(app)
@@ -44,23 +47,47 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024)
     @app.post("/v1/nodes/register")
     async def register():
         entry = registry.register(await read_json(_REGISTRY_LIMIT), time.monotonic())
-        return json_response({"node": entry.node_id, "registered": True})
+        (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
+        return json_response({"node": entry.node_id, "registered": True, "proof": entry.proof.to_json()})
 
     @app.post("/v1/nodes/heartbeat")
     async def heartbeat():
-        registry.heartbeat(await read_json(_REGISTRY_LIMIT), time.monotonic())
-        return json_response({"ok": True})
+        entry = registry.heartbeat(await read_json(_REGISTRY_LIMIT), time.monotonic())
+        # The node learns its proof verdict here, to show it to its operator.
+        return json_response({"ok": True, "proof": entry.proof.to_json()})
 
     @app.get("/v1/nodes")
     async def nodes():
         now = time.monotonic()
         return json_response({"nodes": [n.to_json(now) for n in registry.nodes.values()]})
 
+    # -- Model Artifacts --------------------------------------------------------
+    @app.get("/v1/artifacts")
+    async def artifacts():
+        known = [] if prover is None else sorted(prover.manifests.values(), key=lambda m: m.id)
+        return json_response({"artifacts": [
+            {"manifest_id": m.id, "file": m.file.name, "size": m.file.size, "architecture": m.model.architecture,
+             "block_count": m.model.block_count, "info_hash_v2": m.torrent.info_hash_v2,
+             "seeders": len(registry.seeders(m.id))}
+            for m in known
+        ]})
+
+    @app.get("/v1/artifacts/<manifest_id>/peers")
+    async def artifact_peers(manifest_id: str):
+        if prover is None or manifest_id not in prover.manifests:
+            raise CallerError(Reason.NOT_FOUND, f"this tracker does not know manifest {manifest_id[:12]}")
+        return json_response({"manifest_id": manifest_id, "peers": [
+            {"node": n.node_id, "seed": n.seed, "layers": f"{n.start}:{n.stop}"} for n in registry.seeders(manifest_id)
+        ]})
+
     # -- OpenAI API -------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
         data = []
         for name, entries in sorted(gateway.models().items()):
+            entries = [n for n in entries if n.routable]
+            if not entries:
+                continue
             first = entries[0]
             data.append({
                 "id": name,

@@ -425,7 +425,7 @@ class Gateway:
             else:
                 self.metrics.token_latency_seconds.observe(now - last)
             last = now
-            if token.eog:
+            if token.eog and not live.request.ignore_eos:
                 return self._finish(live, "stop")
             live.completion_tokens += 1
             text = live.text.feed(token.piece)

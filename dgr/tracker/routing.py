@@ -1,8 +1,11 @@
 """Choosing an Inference Route: a contiguous cover of [0, n_layers).
 
 The rule, in order:
-1. Only live nodes serving the requested model, and only nodes of one weight
-   digest in a route: nodes with other files of the same model are never mixed.
+1. Only live, routable nodes serving the requested model (a node whose
+   Model Artifact proof is pending or failed is not routable, see
+   dgr.tracker.registry), and only nodes of one weight digest and one
+   manifest id in a route: nodes with other files of the same model, or
+   claiming other manifests, are never mixed.
 2. Fewest hops: every hop costs a network round trip per decoded token.
 3. Among routes with the fewest hops, the least loaded: the lowest maximum
    session load (sessions / capacity) over the route's nodes, then the lowest
@@ -27,6 +30,11 @@ class RouteChoice:
     hops: tuple[Hop, ...]
     nodes: tuple[NodeEntry, ...]
     digest: str
+    manifest_id: str | None = None
+
+
+def _group_key(n: NodeEntry) -> tuple[str, str]:
+    return (n.model.digest, n.manifest_id or "")
 
 
 def missing_ranges(nodes: list[NodeEntry], n_layers: int) -> list[str]:
@@ -72,15 +80,17 @@ def choose_route(candidates: list[NodeEntry], model: str) -> RouteChoice:
         CallerError(NODE_AT_CAPACITY): a route exists but its nodes are full.
         PeerError(NO_ROUTE): live nodes leave layer ranges uncovered.
     """
-    serving = [n for n in candidates if n.alive and n.model.name == model]
-    if not serving:
+    named = [n for n in candidates if n.alive and n.model.name == model]
+    if not named:
         raise CallerError(Reason.MODEL_NOT_FOUND, f"the model {model!r} does not exist or no live node serves it")
-    by_digest: dict[str, list[NodeEntry]] = {}
+    serving = [n for n in named if n.routable]
+    unproven = sorted(f"{n.node_id} ({n.proof.state.value})" for n in named if not n.routable)
+    by_digest: dict[tuple[str, str], list[NodeEntry]] = {}
     for n in serving:
-        by_digest.setdefault(n.model.digest, []).append(n)
+        by_digest.setdefault(_group_key(n), []).append(n)
     capacity_blocked = False
     best: RouteChoice | None = None
-    for digest, group in sorted(by_digest.items()):
+    for (digest, manifest_id), group in sorted(by_digest.items()):
         n_layers = group[0].model.n_layers
         path = _best_path([n for n in group if not n.full()], n_layers)
         if path is None:
@@ -88,14 +98,18 @@ def choose_route(candidates: list[NodeEntry], model: str) -> RouteChoice:
             continue
         if best is None or len(path) < len(best.nodes):
             hops = tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path)
-            best = RouteChoice(hops, path, digest)
+            best = RouteChoice(hops, path, digest, manifest_id or None)
     if best is not None:
         return best
     if capacity_blocked:
         raise CallerError(Reason.NODE_AT_CAPACITY, "every route for this model is at its session capacity", retry_after=1)
-    gaps = sorted({g for group in by_digest.values() for g in missing_ranges(group, group[0].model.n_layers)})
+    if by_digest:
+        gaps = sorted({g for group in by_digest.values() for g in missing_ranges(group, group[0].model.n_layers)})
+    else:
+        gaps = missing_ranges([], named[0].model.n_layers)
+    why = f"; not routable (layer proof pending or failed): {', '.join(unproven)}" if unproven else ""
     raise PeerError(
         Reason.NO_ROUTE,
-        f"no live route covers all layers of {model!r}; missing layers: {', '.join(gaps)}",
+        f"no live route covers all layers of {model!r}; missing layers: {', '.join(gaps)}{why}",
         missing=gaps,
     )

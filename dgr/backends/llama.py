@@ -1,0 +1,310 @@
+"""The llama.cpp backend: a whole GGUF model on one node, head and tail.
+
+`LlamaBackend` runs layers [0, n) of the user's GGUF file as is. The session
+bookkeeping, the architecture check and `describe()` are shared with
+`LlamaShardBackend` (dgr.backends.llama_shard) through `LlamaCppBackend`.
+
+Architectures: only `llama` is accepted. For it, the vendored llama.cpp of
+llama-cpp-python 0.3.36 was read (src/models/llama.cpp, src/llama-graph.cpp):
+- the input embedding is not scaled: `f_embedding_scale` is read only by
+  other architectures (granite, grok, minicpm, ...), and where it is set,
+  `build_inp_embd` scales `batch.embd` input too, which would scale twice on
+  a middle shard;
+- each layer ends with `cb(cur, "l_out", il)`, named `l_out-{il}`;
+- with no `output.weight`, the head is tied to `token_embd` (SmolLM2), so a
+  tail shard keeps token_embd, as every shard must anyway.
+Any other architecture is refused at load with CallerError(MODEL_LOAD_FAILED).
+
+Sessions: a Route Session id maps to one llama.cpp seq_id of the engine's
+context; `max_sessions` seq_ids exist, each with `n_ctx` KV cells, all
+allocated at load (see dgr.backends.llama_engine for the bytes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dgr.backends.base import ChatMessage, LayerRange, ModelInfo, ShardBackend
+from dgr.backends.gguf_text import GgufText, llama_lib
+from dgr.backends.llama_engine import (
+    DEFAULT_N_BATCH,
+    GgufHeader,
+    LlamaEngine,
+    read_gguf_header,
+)
+from dgr.backends.shardfile import file_sha256
+from dgr.errors import CallerError, Reason
+from dgr.models import check_gguf_file
+
+__all__ = [
+    "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_N_CTX",
+    "SUPPORTED_ARCHITECTURES",
+    "LlamaBackend",
+    "LlamaCppBackend",
+    "check_architecture",
+    "default_threads",
+]
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+DEFAULT_N_CTX = 2048
+DEFAULT_MAX_SESSIONS = 4
+
+
+def check_architecture(path: str | Path) -> GgufHeader:
+    """The GGUF's header, if llama.cpp backends may run its architecture.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): missing, unreadable, not GGUF, or an
+        architecture whose graph was not checked (see the module docstring).
+    """
+    p = check_gguf_file(path)
+    header = read_gguf_header(p)
+    if header.architecture not in SUPPORTED_ARCHITECTURES:
+        raise CallerError(
+            Reason.MODEL_LOAD_FAILED,
+            f"architecture {header.architecture!r} of {p} is not supported by the llama.cpp backends "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
+        )
+    if header.n_layer <= 0 or header.n_embd <= 0 or header.context_length <= 0:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF lacks block_count, embedding_length or context_length: {p}")
+    return header
+
+
+class LlamaCppBackend(ShardBackend):
+    """Session bookkeeping over one LlamaEngine; subclasses choose the file and layers."""
+
+    source: Path  # the user's full model file
+    header: GgufHeader  # of the source
+    engine: LlamaEngine
+    text: GgufText | None  # head and tail only
+    n_threads: int
+    n_ctx: int
+
+    def _setup(
+        self,
+        source: Path,
+        header: GgufHeader,
+        layers: LayerRange,
+        engine_file: Path,
+        *,
+        n_threads: int,
+        n_ctx: int,
+        max_sessions: int,
+        n_batch: int,
+        name: str | None,
+    ) -> None:
+        self.source = source
+        self.header = header
+        self.layers = layers
+        self.n_threads = n_threads
+        self.n_ctx = n_ctx
+        self._sessions: dict[str, int] = {}  # Route Session id -> seq_id
+        self._limits: dict[str, int] = {}  # Route Session id -> max_positions
+        digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
+        is_tail = layers.stop == header.n_layer  # self.info does not exist yet
+        self.text = GgufText.load(source) if (layers.start == 0 or is_tail) else None
+        try:
+            self.engine = LlamaEngine.load(
+                engine_file,
+                hidden_out=not is_tail,
+                n_threads=n_threads,
+                n_seq_max=max_sessions,
+                n_ctx_seq=n_ctx,
+                n_batch=n_batch,
+            )
+        except BaseException:
+            if self.text is not None:
+                self.text.close()
+            raise
+        self.info = ModelInfo(
+            name=name or source.stem,
+            architecture=header.architecture,
+            n_layers=header.n_layer,
+            hidden_size=header.n_embd,
+            seam_width=self.engine.n_embd,
+            vocab_size=self.engine.n_vocab,
+            context_length=header.context_length,
+            digest=digest,
+            metadata={"quantization": sorted(header.tensor_types)},
+        )
+
+    # -- sessions -----------------------------------------------------------
+    def open_session(self, sid: str, max_positions: int) -> None:
+        """Give `sid` a free seq_id.
+
+        Raises:
+            CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)
+        """
+        if sid in self._sessions:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} is already open")
+        if max_positions > self.engine.n_ctx_seq:
+            raise CallerError(
+                Reason.CONTEXT_LENGTH_EXCEEDED,
+                f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session",
+            )
+        used = set(self._sessions.values())
+        free = next((s for s in range(self.engine.n_seq_max) if s not in used), None)
+        if free is None:
+            raise CallerError(Reason.NODE_AT_CAPACITY, f"all {self.engine.n_seq_max} sessions are in use")
+        self.engine.seq_rm(free)  # a seq_id comes back clean whatever happened before
+        self._sessions[sid] = free
+        self._limits[sid] = max_positions
+
+    def close_session(self, sid: str) -> None:
+        seq = self._sessions.pop(sid, None)
+        self._limits.pop(sid, None)
+        if seq is not None:
+            self.engine.seq_rm(seq)
+
+    def _seq(self, sid: str) -> int:
+        seq = self._sessions.get(sid)
+        if seq is None:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no open session {sid}")
+        return seq
+
+    def forward(
+        self,
+        sid: str,
+        pos0: int,
+        token_ids: np.ndarray | None,  # int32 [n] (head)
+        hidden: np.ndarray | None,  # float32 [n, W] (non-head)
+        want_logits: bool,
+    ) -> np.ndarray | None:
+        """Positions [pos0, pos0 + n) through this node's layers.
+
+        Returns float32 [n, W] on a non-tail shard; float32 [vocab] logits of
+        the last position on the tail when want_logits, else None.
+
+        Raises:
+            CallerError(UNKNOWN_SESSION | INVALID_REQUEST | WRONG_WIDTH |
+            POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED)
+            PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed.
+        """
+        seq = self._seq(sid)
+        if self.is_head:
+            if token_ids is None:
+                raise CallerError(Reason.INVALID_REQUEST, "the head shard takes token ids")
+            n = int(np.size(token_ids))
+            tokens, embd = token_ids, None
+        else:
+            if hidden is None:
+                raise CallerError(Reason.INVALID_REQUEST, "a non-head shard takes hidden states")
+            n = int(hidden.shape[0])
+            tokens, embd = None, hidden
+        if pos0 + n > self._limits[sid]:
+            raise CallerError(
+                Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {pos0 + n} positions exceed {self._limits[sid]}"
+            )
+        return self.engine.eval(seq, pos0, tokens, embd, want_logits)
+
+    def positions_computed(self, sid: str) -> int:
+        return self.engine.evaluated(self._seq(sid))
+
+    def kv_bytes(self) -> int:
+        per = self.engine.kv_bytes_per_position()
+        return sum(self.engine.positions(seq) * per for seq in self._sessions.values())
+
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def max_sessions(self) -> int:
+        return self.engine.n_seq_max
+
+    # -- text ------------------------------------------------------------------
+    def _text(self) -> GgufText:
+        if self.text is None:
+            raise CallerError(Reason.INVALID_REQUEST, f"layers {self.layers} are neither head nor tail: no text here")
+        return self.text
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self._text().tokenize(text, add_special, parse_special)
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        return self._text().render_chat(messages)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._text().token_bytes(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self._text().is_eog(token)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        self._sessions.clear()
+        self._limits.clear()
+        self.engine.close()
+        if self.text is not None:
+            self.text.close()
+
+    def describe(self) -> dict[str, Any]:
+        import llama_cpp
+
+        return {
+            "backend": self.name,
+            "layers": str(self.layers),
+            "llama_cpp_python": llama_cpp.__version__,
+            "llama_cpp_system_info": llama_lib().llama_print_system_info().decode().strip(),
+            "architecture": self.info.architecture,
+            "n_layers": self.info.n_layers,
+            "hidden_size": self.info.hidden_size,
+            "context_length": self.info.context_length,
+            "quantization": {t: b for t, b in sorted(self.header.tensor_types.items())},  # type -> bytes
+            "file": str(self.source),
+            "file_size": self.source.stat().st_size,
+            "sha256": self.info.digest,
+            "engine_file": str(self.engine.path),
+            "engine_file_size": self.engine.path.stat().st_size,
+            "threads": self.n_threads,
+            "n_batch": self.engine.n_batch,
+            "n_ctx_per_session": self.engine.n_ctx_seq,
+            "max_sessions": self.engine.n_seq_max,
+            "kv_bytes_per_position": self.engine.kv_bytes_per_position(),
+            "kv_bytes_allocated": self.engine.kv_bytes_per_position() * self.engine.n_ctx_seq * self.engine.n_seq_max,
+            "sessions": len(self._sessions),
+        }
+
+
+def default_threads() -> int:
+    """All cores; with several nodes on one machine pass cores / nodes instead."""
+    return max(1, os.cpu_count() or 1)
+
+
+class LlamaBackend(LlamaCppBackend):
+    """A whole GGUF model in one llama.cpp context: layers [0, n), head and tail."""
+
+    name = "llama"
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        n_threads: int | None = None,
+        n_ctx: int = DEFAULT_N_CTX,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        n_batch: int = DEFAULT_N_BATCH,
+        name: str | None = None,
+    ) -> None:
+        """Load `model` whole. `n_ctx` is positions per session; n_batch, positions per llama_decode.
+
+        Raises:
+            CallerError(MODEL_LOAD_FAILED): the file is missing, unreadable,
+            not GGUF, of an unsupported architecture, or refused by llama.cpp.
+        """
+        source = check_gguf_file(model).resolve()
+        header = check_architecture(source)
+        self._setup(
+            source,
+            header,
+            LayerRange(0, header.n_layer),
+            source,
+            n_threads=n_threads or default_threads(),
+            n_ctx=n_ctx,
+            max_sessions=max_sessions,
+            n_batch=n_batch,
+            name=name,
+        )

@@ -1,0 +1,468 @@
+"""The low-level llama.cpp engine: one GGUF, one context, many sessions.
+
+llama.cpp has no public layer-range API (spec/llama-layer-boundary.md), so a
+shard is a GGUF holding only its layers (dgr.backends.shardfile) and this
+engine drives it through llama-cpp-python's ctypes module:
+- input is token ids (head) or float32 hidden states via `batch.embd`;
+- positions are explicit and continue across chunks and decode steps;
+- on a non-tail shard (`hidden_out`), a `cb_eval` callback captures
+  `l_out-{n_layer-1}`, the residual stream after the file's last layer, and
+  returns False in its data phase, which stops the graph before the output
+  norm and LM head; every row is marked as output, because llama.cpp keeps
+  only output rows in the last layer (`inp_out_ids`);
+- on the tail, the logits of the last position are returned.
+A chunk of n_batch positions is one llama_decode call and one ubatch; longer
+inputs are split into chunks whose captured rows are concatenated in order.
+
+Sessions: one llama_context with `n_seq_max` sequences, a seq_id per Route
+Session, each with its own KV stream of `n_ctx_seq` cells (kv_unified off).
+The KV is allocated once, up front, for all sequences:
+    n_seq_max * n_ctx_seq * n_layer * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16)
+`kv_bytes_per_position` gives the last three factors; for SmolLM2-135M it is
+30 * (192 + 192) * 2 = 23,040 bytes, so 2,048 positions cost 45 MiB a session.
+
+Blocking calls only, never two at once: the node's trio driver calls them in
+a thread with a limiter of one. The ctypes callback object is kept on the
+engine, because llama.cpp holds a raw pointer to it.
+
+Left out: sampling, tokenization (dgr.backends.gguf_text), layer slicing
+(dgr.backends.shardfile), architecture policy (the backends).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dgr.backends.gguf_text import llama_lib, llama_log_tail
+from dgr.errors import CallerError, PeerError, Reason
+from dgr.models import check_gguf_file
+
+__all__ = ["DEFAULT_N_BATCH", "GgufHeader", "LlamaEngine", "ggml_lib", "read_gguf_header"]
+
+_GGML_TYPE_F32 = 0
+_GGUF_TYPE_STRING = 8
+# gguf_type -> ctypes integer type, for the integer keys read here
+_GGUF_INTS = {
+    0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16,
+    4: ctypes.c_uint32, 5: ctypes.c_int32, 10: ctypes.c_uint64, 11: ctypes.c_int64,
+}
+_GGML: dict[str, Any] = {}
+
+
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+def ggml_lib() -> ctypes.CDLL:
+    """libggml-base from llama-cpp-python's lib folder, with the few functions used here."""
+    lib = _GGML.get("lib")
+    if lib is not None:
+        return lib
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    vp, c64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+    for name, args, res in [
+        ("ggml_get_name", [vp], vp),  # a pointer, not bytes: used to find the name's offset
+        ("ggml_nbytes", [vp], sz),
+        ("ggml_backend_tensor_get", [vp, vp, sz, sz], None),
+        ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
+        ("gguf_init_from_file", [ctypes.c_char_p, _GgufInitParams], vp),
+        ("gguf_free", [vp], None),
+        ("gguf_find_key", [vp, ctypes.c_char_p], c64),
+        ("gguf_get_kv_type", [vp, c64], ctypes.c_int),
+        ("gguf_get_val_str", [vp, c64], ctypes.c_char_p),
+        ("gguf_get_val_data", [vp, c64], vp),
+        ("gguf_get_n_tensors", [vp], c64),
+        ("gguf_get_tensor_type", [vp, c64], ctypes.c_int),
+        ("gguf_get_tensor_size", [vp, c64], sz),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _GGML["lib"] = lib
+    return lib
+
+
+@attrs.frozen
+class GgufHeader:
+    """What is known of a GGUF before loading it."""
+
+    architecture: str
+    n_layer: int  # {arch}.block_count; 0 when absent
+    n_embd: int  # {arch}.embedding_length; 0 when absent
+    context_length: int  # {arch}.context_length (training context); 0 when absent
+    tensor_types: dict[str, int]  # ggml type name -> bytes of tensor data
+
+
+def read_gguf_header(path: str | Path) -> GgufHeader:
+    """Architecture and tensor types of a GGUF, read by ggml's own GGUF parser.
+
+    gguf-py's GGUFReader takes seconds on a 49k-token vocabulary; this takes
+    milliseconds, and it is the parser llama.cpp itself will use.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): missing, unreadable or not GGUF.
+    """
+    p = check_gguf_file(path)
+    g = ggml_lib()
+    ctx = g.gguf_init_from_file(str(p).encode(), _GgufInitParams(True, None))
+    if not ctx:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"not a readable GGUF file: {p}")
+    try:
+        kid = g.gguf_find_key(ctx, b"general.architecture")
+        if kid < 0 or g.gguf_get_kv_type(ctx, kid) != _GGUF_TYPE_STRING:
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no general.architecture: {p}")
+        arch = g.gguf_get_val_str(ctx, kid).decode()
+        types: Counter[str] = Counter()
+        for i in range(g.gguf_get_n_tensors(ctx)):
+            types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
+        return GgufHeader(
+            architecture=arch,
+            n_layer=_int_key(ctx, f"{arch}.block_count"),
+            n_embd=_int_key(ctx, f"{arch}.embedding_length"),
+            context_length=_int_key(ctx, f"{arch}.context_length"),
+            tensor_types=dict(types),
+        )
+    finally:
+        g.gguf_free(ctx)
+
+
+def _int_key(ctx: int, key: str) -> int:
+    """An integer metadata value, or 0 when the key is absent or not an integer."""
+    g = ggml_lib()
+    kid = g.gguf_find_key(ctx, key.encode())
+    ctype = _GGUF_INTS.get(g.gguf_get_kv_type(ctx, kid)) if kid >= 0 else None
+    if ctype is None:
+        return 0
+    return int(ctype.from_address(g.gguf_get_val_data(ctx, kid)).value)
+
+
+_EvalCallback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+# Positions per llama_decode call (and per ubatch). Every stage of a route, and the
+# single-node model it is compared with, must use the same value: a different
+# split of a prefill changes the float sums, so the logits stop being bit-identical.
+# On a non-tail shard it also sizes the logits buffer llama.cpp reserves and copies
+# (uncomputed) because every row is an output: n_batch x n_vocab x 4 bytes.
+DEFAULT_N_BATCH = 512
+
+
+@attrs.define(eq=False)
+class _Capture:
+    """cb_eval for a non-tail shard: capture one named tensor, then stop the graph.
+
+    The ask phase runs for every graph node, in order, before any of them is
+    computed (ggml-backend.cpp, ggml_backend_sched_compute_splits), about 31
+    times per layer, so it must be cheap. Reading a node's name from Python
+    costs about 0.5 us, so the address of the target node is learned by name
+    once and then compared as an int; llama.cpp builds each graph the same
+    way into the same memory, so it stays put. If it ever moves, the data
+    phase sees a wrong name and goes on by name, or nothing is captured and
+    the engine recomputes that chunk by name (`misses` counts it).
+    """
+
+    target: bytes  # b"l_out-{il}\0": with the NUL, l_out-2 never matches l_out-29
+    captured: list[np.ndarray] = attrs.field(factory=list)  # float32 [rows * n_embd] per ubatch
+    known: list[int] = attrs.field(factory=lambda: [0])  # [address of the target node], 0 = unknown
+    misses: int = 0
+    cfunc: Any = None  # the ctypes callback object: llama.cpp keeps a raw pointer to it
+
+    def __attrs_post_init__(self) -> None:
+        g = ggml_lib()
+        name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
+        target, n, known, captured = self.target, len(self.target), self.known, self.captured
+        string_at, nbytes, tensor_get = ctypes.string_at, g.ggml_nbytes, g.ggml_backend_tensor_get
+
+        def cb(t: int, ask: bool, _user: int) -> bool:
+            if ask:
+                if known[0]:
+                    return t == known[0]
+                return string_at(t + name_off, n) == target
+            if string_at(t + name_off, n) != target:
+                known[0] = 0  # another node lives there now: keep computing, look by name
+                return True
+            known[0] = t
+            if ctypes.c_int.from_address(t).value != _GGML_TYPE_F32:
+                captured.append(np.zeros(0, np.int8))  # the engine reports the wrong type
+                return False
+            size = nbytes(t)
+            rows = np.empty(size // 4, np.float32)  # [ubatch rows * n_embd]
+            tensor_get(t, rows.ctypes.data, 0, size)
+            captured.append(rows)
+            return False  # stop: the output norm and the LM head are not this shard's work
+
+        self.cfunc = _EvalCallback(cb)
+
+
+@attrs.define(eq=False)
+class LlamaEngine:
+    """A loaded GGUF and one llama_context with `n_seq_max` sequences."""
+
+    path: Path
+    hidden_out: bool  # non-tail: return hidden states of l_out-{n_layer-1}, skip the head
+    n_threads: int
+    n_seq_max: int
+    n_ctx_seq: int  # KV cells per sequence (llama.cpp pads to 256)
+    n_batch: int  # positions per llama_decode call (= n_ubatch)
+    n_layer: int  # layers in this file
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    _model: int | None = attrs.field(repr=False)  # llama_model *
+    _ctx: int | None = attrs.field(repr=False)  # llama_context *
+    _mem: int | None = attrs.field(repr=False)  # llama_memory_t
+    _capture: _Capture | None = attrs.field(repr=False)
+    _n_pos: dict[int, int] = attrs.field(factory=dict)  # seq -> positions in KV
+    _evaluated: dict[int, int] = attrs.field(factory=dict)  # seq -> positions evaluated since freed
+    _batch: dict[str, np.ndarray] = attrs.field(factory=dict, repr=False)
+    _ptrs: dict[str, Any] = attrs.field(factory=dict, repr=False)  # ctypes pointers into _batch
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        hidden_out: bool,
+        n_threads: int,
+        n_seq_max: int,
+        n_ctx_seq: int,
+        n_batch: int = DEFAULT_N_BATCH,
+    ) -> LlamaEngine:
+        """Load the GGUF at `path` and make its context.
+
+        Raises:
+            CallerError(MODEL_LOAD_FAILED): llama.cpp refused the file.
+        """
+        p = check_gguf_file(path)
+        lib = llama_lib()
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0  # CPU only: the early stop ends only the current graph split
+        model = lib.llama_model_load_from_file(str(p).encode(), mparams)
+        if not model:
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
+        n_layer = lib.llama_model_n_layer(model)
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        capture = _Capture(f"l_out-{n_layer - 1}".encode() + b"\0") if hidden_out else None
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx_seq * n_seq_max
+        cparams.n_seq_max = n_seq_max
+        cparams.n_batch = cparams.n_ubatch = n_batch  # one ubatch per llama_decode call
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        cparams.no_perf = False  # llama_perf_context counts evaluated tokens: an independent check
+        cparams.kv_unified = False  # each sequence has its own n_ctx_seq cells
+        if capture is not None:
+            cparams.cb_eval = capture.cfunc
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot make a context for {p}: {llama_log_tail()}")
+        self = cls(
+            path=p,
+            hidden_out=hidden_out,
+            n_threads=n_threads,
+            n_seq_max=n_seq_max,
+            n_ctx_seq=lib.llama_n_ctx_seq(ctx),
+            n_batch=lib.llama_n_batch(ctx),
+            n_layer=n_layer,
+            n_embd=lib.llama_model_n_embd_inp(model),
+            n_vocab=n_vocab,
+            n_ctx_train=lib.llama_model_n_ctx_train(model),
+            model=model,
+            ctx=ctx,
+            mem=lib.llama_get_memory(ctx),
+            capture=capture,
+        )
+        self._make_batch()
+        return self
+
+    # -- batch: numpy arrays that a llama_batch points into ------------------
+    def _make_batch(self) -> None:
+        cap = self.n_batch
+        b = self._batch
+        b["token"] = np.zeros(cap, np.int32)
+        b["pos"] = np.zeros(cap, np.int32)
+        b["n_seq_id"] = np.ones(cap, np.int32)
+        b["seq"] = np.zeros(cap, np.int32)
+        b["logits"] = np.zeros(cap, np.int8)
+        b["seq_ptr"] = b["seq"].ctypes.data + 4 * np.arange(cap, dtype=np.uintp)  # int32*[cap]: row i -> seq[i]
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self._ptrs = {
+            "token": b["token"].ctypes.data_as(i32),
+            "pos": b["pos"].ctypes.data_as(i32),
+            "n_seq_id": b["n_seq_id"].ctypes.data_as(i32),
+            "seq_id": b["seq_ptr"].ctypes.data_as(ctypes.POINTER(i32)),
+            "logits": b["logits"].ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        }
+
+    def _llama_batch(self, n: int, embd: np.ndarray | None) -> Any:
+        """A llama_batch over the engine's arrays; embd (float32 [n, n_embd], C order) is used in place."""
+        batch = llama_lib().llama_batch()
+        ptrs = self._ptrs
+        batch.n_tokens = n
+        if embd is None:
+            batch.token = ptrs["token"]
+        else:
+            batch.embd = embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        batch.pos = ptrs["pos"]
+        batch.n_seq_id = ptrs["n_seq_id"]
+        batch.seq_id = ptrs["seq_id"]
+        batch.logits = ptrs["logits"]
+        return batch
+
+    # -- evaluation -------------------------------------------------------------
+    def eval(
+        self,
+        seq: int,
+        pos0: int,
+        tokens: np.ndarray | None,  # int32 [n]
+        embd: np.ndarray | None,  # float32 [n, n_embd]
+        want_logits: bool = True,
+    ) -> np.ndarray | None:
+        """Run positions [pos0, pos0 + n) of sequence `seq`, appending to its KV.
+
+        Returns float32 [n, n_embd] when hidden_out, else float32 [n_vocab]
+        logits of the last position when want_logits, else None.
+
+        Raises:
+            CallerError(POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH | INVALID_REQUEST)
+            PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed.
+        """
+        if not (0 <= seq < self.n_seq_max):
+            raise CallerError(Reason.INVALID_REQUEST, f"seq {seq} outside 0..{self.n_seq_max - 1}")
+        if (tokens is None) == (embd is None):
+            raise CallerError(Reason.INVALID_REQUEST, "give exactly one of token ids or hidden states")
+        if tokens is not None:
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+            n = tokens.shape[0]
+            if n and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+                raise CallerError(Reason.INVALID_REQUEST, f"token ids must lie in [0, {self.n_vocab})")
+        else:
+            embd = np.ascontiguousarray(embd, dtype=np.float32)
+            if embd.ndim != 2 or embd.shape[1] != self.n_embd:
+                raise CallerError(
+                    Reason.WRONG_WIDTH, f"hidden states must be [n, {self.n_embd}], got {list(embd.shape)}"
+                )
+            n = embd.shape[0]
+        have = self._n_pos.get(seq, 0)
+        if pos0 != have:
+            raise CallerError(
+                Reason.POSITION_DISCONTINUITY, f"seq {seq}: pos0 {pos0} but {have} positions are in its KV"
+            )
+        if n == 0:
+            raise CallerError(Reason.INVALID_REQUEST, "no positions to evaluate")
+        if have + n > self.n_ctx_seq:
+            raise CallerError(
+                Reason.CONTEXT_LENGTH_EXCEEDED, f"seq {seq}: {have + n} positions exceed {self.n_ctx_seq}"
+            )
+        b = self._batch
+        parts: list[np.ndarray] = []  # hidden_out: float32 [m, n_embd] per chunk
+        for i in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - i)
+            if tokens is not None:
+                b["token"][:m] = tokens[i : i + m]
+            b["pos"][:m] = np.arange(pos0 + i, pos0 + i + m, dtype=np.int32)
+            b["seq"][:m] = seq
+            # hidden_out: every row must be an output, else the last layer drops it (inp_out_ids)
+            b["logits"][:m] = 1 if self.hidden_out else 0
+            if i + m == n and want_logits and not self.hidden_out:
+                b["logits"][m - 1] = 1
+            batch = self._llama_batch(m, None if embd is None else embd[i : i + m])
+            self._decode(seq, pos0 + i, m, batch)
+            if self._capture is not None:
+                rows = self._take_hidden(m)
+                if rows is None:  # the target node moved: undo this chunk, look by name
+                    self._capture.misses += 1
+                    self._capture.known[0] = 0
+                    llama_lib().llama_memory_seq_rm(self._mem, seq, pos0 + i, -1)
+                    self._decode(seq, pos0 + i, m, batch)
+                    rows = self._take_hidden(m)
+                if rows is None:
+                    raise PeerError(Reason.INTERNAL, f"l_out-{self.n_layer - 1} was not captured")
+                parts.append(rows)
+            self._n_pos[seq] = pos0 + i + m
+            self._evaluated[seq] = self._evaluated.get(seq, 0) + m
+        if self.hidden_out:
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)  # float32 [n, n_embd]
+        if not want_logits:
+            return None
+        ptr = llama_lib().llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
+
+    def _decode(self, seq: int, pos: int, m: int, batch: Any) -> None:
+        lib = llama_lib()
+        rc = lib.llama_decode(self._ctx, batch)
+        lib.llama_synchronize(self._ctx)  # also settles llama.cpp's perf counters for this call
+        if rc != 0:
+            # llama.cpp has removed this chunk's positions [pos, ...) from the KV.
+            self._n_pos[seq] = pos
+            reason = Reason.NODE_AT_CAPACITY if rc == 1 else Reason.INTERNAL
+            raise PeerError(reason, f"llama_decode failed ({rc}) on seq {seq}: {llama_log_tail()}")
+
+    def _take_hidden(self, m: int) -> np.ndarray | None:
+        """The rows captured by one llama_decode, one piece per ubatch, in order: float32 [m, n_embd].
+
+        None when nothing was captured (the graph ran to its end).
+        """
+        if self._capture is None:
+            raise PeerError(Reason.INTERNAL, "this engine returns logits, not hidden states")
+        pieces = self._capture.captured
+        if not pieces:
+            return None
+        got = sum(p.size for p in pieces)
+        bad = any(p.dtype != np.float32 for p in pieces)
+        out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        pieces.clear()
+        if bad or got != m * self.n_embd:
+            raise PeerError(
+                Reason.INTERNAL, f"captured {got} values of l_out-{self.n_layer - 1}, expected {m} x {self.n_embd} f32"
+            )
+        return out.reshape(m, self.n_embd)
+
+    # -- sessions ---------------------------------------------------------------
+    def seq_rm(self, seq: int) -> None:
+        """Free sequence `seq`'s KV. Idempotent."""
+        llama_lib().llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._n_pos.pop(seq, None)
+        self._evaluated.pop(seq, None)
+
+    def positions(self, seq: int) -> int:
+        """Positions now in `seq`'s KV."""
+        return self._n_pos.get(seq, 0)
+
+    def evaluated(self, seq: int) -> int:
+        """Positions evaluated for `seq` since it was last freed."""
+        return self._evaluated.get(seq, 0)
+
+    def capture_misses(self) -> int:
+        """Chunks recomputed because the captured node moved (expected 0)."""
+        return self._capture.misses if self._capture is not None else 0
+
+    def tokens_evaluated_total(self) -> int:
+        """llama.cpp's own count of tokens it evaluated in this context (perf counters).
+
+        llama.cpp reports its prompt and decode counts as at least 1 each, so
+        this is exact once the context has done both a prefill and a decode.
+        """
+        perf = llama_lib().llama_perf_context(self._ctx)
+        return int(perf.n_p_eval + perf.n_eval)
+
+    def kv_bytes_per_position(self) -> int:
+        """KV bytes one position costs in this file's layers (f16 K and V)."""
+        lib = llama_lib()
+        head_dim = lib.llama_model_n_embd(self._model) // lib.llama_model_n_head(self._model)
+        return self.n_layer * 2 * lib.llama_model_n_head_kv(self._model) * head_dim * 2
+
+    def close(self) -> None:
+        """Free the context and the model. Idempotent."""
+        lib = llama_lib()
+        if self._ctx:
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lib.llama_model_free(self._model)
+            self._model = None

@@ -1,0 +1,80 @@
+"""The llama.cpp shard backend: layers [a, b) of a GGUF model on one node.
+
+The node loads a shard GGUF derived from the user's file (dgr.backends.shardfile,
+cached by the source's sha256) into a LlamaEngine:
+- head (a == 0): token ids in; others: float32 hidden states [n, W] in;
+- non-tail (b < n): hidden states [n, W] out, the residual stream after
+  layer b-1, with the output norm and LM head skipped (the engine stops the
+  graph early);
+- tail (b == n): logits of the last position out.
+
+ModelInfo is that of the source model, digest included, so every shard of
+one model agrees with each other and with `LlamaBackend`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dgr.backends.base import LayerRange
+from dgr.backends.llama import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_N_CTX,
+    LlamaCppBackend,
+    check_architecture,
+    default_threads,
+)
+from dgr.backends.llama_engine import DEFAULT_N_BATCH
+from dgr.backends.shardfile import shard_path
+from dgr.errors import CallerError, Reason
+from dgr.models import check_gguf_file
+
+__all__ = ["LlamaShardBackend"]
+
+
+class LlamaShardBackend(LlamaCppBackend):
+    """Layers [layers.start, layers.stop) of a GGUF model in one llama.cpp context."""
+
+    name = "llama_shard"
+
+    def __init__(
+        self,
+        model: str | Path,
+        layers: LayerRange,
+        *,
+        n_threads: int | None = None,
+        n_ctx: int = DEFAULT_N_CTX,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        n_batch: int = DEFAULT_N_BATCH,
+        name: str | None = None,
+        cache_root: Path | None = None,
+    ) -> None:
+        """Derive (or reuse) the shard file for `layers` of `model` and load it.
+
+        Use the same n_batch on every stage of a route: it decides how a
+        prefill is split, and so the exact float sums.
+
+        Raises:
+            CallerError(MODEL_LOAD_FAILED): the file is missing, unreadable,
+            not GGUF, of an unsupported architecture, the range does not fit
+            its layers, or llama.cpp refused the shard.
+        """
+        source = check_gguf_file(model).resolve()
+        header = check_architecture(source)
+        if layers.stop > header.n_layer:
+            raise CallerError(
+                Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
+            )
+        whole = layers == LayerRange(0, header.n_layer)
+        engine_file = source if whole else shard_path(source, layers, root=cache_root)
+        self._setup(
+            source,
+            header,
+            layers,
+            engine_file,
+            n_threads=n_threads or default_threads(),
+            n_ctx=n_ctx,
+            max_sessions=max_sessions,
+            n_batch=n_batch,
+            name=name,
+        )

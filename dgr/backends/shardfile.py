@@ -1,0 +1,233 @@
+"""Shard GGUF files: layers [a, b) of a full GGUF, as a model llama.cpp can load.
+
+llama.cpp has no API to load a layer range (see spec/llama-layer-boundary.md),
+so a shard is a real GGUF file derived from the full one:
+- every metadata key is copied; `{arch}.block_count` becomes b - a, and every
+  `{arch}.*` array with one entry per layer (feed_forward_length,
+  attention.head_count(_kv), ...) is sliced to [a, b);
+- tensors `blk.{a..b-1}.*` are kept and renumbered `blk.{0..b-a-1}.*`; all
+  non-layer tensors (token_embd, output_norm, output, rope_freqs) are kept,
+  because the loader requires them and silently mis-computes RoPE without
+  rope_freqs; the loader also rejects any extra tensor, so nothing else stays;
+- tensor bytes are copied verbatim: quantized blocks need no re-encoding.
+
+Shard files live in a cache dir (`$DGR_CACHE_DIR`, else ~/.cache/dgr/shards),
+named by the source's sha256 and the range, so a changed source gets new
+shards and nothing is ever written next to the user's model. Files are
+written to a temporary name and renamed, so nodes that share the cache never
+see half a file.
+
+The sha256 of a source is itself cached, keyed by (path, size, mtime_ns), so
+a node start does not rehash the model each time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import gguf
+
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, Reason
+from dgr.models import check_gguf_file
+
+__all__ = ["SHARD_FORMAT", "cache_dir", "file_sha256", "remember_sha256", "shard_path", "write_shard"]
+
+# Bump when the shard layout changes, so old cached shards are not reused.
+SHARD_FORMAT = 1
+_CHUNK = 1 << 20
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def cache_dir() -> Path:
+    """Where shard files and source digests are cached."""
+    env = os.environ.get("DGR_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "dgr" / "shards"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _memo_path(p: Path, st: os.stat_result) -> Path:
+    key = hashlib.sha256(f"{p}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "digests" / key
+
+
+def remember_sha256(path: str | Path, digest: str) -> None:
+    """Record `digest` as the sha256 of `path` (as it is now), so file_sha256 does not read it.
+
+    For a sparse partial download whose needed tensors were verified against
+    a Model Artifact manifest: its own bytes (holes read as zeros) would hash
+    to something else, and hashing every hole of a large model costs minutes,
+    while the pieces it holds are the manifest file's (digest = manifest
+    file.sha256). Any later write changes mtime and drops the record.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): the file cannot be stat'ed.
+    """
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot read model file {p}: {exc.strerror}") from None
+    _atomic_write_text(_memo_path(p, st), digest)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, streamed in 1 MiB chunks; cached by (path, size, mtime_ns).
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): the file cannot be read.
+    """
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot read model file {p}: {exc.strerror}") from None
+    memo = _memo_path(p, st)
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    try:
+        with p.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    except OSError as exc:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot read model file {p}: {exc.strerror}") from None
+    digest = h.hexdigest()
+    try:
+        _atomic_write_text(memo, digest)
+    except OSError:
+        pass  # a read-only cache only costs a rehash next time
+    return digest
+
+
+def shard_path(source: str | Path, layers: LayerRange, *, root: Path | None = None) -> Path:
+    """Path of the cached shard GGUF for `layers` of `source`, built if missing.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): unreadable source, or a range outside it.
+    """
+    src = check_gguf_file(source)
+    digest = file_sha256(src)
+    out = (root or cache_dir()) / f"{digest}.v{SHARD_FORMAT}.{layers.start}-{layers.stop}.gguf"
+    if not out.is_file():
+        write_shard(src, layers, out)
+    return out
+
+
+def write_shard(source: str | Path, layers: LayerRange, out: str | Path) -> None:
+    """Write the GGUF of layers [start, stop) of `source` to `out` (atomically).
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): the source is not a usable GGUF or the
+        range does not fit its layer count.
+    """
+    src = check_gguf_file(source)
+    out = Path(out)
+    reader = _reader(src)
+    arch_field = reader.fields.get(gguf.Keys.General.ARCHITECTURE)
+    if arch_field is None:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no general.architecture: {src}")
+    arch = arch_field.contents()
+    count_key = f"{arch}.block_count"
+    if count_key not in reader.fields:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {count_key}: {src}")
+    n_layer = int(reader.fields[count_key].contents())
+    if layers.stop > n_layer:
+        raise CallerError(
+            Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit {n_layer} layers of {src}"
+        )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".gguf")
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
+        align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
+        if align is not None:
+            writer.data_alignment = int(align.contents())
+        _copy_metadata(reader, writer, arch, n_layer, layers)
+        kept = []
+        for t in reader.tensors:
+            name = _shard_tensor_name(t.name, layers)
+            if name is None:
+                continue
+            writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+            kept.append(t)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in kept:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.close()
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable like the model
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_READER: dict[tuple[str, int, int], gguf.GGUFReader] = {}
+
+
+def _reader(src: Path) -> gguf.GGUFReader:
+    """GGUFReader of `src`, kept for the next shard of the same file: parsing takes seconds."""
+    st = src.stat()
+    key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
+    reader = _READER.get(key)
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(src)
+        except (ValueError, OSError) as exc:
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot parse GGUF {src}: {exc}") from None
+        _READER.clear()  # one source at a time: a reader holds the whole vocabulary
+        _READER[key] = reader
+    return reader
+
+
+def _copy_metadata(
+    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch: str, n_layer: int, layers: LayerRange
+) -> None:
+    prefix = f"{arch}."
+    for field in reader.fields.values():
+        # GGUF.* are virtual; general.architecture is written by GGUFWriter itself.
+        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == f"{prefix}block_count":
+            value = len(layers)
+        elif sub_type is not None and field.name.startswith(prefix) and len(value) == n_layer:
+            # Per-layer arrays (llama.cpp's get_key_or_arr(..., n_layer_all)).
+            value = value[layers.start : layers.stop]
+        writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    # Provenance only; llama.cpp ignores keys it does not know.
+    writer.add_uint32("dgr.shard.layer_start", layers.start)
+    writer.add_uint32("dgr.shard.layer_stop", layers.stop)
+    writer.add_uint32("dgr.shard.source_block_count", n_layer)
+
+
+def _shard_tensor_name(name: str, layers: LayerRange) -> str | None:
+    """The tensor's name in the shard, or None when the shard drops it."""
+    m = _BLK.match(name)
+    if m is None:
+        return name  # token_embd, output_norm, output, rope_freqs: the loader needs them
+    il = int(m.group(1))
+    if not (layers.start <= il < layers.stop):
+        return None
+    return f"blk.{il - layers.start}.{m.group(2)}"

@@ -1,0 +1,1 @@
+"""`dgr bench`: side-by-side measurements, each figure next to its single-node baseline."""

@@ -1,0 +1,92 @@
+"""Measure a running route through its OpenAI API, the way a client sees it.
+
+A streamed completion with `ignore_eos` gives a fixed number of tokens; TTFT
+is request start to the first text chunk, and the decode rate is taken over
+the chunks after the first (so prefill is not in it). Concurrency runs N
+streams at once from threads and reports the aggregate decode rate.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import attrs
+import httpx
+
+__all__ = ["StreamResult", "stream_once", "concurrent", "hop_stats"]
+
+
+@attrs.frozen
+class StreamResult:
+    ttft_s: float
+    decode_tok_s: float
+    tokens: int
+    total_s: float
+    prompt_tokens: int
+    session: str
+
+
+def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int) -> StreamResult:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage: dict[str, int] = {}
+    with httpx.stream("POST", f"{api}/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+        sid = r.headers.get("x-dgr-route-session", "")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            if data.get("usage"):
+                usage = data["usage"]
+            for choice in data.get("choices", []):
+                if choice.get("text"):
+                    times.append(time.perf_counter())
+    end = time.perf_counter()
+    n = usage.get("completion_tokens", len(times))
+    # chunks can hold several tokens (a UTF-8 character split over tokens); rate over tokens, not chunks
+    decode = (n - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+    return StreamResult(times[0] - t0 if times else end - t0, decode, n, end - t0,
+                        usage.get("prompt_tokens", 0), sid)
+
+
+def concurrent(api: str, model: str, prompt: str, max_tokens: int, n: int) -> dict[str, float]:
+    """N simultaneous streams; aggregate tokens/s over the wall time they all took."""
+    results: list[StreamResult] = []
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            results.append(stream_once(api, model, f"{prompt} ({i})", max_tokens))
+        except (RuntimeError, httpx.HTTPError) as exc:
+            errors.append(str(exc))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    wall = time.perf_counter() - t0
+    tokens = sum(r.tokens for r in results)
+    return {
+        "sessions": n,
+        "ok": len(results),
+        "errors": len(errors),
+        "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,
+        "per_session_tok_s": statistics.mean(r.decode_tok_s for r in results) if results else 0.0,
+        "wall_s": wall,
+    }
+
+
+def hop_stats(api_root: str) -> dict[str, Any]:
+    return httpx.get(f"{api_root}/v1/stats", timeout=10).json()["hops"]

@@ -1,0 +1,157 @@
+"""Write a benchmark run as Markdown, JSON and PNG plots.
+
+Every number in the tables sits next to its ratio to the baseline measured
+in the same run. Plots are written with matplotlib's Agg backend (no screen).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_report"]
+
+BASE = "llama-cpp-python direct"
+ROUTE_BASE = "dgr llama, 1 node"
+
+
+def _ratio(x: float | None, base: float | None) -> str:
+    if not x or not base:
+        return "n/a"
+    return f"{x / base:.2f}x"
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def markdown(res: dict[str, Any], plots: list[str]) -> str:
+    setups = res["setups"]
+    base = setups.get(BASE, {})
+    lines = [f"# dgr benchmark ({'quick' if res['config']['quick'] else 'full'})", "",
+             f"Run {res['started']} to {res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1, "
+             f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
+             "Ratios are to llama-cpp-python called directly in the same run.", "",
+             "## Decode and prefill", "",
+             "| setup | decode tok/s | vs direct | prefill tok/s | vs direct | TTFT ms | hop p50 ms | hop p99 ms | seam bytes/step/hop |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, s in setups.items():
+        p50 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p50_ms") or {}).values()) or "-"
+        p99 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p99_ms") or {}).values()) or "-"
+        seam = ", ".join(str(v) for v in list((s.get("seam_bytes_per_step") or {}).values())[1:]) or "-"
+        lines.append(f"| {label} | {_f(s.get('decode_tok_s'))} | {_ratio(s.get('decode_tok_s'), base.get('decode_tok_s'))} "
+                     f"| {_f(s.get('prefill_tok_s'))} | {_ratio(s.get('prefill_tok_s'), base.get('prefill_tok_s'))} "
+                     f"| {_f(s.get('ttft_s', 0) * 1e3)} | {p50} | {p99} | {seam} |")
+    if res.get("inprocess"):
+        full = res["inprocess"].get("full model, in process", {})
+        lines += ["", "## llama.cpp shards in one process (no HTTP)", "",
+                  "| setup | decode tok/s | vs full | prefill tok/s | vs full |", "|---|---|---|---|---|"]
+        for label, s in res["inprocess"].items():
+            lines.append(f"| {label} | {_f(s['decode_tok_s'])} | {_ratio(s['decode_tok_s'], full.get('decode_tok_s'))} "
+                         f"| {_f(s['prefill_tok_s'])} | {_ratio(s['prefill_tok_s'], full.get('prefill_tok_s'))} |")
+    if res.get("concurrency"):
+        lines += ["", "## Concurrent Route Sessions", "",
+                  "| setup | sessions | aggregate tok/s | vs 1 session | per-session tok/s | errors |", "|---|---|---|---|---|---|"]
+        for label, rows in res["concurrency"].items():
+            one = rows.get(1, rows.get("1", {})).get("aggregate_tok_s")
+            for c, r in rows.items():
+                lines.append(f"| {label} | {c} | {_f(r['aggregate_tok_s'])} | {_ratio(r['aggregate_tok_s'], one)} "
+                             f"| {_f(r['per_session_tok_s'])} | {r['errors']} |")
+    lines += ["", "## TTFT by prompt length (ms)", "", "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
+              "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
+    for label, rows in res["ttft"].items():
+        lines.append(f"| {label} | " + " | ".join(_f(rows.get(n, rows.get(str(n))) * 1e3 if rows.get(n, rows.get(str(n))) else None)
+                                                   for n in res["config"]["prompt_lengths"]) + " |")
+    lines += ["", "## Seam bytes per decode step, by context length", "",
+              f"Expected for one hidden state: {res['seam_expected_bytes']} bytes (48-byte header + 576 x float32).", "",
+              "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
+              "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
+    for label, rows in res["seam"].items():
+        lines.append(f"| {label} (measured at node1) | " + " | ".join(str(rows.get(n, rows.get(str(n)))) for n in res["config"]["prompt_lengths"]) + " |")
+    for label, rows in res.get("torch", {}).items():
+        lines.append(f"| {label} (array bytes) | " + " | ".join(_f(r["seam_bytes_per_step"], "{:.0f}") for r in rows.values()) + " |")
+    if res.get("torch"):
+        lines += ["", "## PyTorch reference: decode ms per token, KV reuse vs full recompute", "",
+                  "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
+                  "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
+        for label, rows in res["torch"].items():
+            lines.append(f"| {label} | " + " | ".join(_f(r["decode_ms_per_token"]) for r in rows.values()) + " |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "Made by `dgr bench" + (" --quick" if res["config"]["quick"] else "") + "`."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(res: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+
+    base = res["setups"].get(BASE, {}).get("decode_tok_s")
+    labels = list(res["setups"]) + list(res.get("inprocess", {}))
+    values = [res["setups"].get(l, res.get("inprocess", {}).get(l, {})).get("decode_tok_s", 0) for l in labels]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.barh(labels, values, color=["#4c72b0" if "in process" not in l else "#55a868" for l in labels])
+    for b, v in zip(bars, values):
+        ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:.1f} ({v / base:.2f}x)" if base else f" {v:.1f}",
+                va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode tokens/s (single session)")
+    ax.set_title("Decode speed by setup (ratio to llama-cpp-python direct)")
+    ax.set_xlim(0, max(values) * 1.3 if values else 1)
+    save(fig, "decode_by_setup.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rows in res["seam"].items():
+        xs = sorted(int(k) for k in rows)
+        ax.plot(xs, [rows.get(x, rows.get(str(x))) for x in xs], marker="o", label=f"{label} (per hop, measured)")
+    for label, rows in res.get("torch", {}).items():
+        xs = sorted(int(k) for k in rows)
+        ax.plot(xs, [rows.get(x, rows.get(str(x)))["seam_bytes_per_step"] for x in xs], marker="s", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (prompt tokens)")
+    ax.set_ylabel("seam bytes per decode step")
+    ax.set_title("Decode seam traffic vs context length")
+    ax.legend(fontsize=8)
+    save(fig, "seam_bytes_vs_context.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rows in res["ttft"].items():
+        xs = sorted(int(k) for k in rows)
+        ax.plot(xs, [rows.get(x, rows.get(str(x))) * 1e3 for x in xs], marker="o", label=label)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("TTFT vs prompt length")
+    ax.legend(fontsize=8)
+    save(fig, "ttft_vs_prompt.png")
+
+    if res.get("concurrency"):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, rows in res["concurrency"].items():
+            xs = sorted(int(k) for k in rows)
+            ax.plot(xs, [rows.get(x, rows.get(str(x)))["aggregate_tok_s"] for x in xs], marker="o", label=label)
+        ax.set_xlabel("concurrent Route Sessions")
+        ax.set_ylabel("aggregate decode tokens/s")
+        ax.set_title("Aggregate throughput vs concurrency")
+        ax.legend(fontsize=8)
+        save(fig, "aggregate_vs_concurrency.png")
+    return names
+
+
+def write_report(res: dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
+    names = plots(res, out)
+    path = out / "REPORT.md"
+    path.write_text(markdown(res, names))
+    return path

@@ -1,0 +1,192 @@
+"""The side-by-side benchmark suite: one run, one machine, one model, every setup.
+
+Every figure is reported next to its baseline measured in the same run:
+decode and prefill against llama-cpp-python called directly (same file,
+same total threads, same prompt tokens); routes against the single-node
+`llama` backend. Setups are started one at a time so they never compete for
+the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import attrs
+
+from dgr.bench.direct import direct_llama
+from dgr.bench.measure import concurrent, hop_stats, stream_once
+from dgr.models import default_model_path
+from dgr.seam.wire import HEADER_SIZE
+from dgr.testing.harness import LocalRoute
+
+__all__ = ["BenchConfig", "run_suite"]
+
+STORY = ("The lighthouse keeper kept a log of every ship that passed the point, the weather, the colour of the "
+         "sea at dawn and the birds that rested on the rail. ")
+
+
+@attrs.frozen
+class BenchConfig:
+    quick: bool = False
+    threads: int = attrs.field(factory=lambda: os.cpu_count() or 1)
+    decode_tokens: int = 128
+    prompt_lengths: tuple[int, ...] = (128, 512, 2048)
+    concurrency: tuple[int, ...] = (1, 4, 8)
+    rtts_ms: tuple[float, ...] = ()
+
+    @classmethod
+    def make(cls, quick: bool, rtts_ms: tuple[float, ...] = ()) -> "BenchConfig":
+        if quick:
+            return cls(quick=True, decode_tokens=48, prompt_lengths=(128, 512), concurrency=(1, 4), rtts_ms=rtts_ms)
+        return cls(rtts_ms=rtts_ms)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _prompt_tokens(n: int) -> list[int]:
+    """Exactly n token ids of English text, from the model's own tokenizer."""
+    from dgr.backends.gguf_text import GgufText
+
+    text = GgufText.load(default_model_path())
+    ids = text.tokenize(STORY * (n // 20 + 2), add_special=True, parse_special=False)
+    return ids[:n]
+
+
+def _route(backend: str, nodes: int, threads: int, ctx: int = 4096, extra: tuple[str, ...] = ()) -> LocalRoute:
+    return LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=600,
+                      extra=("--threads", str(threads), "--ctx", str(ctx), "--prefill-chunk", "512",
+                             "--max-sessions", "8", *extra))
+
+
+def run_suite(cfg: BenchConfig) -> dict[str, Any]:
+    model = str(default_model_path())
+    name = "SmolLM2-135M-Instruct.Q4_1"
+    results: dict[str, Any] = {"config": attrs.asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "setups": {}, "ttft": {}, "seam": {}, "concurrency": {}, "inprocess": {},
+                               "torch": {}}
+    prompt = {n: _prompt_tokens(n) for n in cfg.prompt_lengths}
+    base_prompt = prompt[cfg.prompt_lengths[0]]
+    max_ctx = max(cfg.prompt_lengths) + cfg.decode_tokens + 64
+
+    _log(f"direct llama-cpp-python, {cfg.threads} threads")
+    results["setups"]["llama-cpp-python direct"] = direct_llama(model, base_prompt, cfg.decode_tokens, cfg.threads)
+    for n, ids in prompt.items():
+        results["ttft"].setdefault("llama-cpp-python direct", {})[n] = direct_llama(model, ids, 2, cfg.threads,
+                                                                                   n_ctx=max_ctx)["ttft_s"]
+
+    setups: list[tuple[str, str, int]] = [("dgr llama, 1 node", "llama", 1),
+                                          ("dgr llama_shard, 2 nodes", "llama_shard", 2),
+                                          ("dgr llama_shard, 3 nodes", "llama_shard", 3)]
+    for label, backend, nodes in setups:
+        threads = max(1, cfg.threads // nodes)
+        _log(f"{label} ({threads} thread(s) per node)")
+        with _route(backend, nodes, threads, ctx=max_ctx) as route:
+            stream_once(route.api, name, base_prompt[:16], 4)  # warm up connections and caches
+            r = stream_once(route.api, name, base_prompt, cfg.decode_tokens)
+            hops = hop_stats(route.url)
+            results["setups"][label] = {
+                "decode_tok_s": r.decode_tok_s, "ttft_s": r.ttft_s, "prefill_tok_s": r.prompt_tokens / r.ttft_s,
+                "hop_p50_ms": {k: v.get("p50_ms") for k, v in hops.items()},
+                "hop_p99_ms": {k: v.get("p99_ms") for k, v in hops.items()},
+                "seam_bytes_per_step": {k: v.get("decode_frame_bytes") for k, v in hops.items()},
+                "threads_per_node": threads,
+            }
+            for n, ids in prompt.items():
+                rr = stream_once(route.api, name, ids, 4)
+                results["ttft"].setdefault(label, {})[n] = rr.ttft_s
+                if nodes > 1:
+                    status = route.node_status("node1")["seam"]
+                    results["seam"].setdefault(label, {})[n] = status["last_decode_frame_bytes"]
+            if nodes == 2:
+                for c in cfg.concurrency:
+                    _log(f"{label}: {c} concurrent session(s)")
+                    results["concurrency"].setdefault(label, {})[c] = concurrent(
+                        route.api, name, STORY, cfg.decode_tokens // 2, c)
+    _inprocess(results, cfg)
+    _torch(results, cfg)
+    results["seam_expected_bytes"] = HEADER_SIZE + 576 * 4
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return results
+
+
+def _optional(label: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ImportError as exc:
+        _log(f"{label} skipped: {exc}")
+        return None
+
+
+def _inprocess(results: dict[str, Any], cfg: BenchConfig) -> None:
+    """llama.cpp shards chained in one process, no HTTP (the layer-boundary cost alone)."""
+    from dgr.backends.base import LayerRange
+    from dgr.backends.llama import LlamaBackend
+    from dgr.backends.llama_shard import LlamaShardBackend
+    from dgr.pipeline import Pipeline
+
+    model = default_model_path()
+    ids = _prompt_tokens(cfg.prompt_lengths[0])
+    splits = {"full model, in process": None, "2 shards, in process": [(0, 15), (15, 30)],
+              "3 shards, in process": [(0, 10), (10, 20), (20, 30)]}
+    for label, split in splits.items():
+        _log(label)
+        stages = ([LlamaBackend(model, n_threads=cfg.threads, n_ctx=2048, max_sessions=1)] if split is None else
+                  [LlamaShardBackend(model, LayerRange(a, b), n_threads=cfg.threads, n_ctx=2048, max_sessions=1)
+                   for a, b in split])
+        try:
+            pipe = Pipeline(stages)
+            pipe.open("b" * 32, len(ids) + cfg.decode_tokens + 1)
+            t0 = time.perf_counter()
+            logits = pipe.prefill("b" * 32, ids, chunk=512)
+            t1 = time.perf_counter()
+            tok, pos = int(logits.argmax()), len(ids)
+            for _ in range(cfg.decode_tokens):
+                tok = int(pipe.decode("b" * 32, tok, pos).argmax())
+                pos += 1
+            t2 = time.perf_counter()
+            pipe.close("b" * 32)
+        finally:
+            for s in stages:
+                s.close()
+        results["inprocess"][label] = {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": cfg.decode_tokens / (t2 - t1)}
+
+
+def _torch(results: dict[str, Any], cfg: BenchConfig) -> None:
+    """The readable PyTorch route, 2 shards in process: KV reuse against full recompute."""
+    import numpy as np
+
+    from dgr.backends.base import LayerRange
+    from dgr.backends.torch_backend import TorchBackend
+
+    model = default_model_path()
+    steps = 8 if cfg.quick else 16
+    for recompute in (False, True):
+        label = "torch, full recompute baseline" if recompute else "torch, 2 shards (KV reuse)"
+        _log(label)
+        shards = [TorchBackend(model, LayerRange(0, 15), n_threads=cfg.threads, recompute=recompute),
+                  TorchBackend(model, LayerRange(15, 30), n_threads=cfg.threads, recompute=recompute)]
+        rows = {}
+        for n in cfg.prompt_lengths:
+            ids = _prompt_tokens(n)
+            sid = f"{n:032x}"
+            for s in shards:
+                s.open_session(sid, n + steps + 1)
+            h = shards[0].forward(sid, 0, np.array(ids, np.int32), None, False)
+            logits = shards[1].forward(sid, 0, None, h, True)
+            tok, pos, seam = int(np.argmax(logits)), len(ids), []
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                h = shards[0].forward(sid, pos, np.array([tok], np.int32), None, False)
+                seam.append(int(h.nbytes))
+                tok = int(np.argmax(shards[1].forward(sid, pos, None, h, True)))
+                pos += 1
+            rows[n] = {"decode_ms_per_token": (time.perf_counter() - t0) / steps * 1e3,
+                       "seam_bytes_per_step": float(np.mean(seam))}
+            for s in shards:
+                s.close_session(sid)
+        results["torch"][label] = rows

@@ -1,0 +1,192 @@
+"""The tracker's side of layer-possession proofs: challenge every node that claims a Model Artifact.
+
+A node may register a claim: "I hold layers [A, B) of manifest M (and seed it
+at HOST:PORT)". The tracker routes it only once the claim is proven:
+
+1. The claim must fit the manifest, read from the tracker's own --manifest
+   files (the tracker never takes a manifest from a node): a known id, the
+   node's ModelInfo digest equal to the manifest's file sha256, the same
+   architecture and block count. Otherwise the proof fails with
+   `artifact_mismatch` (or `proof_failed` for a manifest the tracker does not
+   know), without a challenge.
+2. `challenges` challenges follow (dgr.artifact.proof.make_challenge), one at
+   a time, each answered within `deadline_s`: first one block in each of up to
+   `challenges` even strata of [A, B), so a node missing any whole stratum is
+   always caught, then the rest uniformly over the claim. Blocks are drawn
+   with `random.SystemRandom`, so a node cannot predict them.
+3. The first failed challenge (a wrong answer, an error, a timeout, an
+   unreachable node) fails the claim with `proof_failed` and the verdict.
+
+The verdict lands in the entry's `ProofStatus` (dgr.tracker.registry). A
+re-registration makes a new entry with a new PENDING claim and is challenged
+again; a late verdict for an old entry changes nothing that is routed.
+
+Left out: periodic re-challenges of live nodes, and proofs for nodes
+without a manifest (the registry's `require_proof` decides whether those
+are routed at all).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Iterable
+
+import attrs
+import httpx
+import trio
+
+from dgr.artifact.manifest import Manifest
+from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, Reason
+from dgr.tracker.registry import NodeEntry, ProofState
+
+__all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges"]
+
+log = logging.getLogger("dgr.proofs")
+
+CHALLENGE_PATH = "/v1/artifact/challenge"
+# 8 strata: a node missing an eighth of its claimed layers fails for sure;
+# one missing a fraction f of the bytes passes with probability <= (1 - f)^8.
+DEFAULT_CHALLENGES = 8
+# An honest node reads one piece and hashes it (milliseconds); fetching the
+# block from another peer first takes longer, which is what the bound is for.
+DEFAULT_DEADLINE_S = 2.0
+
+
+def _strata(layers: LayerRange, k: int) -> list[LayerRange]:
+    n = min(k, len(layers))
+    bounds = [layers.start + round(i * len(layers) / n) for i in range(n + 1)]
+    return [LayerRange(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def plan_challenges(manifest: Manifest, layers: LayerRange, k: int, rng: random.Random) -> list[Challenge]:
+    """k challenges for a claim on layers: one per even stratum first, the rest over the whole range.
+
+    Raises:
+        CallerError(INVALID_REQUEST): layers outside the manifest's model.
+    """
+    strata = _strata(layers, k)
+    plan = [make_challenge(manifest, s, rng) for s in strata]
+    plan += [make_challenge(manifest, layers, rng) for _ in range(k - len(strata))]
+    return plan
+
+
+def _claim_problem(entry: NodeEntry, manifest: Manifest) -> str | None:
+    """Why a claim cannot be of this manifest, or None."""
+    m, model = manifest.model, entry.model
+    if model.digest != manifest.file.sha256:
+        return (
+            f"the node's file digest {model.digest[:12]} is not manifest {manifest.id[:12]}'s "
+            f"file {manifest.file.name} ({manifest.file.sha256[:12]})"
+        )
+    if (model.architecture, model.n_layers) != (m.architecture, m.block_count):
+        return (
+            f"the node serves {model.architecture} with {model.n_layers} layers; manifest {manifest.id[:12]} "
+            f"is {m.architecture} with {m.block_count} layers"
+        )
+    return None
+
+
+@attrs.define
+class Prover:
+    """Runs claims' challenges in its own nursery; `submit` queues one."""
+
+    manifests: dict[str, Manifest] = attrs.field(factory=dict)
+    challenges: int = DEFAULT_CHALLENGES
+    deadline_s: float = DEFAULT_DEADLINE_S
+    rng: random.Random = attrs.field(factory=random.SystemRandom)
+    _nursery: trio.Nursery | None = None
+    _client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def from_manifests(cls, manifests: Iterable[Manifest], **kw) -> Prover:
+        return cls(manifests={m.id: m for m in manifests}, **kw)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the challenge tasks and their HTTP client until cancelled."""
+        async with httpx.AsyncClient(timeout=self.deadline_s) as client:
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._client, self._nursery = client, nursery
+                    task_status.started()
+                    await trio.sleep_forever()
+            finally:
+                self._client, self._nursery = None, None
+
+    def submit(self, entry: NodeEntry) -> None:
+        """Start proving a PENDING claim; a claim that cannot be proven here fails at once."""
+        if entry.proof.state is not ProofState.PENDING:
+            return
+        if self._nursery is None:
+            entry.proof.finish(ProofState.FAILED, "this tracker is not checking proofs",
+                               reason=Reason.PROOF_FAILED.value)
+            return
+        self._nursery.start_soon(self.prove, entry)
+
+    async def prove(self, entry: NodeEntry) -> None:
+        """Check one claim and record its verdict in entry.proof. Never raises for a bad node."""
+        started = time.perf_counter()
+        manifest = self.manifests.get(entry.manifest_id or "")
+        if manifest is None:
+            self._fail(entry, Reason.PROOF_FAILED,
+                       f"this tracker does not know manifest {str(entry.manifest_id)[:12]}: start it with "
+                       "--manifest for that file", started)
+            return
+        problem = _claim_problem(entry, manifest)
+        if problem is not None:
+            self._fail(entry, Reason.ARTIFACT_MISMATCH, problem, started)
+            return
+        layers = LayerRange(entry.start, entry.stop)
+        try:
+            plan = plan_challenges(manifest, layers, self.challenges, self.rng)
+        except CallerError as exc:
+            self._fail(entry, Reason.PROOF_FAILED, exc.message, started)
+            return
+        for passed, challenge in enumerate(plan):
+            verdict, why = await self._ask(entry, manifest, challenge)
+            if why is not None:
+                self._fail(entry, Reason.PROOF_FAILED, f"challenge {passed + 1}/{len(plan)}: {why}", started,
+                           verdict=verdict, challenges=passed)
+                return
+        seconds = time.perf_counter() - started
+        if entry.proof.finish(ProofState.PASSED, f"{len(plan)} challenges over layers {layers} held",
+                              challenges=len(plan), seconds=seconds):
+            log.info("node %s proved layers %s of %s (%d challenges, %.3f s)", entry.node_id, layers,
+                     manifest.id[:12], len(plan), seconds)
+
+    async def _ask(self, entry: NodeEntry, manifest: Manifest, challenge: Challenge) -> tuple[str | None, str | None]:
+        """(verdict, None) if the answer held, else (verdict or None, why)."""
+        client = self._client
+        if client is None:
+            return None, "the tracker is stopping"
+        url = entry.url.rstrip("/") + CHALLENGE_PATH
+        with trio.move_on_after(self.deadline_s) as scope:
+            try:
+                r = await client.post(url, json=challenge.to_json())
+            except httpx.HTTPError as exc:
+                return None, f"node unreachable: {type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            return None, f"no answer within {self.deadline_s:g} s (piece {challenge.piece} block {challenge.block})"
+        if r.status_code != 200:
+            try:
+                err = r.json()["error"]
+                detail = f"{err.get('code')}: {err.get('message')}"
+            except (ValueError, KeyError, TypeError):
+                detail = r.text[:200]
+            return None, f"the node refused the challenge (HTTP {r.status_code}, {detail})"
+        try:
+            answer = Answer.from_json(r.json())
+        except (CallerError, ValueError) as exc:
+            return None, f"malformed answer: {getattr(exc, 'message', exc)}"
+        result = check_answer(manifest, challenge, answer)
+        return result.verdict.value, None if result.ok else result.message
+
+    def _fail(self, entry: NodeEntry, reason: Reason, message: str, started: float, *, verdict: str | None = None,
+              challenges: int = 0) -> None:
+        if entry.proof.finish(ProofState.FAILED, message, reason=reason.value, verdict=verdict,
+                              challenges=challenges, seconds=time.perf_counter() - started):
+            log.warning("node %s failed its layer proof: %s", entry.node_id, message)

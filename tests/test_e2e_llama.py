@@ -1,0 +1,161 @@
+"""The real model through real processes: `dgr up --backend llama` and `--backend llama_shard`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from dgr.seam.wire import HEADER_SIZE
+from dgr.testing.harness import LocalRoute, sse_events
+
+pytestmark = pytest.mark.llama
+llama_cpp = pytest.importorskip("llama_cpp")
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Paris is the capital of France. Berlin is the capital of",
+]
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """llama-cpp-python's own high-level API on the same file: the reference."""
+    from dgr.models import default_model_path
+
+    return llama_cpp.Llama(str(default_model_path()), n_ctx=2048, n_threads=1, n_batch=512, verbose=False,
+                           seed=0)
+
+
+@pytest.fixture(scope="module")
+def single():
+    with LocalRoute(backend="llama", nodes=1, extra=("--ctx", "2048", "--prefill-chunk", "512"),
+                    ready_timeout_s=300) as r:
+        yield r
+
+
+def _client(route: LocalRoute) -> openai.OpenAI:
+    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120)
+
+
+def _direct_greedy(direct, prompt: str, n: int) -> tuple[list[int], str]:
+    out = direct.create_completion(prompt, max_tokens=n, temperature=0.0, top_k=1)
+    text = out["choices"][0]["text"]
+    return out["usage"]["completion_tokens"], text
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_llama_cpp_python(single, direct, prompt: str) -> None:
+    n_direct, want = _direct_greedy(direct, prompt, 32)
+    resp = _client(single).completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    assert resp.choices[0].text == want
+    assert resp.usage.completion_tokens == n_direct
+    assert resp.usage.prompt_tokens == len(direct.tokenize(prompt.encode(), add_bos=True, special=True))
+    streamed = "".join(c.choices[0].text for c in _client(single).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True) if c.choices)
+    assert streamed == want
+
+
+def test_chat_stream_equals_nonstream_and_stop(single) -> None:
+    client = _client(single)
+    messages = [{"role": "user", "content": "List three fruits, one per line."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len(text) > 8
+    stop = text[4:7]
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_telemetry_before_first_token_with_real_prefill(single) -> None:
+    body = {"model": MODEL, "prompt": "word " * 700, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{single.api}/completions", json=body, timeout=120) as r:
+        events = list(sse_events(r))
+    first_text = next(i for i, (k, v) in enumerate(events)
+                      if k == "data" and isinstance(v, dict) and v.get("choices") and v["choices"][0]["text"])
+    comments = [json.loads(v.split(" ", 1)[1]) for k, v in events[:first_text] if k == "comment"]
+    assert comments and comments[0]["phase"] == "prefill"
+    assert comments[0]["prefill"]["total"] >= 700
+
+
+def test_concurrent_sessions_equal_sequential(single) -> None:
+    client = _client(single)
+    prompts = [f"Story number {i}: Once upon a time" for i in range(4)]
+    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
+                  for p in prompts]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        results[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=24,
+                                               temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(4)] == sequential
+
+
+def test_prompt_longer_than_context_is_a_400(single) -> None:
+    r = httpx.post(f"{single.api}/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hello " * 3000, "max_tokens": 5})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "2048" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_the_session(single) -> None:
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{single.api}/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 10:
+                break
+    deadline = time.monotonic() + 5
+    while single.node_status("node0")["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert single.node_status("node0")["sessions"] == 0
+    ended = httpx.get(f"{single.api}/route-sessions").json()["recent"][-1]
+    assert ended["phase"] == "failed" and ended["failure"]["code"] == "cancelled"
+
+
+def test_models_metadata(single) -> None:
+    data = httpx.get(f"{single.api}/models").json()["data"][0]
+    assert data["id"] == MODEL
+    meta = data["dgr"]
+    assert (meta["architecture"], meta["n_layers"], meta["hidden_size"]) == ("llama", 30, 576)
+    node = meta["nodes"][0]
+    for key in ("llama_cpp_python", "file_size", "sha256", "threads"):
+        assert key in node, key
+
+
+# -- the networked GGUF route ----------------------------------------------------
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_sharded_route_equals_single_node(single, nodes: int) -> None:
+    want = {p: _client(single).completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text
+            for p in PROMPTS}
+    with LocalRoute(backend="llama_shard", nodes=nodes, extra=("--ctx", "2048", "--prefill-chunk", "512"),
+                    ready_timeout_s=300) as route:
+        client = _client(route)
+        for p in PROMPTS:
+            assert client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text == want[p]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=p, max_tokens=48, temperature=0, stream=True) if c.choices)
+            assert streamed == want[p]
+        # the decode seam is one hidden state per hop, whatever the prompt length
+        sizes = []
+        for words in (50, 1500):
+            client.completions.create(model=MODEL, prompt="go " * words, max_tokens=3, temperature=0)
+            sizes.append([route.node_status(f"node{i}")["seam"]["last_decode_frame_bytes"] for i in range(1, nodes)])
+        assert sizes[0] == sizes[1] == [HEADER_SIZE + 576 * 4] * (nodes - 1)
