@@ -255,6 +255,9 @@ class LlamaEngine:
         cparams.n_threads = cparams.n_threads_batch = n_threads
         cparams.no_perf = False  # llama_perf_context counts evaluated tokens: an independent check
         cparams.kv_unified = False  # each sequence has its own n_ctx_seq cells
+        # llama-cpp-python's Llama() turns flash attention off; AUTO turns it on for CPU and rounds
+        # differently, so the same prompt would decode differently here and there
+        cparams.flash_attn_type = llama_lib().LLAMA_FLASH_ATTN_TYPE_DISABLED
         if capture is not None:
             cparams.cb_eval = capture.cfunc
         ctx = lib.llama_init_from_model(model, cparams)
