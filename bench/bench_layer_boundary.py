@@ -213,6 +213,7 @@ def callback_cost(args: argparse.Namespace) -> None:
         cb = cbt(counting)
         cp = lib.llama_context_default_params()
         cp.n_ctx, cp.n_threads, cp.n_threads_batch, cp.cb_eval = 256, args.threads, args.threads, cb
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as LlamaEngine does
         ctx = lib.llama_init_from_model(e._model, cp)
         batch = lib.llama_batch_init(1, 0, 1)
         batch.n_tokens = 1

@@ -8,7 +8,7 @@ of one, so a backend never sees two calls at once.
 Shapes at the boundary (W = ModelInfo.seam_width):
 - head shard (start == 0): token ids in, int32 [n]
 - other shards: hidden states in, float32 [n, W]
-- non-tail shards (stop == n_layers): hidden states out, float32 [n, W]
+- non-tail shards (stop < n_layers): hidden states out, float32 [n, W]
 - tail shard: logits out for the last position only, float32 [vocab]
 
 Positions are always passed in. `forward(sid, pos0, ...)` must be called with

@@ -26,20 +26,13 @@ def model_layer_count(backend: str, model: Path | None, stub_model: str = "defau
         from dgr.backends.stub import DEEPSEEK_LIKE, StubSpec
 
         return (DEEPSEEK_LIKE if stub_model == "dsv4" else StubSpec()).n_layers
-    import gguf
+    # ggml's own GGUF parser: milliseconds, where gguf-py's reader takes seconds on a large vocabulary
+    from dgr.backends.llama_engine import read_gguf_header
 
-    try:
-        reader = gguf.GGUFReader(str(model))
-    except (ValueError, OSError) as exc:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot read GGUF {model}: {exc}") from None
-    arch_field = reader.get_field("general.architecture")
-    if arch_field is None:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"{model} has no general.architecture")
-    arch = arch_field.contents()
-    field = reader.get_field(f"{arch}.block_count")
-    if field is None:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"{model} has no {arch}.block_count")
-    return int(field.contents())
+    header = read_gguf_header(model)
+    if not header.n_layer:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"{model} has no {header.architecture}.block_count")
+    return int(header.n_layer)
 
 
 def make_backend(
