@@ -4,6 +4,13 @@ The layers are split evenly (the shard planner refines this when it lands),
 each node gets cores / nodes threads so llama.cpp's spinning threads never
 oversubscribe the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
+
+Every local route is a closed cluster: `dgr up` uses the cluster secret it
+is given (--cluster-secret-file or $DGR_CLUSTER_SECRET) or generates a fresh
+one, and hands it to its children in the environment, never in argv, so
+nodes sign their membership and the gateway issues capabilities on every
+route it starts. API keys (--api-key-file or $DGR_API_KEYS) pass through to
+the tracker.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
 from dgr.procs import dgr_command, run_child
+from dgr.security.secrets import CLUSTER_ENV, load_cluster_secret, new_secret
 
-__all__ = ["run_up", "even_split", "READY_TIMEOUT_S"]
+__all__ = ["run_up", "even_split", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 900.0  # first start of a llama_shard route builds shard files
 
@@ -31,12 +39,38 @@ def even_split(n_layers: int, n_nodes: int) -> list[LayerRange]:
     return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+async def _print_example(url: str) -> None:
+    """A ready-to-paste request, for the model the route actually serves (stderr: stdout stays one line)."""
+    import httpx
+
+    headers = {}
+    keys = os.environ.get("DGR_API_KEYS", "").split(",")[0].strip()
+    if keys:
+        headers["Authorization"] = f"Bearer {keys}"
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return
+    if not models:
+        return
+    model = models[0]["id"]
+    auth = " -H 'Authorization: Bearer $DGR_API_KEY'" if keys else ""
+    print(
+        f"dgr up: try it:\n  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": 64, "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is a shard?\"}}]}}'\n"
+        f"  dashboard: {url}/   telemetry: {url}/v1/route-sessions   metrics: {url}/metrics",
+        file=sys.stderr, flush=True,
+    )
+
+
 def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -> list[str]:
     cmd = dgr_command(
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
         "--max-sessions", str(args.max_sessions), "--stub-delay", str(args.stub_delay),
-        "--stub-model", args.stub_model,
+        "--stub-model", args.stub_model, "--idle-timeout", str(getattr(args, "idle_timeout", 120.0)),
     )
     if args.model:
         cmd += ["--model", str(args.model)]
@@ -45,7 +79,23 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -
     return cmd
 
 
+def tracker_args(args) -> list[str]:
+    cmd = dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
+                      "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype)
+    if getattr(args, "manifest", None):
+        cmd += ["--manifest", str(args.manifest)]
+    if getattr(args, "api_key_file", None):
+        cmd += ["--api-key-file", str(args.api_key_file)]
+    for flag in ("max_prompt_tokens", "max_tokens_cap", "max_session_s", "slow_client_s"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
+    return cmd
+
+
 async def run_up(args) -> None:
+    given = load_cluster_secret(getattr(args, "cluster_secret_file", None))
+    env = {CLUSTER_ENV: given.decode() if given is not None else new_secret()}
     model = resolve_model(args.backend, args.model)
     n_layers = model_layer_count(args.backend, model, args.stub_model)
     if args.backend == "llama" and args.nodes != 1:
@@ -54,19 +104,15 @@ async def run_up(args) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):
-            tracker = await nursery.start(
-                run_child, "tracker",
-                dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-                            "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype,
-                            *(["--manifest", str(args.manifest)] if getattr(args, "manifest", None) else [])),
-            )
+            tracker = await nursery.start(functools.partial(run_child, env=env), "tracker", tracker_args(args))
             url = tracker.ready["url"]
             print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
                   + ", ".join(str(s) for s in splits), file=sys.stderr)
 
             async def start(i: int, layers: LayerRange) -> None:
                 child = await nursery.start(
-                    functools.partial(run_child, fatal=False), f"node{i}", node_args(args, layers, url, f"node{i}", threads)
+                    functools.partial(run_child, fatal=False, env=env), f"node{i}",
+                    node_args(args, layers, url, f"node{i}", threads),
                 )
                 print(f"dgr up: node{i} ready, layers {layers}, pid {child.pid}", file=sys.stderr)
 
@@ -74,4 +120,5 @@ async def run_up(args) -> None:
                 for i, layers in enumerate(splits):
                     starting.start_soon(start, i, layers)
         print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)
+        await _print_example(url)
         # children run until a signal cancels us, or one of them exits and fails the nursery
