@@ -1,0 +1,46 @@
+"""`dgr plan` against the real memory of `dgr up` nodes (RSS), within 15%."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgr.models import default_model_path
+from dgr.backends.base import LayerRange
+from dgr.plan import Node, PlanParams, shard_cost
+from dgr.plan_layout import layout_from_gguf
+from dgr.testing.harness import LocalRoute
+
+pytestmark = pytest.mark.llama
+pytest.importorskip("llama_cpp")
+
+CTX, SESSIONS = 2048, 2
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_plan_matches_node_rss(nodes: int) -> None:
+    backend = "llama" if nodes == 1 else "llama_shard"
+    with LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=300,
+                    extra=("--ctx", str(CTX), "--max-sessions", str(SESSIONS))) as route:
+        # one request past a full 512-row ubatch, so compute and output buffers reach their serving size
+        import httpx
+
+        httpx.post(f"{route.api}/completions", timeout=120,
+                   json={"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "warm up " * 300, "max_tokens": 4})
+        measured = {n["node"]: _rss_bytes(n["pid"]) for n in route.node_table()}
+        layers = {n["node"]: n["layers"] for n in route.node_table()}
+    layout = layout_from_gguf(default_model_path())
+    params = PlanParams(context=CTX, sessions=SESSIONS)
+    for name, text in sorted(layers.items()):
+        cost = shard_cost(layout, params, Node(name, 64 << 30), LayerRange.parse(text))
+        ratio = measured[name] / cost.total_bytes
+        print(f"{name} {text}: RSS {measured[name] / 2**20:.1f} MiB, plan {cost.total_bytes / 2**20:.1f} MiB, "
+              f"ratio {ratio:.3f}")
+        assert 0.85 <= ratio <= 1.15, (name, ratio)
