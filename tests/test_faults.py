@@ -47,7 +47,8 @@ def test_kill_in_decode_fails_fast_and_frees_survivors(victim: str) -> None:
 
 
 def test_kill_in_prefill_is_reported_in_prefill() -> None:
-    with LocalRoute(nodes=3, extra=DELAY) as route:
+    # 128-position chunks: the prompt takes several pipelined steps, so the kill lands mid-prefill
+    with LocalRoute(nodes=3, extra=DELAY + ("--prefill-chunk", "128")) as route:
         with _stream(route, "p" * 700, 20) as r:
             sid = r.headers["x-dgr-route-session"]
             killed: list[float] = []
