@@ -11,7 +11,7 @@ from typing import Callable
 
 import trio
 
-from dgr.errors import DgrError
+from dgr.errors import DgrError, first_dgr_error
 
 __all__ = ["main", "run_until_signal"]
 
@@ -47,24 +47,34 @@ def cmd_tracker(args) -> int:
     from dgr.artifact.manifest import Manifest
     from dgr.tracker.proofs import Prover
 
+    from dgr.security.secrets import load_api_keys, load_cluster_secret
+
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,
         step_deadline_s=args.step_deadline,
         seam_dtype=DType[args.seam_dtype.upper()],
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_cap=args.max_tokens_cap,
+        max_session_s=args.max_session_s or None,
+        slow_client_s=args.slow_client_s or None,
     )
+    secret = load_cluster_secret(args.cluster_secret_file)
+    api_keys = load_api_keys(args.api_key_file)
     manifests = [Manifest.load(m) for m in args.manifest]
     for m in manifests:
         print(f"dgr tracker: checking layer proofs against manifest {m.id[:12]} ({m.file.name})", file=sys.stderr)
     prover = Prover.from_manifests(manifests, challenges=args.proof_challenges, deadline_s=args.proof_deadline)
     return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after,
-                            prover=prover, require_proof=args.require_proof)
+                            prover=prover, require_proof=args.require_proof, secret=secret, api_keys=api_keys)
 
 
 def cmd_node(args) -> int:
     from dgr.backends.base import LayerRange
     from dgr.backends.factory import make_backend, resolve_model
     from dgr.node.run import run_node
+    from dgr.security.secrets import load_cluster_secret
 
+    secret = load_cluster_secret(args.cluster_secret_file)  # before loading a model: fail fast
     layers = LayerRange.parse(args.layers) if args.layers else None
     artifact = None
     if args.manifest or args.fetch:
@@ -83,7 +93,7 @@ def cmd_node(args) -> int:
     node_id = args.name or f"{args.backend}-{backend.layers}-{os.getpid()}"
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
                             tracker=args.tracker, idle_timeout_s=args.idle_timeout, artifact=artifact,
-                            seed_port=args.seed_port)
+                            seed_port=args.seed_port, secret=secret)
 
 
 def cmd_up(args) -> int:
@@ -104,6 +114,23 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
 
 
+def _add_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", metavar="F",
+                   help="file holding the cluster secret (chmod 600); default: $DGR_CLUSTER_SECRET. "
+                        "Never on the command line, where ps shows it")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", metavar="F",
+                   help="OpenAI API keys, one per line (chmod 600); default: $DGR_API_KEYS (comma-separated)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the context)")
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="clamp requests' max_tokens to this")
+    p.add_argument("--max-session-s", type=float, default=3600.0,
+                   help="fail a Route Session after this many seconds (session_timeout); 0: never")
+    p.add_argument("--slow-client-s", type=float, default=30.0,
+                   help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -112,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tracker", help="the Tracker Node and Gateway (OpenAI API)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt positions per prefill frame")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--dead-after", type=float, default=1.0, help="seconds without heartbeat before a node is dead")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
@@ -122,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route only nodes that proved their layers (nodes without --manifest are not routed)")
     p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
     p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
+    _add_secret_arg(p)
+    _add_limit_args(p)
     p.set_defaults(func=cmd_tracker)
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
@@ -141,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="where --fetch writes the file (default: ~/.cache/dgr/artifacts/ID)")
     p.add_argument("--fetch-timeout", type=float, default=None, help="give up fetching after this many seconds")
     p.add_argument("--seed-port", type=int, default=0, help="BitTorrent port to seed the artifact on (0: any)")
+    _add_secret_arg(p)
     _add_node_model_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -148,22 +178,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, help="threads per node (default: cores / nodes)")
-    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", metavar="M",
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "
                         "seeds and proves its layers")
+    p.add_argument("--idle-timeout", type=float, default=120.0, help="nodes free a session's KV after this idle time")
+    _add_secret_arg(p)
+    _add_limit_args(p)
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    from dgr import plan
+    from dgr import plan, soak
     from dgr.artifact import cli as artifact_cli
     from dgr.bench import cli as bench_cli
 
     artifact_cli.register(sub)
     plan.register(sub)
     bench_cli.register(sub)
+    soak.register(sub)
     return parser
 
 
@@ -177,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DgrError as exc:
+        print(f"dgr: error: {exc.message}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:
+        # a service's typed error arrives wrapped by the nurseries it passed through
+        exc = first_dgr_error(group)
+        if not isinstance(exc, DgrError):
+            raise
         print(f"dgr: error: {exc.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -69,6 +69,7 @@ class Reason(enum.Enum):
     NODE_ERROR = "node_error"
     SESSION_TIMEOUT = "session_timeout"
     CANCELLED = "cancelled"
+    SLOW_CLIENT = "slow_client"  # a streaming reader stopped reading: its session is cancelled, KV freed
     MODEL_LOAD_FAILED = "model_load_failed"
     # Model Artifacts: a file or a possession proof does not match its manifest.
     ARTIFACT_MISMATCH = "artifact_mismatch"
@@ -174,6 +175,7 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.NODE_ERROR: (502, "route_error"),
     Reason.SESSION_TIMEOUT: (504, "route_error"),
     Reason.CANCELLED: (499, "route_error"),
+    Reason.SLOW_CLIENT: (408, "route_error"),
     Reason.MODEL_LOAD_FAILED: (500, "server_error"),
     Reason.ARTIFACT_MISMATCH: (422, "artifact_error"),
     Reason.PROOF_FAILED: (403, "artifact_error"),

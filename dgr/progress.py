@@ -1,4 +1,4 @@
-"""Progress bars on stderr for long artifact jobs (hashing, verifying, moving).
+"""Progress bars on stderr for long jobs: hashing, verifying, moving, building shards, starting routes.
 
 Hashing a large GGUF or fetching its layers takes minutes, so the CLI shows
 a bar. It uses `rich` when it is installed and stderr is a terminal, and is

@@ -25,6 +25,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
 from dgr.procs import dgr_command, run_child
+from dgr.progress import terminal_progress
 from dgr.security.secrets import CLUSTER_ENV, load_cluster_secret, new_secret
 
 __all__ = ["run_up", "even_split", "node_args", "tracker_args", "READY_TIMEOUT_S"]
@@ -100,7 +101,14 @@ async def run_up(args) -> None:
     n_layers = model_layer_count(args.backend, model, args.stub_model)
     if args.backend == "llama" and args.nodes != 1:
         raise CallerError(Reason.INVALID_REQUEST, "the llama backend serves a whole model: use --nodes 1, or llama_shard")
-    splits = even_split(n_layers, args.nodes)
+    if model is None:
+        splits = even_split(n_layers, args.nodes)
+    else:
+        # the planner balances weight bytes per shard (a shard's decode time follows the bytes it reads)
+        from dgr.plan import plan_even
+        from dgr.plan_layout import layout_from_gguf
+
+        splits = plan_even(layout_from_gguf(model), args.nodes)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):
@@ -109,16 +117,25 @@ async def run_up(args) -> None:
             print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
                   + ", ".join(str(s) for s in splits), file=sys.stderr)
 
+            ready: list[LayerRange] = []
+
             async def start(i: int, layers: LayerRange) -> None:
                 child = await nursery.start(
                     functools.partial(run_child, fatal=False, env=env), f"node{i}",
                     node_args(args, layers, url, f"node{i}", threads),
                 )
+                ready.append(layers)
+                covered = sum(len(r) for r in ready)
+                progress.update(covered, description=f"nodes ready {len(ready)}/{len(splits)}, "
+                                                     f"layers covered {covered}/{n_layers}")
                 print(f"dgr up: node{i} ready, layers {layers}, pid {child.pid}", file=sys.stderr)
 
-            async with trio.open_nursery() as starting:
-                for i, layers in enumerate(splits):
-                    starting.start_soon(start, i, layers)
+            # a bar on a terminal (quiet otherwise): which nodes are up, how many layers are covered
+            with terminal_progress() as progress:
+                progress.start(f"nodes ready 0/{len(splits)}, layers covered 0/{n_layers}", n_layers)
+                async with trio.open_nursery() as starting:
+                    for i, layers in enumerate(splits):
+                        starting.start_soon(start, i, layers)
         print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)
         await _print_example(url)
         # children run until a signal cancels us, or one of them exits and fails the nursery

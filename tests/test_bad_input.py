@@ -68,20 +68,23 @@ def test_malformed_and_cut_frames_leave_nodes_serving(route) -> None:
     node = route.node("node1")
     url = node["url"]
     sid = uuid.uuid4().hex
+    cap = route.capability(sid, "node1")  # the route has a cluster secret: every session call needs one
     frame = encode_frame(FrameKind.PREFILL, sid, 0, 0, 64, 576, hidden=np.ones((64, 576), np.float32))
-    r = httpx.post(f"{url}/v1/seam/step", content=frame)
+    r = httpx.post(f"{url}/v1/seam/step", content=frame, headers=cap)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session"
-    r = httpx.post(f"{url}/v1/seam/step", content=b"garbage")
+    r = httpx.post(f"{url}/v1/seam/step", content=b"garbage", headers=cap)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame"
-    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 10 ** 9})
+    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 10 ** 9}, headers=cap)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100, "sampling": {"bogus": 1}})
+    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100, "sampling": {"bogus": 1}},
+                   headers=cap)
     assert r.status_code == 400
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100}).status_code == 201
+    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100}, headers=cap)
+    assert r.status_code == 201
     for fraction in (0.1, 0.5, 0.99):
         cut_mid_frame(url, frame, fraction)
     status = httpx.get(f"{url}/v1/node/status").json()
-    assert httpx.get(f"{url}/v1/seam/sessions/{sid}").json()["positions"] == 0  # no partial frame applied
+    assert httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=cap).json()["positions"] == 0  # no partial frame applied
     assert status["sessions"] == 1
-    httpx.delete(f"{url}/v1/seam/sessions/{sid}")
+    httpx.delete(f"{url}/v1/seam/sessions/{sid}", headers=cap)
     _ok(route)

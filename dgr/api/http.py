@@ -4,19 +4,31 @@ Every error leaves as OpenAI's error shape with the status from
 `dgr.errors.HTTP_TABLE`, so a client sees one format whichever process
 refused it. Unexpected exceptions become a 500 `internal_error` and the
 process keeps serving.
+
+Every response, errors and Quart's automatic OPTIONS answers included, goes
+out only once the request body has been read (or, when it cannot be: too
+large, the client stalls, with `Connection: close`): hypercorn wedges a
+keep-alive connection's next request when a response leaves while the
+previous body is still arriving (found by schemathesis: OPTIONS or TRACE
+with a body, then GET, on one connection).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 from typing import Any
 
+import trio
+
 from quart import Response, request
 
-from dgr.errors import DgrError, Failure, Reason, http_status, openai_error_body
+from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 
-__all__ = ["error_response", "json_response", "install_error_handlers", "read_json"]
+__all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
+           "is_loopback", "check_bearer"]
 
 log = logging.getLogger("dgr.http")
 
@@ -33,11 +45,39 @@ def _from_dgr(exc: DgrError) -> Response:
     headers = {}
     if exc.reason is Reason.NODE_AT_CAPACITY:
         headers["Retry-After"] = str(exc.details.get("retry_after", 1))
+    if exc.details.get("bearer"):
+        headers["WWW-Authenticate"] = 'Bearer realm="dgr"'
+
     extra = {k: v for k, v in exc.details.items() if k in ("param", "missing", "expected", "got")}
     return error_response(exc.failure(), headers=headers, **extra)
 
 
+_DRAIN_S = 5.0
+
+
+async def _settled(response: Response) -> Response:
+    """Read what is left of the request body before answering; if that fails, close the connection.
+
+    A no-op for handlers that read the body themselves: it is complete by then.
+    """
+    limit = request.max_content_length
+    drained = False
+    if request.content_length is None or limit is None or request.content_length <= limit:
+        with trio.move_on_after(_DRAIN_S):
+            try:
+                await request.get_data(cache=False)
+                drained = True
+            except Exception:  # too large, cut off, malformed: any of them means do not reuse the connection
+                drained = False
+    if not drained:
+        response.headers["Connection"] = "close"
+    return response
+
+
 def install_error_handlers(app) -> None:
+    """OpenAI-shaped errors for everything, and no response before its request's body is read."""
+    app.after_request(_settled)
+
     @app.errorhandler(DgrError)
     async def _dgr(exc: DgrError):
         return _from_dgr(exc)
@@ -64,23 +104,68 @@ def install_error_handlers(app) -> None:
         return error_response(Failure(Reason.INTERNAL, f"internal error: {type(exc).__name__}"))
 
 
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback addresses; any name that must be resolved counts as exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
+    """Accept `Authorization: Bearer KEY` for one of `keys` (constant-time per key).
+
+    Raises:
+        CallerError(UNAUTHENTICATED): missing or unknown key.
+    """
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise CallerError(Reason.UNAUTHENTICATED, "this API needs a key: send 'Authorization: Bearer KEY'",
+                          bearer=True)
+    given = token.encode()
+    if not any(hmac.compare_digest(given, k.encode()) for k in keys):
+        raise CallerError(Reason.UNAUTHENTICATED, "incorrect API key provided", bearer=True)
+
+
+async def read_body(max_bytes: int) -> bytes:
+    """The raw request body, refused past `max_bytes`.
+
+    Raises:
+        CallerError(BODY_TOO_LARGE)
+    """
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {max_bytes}")
+    raw = await request.get_data(cache=False)
+    if len(raw) > max_bytes:
+        raise CallerError(Reason.BODY_TOO_LARGE, f"body exceeds {max_bytes} bytes")
+    return raw
+
+
 async def read_json(max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
         CallerError(BODY_TOO_LARGE | INVALID_JSON | INVALID_REQUEST)
     """
-    from dgr.errors import CallerError
+    return parse_json(await read_body(max_bytes))
 
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {max_bytes}")
-    raw = await request.get_data(cache=False)
-    if len(raw) > max_bytes:
-        raise CallerError(Reason.BODY_TOO_LARGE, f"body exceeds {max_bytes} bytes")
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """Bytes as a JSON object.
+
+    Raises:
+        CallerError(INVALID_JSON | INVALID_REQUEST)
+    """
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CallerError(Reason.INVALID_JSON, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # a few MiB of '[' nest deeper than the parser's stack
+        raise CallerError(Reason.INVALID_JSON, "body nests too deeply") from None
     if not isinstance(data, dict):
         raise CallerError(Reason.INVALID_REQUEST, "body must be a JSON object")
     return data

@@ -40,6 +40,7 @@ class GenerationRequest:
     include_usage: bool
     telemetry_chunks: bool
     ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
+    prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
 
     def tokenize_body(self) -> dict[str, Any]:
         if self.kind == "chat":
@@ -96,14 +97,19 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     if not isinstance(model, str) or not model:
         raise _bad("'model' must be a non-empty string", "model")
     messages = prompt = None
+    prompt_ids: tuple[int, ...] | None = None
     if kind == "chat":
         messages = _messages(body)
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad("'prompt' must be a non-empty string", "prompt")
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in prompt):
+            prompt_ids = tuple(prompt)
+            prompt = None
+        elif not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string or an array of token ids", "prompt")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(key, DEFAULT_MAX_TOKENS)
     if max_tokens is None:
@@ -118,8 +124,8 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     if top_p == 0.0:
         raise _bad("'top_p' must be greater than 0", "top_p")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise _bad("'seed' must be a non-negative integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+        raise _bad("'seed' must be a non-negative 64-bit integer", "seed")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -155,6 +161,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
         include_usage=bool(options.get("include_usage", False)),
         telemetry_chunks=telemetry,
         ignore_eos=ignore_eos,
+        prompt_ids=prompt_ids,
     )
 
 

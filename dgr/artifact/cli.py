@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.progress import terminal_progress
+from dgr.progress import terminal_progress
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, DgrError, Reason
 

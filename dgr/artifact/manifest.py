@@ -50,7 +50,7 @@ from dgr.artifact.constants import (
     Role,
     SchemaVersion,
 )
-from dgr.artifact.progress import NullProgress, Progress
+from dgr.progress import NullProgress, Progress
 from dgr.backends.base import LayerRange, ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file

@@ -31,7 +31,7 @@ import attrs
 
 from dgr.artifact.constants import HASH_CHUNK, GlobalNeed
 from dgr.artifact.manifest import Manifest, TensorEntry, read_gguf_layout
-from dgr.artifact.progress import NullProgress, Progress
+from dgr.progress import NullProgress, Progress
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file

@@ -34,6 +34,7 @@ import gguf
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
+from dgr.progress import NullProgress, Progress
 
 __all__ = ["SHARD_FORMAT", "cache_dir", "file_sha256", "remember_sha256", "shard_path", "write_shard"]
 
@@ -125,11 +126,14 @@ def shard_path(source: str | Path, layers: LayerRange, *, root: Path | None = No
     digest = file_sha256(src)
     out = (root or cache_dir()) / f"{digest}.v{SHARD_FORMAT}.{layers.start}-{layers.stop}.gguf"
     if not out.is_file():
-        write_shard(src, layers, out)
+        from dgr.progress import terminal_progress
+
+        with terminal_progress() as progress:
+            write_shard(src, layers, out, progress=progress)
     return out
 
 
-def write_shard(source: str | Path, layers: LayerRange, out: str | Path) -> None:
+def write_shard(source: str | Path, layers: LayerRange, out: str | Path, *, progress: Progress | None = None) -> None:
     """Write the GGUF of layers [start, stop) of `source` to `out` (atomically).
 
     Raises:
@@ -171,8 +175,11 @@ def write_shard(source: str | Path, layers: LayerRange, out: str | Path) -> None
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        progress = progress or NullProgress()
+        progress.start(f"shard {layers} of {src.name}", sum(int(t.n_bytes) for t in kept))
         for t in kept:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+            progress.advance(int(t.n_bytes))
         writer.close()
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable like the model
         os.replace(tmp, out)

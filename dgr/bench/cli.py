@@ -9,13 +9,17 @@ __all__ = ["register"]
 
 
 def _run(args) -> int:
+    import attrs
+
     from dgr.bench.report import write_report
     from dgr.bench.suite import BenchConfig, run_suite
 
+    if args.only == "rtt" and not args.rtt:
+        print("dgr bench: --only rtt needs at least one --rtt MS", file=sys.stderr)
+        return 2
     cfg = BenchConfig.make(args.quick, tuple(args.rtt or ()))
+    cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link)
     if args.threads:
-        import attrs
-
         cfg = attrs.evolve(cfg, threads=args.threads)
     results = run_suite(cfg)
     path = write_report(results, Path(args.out))
@@ -29,5 +33,11 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="fewer tokens and setups: under 5 minutes on 2 cores")
     p.add_argument("--out", default="results/latest", help="folder for REPORT.md, results.json and plots")
     p.add_argument("--threads", type=int, help="total threads per setup (default: all cores)")
-    p.add_argument("--rtt", type=float, action="append", help="add a route with this RTT in ms (network namespaces)")
+    p.add_argument("--rtt", type=float, action="append", metavar="MS",
+                   help="repeatable: run 2- and 3-node llama_shard routes with each node in its own network "
+                        "namespace at this tracker-node RTT (0 ms is always added as the baseline); needs root")
+    p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
+                   help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
+                        "(auto: netem when the kernel has it)")
+    p.add_argument("--only", choices=("rtt",), help="run only this part of the suite")
     p.set_defaults(func=_run)

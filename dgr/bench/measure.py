@@ -30,13 +30,14 @@ class StreamResult:
     session: str
 
 
-def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int) -> StreamResult:
+def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
+                headers: dict[str, str] | None = None) -> StreamResult:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict[str, int] = {}
-    with httpx.stream("POST", f"{api}/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{api}/completions", json=body, headers=headers, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         sid = r.headers.get("x-dgr-route-session", "")

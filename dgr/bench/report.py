@@ -7,6 +7,7 @@ in the same run. Plots are written with matplotlib's Agg backend (no screen).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,11 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     lines = [f"# dgr benchmark ({'quick' if res['config']['quick'] else 'full'})", "",
              f"Run {res['started']} to {res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1, "
              f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
-             "Ratios are to llama-cpp-python called directly in the same run.", "",
-             "## Decode and prefill", "",
-             "| setup | decode tok/s | vs direct | prefill tok/s | vs direct | TTFT ms | hop p50 ms | hop p99 ms | seam bytes/step/hop |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Ratios are to llama-cpp-python called directly in the same run."]
+    if setups:
+        lines += ["", "## Decode and prefill", "",
+                  "| setup | decode tok/s | vs direct | prefill tok/s | vs direct | TTFT ms | hop p50 ms | hop p99 ms | seam bytes/step/hop |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for label, s in setups.items():
         p50 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p50_ms") or {}).values()) or "-"
         p99 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p99_ms") or {}).values()) or "-"
@@ -58,15 +60,17 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
             for c, r in rows.items():
                 lines.append(f"| {label} | {c} | {_f(r['aggregate_tok_s'])} | {_ratio(r['aggregate_tok_s'], one)} "
                              f"| {_f(r['per_session_tok_s'])} | {r['errors']} |")
-    lines += ["", "## TTFT by prompt length (ms)", "", "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
-              "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
+    if res.get("ttft"):
+        lines += ["", "## TTFT by prompt length (ms)", "", "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
+                  "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
     for label, rows in res["ttft"].items():
         lines.append(f"| {label} | " + " | ".join(_f(rows.get(n, rows.get(str(n))) * 1e3 if rows.get(n, rows.get(str(n))) else None)
                                                    for n in res["config"]["prompt_lengths"]) + " |")
-    lines += ["", "## Seam bytes per decode step, by context length", "",
-              f"Expected for one hidden state: {res['seam_expected_bytes']} bytes (48-byte header + 576 x float32).", "",
-              "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
-              "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
+    if res.get("seam") or res.get("torch"):
+        lines += ["", "## Seam bytes per decode step, by context length", "",
+                  f"Expected for one hidden state: {res['seam_expected_bytes']} bytes (48-byte header + 576 x float32).", "",
+                  "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
+                  "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
     for label, rows in res["seam"].items():
         lines.append(f"| {label} (measured at node1) | " + " | ".join(str(rows.get(n, rows.get(str(n)))) for n in res["config"]["prompt_lengths"]) + " |")
     for label, rows in res.get("torch", {}).items():
@@ -77,8 +81,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
                   "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
         for label, rows in res["torch"].items():
             lines.append(f"| {label} | " + " | ".join(_f(r["decode_ms_per_token"]) for r in rows.values()) + " |")
+    if res.get("rtt"):
+        lines += _rtt_markdown(res["rtt"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    lines += ["", "Made by `dgr bench" + (" --quick" if res["config"]["quick"] else "") + "`."]
+    lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +102,10 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         names.append(name)
 
+    if res.get("rtt", {}).get("routes"):
+        _rtt_plot(res["rtt"], out, save)
+    if not res["setups"]:
+        return names  # dgr bench --only rtt
     base = res["setups"].get(BASE, {}).get("decode_tok_s")
     labels = list(res["setups"]) + list(res.get("inprocess", {}))
     values = [res["setups"].get(l, res.get("inprocess", {}).get(l, {})).get("decode_tok_s", 0) for l in labels]
@@ -146,6 +156,84 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
         ax.legend(fontsize=8)
         save(fig, "aggregate_vs_concurrency.png")
     return names
+
+
+def _command(cfg: dict[str, Any]) -> str:
+    """The command line that makes this report."""
+    parts = ["dgr bench"] + (["--quick"] if cfg["quick"] else [])
+    parts += [f"--rtt {r:g}" for r in cfg.get("rtts_ms") or ()]
+    if cfg.get("rtt_link", "auto") != "auto":
+        parts.append(f"--rtt-link {cfg['rtt_link']}")
+    if cfg.get("only"):
+        parts.append(f"--only {cfg['only']}")
+    return " ".join(parts)
+
+
+_LINKS = {
+    "netem": "a veth pair per node with `tc qdisc ... netem delay RTT/2` on both ends",
+    "tun": "a TUN pair per node and a user-space delay line holding each packet RTT/2 each way "
+           "(this kernel has no sch_netem); the copy costs tens of microseconds at every RTT, 0 ms included",
+}
+
+
+def _rtt_markdown(rtt: dict[str, Any]) -> list[str]:
+    lines = ["", "## Decode vs network RTT (each node in its own network namespace)", ""]
+    if "skipped" in rtt:
+        return lines + [f"Skipped: {rtt['skipped']}."]
+    lines += [
+        (f"The tracker stays in the root namespace; each node runs in a namespace of its own, joined to it by "
+         f"{_LINKS.get(rtt.get('link'), rtt.get('link'))}. Delay placement: {rtt['placement']}. The gateway "
+         "relays every hop, so one decoded token on an N-node route costs N tracker-node round trips: "
+         "expected ms/token = the route's 0 ms figure + N x RTT. Extra per hop is the measured extra "
+         "ms/token over N; it should read as the RTT. TTFT pays the round trips before the first token "
+         "(open, plus each prefill chunk through the hops, plus tokenize for a text prompt) on top of prefill "
+         "compute, whose spread from run to run can exceed them. "
+         f"Each figure is the best of {rtt.get('repeats', 1)} run(s) at that RTT."),
+        "",
+        ("| route | hops/token | RTT ms | decode tok/s | vs 0 ms | expected tok/s | ms/token | expected ms/token "
+         "| extra ms/token (expected) | extra per hop ms | TTFT ms | TTFT vs 0 ms (expected) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, route in rtt["routes"].items():
+        for r in route["rows"]:
+            lines.append(
+                f"| {label} | {r['hops']} | {r['rtt_ms']:g} | {_f(r['decode_tok_s'])} | {r['decode_vs_0']:.2f}x "
+                f"| {_f(r['expected_tok_s'])} | {_f(r['ms_per_token'], '{:.2f}')} "
+                f"| {_f(r['expected_ms_per_token'], '{:.2f}')} "
+                f"| {_f(r['extra_ms_per_token'], '{:+.2f}')} ({_f(r['expected_extra_ms_per_token'], '{:.2f}')}) "
+                f"| {_f(r['extra_ms_per_hop'], '{:.2f}') if r['extra_ms_per_hop'] is not None else '-'} "
+                f"| {_f(r['ttft_s'] * 1e3)} | {_f(r['ttft_extra_ms'], '{:+.1f}')} "
+                f"({_f(r.get('expected_ttft_extra_ms'), '{:.0f}')}) |")
+    return lines
+
+
+def _rtt_plot(rtt: dict[str, Any], out: Path, save: Callable) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, (label, route) in enumerate(rtt["routes"].items()):
+        rows = sorted(route["rows"], key=lambda r: r["rtt_ms"])
+        xs = [r["rtt_ms"] for r in rows]
+        color = f"C{i}"
+        name = f"{route['nodes']} nodes ({route['nodes']} hops/token)"
+        left.plot(xs, [r["decode_tok_s"] for r in rows], marker="o", color=color, label=f"{name}, measured")
+        left.plot(xs, [r["expected_tok_s"] for r in rows], ls="--", color=color, label=f"{name}, expected")
+        right.plot(xs, [r["ms_per_token"] for r in rows], marker="o", color=color, label=f"{name}, measured")
+        right.plot(xs, [r["expected_ms_per_token"] for r in rows], ls="--", color=color,
+                   label=f"{name}, expected (0 ms + N x RTT)")
+    left.set_xlabel("tracker-node round-trip time (ms)")
+    left.set_ylabel("decode tokens/s (single session)")
+    left.set_title("Decode speed vs RTT")
+    left.set_ylim(bottom=0)
+    right.set_xlabel("tracker-node round-trip time (ms)")
+    right.set_ylabel("time per decoded token (ms)")
+    right.set_title("Time per token vs RTT")
+    right.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"llama_shard routes, each node in its own network namespace ({rtt.get('link')} links)")
+    save(fig, "decode_vs_rtt.png")
 
 
 def write_report(res: dict[str, Any], out: Path) -> Path:

@@ -36,6 +36,8 @@ class BenchConfig:
     prompt_lengths: tuple[int, ...] = (128, 512, 2048)
     concurrency: tuple[int, ...] = (1, 4, 8)
     rtts_ms: tuple[float, ...] = ()
+    only: str | None = None  # "rtt": just the namespaced RTT routes
+    rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
 
     @classmethod
     def make(cls, quick: bool, rtts_ms: tuple[float, ...] = ()) -> "BenchConfig":
@@ -72,6 +74,12 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     prompt = {n: _prompt_tokens(n) for n in cfg.prompt_lengths}
     base_prompt = prompt[cfg.prompt_lengths[0]]
     max_ctx = max(cfg.prompt_lengths) + cfg.decode_tokens + 64
+
+    if cfg.rtts_ms:
+        results["rtt"] = _rtt(cfg, base_prompt, max_ctx)
+    if cfg.only == "rtt":
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return results
 
     _log(f"direct llama-cpp-python, {cfg.threads} threads")
     results["setups"]["llama-cpp-python direct"] = direct_llama(model, base_prompt, cfg.decode_tokens, cfg.threads)
@@ -112,6 +120,15 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     results["seam_expected_bytes"] = HEADER_SIZE + 576 * 4
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return results
+
+
+def _rtt(cfg: BenchConfig, prompt: list[int], ctx: int) -> dict[str, Any]:
+    """2- and 3-node llama_shard routes with each node in its own network namespace, at each RTT."""
+    from dgr.bench.netns import rtt_sweep
+
+    return rtt_sweep(backend="llama_shard", node_counts=(2, 3), rtts_ms=cfg.rtts_ms, prompt=prompt,
+                     decode_tokens=cfg.decode_tokens, threads=cfg.threads, ctx=ctx, link=cfg.rtt_link,
+                     repeats=2 if cfg.quick else 3, log=_log)
 
 
 def _optional(label: str, fn: Callable[[], Any]) -> Any:

@@ -3,11 +3,16 @@
 `POST /v1/seam/step` is served by a bare ASGI handler in front of Quart: it
 runs once per token per hop, and Quart's request and response objects cost
 more than the step's own bookkeeping. Everything else goes through Quart.
+
+Every call that names a Route Session carries its capability in
+`X-Dgr-Capability`; `NodeService.authorize` checks it (a no-op without a
+cluster secret) before the session is touched.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import trio
 from quart import Response, request
@@ -21,9 +26,12 @@ from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.wire import CONTENT_TYPE
 
-__all__ = ["make_node_app", "seam_fast_path"]
+__all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = 4 * 1024 * 1024
+CAPABILITY_HEADER = "X-Dgr-Capability"
+_CAP_RAW = CAPABILITY_HEADER.lower().encode()
+_SID = re.compile(r"[0-9a-f]{32}")
 
 
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
@@ -32,18 +40,25 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     app.config["MAX_CONTENT_LENGTH"] = service.max_frame_bytes
     install_error_handlers(app)
 
+    def _authorize(sid: str) -> None:
+        service.authorize(request.headers.get(CAPABILITY_HEADER), sid)
+
     @app.post("/v1/seam/sessions")
     async def open_session():
         body = await read_json(_JSON_LIMIT)
         sid = body.get("session")
         max_positions = body.get("max_positions")
         sampling = body.get("sampling") or {}
-        if not isinstance(sid, str) or len(sid) != 32:
-            raise CallerError(Reason.BAD_FRAME, "session must be 32 hex digits")
+        if not isinstance(sid, str) or not _SID.fullmatch(sid):
+            raise CallerError(Reason.BAD_FRAME, "session must be 32 lowercase hex digits")
+        _authorize(sid)
         if not isinstance(max_positions, int) or isinstance(max_positions, bool):
             raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
         if not isinstance(sampling, dict):
             raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
+        seed = sampling.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64):
+            raise CallerError(Reason.INVALID_REQUEST, "sampling.seed must be an integer in [0, 2^64)")
         try:
             params = SamplingParams(**sampling)
         except TypeError as exc:
@@ -53,6 +68,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
+        _authorize(sid)
         reason = request.args.get("reason")
         if reason:
             try:
@@ -66,11 +82,16 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.get("/v1/seam/sessions/<sid>")
     async def session_status(sid: str):
+        _authorize(sid)
         return json_response(service.session_json(sid))
 
     @app.post("/v1/node/tokenize")
     async def tokenize():
         body = await read_json(_JSON_LIMIT)
+        if service.authority is not None:
+            # tokenizing is work done for a Route Session: only for one the tracker opened
+            sid = body.get("session")
+            _authorize(sid if isinstance(sid, str) else "")
         backend = service.backend
         if not backend.is_head:
             raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} is not a head shard")
@@ -135,10 +156,13 @@ async def _respond(send, status: int, body: bytes, content_type: bytes, extra=()
 
 async def _step(service: NodeService, scope, receive, send) -> None:
     limit = service.max_frame_bytes
+    capability = None
     try:
         for name, value in scope["headers"]:
             if name == b"content-length" and int(value) > limit:
                 raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {int(value)} bytes exceeds {limit}")
+            if name == _CAP_RAW:
+                capability = value.decode("latin-1")
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -151,10 +175,12 @@ async def _step(service: NodeService, scope, receive, send) -> None:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        reply, compute_s = await service.step(b"".join(chunks))
+        reply, compute_s = await service.step(b"".join(chunks), capability)
     except DgrError as exc:
         body = json.dumps(openai_error_body(exc.failure())).encode()
-        await _respond(send, http_status(exc.reason), body, b"application/json")
+        # refused by its announced size, the body was never read: this connection cannot carry another request
+        extra = [(b"connection", b"close")] if exc.reason is Reason.FRAME_TOO_LARGE else []
+        await _respond(send, http_status(exc.reason), body, b"application/json", extra)
         return
     except ValueError as exc:
         body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad request: {exc}"))).encode()

@@ -40,7 +40,7 @@ import trio
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
-from dgr.artifact.progress import Progress, terminal_progress
+from dgr.progress import Progress, terminal_progress
 from dgr.artifact.proof import Challenge, answer_challenge
 from dgr.artifact.torrent import resume_path_for
 from dgr.artifact.verify import verify_file

@@ -9,19 +9,29 @@ A node with a Model Artifact adds its claim (manifest id, seed address) to
 each registration; the tracker answers with the proof's state, and every
 heartbeat reply repeats it, so the node can say on stderr when its layers
 are proven (or why not).
+
+With a cluster secret every registration and heartbeat is signed over its
+exact body bytes (dgr.security.auth.Signer), so the tracker can refuse
+forged and replayed ones. A tracker that refuses us as unauthenticated or
+replayed (a wrong secret, a clock far off) will refuse every retry too, so
+the node stops with that error instead of retrying forever.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from typing import Any
 
 import httpx
 import trio
 
+from dgr.errors import CallerError, Reason
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
+from dgr.security.auth import Signer
 
 __all__ = ["HEARTBEAT_S", "stay_registered", "registration"]
 
@@ -72,20 +82,45 @@ def _decided(artifact: NodeArtifact | None) -> bool:
     return artifact is None or artifact.proof.get("state") in ("passed", "failed", "none")
 
 
+async def _post(client: httpx.AsyncClient, signer: Signer | None, path: str, data: dict[str, Any]) -> httpx.Response:
+    """POST `data` as JSON, signed over the exact bytes sent; a 401 ends membership.
+
+    Raises:
+        CallerError(UNAUTHENTICATED | REPLAYED): the tracker refused our signature (or its absence).
+    """
+    body = json.dumps(data).encode()
+    headers = {"Content-Type": "application/json"}
+    if signer is not None:
+        headers.update(signer.headers("POST", path, body, time.time()))
+    r = await client.post(path, content=body, headers=headers)
+    if r.status_code == 401:
+        try:
+            err = r.json()["error"]
+            reason, message = Reason(err["code"]), str(err.get("message", ""))
+        except (ValueError, KeyError, TypeError):
+            reason, message = Reason.UNAUTHENTICATED, r.text[:200]
+        raise CallerError(reason, f"the tracker refused this node ({reason.value}): {message}")
+    return r
+
+
 async def stay_registered(service: NodeService, tracker: str, url: str, *, artifact: NodeArtifact | None = None,
-                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+                          secret: bytes | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
     With an artifact, ready means the tracker has decided on the layer claim
     (passed or failed), so `dgr up` announces the API once nodes are routable.
+
+    Raises:
+        CallerError(UNAUTHENTICATED | REPLAYED): the tracker refuses this node's cluster secret.
     """
     started = False
+    signer = None if secret is None else Signer(secret)
     async with httpx.AsyncClient(base_url=tracker, timeout=2.0) as client:
         registered = False
         while True:
             try:
                 if not registered:
-                    r = await client.post("/v1/nodes/register", json=registration(service, url, artifact))
+                    r = await _post(client, signer, "/v1/nodes/register", registration(service, url, artifact))
                     r.raise_for_status()
                     _note_proof(artifact, r.json())
                     registered = True
@@ -93,7 +128,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     if not started and _decided(artifact):
                         started = True
                         task_status.started()
-                r = await client.post("/v1/nodes/heartbeat", json=_load(service))
+                r = await _post(client, signer, "/v1/nodes/heartbeat", _load(service))
                 if r.status_code == 404:
                     registered = False
                     continue

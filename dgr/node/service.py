@@ -12,6 +12,13 @@ Sessions end by `close` (the gateway is done), by failure (the gateway saw
 the route break, or compute raised) or by idle expiry. Each frees its KV.
 Ended session ids are remembered (bounded) so a late frame is refused as
 `session_ended`, not `unknown_session`.
+
+Authorization: with a cluster secret (`authority`), every call that names a
+session (open, step, close, status, tokenize) must carry the capability the
+tracker issued for that session, this node and these layers
+(dgr.security.auth). It is checked before anything else about the session is
+looked at, so an unauthorized caller learns nothing and changes nothing.
+Without a secret (loopback development) no capability is asked for.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dgr.metrics import NodeMetrics, gauge
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, DType, Flag, FrameKind
+from dgr.security.auth import CapabilityAuthority
 
 __all__ = ["NodeService", "SeamStats"]
 
@@ -75,6 +83,7 @@ class NodeService:
     limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
     started_at: float = attrs.field(factory=time.monotonic)
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
+    authority: CapabilityAuthority | None = None  # None: no cluster secret, capabilities not required
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -84,6 +93,27 @@ class NodeService:
         yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
                     [([], float(self.backend.max_sessions()))])
         yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.backend.kv_bytes()))])
+
+    def _refuse(self, exc: CallerError) -> None:
+        self.stats.refused[exc.reason.value] += 1
+        self.metrics.refused_total.labels(reason=exc.reason.value).inc()
+
+    def authorize(self, capability: str | None, sid: str) -> None:
+        """Check the caller's capability for session `sid` on this node and these layers.
+
+        Raises:
+            CallerError(FORBIDDEN): missing, forged, expired, or for another session, node or layer range.
+        """
+        if self.authority is None:
+            return
+        layers = self.backend.layers
+        try:
+            # wall clock: the tracker that issued the token stamped its expiry with its own
+            self.authority.check(capability, session=sid, node=self.node_id, start=layers.start, stop=layers.stop,
+                                 now=time.time())
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
 
     # -- session lifecycle ----------------------------------------------------
     def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
@@ -165,21 +195,25 @@ class NodeService:
                 raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
         return step
 
-    async def step(self, body: bytes) -> tuple[bytes, float]:
+    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
         """Apply one frame; return (response frame, compute seconds).
 
         Raises:
-            CallerError: the frame was refused; nothing changed.
+            CallerError: the frame was refused (FORBIDDEN without a valid capability); nothing changed.
             PeerError(NODE_ERROR): compute failed; the session is failed and freed.
         """
         try:
             frame = decode_frame(body, max_bytes=self.max_frame_bytes)
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
+        self.authorize(capability, frame.session)
+        try:
             step = self._check_frame(frame)
             session = self._lookup(frame.session)
             session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
         except CallerError as exc:
-            self.stats.refused[exc.reason.value] += 1
-            self.metrics.refused_total.labels(reason=exc.reason.value).inc()
+            self._refuse(exc)
             raise
         self.stats.frames_in[frame.kind.name] += 1
         self.stats.bytes_in[frame.kind.name] += frame.size

@@ -10,6 +10,10 @@ can then, at a chosen phase and step of a Route Session:
 
 Everything is bounded in time, uses 127.0.0.1 only, and stops every process
 it started, even when a test fails.
+
+The route's cluster secret is made here and handed to `dgr up` in the
+environment, so tests can mint capabilities and sign membership messages
+(`capability`, `signed`) the way the tracker and nodes do, and forge bad ones.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import attrs
 import httpx
 
 from dgr.procs import dgr_command, die_with_parent
+from dgr.security.auth import CapabilityAuthority, Signer
+from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
 
 __all__ = ["LocalRoute", "RouteTimeout", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
 
@@ -69,6 +75,8 @@ class LocalRoute:
     proc: subprocess.Popen | None = None
     log_lines: list[str] = attrs.field(factory=list)
     restarted: list[subprocess.Popen] = attrs.field(factory=list)
+    secret: str = attrs.field(factory=new_secret)  # the route's cluster secret
+    api_key: str | None = None  # when set, the tracker requires it (DGR_API_KEYS) and the harness sends it
     _threads: list[threading.Thread] = attrs.field(factory=list)
 
     @property
@@ -78,6 +86,36 @@ class LocalRoute:
     @property
     def api(self) -> str:
         return f"{self.url}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What an API client of this route sends: the API key, if the route has one."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, CLUSTER_ENV: self.secret}
+        if self.api_key is not None:
+            env[API_KEYS_ENV] = self.api_key
+        else:
+            env.pop(API_KEYS_ENV, None)
+        return env
+
+    # -- credentials, as the tracker and nodes make them ---------------------------
+    def capability(self, sid: str, name: str, *, ttl_s: float = 60.0, layers: tuple[int, int] | None = None,
+                   secret: str | None = None, node: str | None = None) -> dict[str, str]:
+        """The X-Dgr-Capability header for session `sid` on node `name` (override parts to forge one)."""
+        if layers is None:
+            a, b = self.node(name)["layers"].split(":")
+            layers = (int(a), int(b))
+        authority = CapabilityAuthority((secret or self.secret).encode())
+        token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s)
+        return {"X-Dgr-Capability": token}
+
+    def signed(self, path: str, body: bytes, *, secret: str | None = None, now: float | None = None) -> dict[str, str]:
+        """Headers of a membership message signed with the route's secret (or `secret`)."""
+        signer = Signer((secret or self.secret).encode())
+        return {"Content-Type": "application/json",
+                **signer.headers("POST", path, body, time.time() if now is None else now)}
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> "LocalRoute":
@@ -91,7 +129,7 @@ class LocalRoute:
         cmd = dgr_command("up", "--backend", self.backend, "--nodes", str(self.nodes), "--port", str(self.port),
                           *self.extra)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=die_with_parent)
+                                     preexec_fn=die_with_parent, env=self.env())
         deadline = time.monotonic() + self.ready_timeout_s
         ready = threading.Event()
 
@@ -120,7 +158,7 @@ class LocalRoute:
 
     # -- registry ---------------------------------------------------------------
     def node_table(self) -> list[dict[str, Any]]:
-        return httpx.get(f"{self.url}/v1/nodes", timeout=5).json()["nodes"]
+        return httpx.get(f"{self.url}/v1/nodes", timeout=5, headers=self.headers).json()["nodes"]
 
     def node(self, name: str) -> dict[str, Any]:
         for n in self.node_table():
@@ -181,7 +219,8 @@ class LocalRoute:
         """Start a fresh `dgr node` with the same name and layers; wait until it is alive."""
         cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
                           "--name", name, "--threads", "1", "--port", "0", *self._node_extra())
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                             env=self.env())
         self.restarted.append(p)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -195,7 +234,7 @@ class LocalRoute:
         raise RouteTimeout(f"restarted {name} did not register")
 
     def _node_extra(self) -> list[str]:
-        keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions"}
+        keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions", "--idle-timeout"}
         out, it = [], iter(self.extra)
         for a in it:
             if a in keep:
@@ -208,7 +247,7 @@ class LocalRoute:
 
         def watch() -> None:
             deadline = time.monotonic() + timeout_s
-            with httpx.Client(timeout=5) as client:
+            with httpx.Client(timeout=5, headers=self.headers) as client:
                 while time.monotonic() < deadline:
                     snap = client.get(f"{self.api}/route-sessions/{sid}").json()
                     if predicate(snap):
@@ -236,7 +275,7 @@ class LocalRoute:
             time.sleep(0.05)
 
     def session(self, sid: str) -> dict[str, Any]:
-        return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5).json()
+        return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5, headers=self.headers).json()
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -1,7 +1,19 @@
-"""The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry, artifact peers."""
+"""The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry, artifact peers.
+
+Who may call what (spec/security.md):
+- registration and heartbeats must be signed with the cluster secret when the
+  tracker has one (`unauthenticated` or `replayed`, 401, and the registry is
+  untouched); a tracker without one refuses signed ones, which mean a node
+  configured for another cluster;
+- with API keys, the OpenAI endpoints and the telemetry views need
+  `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise);
+  `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
+  (which nodes fetching layers read) stay open.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from importlib import resources
@@ -12,11 +24,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import error_response, install_error_handlers, json_response, read_json
+from dgr.api.http import check_bearer, error_response, install_error_handlers, json_response, parse_json, read_body, read_json
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
+from dgr.api.openapi import openapi_document
 from dgr.errors import CallerError, Failure, Reason, openai_error_body
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
+from dgr.security.auth import SIG_HEADERS, Verifier
 from dgr.tracker.proofs import Prover
 
 __all__ = ["make_tracker_app", "SESSION_HEADER"]
@@ -24,6 +38,10 @@ __all__ = ["make_tracker_app", "SESSION_HEADER"]
 SESSION_HEADER = "X-Dgr-Route-Session"
 _REGISTRY_LIMIT = 1024 * 1024
 TELEMETRY_EVERY_S = 0.25
+# Paths (and their subpaths) that need an API key when keys are configured.
+_KEYED = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/route-sessions", "/v1/stats",
+          "/v1/nodes", "/metrics")
+_MEMBERSHIP = ("/v1/nodes/register", "/v1/nodes/heartbeat")  # the cluster secret guards these instead
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -36,23 +54,53 @@ def _comment(snapshot: dict[str, Any]) -> bytes:
 
 
 def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
-                     prover: Prover | None = None) -> QuartTrio:
-    """The tracker's app. Without a prover, every Model Artifact claim fails (nothing can check it)."""
+                     prover: Prover | None = None, secret: bytes | None = None,
+                     api_keys: frozenset[str] = frozenset()) -> QuartTrio:
+    """The tracker's app. Without a prover, every Model Artifact claim fails (nothing can check it).
+
+    `secret` is the cluster secret that membership messages must be signed
+    with; `api_keys`, when not empty, guard the OpenAI and telemetry endpoints.
+    """
     app = QuartTrio("dgr.tracker")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     install_error_handlers(app)
     registry = gateway.registry
+    verifier = None if secret is None else Verifier(secret)
+
+    @app.before_request
+    async def _api_key():
+        path = request.path
+        if not api_keys or path in _MEMBERSHIP:
+            return
+        if any(path == p or path.startswith(p + "/") for p in _KEYED):
+            check_bearer(request.headers.get("Authorization"), api_keys)
+
+    async def _membership_json() -> dict[str, Any]:
+        """A membership message's body, once its signature holds; nothing is parsed before.
+
+        Raises:
+            CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE | INVALID_JSON | INVALID_REQUEST)
+        """
+        raw = await read_body(_REGISTRY_LIMIT)
+        headers = {h: request.headers.get(h, "") for h in SIG_HEADERS}
+        if verifier is not None:
+            verifier.check(request.method, request.path, raw, headers, time.time())
+        elif headers["x-dgr-signature"]:
+            raise CallerError(Reason.UNAUTHENTICATED,
+                              "this tracker has no cluster secret but the node signs its messages: "
+                              "give the tracker the same secret")
+        return parse_json(raw)
 
     # -- node registry ----------------------------------------------------------
     @app.post("/v1/nodes/register")
     async def register():
-        entry = registry.register(await read_json(_REGISTRY_LIMIT), time.monotonic())
+        entry = registry.register(await _membership_json(), time.monotonic())
         (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
         return json_response({"node": entry.node_id, "registered": True, "proof": entry.proof.to_json()})
 
     @app.post("/v1/nodes/heartbeat")
     async def heartbeat():
-        entry = registry.heartbeat(await read_json(_REGISTRY_LIMIT), time.monotonic())
+        entry = registry.heartbeat(await _membership_json(), time.monotonic())
         # The node learns its proof verdict here, to show it to its operator.
         return json_response({"ok": True, "proof": entry.proof.to_json()})
 
@@ -113,8 +161,12 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         live = await gateway.open(req)
         headers = {SESSION_HEADER: live.rs.sid}
         if req.stream:
-            return Response(_stream(gateway, live), 200, mimetype="text/event-stream",
-                            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            response = Response(_stream(gateway, live), 200, mimetype="text/event-stream",
+                                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            # Quart cuts every response at RESPONSE_TIMEOUT (60 s); a stream lives as long as its
+            # Route Session, which the gateway bounds (max_session_s, slow_client_s).
+            response.timeout = None
+            return response
         try:
             text = []
             async for delta in live.recv:
@@ -170,7 +222,9 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                 async for snapshot in recv:
                     yield b"event: telemetry\n" + _sse(snapshot)
 
-        return Response(events(), 200, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        response = Response(events(), 200, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        response.timeout = None  # ends with the session, not at Quart's 60 s
+        return response
 
     @app.get("/v1/stats")
     async def stats():
@@ -183,6 +237,10 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     @app.get("/healthz")
     async def healthz():
         return json_response({"ok": True, "nodes": len(registry.alive())})
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return json_response(openapi_document(sorted(gateway.models())))
 
     @app.get("/")
     async def dashboard():
@@ -204,44 +262,59 @@ async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:
 
 
 async def _stream(gateway: Gateway, live: LiveSession) -> AsyncIterator[bytes]:
-    """SSE for a streaming completion. No cancel scope spans a yield."""
-    req: GenerationRequest = live.request
-    rs = live.rs
-    created = int(time.time())
+    """SSE for a streaming completion, timing each hand-over to the client.
+
+    `live.writing_since` is set while a chunk waits for the server to take it,
+    which it does once the client has read enough of the last ones; the
+    gateway's watcher cancels a session whose reader has stalled too long.
+    A client that goes away cancels its session.
+    """
     finished = False
     try:
-        yield _comment(live.telemetry.latest or rs.snapshot(time.monotonic()))
-        if req.telemetry_chunks:
-            yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(time.monotonic())))
-        if req.kind == "chat":
-            yield _sse(chunk_body(req, rs.sid, created, role=True, text=""))
-        last_telemetry = time.monotonic()
-        while True:
-            item = await _next(live, TELEMETRY_EVERY_S)
-            if item is False:
-                break
-            if item is not None:
-                yield _sse(chunk_body(req, rs.sid, created, text=item.text))
-            now = time.monotonic()
-            if now - last_telemetry >= TELEMETRY_EVERY_S:
-                last_telemetry = now
-                snapshot = rs.snapshot(now)
-                yield _comment(snapshot)
-                if req.telemetry_chunks:
-                    yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
-        snapshot = rs.snapshot(time.monotonic())
-        yield _comment(snapshot)
-        if rs.state is RouteState.DONE:
-            yield _sse(chunk_body(req, rs.sid, created, finish_reason=rs.finish_reason or "stop"))
-            if req.telemetry_chunks:
-                yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
-            if req.include_usage:
-                yield _sse(chunk_body(req, rs.sid, created, usage=live.usage()))
-            yield _sse("[DONE]")
-        else:
-            failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
-            yield _sse(openai_error_body(failure, route_session=rs.sid))
+        async with contextlib.aclosing(_sse_chunks(live)) as chunks:
+            async for chunk in chunks:
+                live.writing_since = time.monotonic()
+                yield chunk
+                live.writing_since = None
         finished = True
     finally:
         if not finished:
-            gateway.cancel(rs.sid, "the client went away mid-stream")
+            gateway.cancel(live.rs.sid, "the client went away mid-stream")
+
+
+async def _sse_chunks(live: LiveSession) -> AsyncIterator[bytes]:
+    """The SSE chunks of a streaming completion. No cancel scope spans a yield."""
+    req: GenerationRequest = live.request
+    rs = live.rs
+    created = int(time.time())
+    yield _comment(live.telemetry.latest or rs.snapshot(time.monotonic()))
+    if req.telemetry_chunks:
+        yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(time.monotonic())))
+    if req.kind == "chat":
+        yield _sse(chunk_body(req, rs.sid, created, role=True, text=""))
+    last_telemetry = time.monotonic()
+    while True:
+        item = await _next(live, TELEMETRY_EVERY_S)
+        if item is False:
+            break
+        if item is not None:
+            yield _sse(chunk_body(req, rs.sid, created, text=item.text))
+        now = time.monotonic()
+        if now - last_telemetry >= TELEMETRY_EVERY_S:
+            last_telemetry = now
+            snapshot = rs.snapshot(now)
+            yield _comment(snapshot)
+            if req.telemetry_chunks:
+                yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
+    snapshot = rs.snapshot(time.monotonic())
+    yield _comment(snapshot)
+    if rs.state is RouteState.DONE:
+        yield _sse(chunk_body(req, rs.sid, created, finish_reason=rs.finish_reason or "stop"))
+        if req.telemetry_chunks:
+            yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
+        if req.include_usage:
+            yield _sse(chunk_body(req, rs.sid, created, usage=live.usage()))
+        yield _sse("[DONE]")
+    else:
+        failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
+        yield _sse(openai_error_body(failure, route_session=rs.sid))

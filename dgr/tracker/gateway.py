@@ -21,6 +21,16 @@ Theory of operation:
   The dead node is marked so new routes avoid it. Survivors are told to drop
   the session's KV (shielded, bounded), and no repair is attempted.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
+- Authorization: with a cluster secret (`authority`), `open` issues one
+  capability per hop, binding the session, the node and its layers, and every
+  call for the session (tokenize, open, step, close) carries it. Nodes refuse
+  calls without a matching one.
+- Limits: a prompt past `max_prompt_tokens` is refused before any node
+  session opens; `max_tokens` is clamped to `max_tokens_cap` and to the
+  context left. A watcher (`_watch_sessions`) fails a session that outlives
+  `max_session_s` (`session_timeout`) and cancels a streaming one whose reader
+  has not taken a chunk for `slow_client_s` (`slow_client`); both free the
+  session's KV on every node like any other failure.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
 from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
+from dgr.security.auth import CapabilityAuthority
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route
 from dgr.tracker.seam_client import NodeClient, StepReply
@@ -55,12 +66,17 @@ log = logging.getLogger("dgr.gateway")
 
 @attrs.frozen
 class GatewayConfig:
-    prefill_chunk: int = 128
+    prefill_chunk: int = 512  # one llama.cpp ubatch: every stage must cut prefill the same way
     step_deadline_s: float = 10.0  # a step's base deadline; SIGSTOP is usually caught sooner by heartbeats
     per_token_deadline_s: float = 0.05
     seam_dtype: DType = DType.F32
     sweep_s: float = 0.1
     keep_ended: int = 1000
+    max_prompt_tokens: int | None = None  # refused above this (context_length_exceeded); None: the context
+    max_tokens_cap: int | None = None  # requests' max_tokens are clamped to it; None: the context left
+    max_session_s: float | None = 3600.0  # a Route Session's whole life; None: unbounded
+    slow_client_s: float | None = 30.0  # a stream's reader may leave a chunk untaken this long; None: forever
+    capability_margin_s: float = 120.0  # capabilities outlive max_session_s by this, for the close after it
 
 
 @attrs.frozen
@@ -86,6 +102,8 @@ class LiveSession:
     completion_tokens: int = 0
     text: TextAssembler = attrs.field(init=False)
     lost: set[str] = attrs.field(factory=set)
+    caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
+    writing_since: float | None = None  # monotonic time a stream chunk was handed to a client not yet taking it
 
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
@@ -130,6 +148,7 @@ class Gateway:
     failures: collections.Counter = attrs.field(factory=collections.Counter)
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
+    authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
     _nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -154,6 +173,7 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._watch_nodes)
+                nursery.start_soon(self._watch_sessions)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -166,6 +186,33 @@ class Gateway:
             for node_id in self.registry.sweep(time.monotonic()):
                 log.warning("node %s stopped sending heartbeats", node_id)
                 self.node_lost(node_id, "heartbeats stopped (node dead or hung)")
+
+    async def _watch_sessions(self) -> None:
+        while True:
+            await trio.sleep(self.config.sweep_s)
+            self.enforce_limits(time.monotonic())
+
+    def enforce_limits(self, now: float) -> list[str]:
+        """Fail sessions past `max_session_s`, cancel streams stalled past `slow_client_s`; return their ids."""
+        cfg, hit = self.config, []
+        for live in list(self.sessions.values()):
+            rs = live.rs
+            if rs.ended:
+                continue
+            if cfg.max_session_s is not None and now - rs.created_at > cfg.max_session_s:
+                live.abort(Failure(Reason.SESSION_TIMEOUT,
+                                   f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s",
+                                   phase=rs.state.value))
+                hit.append(rs.sid)
+            elif (cfg.slow_client_s is not None and live.writing_since is not None
+                  and now - live.writing_since > cfg.slow_client_s):
+                # The reader holds unread output: its socket is full. Its KV is freed
+                # now rather than when it finally reads or hangs up.
+                live.abort(Failure(Reason.SLOW_CLIENT,
+                                   f"the client took no streamed output for over {cfg.slow_client_s:g}s",
+                                   phase=rs.state.value))
+                hit.append(rs.sid)
+        return hit
 
     def node_lost(self, node_id: str, why: str) -> None:
         self.registry.mark_dead(node_id)
@@ -209,27 +256,44 @@ class Gateway:
         rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
         rs.start_routing(now)
         opened: list[NodeClient] = []
+        caps: dict[str, str] = {}
+        cfg = self.config
         try:
             choice = choose_route(self.registry.alive(), req.model)
-            head = self.client(choice.hops[0])
-            with trio.fail_after(self.config.step_deadline_s):
-                prompt = await head.tokenize(req.tokenize_body())
+            caps = self._capabilities(rs.sid, choice.hops)
+            first = choice.hops[0]
+            head = self.client(first)
+            with trio.fail_after(cfg.step_deadline_s):
+                prompt = (list(req.prompt_ids) if req.prompt_ids
+                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id)))
             info = choice.nodes[0].model
+            if req.prompt_ids and max(prompt) >= info.vocab_size:
+                raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
+                                  f"of {info.vocab_size}", param="prompt")
+            param = "messages" if req.kind == "chat" else "prompt"
             if not prompt:
                 raise CallerError(Reason.INVALID_REQUEST, "the prompt is empty after tokenizing", param="prompt")
+            if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
+                raise CallerError(
+                    Reason.CONTEXT_LENGTH_EXCEEDED,
+                    f"the prompt has {len(prompt)} tokens; this gateway accepts at most {cfg.max_prompt_tokens}",
+                    param=param,
+                )
             if len(prompt) >= info.context_length:
                 raise CallerError(
                     Reason.CONTEXT_LENGTH_EXCEEDED,
                     f"the prompt has {len(prompt)} tokens; this model's context is {info.context_length} "
                     "and at least one must remain for the answer",
-                    param="messages" if req.kind == "chat" else "prompt",
+                    param=param,
                 )
             max_tokens = min(req.max_tokens, info.context_length - len(prompt))
+            if cfg.max_tokens_cap is not None:
+                max_tokens = min(max_tokens, cfg.max_tokens_cap)
             positions = len(prompt) + max_tokens
 
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
-                await c.open(rs.sid, positions, req.sampling.to_json())
+                await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
                 opened.append(c)
 
             with trio.fail_after(self.config.step_deadline_s):
@@ -240,7 +304,7 @@ class Gateway:
             exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
             failure = _failure_of(exc, rs)
             with trio.CancelScope(shield=True):
-                await self._close_nodes(rs.sid, opened, failure)
+                await self._close_nodes(rs.sid, opened, failure, caps)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
                 self._count_end(rs)
@@ -256,7 +320,7 @@ class Gateway:
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv,
+            send=send, recv=recv, caps=caps,
         )
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), time.monotonic()))
         self.metrics.prompt_tokens_total.inc(len(prompt))
@@ -306,7 +370,7 @@ class Gateway:
                     live.telemetry.publish(rs.fail(failure, time.monotonic()))
                 self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
-                await self._close_nodes(rs.sid, survivors, failure)
+                await self._close_nodes(rs.sid, survivors, failure, live.caps)
                 for n in live.nodes:
                     n.reserved = max(0, n.reserved - 1)
                 live.send.close()
@@ -314,10 +378,19 @@ class Gateway:
                 self.sessions.pop(rs.sid, None)
                 self._retire(rs)
 
-    async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None) -> None:
+    def _capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
+        """One capability per hop for session `sid`; none without a cluster secret."""
+        if self.authority is None:
+            return {}
+        life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
+        now = time.time()  # wall clock: nodes check expiry against theirs
+        return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=life) for h in hops}
+
+    async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
+                           caps: dict[str, str]) -> None:
         async def _one(c: NodeClient) -> None:
             try:
-                await c.close(sid, failure)
+                await c.close(sid, failure, caps.get(c.node_id))
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
 
@@ -344,7 +417,7 @@ class Gateway:
     async def _call(self, live: LiveSession, i: int, frame: bytes, n_tokens: int, step: int) -> StepReply:
         hop = live.rs.route[i]
         with trio.move_on_after(self._deadline(n_tokens)) as cs:
-            reply = await self.client(hop).step(frame)
+            reply = await self.client(hop).step(frame, live.caps.get(hop.node_id))
         if cs.cancelled_caught:
             raise PeerError(
                 Reason.ROUTE_NODE_LOST,

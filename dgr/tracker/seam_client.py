@@ -4,6 +4,10 @@ Every call maps transport trouble to `PeerError(ROUTE_NODE_LOST)` naming the
 node, and a node's refusal to `PeerError(NODE_ERROR)` (or capacity to
 `CallerError(NODE_AT_CAPACITY)`), so the driver has one kind of failure to
 handle. Deadlines are the caller's cancel scopes.
+
+Every call for a Route Session carries that session's capability for this
+node (`X-Dgr-Capability`, issued by the gateway); `None` sends none, for a
+cluster without a secret.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
 from dgr.seam.wire import CONTENT_TYPE
 
-__all__ = ["NodeClient", "StepReply"]
+__all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
+
+CAPABILITY_HEADER = "X-Dgr-Capability"
+
+
+def _cap(capability: str | None) -> dict[str, str]:
+    return {} if capability is None else {CAPABILITY_HEADER: capability}
 
 
 @attrs.frozen
@@ -81,22 +91,25 @@ class NodeClient:
         except httpx.TransportError as exc:
             raise self._lost(exc) from None
 
-    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any]) -> None:
-        r = await self._request("POST", "/v1/seam/sessions",
+    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None) -> None:
+        r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability),
                                 json={"session": sid, "max_positions": max_positions, "sampling": sampling})
         if r.status_code != 201:
             raise self._refused(r)
 
-    async def close(self, sid: str, failure: Failure | None = None) -> None:
+    async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None) -> None:
         params = {} if failure is None else {"reason": failure.reason.value, "message": failure.message[:200]}
-        r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params)
+        r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params, headers=_cap(capability))
         if r.status_code not in (200, 404, 410):
             raise self._refused(r)
 
-    async def step(self, frame_bytes: bytes) -> StepReply:
+    async def step(self, frame_bytes: bytes, capability: str | None = None) -> StepReply:
+        headers = [("Content-Type", CONTENT_TYPE)]
+        if capability is not None:
+            headers.append((CAPABILITY_HEADER, capability))
         t0 = time.perf_counter()
         try:
-            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, [("Content-Type", CONTENT_TYPE)])
+            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
         rtt = time.perf_counter() - t0
@@ -111,11 +124,18 @@ class NodeClient:
         compute = int(r.headers.get("x-dgr-compute-us", "0")) / 1e6
         return StepReply(frame, raw, rtt, compute, len(frame_bytes))
 
-    async def tokenize(self, body: dict[str, Any]) -> list[int]:
-        r = await self._request("POST", "/v1/node/tokenize", json=body)
+    async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None) -> list[int]:
+        extra = {} if sid is None else {"session": sid}
+        r = await self._request("POST", "/v1/node/tokenize", json={**body, **extra}, headers=_cap(capability))
         if r.status_code != 200:
             raise self._refused(r)
         return list(r.json()["tokens"])
+
+    async def session_status(self, sid: str, capability: str | None = None) -> dict[str, Any]:
+        r = await self._request("GET", f"/v1/seam/sessions/{sid}", headers=_cap(capability))
+        if r.status_code != 200:
+            raise self._refused(r)
+        return r.json()
 
     async def status(self) -> dict[str, Any]:
         r = await self._request("GET", "/v1/node/status")

@@ -1,0 +1,671 @@
+"""Routes whose nodes each live in their own Linux network namespace, over links with a chosen RTT.
+
+`dgr bench --rtt MS` needs the network between the tracker and its nodes to
+cost something, so that a route's hop count shows up as latency the way it
+would across machines. Loopback costs microseconds and hides it.
+
+Topology: the tracker and the benchmark client stay in the root namespace;
+node k runs in namespace `dgrb-<pid>-<k>`, joined to the root namespace by
+one link of its own. The gateway relays every hop (tracker -> node0 ->
+tracker -> node1 -> ...), so one decoded token on an N-node route costs N
+tracker-node round trips: expected time per token = the 0 ms figure + N x RTT.
+The client-tracker connection is not delayed (the client is co-located with
+the gateway, as `dgr up` users are).
+
+Where the delay goes: half the RTT on each direction of each link, so a
+request and its reply together see exactly RTT.
+- `netem` links: a veth pair per node with `tc qdisc ... netem delay RTT/2`
+  on both ends.
+- `tun` links, for kernels built without sch_netem (CONFIG_NET_SCH_NETEM
+  unset, as on some VM kernels): a TUN device on each side and one
+  user-space delay line process (`python -m dgr.bench.netns delay-line`)
+  that copies each IP packet across after RTT/2. The copy costs tens of
+  microseconds per packet at every RTT, 0 ms included, so the 0 ms baseline
+  carries it too.
+`auto` picks netem when a probe namespace accepts a netem qdisc.
+
+Network rules: only addresses on links made here are used, 10.213.S.0/24
+with a /30 per link, S picked so that nothing already routed on the machine
+overlaps it. Node namespaces hold only their link and loopback, with one
+host route to the tracker and no default route, so nothing else is reachable
+from them. The tracker listens on link 0's root-side address only; that is
+not loopback, so it runs with a fresh cluster secret and API key, both passed
+in the environment, never in argv.
+
+Cleanup: namespaces `dgrb-<pid>-<k>` and links `dgrb<pid>r<k>` (root side)
+and `dgrb<pid>n<k>` (node side) are removed in a `finally`; on start, those
+left by a run whose pid is gone (a crashed run) are removed first.
+
+Needs root and iproute2 with `ip netns` (and /dev/net/tun for `tun` links);
+`prerequisites()` says why not, and callers skip with that message.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import fcntl
+import ipaddress
+import json
+import math
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import httpx
+
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, PeerError, Reason
+from dgr.procs import die_with_parent
+from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.serve import READY_PREFIX
+
+__all__ = [
+    "LINK_KINDS",
+    "Link",
+    "NetnsRoute",
+    "choose_link",
+    "expectations",
+    "leftovers",
+    "main",
+    "prerequisites",
+    "remove_stale",
+    "rtt_sweep",
+    "ttft_round_trips",
+]
+
+LINK_KINDS = ("auto", "netem", "tun")
+PLACEMENT = "RTT/2 on each direction of every tracker-node link, so a request and its reply see RTT"
+_NS = re.compile(r"^dgrb-(\d+)-\w+$")
+_DEV = re.compile(r"^dgrb(\d+)[rn]\d+$")
+_NETNS_DIRS = ("/run/netns", "/var/run/netns")
+_CLONE_NEWNET = 0x40000000
+_TUNSETIFF = 0x400454CA
+_IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
+_PR_SET_TIMERSLACK = 29
+
+
+# -- system commands ------------------------------------------------------------------------
+def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    """Run one iproute2/tc command.
+
+    Raises:
+        CallerError(INVALID_REQUEST): it failed and `check` is set (this machine cannot build the topology).
+    """
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if check and r.returncode != 0:
+        raise CallerError(Reason.INVALID_REQUEST, f"`{' '.join(cmd)}` failed: {r.stderr.strip() or r.returncode}")
+    return r
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _netns_names() -> list[str]:
+    r = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _root_links() -> list[str]:
+    r = _run(["ip", "-o", "link", "show"], check=False)
+    # "6: dgrb12r0@if5: <...>": the name ends at '@' (veth peer) or ':'
+    return [line.split(":")[1].strip().split("@")[0] for line in r.stdout.splitlines() if ":" in line]
+
+
+def _ours(pid: int) -> tuple[list[str], list[str]]:
+    ns = [n for n in _netns_names() if (m := _NS.match(n)) and int(m.group(1)) == pid]
+    devs = [d for d in _root_links() if (m := _DEV.match(d)) and int(m.group(1)) == pid]
+    return ns, devs
+
+
+def leftovers(pid: int | None = None) -> list[str]:
+    """Namespaces and root-namespace links this process (or `pid`) made that still exist."""
+    ns, devs = _ours(os.getpid() if pid is None else pid)
+    return ns + devs
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces and links of runs whose process is gone; returns what was removed."""
+    removed = []
+    for name in _netns_names():
+        m = _NS.match(name)
+        if m and not _alive(int(m.group(1))):
+            # a crashed run's nodes keep its namespace alive; they are this tool's processes
+            for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    for dev in _root_links():
+        m = _DEV.match(dev)
+        if m and not _alive(int(m.group(1))):
+            _run(["ip", "link", "del", dev], check=False)
+            removed.append(dev)
+    return removed
+
+
+def prerequisites() -> str | None:
+    """None when this process can build namespaced routes, else why not (a skip message)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root: run `dgr bench --rtt` as root, or leave --rtt out"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    r = _run(["ip", "netns", "list"], check=False)
+    if r.returncode != 0:
+        return f"`ip netns` is unavailable: {r.stderr.strip()}"
+    probe = f"dgrb-{os.getpid()}-probe"
+    r = _run(["ip", "netns", "add", probe], check=False)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _netem_works() -> bool:
+    if shutil.which("tc") is None:
+        return False
+    probe = f"dgrb-{os.getpid()}-probe"
+    _run(["ip", "netns", "add", probe])
+    try:
+        return _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                    check=False).returncode == 0
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
+
+
+def choose_link(requested: str = "auto") -> str:
+    """'netem' or 'tun': the link kind to build here.
+
+    Raises:
+        CallerError(INVALID_REQUEST): an unknown kind, netem asked for on a kernel without it,
+            or no kind possible.
+    """
+    if requested not in LINK_KINDS:
+        raise CallerError(Reason.INVALID_REQUEST, f"link kind {requested!r} is not one of {LINK_KINDS}")
+    if requested in ("auto", "netem") and _netem_works():
+        return "netem"
+    if requested == "netem":
+        raise CallerError(Reason.INVALID_REQUEST, "this kernel has no netem qdisc (sch_netem): use --rtt-link tun")
+    if not os.path.exists("/dev/net/tun"):
+        raise CallerError(Reason.INVALID_REQUEST, "neither a netem qdisc nor /dev/net/tun is available")
+    return "tun"
+
+
+def _free_subnet() -> int:
+    """S such that 10.213.S.0/24 overlaps no address or route of the root namespace."""
+    used = []
+    for cmd in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table", "all"]):
+        for line in _run(cmd, check=False).stdout.split("\n"):
+            for token in line.split():
+                try:
+                    net = ipaddress.ip_network(token, strict=False)
+                except ValueError:
+                    continue
+                if net.prefixlen > 0:
+                    used.append(net)
+    for i in range(256):
+        s = (os.getpid() + i) % 256
+        net = ipaddress.ip_network(f"10.213.{s}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return s
+    raise CallerError(Reason.INVALID_REQUEST, "no free 10.213.S.0/24 subnet on this machine")
+
+
+@attrs.frozen
+class Link:
+    """One node's link: namespace, device names and the /30 at each end."""
+
+    index: int
+    ns: str
+    root_dev: str
+    ns_dev: str
+    root_addr: str
+    ns_addr: str
+
+    @classmethod
+    def make(cls, pid: int, subnet: int, k: int) -> Link:
+        if not 0 <= k < 64:
+            raise CallerError(Reason.INVALID_REQUEST, "at most 64 namespaced nodes (a /30 each in one /24)")
+        return cls(k, f"dgrb-{pid}-{k}", f"dgrb{pid}r{k}", f"dgrb{pid}n{k}",
+                   f"10.213.{subnet}.{4 * k + 1}", f"10.213.{subnet}.{4 * k + 2}")
+
+
+# -- child processes ------------------------------------------------------------------------
+@attrs.define
+class _Child:
+    """A process that prints one `dgr-ready {json}` line (or `ready`) when it is up."""
+
+    name: str
+    popen: subprocess.Popen
+    lines: list[str] = attrs.field(factory=list)
+    ready: dict[str, Any] | None = None
+    _event: threading.Event = attrs.field(factory=threading.Event)
+
+    @classmethod
+    def spawn(cls, name: str, cmd: list[str], env: dict[str, str], *, stdin: bool = False) -> _Child:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, preexec_fn=die_with_parent)
+        child = cls(name, p)
+        threading.Thread(target=child._pump, daemon=True).start()
+        return child
+
+    def _pump(self) -> None:
+        for line in self.popen.stdout:
+            line = line.rstrip()
+            if line.startswith(READY_PREFIX) and self.ready is None:
+                self.ready = json.loads(line[len(READY_PREFIX):])
+                self._event.set()
+            elif line == "ready" and self.ready is None:
+                self.ready = {}
+                self._event.set()
+            else:
+                self.lines.append(line)
+                if line == "ok":
+                    self._event.set()
+
+    def wait(self, deadline: float) -> dict[str, Any]:
+        """Raises: PeerError(NODE_ERROR): it exited or was not ready by `deadline` (monotonic)."""
+        while not self._event.wait(0.1):
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                why = f"exited with code {self.popen.returncode}" if self.popen.poll() is not None else "timed out"
+                raise PeerError(Reason.NODE_ERROR, f"{self.name} did not become ready ({why}):\n"
+                                + "\n".join(self.lines[-30:]), node=self.name)
+        return self.ready or {}
+
+    def command(self, line: str, timeout_s: float = 5.0) -> None:
+        """Send one line to the delay line and wait for its `ok`."""
+        self._event.clear()
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+        self.wait(time.monotonic() + timeout_s)
+
+    def stop(self) -> None:
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()  # the delay line exits on EOF
+            except OSError:
+                pass
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+
+
+def _splits(backend: str, nodes: int) -> list[LayerRange]:
+    """The layer ranges `dgr up` would give `nodes` nodes of this backend's default model."""
+    from dgr.backends.factory import model_layer_count, resolve_model
+    from dgr.up import even_split
+
+    model = resolve_model(backend, None)
+    if model is None:
+        return even_split(model_layer_count(backend, None), nodes)
+    from dgr.plan import plan_even
+    from dgr.plan_layout import layout_from_gguf
+
+    return plan_even(layout_from_gguf(model), nodes)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    # nodes cannot reach any proxy from their namespace, and must not try
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and k != API_KEYS_ENV}
+    return {**env, **extra}
+
+
+# -- the route ------------------------------------------------------------------------------
+@attrs.define
+class NetnsRoute:
+    """A tracker in the root namespace and `nodes` nodes, each in its own namespace, over delayable links."""
+
+    backend: str = "stub"
+    nodes: int = 2
+    threads: int = 1
+    ctx: int = 4096
+    max_sessions: int = 8
+    stub_delay: float = 0.0
+    prefill_chunk: int = 512
+    link: str = "auto"
+    ready_timeout_s: float = 120.0
+    kind: str = ""  # the link kind built: netem or tun
+    rtt_ms: float = 0.0
+    links: list[Link] = attrs.field(factory=list)
+    url: str = ""
+    secret: str = attrs.field(factory=new_secret)
+    api_key: str = attrs.field(factory=lambda: "dgrb-" + secrets.token_hex(16))
+    _children: list[_Child] = attrs.field(factory=list)
+    _delay_line: _Child | None = None
+    _namespaces: list[str] = attrs.field(factory=list)
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def __enter__(self) -> NetnsRoute:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Build the links, start the tracker and the nodes, wait until every node is routable.
+
+        Raises:
+            CallerError(INVALID_REQUEST): the topology cannot be built here.
+            PeerError(NODE_ERROR): the tracker or a node did not come up.
+        """
+        remove_stale()
+        self.kind = choose_link(self.link)
+        splits = _splits(self.backend, self.nodes)
+        pid, subnet = os.getpid(), _free_subnet()
+        deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            self.links = [Link.make(pid, subnet, k) for k in range(self.nodes)]
+            self._build_links()
+            self._start_processes(splits, deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_links(self) -> None:
+        for ln in self.links:
+            _run(["ip", "netns", "add", ln.ns])
+            self._namespaces.append(ln.ns)
+            _run(["ip", "-n", ln.ns, "link", "set", "lo", "up"])
+            if self.kind == "netem":
+                _run(["ip", "link", "add", ln.root_dev, "type", "veth", "peer", "name", ln.ns_dev, "netns", ln.ns])
+        if self.kind == "tun":
+            specs = [f"{ln.root_dev}:{ln.ns}:{ln.ns_dev}" for ln in self.links]
+            self._delay_line = _Child.spawn("delay line", [sys.executable, "-m", "dgr.bench.netns", "delay-line",
+                                                            *specs], _clean_env(), stdin=True)
+            self._delay_line.wait(time.monotonic() + 30)
+        tracker = self.links[0].root_addr
+        for ln in self.links:
+            _run(["ip", "addr", "add", f"{ln.root_addr}/30", "dev", ln.root_dev])
+            _run(["ip", "link", "set", ln.root_dev, "up"])
+            _run(["ip", "-n", ln.ns, "addr", "add", f"{ln.ns_addr}/30", "dev", ln.ns_dev])
+            _run(["ip", "-n", ln.ns, "link", "set", ln.ns_dev, "up"])
+            if ln.index:
+                # the tracker listens on link 0's address; the root namespace takes it from any link
+                _run(["ip", "-n", ln.ns, "route", "add", f"{tracker}/32", "via", ln.root_addr])
+        self.set_rtt(0.0)
+
+    def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
+        from dgr.up import node_args, tracker_args
+
+        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
+        tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.links[0].root_addr],
+                               _clean_env(**{CLUSTER_ENV: self.secret, API_KEYS_ENV: self.api_key}))
+        self._children.append(tracker)
+        self.url = tracker.wait(deadline)["url"]
+        nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
+                                      stub_delay=self.stub_delay, stub_model="default", idle_timeout=120.0,
+                                      model=None, manifest=None)
+        for ln, layers in zip(self.links, splits):
+            cmd = ["ip", "netns", "exec", ln.ns,
+                   *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.ns_addr]
+            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{CLUSTER_ENV: self.secret})))
+        for child in self._children[1:]:
+            child.wait(deadline)
+        names = {f"node{ln.index}" for ln in self.links}
+        while True:
+            try:
+                table = httpx.get(f"{self.url}/v1/nodes", headers=self.headers, timeout=5).json()["nodes"]
+                if names <= {n["node"] for n in table if n["alive"]}:
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise PeerError(Reason.NODE_ERROR, f"nodes {sorted(names)} never all alive at the tracker")
+            time.sleep(0.1)
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        """Make every tracker-node round trip cost `rtt_ms` more (half each way)."""
+        if rtt_ms < 0:
+            raise CallerError(Reason.INVALID_REQUEST, f"RTT must be >= 0 ms, not {rtt_ms}")
+        half_us = f"{rtt_ms * 500:.0f}us"
+        if self.kind == "tun":
+            self._delay_line.command(f"{rtt_ms / 2e3:.9f}")
+        else:
+            for ln in self.links:
+                for where in ([], ["ip", "netns", "exec", ln.ns]):
+                    dev = ln.ns_dev if where else ln.root_dev
+                    if rtt_ms > 0:
+                        _run([*where, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", half_us])
+                    else:
+                        _run([*where, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+        self.rtt_ms = rtt_ms
+
+    def model_id(self) -> str:
+        return httpx.get(f"{self.api}/models", headers=self.headers, timeout=10).json()["data"][0]["id"]
+
+    def close(self) -> None:
+        """Stop every process, then delete every link and namespace this route made (idempotent)."""
+        for child in reversed(self._children):  # nodes first: the tracker sees them leave
+            child.stop()
+        self._children.clear()
+        if self._delay_line is not None:
+            self._delay_line.stop()  # its TUN devices go with it
+            self._delay_line = None
+        for ln in self.links:
+            if ln.root_dev in _root_links():
+                _run(["ip", "link", "del", ln.root_dev], check=False)  # a veth pair goes as a whole
+        for ns in self._namespaces:
+            _run(["ip", "netns", "del", ns], check=False)
+        self._namespaces.clear()
+
+
+# -- the measurement ------------------------------------------------------------------------
+def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: int) -> list[dict[str, Any]]:
+    """Add to each row what the topology predicts from the 0 ms row.
+
+    Decode: + hops x RTT per token (the gateway relays every hop). TTFT:
+    + ttft_trips x RTT, the round trips before the first token (see
+    `ttft_round_trips`). Rows hold `rtt_ms`, `decode_tok_s` and `ttft_s`;
+    one must have rtt_ms == 0.
+    """
+    base = next(r for r in rows if r["rtt_ms"] == 0)
+    base_ms = 1e3 / base["decode_tok_s"]
+    out = []
+    for r in rows:
+        ms = 1e3 / r["decode_tok_s"] if r["decode_tok_s"] else float("inf")
+        expected = base_ms + hops * r["rtt_ms"]
+        extra = ms - base_ms
+        out.append({**r, "hops": hops, "ms_per_token": ms, "expected_ms_per_token": expected,
+                    "expected_tok_s": 1e3 / expected, "extra_ms_per_token": extra,
+                    "expected_extra_ms_per_token": hops * r["rtt_ms"],
+                    "extra_ms_per_hop": extra / hops if r["rtt_ms"] else None,
+                    "decode_vs_0": r["decode_tok_s"] / base["decode_tok_s"],
+                    "ttft_extra_ms": (r["ttft_s"] - base["ttft_s"]) * 1e3,
+                    "expected_ttft_extra_ms": ttft_trips * r["rtt_ms"]})
+    return out
+
+
+def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, prefill_chunk: int) -> int:
+    """Tracker-node round trips before the first token, on warm connections.
+
+    A text prompt is tokenized by the head node (1), every node opens the
+    session at once (1), and K prefill chunks flow through the hops as a
+    pipeline, the last one leaving the tail with the first token (K + hops - 1).
+    """
+    chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
+    return (0 if isinstance(prompt, list) else 1) + 1 + chunks + hops - 1
+
+
+def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[float, ...], prompt: str | list[int],
+              decode_tokens: int, threads: int, ctx: int = 4096, link: str = "auto", repeats: int = 1,
+              ready_timeout_s: float = 600.0, stub_delay: float = 0.0,
+              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Decode tok/s and TTFT of namespaced routes at each RTT, with the N x RTT expectation.
+
+    One route per node count, started once; the RTT is changed under it, and
+    each RTT gets a warm-up request first (connections settle at the new
+    delay). With `repeats` > 1 the best run counts, at every RTT alike: the
+    highest decode rate and, separately, the lowest TTFT (a shared machine
+    only ever adds time).
+    Returns {"skipped": why} where namespaces cannot be made.
+    """
+    from dgr.bench.measure import stream_once
+
+    why = prerequisites()
+    if why is not None:
+        log(f"rtt: skipped: {why}")
+        return {"skipped": why}
+    rtts = sorted({0.0, *(float(r) for r in rtts_ms)})
+    out: dict[str, Any] = {"backend": backend, "rtts_ms": rtts, "placement": PLACEMENT, "repeats": repeats,
+                           "routes": {}}
+    for n in node_counts:
+        label = f"dgr {backend}, {n} nodes, namespaces"
+        per_node = max(1, threads // n)
+        log(f"rtt: {label} ({per_node} thread(s) per node)")
+        with NetnsRoute(backend=backend, nodes=n, threads=per_node, ctx=ctx, link=link, stub_delay=stub_delay,
+                        ready_timeout_s=ready_timeout_s) as route:
+            out["link"] = route.kind
+            model = route.model_id()
+            rows = []
+            for rtt in rtts:
+                route.set_rtt(rtt)
+                stream_once(route.api, model, prompt[:16], 4, headers=route.headers)
+                runs = [stream_once(route.api, model, prompt, decode_tokens, headers=route.headers)
+                        for _ in range(repeats)]
+                best = max(runs, key=lambda r: r.decode_tok_s)
+                ttft = min(r.ttft_s for r in runs)
+                log(f"rtt: {label}, {rtt:g} ms: {best.decode_tok_s:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms")
+                rows.append({"rtt_ms": rtt, "decode_tok_s": best.decode_tok_s, "ttft_s": ttft,
+                             "tokens": best.tokens, "prompt_tokens": best.prompt_tokens})
+            trips = ttft_round_trips(n, prompt, rows[0]["prompt_tokens"], route.prefill_chunk)
+            out["routes"][label] = {"nodes": n, "threads_per_node": per_node, "ttft_round_trips": trips,
+                                    "rows": expectations(rows, n, trips)}
+    return out
+
+
+# -- the delay line (tun links) -------------------------------------------------------------
+def _setns(libc, fd: int) -> None:
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+    return fd
+
+
+def _netns_path(ns: str) -> str:
+    for d in _NETNS_DIRS:
+        if os.path.exists(f"{d}/{ns}"):
+            return f"{d}/{ns}"
+    raise FileNotFoundError(ns)
+
+
+def delay_line(specs: list[str]) -> int:
+    """Copy IP packets between TUN pairs, each one after the current one-way delay.
+
+    `specs` are ROOT_DEV:NAMESPACE:NS_DEV. Each pair's root side is made in
+    this process's namespace and its node side inside NAMESPACE (setns),
+    both non-persistent, so they vanish when this process exits. Prints
+    `ready`; then each stdin line is a new one-way delay in seconds (answered
+    `ok`); end of stdin ends it. Packets keep their order, and one that
+    cannot be written (a link going down) is lost, as on a wire.
+
+    A timed wake-up runs late (timer slack, then the scheduler: about a
+    quarter of a millisecond per direction on a busy VM), which would add
+    to every delayed hop. So the lateness is learned as it happens and taken
+    off each timeout; a wake-up that comes early polls until the packet is
+    due, which costs CPU only for the lateness' spread.
+    """
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    peer: dict[int, int] = {}
+    for spec in specs:
+        root_dev, ns, ns_dev = spec.split(":")
+        a = _open_tun(root_dev)
+        target = os.open(_netns_path(ns), os.O_RDONLY)
+        _setns(libc, target)
+        b = _open_tun(ns_dev)
+        _setns(libc, home)
+        os.close(target)
+        peer[a], peer[b] = b, a
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, -10)  # a wire does not wait for the CPU: run ahead of the nodes
+    except OSError:
+        pass
+    libc.prctl(_PR_SET_TIMERSLACK, 1)  # 1 ns instead of 50 us of slack on every timed wait
+    waiting: dict[int, collections.deque] = {fd: collections.deque() for fd in peer}  # (due, packet) to write to fd
+    delay, stdin, pending = 0.0, sys.stdin.fileno(), b""
+    late = 0.0  # how late a timed wake-up comes here (moving average, seconds)
+    print("ready", flush=True)
+    while True:
+        due = min((q[0][0] for q in waiting.values() if q), default=None)
+        start = time.monotonic()
+        timeout = None if due is None else max(0.0, due - start - late)
+        readable, _, _ = select.select([stdin, *peer], [], [], timeout)
+        now = time.monotonic()
+        if not readable and timeout:
+            late = 0.9 * late + 0.1 * min(2e-3, max(0.0, now - start - timeout))
+        for fd in readable:
+            if fd == stdin:
+                data = os.read(stdin, 4096)
+                if not data:
+                    return 0
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    delay = float(line)
+                    print("ok", flush=True)
+                continue
+            while True:
+                try:
+                    packet = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                waiting[peer[fd]].append((now + delay, packet))
+        now = time.monotonic()
+        for fd, q in waiting.items():
+            while q and q[0][0] <= now:
+                try:
+                    os.write(fd, q.popleft()[1])
+                except OSError:
+                    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["delay-line"] or len(argv) < 2:
+        print("usage: python -m dgr.bench.netns delay-line ROOT_DEV:NAMESPACE:NS_DEV ...", file=sys.stderr)
+        return 2
+    return delay_line(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""`dgr soak`: many Route Sessions through a real 2-node stub route, with faults, and what they leave behind.
+
+A soak answers one question: after hundreds of sessions that end every way a
+session can end, is anything left over? It starts `dgr up --backend stub
+--nodes 2` on loopback (dgr.testing.harness.LocalRoute), then runs a seeded,
+shuffled mix of:
+- `complete`: a normal completion, streamed or not, read to the end;
+- `cancel`: a stream the client closes after the first text (`cancelled`);
+- `disconnect`: a non-streaming request whose socket is closed while the
+  route is still generating (`cancelled`);
+- `kill`: a stream whose tail node is SIGKILLed after the first text
+  (`route_node_lost`); the node is then restarted and registers again.
+
+Sessions run `concurrency` at a time; a `kill` runs alone, so every failure
+the tracker records has exactly one expected cause. Afterwards every node
+must hold no session, its KV must be back to its idle baseline, and the RSS
+of every node process that served the whole measured window must have grown
+by less than `MAX_RSS_GROWTH`. The figures are printed; the exit code says
+whether the checks held.
+
+Bounded: `--sessions` caps the count and `--time-limit` the wall time (no
+new session starts after it). Left out: real models (the stub's KV is real
+bookkeeping, which is what a leak would show in) and multi-machine routes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections import Counter
+from typing import Any
+from urllib.parse import urlparse
+
+import attrs
+import httpx
+import trio
+
+from dgr.testing.harness import LocalRoute, RouteTimeout
+
+__all__ = ["SoakConfig", "SoakReport", "plan", "run_soak", "register", "MAX_RSS_GROWTH", "KINDS"]
+
+MAX_RSS_GROWTH = 0.05
+KINDS = ("complete", "cancel", "disconnect", "kill")
+# Enough tokens that a cancelled or disconnected session is still generating when its client leaves.
+_LONG = 2000
+_WORDS = ("route", "shard", "layer", "token", "cache", "node", "seam", "hidden", "state", "prefill", "decode")
+
+
+@attrs.frozen
+class SoakConfig:
+    sessions: int = 500
+    concurrency: int = 4
+    seed: int = 0
+    time_limit_s: float = 900.0
+    kill_every: int = 50  # one session in this many kills and restarts the tail node
+    cancel_share: float = 0.12
+    disconnect_share: float = 0.12
+    max_tokens: int = 48
+    warmup: int = 20  # sessions a node process serves before its RSS baseline is taken
+    stub_delay: float = 0.0
+
+
+def plan(cfg: SoakConfig) -> list[str]:
+    """The session kinds in run order: seeded, kills evenly spaced mid-period (so the last node
+    incarnation still serves a warm-up and gets an RSS baseline)."""
+    rng = random.Random(cfg.seed)
+    kinds = []
+    for i in range(cfg.sessions):
+        if cfg.kill_every and i % cfg.kill_every == cfg.kill_every // 2:
+            kinds.append("kill")
+            continue
+        r = rng.random()
+        kinds.append("cancel" if r < cfg.cancel_share else
+                     "disconnect" if r < cfg.cancel_share + cfg.disconnect_share else "complete")
+    return kinds
+
+
+@attrs.define
+class _Proc:
+    """One node process as the soak saw it."""
+
+    node: str
+    pid: int
+    alive: bool = True
+    served: int = 0  # sessions that ended while it was alive
+    rss_base: int | None = None
+    rss_end: int | None = None
+    rss_trace: list[tuple[int, int]] = attrs.field(factory=list)  # (served, KiB) after the baseline
+
+    def sample(self, every: int) -> None:
+        if self.rss_base is not None and self.alive and (not self.rss_trace or self.served - self.rss_trace[-1][0] >= every):
+            rss = _rss_kib(self.pid)
+            if rss is not None:
+                self.rss_trace.append((self.served, rss))
+
+    def to_json(self) -> dict[str, Any]:
+        growth = None if not (self.rss_base and self.rss_end) else (self.rss_end - self.rss_base) / self.rss_base
+        return {"node": self.node, "pid": self.pid, "served": self.served, "rss_before_kib": self.rss_base,
+                "rss_after_kib": self.rss_end, "rss_growth_pct": None if growth is None else round(100 * growth, 2),
+                "rss_trace_kib": self.rss_trace}
+
+
+@attrs.define
+class SoakReport:
+    config: SoakConfig
+    planned: Counter = attrs.field(factory=Counter)  # kind -> sessions started
+    outcomes: Counter = attrs.field(factory=Counter)  # "kind:outcome" as the client saw it
+    tracker_sessions: dict[str, int] = attrs.field(factory=dict)  # outcome -> count (tracker's view, this run)
+    tracker_failures: dict[str, int] = attrs.field(factory=dict)  # reason -> count (tracker's view, this run)
+    procs: list[_Proc] = attrs.field(factory=list)
+    kv_before: dict[str, int] = attrs.field(factory=dict)
+    kv_after: dict[str, int] = attrs.field(factory=dict)
+    sessions_after: dict[str, int] = attrs.field(factory=dict)
+    elapsed_s: float = 0.0
+    stopped_early: bool = False
+    problems: list[str] = attrs.field(factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def check(self) -> None:
+        """Record every way the run left something behind or ended unexpectedly."""
+        p = self.problems
+        for node, n in self.sessions_after.items():
+            if n:
+                p.append(f"{node} still holds {n} session(s)")
+        for node, kv in self.kv_after.items():
+            if kv != self.kv_before.get(node, 0):
+                p.append(f"{node} holds {kv} KV bytes, {self.kv_before.get(node, 0)} before")
+        for proc in self.procs:
+            if proc.rss_base and proc.rss_end and proc.rss_end > proc.rss_base * (1 + MAX_RSS_GROWTH):
+                p.append(f"{proc.node} (pid {proc.pid}) RSS grew {proc.rss_base} -> {proc.rss_end} KiB")
+        if not any(proc.rss_base and proc.rss_end for proc in self.procs):
+            p.append("no node process served the whole window: no RSS figure to judge")
+        unexpected = {k: v for k, v in self.outcomes.items() if not k.endswith(":ok")}
+        if unexpected:
+            p.append(f"sessions that did not end as planned: {dict(unexpected)}")
+        allowed = {"cancelled", "route_node_lost"}
+        odd = {r: n for r, n in self.tracker_failures.items() if r not in allowed}
+        if odd:
+            p.append(f"the tracker recorded unexpected failures: {odd}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "sessions": sum(self.planned.values()),
+            "planned": dict(self.planned),
+            "client_outcomes": dict(self.outcomes),
+            "tracker_sessions": self.tracker_sessions,
+            "tracker_failures": self.tracker_failures,
+            "nodes": [p.to_json() for p in self.procs],
+            "kv_bytes_before": self.kv_before,
+            "kv_bytes_after": self.kv_after,
+            "sessions_after": self.sessions_after,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "sessions_per_s": round(sum(self.planned.values()) / self.elapsed_s, 2) if self.elapsed_s else None,
+            "stopped_early": self.stopped_early,
+            "problems": self.problems,
+        }
+
+    def render(self) -> str:
+        d = self.to_json()
+        lines = [
+            f"dgr soak: {d['sessions']} sessions in {d['elapsed_s']} s ({d['sessions_per_s']}/s), "
+            f"concurrency {self.config.concurrency}, seed {self.config.seed}"
+            + (" (stopped at the time limit)" if self.stopped_early else ""),
+            "  planned:          " + ", ".join(f"{k} {v}" for k, v in sorted(self.planned.items())),
+            "  client outcomes:  " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
+            "  tracker sessions: " + ", ".join(f"{k} {v}" for k, v in sorted(self.tracker_sessions.items())),
+            "  errors by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(self.tracker_failures.items()))
+                                      or "none"),
+        ]
+        for p in d["nodes"]:
+            if p["rss_after_kib"] is None:  # killed on purpose: its figures judge nothing
+                lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, killed")
+                continue
+            if p["rss_growth_pct"] is None:  # started too late to serve the warm-up: no baseline
+                lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, RSS {p['rss_after_kib']} KiB "
+                             f"(under {self.config.warmup} sessions: not judged)")
+                continue
+            trace = " ".join(f"{kib}@{n}" for n, kib in p["rss_trace_kib"])
+            lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, RSS {p['rss_before_kib']} -> "
+                         f"{p['rss_after_kib']} KiB ({p['rss_growth_pct']:+}%); KiB@sessions: {trace}")
+        lines.append(f"  KV bytes before {d['kv_bytes_before']}, after {d['kv_bytes_after']}; "
+                     f"sessions held after {d['sessions_after']}")
+        lines.append("  result: " + ("ok" if self.ok else "FAILED: " + "; ".join(self.problems)))
+        return "\n".join(lines)
+
+
+def _rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 40)))
+
+
+@attrs.define
+class _Soak:
+    route: LocalRoute
+    cfg: SoakConfig
+    report: SoakReport
+    client: httpx.AsyncClient
+    procs: dict[int, _Proc] = attrs.field(factory=dict)
+
+    async def _nodes(self) -> list[dict[str, Any]]:
+        return await trio.to_thread.run_sync(self.route.node_table)
+
+    async def track_procs(self) -> None:
+        """Note new node pids; take the RSS baseline of those that have served the warm-up."""
+        nodes = await self._nodes()
+        alive = {n["pid"] for n in nodes if n["alive"] and n.get("pid")}
+        for n in nodes:
+            if n["pid"] in alive and n["pid"] not in self.procs:
+                self.procs[n["pid"]] = _Proc(n["node"], n["pid"])
+                self.report.procs.append(self.procs[n["pid"]])
+        for proc in self.procs.values():
+            proc.alive = proc.pid in alive
+        for proc in self.procs.values():
+            if proc.rss_base is None and proc.alive and proc.served >= self.cfg.warmup:
+                proc.rss_base = _rss_kib(proc.pid)
+            proc.sample(max(1, self.cfg.sessions // 10))
+
+    def served(self) -> None:
+        for proc in self.procs.values():
+            proc.served += proc.alive
+
+    async def one(self, kind: str, rng: random.Random) -> None:
+        body = {"model": "stub", "prompt": _prompt(rng), "temperature": rng.choice((0.0, 0.8)),
+                "seed": rng.randint(0, 2 ** 31)}
+        if kind == "complete":
+            stream = rng.random() < 0.5
+            body["max_tokens"] = rng.randint(1, self.cfg.max_tokens)
+            outcome = await (self._stream_to_end(body) if stream else self._complete(body))
+        elif kind == "cancel":
+            outcome = await self._cancel(body)
+        elif kind == "disconnect":
+            outcome = await self._disconnect(body)
+        else:
+            outcome = await self._kill(body)
+        self.report.outcomes[f"{kind}:{outcome}"] += 1
+        self.served()
+
+    async def _complete(self, body: dict[str, Any]) -> str:
+        r = await self.client.post("/completions", json=body)
+        if r.status_code != 200:
+            return f"http_{r.status_code}"
+        usage = r.json()["usage"]
+        return "ok" if 1 <= usage["completion_tokens"] <= body["max_tokens"] else "bad_usage"
+
+    async def _stream_to_end(self, body: dict[str, Any]) -> str:
+        async with self.client.stream("POST", "/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "ok"
+                if line.startswith("data: ") and '"error"' in line:
+                    return "error_" + json.loads(line[6:])["error"]["code"]
+        return "no_done"
+
+    async def _until_text(self, lines) -> bool:
+        """Consume SSE lines up to the first one carrying generated text."""
+        async for line in lines:
+            if line.startswith("data: {") and '"text": "' in line and '"text": ""' not in line:
+                return True
+        return False
+
+    async def _cancel(self, body: dict[str, Any]) -> str:
+        async with self.client.stream("POST", "/completions",
+                                      json={**body, "max_tokens": _LONG, "stream": True}) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            if not await self._until_text(r.aiter_lines()):
+                return "no_text"
+        return "ok"  # leaving the block closes the connection mid-stream
+
+    async def _disconnect(self, body: dict[str, Any]) -> str:
+        u = urlparse(self.route.url)
+        data = json.dumps({**body, "max_tokens": _LONG}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in self.route.headers.items()) + "\r\n").encode()
+        stream = await trio.open_tcp_stream(u.hostname, u.port)
+        async with stream:
+            await stream.send_all(head + data)
+            await trio.sleep(0.2)  # the route is open and generating; then the client vanishes
+        return "ok"
+
+    async def _kill(self, body: dict[str, Any]) -> str:
+        victim = "node1"
+        layers = next(n["layers"] for n in await self._nodes() if n["node"] == victim)
+        outcome = "no_error"
+        async with self.client.stream("POST", "/completions",
+                                      json={**body, "max_tokens": _LONG, "stream": True}) as r:
+            if r.status_code != 200:
+                return f"http_{r.status_code}"
+            lines = r.aiter_lines()  # one iterator: an httpx stream is read once
+            if not await self._until_text(lines):
+                return "no_text"
+            await trio.to_thread.run_sync(self.route.kill, victim)
+            async for line in lines:
+                if line.startswith("data: ") and '"error"' in line:
+                    code = json.loads(line[6:])["error"]["code"]
+                    outcome = "ok" if code == "route_node_lost" else f"error_{code}"
+                    break
+        await trio.to_thread.run_sync(self.route.restart_node, victim, layers)
+        return outcome
+
+    async def tracker_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Sessions ended by outcome and failures by reason, from the tracker's Prometheus counters."""
+        text = (await self.client.get(self.route.url + "/metrics")).text
+        return _counter(text, "dgr_route_sessions_total", "outcome"), \
+            _counter(text, "dgr_route_session_failures_total", "reason")
+
+
+def _counter(text: str, name: str, label: str) -> dict[str, int]:
+    """{label value: count} of one labelled Prometheus counter (its `_total` samples)."""
+    out = {}
+    prefix = f"{name}{{{label}=\""
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line[len(prefix):].partition("\"} ")
+            out[key] = int(float(value))
+    return out
+
+
+def _diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))
+            if after.get(k, 0) - before.get(k, 0)}
+
+
+async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
+    report = SoakReport(cfg)
+    kinds = plan(cfg)
+    rng = random.Random(cfg.seed + 1)
+    start = time.monotonic()
+    async with httpx.AsyncClient(base_url=route.api, headers=route.headers, timeout=60) as client:
+        soak = _Soak(route, cfg, report, client)
+        await soak.track_procs()
+        for n in await soak._nodes():
+            status = await trio.to_thread.run_sync(route.node_status, n["node"])
+            report.kv_before[n["node"]] = status["kv_bytes"]
+        before = await soak.tracker_counts()
+        i = 0
+        while i < len(kinds):
+            if time.monotonic() - start > cfg.time_limit_s:
+                report.stopped_early = True
+                break
+            if kinds[i] == "kill":
+                batch = ["kill"]
+            else:
+                batch = []
+                while i + len(batch) < len(kinds) and kinds[i + len(batch)] != "kill" and len(batch) < cfg.concurrency:
+                    batch.append(kinds[i + len(batch)])
+            i += len(batch)
+            async with trio.open_nursery() as nursery:
+                for kind in batch:
+                    report.planned[kind] += 1
+                    nursery.start_soon(soak.one, kind, random.Random(rng.random()))
+            await soak.track_procs()
+        names = sorted({p.node for p in report.procs})
+        try:
+            await trio.to_thread.run_sync(route.wait_sessions_freed, names, 10.0)
+        except RouteTimeout as exc:
+            report.problems.append(str(exc))
+        after = await soak.tracker_counts()
+        report.tracker_sessions = _diff(after[0], before[0])
+        report.tracker_failures = _diff(after[1], before[1])
+        alive = {n["pid"] for n in await soak._nodes() if n["alive"]}
+        for n in names:
+            status = await trio.to_thread.run_sync(route.node_status, n)
+            report.kv_after[n] = status["kv_bytes"]
+            report.sessions_after[n] = status["sessions"]
+        for proc in report.procs:
+            if proc.pid in alive:
+                proc.rss_end = _rss_kib(proc.pid)
+    report.elapsed_s = time.monotonic() - start
+    report.check()
+    return report
+
+
+def run_soak(cfg: SoakConfig, *, extra: tuple[str, ...] = ()) -> SoakReport:
+    """Start a 2-node stub route, soak it, stop it; return the figures."""
+    with LocalRoute(backend="stub", nodes=2, extra=("--stub-delay", str(cfg.stub_delay), *extra)) as route:
+        return trio.run(_run, route, cfg)
+
+
+def _main(args) -> int:
+    cfg = SoakConfig(sessions=args.sessions, concurrency=args.concurrency, seed=args.seed,
+                     time_limit_s=args.time_limit, kill_every=args.kill_every, stub_delay=args.stub_delay,
+                     warmup=min(20, max(10, args.sessions // 10)))
+    report = run_soak(cfg)
+    print(report.render())
+    if args.json:
+        print(json.dumps(report.to_json()))
+    sys.stdout.flush()
+    return 0 if report.ok else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("soak", help="many sessions with faults through a local 2-node stub route; "
+                                           "checks nothing is left behind")
+    p.add_argument("--sessions", type=int, default=500)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=900.0, help="start no session after this many seconds")
+    p.add_argument("--kill-every", type=int, default=50, help="one session in N kills and restarts a node (0: none)")
+    p.add_argument("--stub-delay", type=float, default=0.0, help="seconds of fake compute per position")
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    p.set_defaults(func=_main)

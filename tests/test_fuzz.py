@@ -1,0 +1,257 @@
+"""Fuzzing the three doors remote input comes through: seam frames, node HTTP bodies, OpenAI bodies.
+
+Whatever arrives, the answer is a result or a typed `CallerError` (a 4xx on
+the wire) and a refused input changes nothing. Bounded so it fits `make
+test`; `DGR_SLOW=1` runs the same properties with many more examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+import zlib
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dgr.api.http import parse_json
+from dgr.api.openai import GenerationRequest, parse_request
+from dgr.backends.base import LayerRange
+from dgr.backends.stub import StubBackend, StubSpec
+from dgr.errors import CallerError, PeerError
+from dgr.node.app import make_node_app
+from dgr.node.service import NodeService
+from dgr.sampling import SamplingParams
+from dgr.security.auth import CapabilityAuthority
+from dgr.seam.frame import Frame, decode_frame, encode_frame
+from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, DType, Flag, FrameKind
+
+# Wild hidden values (inf, 3e38) overflow inside the stub's arithmetic: expected, and not what is tested.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning")
+SLOW = os.environ.get("DGR_SLOW") == "1"
+SPEC = StubSpec(n_layers=6, hidden_size=16)
+W = SPEC.seam_width
+SID = uuid.UUID(int=7).hex
+FUZZ = settings(max_examples=2000 if SLOW else 150, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+# -- seam frames ----------------------------------------------------------------------------
+
+
+@FUZZ
+@given(st.binary(max_size=HEADER_SIZE + 256))
+def test_decode_frame_on_arbitrary_bytes(data: bytes) -> None:
+    try:
+        frame = decode_frame(data, max_bytes=HEADER_SIZE + 200)
+    except CallerError:
+        return
+    assert isinstance(frame, Frame) and frame.size == len(data)
+
+
+def _u32():
+    return st.one_of(st.integers(0, 8), st.integers(0, 2 ** 32 - 1), st.sampled_from([W - 1, W + 1, 2 ** 31, 2 ** 32 - 1]))
+
+
+# Plausible header fields; each may be swapped for a wild value, so every check in turn gets reached.
+PLAUSIBLE = {
+    "magic": st.just(MAGIC),
+    "version": st.just(VERSION),
+    "kind": st.sampled_from([FrameKind.PREFILL, FrameKind.DECODE]),
+    "dtype": st.sampled_from([DType.F32, DType.F16]),
+    "flags": st.sampled_from([Flag.TOKENS, Flag.HIDDEN, Flag.TOKENS | Flag.HIDDEN]).flatmap(
+        lambda f: st.sampled_from([f, f | Flag.SAMPLE])),
+    "session": st.just(SID),
+    "seq": st.sampled_from([0, 0, 0, 1, 1, 2]),  # 0 and 1 are next for a fresh and a prefilled session
+    "pos0": st.sampled_from([0, 0, 2, 2, 1, 3]),
+    "n_tokens": st.integers(1, 3),
+    "width": st.just(W),
+}
+WILD = {
+    "magic": st.just(b"DGRX"),
+    "version": st.sampled_from([0, 2, 255]),
+    "kind": st.integers(0, 7),
+    "dtype": st.integers(2, 255),
+    "flags": st.integers(0, 255),
+    "session": st.just(uuid.UUID(int=8).hex),
+    "seq": _u32(),
+    "pos0": _u32(),
+    "n_tokens": _u32(),
+    "width": _u32(),
+}
+
+
+@st.composite
+def frames(draw) -> bytes:
+    wild = draw(st.sets(st.sampled_from(sorted(WILD)), max_size=2))
+    h = {k: int(draw((WILD if k in wild else PLAUSIBLE)[k])) if k not in ("magic", "session")
+         else draw((WILD if k in wild else PLAUSIBLE)[k]) for k in PLAUSIBLE}
+    style = draw(st.sampled_from(["fits", "fits", "fits", "random", "values"]))
+    n, w = min(h["n_tokens"], 6), min(h["width"], 2 * W)
+    if style == "fits":  # a payload sized to the header's own claims (clamped), so deeper checks run
+        parts = b""
+        if h["flags"] & Flag.TOKENS:
+            ids = draw(st.lists(st.integers(0, 80) | st.integers(-(2 ** 31), 2 ** 31 - 1), min_size=n, max_size=n))
+            parts += np.array(ids, "<i4").tobytes()
+        if h["flags"] & Flag.HIDDEN:
+            value = draw(st.sampled_from([1.0, 1.0, -0.5, np.nan, np.inf, 6e4, 3e38]))
+            with np.errstate(over="ignore"):
+                arr = np.full(n * w, value, np.float32).astype("<f2" if h["dtype"] == DType.F16 else "<f4")
+            parts += arr.tobytes()
+        payload = parts
+    elif style == "values":
+        payload = np.array(draw(st.lists(st.floats(width=32), max_size=3 * W)), "<f4").tobytes()
+    else:
+        payload = draw(st.binary(max_size=4 * W))
+    crc = zlib.crc32(payload) if style != "random" or draw(st.booleans()) else draw(st.integers(0, 2 ** 32 - 1))
+    plen = len(payload) if draw(st.integers(0, 9)) else draw(_u32())
+    header = HEADER.pack(h["magic"], h["version"], h["kind"], h["dtype"], h["flags"], uuid.UUID(hex=h["session"]).bytes,
+                         h["seq"], h["pos0"], h["n_tokens"], h["width"], plen, crc)
+    return header + payload
+
+
+def _services(authority: CapabilityAuthority | None = None) -> list[NodeService]:
+    out = []
+    for a, b in ((0, 2), (2, 4), (4, 6)):
+        s = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(a, b)), node_id=f"n{a}", authority=authority)
+        s.open_session(SID, 16, SamplingParams(temperature=0.0))
+        out.append(s)
+    return out
+
+
+async def _prefill(services: list[NodeService]) -> None:
+    """Two positions in, so frames can also land on a session mid-prefill."""
+    hidden = None
+    for i, s in enumerate(services):
+        ids = [5, 6] if i == 0 else None
+        raw = encode_frame(FrameKind.PREFILL, SID, 0, 0, 2, W, token_ids=ids, hidden=hidden,
+                           flags=Flag.SAMPLE if i == 2 else Flag(0))
+        reply, _ = await s.step(raw)
+        hidden = decode_frame(reply).hidden
+
+
+@FUZZ
+@given(st.lists(frames(), min_size=1, max_size=6), st.booleans())
+def test_node_step_answers_or_refuses_and_refusals_change_nothing(raws: list[bytes], prefilled: bool) -> None:
+    async def run() -> None:
+        services = _services()
+        if prefilled:
+            await _prefill(services)
+        for raw in raws:
+            for s in services:
+                before = (s.session_json(SID), s.backend.kv_bytes(), len(s.sessions))
+                try:
+                    reply, _ = await s.step(raw)
+                except CallerError:
+                    assert (s.session_json(SID), s.backend.kv_bytes(), len(s.sessions)) == before
+                    continue
+                except PeerError as exc:  # a frame that passed every check must not break compute
+                    pytest.fail(f"{s.node_id} accepted a frame its backend then failed on: {exc!r}")
+                assert decode_frame(reply).session == SID
+
+    trio.run(run)
+
+
+@FUZZ
+@given(frames(), st.one_of(st.none(), st.text(max_size=80), st.sampled_from(["good", "other-session", "other-node"])))
+def test_node_step_with_a_secret_refuses_without_the_right_capability(raw: bytes, token) -> None:
+    authority = CapabilityAuthority(b"k" * 32)
+    good = {"good": (SID, "n2"), "other-session": (uuid.UUID(int=8).hex, "n2"), "other-node": (SID, "n0")}
+    if token in good:
+        sid, node = good[token]
+        token = authority.issue(sid, node, 2, 4, now=time.time())
+    s = _services(authority)[1]
+    before = s.session_json(SID)
+    try:
+        trio.run(s.step, raw, token)
+    except CallerError:
+        assert s.session_json(SID) == before
+        return
+    assert token is not None and authority.check(token, session=SID, node="n2", start=2, stop=4, now=0)
+
+
+# -- node HTTP bodies, through the real ASGI app ----------------------------------------------------
+
+
+async def _asgi(app, method: str, path: str, body: bytes, headers=()) -> int:
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await trio.sleep_forever()
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    with trio.fail_after(10):
+        await app(scope, receive, send)
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+@FUZZ
+@given(st.one_of(json_values, st.fixed_dictionaries(
+    {"session": st.sampled_from([uuid.UUID(int=9).hex, "x" * 32, 5]), "max_positions": json_values | st.integers(-5, 10 ** 6),
+     "sampling": json_values | st.fixed_dictionaries({}, optional={"temperature": json_values, "top_p": json_values,
+                                                                   "seed": json_values, "bogus": json_values})})))
+def test_node_open_session_body_is_answered_below_500(body) -> None:
+    service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(4, 6)), node_id="tail")
+    app = make_node_app(service)
+    raw = json.dumps(body).encode()
+    status = trio.run(_asgi, app, "POST", "/v1/seam/sessions", raw)
+    assert status in (201, 400, 404, 409, 413, 429), (status, body)
+    if status != 201:
+        assert not service.sessions
+
+
+# -- OpenAI bodies ------------------------------------------------------------------------------------
+
+FIELDS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "seed",
+          "stop", "stream", "stream_options", "dgr_telemetry", "ignore_eos")
+bodies = st.one_of(
+    st.dictionaries(st.text(max_size=12), json_values, max_size=6),
+    st.fixed_dictionaries({}, optional={k: json_values for k in FIELDS}),
+    st.fixed_dictionaries({"model": st.just("stub"), "messages": st.lists(
+        st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "tool", "x"]) | json_values,
+                                            "content": json_values}), max_size=3)},
+        optional={k: json_values for k in FIELDS[3:]}),
+)
+
+
+@FUZZ
+@given(bodies, st.sampled_from(["chat", "completion"]))
+def test_parse_request_returns_a_request_or_a_typed_refusal(body, kind) -> None:
+    try:
+        req = parse_request(body, kind)
+    except CallerError as exc:
+        assert exc.details.get("param") is None or isinstance(exc.details["param"], str)
+        return
+    assert isinstance(req, GenerationRequest) and req.max_tokens >= 1 and req.model
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), st.builds(lambda v: json.dumps(v).encode(), json_values),
+                 st.integers(1, 200_000).map(lambda n: b"[" * n)))
+def test_body_bytes_become_an_object_or_a_typed_refusal(raw: bytes) -> None:
+    try:
+        data = parse_json(raw)
+    except CallerError:
+        return
+    assert isinstance(data, dict)

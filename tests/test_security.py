@@ -1,0 +1,251 @@
+"""Attacks on a real route (spec/security.md): each is refused with its reason code and changes nothing.
+
+The route is `dgr up` with the cluster secret the harness made, so the test
+can act as the tracker (mint capabilities, sign registrations) and as an
+attacker (forge, replay, reuse them out of place).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from dgr.procs import dgr_command
+from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.seam.frame import encode_frame
+from dgr.seam.wire import FrameKind
+from dgr.testing.harness import LocalRoute, free_port
+
+W = 576  # the default stub's seam width
+
+
+@pytest.fixture(scope="module")
+def route():
+    with LocalRoute(nodes=2) as r:
+        yield r
+
+
+def _frame(sid: str, seq: int, pos0: int, n: int) -> bytes:
+    """A PREFILL frame for node1 (not the head: hidden states only)."""
+    return encode_frame(FrameKind.PREFILL, sid, seq, pos0, n, W, hidden=np.full((n, W), 0.25, np.float32))
+
+
+def _state(route: LocalRoute, url: str, sid: str) -> tuple[int, int, int, int]:
+    """(sessions, kv_bytes, positions, next_seq) on a node, read with a valid capability."""
+    status = httpx.get(f"{url}/v1/node/status", timeout=5).json()
+    s = httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1"), timeout=5).json()
+    return status["sessions"], status["kv_bytes"], s["positions"], s["next_seq"]
+
+
+def _refused(r: httpx.Response, status: int, code: str, words: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and words in err["message"], err
+
+
+@pytest.fixture
+def victim(route: LocalRoute):
+    """A live session on node1, opened and prefilled (4 positions) the way the gateway does it."""
+    url = route.node("node1")["url"]
+    sid = uuid.uuid4().hex
+    cap = route.capability(sid, "node1")
+    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 64}, headers=cap).status_code == 201
+    first = _frame(sid, 0, 0, 4)
+    assert httpx.post(f"{url}/v1/seam/step", content=first, headers=cap).status_code == 200
+    yield url, sid, first
+    httpx.delete(f"{url}/v1/seam/sessions/{sid}", headers=cap)
+
+
+def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(route, victim) -> None:
+    url, sid, _ = victim
+    before = _state(route, url, sid)
+    assert before[2:] == (4, 1)
+    refused_before = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"].get("forbidden", 0)
+    good = route.capability(sid, "node1")["X-Dgr-Capability"]
+    body, _, mac = good.partition(".")
+    other_sid = uuid.uuid4().hex
+    attacks = {
+        "no capability": ({}, "capability is required"),
+        "forged: another secret": (route.capability(sid, "node1", secret=new_secret()), "does not verify"),
+        "altered: payload swapped under the MAC": (
+            {"X-Dgr-Capability": route.capability(other_sid, "node1")["X-Dgr-Capability"].partition(".")[0]
+             + "." + mac}, "does not verify"),
+        "malformed": ({"X-Dgr-Capability": "!!!." + mac}, "malformed"),
+        "expired": (route.capability(sid, "node1", ttl_s=-5), "expired"),
+        "another session": (route.capability(other_sid, "node1"), "another Route Session"),
+        "another layer range": (route.capability(sid, "node1", layers=(0, 15)), "another node or layer range"),
+        "another node": (route.capability(sid, "node1", node="node0"), "another node or layer range"),
+    }
+    nxt = _frame(sid, 1, 4, 2)
+    for name, (headers, words) in attacks.items():
+        _refused(httpx.post(f"{url}/v1/seam/step", content=nxt, headers=headers), 403, "forbidden", words)
+        _refused(httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=headers), 403, "forbidden", words)
+        _refused(httpx.delete(f"{url}/v1/seam/sessions/{sid}", params={"reason": "cancelled"}, headers=headers),
+                 403, "forbidden", words)
+        assert _state(route, url, sid) == before, name
+    # opening a session needs one too, and a refused open leaves no trace: the id stays usable
+    fresh = uuid.uuid4().hex
+    for headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
+                           (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
+        _refused(httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=headers),
+                 403, "forbidden", words)
+    assert _state(route, url, sid) == before
+    ok = route.capability(fresh, "node1")
+    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=ok).status_code == 201
+    assert httpx.delete(f"{url}/v1/seam/sessions/{fresh}", headers=ok).status_code == 200
+    # tokenizing at the head is work for a session, so it is guarded the same way
+    head = route.node("node0")["url"]
+    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}), 403, "forbidden", "required")
+    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}, headers=route.capability(sid, "node0"))
+    assert r.status_code == 200 and r.json()["tokens"]
+    refused = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"]["forbidden"]
+    assert refused - refused_before == 3 * len(attacks) + 3
+    # and the session still works for its rightful holder
+    assert httpx.post(f"{url}/v1/seam/step", content=nxt, headers=route.capability(sid, "node1")).status_code == 200
+    assert _state(route, url, sid)[2:] == (6, 2)
+
+
+def test_replayed_frame_is_refused_and_changes_nothing(route, victim) -> None:
+    url, sid, first = victim
+    before = _state(route, url, sid)
+    # a captured frame sent again, even with a valid capability, is a replay of step 0
+    _refused(httpx.post(f"{url}/v1/seam/step", content=first, headers=route.capability(sid, "node1")),
+             409, "step_out_of_order", "replayed")
+    assert _state(route, url, sid) == before
+
+
+def _registration(name: str, model: str = "ghost-model") -> bytes:
+    info = {"name": model, "architecture": "stub", "n_layers": 30, "hidden_size": 576, "seam_width": 576,
+            "vocab_size": 300, "context_length": 4096, "digest": "0" * 64}
+    return json.dumps({"node": name, "url": "http://127.0.0.1:9", "pid": None, "layers": [0, 30], "backend": "stub",
+                       "model": info, "capacity": 4, "describe": {}}).encode()
+
+
+def _registry(route: LocalRoute) -> dict[str, tuple]:
+    return {n["node"]: (n["url"], n["layers"], n["alive"], n["model"]) for n in route.node_table()}
+
+
+def test_registration_needs_the_cluster_secret(route) -> None:
+    path = "/v1/nodes/register"
+    before = _registry(route)
+    body = _registration("intruder", model="stub")  # would take over every stub route if accepted
+    cases = [
+        ({"Content-Type": "application/json"}, "must be signed"),
+        (route.signed(path, body, secret=new_secret()), "bad signature"),  # forged: another secret
+        ({**route.signed(path, body), "X-Dgr-Nonce": "0" * 32}, "bad signature"),  # nonce swapped
+        (route.signed(path, body.replace(b"127.0.0.1:9", b"127.0.0.1:8")), "bad signature"),  # body altered
+        (route.signed("/v1/nodes/heartbeat", body), "bad signature"),  # signed for another path
+    ]
+    for headers, words in cases:
+        _refused(httpx.post(f"{route.url}{path}", content=body, headers=headers), 401, "unauthenticated", words)
+    beat = json.dumps({"node": "node0", "sessions": 99, "kv_bytes": 1}).encode()
+    _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat, headers={"Content-Type": "application/json"}),
+             401, "unauthenticated", "must be signed")
+    assert _registry(route) == before
+    assert route.node("node0")["sessions"] != 99
+    r = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and [h["node"] for h in r.json()["dgr"]["telemetry"]["route"]] == ["node0", "node1"]
+
+
+def test_replayed_signed_registration_is_refused(route) -> None:
+    path = "/v1/nodes/register"
+    body = _registration("ghost")
+    captured = route.signed(path, body)
+    assert httpx.post(f"{route.url}{path}", content=body, headers=captured).status_code == 200
+    # no heartbeats follow, so the tracker declares it dead; a replay would bring it back
+    deadline = time.monotonic() + 10
+    while route.node("ghost")["alive"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    before = _registry(route)
+    _refused(httpx.post(f"{route.url}{path}", content=body, headers=captured), 401, "replayed", "already used")
+    # an old signature that was never used is refused too: past the skew window it counts as a replay
+    stale = route.signed(path, body, now=time.time() - 120)
+    _refused(httpx.post(f"{route.url}{path}", content=body, headers=stale), 401, "replayed", "off")
+    assert _registry(route) == before and not route.node("ghost")["alive"]
+
+
+def test_node_with_the_wrong_secret_stops_with_the_reason(route) -> None:
+    env = {**os.environ, CLUSTER_ENV: new_secret()}
+    r = subprocess.run(dgr_command("node", "--tracker", route.url, "--layers", "0:15", "--backend", "stub",
+                                   "--name", "impostor", "--threads", "1"),
+                       env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "refused this node (unauthenticated)" in r.stderr and "bad signature" in r.stderr
+    assert "impostor" not in _registry(route)
+
+
+def _start(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess | None:
+    """Run a process that should refuse to start; None if it became ready instead (then stopped)."""
+    p = subprocess.Popen(dgr_command(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        out, err = p.communicate(timeout=10)
+        assert "dgr-ready" in out, err
+        return None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_exposed_tracker_and_node_refuse_to_run_open(tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if k not in (CLUSTER_ENV, API_KEYS_ENV)}
+    tracker = ["tracker", "--host", "0.0.0.0", "--port", str(free_port())]
+    for env, missing in [(base, "a cluster secret"), ({**base, CLUSTER_ENV: new_secret()}, "API keys"),
+                         ({**base, API_KEYS_ENV: "k1"}, "a cluster secret")]:
+        done = _start(tracker, env)
+        assert done is not None and done.returncode == 2 and missing in done.stderr, done
+    assert _start(tracker, {**base, CLUSTER_ENV: new_secret(), API_KEYS_ENV: "k1"}) is None  # both: it serves
+    done = _start(["node", "--host", "0.0.0.0", "--backend", "stub", "--layers", "0:1"], base)
+    assert done is not None and done.returncode == 2 and "needs a cluster secret" in done.stderr
+    # secrets come from files only when nobody else can read them
+    loose = tmp_path / "secret"
+    loose.write_text(new_secret())
+    loose.chmod(0o644)
+    done = _start(["tracker", "--port", str(free_port()), "--cluster-secret-file", str(loose)], base)
+    assert done is not None and done.returncode == 2 and "chmod 600" in done.stderr
+
+
+KEY = "sk-dgr-test-" + uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"# one key per line\nsk-other\n{KEY}\n")
+    keys.chmod(0o600)
+    with LocalRoute(nodes=1, extra=("--api-key-file", str(keys))) as r:
+        r.api_key = KEY  # `dgr up --api-key-file` is the only source; from now on the harness sends it
+        yield r
+
+
+def test_api_keys_guard_the_openai_and_telemetry_endpoints(keyed) -> None:
+    body = {"model": "stub", "prompt": "hi", "max_tokens": 2}
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                         ("GET", "/v1/route-sessions"), ("GET", f"/v1/route-sessions/{'0' * 32}"),
+                         ("GET", "/v1/stats"), ("GET", "/v1/nodes"), ("GET", "/metrics")]:
+        for headers, words in [({}, "needs a key"), ({"Authorization": "Bearer sk-wrong"}, "incorrect API key"),
+                               ({"Authorization": KEY}, "needs a key")]:
+            r = httpx.request(method, f"{keyed.url}{path}", json=body if method == "POST" else None, headers=headers)
+            assert r.status_code == 401, (path, r.text)
+            err = r.json()["error"]
+            assert (err["code"], err["type"]) == ("unauthenticated", "authentication_error") and words in err["message"]
+            assert err["param"] is None and r.headers["www-authenticate"].startswith("Bearer")
+    for path in ("/healthz", "/openapi.json"):
+        assert httpx.get(f"{keyed.url}{path}").status_code == 200
+    r = httpx.post(f"{keyed.api}/completions", json=body, headers=keyed.headers, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    ok = openai.OpenAI(base_url=keyed.api, api_key=KEY, max_retries=0)
+    assert ok.completions.create(model="stub", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError) as info:
+        openai.OpenAI(base_url=keyed.api, api_key="sk-wrong", max_retries=0).models.list()
+    assert info.value.code == "unauthenticated"
