@@ -5,34 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from typing import Callable
-
-import trio
 
 from dgr.errors import DgrError, first_dgr_error
+from dgr.procs import run_until_signal
 
-__all__ = ["main", "run_until_signal"]
-
-
-def run_until_signal(fn: Callable, *args, **kwargs) -> int:
-    """Run an async main under trio; SIGINT or SIGTERM cancels it cleanly."""
-
-    async def wrapper() -> None:
-        async with trio.open_nursery() as nursery:
-            async def watch() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(watch)
-            await fn(*args, **kwargs)
-            nursery.cancel_scope.cancel()
-
-    trio.run(wrapper)
-    return 0
+__all__ = ["main"]
 
 
 def _threads_default() -> int:
@@ -40,14 +18,12 @@ def _threads_default() -> int:
 
 
 def cmd_tracker(args) -> int:
-    from dgr.seam.wire import DType
-    from dgr.tracker.gateway import GatewayConfig
-    from dgr.tracker.run import run_tracker
-
     from dgr.artifact.manifest import Manifest
-    from dgr.tracker.proofs import Prover
-
+    from dgr.seam.wire import DType
     from dgr.security.secrets import load_api_keys, load_cluster_secret
+    from dgr.tracker.gateway import GatewayConfig
+    from dgr.tracker.proofs import Prover
+    from dgr.tracker.run import run_tracker
 
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,

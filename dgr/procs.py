@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -21,7 +21,7 @@ import trio
 from dgr.errors import PeerError, Reason
 from dgr.serve import READY_PREFIX
 
-__all__ = ["Child", "run_child", "dgr_command", "die_with_parent"]
+__all__ = ["Child", "run_child", "dgr_command", "die_with_parent", "run_until_signal"]
 
 
 def dgr_command(*args: str) -> list[str]:
@@ -96,3 +96,27 @@ async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = N
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
+
+
+def run_until_signal(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """trio.run(fn, ...), cancelled cleanly by SIGINT or SIGTERM.
+
+    Returns fn's result, or None when a signal stopped it first.
+    """
+    result: list[Any] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            result.append(await fn(*args, **kwargs))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return result[0] if result else None

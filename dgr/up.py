@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 
 import trio
 
@@ -28,9 +29,20 @@ from dgr.procs import dgr_command, run_child
 from dgr.progress import terminal_progress
 from dgr.security.secrets import CLUSTER_ENV, load_cluster_secret, new_secret
 
-__all__ = ["run_up", "even_split", "node_args", "tracker_args", "READY_TIMEOUT_S"]
+__all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 900.0  # first start of a llama_shard route builds shard files
+
+
+def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerRange]:
+    """The layer ranges of a local route: planned from the GGUF's tensor sizes, or even for the stub."""
+    if model is None:
+        return even_split(n_layers, n_nodes)
+    # the planner balances weight bytes per shard (a shard's decode time follows the bytes it reads)
+    from dgr.plan import plan_even
+    from dgr.plan_layout import layout_from_gguf
+
+    return plan_even(layout_from_gguf(model), n_nodes)
 
 
 def even_split(n_layers: int, n_nodes: int) -> list[LayerRange]:
@@ -101,14 +113,7 @@ async def run_up(args) -> None:
     n_layers = model_layer_count(args.backend, model, args.stub_model)
     if args.backend == "llama" and args.nodes != 1:
         raise CallerError(Reason.INVALID_REQUEST, "the llama backend serves a whole model: use --nodes 1, or llama_shard")
-    if model is None:
-        splits = even_split(n_layers, args.nodes)
-    else:
-        # the planner balances weight bytes per shard (a shard's decode time follows the bytes it reads)
-        from dgr.plan import plan_even
-        from dgr.plan_layout import layout_from_gguf
-
-        splits = plan_even(layout_from_gguf(model), args.nodes)
+    splits = route_splits(model, n_layers, args.nodes)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):

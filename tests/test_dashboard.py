@@ -11,7 +11,6 @@ Playwright is missing.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx

@@ -9,7 +9,7 @@ import sys
 import attrs
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dgr.errors import CallerError, Failure, IllegalTransition, Reason
 from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from dgr.errors import CallerError, Reason
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import decode_frame, encode_frame
-from dgr.seam.wire import HEADER, HEADER_SIZE, DType, Flag, FrameKind
+from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width

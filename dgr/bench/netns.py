@@ -320,15 +320,10 @@ class _Child:
 def _splits(backend: str, nodes: int) -> list[LayerRange]:
     """The layer ranges `dgr up` would give `nodes` nodes of this backend's default model."""
     from dgr.backends.factory import model_layer_count, resolve_model
-    from dgr.up import even_split
+    from dgr.up import route_splits
 
     model = resolve_model(backend, None)
-    if model is None:
-        return even_split(model_layer_count(backend, None), nodes)
-    from dgr.plan import plan_even
-    from dgr.plan_layout import layout_from_gguf
-
-    return plan_even(layout_from_gguf(model), nodes)
+    return route_splits(model, model_layer_count(backend, model), nodes)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

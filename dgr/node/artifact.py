@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -40,12 +39,13 @@ import trio
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
-from dgr.progress import Progress, terminal_progress
 from dgr.artifact.proof import Challenge, answer_challenge
 from dgr.artifact.torrent import resume_path_for
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange, ShardBackend
 from dgr.errors import CallerError, PeerError, Reason
+from dgr.procs import run_until_signal
+from dgr.progress import Progress, terminal_progress
 
 __all__ = [
     "NodeArtifact",
@@ -361,26 +361,11 @@ def _run_interruptible(fn: Any, *args: Any) -> Any:
     Raises:
         CallerError(CANCELLED): a signal stopped it.
     """
-    result: list[Any] = []
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(watch)
-            result.append(await fn(*args))
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-    if not result:
+    result = run_until_signal(fn, *args)
+    if result is None:
         raise CallerError(Reason.CANCELLED, "interrupted before the artifact was ready; a partial fetch keeps its "
                                             "resume data and continues on the next start")
-    return result[0]
+    return result
 
 
 def prepare_node_artifact(args: Any, layers: LayerRange | None) -> NodeArtifact:

@@ -37,7 +37,7 @@ from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
-from dgr.seam.wire import MAX_FRAME_BYTES, DType, Flag, FrameKind
+from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
 from dgr.security.auth import CapabilityAuthority
 
 __all__ = ["NodeService", "SeamStats"]

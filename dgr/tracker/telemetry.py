@@ -7,7 +7,6 @@ rather than slowing the route; the channel closes when the session ends.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
