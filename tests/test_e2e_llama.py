@@ -159,3 +159,31 @@ def test_sharded_route_equals_single_node(single, nodes: int) -> None:
             client.completions.create(model=MODEL, prompt="go " * words, max_tokens=3, temperature=0)
             sizes.append([route.node_status(f"node{i}")["seam"]["last_decode_frame_bytes"] for i in range(1, nodes)])
         assert sizes[0] == sizes[1] == [HEADER_SIZE + 576 * 4] * (nodes - 1)
+
+
+def test_eight_concurrent_sessions_on_a_sharded_route_equal_sequential() -> None:
+    prompts = [f"Fact {i}: the ocean is" for i in range(8)]
+    with LocalRoute(backend="llama_shard", nodes=2, extra=("--ctx", "512", "--max-sessions", "8"),
+                    ready_timeout_s=300) as route:
+        client = _client(route)
+        sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                      for p in prompts]
+        results: dict[int, str] = {}
+        peak: list[int] = []
+
+        def run(i: int) -> None:
+            results[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16,
+                                                   temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            peak.append(len(httpx.get(f"{route.api}/route-sessions").json()["active"]))
+            time.sleep(0.02)
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(8)] == sequential
+        assert max(peak) >= 4  # sessions really overlapped, each with its own KV on both nodes
+        route.wait_sessions_freed(["node0", "node1"])
