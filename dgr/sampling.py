@@ -41,21 +41,33 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> tuple[int, float]:
         """Return (token, log-probability under the model's distribution). logits: [vocab]."""
-        z = logits.astype(np.float64)
-        logp = z - z.max()
-        logp -= np.log(np.exp(logp).sum())
+        z = logits.astype(np.float32, copy=False)
+        top = float(z.max())
+        log_norm = top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64)))
         if self.params.temperature == 0.0:
             tok = int(np.argmax(z))
-            return tok, float(logp[tok])
-        scaled = (z - z.max()) / self.params.temperature
-        probs = np.exp(scaled)
+            return tok, float(z[tok]) - log_norm
+        probs = np.exp((z - top) / self.params.temperature, dtype=np.float64)  # [vocab]
         probs /= probs.sum()
         if self.params.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cum = np.cumsum(probs[order])
-            keep = order[: int(np.searchsorted(cum, self.params.top_p) + 1)]
-            mask = np.zeros_like(probs)
-            mask[keep] = probs[keep]
-            probs = mask / mask.sum()
-        tok = int(self._rng.choice(probs.shape[0], p=probs))
-        return tok, float(logp[tok])
+            ids, p = self._nucleus(probs)
+            tok = int(ids[self._rng.choice(ids.shape[0], p=p)])
+        else:
+            tok = int(self._rng.choice(probs.shape[0], p=probs))
+        return tok, float(z[tok]) - log_norm
+
+    def _nucleus(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The smallest set of most likely tokens whose mass reaches top_p, and their renormalised probabilities.
+
+        Sorting 49k probabilities every token costs milliseconds; the nucleus
+        almost always lies among the few tokens within 1e-6 of the best, and
+        when those hold at least top_p of the mass the result is exactly what
+        a full sort gives (every candidate outranks every other token).
+        """
+        candidates = np.flatnonzero(probs >= probs.max() * 1e-6)
+        if probs[candidates].sum() < self.params.top_p:
+            candidates = np.arange(probs.shape[0])
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        cum = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(cum, self.params.top_p) + 1)]
+        return keep, probs[keep] / probs[keep].sum()
