@@ -286,6 +286,12 @@ async def _open_swarm(listen: str, *, upload_rate_limit: int = 0) -> AsyncIterat
     lt = _lt()
     settings = session_settings(listen, upload_rate_limit=upload_rate_limit)
     swarm = _Swarm(await trio.to_thread.run_sync(lt.session, settings))
+    if upload_rate_limit:
+        # libtorrent puts LAN and loopback peers in a peer class of their own that the
+        # session-wide limit does not cover; a limit must hold for every peer
+        local = swarm.ses.get_peer_class(swarm.ses.local_peer_class_id)
+        local["upload_limit"] = upload_rate_limit
+        swarm.ses.set_peer_class(swarm.ses.local_peer_class_id, local)
     try:
         yield swarm
     finally:
