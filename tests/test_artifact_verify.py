@@ -15,17 +15,6 @@ from dgr.artifact.manifest import Manifest, build_manifest
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.models import default_model_path
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="module")
-def manifest(model_path: Path) -> Manifest:
-    return build_manifest(model_path)
 
 
 def _flip(path: Path, offset: int) -> None:
