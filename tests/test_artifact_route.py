@@ -37,7 +37,7 @@ from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
 from dgr.procs import dgr_command, die_with_parent
 from dgr.serve import READY_PREFIX
-from dgr.testing.harness import LocalRoute, free_port
+from dgr.testing.harness import LocalRoute
 from dgr.tracker.registry import NodeEntry, ProofState, ProofStatus
 from dgr.tracker.routing import choose_route
 
@@ -169,14 +169,12 @@ def swarm(manifest_path: Path, tmp_path_factory):
     root = tmp_path_factory.mktemp("swarm")
     logs = root / "logs"
     logs.mkdir()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     m = str(manifest_path)
     procs: dict[str, Proc] = {}
-    tracker = Proc.start("tracker", ["tracker", "--port", str(port), "--manifest", m, "--prefill-chunk", "512"],
+    tracker = Proc.start("tracker", ["tracker", "--port", "0", "--manifest", m, "--prefill-chunk", "512"],
                          logs)
     try:
-        tracker.wait_ready(30)
+        url = tracker.wait_ready(60)["url"]
         for name, layers in (("seed-a", "0:10"), ("seed-b", "20:30")):
             procs[name] = Proc.start(name, ["node", "--tracker", url, "--layers", layers, "--manifest", m,
                                             "--name", name, *NODE_ARGS], logs)
@@ -414,12 +412,10 @@ def test_rotten_file_is_caught_when_the_node_registers_again(swarm: Swarm, manif
 
 
 def test_require_proof_leaves_nodes_without_a_manifest_unrouted(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    tracker = Proc.start("tracker", ["tracker", "--port", str(port), "--require-proof"], tmp_path)
+    tracker = Proc.start("tracker", ["tracker", "--port", "0", "--require-proof"], tmp_path)
     node = None
     try:
-        tracker.wait_ready(30)
+        url = tracker.wait_ready(60)["url"]
         node = Proc.start("stub", ["node", "--tracker", url, "--backend", "stub", "--name", "stub"], tmp_path)
         node.wait_ready(30)
         entry = _nodes(url)["stub"]

@@ -122,7 +122,7 @@ def test_client_disconnect_frees_the_session(single) -> None:
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a bound on waiting for the free, not a timing claim
     while single.node_status("node0")["sessions"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert single.node_status("node0")["sessions"] == 0

@@ -102,30 +102,38 @@ def test_telemetry_arrives_before_the_first_token(route) -> None:
     assert set(final["hop_latency_ms"]) == {"node0", "node1", "node2"}
 
 
-def test_events_stream_shows_progress_until_done(route) -> None:
+def test_events_stream_shows_progress_until_done() -> None:
     import threading
 
-    body = {"model": "stub", "prompt": "x" * 600, "max_tokens": 40, "temperature": 0, "stream": True}
-    seen: list[dict] = []
-    with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=60) as r:
-        sid = r.headers["x-dgr-route-session"]
+    # 10 ms per position per node: 60 decode steps over 3 nodes last seconds, far longer than a
+    # watcher takes to subscribe; the watcher is subscribed before the answer is read on.
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.01")) as slow:
+        body = {"model": "stub", "prompt": "x" * 60, "max_tokens": 60, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        seen: list[dict] = []
+        subscribed = threading.Event()
+        with httpx.stream("POST", f"{slow.api}/completions", json=body, timeout=60) as r:
+            sid = r.headers["x-dgr-route-session"]
 
-        def watch() -> None:
-            with httpx.stream("GET", f"{route.api}/route-sessions/{sid}/events", timeout=60) as ev:
-                for kind, data in sse_events(ev):
-                    if kind == "data":
-                        seen.append(data)
+            def watch() -> None:
+                with httpx.stream("GET", f"{slow.api}/route-sessions/{sid}/events", timeout=60) as ev:
+                    for kind, data in sse_events(ev):
+                        if kind == "data":
+                            seen.append(data)
+                            subscribed.set()
 
-        t = threading.Thread(target=watch)
-        t.start()
-        for _ in r.iter_lines():
-            pass
-    t.join(30)
+            t = threading.Thread(target=watch)
+            t.start()
+            assert subscribed.wait(30), "the events stream sent nothing"
+            for _ in r.iter_lines():
+                pass
+        t.join(30)
     phases = [s["phase"] for s in seen]
+    assert phases[0] != "done", "the watcher subscribed too late to see progress"
     assert phases[-1] == "done"
     assert "decode" in phases
     tokens = [s["tokens"] for s in seen]
-    assert tokens == sorted(tokens) and tokens[-1] == 40
+    assert tokens == sorted(tokens) and tokens[-1] == 60
 
 
 @pytest.mark.parametrize("n_prompt", [100, 2000])
@@ -143,6 +151,18 @@ def test_decode_seam_bytes_do_not_grow_with_the_prompt(route, n_prompt) -> None:
 
 
 def test_sessions_are_freed_after_each_request(route) -> None:
-    for n in route.node_table():
-        status = httpx.get(f"{n['url']}/v1/node/status").json()
-        assert status["sessions"] == 0 and status["kv_bytes"] == 0
+    client = openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0)
+
+    def decodes() -> dict[str, int]:
+        return {n["node"]: httpx.get(f"{n['url']}/v1/node/status").json()["seam"]["frames_in"].get("DECODE", 0)
+                for n in route.node_table()}
+
+    for stream in (False, True):
+        before = decodes()
+        out = client.completions.create(model="stub", prompt="free me", max_tokens=12, temperature=0, stream=stream,
+                                        extra_body={"ignore_eos": True})
+        if stream:
+            assert "".join(c.choices[0].text for c in out if c.choices)
+        # every node ran this session's 11 decode steps, holding its KV, and frees it as the session ends
+        assert {k: v - before[k] for k, v in decodes().items()} == {"node0": 11, "node1": 11, "node2": 11}
+        route.wait_sessions_freed(["node0", "node1", "node2"])

@@ -1,4 +1,4 @@
-"""Node loss through the harness: structured failures within 2 s, survivors free their KV."""
+"""Node loss through the harness: prompt structured failures, survivors free their KV."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from dgr.testing.harness import LocalRoute, first_error, first_text, sse_events
+from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 
 DELAY = ("--stub-delay", "0.004")  # 4 ms per position per node: prefill of 400 tokens takes seconds
 
@@ -26,18 +26,19 @@ def test_kill_in_decode_fails_fast_and_frees_survivors(victim: str) -> None:
             first_text(events)  # wait for real decode
             killed_at = route.kill(victim)
             error, seen_at = first_error(events)
-        assert seen_at - killed_at < 2.0, f"failure took {seen_at - killed_at:.2f}s"
+        assert seen_at - killed_at < LOSS_BOUND_S, f"failure took {seen_at - killed_at:.2f}s"
         assert error["code"] == "route_node_lost"
         assert error["node"] == victim and error["phase"] == "decode"
         survivors = [n for n in ("node0", "node1", "node2") if n != victim]
         route.wait_sessions_freed(survivors)
         # no repair, and no route without the dead node: a clear 503 naming the missing layers
         lost_layers = {"node1": "10:20", "node2": "20:30"}[victim]
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30  # the gateway marked it dead when it failed the session
         while True:
             r = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 3})
             if r.status_code == 503 or time.monotonic() > deadline:
                 break
+            time.sleep(0.05)
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "no_route" and lost_layers in r.json()["error"]["message"]
         # a node that restarts re-registers, and a new Route Session succeeds
@@ -56,7 +57,7 @@ def test_kill_in_prefill_is_reported_in_prefill() -> None:
                        lambda: killed.append(route.kill("node1")))
             error, seen_at = first_error(sse_events(r))
         assert killed, "the fault never fired"
-        assert seen_at - killed[0] < 2.0
+        assert seen_at - killed[0] < LOSS_BOUND_S
         assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", "node1", "prefill")
         route.wait_sessions_freed(["node0", "node2"])
         snap = route.session(sid)
@@ -73,11 +74,11 @@ def test_hung_node_is_caught_and_recovers() -> None:
                 error, seen_at = first_error(events)
             finally:
                 route.cont("node1")
-        assert seen_at - stopped_at < 2.0, f"hang detected after {seen_at - stopped_at:.2f}s"
+        assert seen_at - stopped_at < LOSS_BOUND_S, f"hang detected after {seen_at - stopped_at:.2f}s"
         assert (error["code"], error["node"]) == ("route_node_lost", "node1")
         route.wait_sessions_freed(["node0", "node2"])
         # once it runs again, it re-registers and serves new sessions
-        route.wait_nodes_alive(["node0", "node1", "node2"], timeout_s=10)
+        route.wait_nodes_alive(["node0", "node1", "node2"], timeout_s=60)
         ok = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200, ok.text
 
@@ -98,7 +99,15 @@ def test_openai_client_raises_api_error_with_reason() -> None:
 def test_slowed_node_still_answers_correctly() -> None:
     with LocalRoute(nodes=2, extra=DELAY) as route:
         client = openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0)
-        want = client.completions.create(model="stub", prompt="slow", max_tokens=30, temperature=0).choices[0].text
-        route.slow("node1", duty=0.5, duration_s=2.0)
-        got = client.completions.create(model="stub", prompt="slow", max_tokens=30, temperature=0).choices[0].text
+        want = client.completions.create(model="stub", prompt="slow", max_tokens=30, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        slowdown = route.slow("node1", duty=0.5)
+        try:
+            stops_before = slowdown.stops
+            got = client.completions.create(model="stub", prompt="slow", max_tokens=30, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+            stops_during = slowdown.stops - stops_before
+        finally:
+            slowdown.stop()
+        assert stops_during > 0, "the node was never stopped while the request ran"
         assert got == want

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dgr.testing.harness import LocalRoute, first_error, first_text, sse_events
+from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 
 pytestmark = pytest.mark.llama
 pytest.importorskip("llama_cpp")
@@ -36,7 +36,7 @@ def test_kill_middle_node(phase: str) -> None:
                 killed.append(route.kill("node1"))
             error, seen_at = first_error(events)
         assert killed, "the fault never fired"
-        assert seen_at - killed[0] < 2.0, f"failure after {seen_at - killed[0]:.2f}s"
+        assert seen_at - killed[0] < LOSS_BOUND_S, f"failure after {seen_at - killed[0]:.2f}s"
         assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", "node1", phase)
         route.wait_sessions_freed(["node0", "node2"])
         # the tracker stops routing through the dead node: no route covers 10:20 now

@@ -51,14 +51,14 @@ def test_full_node_answers_429_and_idle_sessions_are_freed(limited) -> None:
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "node_at_capacity" and r.headers["retry-after"] == "1"
     # idle for over --idle-timeout (1 s; the node looks every second): its KV is freed
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # bounds the wait for the event; not a timing claim
     while httpx.get(f"{url}/v1/node/status").json()["sessions"]:
         assert time.monotonic() < deadline, "the idle session was never freed"
         time.sleep(0.1)
     r = httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=cap)
     assert r.status_code == 410 and "session_timeout" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/v1/node/status").json()["kv_bytes"] == 0
-    deadline = time.monotonic() + 3  # the tracker hears of the free slot with the next heartbeat
+    deadline = time.monotonic() + 30  # the tracker hears of the free slot with the next heartbeat
     while (r := _post(limited, {"prompt": "hi", "max_tokens": 2})).status_code == 429 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert r.status_code == 200, r.text
@@ -71,7 +71,8 @@ def test_route_session_time_limit() -> None:
                           json={"model": "stub", "prompt": "go on", "stream": True, **LONG}) as r:
             error, seen = first_error(sse_events(r))
         assert error["code"] == "session_timeout" and "limit of 1s" in error["message"]
-        assert 1.0 <= seen - t0 < 4.0, seen - t0
+        # never before the limit; the upper bound only catches a limit that is not enforced at all
+        assert 1.0 <= seen - t0 < 30.0, seen - t0
         route.wait_sessions_freed(["node0", "node1"])
         r = _post(route, {"prompt": "go on", **LONG})
         assert r.status_code == 504 and r.json()["error"]["code"] == "session_timeout"

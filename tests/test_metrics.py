@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from dgr.testing.harness import LocalRoute
+from dgr.testing.harness import LocalRoute, first_text, sse_events
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -23,47 +22,59 @@ def _get(m: dict, name: str, **labels) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def _wait_metric(url: str, ok, what: str, timeout_s: float = 30.0) -> dict:
+    """Scrape until `ok(metrics)` holds: waits on the event, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _scrape(url)
+        if ok(m):
+            return m
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+
+
 def test_metrics_follow_a_request() -> None:
     with LocalRoute(nodes=2, extra=("--stub-delay", "0.003")) as route:
-        before = _scrape(route.url)
-        assert _get(before, "dgr_node_up", node="node0", layers="0:15") == 1.0
-        seen_active = []
-
-        def watch() -> None:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not seen_active:
-                m = _scrape(route.url)
-                if _get(m, "dgr_route_sessions_active", state="decode") >= 1:
-                    seen_active.append(m)
-                time.sleep(0.02)
-
-        t = threading.Thread(target=watch)
-        t.start()
+        first = _scrape(route.url)
+        assert _get(first, "dgr_node_up", node="node0", layers="0:15") == 1.0
+        # A session held in decode (a long answer, read one chunk at a time) shows in the active gauge.
+        body = {"model": "stub", "prompt": "hold on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=60) as held:
+            first_text(sse_events(held))
+            _wait_metric(route.url, lambda m: _get(m, "dgr_route_sessions_active", state="decode") >= 1,
+                         "the held session in dgr_route_sessions_active")
+        # leaving cancels it; once it has ended, count what one complete request adds
+        before = _wait_metric(
+            route.url, lambda m: _get(m, "dgr_route_sessions_total", outcome="failed")
+            == _get(first, "dgr_route_sessions_total", outcome="failed") + 1, "the held session end")
+        node1 = route.node("node1")["url"]
+        before_node1 = _scrape(node1)
         r = httpx.post(f"{route.api}/completions", timeout=60,
                        json={"model": "stub", "prompt": "metrics please", "max_tokens": 60, "temperature": 0})
-        t.join(25)
         assert r.status_code == 200
-        assert seen_active, "the active session never showed in dgr_route_sessions_active"
         after = _scrape(route.url)
         assert _get(after, "dgr_route_sessions_total", outcome="done") - _get(before, "dgr_route_sessions_total", outcome="done") == 1
         assert _get(after, "dgr_generated_tokens_total") - _get(before, "dgr_generated_tokens_total") == 60
         assert _get(after, "dgr_prompt_tokens_total") - _get(before, "dgr_prompt_tokens_total") == len("metrics please")
         assert _get(after, "dgr_time_to_first_token_seconds_count") == _get(before, "dgr_time_to_first_token_seconds_count") + 1
-        assert _get(after, "dgr_token_latency_seconds_count") >= 59
+        assert _get(after, "dgr_token_latency_seconds_count") - _get(before, "dgr_token_latency_seconds_count") == 59
         for node in ("node0", "node1"):
-            assert _get(after, "dgr_seam_hop_latency_seconds_count", node=node) >= 60
-        decode_bytes = _get(after, "dgr_seam_bytes_total", node="node1", kind="DECODE")
+            assert (_get(after, "dgr_seam_hop_latency_seconds_count", node=node)
+                    - _get(before, "dgr_seam_hop_latency_seconds_count", node=node)) >= 60
+        decode_bytes = (_get(after, "dgr_seam_bytes_total", node="node1", kind="DECODE")
+                        - _get(before, "dgr_seam_bytes_total", node="node1", kind="DECODE"))
         assert decode_bytes == 59 * (48 + 576 * 4)
-        assert _get(after, "dgr_route_sessions_active", state="decode") == 0
-        node1 = route.node("node1")["url"]
-        nm = _scrape(node1)
-        assert _get(nm, "dgr_node_seam_frames_total", kind="DECODE") == 59
+        _wait_metric(route.url, lambda m: _get(m, "dgr_route_sessions_active", state="decode") == 0,
+                     "no active session")
+        # the gateway frees node KV as the session ends, which may be just after the response
+        nm = _wait_metric(node1, lambda m: _get(m, "dgr_node_sessions") == 0, "node1 free of sessions")
+        held_decodes = _get(before_node1, "dgr_node_seam_frames_total", kind="DECODE")
+        assert _get(nm, "dgr_node_seam_frames_total", kind="DECODE") - held_decodes == 59
         assert _get(nm, "dgr_node_sessions") == 0 and _get(nm, "dgr_node_kv_bytes") == 0
         # a failure shows up by reason
         bad = httpx.post(f"{route.api}/completions", json={"model": "missing", "prompt": "x"})
         assert bad.status_code == 404
         route.kill("node1")
-        time.sleep(1.5)
-        m = _scrape(route.url)
-        assert _get(m, "dgr_node_up", node="node1", layers="15:30") == 0.0
+        m = _wait_metric(route.url, lambda m: _get(m, "dgr_node_up", node="node1", layers="15:30") == 0.0,
+                         "node1 down in dgr_node_up")
         assert _get(m, "dgr_route_session_failures_total", reason="model_not_found") >= 1

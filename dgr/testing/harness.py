@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,7 +36,17 @@ from dgr.procs import dgr_command, die_with_parent
 from dgr.security.auth import CapabilityAuthority, Signer
 from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
 
-__all__ = ["LocalRoute", "RouteTimeout", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
+__all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
+
+
+# Node loss must end a Route Session promptly: at once for a reset socket, within the heartbeat
+# threshold for a hung node (about 1 s on an idle machine). Tests bound it generously, so that a loaded
+# machine does not fail the suite, yet below the step deadline, so a loss that waits for that deadline
+# (or is never seen) still fails. `dgr bench` reports the figure itself.
+LOSS_BOUND_S = 8.0
+
+# `dgr up`'s last line once every node is ready; with --port 0 it names the real port
+_SERVING = re.compile(r"serving the OpenAI API at http://127\.0\.0\.1:(\d+)/v1")
 
 
 class RouteTimeout(Exception):
@@ -71,7 +82,7 @@ class LocalRoute:
     nodes: int = 3
     extra: tuple[str, ...] = ()
     ready_timeout_s: float = 120.0
-    port: int = attrs.field(factory=free_port)
+    port: int = 0  # 0: the tracker binds an ephemeral port, learned from `dgr up`'s ready line
     proc: subprocess.Popen | None = None
     log_lines: list[str] = attrs.field(factory=list)
     restarted: list[subprocess.Popen] = attrs.field(factory=list)
@@ -136,7 +147,9 @@ class LocalRoute:
         def pump() -> None:
             for line in self.proc.stdout:
                 self.log_lines.append(line.rstrip())
-                if "serving the OpenAI API" in line:
+                served = _SERVING.search(line)
+                if served is not None and not ready.is_set():
+                    self.port = int(served.group(1))
                     ready.set()
 
         t = threading.Thread(target=pump, daemon=True)
@@ -197,23 +210,12 @@ class LocalRoute:
     def cont(self, name: str) -> None:
         os.kill(self.node(name)["pid"], signal.SIGCONT)
 
-    def slow(self, name: str, duty: float = 0.5, period_s: float = 0.05, duration_s: float = 5.0) -> threading.Thread:
-        """Run a node at `duty` of its speed for `duration_s` (SIGSTOP/SIGCONT)."""
-        pid = self.node(name)["pid"]
-
-        def cycle() -> None:
-            end = time.monotonic() + duration_s
-            while time.monotonic() < end:
-                time.sleep(period_s * duty)
-                _signal(pid, signal.SIGSTOP)
-                time.sleep(period_s * (1 - duty))
-                _signal(pid, signal.SIGCONT)
-            _signal(pid, signal.SIGCONT)
-
-        t = threading.Thread(target=cycle, daemon=True)
-        t.start()
-        self._threads.append(t)
-        return t
+    def slow(self, name: str, duty: float = 0.5, period_s: float = 0.05) -> "Slowdown":
+        """Run a node at `duty` of its speed (a SIGSTOP/SIGCONT cycle) until the returned handle is stopped."""
+        slowdown = Slowdown(self.node(name)["pid"], duty, period_s)
+        slowdown.thread.start()
+        self._threads.append(slowdown.thread)
+        return slowdown
 
     def restart_node(self, name: str, layers: str, timeout_s: float = 120.0) -> subprocess.Popen:
         """Start a fresh `dgr node` with the same name and layers; wait until it is alive."""
@@ -262,7 +264,7 @@ class LocalRoute:
         self._threads.append(t)
         return t
 
-    def wait_sessions_freed(self, names: list[str], timeout_s: float = 3.0) -> None:
+    def wait_sessions_freed(self, names: list[str], timeout_s: float = 30.0) -> None:
         """Wait until every named node holds no session and no KV bytes."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -276,6 +278,35 @@ class LocalRoute:
 
     def session(self, sid: str) -> dict[str, Any]:
         return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5, headers=self.headers).json()
+
+
+@attrs.define(eq=False)
+class Slowdown:
+    """A node held at `duty` of its speed; `stops` counts the SIGSTOPs it has taken so far."""
+
+    pid: int
+    duty: float
+    period_s: float
+    stops: int = 0
+    _done: threading.Event = attrs.field(factory=threading.Event)
+    thread: threading.Thread = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        try:
+            while not self._done.wait(self.period_s * self.duty):
+                _signal(self.pid, signal.SIGSTOP)
+                self.stops += 1
+                time.sleep(self.period_s * (1 - self.duty))  # the stopped part of the duty cycle
+                _signal(self.pid, signal.SIGCONT)
+        finally:
+            _signal(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.thread.join(10)
 
 
 def _signal(pid: int, sig: int) -> None:
