@@ -33,6 +33,7 @@ def cmd_tracker(args) -> int:
         max_tokens_cap=args.max_tokens_cap,
         max_session_s=args.max_session_s or None,
         slow_client_s=args.slow_client_s or None,
+        admission_wait_s=args.admission_wait_s,
     )
     secret = load_cluster_secret(args.cluster_secret_file)
     api_keys = load_api_keys(args.api_key_file)
@@ -105,6 +106,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
+    p.add_argument("--admission-wait-s", type=float, default=10.0,
+                   help="a request that finds every route full waits this long for a slot before its 429")
 
 
 def build_parser() -> argparse.ArgumentParser:

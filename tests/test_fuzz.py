@@ -28,6 +28,7 @@ from dgr.node.app import make_node_app
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.security.auth import CapabilityAuthority
+from dgr.testing.nodes import running
 from dgr.seam.frame import Frame, decode_frame, encode_frame
 from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, DType, Flag, FrameKind
 
@@ -123,12 +124,13 @@ def frames(draw) -> bytes:
 
 
 def _services(authority: CapabilityAuthority | None = None) -> list[NodeService]:
-    out = []
-    for a, b in ((0, 2), (2, 4), (4, 6)):
-        s = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(a, b)), node_id=f"n{a}", authority=authority)
-        s.open_session(SID, 16, SamplingParams(temperature=0.0))
-        out.append(s)
-    return out
+    return [NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(a, b)), node_id=f"n{a}", authority=authority)
+            for a, b in ((0, 2), (2, 4), (4, 6))]
+
+
+async def _open(services: list[NodeService]) -> None:
+    for s in services:
+        await s.open_session(SID, 16, SamplingParams(temperature=0.0))
 
 
 async def _prefill(services: list[NodeService]) -> None:
@@ -147,19 +149,21 @@ async def _prefill(services: list[NodeService]) -> None:
 def test_node_step_answers_or_refuses_and_refusals_change_nothing(raws: list[bytes], prefilled: bool) -> None:
     async def run() -> None:
         services = _services()
-        if prefilled:
-            await _prefill(services)
-        for raw in raws:
-            for s in services:
-                before = (s.session_json(SID), s.backend.kv_bytes(), len(s.sessions))
-                try:
-                    reply, _ = await s.step(raw)
-                except CallerError:
-                    assert (s.session_json(SID), s.backend.kv_bytes(), len(s.sessions)) == before
-                    continue
-                except PeerError as exc:  # a frame that passed every check must not break compute
-                    pytest.fail(f"{s.node_id} accepted a frame its backend then failed on: {exc!r}")
-                assert decode_frame(reply).session == SID
+        async with running(*services):
+            await _open(services)
+            if prefilled:
+                await _prefill(services)
+            for raw in raws:
+                for s in services:
+                    before = (await s.session_json(SID), s.scheduler.kv_bytes, len(s.sessions))
+                    try:
+                        reply, _ = await s.step(raw)
+                    except CallerError:
+                        assert (await s.session_json(SID), s.scheduler.kv_bytes, len(s.sessions)) == before
+                        continue
+                    except PeerError as exc:  # a frame that passed every check must not break compute
+                        pytest.fail(f"{s.node_id} accepted a frame its backend then failed on: {exc!r}")
+                    assert decode_frame(reply).session == SID
 
     trio.run(run)
 
@@ -173,11 +177,19 @@ def test_node_step_with_a_secret_refuses_without_the_right_capability(raw: bytes
         sid, node = good[token]
         token = authority.issue(sid, node, 2, 4, now=time.time())
     s = _services(authority)[1]
-    before = s.session_json(SID)
-    try:
-        trio.run(s.step, raw, token)
-    except CallerError:
-        assert s.session_json(SID) == before
+
+    async def run() -> bool:
+        async with running(s):
+            await s.open_session(SID, 16, SamplingParams(temperature=0.0))
+            before = await s.session_json(SID)
+            try:
+                await s.step(raw, token)
+            except CallerError:
+                assert await s.session_json(SID) == before
+                return False
+            return True
+
+    if not trio.run(run):
         return
     assert token is not None and authority.check(token, session=SID, node="n2", start=2, stop=4, now=0)
 
@@ -215,7 +227,12 @@ def test_node_open_session_body_is_answered_below_500(body) -> None:
     service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(4, 6)), node_id="tail")
     app = make_node_app(service)
     raw = json.dumps(body).encode()
-    status = trio.run(_asgi, app, "POST", "/v1/seam/sessions", raw)
+
+    async def run() -> int:
+        async with running(service):
+            return await _asgi(app, "POST", "/v1/seam/sessions", raw)
+
+    status = trio.run(run)
     assert status in (201, 400, 404, 409, 413, 429), (status, body)
     if status != 201:
         assert not service.sessions

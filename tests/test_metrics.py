@@ -40,7 +40,8 @@ def test_metrics_follow_a_request() -> None:
         # A session held in decode (a long answer, read one chunk at a time) shows in the active gauge.
         body = {"model": "stub", "prompt": "hold on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=60) as held:
-            first_text(sse_events(held))
+            events = sse_events(held)  # kept: a dropped generator would close the stream
+            first_text(events)
             _wait_metric(route.url, lambda m: _get(m, "dgr_route_sessions_active", state="decode") >= 1,
                          "the held session in dgr_route_sessions_active")
         # leaving cancels it; once it has ended, count what one complete request adds

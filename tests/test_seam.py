@@ -14,6 +14,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, Reason
 from dgr.node.service import NodeService
+from dgr.testing.nodes import running
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
@@ -92,59 +93,70 @@ actions = st.lists(
 def test_any_frame_sequence_is_correct_or_refused(seq_actions) -> None:
     async def run() -> None:
         head, mid = _service(0, 3), _service(3, 6)
-        sid = uuid.uuid4().hex
-        for s in (head, mid):
-            s.open_session(sid, 64, SamplingParams(temperature=0.0))
-        tokens_fed: list[int] = []
-        positions, next_seq, state = 0, 0, "created"
-        rng = np.random.default_rng(0)
-        for kind, dseq, dpos, n, corruption in seq_actions:
-            seq, pos0 = max(next_seq + dseq, 0), max(positions + dpos, 0)
-            ids = [int(x) for x in rng.integers(1, 90, size=n)]
-            raw = bytearray(encode_frame(kind, sid, seq, pos0, n, W, token_ids=ids))
-            if corruption == "crc" and n:
-                raw[-1] ^= 0xFF
-            elif corruption == "width":
-                raw = bytearray(encode_frame(kind, sid, seq, pos0, n, W + 1, token_ids=ids))
-            elif corruption == "truncate":
-                raw = raw[: HEADER_SIZE - 3]
-            elif corruption == "session":
-                raw = bytearray(encode_frame(kind, uuid.uuid4().hex, seq, pos0, n, W, token_ids=ids))
-            legal_kind = kind in (FrameKind.PREFILL, FrameKind.DECODE)
-            legal_state = (kind is FrameKind.PREFILL and state in ("created", "prefill")) or (
-                kind is FrameKind.DECODE and state in ("prefill", "decode"))
-            ok = (corruption in ("none", "nan") and legal_kind and legal_state and seq == next_seq and pos0 == positions
-                  and n >= 1 and not (kind is FrameKind.DECODE and n != 1) and pos0 + n <= 64)
-            before = head.session_json(sid)
-            try:
-                reply, _ = await head.step(bytes(raw))
-            except CallerError:
-                assert not ok
-                assert head.session_json(sid) == before  # a refusal changes nothing
-                continue
-            assert ok
-            out = decode_frame(reply)
-            assert out.kind is FrameKind.HIDDEN and out.hidden.shape == (n, W)
-            tokens_fed += ids
-            positions += n
-            next_seq += 1
-            state = "prefill" if kind is FrameKind.PREFILL else "decode"
-            # the next shard accepts exactly what the head produced
-            f = encode_frame(kind, sid, next_seq - 1, positions - n, n, W, hidden=out.hidden)
-            await mid.step(f)
-        assert head.session_json(sid)["positions_computed"] == positions
-        assert mid.session_json(sid)["positions_computed"] == positions
-        if tokens_fed:
-            # a fresh one-token-at-a-time run gives the same last hidden state as the accepted chunks
-            assert np.array_equal(_reference(tokens_fed)[-1], out.hidden[-1])
+        async with running(head, mid):
+            await _any_sequence(head, mid, seq_actions)
 
     trio.run(run)
 
 
+async def _any_sequence(head: NodeService, mid: NodeService, seq_actions) -> None:
+    sid = uuid.uuid4().hex
+    for s in (head, mid):
+        await s.open_session(sid, 64, SamplingParams(temperature=0.0))
+    tokens_fed: list[int] = []
+    positions, next_seq, state = 0, 0, "created"
+    rng = np.random.default_rng(0)
+    for kind, dseq, dpos, n, corruption in seq_actions:
+        seq, pos0 = max(next_seq + dseq, 0), max(positions + dpos, 0)
+        ids = [int(x) for x in rng.integers(1, 90, size=n)]
+        raw = bytearray(encode_frame(kind, sid, seq, pos0, n, W, token_ids=ids))
+        if corruption == "crc" and n:
+            raw[-1] ^= 0xFF
+        elif corruption == "width":
+            raw = bytearray(encode_frame(kind, sid, seq, pos0, n, W + 1, token_ids=ids))
+        elif corruption == "truncate":
+            raw = raw[: HEADER_SIZE - 3]
+        elif corruption == "session":
+            raw = bytearray(encode_frame(kind, uuid.uuid4().hex, seq, pos0, n, W, token_ids=ids))
+        legal_kind = kind in (FrameKind.PREFILL, FrameKind.DECODE)
+        legal_state = (kind is FrameKind.PREFILL and state in ("created", "prefill")) or (
+            kind is FrameKind.DECODE and state in ("prefill", "decode"))
+        ok = (corruption in ("none", "nan") and legal_kind and legal_state and seq == next_seq and pos0 == positions
+              and n >= 1 and not (kind is FrameKind.DECODE and n != 1) and pos0 + n <= 64)
+        before = await head.session_json(sid)
+        try:
+            reply, _ = await head.step(bytes(raw))
+        except CallerError:
+            assert not ok
+            assert await head.session_json(sid) == before  # a refusal changes nothing
+            continue
+        assert ok
+        out = decode_frame(reply)
+        assert out.kind is FrameKind.HIDDEN and out.hidden.shape == (n, W)
+        tokens_fed += ids
+        positions += n
+        next_seq += 1
+        state = "prefill" if kind is FrameKind.PREFILL else "decode"
+        # the next shard accepts exactly what the head produced
+        f = encode_frame(kind, sid, next_seq - 1, positions - n, n, W, hidden=out.hidden)
+        await mid.step(f)
+    assert (await head.session_json(sid))["positions_computed"] == positions
+    assert (await mid.session_json(sid))["positions_computed"] == positions
+    if tokens_fed:
+        # a fresh one-token-at-a-time run gives the same last hidden state as the accepted chunks
+        assert np.array_equal(_reference(tokens_fed)[-1], out.hidden[-1])
+
+
 async def test_nan_hidden_and_missing_parts_refused() -> None:
     mid = _service(3, 6)
+    async with running(mid):
+        await _nan_and_missing(mid)
+    assert mid.backend.session_count() == 0
+
+
+async def _nan_and_missing(mid: NodeService) -> None:
     sid = uuid.uuid4().hex
-    mid.open_session(sid, 64, SamplingParams())
+    await mid.open_session(sid, 64, SamplingParams())
     bad = np.full((1, W), np.nan, np.float32)
     for raw, reason in [
         (encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=bad), Reason.BAD_FRAME),
@@ -155,12 +167,11 @@ async def test_nan_hidden_and_missing_parts_refused() -> None:
         with pytest.raises(CallerError) as info:
             await mid.step(raw)
         assert info.value.reason is reason
-    assert mid.session_json(sid)["positions"] == 0
-    mid.close_session(sid)
+    assert (await mid.session_json(sid))["positions"] == 0
+    await mid.close_session(sid)
     with pytest.raises(CallerError) as info:
         await mid.step(encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=np.ones((1, W))))
     assert info.value.reason is Reason.SESSION_ENDED
-    assert mid.backend.session_count() == 0
 
 
 def test_stub_chunking_and_sharding_do_not_change_results() -> None:

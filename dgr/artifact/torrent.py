@@ -17,7 +17,11 @@ Rules:
   for in `trio.to_thread.run_sync(ses.wait_for_alert, ...)` with a short
   timeout (not abandoned on cancel, so the session is never destroyed under a
   waiting thread), and copied at once since they die at the next pop.
-  Sessions are destroyed in a worker thread (it can take 300 ms).
+  Sessions are destroyed in a worker thread (it can take 300 ms). For that,
+  no frame on the trio side may hold the session when its owner drops it: a
+  cancelled `to_thread` call's traceback keeps its function alive, so blocking
+  session calls go through `_in_thread`, which looks the method up inside the
+  worker thread, never a bound method of the session.
 - Timeouts are the caller's cancel scopes. A cancelled fetch still saves its
   resume data (shielded, bounded) before its session goes.
 
@@ -225,7 +229,7 @@ class _Swarm:
 
     async def pump(self) -> None:
         """Wait up to _ALERT_WAIT_MS for alerts and record them."""
-        await trio.to_thread.run_sync(self.ses.wait_for_alert, _ALERT_WAIT_MS)
+        await trio.to_thread.run_sync(_in_thread, self, "wait_for_alert", _ALERT_WAIT_MS)
         lt = _lt()
         t = self.tally
         for a in self.ses.pop_alerts():
@@ -279,6 +283,11 @@ class _Swarm:
             tmp.write_bytes(self.tally.resume[-1])
             os.replace(tmp, path)
             self.tally.resume.clear()
+
+
+def _in_thread(swarm: _Swarm, method: str, *args: Any) -> Any:
+    """Call a session method from a worker thread, holding the session only in this frame."""
+    return getattr(swarm.ses, method)(*args)
 
 
 @contextlib.asynccontextmanager
@@ -389,7 +398,7 @@ async def seed(
         else:
             # Serve what is held, download nothing.
             atp.piece_priorities = [0] * manifest.torrent.piece_count
-        h = await trio.to_thread.run_sync(swarm.ses.add_torrent, atp)
+        h = await trio.to_thread.run_sync(_in_thread, swarm, "add_torrent", atp)
         await swarm.until(lambda: swarm.tally.checked > 0)
         held = int(h.status().num_pieces)
         task_status.started(SeedInfo(port=port, info_hash_v2=manifest.torrent.info_hash_v2, pieces_have=held))
@@ -442,7 +451,7 @@ async def fetch(
     async with _open_swarm(listen) as swarm:
         atp = _add_params(manifest, dest, resume)
         atp.piece_priorities = [1 if i in wanted_set else 0 for i in range(manifest.torrent.piece_count)]
-        h = await trio.to_thread.run_sync(swarm.ses.add_torrent, atp)
+        h = await trio.to_thread.run_sync(_in_thread, swarm, "add_torrent", atp)
         try:
             # Peers only after the check, so `held_before` is what an earlier
             # (interrupted) fetch left: resume data or a re-hash of the file.

@@ -15,6 +15,11 @@ Positions are always passed in. `forward(sid, pos0, ...)` must be called with
 pos0 equal to the number of positions already in that session's KV; the node
 session FSM enforces it, the backend checks it again and raises.
 
+Batching: `forward_batch` takes the steps of several sessions (at most one
+each) and computes them in one call where the backend can (llama.cpp: one
+`llama_decode` over several sequence ids). The default runs them one by
+one. Either way each step's answer equals what `forward` alone would give.
+
 Left out: sampling (dgr.sampling does it, the same for every backend) and
 transport (dgr.seam).
 """
@@ -22,12 +27,18 @@ transport (dgr.seam).
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 import numpy as np
+import outcome
 
-__all__ = ["LayerRange", "ModelInfo", "ShardBackend", "ChatMessage"]
+from dgr.errors import DgrError
+
+__all__ = ["LayerRange", "ModelInfo", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS"]
+
+# What a failed step may raise: typed errors, and what numpy, ctypes or torch raise on bad input.
+COMPUTE_ERRORS = (DgrError, ValueError, RuntimeError, IndexError, OSError)
 
 ChatMessage = dict[str, Any]
 
@@ -81,6 +92,24 @@ class ModelInfo:
         return cls(**data)
 
 
+@attrs.frozen(eq=False)
+class Step:
+    """One session's positions [pos0, pos0 + n) for this shard: the arguments of `forward`."""
+
+    sid: str
+    pos0: int
+    token_ids: np.ndarray | None  # int32 [n]   (head, or needs_token_ids)
+    hidden: np.ndarray | None  # float32 [n, W] (non-head)
+    want_logits: bool
+    decode: bool = False  # a decode step (n == 1 after a prefill): batched first
+
+    @property
+    def n_tokens(self) -> int:
+        if self.hidden is not None:
+            return int(self.hidden.shape[0])
+        return int(np.size(self.token_ids))
+
+
 class ShardBackend(abc.ABC):
     """Layers [layers.start, layers.stop) of a model, with per-session KV."""
 
@@ -119,6 +148,19 @@ class ShardBackend(abc.ABC):
         Returns float32 [n, W] on a non-tail shard, float32 [vocab] on the tail
         when want_logits, else None.
         """
+
+    def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
+        """Compute several sessions' steps (one each); each answer as `forward` gives it, or its error.
+
+        The default runs them one by one; a backend that can do better in one call overrides it.
+        """
+        out: list[outcome.Outcome] = []
+        for s in steps:
+            try:
+                out.append(outcome.Value(self.forward(s.sid, s.pos0, s.token_ids, s.hidden, s.want_logits)))
+            except COMPUTE_ERRORS as exc:
+                out.append(outcome.Error(exc))
+        return out
 
     @abc.abstractmethod
     def positions_computed(self, sid: str) -> int:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
+import outcome
 
-from dgr.backends.base import ChatMessage, LayerRange, ModelInfo, ShardBackend
+from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ModelInfo, ShardBackend, Step
 from dgr.backends.gguf_text import GgufText, llama_lib
 from dgr.backends.llama_engine import (
     DEFAULT_N_BATCH,
@@ -185,6 +186,13 @@ class LlamaCppBackend(ShardBackend):
             POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED)
             PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed.
         """
+        seq, tokens, embd = self._prepare(sid, pos0, token_ids, hidden)
+        return self.engine.eval(seq, pos0, tokens, embd, want_logits)
+
+    def _prepare(
+        self, sid: str, pos0: int, token_ids: np.ndarray | None, hidden: np.ndarray | None
+    ) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """(seq_id, token ids or None, hidden states or None) for a step of `sid`, or its refusal."""
         seq = self._seq(sid)
         if self.is_head:
             if token_ids is None:
@@ -200,7 +208,39 @@ class LlamaCppBackend(ShardBackend):
             raise CallerError(
                 Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {pos0 + n} positions exceed {self._limits[sid]}"
             )
-        return self.engine.eval(seq, pos0, tokens, embd, want_logits)
+        return seq, tokens, embd
+
+    def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
+        """Every one-position step in one llama_decode (one row per sequence); longer ones one by one.
+
+        Each row's answer is bit-identical to `forward` alone: llama.cpp keeps one KV stream per
+        sequence here, and a row's matmuls do not depend on the other rows (tests/test_batching.py).
+        """
+        out: list[outcome.Outcome | None] = [None] * len(steps)
+        rows: list[tuple[int, tuple[int, int, int | None, np.ndarray | None, bool]]] = []
+        for i, s in enumerate(steps):
+            try:
+                seq, tokens, embd = self._prepare(s.sid, s.pos0, s.token_ids, s.hidden)
+                if s.n_tokens == 1 and len(steps) > 1:
+                    token = None if tokens is None else int(np.reshape(tokens, -1)[0])
+                    rows.append((i, (seq, s.pos0, token, embd, s.want_logits)))
+                else:
+                    out[i] = outcome.Value(self.engine.eval(seq, s.pos0, tokens, embd, s.want_logits))
+            except COMPUTE_ERRORS as exc:
+                out[i] = outcome.Error(exc)
+        if len(rows) == 1:  # nothing to batch it with
+            (i, (seq, pos, token, embd, want)), = rows
+            tokens = None if token is None else np.array([token], np.int32)
+            out[i] = outcome.capture(self.engine.eval, seq, pos, tokens, embd, want)
+        elif rows:
+            try:
+                results = self.engine.eval_many([r for _, r in rows])
+                for (i, _), r in zip(rows, results):
+                    out[i] = outcome.Value(r)
+            except COMPUTE_ERRORS as exc:
+                for i, _ in rows:
+                    out[i] = outcome.Error(exc)
+        return out
 
     def positions_computed(self, sid: str) -> int:
         return self.engine.evaluated(self._seq(sid))

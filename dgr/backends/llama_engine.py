@@ -396,6 +396,100 @@ class LlamaEngine:
         ptr = llama_lib().llama_get_logits_ith(self._ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
 
+    def eval_many(
+        self,
+        rows: list[tuple[int, int, int | None, np.ndarray | None, bool]],  # (seq, pos, token, embd [n_embd], want)
+    ) -> list[np.ndarray | None]:
+        """One position for each of several sequences, as one llama_decode call.
+
+        Each row is (seq, pos, token id or None, float32 [n_embd] hidden state
+        or None, want_logits); seqs are distinct and every row gives the same
+        kind of input. Returns, in row order, float32 [1, n_embd] per row when
+        hidden_out, else float32 [n_vocab] logits for rows that want them and
+        None for the others.
+
+        Rows are laid out by ascending seq id: with one KV stream per sequence
+        llama.cpp splits a batch into ubatches of consecutive seq ids
+        (llama_batch_allocr::split_equal, sequential), each computed as one
+        graph, and the captured layer output arrives ubatch by ubatch in that
+        order. Every sequence attends only to its own stream, so each row's
+        answer is the one `eval` gives for it alone.
+
+        Raises:
+            CallerError(INVALID_REQUEST | POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH)
+            PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed; no row was applied.
+        """
+        m = len(rows)
+        if m == 0 or m > self.n_batch:
+            raise CallerError(Reason.INVALID_REQUEST, f"{m} rows: a batch holds 1 to {self.n_batch}")
+        order = sorted(range(m), key=lambda i: rows[i][0])
+        seqs = [rows[i][0] for i in order]
+        if len(set(seqs)) != m:
+            raise CallerError(Reason.INVALID_REQUEST, "one row per sequence in a batch")
+        by_token = rows[0][2] is not None
+        b = self._batch
+        embd = None if by_token else np.empty((m, self.n_embd), np.float32)  # float32 [m, n_embd]
+        for j, i in enumerate(order):
+            seq, pos, token, row, want = rows[i]
+            if not (0 <= seq < self.n_seq_max):
+                raise CallerError(Reason.INVALID_REQUEST, f"seq {seq} outside 0..{self.n_seq_max - 1}")
+            if (token is not None) != by_token or (row is None) != by_token:
+                raise CallerError(Reason.INVALID_REQUEST, "every row gives a token id, or every row a hidden state")
+            have = self._n_pos.get(seq, 0)
+            if pos != have:
+                raise CallerError(
+                    Reason.POSITION_DISCONTINUITY, f"seq {seq}: pos0 {pos} but {have} positions are in its KV"
+                )
+            if have + 1 > self.n_ctx_seq:
+                raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"seq {seq}: {have + 1} positions exceed {self.n_ctx_seq}")
+            if by_token:
+                if not 0 <= token < self.n_vocab:
+                    raise CallerError(Reason.INVALID_REQUEST, f"token ids must lie in [0, {self.n_vocab})")
+                b["token"][j] = token
+            else:
+                if np.shape(row) not in ((self.n_embd,), (1, self.n_embd)):
+                    raise CallerError(Reason.WRONG_WIDTH, f"hidden states must be [{self.n_embd}], got {list(np.shape(row))}")
+                embd[j] = np.reshape(row, -1)
+            b["pos"][j] = pos
+            b["seq"][j] = seq
+            b["logits"][j] = 1 if (self.hidden_out or want) else 0
+        batch = self._llama_batch(m, embd)
+        self._decode_rows(seqs, [rows[i][1] for i in order], batch)
+        hidden = None
+        if self._capture is not None:
+            hidden = self._take_hidden(m)
+            if hidden is None:  # the target node moved: undo every row, look by name
+                self._capture.misses += 1
+                self._capture.known[0] = 0
+                for j, seq in enumerate(seqs):
+                    llama_lib().llama_memory_seq_rm(self._mem, seq, int(b["pos"][j]), -1)
+                self._decode_rows(seqs, [rows[i][1] for i in order], batch)
+                hidden = self._take_hidden(m)
+            if hidden is None:
+                raise PeerError(Reason.INTERNAL, f"l_out-{self.n_layer - 1} was not captured")
+        out: list[np.ndarray | None] = [None] * m
+        for j, i in enumerate(order):
+            seq = seqs[j]
+            self._n_pos[seq] = rows[i][1] + 1
+            self._evaluated[seq] = self._evaluated.get(seq, 0) + 1
+            if hidden is not None:
+                out[i] = hidden[j : j + 1].copy()  # float32 [1, n_embd]
+            elif rows[i][4]:
+                ptr = llama_lib().llama_get_logits_ith(self._ctx, j)
+                out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
+        return out
+
+    def _decode_rows(self, seqs: list[int], positions: list[int], batch: Any) -> None:
+        lib = llama_lib()
+        rc = lib.llama_decode(self._ctx, batch)
+        lib.llama_synchronize(self._ctx)
+        if rc != 0:
+            # llama.cpp has taken back what it placed of this batch: every row stays where it was
+            for seq, pos in zip(seqs, positions):
+                self._n_pos[seq] = pos
+            reason = Reason.NODE_AT_CAPACITY if rc == 1 else Reason.INTERNAL
+            raise PeerError(reason, f"llama_decode failed ({rc}) on seqs {seqs}: {llama_log_tail()}")
+
     def _decode(self, seq: int, pos: int, m: int, batch: Any) -> None:
         lib = llama_lib()
         rc = lib.llama_decode(self._ctx, batch)

@@ -63,7 +63,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             params = SamplingParams(**sampling)
         except TypeError as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
-        service.open_session(sid, max_positions, params)
+        await service.open_session(sid, max_positions, params)
         return json_response({"session": sid, "node": service.node_id}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -75,15 +75,15 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
                 why = Reason(reason)
             except ValueError:
                 raise CallerError(Reason.INVALID_REQUEST, f"unknown reason {reason!r}") from None
-            service.fail_session(sid, Failure(why, request.args.get("message", ""), node=service.node_id))
+            await service.fail_session(sid, Failure(why, request.args.get("message", ""), node=service.node_id))
         else:
-            service.close_session(sid)
+            await service.close_session(sid)
         return json_response({"session": sid, "closed": True})
 
     @app.get("/v1/seam/sessions/<sid>")
     async def session_status(sid: str):
         _authorize(sid)
-        return json_response(service.session_json(sid))
+        return json_response(await service.session_json(sid))
 
     @app.post("/v1/node/tokenize")
     async def tokenize():
@@ -92,16 +92,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             # tokenizing is work done for a Route Session: only for one the tracker opened
             sid = body.get("session")
             _authorize(sid if isinstance(sid, str) else "")
-        backend = service.backend
-        if not backend.is_head:
-            raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} is not a head shard")
-        if "messages" in body:
-            text = backend.render_chat(body["messages"])
-        elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        else:
-            raise CallerError(Reason.INVALID_REQUEST, "tokenize needs messages or a prompt string")
-        tokens = backend.tokenize(text, add_special=True, parse_special=True)
+        tokens, text = await service.tokenize(messages=body.get("messages") if "messages" in body else None,
+                                              prompt=body.get("prompt"))
         return json_response({"tokens": tokens, "text": text})
 
     def _artifact() -> NodeArtifact:

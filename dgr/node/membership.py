@@ -50,13 +50,13 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
         "layers": [backend.layers.start, backend.layers.stop],
         "backend": backend.name,
         "model": backend.info.to_json(),
-        "capacity": backend.max_sessions(),
-        "describe": backend.describe(),
+        "capacity": service.capacity,
+        "describe": service.described,
     }
 
 
 def _load(service: NodeService) -> dict[str, Any]:
-    return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.backend.kv_bytes()}
+    return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.scheduler.kv_bytes}
 
 
 def _note_proof(artifact: NodeArtifact | None, reply: Any) -> None:

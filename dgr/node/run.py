@@ -33,7 +33,7 @@ __all__ = ["run_node"]
 async def _expire(service: NodeService) -> None:
     while True:
         await trio.sleep(1.0)
-        service.expire_idle(time.monotonic())
+        await service.expire_idle(time.monotonic())
 
 
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
@@ -55,6 +55,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
         async with trio.open_nursery() as nursery:
             if artifact is not None:
                 await nursery.start(seed_artifact, artifact, host, seed_port)
+            await nursery.start(service.run)  # the scheduler: the one owner of the backend
             url = await nursery.start(serve_app, app, host, port)
             nursery.start_soon(_expire, service)
             if tracker:

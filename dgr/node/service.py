@@ -2,16 +2,19 @@
 
 Theory: a frame is parsed and checked (dgr.seam.frame), matched against its
 `NodeSession` (dgr.fsm.node), which refuses anything out of order before any
-state changes, then the backend computes in a worker thread behind a limiter
-of one. The backend is blocking and not thread-safe; a cancelled call still
-runs to its end in its thread, and the result is discarded because the
-request that wanted it has gone. The session's counters were advanced before
-compute, so the KV and the counters agree either way.
+state changes, then it becomes a job of the node's `StepScheduler`
+(dgr.node.scheduler), the one owner of the backend, which batches it with
+other sessions' steps. Every other backend call (open, close, tokenize,
+status) is a scheduler job too, so nothing here touches the backend from the
+event loop, and llama.cpp never sees two calls at once. A step whose caller
+has gone still runs to its end: the session's counters were advanced when
+it was accepted, so the KV and the counters agree either way.
 
 Sessions end by `close` (the gateway is done), by failure (the gateway saw
-the route break, or compute raised) or by idle expiry. Each frees its KV.
-Ended session ids are remembered (bounded) so a late frame is refused as
-`session_ended`, not `unknown_session`.
+the route break, or compute raised) or by idle expiry. Each frees its KV,
+after any of its steps already queued. Ended session ids are remembered
+(bounded) so a late frame is refused as `session_ended`, not
+`unknown_session`.
 
 Authorization: with a cluster secret (`authority`), every call that names a
 session (open, step, close, status, tokenize) must carry the capability the
@@ -24,6 +27,7 @@ Without a secret (loopback development) no capability is asked for.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any
 
@@ -31,10 +35,11 @@ import attrs
 import numpy as np
 import trio
 
-from dgr.backends.base import ShardBackend
+from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
+from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
@@ -80,19 +85,29 @@ class NodeService:
     samplers: dict[str, Sampler] = attrs.field(factory=dict)
     ended: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # sid -> Failure | None
     stats: SeamStats = attrs.field(factory=SeamStats)
-    limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
     started_at: float = attrs.field(factory=time.monotonic)
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
     authority: CapabilityAuthority | None = None  # None: no cluster secret, capabilities not required
+    scheduler: StepScheduler = attrs.field(init=False)
+    # read once, before the scheduler owns the backend; fixed for the node's life
+    capacity: int = attrs.field(init=False)
+    described: dict[str, Any] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self.scheduler = StepScheduler(self.backend)
+        self.capacity = self.backend.max_sessions()
+        self.described = self.backend.describe()
         self.metrics.watch(self._gauges)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the scheduler that owns the backend, until cancelled."""
+        await self.scheduler.run(task_status=task_status)
 
     def _gauges(self):
         yield gauge("dgr_node_sessions", "Route Sessions holding KV on this node", [], [([], float(len(self.sessions)))])
         yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
-                    [([], float(self.backend.max_sessions()))])
-        yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.backend.kv_bytes()))])
+                    [([], float(self.capacity))])
+        yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.scheduler.kv_bytes))])
 
     def _refuse(self, exc: CallerError) -> None:
         self.stats.refused[exc.reason.value] += 1
@@ -116,11 +131,11 @@ class NodeService:
             raise
 
     # -- session lifecycle ----------------------------------------------------
-    def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
+    async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
         """Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)."""
         if sid in self.sessions or sid in self.ended:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} exists or existed on {self.node_id}")
-        if len(self.sessions) >= self.backend.max_sessions():
+        if len(self.sessions) >= self.capacity:
             raise CallerError(
                 Reason.NODE_AT_CAPACITY,
                 f"{self.node_id} holds {len(self.sessions)} sessions, its KV capacity",
@@ -131,10 +146,17 @@ class NodeService:
                 Reason.CONTEXT_LENGTH_EXCEEDED,
                 f"{max_positions} positions requested, the context is {self.backend.info.context_length}",
             )
-        self.backend.open_session(sid, max_positions)
+        # Registered first, so a second open of the same id is refused while this one is queued,
+        # and a step for it queues behind the open.
         self.sessions[sid] = NodeSession(sid=sid, max_positions=max_positions, created_at=time.monotonic())
         if self.backend.is_tail:
             self.samplers[sid] = Sampler(sampling)
+        try:
+            await self.scheduler.session_call(sid, functools.partial(self.backend.open_session, sid, max_positions))
+        except DgrError:
+            self.sessions.pop(sid, None)
+            self.samplers.pop(sid, None)
+            raise
 
     def _lookup(self, sid: str) -> NodeSession:
         session = self.sessions.get(sid)
@@ -146,34 +168,55 @@ class NodeService:
             raise CallerError(Reason.SESSION_ENDED, f"session {sid} has ended on {self.node_id}{why}")
         raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on {self.node_id}")
 
-    def _forget(self, sid: str, failure: Failure | None) -> None:
+    async def _forget(self, sid: str, failure: Failure | None) -> None:
         self.sessions.pop(sid, None)
         self.samplers.pop(sid, None)
-        self.backend.close_session(sid)
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
+        # queued behind the session's own steps: its slot is freed once none is in flight
+        await self.scheduler.session_call(sid, functools.partial(self.backend.close_session, sid))
 
-    def close_session(self, sid: str) -> None:
+    async def close_session(self, sid: str) -> None:
         session = self._lookup(sid)
         session.close()
-        self._forget(sid, None)
+        await self._forget(sid, None)
 
-    def fail_session(self, sid: str, failure: Failure) -> None:
+    async def fail_session(self, sid: str, failure: Failure) -> None:
         session = self.sessions.get(sid)
         if session is None:
             return
         session.fail(failure)
-        self._forget(sid, failure)
+        await self._forget(sid, failure)
 
-    def expire_idle(self, now: float) -> list[str]:
+    async def expire_idle(self, now: float) -> list[str]:
         expired = [sid for sid, s in self.sessions.items() if s.idle_for(now) > self.idle_timeout_s]
         for sid in expired:
-            self.fail_session(
+            await self.fail_session(
                 sid,
                 Failure(Reason.SESSION_TIMEOUT, f"idle for over {self.idle_timeout_s:g}s", node=self.node_id),
             )
         return expired
+
+    # -- head: text in ------------------------------------------------------------
+    async def tokenize(self, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None
+                       ) -> tuple[list[int], str]:
+        """Render the chat template (or take the prompt) and tokenize it, in the scheduler's thread.
+
+        Raises:
+            CallerError(INVALID_REQUEST): not a head shard, or neither messages nor a prompt.
+        """
+        backend = self.backend
+        if not backend.is_head:
+            raise CallerError(Reason.INVALID_REQUEST, f"{self.node_id} is not a head shard")
+        if messages is None and not isinstance(prompt, str):
+            raise CallerError(Reason.INVALID_REQUEST, "tokenize needs messages or a prompt string")
+
+        def work() -> tuple[list[int], str]:
+            text = backend.render_chat(messages) if messages is not None else prompt
+            return backend.tokenize(text, add_special=True, parse_special=True), text
+
+        return await self.scheduler.call(work)
 
     # -- the seam ---------------------------------------------------------------
     def _check_frame(self, frame: Frame) -> StepKind:
@@ -221,28 +264,27 @@ class NodeService:
             self.stats.last_decode_frame_bytes = frame.size
             self.stats.last_decode_hidden_bytes = 0 if frame.hidden is None else frame.hidden.nbytes
         want = bool(frame.flags & Flag.SAMPLE)
-        t0 = time.perf_counter()
+        job = Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), want,
+                   decode=frame.kind is FrameKind.DECODE)
+        # the tail samples in the scheduler's thread too, with this session's own sampler
+        finish = functools.partial(self._reply, frame, want, self.samplers.get(frame.session))
         try:
-            out = await trio.to_thread.run_sync(
-                self.backend.forward, frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), want,
-                limiter=self.limiter,
-            )
+            reply, compute = await self.scheduler.forward(job, finish)
         except DgrError as exc:
-            self.fail_session(frame.session, exc.failure(node=self.node_id))
+            await self.fail_session(frame.session, exc.failure(node=self.node_id))
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: {exc.message}", node=self.node_id) from exc
-        except (ValueError, RuntimeError, IndexError, OSError) as exc:
-            self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
+        except COMPUTE_ERRORS as exc:
+            await self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
-        compute = time.perf_counter() - t0
         self.stats.compute_s += compute
         self.metrics.frames_total.labels(kind=frame.kind.name).inc()
         self.metrics.frame_bytes_total.labels(kind=frame.kind.name).inc(frame.size)
         self.metrics.compute_seconds.labels(kind=frame.kind.name).observe(compute)
-        reply = self._reply(frame, out, want)
         self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
         return reply, compute
 
-    def _reply(self, frame: Frame, out: np.ndarray | None, want: bool) -> bytes:
+    def _reply(self, frame: Frame, want: bool, sampler: Sampler | None, out: np.ndarray | None) -> bytes:
+        """The response frame; runs in the scheduler's thread (sampling and token text are backend work)."""
         common = dict(session=frame.session, seq=frame.seq, pos0=frame.pos0)
         if not self.backend.is_tail:
             # the hidden state leaves in the dtype it arrived in (f16 routes stay f16)
@@ -251,7 +293,9 @@ class NodeService:
             )
         if not want:
             return encode_frame(FrameKind.ACK, n_tokens=0, width=frame.width, **common)
-        token, logprob = self.samplers[frame.session].sample(out)
+        if sampler is None:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no sampler for session {frame.session}")
+        token, logprob = sampler.sample(out)
         eog = self.backend.is_eog(token)
         result = TokenResult(token, logprob, self.backend.token_bytes(token), eog)
         return encode_frame(
@@ -260,25 +304,30 @@ class NodeService:
         )
 
     # -- status -----------------------------------------------------------------
-    def session_json(self, sid: str) -> dict[str, Any]:
+    async def session_json(self, sid: str) -> dict[str, Any]:
         session = self._lookup(sid)
+        computed = await self.scheduler.session_call(sid, functools.partial(self.backend.positions_computed, sid))
         return {
             "id": sid,
             "state": session.state.value,
             "positions": session.positions,
-            "positions_computed": self.backend.positions_computed(sid),
+            "positions_computed": computed,
             "next_seq": session.next_seq,
         }
 
     def status(self) -> dict[str, Any]:
+        """What the node holds now; backend figures as of the scheduler's last iteration."""
+        sched = self.scheduler
         return {
             "node": self.node_id,
-            "backend": self.backend.describe(),
+            "backend": self.described,
             "model": self.backend.info.to_json(),
             "layers": str(self.backend.layers),
             "sessions": len(self.sessions),
-            "capacity": self.backend.max_sessions(),
-            "kv_bytes": self.backend.kv_bytes(),
+            "capacity": self.capacity,
+            "kv_bytes": sched.kv_bytes,
             "seam": self.stats.to_json(),
+            "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
+                          "backend_sessions": sched.session_count},
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }

@@ -77,6 +77,9 @@ class GatewayConfig:
     max_session_s: float | None = 3600.0  # a Route Session's whole life; None: unbounded
     slow_client_s: float | None = 30.0  # a stream's reader may leave a chunk untaken this long; None: forever
     capability_margin_s: float = 120.0  # capabilities outlive max_session_s by this, for the close after it
+    # A request that finds every route full waits this long for a slot before its 429: a client that
+    # hangs up and asks again at once must not be refused the slot its last session is giving back.
+    admission_wait_s: float = 10.0
 
 
 @attrs.frozen
@@ -150,6 +153,7 @@ class Gateway:
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
     authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
     _nursery: trio.Nursery | None = None
+    _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -256,10 +260,14 @@ class Gateway:
         rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
         rs.start_routing(now)
         opened: list[NodeClient] = []
+        reserved: tuple[NodeEntry, ...] = ()
         caps: dict[str, str] = {}
         cfg = self.config
         try:
-            choice = choose_route(self.registry.alive(), req.model)
+            choice = await self._admit(req.model)
+            for n in choice.nodes:  # held from now, so concurrent opens cannot overfill a node
+                n.reserved += 1
+            reserved = choice.nodes
             caps = self._capabilities(rs.sid, choice.hops)
             first = choice.hops[0]
             head = self.client(first)
@@ -305,6 +313,7 @@ class Gateway:
             failure = _failure_of(exc, rs)
             with trio.CancelScope(shield=True):
                 await self._close_nodes(rs.sid, opened, failure, caps)
+            self._release(reserved)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
                 self._count_end(rs)
@@ -314,8 +323,6 @@ class Gateway:
             if exc is not raised and isinstance(exc, DgrError):
                 raise exc from None
             raise
-        for n in choice.nodes:
-            n.reserved += 1
         send, recv = trio.open_memory_channel(math.inf)
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
@@ -329,6 +336,30 @@ class Gateway:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
         self._nursery.start_soon(self._drive, live)
         return live
+
+    async def _admit(self, model: str):
+        """A route for `model`, waiting up to `admission_wait_s` for a slot when every route is full.
+
+        Raises:
+            CallerError(NODE_AT_CAPACITY): still full after the wait.
+            PeerError(NO_ROUTE) and the other refusals of `choose_route`, at once.
+        """
+        deadline = trio.current_time() + self.config.admission_wait_s
+        while True:
+            try:
+                return choose_route(self.registry.alive(), model)
+            except CallerError as exc:
+                if exc.reason is not Reason.NODE_AT_CAPACITY or trio.current_time() >= deadline:
+                    raise
+            with trio.move_on_at(deadline):
+                await self._freed.wait()
+
+    def _release(self, nodes) -> None:
+        """Give back one session's slot on each of `nodes` (its close is done) and wake waiting opens."""
+        for n in nodes:
+            n.reserved = max(0, n.reserved - 1)
+        self._freed.set()
+        self._freed = trio.Event()
 
     def cancel(self, sid: str, why: str) -> None:
         live = self.sessions.get(sid)
@@ -371,8 +402,7 @@ class Gateway:
                 self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
                 await self._close_nodes(rs.sid, survivors, failure, live.caps)
-                for n in live.nodes:
-                    n.reserved = max(0, n.reserved - 1)
+                self._release(live.nodes)
                 live.send.close()
                 live.telemetry.close()
                 self.sessions.pop(rs.sid, None)

@@ -93,7 +93,10 @@ class NodeEntry:
     last_seen: float
     sessions: int = 0  # as the node last reported
     kv_bytes: int = 0
-    reserved: int = 0  # sessions the gateway has placed but the node has not reported yet
+    # Sessions this gateway holds on the node: taken before its opens, given back once its close
+    # is done. Capacity is judged by it, not by heartbeats, which lag a closed session by a beat
+    # and would refuse the next client a slot the node has already freed.
+    reserved: int = 0
     alive: bool = True
     pid: int | None = None  # for local tooling (dgr up, the test harness); never trusted for routing
     manifest_id: str | None = None  # the Model Artifact the node claims to hold layers [start, stop) of
@@ -105,10 +108,10 @@ class NodeEntry:
         return self.alive and self.proof.routable
 
     def load(self) -> float:
-        return (max(self.sessions, self.reserved)) / max(self.capacity, 1)
+        return self.reserved / max(self.capacity, 1)
 
     def full(self) -> bool:
-        return max(self.sessions, self.reserved) >= self.capacity
+        return self.reserved >= self.capacity
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {
@@ -184,7 +187,6 @@ class Registry:
         entry.last_seen = now
         entry.sessions = int(data.get("sessions", 0))
         entry.kv_bytes = int(data.get("kv_bytes", 0))
-        entry.reserved = min(entry.reserved, entry.sessions)
         return entry
 
     def mark_dead(self, node_id: str) -> None:

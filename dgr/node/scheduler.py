@@ -1,0 +1,200 @@
+"""The step scheduler: the one owner of a node's backend.
+
+Contract:
+- Every backend call (open, close, forward, KV accounting, tokenizing,
+  chat-template rendering, status) is a job run by this scheduler's single
+  task, in a worker thread, one iteration at a time. Nothing else on the
+  node touches the backend, so llama.cpp's contexts (not thread-safe) never
+  see two calls at once, and the trio loop never blocks on one.
+- Jobs of one Route Session run in the order they were submitted. Only the
+  first queued job of each session is eligible in an iteration, so a close
+  can never overtake a forward of its session, nor a forward its open. A
+  sequence slot is therefore freed only when no compute on it is in flight,
+  and a late forward finds its session gone (UNKNOWN_SESSION) instead of
+  writing into a slot that now belongs to someone else.
+- A submitted job always runs, even when its caller has gone (cancelled):
+  the node session's counters were advanced when the step was accepted, so
+  the KV must follow. The result is then dropped.
+- Batching: an iteration runs every eligible control job, then one batch of
+  forwards as one backend call (`ShardBackend.forward_batch`). Decode steps
+  go first; prefill chunks fill the rest of `token_budget`, and at least one
+  prefill chunk runs whenever one waits, so a long prompt delays other
+  sessions' decoding by at most one chunk and is never starved.
+
+Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
+tested on its own; `StepScheduler.run` is the thin trio driver around it.
+
+Left out: what a step means (dgr.node.service builds the jobs and their
+replies), transport, and any notion of time.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+import outcome
+import trio
+
+from dgr.backends.base import ShardBackend, Step
+
+__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
+
+DEFAULT_TOKEN_BUDGET = 512  # positions per iteration; one llama.cpp ubatch
+
+
+class JobKind(enum.Enum):
+    CALL = "call"  # a backend call tied to no session's order (tokenize, render, status)
+    SESSION = "session"  # a session's control call: open, close, fail, status of it
+    FORWARD = "forward"  # a seam step
+
+
+@attrs.define(eq=False)
+class Job:
+    kind: JobKind
+    sid: str | None
+    fn: Callable[[], Any] | None = None  # CALL and SESSION: runs in the worker thread
+    step: Step | None = None  # FORWARD
+    finish: Callable[[np.ndarray | None], Any] | None = None  # FORWARD: turns the output into the reply, in the thread
+    result: outcome.Outcome | None = None
+    compute_s: float = 0.0  # FORWARD: seconds of the backend call this step was part of
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def n_tokens(self) -> int:
+        return 0 if self.step is None else self.step.n_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.step is not None and self.step.decode
+
+
+@attrs.frozen
+class Plan:
+    controls: tuple[int, ...]  # indices into the queue, run first, in queue order
+    batch: tuple[int, ...]  # forwards, run as one backend call: decodes first, then prefill chunks
+    deferred: tuple[int, ...]  # wait for a later iteration, in queue order
+
+
+def plan_iteration(queue: Sequence[Job], token_budget: int) -> Plan:
+    """Choose what runs in this iteration. Pure; every non-empty queue makes progress.
+
+    A session's first queued job is eligible and its later ones wait. Eligible
+    control jobs all run. Eligible decode steps all run; prefill chunks follow
+    in arrival order while the positions fit `token_budget`, but the first one
+    runs even if it alone exceeds the budget.
+    """
+    seen: set[str] = set()
+    controls: list[int] = []
+    decodes: list[int] = []
+    prefills: list[int] = []
+    deferred: set[int] = set()
+    for i, job in enumerate(queue):
+        if job.sid is not None:
+            if job.sid in seen:
+                deferred.add(i)
+                continue
+            seen.add(job.sid)
+        if job.kind is JobKind.FORWARD:
+            (decodes if job.is_decode else prefills).append(i)
+        else:
+            controls.append(i)
+    used = sum(queue[i].n_tokens for i in decodes)
+    batch = list(decodes)
+    for k, i in enumerate(prefills):
+        n = queue[i].n_tokens
+        if k == 0 or used + n <= token_budget:
+            batch.append(i)
+            used += n
+        else:
+            deferred.add(i)
+    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)))
+
+
+@attrs.define(eq=False)
+class StepScheduler:
+    """Runs every backend call of a node, one iteration at a time, in a worker thread."""
+
+    backend: ShardBackend
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    # What the backend last reported, refreshed after every iteration: status and metrics read
+    # these instead of calling the backend from the loop.
+    kv_bytes: int = 0
+    session_count: int = 0
+    iterations: int = 0
+    batched_steps: int = 0  # forwards that ran in a batch of two or more
+    # Unbounded on purpose: every job was admitted by a session state machine (or is a control
+    # call of one request), and a submitted job must never be lost to a full buffer.
+    _send: trio.MemorySendChannel = attrs.field(init=False)
+    _recv: trio.MemoryReceiveChannel = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel(math.inf)
+
+    # -- submitting ---------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        """Queue `job` now; it will run, in order after the jobs of its session queued before it."""
+        self._send.send_nowait(job)  # never blocks, so never cancelled half-way
+        return job
+
+    async def _submit(self, job: Job) -> Job:
+        self.submit(job)
+        await job.done.wait()
+        return job
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a backend call outside any session's order) in the scheduler's thread."""
+        return (await self._submit(Job(JobKind.CALL, None, fn=fn))).result.unwrap()
+
+    async def session_call(self, sid: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` for session `sid`, after every job of `sid` submitted before it."""
+        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn))).result.unwrap()
+
+    async def forward(self, step: Step, finish: Callable[[np.ndarray | None], Any]) -> tuple[Any, float]:
+        """Compute `step` (batched with other sessions' steps); return (finish(output), compute seconds).
+
+        Raises: whatever the backend raised for this step.
+        """
+        job = await self._submit(Job(JobKind.FORWARD, step.sid, step=step, finish=finish))
+        return job.result.unwrap(), job.compute_s
+
+    # -- the driver ---------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Own the backend until cancelled. A cancel waits for the iteration in its thread to end."""
+        task_status.started()
+        pending: list[Job] = []
+        while True:
+            if not pending:
+                pending.append(await self._recv.receive())
+            while True:
+                try:
+                    pending.append(self._recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            plan = plan_iteration(pending, self.token_budget)
+            ran = [pending[i] for i in plan.controls + plan.batch]
+            await trio.to_thread.run_sync(self._iterate, [pending[i] for i in plan.controls],
+                                          [pending[i] for i in plan.batch])
+            for job in ran:
+                job.done.set()
+            pending = [pending[i] for i in plan.deferred]
+
+    def _iterate(self, controls: list[Job], batch: list[Job]) -> None:
+        """One iteration, in the worker thread: controls, then the batch, then the accounting."""
+        for job in controls:
+            job.result = outcome.capture(job.fn)
+        if batch:
+            t0 = time.perf_counter()
+            outs = self.backend.forward_batch([job.step for job in batch])
+            compute = time.perf_counter() - t0
+            for job, out in zip(batch, outs):
+                job.compute_s = compute
+                job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())
+            self.batched_steps += len(batch) if len(batch) > 1 else 0
+        self.iterations += 1
+        self.kv_bytes = self.backend.kv_bytes()
+        self.session_count = self.backend.session_count()

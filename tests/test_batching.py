@@ -1,0 +1,256 @@
+"""The node's step scheduler: one owner of the backend, batches across sessions, order per session.
+
+Three tiers: the pure planner under hypothesis; the scheduler and NodeService
+in process on trio, against a backend that notes every call's thread and any
+overlap; and llama.cpp's batched decode against one-by-one decode, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import attrs
+import numpy as np
+import outcome
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dgr.backends.base import LayerRange, Step
+from dgr.backends.stub import StubBackend, StubSpec
+from dgr.errors import CallerError, Reason
+from dgr.node.scheduler import Job, JobKind, StepScheduler, plan_iteration
+from dgr.node.service import NodeService
+from dgr.sampling import SamplingParams
+from dgr.seam.frame import TokenResult, decode_frame, encode_frame
+from dgr.seam.wire import Flag, FrameKind
+from dgr.testing.nodes import running
+
+SPEC = StubSpec(n_layers=6, hidden_size=32)
+W = SPEC.seam_width
+
+
+# -- the planner ------------------------------------------------------------------------------------
+
+def _job(kind: str, sid: str | None, n: int = 1) -> Job:
+    if kind == "call":
+        return Job(JobKind.CALL, None, fn=lambda: None)
+    if kind == "session":
+        return Job(JobKind.SESSION, sid, fn=lambda: None)
+    step = Step(sid, 0, np.zeros(n, np.int32), None, False, decode=kind == "decode")
+    return Job(JobKind.FORWARD, sid, step=step)
+
+
+jobs = st.lists(st.tuples(st.sampled_from(["call", "session", "decode", "prefill"]), st.sampled_from("abcdef"),
+                          st.integers(1, 300)), max_size=30).map(
+    lambda specs: [_job(k, None if k == "call" else sid, 1 if k == "decode" else n) for k, sid, n in specs])
+
+
+@settings(max_examples=300, deadline=None)
+@given(jobs, st.integers(1, 600))
+def test_plan_makes_progress_keeps_each_sessions_order_and_fills_the_budget(queue, budget) -> None:
+    plan = plan_iteration(queue, budget)
+    chosen = plan.controls + plan.batch
+    assert sorted(chosen + plan.deferred) == list(range(len(queue)))  # every job placed once
+    if queue:
+        assert chosen, "a non-empty queue always makes progress"
+    for i in chosen:  # a job runs only if it is the first of its session still queued
+        sid = queue[i].sid
+        assert sid is None or all(queue[j].sid != sid for j in range(i))
+    assert all(queue[i].kind is JobKind.FORWARD for i in plan.batch)
+    assert all(queue[i].kind is not JobKind.FORWARD for i in plan.controls)
+    first = {}
+    for i, job in enumerate(queue):
+        first.setdefault(job.sid, i)
+    eligible_decodes = {i for i, j in enumerate(queue) if j.is_decode and (j.sid is None or first[j.sid] == i)}
+    assert eligible_decodes <= set(plan.batch), "decode steps always go first"
+    prefills = [i for i in plan.batch if not queue[i].is_decode]
+    if len(prefills) > 1:  # beyond the first chunk, prefill stays inside the budget
+        assert sum(queue[i].n_tokens for i in plan.batch) <= budget
+    decodes_in = [k for k, i in enumerate(plan.batch) if queue[i].is_decode]
+    assert decodes_in == list(range(len(decodes_in))), "decodes lead the batch"
+
+
+def test_a_long_prompt_delays_decoding_by_one_chunk_at_most() -> None:
+    queue = [_job("prefill", "p", 512), _job("prefill", "q", 512), _job("decode", "a"), _job("decode", "b")]
+    plan = plan_iteration(queue, 512)
+    assert [queue[i].sid for i in plan.batch] == ["a", "b", "p"]  # both decodes, then one chunk
+    assert [queue[i].sid for i in plan.deferred] == ["q"]
+
+
+# -- the scheduler, in process ----------------------------------------------------------------------
+
+def _wrap(name: str):
+    """StubBackend's method `name`, noting the call on the Watched backend."""
+    base = getattr(StubBackend, name)
+
+    def method(self, *args, **kwargs):
+        self._enter(name)
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return method
+
+
+@attrs.define(eq=False)
+class Watched(StubBackend):
+    """A stub whose every call notes its thread and fails loudly if another call is running."""
+
+    trio_thread: int = 0
+    calls: int = 0
+    violations: list[str] = attrs.Factory(list)
+    batches: list[int] = attrs.Factory(list)
+    _busy: threading.Lock = attrs.Factory(threading.Lock)
+
+    def _enter(self, name: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            self.violations.append(f"{name} overlapped another backend call")
+            self._busy.acquire()
+        if threading.get_ident() == self.trio_thread:
+            self.violations.append(f"{name} ran on the trio thread")
+        self.calls += 1
+
+    open_session = _wrap("open_session")
+    close_session = _wrap("close_session")
+    forward = _wrap("forward")
+    kv_bytes = _wrap("kv_bytes")
+    session_count = _wrap("session_count")
+    positions_computed = _wrap("positions_computed")
+    tokenize = _wrap("tokenize")
+    render_chat = _wrap("render_chat")
+    token_bytes = _wrap("token_bytes")
+    is_eog = _wrap("is_eog")
+
+    def forward_batch(self, steps):
+        self.batches.append(len(steps))
+        return super().forward_batch(steps)
+
+
+def _frames(sid: str, prompt: list[int], pos0: int, seq: int, kind: FrameKind) -> bytes:
+    return encode_frame(kind, sid, seq, pos0, len(prompt), W, token_ids=prompt, flags=Flag.SAMPLE)
+
+
+async def _generate(node: NodeService, sid: str, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of a whole-model node: prefill, then n - 1 decode steps."""
+    await node.open_session(sid, len(prompt) + n, SamplingParams(temperature=0.0))
+    reply, _ = await node.step(_frames(sid, prompt, 0, 0, FrameKind.PREFILL))
+    out = [TokenResult.from_frame(decode_frame(reply)).token]
+    pos = len(prompt)
+    for k in range(n - 1):
+        reply, _ = await node.step(_frames(sid, [out[-1]], pos, k + 1, FrameKind.DECODE))
+        out.append(TokenResult.from_frame(decode_frame(reply)).token)
+        pos += 1
+    await node.close_session(sid)
+    return out
+
+
+async def test_concurrent_sessions_with_cancels_never_overlap_the_backend_and_match_sequential() -> None:
+    prompts = {uuid.UUID(int=i + 1).hex: [3 + i, 14, 15, 92, 65 + i] for i in range(8)}
+    ref_node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="ref")
+    node = NodeService(backend=Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident()),
+                       node_id="n")
+    async with running(ref_node, node):
+        want = {sid: await _generate(ref_node, sid, p, 12) for sid, p in prompts.items()}
+        got: dict[str, list[int]] = {}
+
+        async def one(sid: str) -> None:
+            got[sid] = await _generate(node, sid, prompts[sid], 12)
+
+        async def abandoned(k: int) -> None:
+            # a client that goes away mid-prefill or mid-decode: its caller is cancelled, the
+            # job already submitted still runs, and the close that follows frees the slot
+            sid = uuid.UUID(int=100 + k).hex
+            await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+            with trio.move_on_after(0):  # cancelled at its first checkpoint, after submitting
+                await node.step(_frames(sid, [5, 6, 7], 0, 0, FrameKind.PREFILL))
+            await node.close_session(sid)
+
+        async with trio.open_nursery() as nursery:
+            for sid in prompts:
+                nursery.start_soon(one, sid)
+            for k in range(6):
+                nursery.start_soon(abandoned, k)
+        assert got == want
+        watched = node.backend
+        assert watched.violations == []
+        assert max(watched.batches) > 1, "concurrent decode steps were batched"
+        assert node.scheduler.kv_bytes == 0 and node.scheduler.session_count == 0 and not node.sessions
+
+
+async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n")
+    a, b = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
+    async with running(node):
+        await node.open_session(a, 32, SamplingParams(temperature=0.0))
+        sched = node.scheduler
+        # Queued in this order at once: a's step, a's close, b's open (which may get a's freed
+        # slot), then a late step for a. The late step must not compute into b.
+        backend = node.backend
+        jobs = [sched.submit(Job(JobKind.FORWARD, a, step=Step(a, 0, np.array([1, 2, 3], np.int32), None, False),
+                                 finish=lambda o: o)),
+                sched.submit(Job(JobKind.SESSION, a, fn=lambda: backend.close_session(a))),
+                sched.submit(Job(JobKind.SESSION, b, fn=lambda: backend.open_session(b, 32))),
+                sched.submit(Job(JobKind.FORWARD, a, step=Step(a, 3, np.array([9], np.int32), None, False),
+                                 finish=lambda o: o))]
+        for job in jobs:
+            await job.done.wait()
+        assert all(isinstance(j.result, outcome.Value) for j in jobs[:3])
+        assert isinstance(jobs[3].result, outcome.Error) and jobs[3].result.error.reason is Reason.UNKNOWN_SESSION
+        assert backend.positions_computed(b) == 0
+
+
+async def test_node_ops_wait_for_the_scheduler_and_a_cancelled_caller_leaves_consistent_state() -> None:
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6), delay_s=0.001), node_id="n")
+    sid = uuid.uuid4().hex
+    async with running(node):
+        await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+        with trio.move_on_after(0):
+            await node.step(_frames(sid, [1, 2, 3, 4], 0, 0, FrameKind.PREFILL))
+        # the cancelled step still ran: the KV and the session's counters agree, so the next step fits
+        reply, _ = await node.step(_frames(sid, [7], 4, 1, FrameKind.DECODE))
+        assert decode_frame(reply).kind is FrameKind.TOKEN
+        assert (await node.session_json(sid))["positions_computed"] == 5
+
+
+# -- llama.cpp: one llama_decode over several sequences ----------------------------------------------
+
+def test_llama_batched_decode_is_bit_identical_to_one_by_one(model_path) -> None:
+    from dgr.backends.llama_shard import LlamaShardBackend
+
+    def make(a: int, b: int) -> LlamaShardBackend:
+        return LlamaShardBackend(model_path, LayerRange(a, b), n_threads=1, n_ctx=256, max_sessions=8)
+
+    batched, single = (make(0, 15), make(15, 30)), (make(0, 15), make(15, 30))
+    try:
+        sids = [f"s{i}" for i in range(6)]
+        prompts = {s: [1, 504, 3458, 314, 260, 1100 + 7 * i, 30] for i, s in enumerate(sids)}
+        for be in (*batched, *single):
+            for s in sids:
+                be.open_session(s, 128)
+            be.close_session("s2")  # a gap in the seq ids: the batch splits into two ubatches
+        live = [s for s in sids if s != "s2"]
+        token, pos = {}, {}
+        for s in live:
+            for head, tail in (batched, single):
+                h = head.forward(s, 0, np.array(prompts[s], np.int32), None, False)
+                logits = tail.forward(s, 0, None, h, True)
+            token[s], pos[s] = int(np.argmax(logits)), len(prompts[s])
+        worst = 0.0
+        for _ in range(12):
+            head, tail = batched
+            hs = head.forward_batch([Step(s, pos[s], np.array([token[s]], np.int32), None, False, True) for s in live])
+            got = tail.forward_batch([Step(s, pos[s], None, h.unwrap(), True, True) for s, h in zip(live, hs)])
+            for s, g in zip(live, got):
+                h = single[0].forward(s, pos[s], np.array([token[s]], np.int32), None, False)
+                want = single[1].forward(s, pos[s], None, h, True)
+                worst = max(worst, float(np.max(np.abs(g.unwrap() - want))))
+                token[s], pos[s] = int(np.argmax(want)), pos[s] + 1
+        assert worst == 0.0
+        assert batched[0].engine.capture_misses() == 0
+    finally:
+        for be in (*batched, *single):
+            be.close()
