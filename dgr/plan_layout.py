@@ -25,7 +25,8 @@ checks these terms against the cache sizes llama.cpp itself logs.
 
 A layout also says which layer kinds every shard must hold
 (`shard_needs`): llama.cpp cannot run a DeepSeek-V4 shard without a CSA
-and an HCA layer; and at which layers a shard may start (`shard_starts`):
+and an HCA layer, nor a Qwen3.5 shard without a full-attention layer; and
+at which layers a shard may start (`shard_starts`):
 a GLM-5.2 ("glm-dsa") layer with a shared indexer reuses the top-k of the
 last full-indexer layer before it, so a shard must start at a full one.
 
@@ -261,8 +262,9 @@ class ModelLayout:
     compute: ComputeRule
     source: str
     recipe: str | None = None
-    # Layer kinds every shard must hold. deepseek4: a shard with a CSA layer and no HCA layer
-    # kills llama.cpp (SIGFPE at context creation; bench/dsv4_tiny.py), so each needs both.
+    # Layer kinds every shard must hold (_shard_needs). deepseek4: a shard with a CSA layer and no
+    # HCA layer kills llama.cpp (SIGFPE at context creation; bench/dsv4_tiny.py), so each needs
+    # both; qwen35moe: a shard without a full-attention layer aborts (bench/audit_tiny.py).
     shard_needs: frozenset[str] = frozenset()
     # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
     # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).
@@ -462,6 +464,20 @@ def _active_bytes(t: TensorInfo, used_share: float) -> int:
     return t.n_bytes
 
 
+def _shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
+    """Layer kinds every shard must hold, or llama.cpp dies creating its context.
+
+    deepseek4: a CSA and an HCA layer (SIGFPE; bench/dsv4_tiny.py). qwen35moe and kin: a
+    full-attention layer (a shard of gated-delta-net layers only aborts on its empty KV
+    buffer, GGML_ASSERT(buffer); bench/audit_tiny.py).
+    """
+    if arch == "deepseek4":
+        return frozenset({"csa", "hca"} & kinds)
+    if arch in RECURRENT_HYBRID_ARCHS:
+        return frozenset({"attn"} & kinds)
+    return frozenset()
+
+
 def build_layout(
     *,
     name: str,
@@ -545,9 +561,7 @@ def build_layout(
         compute=compute,
         source=source,
         recipe=recipe,
-        shard_needs=frozenset({"csa", "hca"} & {layer.kind for layer in layers})
-        if arch == "deepseek4"
-        else frozenset(),
+        shard_needs=_shard_needs(arch, {layer.kind for layer in layers}),
         shard_starts=frozenset(layer.index for layer in layers if layer.kind == "full")
         if arch == "glm-dsa"
         else None,

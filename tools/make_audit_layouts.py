@@ -77,12 +77,11 @@ GLM = {
 }
 
 
-def glm_indexer_types() -> list[bool]:
-    return [glm52_indexer_full(i) for i in range(GLM["trunk"])]
+def glm_indexer_types(g: dict[str, int] = GLM) -> list[bool]:
+    return [glm52_indexer_full(i) for i in range(g["trunk"])]
 
 
-def glm_metadata() -> dict[str, Any]:
-    g = GLM
+def glm_metadata(g: dict[str, int] = GLM) -> dict[str, Any]:
     p = "glm-dsa."
     return {
         "general.architecture": "glm-dsa",
@@ -104,7 +103,7 @@ def glm_metadata() -> dict[str, Any]:
         p + "attention.indexer.head_count": g["idx_heads"],
         p + "attention.indexer.key_length": g["idx_dim"],
         p + "attention.indexer.top_k": g["idx_topk"],
-        p + "attention.indexer.types": glm_indexer_types(),
+        p + "attention.indexer.types": glm_indexer_types(g),
         p + "expert_count": g["experts"],
         p + "expert_used_count": g["experts_used"],
         p + "expert_shared_count": 1,
@@ -112,13 +111,12 @@ def glm_metadata() -> dict[str, Any]:
     }
 
 
-def glm_tensor_groups() -> list[dict[str, Any]]:
+def glm_tensor_groups(g: dict[str, int] = GLM) -> list[dict[str, Any]]:
     """Every tensor llama.cpp's glm-dsa loader creates (shapes: ne0 first), as unsloth's GGUFs hold them.
 
     unsloth's files carry indexer weights at every layer; only the "full" layers use them
     (llama.cpp PR 25407). The 1,809 tensors of a BF16 GGUF (ik_llama.cpp issue 2032) are this list.
     """
-    g = GLM
     D, V, H = g["hidden"], g["vocab"], g["heads"]
     k_head = g["nope"] + g["rope"]
     n_all = g["trunk"] + g["mtp"]
@@ -227,7 +225,7 @@ def glm_compute() -> dict[str, Any]:
     }
 
 
-def glm_layout() -> dict[str, Any]:
+def glm_layout(g: dict[str, int] = GLM) -> dict[str, Any]:
     return {
         "format": "dgr-layout/1",
         "name": "GLM-5.2",
@@ -239,8 +237,8 @@ def glm_layout() -> dict[str, Any]:
             "llama.cpp PR 25407 (unsloth GGUFs hold indexer weights at every layer)",
             "unslothai/unsloth PR 6940 (DSV4 compute buffer, scaled)",
         ],
-        "metadata": glm_metadata(),
-        "tensor_groups": glm_tensor_groups(),
+        "metadata": glm_metadata(g),
+        "tensor_groups": glm_tensor_groups(g),
         "recipes": GLM_RECIPES,
         "default_recipe": "q4k-q8",
         "compute": glm_compute(),
@@ -270,8 +268,7 @@ QWEN = {
 }
 
 
-def ornith_metadata() -> dict[str, Any]:
-    q = QWEN
+def ornith_metadata(q: dict[str, int] = QWEN) -> dict[str, Any]:
     p = "qwen35moe."
     return {
         "general.architecture": "qwen35moe",
@@ -298,9 +295,8 @@ def ornith_metadata() -> dict[str, Any]:
     }
 
 
-def ornith_tensor_groups() -> list[dict[str, Any]]:
+def ornith_tensor_groups(q: dict[str, int] = QWEN) -> list[dict[str, Any]]:
     """Every tensor llama.cpp's qwen35moe loader creates for the trunk (shapes: ne0 first)."""
-    q = QWEN
     D, V = q["hidden"], q["vocab"]
     key_dim = q["lin_k_heads"] * q["lin_head"]
     value_dim = q["lin_v_heads"] * q["lin_head"]
@@ -383,7 +379,7 @@ def ornith_compute() -> dict[str, Any]:
     }
 
 
-def ornith_layout() -> dict[str, Any]:
+def ornith_layout(q: dict[str, int] = QWEN) -> dict[str, Any]:
     return {
         "format": "dgr-layout/1",
         "name": "Ornith-1.0-35B",
@@ -393,8 +389,8 @@ def ornith_layout() -> dict[str, Any]:
             "llama.cpp src/models/qwen35moe.cpp load_arch_tensors (shapes, layer kinds)",
             "huggingface/transformers Qwen3_5MoeTextConfig defaults (Qwen3.5-35B-A3B sizes)",
         ],
-        "metadata": ornith_metadata(),
-        "tensor_groups": ornith_tensor_groups(),
+        "metadata": ornith_metadata(q),
+        "tensor_groups": ornith_tensor_groups(q),
         "recipes": ORNITH_RECIPES,
         "default_recipe": "q4k-q8",
         "compute": ornith_compute(),
