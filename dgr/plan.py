@@ -13,8 +13,10 @@ The rule, in order:
    for which a contiguous split fits. A greedy pass (each node takes as many
    layers as fit) decides it exactly, because giving a node more layers
    never makes a later node's job harder; where a model requires layer
-   kinds in every shard (ModelLayout.shard_needs, DeepSeek-V4), that pass
-   is only a quick necessary test and the dynamic program below decides.
+   kinds in every shard (ModelLayout.shard_needs, DeepSeek-V4) or lets
+   shards start only at some layers (ModelLayout.shard_starts, GLM-5.2's
+   full-indexer layers), that pass is only a quick necessary test and the
+   dynamic program below decides.
 2. Balance. Among the splits over those k nodes, it takes one that
    maximises the smallest headroom (a dynamic program over (node, layer);
    ties go to the earliest boundary). Balance is in bytes, not layers: a
@@ -383,6 +385,7 @@ class _Pricer:
             for layer in layout.layers:
                 c.append(c[-1] + (layer.kind == kind))
             self.kind_counts.append(c)
+        self.starts = layout.shard_starts
         self.fixed = {
             (h, t): _global_bytes(layout, params, is_head=h, is_tail=t)[0]
             + _compute_bytes(layout, params, is_tail=t)
@@ -399,8 +402,15 @@ class _Pricer:
         return node.memory_bytes - self.need(a, b)
 
     def valid(self, a: int, b: int) -> bool:
-        """Whether [a, b) holds every layer kind a shard must have (ModelLayout.shard_needs)."""
+        """Whether [a, b) may be a shard: it holds every layer kind a shard must have
+        (ModelLayout.shard_needs) and starts where a shard may (ModelLayout.shard_starts)."""
+        if self.starts is not None and a != 0 and a not in self.starts:
+            return False
         return all(c[b] > c[a] for c in self.kind_counts)
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.kind_counts) or self.starts is not None
 
     def score(self, node: Node, a: int, b: int) -> float:
         return self.headroom(node, a, b) if self.valid(a, b) else -math.inf
@@ -413,7 +423,7 @@ class _Pricer:
         """Whether `nodes`, in order, can hold the model (greedy, then the DP when kinds are required)."""
         if not _fits_greedy(self, nodes):
             return False
-        return not self.kind_counts or self.best_split(nodes)[0] >= 0
+        return not self.constrained or self.best_split(nodes)[0] >= 0
 
 
 def _fits_greedy(pricer: _Pricer, nodes: Sequence[Node]) -> bool:
@@ -498,7 +508,7 @@ def _refusal(layout: ModelLayout, params: PlanParams, pricer: _Pricer, nodes: Se
     else:
         return CallerError(
             Reason.INVALID_REQUEST,
-            f"{layout.name} cannot be split: every shard must hold layers of kinds {sorted(layout.shard_needs)}",
+            f"{layout.name} cannot be split: {layout.split_rule()}",
         )
     costs = [shard_cost(layout, params, use[j], LayerRange(cuts[j], cuts[j + 1])) for j in range(k)]
     need = sum(c.total_bytes for c in costs)
@@ -586,7 +596,7 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
 
     Raises:
         CallerError(INVALID_REQUEST): fewer than 1 node, more nodes than layers, or
-            more than the model's required layer kinds allow (ModelLayout.shard_needs).
+            more than the model's split rules allow (ModelLayout.shard_needs, shard_starts).
     """
     if not 1 <= n_nodes <= layout.n_layers:
         raise CallerError(Reason.INVALID_REQUEST, f"cannot split {layout.n_layers} layers over {n_nodes} nodes")
@@ -598,8 +608,7 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
     if best == -math.inf:
         raise CallerError(
             Reason.INVALID_REQUEST,
-            f"cannot split {layout.name} over {n_nodes} nodes: every shard must hold layers of kinds "
-            f"{sorted(layout.shard_needs)}",
+            f"cannot split {layout.name} over {n_nodes} nodes: {layout.split_rule()}",
         )
     return [LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)]
 

@@ -25,7 +25,18 @@ checks these terms against the cache sizes llama.cpp itself logs.
 
 A layout also says which layer kinds every shard must hold
 (`shard_needs`): llama.cpp cannot run a DeepSeek-V4 shard without a CSA
-and an HCA layer.
+and an HCA layer, nor a Qwen3.5 shard without a full-attention layer; and
+at which layers a shard may start (`shard_starts`):
+a GLM-5.2 ("glm-dsa") layer with a shared indexer reuses the top-k of the
+last full-indexer layer before it, so a shard must start at a full one.
+
+Besides deepseek4, the KV rules know two more kinds of layer:
+- glm-dsa (GLM-5 to 5.2, llama.cpp src/models/glm-dsa.cpp): MLA keeps one
+  K-only latent row per token (kv_lora_rank + rope wide; V is read from
+  it), and a "full" indexer layer adds the lightning indexer's keys;
+- qwen35moe / qwen35 / qwen3next (Qwen3.5, Ornith): a gated-delta-net
+  layer keeps fixed f32 recurrent state (a conv window and the delta-rule
+  matrix), and every `full_attention_interval`-th layer is full attention.
 
 Left out: the plan itself (dgr.plan), and any tensor data.
 """
@@ -50,10 +61,12 @@ __all__ = [
     "DEFAULT_UBATCH",
     "DSV4_COMPUTE_ANCHORS",
     "DSV4_COMPUTE_SOURCE",
+    "GLM52_CONTEXT",
     "KV_DTYPES",
     "LAYOUT_FORMAT",
     "LLAMA_KV_PAD",
     "LLAMA_VOCAB_RESIDENT",
+    "RECURRENT_HYBRID_ARCHS",
     "ComputeRule",
     "GlobalTensor",
     "KvTerm",
@@ -63,6 +76,8 @@ __all__ = [
     "build_layout",
     "compute_rule_from_anchors",
     "gguf_compute_rule",
+    "glm52_indexer_full",
+    "glm_dsa_indexer_full",
     "kv_terms_for_layer",
     "layout_from_gguf",
     "layout_from_json",
@@ -178,7 +193,9 @@ class LayerInfo:
     """One transformer layer: its weight bytes, what a decode step reads, its KV."""
 
     index: int
-    kind: str  # "attn" for a plain full-attention layer; "swa" | "csa" | "hca" for DeepSeek-V4
+    # "attn": full attention; "swa" | "csa" | "hca": DeepSeek-V4; "full" | "share": glm-dsa
+    # indexer roles; "delta": a gated-delta-net (recurrent) layer of Qwen3.5
+    kind: str
     weight_bytes: int
     active_bytes: int  # weight bytes one decode token reads (routed experts: the used share)
     kv: tuple[KvTerm, ...]
@@ -245,13 +262,26 @@ class ModelLayout:
     compute: ComputeRule
     source: str
     recipe: str | None = None
-    # Layer kinds every shard must hold. deepseek4: a shard with a CSA layer and no HCA layer
-    # kills llama.cpp (SIGFPE at context creation; bench/dsv4_tiny.py), so each needs both.
+    # Layer kinds every shard must hold (_shard_needs). deepseek4: a shard with a CSA layer and no
+    # HCA layer kills llama.cpp (SIGFPE at context creation; bench/dsv4_tiny.py), so each needs
+    # both; qwen35moe: a shard without a full-attention layer aborts (bench/audit_tiny.py).
     shard_needs: frozenset[str] = frozenset()
+    # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
+    # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).
+    shard_starts: frozenset[int] | None = None
 
     @property
     def needs_token_ids(self) -> bool:
         return self.hash_layers > 0
+
+    def split_rule(self) -> str:
+        """The constraints on where shards may be cut, in words (for refusals)."""
+        rules = []
+        if self.shard_needs:
+            rules.append(f"every shard must hold layers of kinds {sorted(self.shard_needs)}")
+        if self.shard_starts is not None:
+            rules.append(f"shards may start only at layers {sorted(self.shard_starts)}")
+        return "; ".join(rules) or "one layer per shard at least"
 
     def layer_weight_bytes(self) -> int:
         return sum(layer.weight_bytes for layer in self.layers)
@@ -288,6 +318,41 @@ def _meta_int(meta: Mapping[str, Any], key: str, default: int | None = None) -> 
     return default
 
 
+# Architectures whose linear-attention layers keep recurrent state (gated delta net) and whose
+# every `full_attention_interval`-th layer is full attention (llama.cpp src/models/qwen35moe.cpp).
+RECURRENT_HYBRID_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
+
+# GLM-5.2's indexer roles when a GGUF does not carry glm-dsa.attention.indexer.types: layers 0 to 2
+# and every 4th after layer 2 run the indexer ("full"), the rest reuse its top-k (llama.cpp
+# glm-dsa.cpp GLM_5_2_DEFAULT_INDEXER_TYPES, copied there from zai-org/GLM-5.2's config.json).
+# GLM-5 and 5.1 (trained context under 1M) run it on every layer.
+GLM52_CONTEXT = 1048576
+
+
+def glm52_indexer_full(il: int) -> bool:
+    """GLM-5.2's default indexer role of layer `il`: True for "full", False for "shared"."""
+    return il < 3 or (il - 2) % 4 == 0
+
+
+def glm_dsa_indexer_full(meta: Mapping[str, Any], il: int) -> bool:
+    """Whether layer `il` of a glm-dsa model runs its own lightning indexer (llama.cpp's rule)."""
+    types = meta.get("glm-dsa.attention.indexer.types")
+    if types is not None:
+        return bool(_per_layer(types, il))
+    if int(meta.get("glm-dsa.context_length", 0) or 0) < GLM52_CONTEXT:
+        return True
+    return glm52_indexer_full(il)
+
+
+def _qwen35_is_recurrent(meta: Mapping[str, Any], p: str, il: int) -> bool:
+    """Qwen3.5's layer kinds: an explicit per-layer array, else full attention every interval-th layer."""
+    flags = meta.get(p + "attention.recurrent_layers")
+    if flags is not None:
+        return bool(_per_layer(flags, il))
+    interval = int(meta.get(p + "full_attention_interval", 4) or 4)
+    return (il + 1) % interval != 0
+
+
 def kv_terms_for_layer(
     arch: str, meta: Mapping[str, Any], il: int, tensors: Sequence[TensorInfo] = ()
 ) -> tuple[str, tuple[KvTerm, ...]]:
@@ -300,6 +365,19 @@ def kv_terms_for_layer(
     (kv + score, 2 x ratio rows of 2 x 512, and 2 x ratio rows of 2 x 128 for
     the indexer). Ratio-128 layers (HCA) add one 512-wide row per 128 tokens
     and f32 state of 128 rows x 512 (kv + score). Ratio 0: window only.
+
+    glm-dsa (llama.cpp src/models/glm-dsa.cpp, src/llama-kv-cache.cpp): MLA
+    caches one K row per token, kv_lora_rank + rope wide, and no V (V is
+    the latent part of K). A "full" indexer layer also caches the lightning
+    indexer's key, indexer.key_length wide; a "share" layer reuses the
+    top-k of the full layer before it and caches no indexer key (llama.cpp
+    PR 26474).
+
+    qwen35moe / qwen35 / qwen3next: a gated-delta-net ("delta") layer keeps,
+    per sequence, f32 state whatever the context: the convolution's last
+    conv_kernel - 1 inputs (q, k and v: inner_size + 2 x group_count x
+    state_size wide) and the delta rule's state_size x inner_size matrix.
+    The other layers ("attn") are full attention, priced as below.
 
     Every other architecture is priced as full attention: K and V, one row
     per token each, as wide as the layer's attn_k / attn_v output (which is
@@ -330,6 +408,23 @@ def kv_terms_for_layer(
             ]
             return "hca", tuple(terms)
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"deepseek4 layer {il}: compress ratio {ratio} is not 0, 4 or 128")
+    if arch == "glm-dsa":
+        mla = _meta_int(meta, p + "attention.kv_lora_rank") + _meta_int(meta, p + "rope.dimension_count")
+        terms = [KvTerm("mla_k", mla, every=1)]
+        if not glm_dsa_indexer_full(meta, il):
+            return "share", tuple(terms)
+        terms.append(KvTerm("indexer_k", _meta_int(meta, p + "attention.indexer.key_length"), every=1))
+        return "full", tuple(terms)
+    if arch in RECURRENT_HYBRID_ARCHS and _qwen35_is_recurrent(meta, p, il):
+        d_conv = _meta_int(meta, p + "ssm.conv_kernel")
+        d_inner = _meta_int(meta, p + "ssm.inner_size")  # value heads x head size
+        d_state = _meta_int(meta, p + "ssm.state_size")
+        n_group = _meta_int(meta, p + "ssm.group_count")  # key heads
+        conv_dim = d_inner + 2 * n_group * d_state  # q, k and v go through the convolution
+        return "delta", (
+            KvTerm("conv_state", conv_dim, dtype="f32", fixed=d_conv - 1, pad=1),
+            KvTerm("delta_state", d_state * d_inner, dtype="f32", fixed=1, pad=1),
+        )
     shapes = {t.name.split(".", 2)[2]: t.shape for t in tensors}
     k_shape, v_shape = shapes.get("attn_k.weight"), shapes.get("attn_v.weight")
     if k_shape is not None and v_shape is not None:
@@ -367,6 +462,20 @@ def _active_bytes(t: TensorInfo, used_share: float) -> int:
     if "tid2eid" in t.name or t.name.startswith("token_embd."):
         return 0  # one row per token
     return t.n_bytes
+
+
+def _shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
+    """Layer kinds every shard must hold, or llama.cpp dies creating its context.
+
+    deepseek4: a CSA and an HCA layer (SIGFPE; bench/dsv4_tiny.py). qwen35moe and kin: a
+    full-attention layer (a shard of gated-delta-net layers only aborts on its empty KV
+    buffer, GGML_ASSERT(buffer); bench/audit_tiny.py).
+    """
+    if arch == "deepseek4":
+        return frozenset({"csa", "hca"} & kinds)
+    if arch in RECURRENT_HYBRID_ARCHS:
+        return frozenset({"attn"} & kinds)
+    return frozenset()
 
 
 def build_layout(
@@ -452,9 +561,10 @@ def build_layout(
         compute=compute,
         source=source,
         recipe=recipe,
-        shard_needs=frozenset({"csa", "hca"} & {layer.kind for layer in layers})
-        if arch == "deepseek4"
-        else frozenset(),
+        shard_needs=_shard_needs(arch, {layer.kind for layer in layers}),
+        shard_starts=frozenset(layer.index for layer in layers if layer.kind == "full")
+        if arch == "glm-dsa"
+        else None,
     )
 
 
@@ -614,6 +724,14 @@ def _layout_from_json(data: Mapping[str, Any], recipe: str | None, source: str) 
     )
 
 
+# Architectures whose KV the planner derives from GGUF metadata a manifest does not carry.
+_METADATA_KV_ARCHS = {
+    "deepseek4": "window, compression ratios",
+    "glm-dsa": "kv_lora_rank, indexer roles",
+    **{a: "recurrent layers, ssm sizes" for a in RECURRENT_HYBRID_ARCHS},
+}
+
+
 def layout_from_manifest(data: Mapping[str, Any]) -> ModelLayout:
     """A Model Artifact manifest (dgr.artifact.manifest, schema 1) as a layout.
 
@@ -621,8 +739,9 @@ def layout_from_manifest(data: Mapping[str, Any]) -> ModelLayout:
     and every tensor's name, ggml type, shape and size: enough for weights
     and, through attn_k / attn_v shapes, for full-attention KV. It carries
     no other GGUF metadata, so architectures whose KV needs more (deepseek4:
-    its window and compression ratios) are refused; plan those from the GGUF
-    or a layout JSON.
+    its window and compression ratios; glm-dsa: its MLA rank and indexer
+    roles; Qwen3.5: its recurrent layers) are refused; plan those from the
+    GGUF or a layout JSON.
 
     Raises:
         CallerError(ARTIFACT_MISMATCH): not a valid manifest.
@@ -634,11 +753,11 @@ def layout_from_manifest(data: Mapping[str, Any]) -> ModelLayout:
 
     m = Manifest.from_json(data)
     arch = m.model.architecture
-    if arch == "deepseek4":
+    if arch in _METADATA_KV_ARCHS:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED,
-            "a manifest has no deepseek4 attention metadata (window, compression ratios); "
-            "plan DeepSeek-V4 from its GGUF or a layout JSON",
+            f"a manifest has no {arch} attention metadata ({_METADATA_KV_ARCHS[arch]}); "
+            "plan this model from its GGUF or a layout JSON",
         )
     p = f"{arch}."
     meta = {

@@ -396,23 +396,25 @@ def test_every_dsv4_shard_holds_both_compressed_kinds(dsv4):
 
 
 def test_node_counts_follow_size_and_bits():
-    gen = _load_script(ROOT / "tools" / "gen_dsv4_spec.py")
-    plans = gen.node_counts()
-    for recipe in gen.RECIPES:
-        for context, sessions in gen.CASES:
-            counts = [plans[(recipe, context, sessions, g)] for g in gen.NODE_GIB]
+    gen = _load_script(ROOT / "tools" / "gen_specs.py")
+    audit = gen.AUDITS["deepseek-v4-flash"]
+    plans = gen.node_counts(audit)
+    for recipe in audit.recipes:
+        for context, sessions in audit.cases:
+            counts = [plans[(recipe, context, sessions, g)] for g in audit.node_gib]
             fitted = [len(p.shards) for p in counts if p is not None]
             assert fitted == sorted(fitted, reverse=True)  # bigger nodes, no more of them
             assert counts[-1] is not None  # 128 GiB nodes hold every recipe at every context here
-    order = [len(plans[(r, 32768, 1, 64)].shards) for r in gen.RECIPES]
+    order = [len(plans[(r, 32768, 1, 64)].shards) for r in audit.recipes]
     assert order == sorted(order)  # q2 < mxfp4 <= q4k < q8_0 in bytes, so in nodes
     assert plans[("q2-antirez", 32768, 1, 128)].shards[0].headroom_bytes > 0
 
 
 def test_spec_outputs_are_current():
-    gen = _load_script(ROOT / "tools" / "gen_dsv4_spec.py")
-    text = (ROOT / "spec" / "deepseek-v4-flash.md").read_text()
-    assert gen.render(text) == text, "run: python tools/gen_dsv4_spec.py"
+    gen = _load_script(ROOT / "tools" / "gen_specs.py")
+    audit = gen.AUDITS["deepseek-v4-flash"]
+    text = audit.spec.read_text()
+    assert gen.render(text, audit) == text, "run: python tools/gen_specs.py deepseek-v4-flash"
 
 
 # -- against a real llama.cpp process ------------------------------------------------------------

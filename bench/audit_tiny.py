@@ -1,0 +1,231 @@
+"""Check the GLM-5.2 and Ornith layouts against the llama.cpp dgr ships, on tiny random GGUFs.
+
+No weights are needed: tools/make_audit_layouts.py writes each model's
+tensor list from its sizes, so the same list at toy sizes becomes a GGUF
+with random data (as bench/dsv4_tiny.py does for DeepSeek-V4-Flash). For
+each of glm-dsa and qwen35moe this checks, in the llama.cpp of
+llama-cpp-python:
+
+1. the fixture's tensor list loads (llama.cpp refuses a missing, misshapen
+   or extra tensor) and computes finite logits;
+2. the cache sizes llama.cpp logs equal dgr.plan_layout's KV terms;
+3. a head shard's residual after its last layer (`l_out`) is captured at
+   hidden_size width; and whether a middle shard loads and runs (glm-dsa:
+   one that starts at a full-indexer layer; qwen35moe: ones of
+   gated-delta-net layers only), each in a child process, because
+   llama.cpp may kill it.
+
+    python bench/audit_tiny.py
+
+Prints a report; exits 1 if a check fails. Keys llama.cpp needs that the
+planner does not (norm epsilons, RoPE sections) are added here only.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import make_audit_layouts as mk  # noqa: E402
+
+from dgr.plan_layout import layout_from_json  # noqa: E402
+
+CTX, SEQS = 512, 2
+
+GLM_TINY = mk.GLM | {
+    "hidden": 64, "vocab": 256, "trunk": 10, "mtp": 0, "heads": 4, "q_lora": 32, "kv_lora": 32, "nope": 32,
+    "rope": 16, "v_head": 32, "dense": 3, "ff_dense": 64, "experts": 4, "experts_used": 2, "ff_exp": 32,
+    "idx_heads": 2, "idx_dim": 64, "idx_topk": 8,  # the indexer rotation is 64 wide at least
+}  # fmt: skip
+QWEN_TINY = mk.QWEN | {
+    "hidden": 64, "vocab": 256, "layers": 8, "heads": 4, "kv_heads": 2, "head_dim": 32, "rope": 16,
+    "lin_k_heads": 2, "lin_v_heads": 4, "lin_head": 16, "experts": 4, "experts_used": 2, "ff_exp": 32,
+    "ff_shexp": 32,
+}  # fmt: skip
+
+EXTRA = {
+    "glm-dsa": lambda g: {
+        "attention.key_length": g["kv_lora"] + g["rope"],  # MLA as llama.cpp runs it: latent + rope
+        "attention.value_length": g["kv_lora"],
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "attention.layer_norm_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+        "expert_gating_func": 2,
+        "expert_weights_scale": 2.5,
+        "expert_weights_norm": True,
+    },
+    "qwen35moe": lambda q: {
+        "context_length": 4096,  # the fixture leaves Ornith's unset: not verified
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+        "rope.dimension_sections": [q["rope"] // 4, q["rope"] // 4, q["rope"] // 2 - 2 * (q["rope"] // 4), 0],
+    },
+}
+
+
+def write_gguf(data: dict[str, Any], extra: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The layout `data` at its own sizes, as a GGUF of random f32 tensors."""
+    arch = data["architecture"]
+    types = {role: "F32" for recipe in data["recipes"].values() for role in recipe["types"]}
+    data = data | {"recipes": {"f32": {"description": "probe", "types": types}}, "default_recipe": "f32"}
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    meta = data["metadata"] | {f"{arch}.{k}": v for k, v in extra.items()}
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.add_string("tokenizer.ggml.model", "no_vocab")
+    n_all = meta[f"{arch}.block_count"]
+    rng = np.random.default_rng(0)
+    for group in data["tensor_groups"]:
+        spec = group["layers"]
+        layers = [None] if spec == "global" else range(n_all) if spec == "all" else spec
+        for il in layers:
+            for t in group["tensors"]:
+                name = t["name"].format(i=il) if il is not None else t["name"]
+                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
+                if "norm" in name:
+                    arr = np.ones(shape, np.float32)
+                else:
+                    arr = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+                w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return data
+
+
+def _logged_kv_mib(log: str) -> float:
+    """The KV and recurrent-state buffer sizes llama.cpp logged, summed (MiB)."""
+    sizes = re.findall(r"(?:KV|RS) buffer size\s*=\s*([0-9.]+) MiB", log)
+    return sum(float(s) for s in sizes)
+
+
+def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> int:
+    from dgr.backends import gguf_text
+    from dgr.backends.base import LayerRange
+    from dgr.backends.llama_engine import LlamaEngine
+    from dgr.backends.shardfile import write_shard
+    from dgr.errors import DgrError
+
+    failures = 0
+    path = tmp / f"{name}.gguf"
+    data = write_gguf(data, extra, path)
+    n_tensors = len(gguf.GGUFReader(path).tensors)
+    layout = layout_from_json(data, recipe="f32")
+    print(f"tiny {data['architecture']} GGUF: {layout.n_layers} layers, kinds {sorted(layout.kinds())}, {n_tensors} tensors")
+    gguf_text._LOG.clear()
+    try:
+        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
+    except DgrError as exc:
+        why = re.search(r"error loading model: (.*)", exc.message)
+        print(f"1. llama.cpp loads the fixture's tensor list: NO ({why.group(1) if why else exc.message[-300:]})")
+        return 1
+    log = "".join(gguf_text._LOG)
+    try:
+        logits = e.eval(0, 0, np.arange(40, dtype=np.int32) % 256, None)
+        ok = logits is not None and bool(np.isfinite(logits).all()) and float(np.ptp(logits)) > 0
+    except DgrError as exc:
+        ok = False
+        print(f"   eval failed: {exc.message[-300:]}")
+    print(f"1. llama.cpp loads the fixture's tensor list and computes finite logits: {'yes' if ok else 'NO'}")
+    failures += not ok
+    want = sum(layer.kv_bytes(CTX, SEQS, "f16") for layer in layout.layers) / 2**20
+    got = _logged_kv_mib(log)
+    same = abs(got - want) < 0.01
+    print(f"2. KV + state at context {CTX} x {SEQS} sequences, f16: llama.cpp {got:.2f} MiB, planner {want:.2f} MiB"
+          f"  {'same' if same else 'DIFFERENT'}")  # fmt: skip
+    if not same:
+        print("   " + "\n   ".join(line for line in log.splitlines() if "buffer size" in line or "cells" in line))
+    failures += not same
+    e.close()
+    starts = sorted(layout.shard_starts) if layout.shard_starts is not None else list(range(layout.n_layers))
+    cut = next(s for s in starts if s >= 4)
+    head = tmp / f"{name}.0-{cut}.gguf"
+    write_shard(path, LayerRange(0, cut), head)
+    try:
+        h = LlamaEngine.load(head, hidden_out=True, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        out = h.eval(0, 0, np.arange(4, dtype=np.int32), None)
+        shape = None if out is None else out.shape
+        print(f"3. head shard 0:{cut}, residual captured after its last layer: {shape}")
+        failures += shape != (4, layout.hidden_size)
+        h.close()
+    except DgrError as exc:
+        print(f"3. head shard 0:{cut}, residual captured after its last layer: no ({exc.reason.value}: {exc.message[-200:]})")
+        failures += 1
+    # Shards of one layer kind only, each in a child: llama.cpp may kill the process.
+    for a, b in _ONE_KIND[data["architecture"]]:
+        shard = tmp / f"{name}.{a}-{b}.gguf"
+        write_shard(path, LayerRange(a, b), shard)
+        child = subprocess.run(
+            [sys.executable, __file__, "--load", str(shard)], check=False, capture_output=True, text=True
+        )
+        kinds = sorted({layout.layers[i].kind for i in range(a, b)})
+        why = re.findall(r"error loading model: (.*)", child.stderr)
+        print(
+            f"   a shard GGUF of layers {a}:{b} (kinds {kinds}): "
+            + (
+                "loads and runs"
+                if child.returncode == 0
+                else f"refused by llama.cpp: {why[-1]}"
+                if why
+                else f"the process dies (exit {child.returncode})"
+            )
+        )
+    return failures
+
+
+# glm-dsa: a middle shard that starts at a full-indexer layer (what dgr's planner cuts), to see what
+# dgr's shard writer still gets wrong (spec/glm-5.2.md task 2). qwen35moe: shards of gated-delta-net
+# layers only, which a planner without a constraint would produce.
+_ONE_KIND = {"glm-dsa": [(6, 10)], "qwen35moe": [(0, 3), (4, 7)]}
+
+
+def _load_and_run(path: Path) -> None:
+    from dgr.backends.llama_engine import LlamaEngine
+
+    e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+    e.eval(0, 0, np.arange(4, dtype=np.int32), None)
+    e.close()
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--load"]:
+        _load_and_run(Path(sys.argv[2]))
+        return 0
+    from dgr.backends import gguf_text
+
+    gguf_text.llama_lib()
+    gguf_text._LOG = collections.deque(maxlen=100_000)  # the cache sizes come early in the log
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        failures += check("glm52-tiny", mk.glm_layout(GLM_TINY), EXTRA["glm-dsa"](GLM_TINY), Path(tmp))
+        failures += check("ornith-tiny", mk.ornith_layout(QWEN_TINY), EXTRA["qwen35moe"](QWEN_TINY), Path(tmp))
+    print("all checks passed" if not failures else f"{failures} check(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
