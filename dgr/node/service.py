@@ -126,10 +126,10 @@ class NodeService:
                 f"{self.node_id} holds {len(self.sessions)} sessions, its KV capacity",
                 retry_after=1,
             )
-        if not (1 <= max_positions <= self.backend.info.context_length):
+        if not (1 <= max_positions <= self.backend.max_positions()):
             raise CallerError(
                 Reason.CONTEXT_LENGTH_EXCEEDED,
-                f"{max_positions} positions requested, the context is {self.backend.info.context_length}",
+                f"{max_positions} positions requested, {self.node_id} holds {self.backend.max_positions()} per session",
             )
         self.backend.open_session(sid, max_positions)
         self.sessions[sid] = NodeSession(sid=sid, max_positions=max_positions, created_at=time.monotonic())
