@@ -126,24 +126,29 @@ async def test_an_open_whose_reply_was_lost_is_closed_on_the_next_heartbeat(nurs
     with pytest.raises(PeerError):
         await route.gateway.open(_req())
     held = route.services[1].sessions
-    assert len(held) == 1 and not route.gateway.sessions and not route.gateway.opening
+    (sid,) = held
+    assert not route.gateway.sessions and ("n1", sid) in route.gateway.unclosed
     route.heartbeat(1)
-    assert route.gateway.reconcile() == [("n1", next(iter(held)))]
+    assert route.gateway.reconcile() == [("n1", sid)]
     await trio.testing.wait_all_tasks_blocked()
-    assert not route.services[1].sessions and not route.services[0].sessions
+    assert not route.services[1].sessions and not route.services[0].sessions and not route.gateway.unclosed
 
 
-async def test_sessions_being_opened_or_running_are_not_reconciled_away(nursery) -> None:
+async def test_sessions_running_or_opened_by_someone_else_are_left_alone(nursery) -> None:
+    from dgr.sampling import SamplingParams
+
     route = InProcRoute.stub(delay_s=0.001, config=QUIET)
     route.register_all()
     await nursery.start(route.gateway.run)
     live = await route.gateway.open(_req(max_tokens=100_000, ignore_eos=True, stream=True))
     await live.recv.receive()
+    route.services[0].open_session("f" * 32, 8, SamplingParams())  # not this gateway's
     route.heartbeat(0)
     route.heartbeat(1)
     assert route.gateway.reconcile() == []
     route.gateway.cancel(live.rs.sid, "done with it")
     await _drain(live)
+    assert list(route.services[0].sessions) == ["f" * 32] and not route.gateway.unclosed
 
 
 # -- a stream whose body never starts -----------------------------------------------------------------------

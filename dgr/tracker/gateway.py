@@ -36,11 +36,13 @@ Theory of operation:
   session's KV on every node like any other failure. A stream whose response
   body is never started (the client left between `open` and the first
   chunk) is cancelled after `unclaimed_stream_s`.
-- Reconciliation: each heartbeat lists the sessions a node holds. Any the
-  gateway is neither opening nor running (a node declared lost and back, an
-  `open` whose reply was lost, a close that never arrived) is closed on that
-  node as soon as it heartbeats (`reconcile`), with a capability minted for
-  the purpose.
+- Reconciliation: a close that may not have reached a node is remembered
+  (`unclosed`): the sessions of a node declared lost (it may only have been
+  slow), an `open` whose reply never came, a close that failed or timed out.
+  Each heartbeat lists the sessions a node holds; `reconcile` closes the
+  remembered ones it lists, with a capability minted for the purpose, as
+  soon as the node is reachable again. Sessions this gateway never opened
+  are left alone.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -91,6 +93,7 @@ class GatewayConfig:
     capability_margin_s: float = 120.0  # capabilities outlive max_session_s by this, for the close after it
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
     unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
+    unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
@@ -171,7 +174,7 @@ class Gateway:
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
     authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
     connect: Callable[[str, str], NodeClient] = NodeClient  # (node id, url) -> client; tests connect in-process
-    opening: set[str] = attrs.field(factory=set)  # Route Sessions inside `open`, whose nodes may hold them already
+    unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
 
@@ -215,23 +218,31 @@ class Gateway:
                 self.forget_node(entry.node_id)
             self.reconcile()
 
+    def owe_close(self, node_id: str, sid: str) -> None:
+        """Remember that `sid` may still hold KV on `node_id`: `reconcile` closes it there."""
+        self.unclosed.setdefault((node_id, sid), trio.current_time())
+
     def reconcile(self) -> list[tuple[str, str]]:
-        """Close, on every live node, the sessions it reported holding that this gateway does not run.
+        """Start the owed closes of sessions that live nodes report holding; forget stale ones.
 
         Returns the (node, session) closes started. Each runs in the gateway's
-        nursery, at most one per pair at a time.
+        nursery, at most one per pair at a time; a failed one is tried again
+        after the node's next heartbeat.
         """
         if self._nursery is None:
             return []
-        started = []
-        for entry in self.registry.alive():
-            for sid in sorted(entry.held):
-                key = (entry.node_id, sid)
-                if sid in self.sessions or sid in self.opening or key in self.closing:
-                    continue
-                self.closing.add(key)
-                started.append(key)
-                self._nursery.start_soon(self._close_orphan, entry, sid)
+        now, started = trio.current_time(), []
+        for key, since in sorted(self.unclosed.items()):
+            node_id, sid = key
+            if now - since > self.config.unclosed_ttl_s:
+                del self.unclosed[key]
+                continue
+            entry = self.registry.nodes.get(node_id)
+            if entry is None or not entry.alive or sid not in entry.held or key in self.closing:
+                continue
+            self.closing.add(key)
+            started.append(key)
+            self._nursery.start_soon(self._close_orphan, entry, sid)
         return started
 
     async def _close_orphan(self, entry: NodeEntry, sid: str) -> None:
@@ -244,6 +255,7 @@ class Gateway:
             failure = Failure(Reason.CANCELLED, "the tracker no longer runs this Route Session", node=entry.node_id)
             with trio.move_on_after(self.config.step_deadline_s):
                 await self.client(entry).close(sid, failure, cap)
+                self.unclosed.pop(key, None)
                 log.info("closed orphaned session %s on %s", sid, entry.node_id)
         except DgrError as exc:
             log.info("could not close orphaned session %s on %s: %s", sid, entry.node_id, exc.message)
@@ -339,7 +351,7 @@ class Gateway:
         opened: list[NodeClient] = []
         caps: dict[str, str] = {}
         cfg = self.config
-        self.opening.add(rs.sid)
+        attempted: list[str] = []
         try:
             choice = choose_route(self.registry.alive(), req.model)
             caps = self._capabilities(rs.sid, choice.hops)
@@ -386,6 +398,7 @@ class Gateway:
 
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
+                attempted.append(hop.node_id)
                 await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
                 opened.append(c)
 
@@ -398,6 +411,10 @@ class Gateway:
             failure = _failure_of(exc, rs)
             with trio.CancelScope(shield=True):
                 await self._close_nodes(rs.sid, opened, failure, caps)
+            confirmed = {c.node_id for c in opened}
+            for node_id in attempted:
+                if node_id not in confirmed:  # its reply was lost or refused: it may hold the session anyway
+                    self.owe_close(node_id, rs.sid)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
                 self._count_end(rs)
@@ -407,9 +424,6 @@ class Gateway:
             if exc is not raised and isinstance(exc, DgrError):
                 raise exc from None
             raise
-        finally:
-            # A node whose `open` reply was lost may hold the session: from here `reconcile` closes it.
-            self.opening.discard(rs.sid)
         for n in choice.nodes:
             n.reserved += 1
         send, recv = trio.open_memory_channel(math.inf)
@@ -466,6 +480,8 @@ class Gateway:
                     live.telemetry.publish(rs.fail(failure, time.monotonic()))
                 self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
+                for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
+                    self.owe_close(node_id, rs.sid)
                 await self._close_nodes(rs.sid, survivors, failure, live.caps)
                 for n in live.nodes:
                     n.reserved = max(0, n.reserved - 1)
@@ -484,9 +500,12 @@ class Gateway:
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
                            caps: dict[str, str]) -> None:
+        closed: set[str] = set()
+
         async def _one(c: NodeClient) -> None:
             try:
                 await c.close(sid, failure, caps.get(c.node_id))
+                closed.add(c.node_id)
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
 
@@ -494,6 +513,9 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 for c in clients:
                     nursery.start_soon(_one, c)
+        for c in clients:
+            if c.node_id not in closed:
+                self.owe_close(c.node_id, sid)
 
     def _count_end(self, rs: RouteSession) -> None:
         self.metrics.sessions_total.labels(outcome=rs.state.value).inc()
