@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import install_error_handlers, json_response, read_json
 from dgr.api.openai import parse_messages
+from dgr.api.openapi import node_openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
@@ -146,6 +147,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     @app.get("/healthz")
     async def healthz():
         return json_response({"ok": True, "node": service.node_id})
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return json_response(node_openapi_document())
 
     return seam_fast_path(service, app)
 
