@@ -63,7 +63,8 @@ def test_metrics_follow_a_request() -> None:
         bad = httpx.post(f"{route.api}/completions", json={"model": "missing", "prompt": "x"})
         assert bad.status_code == 404
         route.kill("node1")
-        time.sleep(1.5)
-        m = _scrape(route.url)
-        assert _get(m, "dgr_node_up", node="node1", layers="15:30") == 0.0
+        deadline = time.monotonic() + 15  # the death threshold (--dead-after, 3 s by default), then a sweep
+        while _get(m := _scrape(route.url), "dgr_node_up", node="node1", layers="15:30") != 0.0:
+            assert time.monotonic() < deadline, "the killed node never showed as down"
+            time.sleep(0.1)
         assert _get(m, "dgr_route_session_failures_total", reason="model_not_found") >= 1
