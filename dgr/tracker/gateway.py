@@ -399,7 +399,12 @@ class Gateway:
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
                 attempted.append(hop.node_id)
-                await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
+                try:
+                    await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
+                except DgrError as refused:
+                    if refused.reason is not Reason.ROUTE_NODE_LOST:
+                        attempted.remove(hop.node_id)  # the node answered: it holds nothing
+                    raise
                 opened.append(c)
 
             with trio.fail_after(self.config.step_deadline_s):
@@ -413,7 +418,7 @@ class Gateway:
                 await self._close_nodes(rs.sid, opened, failure, caps)
             confirmed = {c.node_id for c in opened}
             for node_id in attempted:
-                if node_id not in confirmed:  # its reply was lost or refused: it may hold the session anyway
+                if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
                     self.owe_close(node_id, rs.sid)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
