@@ -6,8 +6,6 @@ Each test here was written against the code before its fix and failed there.
 from __future__ import annotations
 
 import logging
-import math
-import time
 
 import httpx
 import pytest
