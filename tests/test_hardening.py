@@ -319,3 +319,13 @@ async def test_node_routes_other_than_the_seam_take_small_bodies() -> None:
         # a prompt may be larger, up to the gateway's own body limit
         r = await http.post("/v1/node/tokenize", json={"prompt": "y" * (2 * 1024 * 1024)})
         assert r.status_code == 200 and len(r.json()["tokens"]) == 2 * 1024 * 1024
+
+
+def test_dgr_up_passes_the_death_threshold_to_its_tracker() -> None:
+    from dgr.cli import build_parser
+    from dgr.up import tracker_args
+
+    args = build_parser().parse_args(["up", "--dead-after", "1.5"])
+    cmd = tracker_args(args)
+    assert cmd[cmd.index("--dead-after") + 1] == "1.5"
+    assert build_parser().parse_args(["tracker"]).dead_after == 3.0

@@ -148,10 +148,12 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                     "n_layers": first.model.n_layers,
                     "hidden_size": first.model.hidden_size,
                     "seam_width": first.model.seam_width,
-                    "context_length": first.model.context_length,
+                    "context_length": first.model.context_length,  # trained; nodes serve max_positions
+                    "max_positions": min(n.max_positions for n in entries),
                     "digest": first.model.digest,
                     "metadata": first.model.metadata,
-                    "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", **n.describe} for n in entries],
+                    "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", "max_positions": n.max_positions,
+                               **n.describe} for n in entries],
                 },
             })
         return json_response({"object": "list", "data": data})
