@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import uuid
 
 from dgr.errors import DgrError, first_dgr_error
 from dgr.procs import run_until_signal
@@ -15,6 +16,15 @@ __all__ = ["main"]
 
 def _threads_default() -> int:
     return max(1, (os.cpu_count() or 1))
+
+
+def default_node_id(backend: str, layers: object) -> str:
+    """`backend-layers-RANDOM`: unique per process.
+
+    A pid is not: in containers it is often 1, and two nodes with one id
+    replace each other in the tracker's registry.
+    """
+    return f"{backend}-{layers}-{uuid.uuid4().hex[:12]}"
 
 
 def cmd_tracker(args) -> int:
@@ -31,6 +41,7 @@ def cmd_tracker(args) -> int:
         seam_dtype=DType[args.seam_dtype.upper()],
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_cap=args.max_tokens_cap,
+        max_prompt_bytes=args.max_prompt_bytes,
         max_session_s=args.max_session_s or None,
         slow_client_s=args.slow_client_s or None,
         admission_wait_s=args.admission_wait_s,
@@ -67,7 +78,7 @@ def cmd_node(args) -> int:
     )
     if artifact is not None:
         artifact.check_backend(backend)
-    node_id = args.name or f"{args.backend}-{backend.layers}-{os.getpid()}"
+    node_id = args.name or default_node_id(args.backend, backend.layers)
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
                             tracker=args.tracker, idle_timeout_s=args.idle_timeout, artifact=artifact,
                             seed_port=args.seed_port, secret=secret)
@@ -98,9 +109,16 @@ def _add_secret_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    from dgr.tracker.registry import DEAD_AFTER_S
+
     p.add_argument("--api-key-file", metavar="F",
                    help="OpenAI API keys, one per line (chmod 600); default: $DGR_API_KEYS (comma-separated)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the context)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="refuse longer prompts (default: the route's context, the smallest --ctx on it)")
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="refuse prompt text longer than this before tokenizing it (default: 16 x the token limit)")
+    p.add_argument("--dead-after", type=float, default=DEAD_AFTER_S,
+                   help=f"seconds without a heartbeat before a node is dead (default: {DEAD_AFTER_S:g})")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="clamp requests' max_tokens to this")
     p.add_argument("--max-session-s", type=float, default=3600.0,
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
@@ -120,7 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
-    p.add_argument("--dead-after", type=float, default=1.0, help="seconds without heartbeat before a node is dead")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
                    help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
@@ -137,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="A:B, layers [A, B) (default: all)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--name", help="node id (default: backend-layers-pid)")
+    p.add_argument("--name", help="node id (default: backend-layers-RANDOM, unique per process)")
     p.add_argument("--threads", type=int, default=_threads_default())
     p.add_argument("--idle-timeout", type=float, default=120.0, help="free a session's KV after this idle time")
     p.add_argument("--manifest", metavar="M",

@@ -43,6 +43,7 @@ class Reason(enum.Enum):
     MODEL_NOT_FOUND = "model_not_found"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     BODY_TOO_LARGE = "body_too_large"
+    PROMPT_TOO_LARGE = "prompt_too_large"  # more prompt text than the token limit can hold: refused before tokenizing
     NOT_FOUND = "not_found"
     # A seam peer sent a frame that does not fit the session.
     UNKNOWN_SESSION = "unknown_session"
@@ -153,6 +154,7 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     Reason.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     Reason.BODY_TOO_LARGE: (413, "invalid_request_error"),
+    Reason.PROMPT_TOO_LARGE: (413, "invalid_request_error"),
     Reason.NOT_FOUND: (404, "invalid_request_error"),
     Reason.UNKNOWN_SESSION: (404, "seam_error"),
     Reason.SESSION_ENDED: (410, "seam_error"),

@@ -67,6 +67,13 @@ class TrackerMetrics:
     def watch(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         self.registry.register(_StateCollector(collect))
 
+    def forget_node(self, node_id: str) -> None:
+        """Drop every series labelled with `node_id` (a node the registry has forgotten)."""
+        for metric in (self.hop_latency_seconds, self.seam_bytes_total):
+            # prometheus_client offers no public listing of a metric's label sets
+            for labels in [k for k in list(metric._metrics) if k and k[0] == node_id]:
+                metric.remove(*labels)
+
 
 @attrs.define
 class NodeMetrics:

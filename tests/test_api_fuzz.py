@@ -32,9 +32,10 @@ def route():
         yield r
 
 
-def _campaign(route: LocalRoute, tmp: Path, examples: int, timeout_s: float) -> dict:
+def _campaign(route: LocalRoute, tmp: Path, examples: int, timeout_s: float, base: str | None = None) -> dict:
+    """One schemathesis run against `base`/openapi.json (the tracker by default, or a node)."""
     report = tmp / "schemathesis.json"
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{route.url}/openapi.json",
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base or route.url}/openapi.json",
            "--checks", "not_a_server_error", "--max-examples", str(examples), "--seed", "7", "--workers", "1",
            "--phases", "examples,coverage,fuzzing", "--generation-database", "none", "--request-timeout", "20",
            "--no-color", "--report", "json", "--report-json-path", str(report)]
@@ -66,6 +67,19 @@ def test_no_operation_answers_5xx_and_the_route_survives(route, tmp_path) -> Non
 @pytest.mark.slow
 def test_no_operation_answers_5xx_long_campaign(route, tmp_path) -> None:
     _campaign(route, tmp_path, 500, timeout_s=1800)
+    _healthy(route)
+
+
+@pytest.mark.parametrize("node", ["node0", "node1"])  # the head (tokenize) and the tail
+def test_no_node_operation_answers_5xx(route, tmp_path, node) -> None:
+    """A node's own routes (the seam step has its hypothesis properties); the membership routes are in the tracker's."""
+    _campaign(route, tmp_path, 10, timeout_s=240, base=route.node(node)["url"])
+    _healthy(route)
+
+
+@pytest.mark.slow
+def test_no_node_operation_answers_5xx_long_campaign(route, tmp_path) -> None:
+    _campaign(route, tmp_path, 300, timeout_s=1800, base=route.node("node0")["url"])
     _healthy(route)
 
 

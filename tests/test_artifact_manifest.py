@@ -216,3 +216,14 @@ def test_spec_tables_match_code() -> None:
     # Every field of the encoding is documented.
     for key in ("kind", "schema", "model", "file", "header", "tensors", "layers", "torrent", "id"):
         assert f"`{key}`" in text
+
+
+@pytest.mark.parametrize("name", ["../evil.gguf", "/etc/passwd", "a/b.gguf", "..", ".", "", "a\\b.gguf",
+                                  "C:evil.gguf", "x\x00.gguf", "~/.bashrc/x"])
+def test_file_name_must_be_a_plain_file_name(tiny: Path, name: str) -> None:
+    """`--fetch` writes to MODEL_DIR / file.name: a manifest may not name a path."""
+    data = build_manifest(tiny).to_json()
+    data["file"]["name"] = name
+    with pytest.raises(CallerError) as err:
+        Manifest.from_json(data)
+    assert err.value.reason is Reason.ARTIFACT_MISMATCH and "file name" in err.value.message

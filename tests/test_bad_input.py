@@ -50,6 +50,10 @@ MSG = [{"role": "user", "content": "hi"}]
         ("/completions", {"model": "stub", "prompt": 42}, 400, "invalid_request_error", "prompt"),
         ("/completions", {"model": "stub", "prompt": "x" * 9000}, 400, "context_length_exceeded", "prompt"),
         ("/completions", {"model": "stub", "prompt": "x" * (5 * 1024 * 1024)}, 413, "body_too_large", None),
+        # past 16 bytes per token of the context (4096 positions by default): refused before tokenizing
+        ("/completions", {"model": "stub", "prompt": "x" * (3 * 1024 * 1024)}, 413, "prompt_too_large", "prompt"),
+        (CHAT, {"model": "stub", "messages": [{"role": "user", "content": "x" * 70_000}]}, 413, "prompt_too_large",
+         "messages"),
         ("/nothing", {}, 404, "not_found", None),
     ],
 )

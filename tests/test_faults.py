@@ -10,7 +10,9 @@ import pytest
 
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 
-DELAY = ("--stub-delay", "0.004")  # 4 ms per position per node: prefill of 400 tokens takes seconds
+# 4 ms per position per node: prefill of 400 tokens takes seconds. A 1 s death threshold (the
+# default is 3 s, for loaded machines) so that a hung node is caught within the 2 s these tests allow.
+DELAY = ("--stub-delay", "0.004", "--dead-after", "1")
 
 
 def _stream(route: LocalRoute, prompt: str, max_tokens: int):

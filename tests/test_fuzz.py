@@ -7,9 +7,11 @@ test`; `DGR_SLOW=1` runs the same properties with many more examples.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+import urllib.parse
 import uuid
 import zlib
 
@@ -25,12 +27,16 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, PeerError
 from dgr.node.app import make_node_app
+from dgr.node.membership import registration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.security.auth import CapabilityAuthority
 from dgr.testing.nodes import running
 from dgr.seam.frame import Frame, decode_frame, encode_frame
 from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, DType, Flag, FrameKind
+from dgr.tracker.app import make_tracker_app
+from dgr.tracker.gateway import Gateway
+from dgr.tracker.registry import Registry
 
 # Wild hidden values (inf, 3e38) overflow inside the stub's arithmetic: expected, and not what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -197,7 +203,7 @@ def test_node_step_with_a_secret_refuses_without_the_right_capability(raw: bytes
 # -- node HTTP bodies, through the real ASGI app ----------------------------------------------------
 
 
-async def _asgi(app, method: str, path: str, body: bytes, headers=()) -> int:
+async def _asgi(app, method: str, path: str, body: bytes, headers=(), query_string: bytes = b"") -> int:
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -210,7 +216,7 @@ async def _asgi(app, method: str, path: str, body: bytes, headers=()) -> int:
         sent.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "path": path, "raw_path": path.encode(), "query_string": query_string, "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     with trio.fail_after(10):
@@ -236,6 +242,65 @@ def test_node_open_session_body_is_answered_below_500(body) -> None:
     assert status in (201, 400, 404, 409, 413, 429), (status, body)
     if status != 201:
         assert not service.sessions
+
+
+@FUZZ
+@given(st.sampled_from(["tokenize", "close", "status", "challenge", "open"]), st.one_of(
+    json_values, st.fixed_dictionaries({}, optional={"messages": json_values | st.lists(st.fixed_dictionaries(
+        {}, optional={"role": st.sampled_from(["user", "system", "x"]) | json_values, "content": json_values}),
+        max_size=3), "prompt": json_values, "session": json_values})),
+    st.one_of(st.sampled_from([SID, "x" * 32, "..", "%00"]), st.text(max_size=40)),
+    st.dictionaries(st.sampled_from(["reason", "message"]), st.text(max_size=30) | st.sampled_from(["cancelled", "x"]),
+                    max_size=2))
+def test_node_control_routes_answer_below_500(route, body, sid, query) -> None:
+    """Every node route but the seam step (fuzzed above), with any body, path and query."""
+    service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 2)), node_id="head")
+    app = make_node_app(service)
+    method, path = {"tokenize": ("POST", "/v1/node/tokenize"), "close": ("DELETE", f"/v1/seam/sessions/{sid}"),
+                    "status": ("GET", f"/v1/seam/sessions/{sid}"), "challenge": ("POST", "/v1/artifact/challenge"),
+                    "open": ("POST", "/v1/seam/sessions")}[route]
+    query_string = urllib.parse.urlencode(query).encode()
+
+    async def run() -> int:
+        async with running(service):
+            await service.open_session(SID, 16, SamplingParams())
+            return await _asgi(app, method, path, json.dumps(body).encode(), (), query_string)
+
+    status = trio.run(run)
+    assert status < 500, (status, route, body, sid, query)
+
+
+@functools.cache
+def _good_registration() -> dict:
+    service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 2)), node_id="n0")
+    return registration(service, "http://127.0.0.1:9")
+
+
+registrations = st.one_of(json_values, st.builds(
+    lambda changes: {**_good_registration(), **changes},
+    st.dictionaries(st.sampled_from(["node", "url", "pid", "layers", "backend", "model", "capacity", "describe",
+                                     "artifact", "max_positions"]), json_values, max_size=3)))
+heartbeats = st.one_of(json_values, st.fixed_dictionaries(
+    {"node": st.sampled_from(["n0", "n0", "n0", "x"]) | json_values},
+    optional={"sessions": json_values, "kv_bytes": json_values,
+              "session_ids": json_values | st.lists(st.sampled_from([SID, "x", "A" * 32]), max_size=3)}))
+
+
+@FUZZ
+@given(registrations, heartbeats)
+def test_membership_routes_answer_below_500(reg, beat) -> None:
+    """Registration and heartbeats (no cluster secret here, so bodies get past the signature)."""
+    app = make_tracker_app(Gateway(registry=Registry()))
+
+    async def run() -> list[int]:
+        await _asgi(app, "POST", "/v1/nodes/register", json.dumps(_good_registration()).encode())
+        return [await _asgi(app, "POST", "/v1/nodes/register", json.dumps(reg).encode()),
+                await _asgi(app, "POST", "/v1/nodes/heartbeat", json.dumps(beat).encode()),
+                await _asgi(app, "GET", "/v1/nodes", b""),  # whatever was accepted must render
+                await _asgi(app, "GET", "/v1/models", b"")]
+
+    statuses = trio.run(run)
+    assert all(s < 500 for s in statuses), (statuses, reg, beat)
 
 
 # -- OpenAI bodies ------------------------------------------------------------------------------------

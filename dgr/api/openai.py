@@ -21,7 +21,7 @@ import attrs
 from dgr.errors import CallerError, Reason
 from dgr.sampling import SamplingParams
 
-__all__ = ["GenerationRequest", "parse_request", "completion_body", "chunk_body", "usage_body", "DEFAULT_MAX_TOKENS"]
+__all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body", "DEFAULT_MAX_TOKENS"]
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
@@ -41,6 +41,12 @@ class GenerationRequest:
     telemetry_chunks: bool
     ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
     prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
+
+    def prompt_bytes(self) -> int:
+        """UTF-8 bytes of the text to tokenize: the messages' contents, or the prompt string."""
+        if self.kind == "chat":
+            return sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in self.messages or ())
+        return len((self.prompt or "").encode("utf-8", "surrogatepass"))
 
     def tokenize_body(self) -> dict[str, Any]:
         if self.kind == "chat":
@@ -63,8 +69,12 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def _messages(body: dict) -> tuple[dict[str, Any], ...]:
-    messages = body.get("messages")
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """Chat messages as {"role", "content"} objects with string contents.
+
+    Raises:
+        CallerError(INVALID_REQUEST) with `param` naming the bad message or field.
+    """
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array", "messages")
     out = []
@@ -99,7 +109,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     messages = prompt = None
     prompt_ids: tuple[int, ...] | None = None
     if kind == "chat":
-        messages = _messages(body)
+        messages = parse_messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -1,9 +1,11 @@
-"""The tracker's OpenAPI 3 document, served at /openapi.json.
+"""The tracker's and the nodes' OpenAPI 3 documents, each served at /openapi.json.
 
-It describes the public HTTP surface (OpenAI endpoints, Route Session
-telemetry, node registry views) closely enough for schemathesis to generate
-valid and invalid requests against it. Every documented error is OpenAI's
-error shape.
+They describe the HTTP surface (the tracker's OpenAI endpoints, Route Session
+telemetry, node registry views and membership; a node's session, tokenize,
+status and artifact routes) closely enough for schemathesis to generate
+valid and invalid requests against them. Every documented error is OpenAI's
+error shape. The seam step (binary frames) is left to the hypothesis
+properties in tests/test_fuzz.py.
 
 Authentication: when the tracker has API keys, the OpenAI and telemetry
 operations need `Authorization: Bearer KEY` (the `bearer` scheme; 401
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["openapi_document"]
+__all__ = ["openapi_document", "node_openapi_document"]
 
 _ERROR = {
     "type": "object",
@@ -98,5 +100,60 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
             "/v1/stats": {"get": {"responses": {"200": {"description": "stats",
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            # signed with the cluster secret instead of an API key (401 unauthenticated or replayed otherwise)
+            "/v1/nodes/register": {"post": {**open_, "requestBody": _json_body(_REGISTRATION),
+                                            "responses": {"200": _OK, **_errors(400, 401, 413)}}},
+            "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
+                                             "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
+        },
+    }
+
+
+_OK = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+_SID = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
+_REGISTRATION = {"type": "object", "required": ["node", "url", "layers", "backend", "model", "capacity"], "properties": {
+    "node": {"type": "string"}, "url": {"type": "string"}, "pid": {"type": "integer"},
+    "layers": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+    "backend": {"type": "string"}, "capacity": {"type": "integer"}, "max_positions": {"type": "integer"},
+    "describe": {"type": "object"}, "model": {"type": "object"},
+    "artifact": {"type": "object", "properties": {"manifest_id": {"type": "string"}, "seed": {"type": "string"}}}}}
+_HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
+    "node": {"type": "string"}, "sessions": {"type": "integer"}, "kv_bytes": {"type": "integer"},
+    "session_ids": {"type": "array", "items": _SID}}}
+
+
+def node_openapi_document() -> dict[str, Any]:
+    """A node's control routes. With a cluster secret every session call needs `X-Dgr-Capability` (403)."""
+    sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
+    cap = [{"name": "X-Dgr-Capability", "in": "header", "required": False, "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "dgr node", "version": "1"},
+        "paths": {
+            "/healthz": {"get": {"responses": {"200": _OK}}},
+            "/openapi.json": {"get": {"responses": {"200": _OK}}},
+            "/v1/node/status": {"get": {"responses": {"200": _OK}}},
+            "/v1/seam/sessions": {"post": {
+                "parameters": cap,
+                "requestBody": _json_body({"type": "object", "required": ["session", "max_positions"], "properties": {
+                    "session": _SID, "max_positions": {"type": "integer"},
+                    "sampling": {"type": "object", "properties": {
+                        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"}}}}}),
+                "responses": {"201": _OK, **_errors(400, 403, 409, 413, 429)}}},
+            "/v1/seam/sessions/{sid}": {
+                "get": {"parameters": sid + cap, "responses": {"200": _OK, **_errors(403, 404, 410)}},
+                "delete": {"parameters": sid + cap + [
+                    {"name": "reason", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "message", "in": "query", "required": False, "schema": {"type": "string"}}],
+                    "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
+            "/v1/node/tokenize": {"post": {
+                "parameters": cap,
+                "requestBody": _json_body({"type": "object", "properties": {
+                    "session": _SID, "prompt": {"type": "string", "maxLength": 2000},
+                    "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}}),
+                "responses": {"200": _OK, **_errors(400, 403, 413)}}},
+            "/v1/artifact": {"get": {"responses": {"200": _OK, **_errors(404)}}},
+            "/v1/artifact/challenge": {"post": {"requestBody": _json_body({"type": "object"}),
+                                                "responses": {"200": _OK, **_errors(400, 404, 413, 422)}}},
         },
     }

@@ -30,7 +30,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import attrs
@@ -138,9 +138,24 @@ class ModelIdentity:
         )
 
 
+def _plain_file_name(_instance: Any, _attribute: Any, name: str) -> None:
+    """Refuse any file name that is not one plain path component.
+
+    `dgr node --fetch` writes the file to `MODEL_DIR / file.name`, and a manifest
+    can come from anyone: `../x`, `/etc/x`, `a/b`, `C:x` or a NUL would write
+    elsewhere. Both separators are refused, whatever this machine's.
+
+    Raises:
+        CallerError(ARTIFACT_MISMATCH)
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\x00:")
+            or PurePosixPath(name).name != name or PureWindowsPath(name).name != name):
+        raise _bad_manifest(f"file name {name!r} is not a plain file name")
+
+
 @attrs.frozen
 class FileInfo:
-    name: str  # base name; also the file's name inside the torrent
+    name: str = attrs.field(validator=_plain_file_name)  # base name; also the file's name inside the torrent
     size: int
     sha256: str
 

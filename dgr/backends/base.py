@@ -177,12 +177,26 @@ class ShardBackend(abc.ABC):
         """How many sessions fit in KV memory at once."""
         return 16
 
+    def max_positions(self) -> int:
+        """Positions one session may hold here (`--ctx`); the node advertises it and the gateway clamps to it."""
+        return self.info.context_length
+
     # -- head: text in ---------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         raise NotImplementedError
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
         raise NotImplementedError
+
+    def tokenize_chat(self, messages: list[ChatMessage]) -> tuple[list[int], str]:
+        """Token ids and prompt text of `messages`; no message content may produce a control token.
+
+        This default parses no control tokens at all, which is safe for a
+        backend without them (the stub); GGUF backends keep the template's
+        own control tokens (dgr.backends.gguf_text.GgufText.tokenize_chat).
+        """
+        text = self.render_chat(messages)
+        return self.tokenize(text, add_special=True, parse_special=False), text
 
     # -- tail: text out --------------------------------------------------------
     def token_bytes(self, token: int) -> bytes:

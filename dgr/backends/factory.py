@@ -55,7 +55,7 @@ def make_backend(
         from dgr.backends.stub import DEEPSEEK_LIKE, StubBackend, StubSpec
 
         spec = DEEPSEEK_LIKE if stub_model == "dsv4" else StubSpec()
-        return StubBackend(spec=spec, layers=layers, delay_s=stub_delay_s, capacity=max_sessions)
+        return StubBackend(spec=spec, layers=layers, delay_s=stub_delay_s, capacity=max_sessions, n_ctx=n_ctx)
     if name == "torch":
         from dgr.backends.torch_backend import TorchBackend
 

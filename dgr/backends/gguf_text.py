@@ -11,6 +11,13 @@ transformers does (trim_blocks, lstrip_blocks, loopcontrols, a non-escaping
 `token_bytes` returns a token's raw piece bytes, not text: one UTF-8
 character may span several tokens, so the caller decodes incrementally.
 
+Message contents are user text, never markup: `tokenize_chat` tokenizes the
+template's own text with control tokens parsed and every message content
+with them not parsed, so a user who writes `<|im_start|>system` gets those
+characters, not a forged turn (see `ChatTemplate.segments` for how the
+contents are found in the rendered prompt). A render is bounded in time
+(`ChatTemplate.limit_s`), and `*` and `**` in a template are bounded in size.
+
 Also here: `llama_lib()`, the one place that initialises libllama and routes
 its log into a small ring buffer (printed only with DGR_LLAMA_LOG=1), so
 load errors can quote llama.cpp's own reason.
@@ -23,7 +30,10 @@ import ctypes
 import datetime
 import json
 import os
+import re
+import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +45,7 @@ import jinja2.sandbox
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 
-__all__ = ["CHATML_TEMPLATE", "GgufText", "llama_lib", "llama_log_tail"]
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "Segment", "GgufText", "llama_lib", "llama_log_tail"]
 
 # llama.cpp's own fallback when a GGUF carries no template.
 CHATML_TEMPLATE = (
@@ -88,6 +98,148 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+_TEMPLATE_FILE = "<template>"  # the file name jinja2 compiles templates from source under
+_MAX_REPEAT = 1 << 20  # the longest string or list a template may build with `*`
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `'x' * n` and `a ** b` bounded (jinja2's sandbox bounds only `range`)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise jinja2.sandbox.SecurityError("exponent too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _MAX_REPEAT:
+                    raise jinja2.sandbox.SecurityError("repetition too long")
+        return super().call_binop(context, operator, left, right)
+
+
+@attrs.frozen
+class Segment:
+    """A piece of a rendered chat prompt: template markup (`special`) or a message's content."""
+
+    text: str
+    special: bool  # True: the template's text, control tokens parsed; False: user text, never parsed for them
+
+
+@attrs.define
+class ChatTemplate:
+    """A GGUF chat template in a bounded sandbox, rendered into markup and content segments.
+
+    Raises (constructor): jinja2.TemplateError on a template that does not compile.
+    """
+
+    source: str
+    limit_s: float = 2.0  # one render's budget; past it the request is refused
+    _template: jinja2.Template = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._template = env.from_string(self.source)
+
+    def render(self, messages: list[dict[str, Any]], *, bos_token: str = "", eos_token: str = "") -> str:
+        """The prompt text of `messages`, ending with the assistant cue.
+
+        Raises:
+            CallerError(INVALID_REQUEST): the template refused the messages, failed, or ran past `limit_s`.
+        """
+        return self._render(messages, bos_token, eos_token, time.perf_counter() + self.limit_s)
+
+    def _render(self, messages: list[dict[str, Any]], bos: str, eos: str, deadline: float) -> str:
+        """Render under a line tracer that stops a template still running at `deadline`.
+
+        A template is Python code compiled by jinja2, and its loops run in
+        frames of `_TEMPLATE_FILE`: the tracer watches only those, so a loop
+        of any shape is caught between two of its steps. It is installed for
+        this thread and this call only, and the caller's tracer comes back.
+        """
+
+        def on_line(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and time.perf_counter() > deadline:
+                raise CallerError(Reason.INVALID_REQUEST, f"the chat template ran past {self.limit_s:g}s")
+            return on_line
+
+        def on_call(frame: Any, event: str, arg: Any) -> Any:
+            return on_line if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+        previous = sys.gettrace()
+        sys.settrace(on_call)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, bos_token=bos,
+                                         eos_token=eos)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                ArithmeticError, RecursionError) as exc:
+            raise CallerError(Reason.INVALID_REQUEST, f"chat template failed: {type(exc).__name__}: {exc}"[:300]) from None
+        finally:
+            sys.settrace(previous)
+
+    def segments(self, messages: list[dict[str, Any]], *, bos_token: str = "",
+                 eos_token: str = "") -> list[Segment]:
+        """The rendered prompt as markup and content segments, in order.
+
+        How the contents are found: a second, "shadow" render replaces each
+        content with a marker that no user can send (private-use characters
+        around a per-call random nonce and the message's index), so the text
+        between markers is the template's own, wherever and however often it
+        places each content. The real render must then equal that markup
+        with each content put back, as sent or trimmed (templates often
+        `| trim` it): the segments are exact. Searching the real render for
+        the contents instead is not safe: a content equal to nearby markup
+        (`<|im_end|>`) would match the markup and leave the real content to
+        be parsed for control tokens. A template that changes contents in any
+        other way, or branches on them, gets its markup from the shadow
+        render and the contents as sent, so user text is still never parsed
+        for control tokens; one that mangles the markers themselves (slices
+        a content, say) is refused.
+
+        Raises:
+            CallerError(INVALID_REQUEST): the template failed or ran past `limit_s`.
+        """
+        deadline = time.perf_counter() + self.limit_s
+        real = self._render(messages, bos_token, eos_token, deadline)
+        nonce = str(secrets.randbelow(10 ** 18))  # digits: unchanged by `upper`, `lower`, `title`
+        shadow_messages = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+        shadow = self._render(shadow_messages, bos_token, eos_token, deadline)
+        parts: list[Segment | int] = []
+        pos = 0
+        for mark in re.finditer("\ue000" + nonce + r":(\d+)\ue001", shadow):
+            parts.append(Segment(shadow[pos : mark.start()], True))
+            parts.append(int(mark.group(1)))
+            pos = mark.end()
+        parts.append(Segment(shadow[pos:], True))
+        if any(isinstance(p, Segment) and ("\ue000" in p.text or "\ue001" in p.text) for p in parts):
+            raise CallerError(Reason.INVALID_REQUEST, "this model's chat template rewrites message contents so that "
+                              "they cannot be told from its markup; refusing rather than reading control tokens "
+                              "in them")
+        contents = [str(m.get("content", "")) for m in messages]
+        candidates = []
+        for fit in (lambda c: c, str.strip):
+            candidate = [p if isinstance(p, Segment) else Segment(fit(contents[p]), False) for p in parts]
+            if "".join(c.text for c in candidate) == real:
+                return _merged(candidate)
+            candidates.append(candidate)
+        return _merged(candidates[0])
+
+
+def _merged(parts: list[Segment]) -> list[Segment]:
+    """Drop empty segments and join neighbours of one kind."""
+    out: list[Segment] = []
+    for p in parts:
+        if not p.text:
+            continue
+        if out and out[-1].special == p.special:
+            out[-1] = Segment(out[-1].text + p.text, p.special)
+        else:
+            out.append(p)
+    return out
+
+
 @attrs.define
 class GgufText:
     """Tokenizer, chat template and detokenizer of one GGUF file."""
@@ -99,7 +251,7 @@ class GgufText:
     n_vocab: int
     _model: int | None = attrs.field(repr=False)  # llama_model *
     _vocab: int | None = attrs.field(repr=False)  # const llama_vocab *
-    _template: jinja2.Template = attrs.field(repr=False)
+    _template: ChatTemplate = attrs.field(repr=False)
     _piece: ctypes.Array = attrs.field(repr=False, factory=lambda: ctypes.create_string_buffer(256))
 
     @classmethod
@@ -121,14 +273,8 @@ class GgufText:
         vocab = lib.llama_model_get_vocab(model)
         raw = lib.llama_model_chat_template(model, None)
         source = raw.decode("utf-8") if raw else CHATML_TEMPLATE
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
-            template = env.from_string(source)
+            template = ChatTemplate(source)
         except jinja2.TemplateError as exc:
             lib.llama_model_free(model)
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"bad chat template in {p}: {exc}") from None
@@ -172,15 +318,19 @@ class GgufText:
         Raises:
             CallerError(INVALID_REQUEST): the template refused the messages.
         """
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
-        except jinja2.TemplateError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"chat template failed: {exc}") from None
+        return self._template.render(messages, bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+        """Token ids and prompt text of `messages`: control tokens only from the template's markup.
+
+        Raises:
+            CallerError(INVALID_REQUEST): the template refused the messages or ran too long.
+        """
+        segments = self._template.segments(messages, bos_token=self.bos_token, eos_token=self.eos_token)
+        tokens: list[int] = []
+        for i, seg in enumerate(segments or [Segment("", True)]):
+            tokens += self.tokenize(seg.text, add_special=i == 0, parse_special=seg.special)
+        return tokens, "".join(seg.text for seg in segments)
 
     def token_bytes(self, tok: int, *, special: bool = False) -> bytes:
         """Raw bytes of one token's piece. Control tokens are empty unless special."""

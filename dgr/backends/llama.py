@@ -255,6 +255,9 @@ class LlamaCppBackend(ShardBackend):
     def max_sessions(self) -> int:
         return self.engine.n_seq_max
 
+    def max_positions(self) -> int:
+        return min(self.engine.n_ctx_seq, self.info.context_length)
+
     # -- text ------------------------------------------------------------------
     def _text(self) -> GgufText:
         if self.text is None:
@@ -266,6 +269,9 @@ class LlamaCppBackend(ShardBackend):
 
     def render_chat(self, messages: list[ChatMessage]) -> str:
         return self._text().render_chat(messages)
+
+    def tokenize_chat(self, messages: list[ChatMessage]) -> tuple[list[int], str]:
+        return self._text().tokenize_chat(messages)
 
     def token_bytes(self, token: int) -> bytes:
         return self._text().token_bytes(token)

@@ -97,6 +97,7 @@ class StubBackend(ShardBackend):
     layers: LayerRange
     delay_s: float = 0.0
     capacity: int = 64
+    n_ctx: int | None = None  # positions per session (--ctx); None: the spec's context_length
     name: str = "stub"
     info: ModelInfo = attrs.field(init=False)
     _a: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
@@ -121,6 +122,9 @@ class StubBackend(ShardBackend):
     def open_session(self, sid: str, max_positions: int) -> None:
         if sid in self._sessions:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
+        if max_positions > self.max_positions():
+            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED,
+                              f"{max_positions} positions exceed this node's {self.max_positions()} per session")
         n_local = len(self.layers)
         self._sessions[sid] = _Session(max_positions, np.zeros((n_local, self.spec.seam_width), np.float32))
 
@@ -132,6 +136,9 @@ class StubBackend(ShardBackend):
 
     def max_sessions(self) -> int:
         return self.capacity
+
+    def max_positions(self) -> int:
+        return min(self.n_ctx or self.spec.context_length, self.spec.context_length)
 
     def positions_computed(self, sid: str) -> int:
         return self._sessions[sid].computed

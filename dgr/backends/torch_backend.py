@@ -198,6 +198,9 @@ class TorchBackend(ShardBackend):
     def render_chat(self, messages: list[ChatMessage]) -> str:
         return self._gguf_text().render_chat(messages)
 
+    def tokenize_chat(self, messages: list[ChatMessage]) -> tuple[list[int], str]:
+        return self._gguf_text().tokenize_chat(messages)
+
     def token_bytes(self, token: int) -> bytes:
         return self._gguf_text().token_bytes(token)
 

@@ -20,15 +20,17 @@ from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import install_error_handlers, json_response, read_json
+from dgr.api.openai import parse_messages
+from dgr.api.openapi import node_openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.seam.wire import CONTENT_TYPE
+from dgr.seam.wire import CONTENT_TYPE, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
-_JSON_LIMIT = 4 * 1024 * 1024
+_JSON_LIMIT = MAX_CONTROL_BYTES
 CAPABILITY_HEADER = "X-Dgr-Capability"
 _CAP_RAW = CAPABILITY_HEADER.lower().encode()
 _SID = re.compile(r"[0-9a-f]{32}")
@@ -37,8 +39,18 @@ _SID = re.compile(r"[0-9a-f]{32}")
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
     """The node's app; with an artifact it also answers the tracker's layer-possession challenges."""
     app = QuartTrio("dgr.node")
-    app.config["MAX_CONTENT_LENGTH"] = service.max_frame_bytes
+    # Seam frames (up to max_frame_bytes) never reach Quart: `seam_fast_path` reads them.
+    # Everything else is small JSON; only a tokenize body may be larger (the prompt).
+    app.config["MAX_CONTENT_LENGTH"] = MAX_TOKENIZE_BYTES
     install_error_handlers(app)
+
+    @app.before_request
+    async def _body_limit():
+        """1 MiB for every route but tokenize; refused by its announced size before anything is read."""
+        limit = MAX_TOKENIZE_BYTES if request.path == "/v1/node/tokenize" else MAX_CONTROL_BYTES
+        request.max_content_length = limit
+        if request.content_length is not None and request.content_length > limit:
+            raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {limit}")
 
     def _authorize(sid: str) -> None:
         service.authorize(request.headers.get(CAPABILITY_HEADER), sid)
@@ -87,13 +99,13 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.post("/v1/node/tokenize")
     async def tokenize():
-        body = await read_json(_JSON_LIMIT)
+        body = await read_json(MAX_TOKENIZE_BYTES)
         if service.authority is not None:
             # tokenizing is work done for a Route Session: only for one the tracker opened
             sid = body.get("session")
             _authorize(sid if isinstance(sid, str) else "")
-        tokens, text = await service.tokenize(messages=body.get("messages") if "messages" in body else None,
-                                              prompt=body.get("prompt"))
+        messages = list(parse_messages(body["messages"])) if "messages" in body else None
+        tokens, text = await service.tokenize(messages=messages, prompt=body.get("prompt"))
         return json_response({"tokens": tokens, "text": text})
 
     def _artifact() -> NodeArtifact:
@@ -124,6 +136,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     @app.get("/healthz")
     async def healthz():
         return json_response({"ok": True, "node": service.node_id})
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return json_response(node_openapi_document())
 
     return seam_fast_path(service, app)
 

@@ -12,9 +12,16 @@ are proven (or why not).
 
 With a cluster secret every registration and heartbeat is signed over its
 exact body bytes (dgr.security.auth.Signer), so the tracker can refuse
-forged and replayed ones. A tracker that refuses us as unauthenticated or
-replayed (a wrong secret, a clock far off) will refuse every retry too, so
-the node stops with that error instead of retrying forever.
+forged and replayed ones. A 401 is not final: the tracker may be restarting
+with a rotated secret, a clock may be off for a while, or a signature may
+collide with a nonce it saw. The node says why on its log and retries with
+exponential backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`), serving its
+open sessions meanwhile.
+
+Each heartbeat lists the ids of the sessions the node holds, so the tracker
+can close the ones it no longer runs (a node it declared lost, an open whose
+reply it never got). Each registration advertises `max_positions`, the
+positions per session this node really allocates (`--ctx`).
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
 from dgr.security.auth import Signer
 
-__all__ = ["HEARTBEAT_S", "stay_registered", "registration"]
+__all__ = ["HEARTBEAT_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
 
 log = logging.getLogger("dgr.node")
 HEARTBEAT_S = 0.25
+RETRY_MIN_S = 1.0  # first wait after the tracker refused this node's credentials
+RETRY_MAX_S = 30.0
 
 
 def registration(service: NodeService, url: str, artifact: NodeArtifact | None = None) -> dict[str, Any]:
@@ -51,12 +60,15 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
         "backend": backend.name,
         "model": backend.info.to_json(),
         "capacity": service.capacity,
+        "max_positions": service.max_positions,
         "describe": service.described,
     }
 
 
-def _load(service: NodeService) -> dict[str, Any]:
-    return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.scheduler.kv_bytes}
+def heartbeat_body(service: NodeService) -> dict[str, Any]:
+    """Load and the sessions held: the tracker closes any it does not run."""
+    return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.scheduler.kv_bytes,
+            "session_ids": sorted(service.sessions)}
 
 
 def _note_proof(artifact: NodeArtifact | None, reply: Any) -> None:
@@ -83,7 +95,7 @@ def _decided(artifact: NodeArtifact | None) -> bool:
 
 
 async def _post(client: httpx.AsyncClient, signer: Signer | None, path: str, data: dict[str, Any]) -> httpx.Response:
-    """POST `data` as JSON, signed over the exact bytes sent; a 401 ends membership.
+    """POST `data` as JSON, signed over the exact bytes sent.
 
     Raises:
         CallerError(UNAUTHENTICATED | REPLAYED): the tracker refused our signature (or its absence).
@@ -104,18 +116,19 @@ async def _post(client: httpx.AsyncClient, signer: Signer | None, path: str, dat
 
 
 async def stay_registered(service: NodeService, tracker: str, url: str, *, artifact: NodeArtifact | None = None,
-                          secret: bytes | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                          secret: bytes | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
     With an artifact, ready means the tracker has decided on the layer claim
     (passed or failed), so `dgr up` announces the API once nodes are routable.
-
-    Raises:
-        CallerError(UNAUTHENTICATED | REPLAYED): the tracker refuses this node's cluster secret.
+    A refusal of this node's credentials (401) is logged with its reason and
+    retried with backoff; `transport` is for in-process tests.
     """
     started = False
     signer = None if secret is None else Signer(secret)
-    async with httpx.AsyncClient(base_url=tracker, timeout=2.0) as client:
+    backoff = RETRY_MIN_S
+    async with httpx.AsyncClient(base_url=tracker, timeout=2.0, transport=transport) as client:
         registered = False
         while True:
             try:
@@ -128,7 +141,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     if not started and _decided(artifact):
                         started = True
                         task_status.started()
-                r = await _post(client, signer, "/v1/nodes/heartbeat", _load(service))
+                r = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service))
                 if r.status_code == 404:
                     registered = False
                     continue
@@ -137,7 +150,14 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                 if not started and _decided(artifact):
                     started = True
                     task_status.started()
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                backoff = RETRY_MIN_S
+            except CallerError as exc:  # 401: our secret, our clock, or a replayed nonce
+                registered = False
+                log.warning("%s; retrying in %gs (check the cluster secret and the clocks)", exc.message, backoff)
+                await trio.sleep(backoff)
+                backoff = min(RETRY_MAX_S, backoff * 2)
+                continue
+            except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
                 registered = False
                 log.warning("tracker %s unreachable or refused: %s", tracker, exc)
             await trio.sleep(HEARTBEAT_S)

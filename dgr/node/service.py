@@ -91,11 +91,13 @@ class NodeService:
     scheduler: StepScheduler = attrs.field(init=False)
     # read once, before the scheduler owns the backend; fixed for the node's life
     capacity: int = attrs.field(init=False)
+    max_positions: int = attrs.field(init=False)  # KV positions per session (the node's --ctx)
     described: dict[str, Any] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = StepScheduler(self.backend)
         self.capacity = self.backend.max_sessions()
+        self.max_positions = self.backend.max_positions()
         self.described = self.backend.describe()
         self.metrics.watch(self._gauges)
 
@@ -141,10 +143,10 @@ class NodeService:
                 f"{self.node_id} holds {len(self.sessions)} sessions, its KV capacity",
                 retry_after=1,
             )
-        if not (1 <= max_positions <= self.backend.info.context_length):
+        if not (1 <= max_positions <= self.max_positions):
             raise CallerError(
                 Reason.CONTEXT_LENGTH_EXCEEDED,
-                f"{max_positions} positions requested, the context is {self.backend.info.context_length}",
+                f"{max_positions} positions requested, {self.node_id} holds {self.max_positions} per session",
             )
         # Registered first, so a second open of the same id is refused while this one is queued,
         # and a step for it queues behind the open.
@@ -213,8 +215,12 @@ class NodeService:
             raise CallerError(Reason.INVALID_REQUEST, "tokenize needs messages or a prompt string")
 
         def work() -> tuple[list[int], str]:
-            text = backend.render_chat(messages) if messages is not None else prompt
-            return backend.tokenize(text, add_special=True, parse_special=True), text
+            if messages is not None:
+                # message contents never yield control tokens; only the template's markup does
+                return backend.tokenize_chat(messages)
+            # a completions prompt has no template and no roles: its sender writes the whole
+            # prompt, control tokens included, as llama.cpp's server and vLLM allow
+            return backend.tokenize(prompt, add_special=True, parse_special=True), prompt
 
         return await self.scheduler.call(work)
 

@@ -22,6 +22,8 @@ __all__ = [
     "DTYPE_NUMPY",
     "TOKEN_RESULT",
     "MAX_FRAME_BYTES",
+    "MAX_CONTROL_BYTES",
+    "MAX_TOKENIZE_BYTES",
     "CONTENT_TYPE",
 ]
 
@@ -31,6 +33,11 @@ CONTENT_TYPE = "application/x-dgr-seam"
 # A 2,048-token prefill chunk of a 7,168-wide model in f32 is 58 MiB; larger
 # chunks must be split by the sender.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Every other request body a node reads (open, close, challenges): small JSON.
+MAX_CONTROL_BYTES = 1024 * 1024
+# A tokenize request carries the prompt: as large as the gateway's own body
+# limit. The gateway refuses a prompt whose tokenize body would exceed it.
+MAX_TOKENIZE_BYTES = 4 * 1024 * 1024
 
 # (name, struct code, meaning); little-endian, no padding.
 HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (

@@ -10,10 +10,11 @@ import contextlib
 from typing import AsyncIterator
 
 import trio
+import trio.testing
 
 from dgr.node.service import NodeService
 
-__all__ = ["running"]
+__all__ = ["running", "settled"]
 
 
 @contextlib.asynccontextmanager
@@ -24,3 +25,16 @@ async def running(*services: NodeService) -> AsyncIterator[tuple[NodeService, ..
             await nursery.start(s.run)
         yield services
         nursery.cancel_scope.cancel()
+
+
+async def settled(*services: NodeService) -> None:
+    """Return once every backend job queued so far on these nodes has run.
+
+    `trio.testing.wait_all_tasks_blocked` is not enough: a scheduler waiting on
+    its worker thread counts as blocked while the job still runs. A no-op job
+    queued now runs after every job already queued (an iteration runs its
+    control jobs in queue order), so waiting for it waits for them.
+    """
+    await trio.testing.wait_all_tasks_blocked()
+    for s in services:
+        await s.scheduler.call(lambda: None)

@@ -94,19 +94,19 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     # -- node registry ----------------------------------------------------------
     @app.post("/v1/nodes/register")
     async def register():
-        entry = registry.register(await _membership_json(), time.monotonic())
+        entry = registry.register(await _membership_json(), trio.current_time())
         (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
         return json_response({"node": entry.node_id, "registered": True, "proof": entry.proof.to_json()})
 
     @app.post("/v1/nodes/heartbeat")
     async def heartbeat():
-        entry = registry.heartbeat(await _membership_json(), time.monotonic())
+        entry = registry.heartbeat(await _membership_json(), trio.current_time())
         # The node learns its proof verdict here, to show it to its operator.
         return json_response({"ok": True, "proof": entry.proof.to_json()})
 
     @app.get("/v1/nodes")
     async def nodes():
-        now = time.monotonic()
+        now = trio.current_time()  # the registry's clock
         return json_response({"nodes": [n.to_json(now) for n in registry.nodes.values()]})
 
     # -- Model Artifacts --------------------------------------------------------
@@ -148,10 +148,12 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                     "n_layers": first.model.n_layers,
                     "hidden_size": first.model.hidden_size,
                     "seam_width": first.model.seam_width,
-                    "context_length": first.model.context_length,
+                    "context_length": first.model.context_length,  # trained; nodes serve max_positions
+                    "max_positions": min(n.max_positions for n in entries),
                     "digest": first.model.digest,
                     "metadata": first.model.metadata,
-                    "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", **n.describe} for n in entries],
+                    "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", "max_positions": n.max_positions,
+                               **n.describe} for n in entries],
                 },
             })
         return json_response({"object": "list", "data": data})
@@ -161,6 +163,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         live = await gateway.open(req)
         headers = {SESSION_HEADER: live.rs.sid}
         if req.stream:
+            live.unclaimed_since = time.monotonic()  # until the body starts: a client gone before it is noticed
             response = Response(_stream(gateway, live), 200, mimetype="text/event-stream",
                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             # Quart cuts every response at RESPONSE_TIMEOUT (60 s); a stream lives as long as its
@@ -269,6 +272,7 @@ async def _stream(gateway: Gateway, live: LiveSession) -> AsyncIterator[bytes]:
     gateway's watcher cancels a session whose reader has stalled too long.
     A client that goes away cancels its session.
     """
+    live.unclaimed_since = None
     finished = False
     try:
         async with contextlib.aclosing(_sse_chunks(live)) as chunks:

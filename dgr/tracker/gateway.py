@@ -25,12 +25,26 @@ Theory of operation:
   capability per hop, binding the session, the node and its layers, and every
   call for the session (tokenize, open, step, close) carries it. Nodes refuse
   calls without a matching one.
-- Limits: a prompt past `max_prompt_tokens` is refused before any node
-  session opens; `max_tokens` is clamped to `max_tokens_cap` and to the
-  context left. A watcher (`_watch_sessions`) fails a session that outlives
+- Limits: a prompt past `max_prompt_bytes` is refused before the head
+  tokenizes it (`prompt_too_large`); one past `max_prompt_tokens` before any
+  node session opens. The context is the smallest `max_positions` (`--ctx`)
+  a node on the route advertised, not the model's training context, so
+  `max_tokens` is clamped to the positions every hop really has, and to
+  `max_tokens_cap`. A watcher (`_watch_sessions`) fails a session that outlives
   `max_session_s` (`session_timeout`) and cancels a streaming one whose reader
   has not taken a chunk for `slow_client_s` (`slow_client`); both free the
-  session's KV on every node like any other failure.
+  session's KV on every node like any other failure. A stream whose response
+  body is never started (the client left between `open` and the first
+  chunk) is cancelled after `unclaimed_stream_s`.
+- Reconciliation: a close that may not have reached a node is remembered
+  (`unclosed`): the sessions of a node declared lost (it may only have been
+  slow), an `open` whose reply never came, a close that failed or timed out.
+  Each heartbeat lists the sessions a node holds; `reconcile` closes the
+  remembered ones it lists, with a capability minted for the purpose, as
+  soon as the node is reachable again. Sessions this gateway never opened
+  are left alone.
+- Pruning: a node dead past the registry's `forget_after_s` loses its entry,
+  its pooled connections, its hop stats and its metric labels.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import math
 import statistics
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -80,6 +94,15 @@ class GatewayConfig:
     # A request that finds every route full waits this long for a slot before its 429: a client that
     # hangs up and asks again at once must not be refused the slot its last session is giving back.
     admission_wait_s: float = 10.0
+    max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
+    unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
+    unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
+
+
+# A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
+# prompt this long cannot fit the token limit whatever it says. It lets the
+# gateway refuse a huge prompt before the head spends time tokenizing it.
+PROMPT_BYTES_PER_TOKEN = 16
 
 
 @attrs.frozen
@@ -107,6 +130,7 @@ class LiveSession:
     lost: set[str] = attrs.field(factory=set)
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # monotonic time a stream chunk was handed to a client not yet taking it
+    unclaimed_since: float | None = None  # monotonic time a stream's response was made, until its body starts
 
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
@@ -152,6 +176,9 @@ class Gateway:
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
     authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
+    connect: Callable[[str, str], NodeClient] = NodeClient  # (node id, url) -> client; tests connect in-process
+    unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
+    closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
 
@@ -187,9 +214,67 @@ class Gateway:
     async def _watch_nodes(self) -> None:
         while True:
             await trio.sleep(self.config.sweep_s)
-            for node_id in self.registry.sweep(time.monotonic()):
-                log.warning("node %s stopped sending heartbeats", node_id)
+            now = trio.current_time()  # the registry's clock
+            for node_id in self.registry.sweep(now):
+                log.warning("node %s sent no heartbeat for %gs", node_id, self.registry.dead_after_s)
                 self.node_lost(node_id, "heartbeats stopped (node dead or hung)")
+            for entry in self.registry.forget(now):
+                self.forget_node(entry.node_id)
+            self.reconcile()
+
+    def owe_close(self, node_id: str, sid: str) -> None:
+        """Remember that `sid` may still hold KV on `node_id`: `reconcile` closes it there."""
+        self.unclosed.setdefault((node_id, sid), trio.current_time())
+
+    def reconcile(self) -> list[tuple[str, str]]:
+        """Start the owed closes of sessions that live nodes report holding; forget stale ones.
+
+        Returns the (node, session) closes started. Each runs in the gateway's
+        nursery, at most one per pair at a time; a failed one is tried again
+        after the node's next heartbeat.
+        """
+        if self._nursery is None:
+            return []
+        now, started = trio.current_time(), []
+        for key, since in sorted(self.unclosed.items()):
+            node_id, sid = key
+            if now - since > self.config.unclosed_ttl_s:
+                del self.unclosed[key]
+                continue
+            entry = self.registry.nodes.get(node_id)
+            if entry is None or not entry.alive or sid not in entry.held or key in self.closing:
+                continue
+            self.closing.add(key)
+            started.append(key)
+            self._nursery.start_soon(self._close_orphan, entry, sid)
+        return started
+
+    async def _close_orphan(self, entry: NodeEntry, sid: str) -> None:
+        key = (entry.node_id, sid)
+        try:
+            cap = None
+            if self.authority is not None:
+                cap = self.authority.issue(sid, entry.node_id, entry.start, entry.stop, time.time(),
+                                           ttl_s=self.config.capability_margin_s)
+            failure = Failure(Reason.CANCELLED, "the tracker no longer runs this Route Session", node=entry.node_id)
+            with trio.move_on_after(self.config.step_deadline_s):
+                await self.client(entry).close(sid, failure, cap)
+                self.unclosed.pop(key, None)
+                log.info("closed orphaned session %s on %s", sid, entry.node_id)
+        except DgrError as exc:
+            log.info("could not close orphaned session %s on %s: %s", sid, entry.node_id, exc.message)
+        finally:
+            self.closing.discard(key)
+            # until the node's next heartbeat says otherwise, take it as closed
+            entry.held = entry.held - {sid}
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop what the gateway keeps per node: pooled connections, hop stats, metric labels."""
+        client = self.clients.pop(node_id, None)
+        if client is not None and self._nursery is not None:
+            self._nursery.start_soon(client.aclose)
+        self.hop_stats.pop(node_id, None)
+        self.metrics.forget_node(node_id)
 
     async def _watch_sessions(self) -> None:
         while True:
@@ -203,7 +288,12 @@ class Gateway:
             rs = live.rs
             if rs.ended:
                 continue
-            if cfg.max_session_s is not None and now - rs.created_at > cfg.max_session_s:
+            if live.unclaimed_since is not None and now - live.unclaimed_since > cfg.unclaimed_stream_s:
+                # Its response was made but its body never started: the client left in between.
+                live.abort(Failure(Reason.CANCELLED, "the client went away before its stream started",
+                                   phase=rs.state.value))
+                hit.append(rs.sid)
+            elif cfg.max_session_s is not None and now - rs.created_at > cfg.max_session_s:
                 live.abort(Failure(Reason.SESSION_TIMEOUT,
                                    f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s",
                                    phase=rs.state.value))
@@ -219,7 +309,8 @@ class Gateway:
         return hit
 
     def node_lost(self, node_id: str, why: str) -> None:
-        self.registry.mark_dead(node_id)
+        """Mark the node dead and fail its sessions. Their KV there is closed once it heartbeats again."""
+        self.registry.mark_dead(node_id, trio.current_time())
         for live in list(self.sessions.values()):
             if any(h.node_id == node_id for h in live.rs.route):
                 live.lost.add(node_id)
@@ -231,7 +322,9 @@ class Gateway:
         url = hop.url
         c = self.clients.get(node_id)
         if c is None or c.url != url:
-            c = self.clients[node_id] = NodeClient(node_id, url)
+            if c is not None and self._nursery is not None:
+                self._nursery.start_soon(c.aclose)  # the node moved: its old connections go
+            c = self.clients[node_id] = self.connect(node_id, url)
         return c
 
     def lookup(self, sid: str) -> RouteSession | None:
@@ -263,6 +356,7 @@ class Gateway:
         reserved: tuple[NodeEntry, ...] = ()
         caps: dict[str, str] = {}
         cfg = self.config
+        attempted: list[str] = []
         try:
             choice = await self._admit(req.model)
             for n in choice.nodes:  # held from now, so concurrent opens cannot overfill a node
@@ -271,14 +365,25 @@ class Gateway:
             caps = self._capabilities(rs.sid, choice.hops)
             first = choice.hops[0]
             head = self.client(first)
+            info = choice.nodes[0].model
+            # The context is what every hop allocates per session (--ctx), not the training context.
+            context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
+            token_limit = min(context - 1, cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else context)
+            param = "messages" if req.kind == "chat" else "prompt"
+            byte_limit = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max(token_limit, 1)
+            if not req.prompt_ids and req.prompt_bytes() > byte_limit:
+                raise CallerError(
+                    Reason.PROMPT_TOO_LARGE,
+                    f"the prompt has {req.prompt_bytes()} bytes; this gateway tokenizes at most {byte_limit} "
+                    f"(the prompt may have at most {token_limit} tokens)",
+                    param=param,
+                )
             with trio.fail_after(cfg.step_deadline_s):
                 prompt = (list(req.prompt_ids) if req.prompt_ids
                           else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id)))
-            info = choice.nodes[0].model
             if req.prompt_ids and max(prompt) >= info.vocab_size:
                 raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
                                   f"of {info.vocab_size}", param="prompt")
-            param = "messages" if req.kind == "chat" else "prompt"
             if not prompt:
                 raise CallerError(Reason.INVALID_REQUEST, "the prompt is empty after tokenizing", param="prompt")
             if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
@@ -287,21 +392,27 @@ class Gateway:
                     f"the prompt has {len(prompt)} tokens; this gateway accepts at most {cfg.max_prompt_tokens}",
                     param=param,
                 )
-            if len(prompt) >= info.context_length:
+            if len(prompt) >= context:
                 raise CallerError(
                     Reason.CONTEXT_LENGTH_EXCEEDED,
-                    f"the prompt has {len(prompt)} tokens; this model's context is {info.context_length} "
+                    f"the prompt has {len(prompt)} tokens; this route's context is {context} "
                     "and at least one must remain for the answer",
                     param=param,
                 )
-            max_tokens = min(req.max_tokens, info.context_length - len(prompt))
+            max_tokens = min(req.max_tokens, context - len(prompt))
             if cfg.max_tokens_cap is not None:
                 max_tokens = min(max_tokens, cfg.max_tokens_cap)
             positions = len(prompt) + max_tokens
 
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
-                await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
+                attempted.append(hop.node_id)
+                try:
+                    await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
+                except DgrError as refused:
+                    if refused.reason is not Reason.ROUTE_NODE_LOST:
+                        attempted.remove(hop.node_id)  # the node answered: it holds nothing
+                    raise
                 opened.append(c)
 
             with trio.fail_after(self.config.step_deadline_s):
@@ -314,6 +425,10 @@ class Gateway:
             with trio.CancelScope(shield=True):
                 await self._close_nodes(rs.sid, opened, failure, caps)
             self._release(reserved)
+            confirmed = {c.node_id for c in opened}
+            for node_id in attempted:
+                if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
+                    self.owe_close(node_id, rs.sid)
             if failure is not None:
                 rs.fail(failure, time.monotonic())
                 self._count_end(rs)
@@ -401,6 +516,8 @@ class Gateway:
                     live.telemetry.publish(rs.fail(failure, time.monotonic()))
                 self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
+                for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
+                    self.owe_close(node_id, rs.sid)
                 await self._close_nodes(rs.sid, survivors, failure, live.caps)
                 self._release(live.nodes)
                 live.send.close()
@@ -418,9 +535,12 @@ class Gateway:
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
                            caps: dict[str, str]) -> None:
+        closed: set[str] = set()
+
         async def _one(c: NodeClient) -> None:
             try:
                 await c.close(sid, failure, caps.get(c.node_id))
+                closed.add(c.node_id)
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
 
@@ -428,6 +548,9 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 for c in clients:
                     nursery.start_soon(_one, c)
+        for c in clients:
+            if c.node_id not in closed:
+                self.owe_close(c.node_id, sid)
 
     def _count_end(self, rs: RouteSession) -> None:
         self.metrics.sessions_total.labels(outcome=rs.state.value).inc()

@@ -1,9 +1,21 @@
 """The node registry: who serves which layers of which model, and who is alive.
 
-Pure bookkeeping with time passed in. A node is alive while its last
-heartbeat is younger than `dead_after_s`; past that it is dead and routes
-through it fail (the gateway watches `sweep`). A node that registers again
-(it restarted) replaces its old entry and is alive again.
+Pure bookkeeping with time passed in (the tracker passes `trio.current_time()`,
+one clock, so tests drive it with trio's MockClock). A node is alive while
+its last heartbeat is younger than `dead_after_s`; past that it is dead and
+routes through it fail (the gateway watches `sweep`). A node that registers
+again (it restarted) replaces its old entry and is alive again. A node dead
+for `forget_after_s` is dropped (`forget`), so entries of nodes that never
+come back do not pile up.
+
+Everything here arrives from the network: every field is type- and
+range-checked inside one `try`, and anything wrong is a
+`CallerError(INVALID_REQUEST)` (400), never a crash (500).
+
+Each node advertises `max_positions`, the positions per session it really
+allocates (`--ctx`), which the gateway clamps Route Sessions to; and each
+heartbeat lists the session ids the node holds, so the gateway can close
+sessions it no longer knows of (see Gateway.reconcile).
 
 A node may claim a Model Artifact (a manifest id and, optionally, the
 address it seeds it on). Each registration starts the claim's proof afresh:
@@ -15,14 +27,25 @@ proofs, in which case it is FAILED at once. Only `routable` nodes are routed.
 from __future__ import annotations
 
 import enum
+import logging
+import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 
 from dgr.backends.base import ModelInfo
 from dgr.errors import CallerError, Reason
 
-__all__ = ["NodeEntry", "Registry", "ProofState", "ProofStatus"]
+__all__ = ["NodeEntry", "Registry", "ProofState", "ProofStatus", "DEAD_AFTER_S", "MAX_HELD"]
+
+log = logging.getLogger("dgr.registry")
+
+# Seconds without a heartbeat before a node is dead. Nodes beat every 0.25 s;
+# 1 s lost live nodes while three others loaded a model on 2 cores.
+DEAD_AFTER_S = 3.0
+MAX_HELD = 65536  # session ids one heartbeat may list
+_SID = re.compile(r"[0-9a-f]{32}")
 
 
 class ProofState(enum.Enum):
@@ -102,6 +125,13 @@ class NodeEntry:
     manifest_id: str | None = None  # the Model Artifact the node claims to hold layers [start, stop) of
     seed: str | None = None  # HOST:PORT where it seeds that artifact over BitTorrent
     proof: ProofStatus = attrs.field(factory=ProofStatus)
+    max_positions: int = 0  # positions per session the node allocates (--ctx); 0 until set from the model
+    held: frozenset[str] = frozenset()  # session ids the node held at its last heartbeat
+    dead_since: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_positions <= 0:
+            self.max_positions = self.model.context_length
 
     @property
     def routable(self) -> bool:
@@ -128,6 +158,7 @@ class NodeEntry:
             "alive": self.alive,
             "pid": self.pid,
             "heartbeat_age_s": round(now - self.last_seen, 3),
+            "max_positions": self.max_positions,
             "manifest_id": self.manifest_id,
             "seed": self.seed,
             "proof": self.proof.to_json(),
@@ -136,36 +167,80 @@ class NodeEntry:
         }
 
 
+def _int(data: dict[str, Any], key: str, lo: int = 0, default: int | None = None) -> int:
+    """An integer field in [lo, 2^63); bools, floats and strings are refused."""
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < 2 ** 63:
+        raise ValueError(f"{key} must be an integer >= {lo}, got {value!r}"[:200])
+    return value
+
+
+def _str(data: dict[str, Any], key: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value or len(value) > 1024:
+        raise ValueError(f"{key} must be a non-empty string")
+    return value
+
+
+def _model(data: Any) -> ModelInfo:
+    if not isinstance(data, dict):
+        raise ValueError("model must be an object")
+    metadata = data.get("metadata", {})
+    needs = data.get("needs_token_ids", False)
+    if not isinstance(metadata, dict) or not isinstance(needs, bool):
+        raise ValueError("model.metadata must be an object and model.needs_token_ids a boolean")
+    return ModelInfo(
+        name=_str(data, "name"), architecture=_str(data, "architecture"), n_layers=_int(data, "n_layers", 1),
+        hidden_size=_int(data, "hidden_size", 1), seam_width=_int(data, "seam_width", 1),
+        vocab_size=_int(data, "vocab_size", 1), context_length=_int(data, "context_length", 1),
+        digest=_str(data, "digest"), needs_token_ids=needs, metadata=metadata,
+    )
+
+
+def _url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("url must be a string")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"url must look like http://HOST:PORT, got {value[:100]!r}")
+    return value
+
+
 @attrs.define
 class Registry:
-    dead_after_s: float = 1.0
+    dead_after_s: float = DEAD_AFTER_S
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
+    forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
 
     def register(self, data: dict[str, Any], now: float) -> NodeEntry:
         """Raises: CallerError(INVALID_REQUEST) on a malformed registration."""
         try:
-            model = ModelInfo.from_json(data["model"])
-            start, stop = (int(x) for x in data["layers"])
+            model = _model(data.get("model"))
+            layers = data.get("layers")
+            if not isinstance(layers, list) or len(layers) != 2:
+                raise ValueError("layers must be [start, stop]")
+            start, stop = _int({"start": layers[0]}, "start"), _int({"stop": layers[1]}, "stop")
             entry = NodeEntry(
-                node_id=str(data["node"]),
-                url=str(data["url"]),
+                node_id=_str(data, "node"),
+                url=_url(data.get("url")),
                 start=start,
                 stop=stop,
-                backend=str(data["backend"]),
+                backend=_str(data, "backend"),
                 model=model,
-                capacity=int(data["capacity"]),
+                capacity=_int(data, "capacity"),
                 describe=dict(data.get("describe") or {}),
                 registered_at=now,
                 last_seen=now,
-                pid=int(data["pid"]) if data.get("pid") is not None else None,
+                pid=_int(data, "pid") if data.get("pid") is not None else None,
+                max_positions=_int(data, "max_positions", 1, default=model.context_length),
             )
             artifact = data.get("artifact")
             if artifact is not None:
-                entry.manifest_id = str(artifact["manifest_id"])
+                entry.manifest_id = _str(artifact, "manifest_id")
                 entry.seed = str(artifact["seed"]) if artifact.get("seed") else None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}"[:300]) from None
         if not (0 <= entry.start < entry.stop <= model.n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {start}:{stop} outside [0, {model.n_layers})")
         if entry.manifest_id is not None:
@@ -176,23 +251,38 @@ class Registry:
                 reason=Reason.PROOF_FAILED.value,
                 message="this tracker routes only nodes that prove their layers: start the node with --manifest",
             )
+        old = self.nodes.get(entry.node_id)
+        if old is not None and old.alive and old.url != entry.url:
+            log.warning("node id %s re-registered from %s while %s still heartbeats under it: replacing it",
+                        entry.node_id, entry.url, old.url)
         self.nodes[entry.node_id] = entry
         return entry
 
     def heartbeat(self, data: dict[str, Any], now: float) -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again)."""
-        entry = self.nodes.get(str(data.get("node")))
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed."""
+        entry = self.nodes.get(data.get("node")) if isinstance(data.get("node"), str) else None
         if entry is None or not entry.alive:
-            raise CallerError(Reason.NOT_FOUND, f"node {data.get('node')!r} is not registered")
+            raise CallerError(Reason.NOT_FOUND, f"node {str(data.get('node'))[:100]!r} is not registered")
+        try:
+            sessions = _int(data, "sessions", default=0)
+            kv_bytes = _int(data, "kv_bytes", default=0)
+            held = data.get("session_ids", [])
+            if not isinstance(held, list) or len(held) > MAX_HELD or not all(
+                    isinstance(s, str) and _SID.fullmatch(s) for s in held):
+                raise ValueError(f"session_ids must be a list of at most {MAX_HELD} session ids")
+        except ValueError as exc:
+            raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
         entry.last_seen = now
-        entry.sessions = int(data.get("sessions", 0))
-        entry.kv_bytes = int(data.get("kv_bytes", 0))
+        entry.sessions = sessions
+        entry.kv_bytes = kv_bytes
+        entry.held = frozenset(held)
         return entry
 
-    def mark_dead(self, node_id: str) -> None:
+    def mark_dead(self, node_id: str, now: float | None = None) -> None:
         entry = self.nodes.get(node_id)
-        if entry is not None:
+        if entry is not None and entry.alive:
             entry.alive = False
+            entry.dead_since = entry.last_seen if now is None else now
 
     def sweep(self, now: float) -> list[str]:
         """Mark nodes whose heartbeats stopped; return the ids that just died."""
@@ -200,8 +290,17 @@ class Registry:
         for entry in self.nodes.values():
             if entry.alive and now - entry.last_seen > self.dead_after_s:
                 entry.alive = False
+                entry.dead_since = now
                 died.append(entry.node_id)
         return died
+
+    def forget(self, now: float) -> list[NodeEntry]:
+        """Drop the entries of nodes dead for over `forget_after_s`; return them."""
+        gone = [e for e in self.nodes.values()
+                if not e.alive and now - (e.dead_since if e.dead_since is not None else e.last_seen) > self.forget_after_s]
+        for e in gone:
+            del self.nodes[e.node_id]
+        return gone
 
     def alive(self) -> list[NodeEntry]:
         return [n for n in self.nodes.values() if n.alive]

@@ -17,12 +17,12 @@ from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.proofs import Prover
-from dgr.tracker.registry import Registry
+from dgr.tracker.registry import DEAD_AFTER_S, Registry
 
 __all__ = ["run_tracker"]
 
 
-async def run_tracker(*, host: str, port: int, config: GatewayConfig, dead_after_s: float = 1.0,
+async def run_tracker(*, host: str, port: int, config: GatewayConfig, dead_after_s: float = DEAD_AFTER_S,
                       prover: Prover | None = None, require_proof: bool = False, secret: bytes | None = None,
                       api_keys: frozenset[str] = frozenset(), max_body_bytes: int = 4 * 1024 * 1024) -> None:
     """Serve until cancelled. `prover` holds the manifests layer proofs are checked against.
