@@ -178,7 +178,7 @@ class LayerInfo:
     """One transformer layer: its weight bytes, what a decode step reads, its KV."""
 
     index: int
-    kind: str  # "attn" for a plain full-attention layer; "swa" | "csa" | "hca" for DeepSeek-V4
+    kind: str  # "attn": full attention; "swa": sliding window (Gemma 2/3, DeepSeek-V4); "csa" | "hca": DeepSeek-V4
     weight_bytes: int
     active_bytes: int  # weight bytes one decode token reads (routed experts: the used share)
     kv: tuple[KvTerm, ...]
@@ -301,10 +301,13 @@ def kv_terms_for_layer(
     the indexer). Ratio-128 layers (HCA) add one 512-wide row per 128 tokens
     and f32 state of 128 rows x 512 (kv + score). Ratio 0: window only.
 
-    Every other architecture is priced as full attention: K and V, one row
-    per token each, as wide as the layer's attn_k / attn_v output (which is
+    Every other architecture is priced as attention: K and V, one row per
+    token each, as wide as the layer's attn_k / attn_v output (which is
     head_count_kv x key/value_length), or from the metadata when the layer
-    has no separate attn_k / attn_v (fused QKV).
+    has no separate attn_k / attn_v (fused QKV). Gemma 2 and 3 layers that
+    llama.cpp makes sliding-window (dgr.backends.llama_arch.swa_layers: the
+    same per-layer pattern a shard file carries) are kind "swa", their K and V
+    a window of `attention.sliding_window` rows.
     """
     p = f"{arch}."
     if arch == "deepseek4":
@@ -330,10 +333,14 @@ def kv_terms_for_layer(
             ]
             return "hca", tuple(terms)
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"deepseek4 layer {il}: compress ratio {ratio} is not 0, 4 or 128")
+    kind, rows = "attn", {"every": 1}
+    window = _swa_window(arch, meta, il)
+    if window:
+        kind, rows = "swa", {"window": window}
     shapes = {t.name.split(".", 2)[2]: t.shape for t in tensors}
     k_shape, v_shape = shapes.get("attn_k.weight"), shapes.get("attn_v.weight")
     if k_shape is not None and v_shape is not None:
-        return "attn", (KvTerm("k", k_shape[-1], every=1), KvTerm("v", v_shape[-1], every=1))
+        return kind, (KvTerm("k", k_shape[-1], **rows), KvTerm("v", v_shape[-1], **rows))
     if p + "attention.head_count" not in meta:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED, f"layer {il}: no attn_k/attn_v tensors and no {p}attention.head_count"
@@ -343,7 +350,27 @@ def kv_terms_for_layer(
     n_embd = _meta_int(meta, p + "embedding_length")
     k_len = _meta_int(meta, p + "attention.key_length", n_embd // n_head)
     v_len = _meta_int(meta, p + "attention.value_length", n_embd // n_head)
-    return "attn", (KvTerm("k", n_kv * k_len, every=1), KvTerm("v", n_kv * v_len, every=1))
+    return kind, (KvTerm("k", n_kv * k_len, **rows), KvTerm("v", n_kv * v_len, **rows))
+
+
+def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
+    """Layer il's sliding window as llama.cpp sets it (0: full attention).
+
+    gemma2: always SWA, window 4096 unless the file says (src/models/gemma2.cpp:4-12);
+    gemma3: SWA only with attention.sliding_window > 0 (src/models/gemma3.cpp:4-12).
+    """
+    from dgr.backends.llama_arch import SHARD_RULES, swa_layers
+
+    rule = SHARD_RULES.get(arch)
+    if rule is None or rule.swa_pattern is None:
+        return 0
+    p = f"{arch}."
+    window = int(meta.get(p + "attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if window <= 0:
+        return 0
+    n_layer = _meta_int(meta, p + "block_count")
+    flags = swa_layers(rule, n_layer, meta.get(p + "attention.sliding_window_pattern"))
+    return window if flags and flags[il] else 0
 
 
 # -- building a layout from (metadata, tensors) -------------------------------------

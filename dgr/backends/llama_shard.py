@@ -21,9 +21,10 @@ from dgr.backends.llama import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_N_CTX,
     LlamaCppBackend,
-    check_architecture,
+    check_header,
     default_threads,
 )
+from dgr.backends.llama_arch import check_split, shard_rule
 from dgr.backends.llama_engine import DEFAULT_N_BATCH
 from dgr.backends.shardfile import shard_path
 from dgr.errors import CallerError, Reason
@@ -56,15 +57,22 @@ class LlamaShardBackend(LlamaCppBackend):
 
         Raises:
             CallerError(MODEL_LOAD_FAILED): the file is missing, unreadable,
-            not GGUF, of an unsupported architecture, the range does not fit
-            its layers, or llama.cpp refused the shard.
+            not GGUF, of an architecture not proven for ranges
+            (dgr.backends.llama_arch; the message names it and what is
+            missing), the range does not fit its layers, or llama.cpp refused
+            the shard.
         """
         source = check_gguf_file(model).resolve()
-        header = check_architecture(source)
+        header = check_header(source)
+        rule = shard_rule(header.architecture, nextn_layers=header.nextn_layers)
         if layers.stop > header.n_layer:
             raise CallerError(
                 Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
             )
+        check_split(
+            rule, header.n_layer, layers.start, layers.stop,
+            n_embd=header.n_embd, n_head=header.n_head, head_dim=header.head_dim,
+        )
         whole = layers == LayerRange(0, header.n_layer)
         engine_file = source if whole else shard_path(source, layers, root=cache_root)
         self._setup(
@@ -77,4 +85,5 @@ class LlamaShardBackend(LlamaCppBackend):
             max_sessions=max_sessions,
             n_batch=n_batch,
             name=name,
+            rule=rule,
         )
