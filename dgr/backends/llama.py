@@ -105,7 +105,10 @@ class LlamaCppBackend(ShardBackend):
         self._limits: dict[str, int] = {}  # Route Session id -> max_positions
         digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
         is_tail = layers.stop == header.n_layer  # self.info does not exist yet
-        self.text = GgufText.load(source) if (layers.start == 0 or is_tail) else None
+        try:
+            self.text = GgufText.load(source) if (layers.start == 0 or is_tail) else None
+        except CallerError as exc:
+            raise _naming_architecture(exc, header) from None
         try:
             self.engine = LlamaEngine.load(
                 engine_file,
@@ -117,9 +120,11 @@ class LlamaCppBackend(ShardBackend):
                 layer_output=rule.layer_output if rule else "l_out",
                 input_node=rule.input_node if (rule and layers.start > 0) else None,
             )
-        except BaseException:
+        except BaseException as exc:
             if self.text is not None:
                 self.text.close()
+            if isinstance(exc, CallerError):
+                raise _naming_architecture(exc, header) from None
             raise
         self.info = ModelInfo(
             name=name or source.stem,
@@ -267,6 +272,11 @@ class LlamaCppBackend(ShardBackend):
             "kv_bytes_allocated": self.engine.kv_bytes_per_position() * self.engine.n_ctx_seq * self.engine.n_seq_max,
             "sessions": len(self._sessions),
         }
+
+
+def _naming_architecture(exc: CallerError, header: GgufHeader) -> CallerError:
+    """llama.cpp's refusal, with the architecture it refused: the first thing a user checks."""
+    return CallerError(exc.reason, f"architecture {header.architecture!r}: {exc.message}", **exc.details)
 
 
 def default_threads() -> int:
