@@ -11,8 +11,10 @@ phi3, gemma, gemma2, gemma3):
   logits, so the checks above see the features they test;
 - through real `dgr up --backend llama` processes, greedy text equals
   llama-cpp-python's own `create_completion` on the same file;
-- a real 2-node `dgr up --backend llama_shard` on gemma3 picks a split and
-  answers as one node does;
+- a real 2-node `dgr up --backend llama_shard` on gemma3 picks a split inside
+  its period and answers as llama-cpp-python does;
+- the torch reference, split in llama.cpp's numbering, matches llama.cpp on
+  f32 weights for llama, qwen2 and qwen3;
 - refusals: architectures not proven for ranges are refused at node start,
   naming the architecture and what is missing;
 - the planner prices gemma3's local layers as a window and its global layers
@@ -202,34 +204,70 @@ def _route(model: str, backend: str, nodes: int) -> LocalRoute:
                       ready_timeout_s=120)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_dgr_up_llama_equals_create_completion(arch, models):
+def _create_completion(path: str) -> dict:
+    """llama-cpp-python's own greedy completion of the tiny prompt: the reference."""
     from llama_cpp import Llama
 
-    prompt = tiny_prompt()
-    direct = Llama(models[arch], n_ctx=256, n_threads=1, n_batch=512, verbose=False, seed=0)
+    direct = Llama(path, n_ctx=256, n_threads=1, n_batch=512, verbose=False, seed=0)
     try:
-        out = direct.create_completion(prompt, max_tokens=N_NEW, temperature=0.0, top_k=1)
+        return direct.create_completion(tiny_prompt(), max_tokens=N_NEW, temperature=0.0, top_k=1)
     finally:
         direct.close()
-    want = out["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_dgr_up_llama_equals_create_completion(arch, models):
+    out = _create_completion(models[arch])
     with _route(models[arch], "llama", 1) as r:
         listed = _client(r).models.list().data
-        resp = _client(r).completions.create(model=listed[0].id, prompt=prompt, max_tokens=N_NEW, temperature=0)
-    assert resp.choices[0].text == want
+        resp = _client(r).completions.create(model=listed[0].id, prompt=tiny_prompt(), max_tokens=N_NEW,
+                                             temperature=0)
+    assert resp.choices[0].text == out["choices"][0]["text"]
+    assert len(resp.choices[0].text) > N_NEW  # words, not nothing
     assert resp.usage.completion_tokens == out["usage"]["completion_tokens"]
     assert resp.usage.prompt_tokens == out["usage"]["prompt_tokens"]
 
 
 def test_dgr_up_two_nodes_on_gemma3(models):
-    prompt = tiny_prompt()
-    with _route(models["gemma3"], "llama", 1) as r:
-        model_id = _client(r).models.list().data[0].id
-        want = _client(r).completions.create(model=model_id, prompt=prompt, max_tokens=N_NEW, temperature=0)
+    out = _create_completion(models["gemma3"])
     with _route(models["gemma3"], "llama_shard", 2) as r:
         layers = sorted(n["layers"] for n in r.node_table())
-        got = _client(r).completions.create(model=model_id, prompt=prompt, max_tokens=N_NEW, temperature=0)
+        model_id = _client(r).models.list().data[0].id
+        got = _client(r).completions.create(model=model_id, prompt=tiny_prompt(), max_tokens=N_NEW, temperature=0)
     print(f"dgr up --nodes 2 on gemma3 ({N_LAYER} layers, period 6): {layers}")
     assert layers == ["0:3", "3:6"]  # inside the period: the shard files carry the per-layer pattern
-    assert got.choices[0].text == want.choices[0].text
+    assert got.choices[0].text == out["choices"][0]["text"]
     assert got.usage.prompt_tokens > 4 * WINDOW
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_torch_reference_follows_llama_cpp(arch, models, reference, tmp_path):
+    """The torch reference, split 3:3 in llama.cpp's layer numbering, against llama.cpp on f32 weights and KV."""
+    import ctypes
+
+    import llama_cpp
+    import torch
+
+    from dgr.backends.torch_model import load_shard
+
+    prompt, _ = reference[arch]
+    f32 = tmp_path / "f32.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 0  # LLAMA_FTYPE_ALL_F32: llama.cpp dequantizes the Q8_0 tensors itself
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(models[arch].encode(), str(f32).encode(), ctypes.byref(params)) == 0
+    f32_kv = int(gguf.GGMLQuantizationType.F32)
+    llm = llama_cpp.Llama(str(f32), n_ctx=256, n_batch=512, logits_all=True, n_threads=1, verbose=False,
+                          type_k=f32_kv, type_v=f32_kv)
+    try:
+        llm.eval(prompt)
+        ref = np.array(llm.scores[: len(prompt)])  # [n, vocab]
+    finally:
+        llm.close()
+    head, tail = load_shard(models[arch], LayerRange(0, 3)), load_shard(models[arch], LayerRange(3, N_LAYER))
+    with torch.inference_mode():
+        h = head(torch.tensor(prompt), 0, head.new_cache(len(prompt)))  # [n, 64]
+        ours = tail.logits(tail(h, 0, tail.new_cache(len(prompt)))).numpy()  # [n, vocab]
+    print(f"torch vs llama.cpp ({arch}, f32): max |logit diff| {np.abs(ours - ref).max():.2e}")
+    assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
+    np.testing.assert_allclose(ours, ref, atol=2e-3)

@@ -323,7 +323,7 @@ def load_shard(path: str | Path, layers: LayerRange) -> ShardModel:
     tied = model.is_tail and not any(t.name == "output.weight" for t in reader.tensors)
     state: dict[str, Tensor] = {"rope_inv_ff": torch.ones(args.rope_dims // 2)}
     for t in reader.tensors:
-        qkv_bias = args.qkv_bias and t.name.split(".")[2] in ("attn_q", "attn_k", "attn_v")
+        qkv_bias = args.qkv_bias and t.name.split(".")[2:3] in (["attn_q"], ["attn_k"], ["attn_v"])
         if t.name.startswith("blk.") and t.name.endswith(".bias") and not qkv_bias:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"torch backend has no biases ({t.name})")
         if t.name not in wanted and not (tied and t.name == "token_embd.weight"):
