@@ -375,6 +375,7 @@ class _Pricer:
 
     def __init__(self, layout: ModelLayout, params: PlanParams) -> None:
         self.n = layout.n_layers
+        self.whole_only = layout.whole_only
         self.pre = _Prefix.of(layout, params)
         # Per required kind, how many layers of it precede each index.
         self.kind_counts = []
@@ -399,7 +400,10 @@ class _Pricer:
         return node.memory_bytes - self.need(a, b)
 
     def valid(self, a: int, b: int) -> bool:
-        """Whether [a, b) holds every layer kind a shard must have (ModelLayout.shard_needs)."""
+        """Whether [a, b) may be a shard: every layer kind it must have (ModelLayout.shard_needs),
+        and the whole model where it runs only whole (ModelLayout.whole_only)."""
+        if self.whole_only and (a, b) != (0, self.n):
+            return False
         return all(c[b] > c[a] for c in self.kind_counts)
 
     def score(self, node: Node, a: int, b: int) -> float:
@@ -413,7 +417,7 @@ class _Pricer:
         """Whether `nodes`, in order, can hold the model (greedy, then the DP when kinds are required)."""
         if not _fits_greedy(self, nodes):
             return False
-        return not self.kind_counts or self.best_split(nodes)[0] >= 0
+        return not (self.kind_counts or self.whole_only) or self.best_split(nodes)[0] >= 0
 
 
 def _fits_greedy(pricer: _Pricer, nodes: Sequence[Node]) -> bool:
@@ -496,10 +500,7 @@ def _refusal(layout: ModelLayout, params: PlanParams, pricer: _Pricer, nodes: Se
         if head_room > -math.inf:
             break
     else:
-        return CallerError(
-            Reason.INVALID_REQUEST,
-            f"{layout.name} cannot be split: every shard must hold layers of kinds {sorted(layout.shard_needs)}",
-        )
+        return CallerError(Reason.INVALID_REQUEST, f"{layout.name} cannot be split: {_split_rule(layout)}")
     costs = [shard_cost(layout, params, use[j], LayerRange(cuts[j], cuts[j + 1])) for j in range(k)]
     need = sum(c.total_bytes for c in costs)
     have = sum(n.memory_bytes for n in use)
@@ -597,11 +598,16 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
     )
     if best == -math.inf:
         raise CallerError(
-            Reason.INVALID_REQUEST,
-            f"cannot split {layout.name} over {n_nodes} nodes: every shard must hold layers of kinds "
-            f"{sorted(layout.shard_needs)}",
+            Reason.INVALID_REQUEST, f"cannot split {layout.name} over {n_nodes} nodes: {_split_rule(layout)}"
         )
     return [LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)]
+
+
+def _split_rule(layout: ModelLayout) -> str:
+    """The rule that no split over the nodes at hand can keep."""
+    if layout.whole_only:
+        return layout.whole_only
+    return f"every shard must hold layers of kinds {sorted(layout.shard_needs)}"
 
 
 # -- decode latency ------------------------------------------------------------------

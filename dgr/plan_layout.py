@@ -248,6 +248,9 @@ class ModelLayout:
     # Layer kinds every shard must hold. deepseek4: a shard with a CSA layer and no HCA layer
     # kills llama.cpp (SIGFPE at context creation; bench/dsv4_tiny.py), so each needs both.
     shard_needs: frozenset[str] = frozenset()
+    # Non-empty: why this model runs only whole (llama.cpp switches a hparam by block count,
+    # dgr.backends.llama_arch.check_split: Gemma 2/3 27B).
+    whole_only: str = ""
 
     @property
     def needs_token_ids(self) -> bool:
@@ -482,7 +485,24 @@ def build_layout(
         shard_needs=frozenset({"csa", "hca"} & {layer.kind for layer in layers})
         if arch == "deepseek4"
         else frozenset(),
+        whole_only=_whole_only(arch, meta, n_trunk, n_embd),
     )
+
+
+def _whole_only(arch: str, meta: Mapping[str, Any], n_layer: int, n_embd: int) -> str:
+    """Why a split of this model would compute wrongly in llama.cpp, or "" (see check_split)."""
+    from dgr.backends.llama_arch import SHARD_RULES, check_split
+
+    rule = SHARD_RULES.get(arch)
+    n_head = meta.get(f"{arch}.attention.head_count")
+    if rule is None or not isinstance(n_head, int) or n_head <= 0 or n_layer < 2:
+        return ""
+    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
+    try:
+        check_split(rule, n_layer, 0, 1, n_embd=n_embd, n_head=n_head, head_dim=head_dim)
+    except CallerError as exc:
+        return exc.message
+    return ""
 
 
 # -- llama.cpp CPU compute buffer for GGUF files ---------------------------------

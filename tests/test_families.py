@@ -271,3 +271,39 @@ def test_torch_reference_follows_llama_cpp(arch, models, reference, tmp_path):
     print(f"torch vs llama.cpp ({arch}, f32): max |logit diff| {np.abs(ours - ref).max():.2e}")
     assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
     np.testing.assert_allclose(ours, ref, atol=2e-3)
+
+
+def test_plan_keeps_a_27b_gemma_whole(models, tmp_path):
+    """A model whose hparams llama.cpp picks by block count: the planner offers no split of it."""
+    import attrs
+
+    from dgr.plan import plan_even
+    from dgr.plan_layout import layout_from_gguf
+
+    from dgr.plan_layout import _whole_only
+
+    layout = layout_from_gguf(models["gemma3"])
+    assert layout.whole_only == "" and len(plan_even(layout, 2)) == 2
+    # Gemma 3 27B's metadata: 62 layers, 5376 wide, 32 heads of 128
+    meta_27b = {"gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
+    assert "attention scale" in _whole_only("gemma3", meta_27b, 62, 5376)
+    assert _whole_only("gemma3", meta_27b, 34, 2560) == ""  # 4B: any split
+    big = attrs.evolve(layout, whole_only="llama.cpp sets the attention scale by block count")
+    with pytest.raises(CallerError) as e:
+        plan_even(big, 2)
+    assert "attention scale" in e.value.message
+    assert plan_even(big, 1) == [LayerRange(0, N_LAYER)]
+
+
+def test_dgr_up_refuses_unproven_architecture_before_any_process(tmp_path):
+    import subprocess
+
+    from dgr.procs import dgr_command
+
+    path = tmp_path / "starcoder2.gguf"
+    _tiny_header_only(path, "starcoder2")
+    out = subprocess.run(dgr_command("up", "--backend", "llama_shard", "--nodes", "2", "--model", str(path)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "'starcoder2' cannot be split into layer ranges" in out.stderr
+    assert "tracker at" not in out.stderr  # nothing started
