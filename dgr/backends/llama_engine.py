@@ -10,7 +10,11 @@ engine drives it through llama-cpp-python's ctypes module:
   returns False in its data phase, which stops the graph before the output
   norm and LM head; every row is marked as output, because llama.cpp keeps
   only output rows in the last layer (`inp_out_ids`);
-- on the tail, the logits of the last position are returned.
+- on the tail, the logits of the last position are returned;
+- on a non-head shard of an architecture whose builder transforms
+  `batch.embd` (Gemma and Gemma 2 scale it by sqrt(n_embd)), the same
+  callback writes the hidden states over that node (`input_node`) once it is
+  computed, so the first layer sees them exactly as sent.
 A chunk of n_batch positions is one llama_decode call and one ubatch; longer
 inputs are split into chunks whose captured rows are concatenated in order.
 
