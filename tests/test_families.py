@@ -1,7 +1,7 @@
 """Every proven model family, on tiny random-weight GGUFs written here (no download).
 
 For each family in dgr.backends.llama_arch.SHARD_RULES (llama, qwen2, qwen3,
-phi3, gemma, gemma2, gemma3):
+phi3, gemma, gemma2, gemma3), and a Mixtral-like llama with 4 experts:
 - in process, 2- and 3-way layer splits give the single node's greedy tokens
   and bit-identical logits (max |diff| 0.0), with a prompt longer than the
   sliding window of gemma2/gemma3; the splits cut inside their local/global
@@ -57,10 +57,12 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
-    return {
+    out = {
         arch: str(write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, sliding_window=WINDOW, seed=i))
         for i, arch in enumerate(FAMILIES)
     }
+    out["llama+moe"] = str(write_tiny_gguf(root / "tiny-llama-moe.gguf", "llama", n_layer=N_LAYER, n_expert=4, seed=9))
+    return out
 
 
 def _stages(path: str, sizes: list[int]) -> list[LlamaShardBackend]:
@@ -94,7 +96,7 @@ def test_families_are_the_proven_list():
     assert set(FAMILIES) == set(llama_arch.SHARD_RULES)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", [*FAMILIES, "llama+moe"])
 def test_splits_equal_single_node(arch, models, reference):
     prompt, ref = reference[arch]
     assert len(prompt) > 4 * WINDOW  # past every sliding window of the tiny gemmas

@@ -57,8 +57,9 @@ SHARD_RULES: dict[str, ShardRule] = {
     for r in (
         ShardRule(
             "llama",
-            "src/models/llama.cpp:108 (input unscaled), :224 (l_out), :37-46 (tied output), :66 (rope_freqs)",
-            notes="Llama 2/3, Mistral, SmolLM; rope_freqs kept as a global tensor",
+            "src/models/llama.cpp:108 (input unscaled), :224 (l_out), :37-46 (tied output), :66 (rope_freqs), "
+            ":79-82 + :196-216 (experts)",
+            notes="Llama 2/3, Mistral, SmolLM, Mixtral (experts are per-layer tensors); rope_freqs kept as a global tensor",
         ),
         ShardRule(
             "qwen2",

@@ -47,6 +47,7 @@ class TinySpec:
     n_ff: int = 128
     context: int = 512
     sliding_window: int = 8  # gemma2 / gemma3 only
+    n_expert: int = 0  # llama only: a Mixtral-like mixture of experts, 2 used per token
     gain: float = 3.0  # scale of each layer's output weights: layers, not the token's own embedding, decide
     swa_period: int | None = None  # gemma2 / gemma3: write this period (default: the loader's own)
     seed: int = 0
@@ -98,6 +99,11 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(1_000_000.0 if arch == "gemma3" else 10000.0)  # gemma3: its global layers
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    if spec.n_expert:
+        if arch != "llama":
+            raise ValueError("tiny mixtures of experts are written for llama only")
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(2)
     if arch.startswith("gemma"):
         w.add_key_length(hd)
         w.add_value_length(hd)
@@ -167,6 +173,12 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
             w.add_tensor(b + "post_attention_norm.weight", (spec.gain * (1 + 0.1 * rng.standard_normal(d))).astype(np.float32))
             w.add_tensor(b + "post_ffw_norm.weight", (spec.gain * (1 + 0.1 * rng.standard_normal(d))).astype(np.float32))
         norm(b + "ffn_norm.weight", d)
+        if spec.n_expert:  # llama.cpp's src/models/llama.cpp:79-82
+            f32(b + "ffn_gate_inp.weight", (spec.n_expert, d), s_in)
+            q8(b + "ffn_gate_exps.weight", (spec.n_expert, spec.n_ff, d), s_in)
+            q8(b + "ffn_up_exps.weight", (spec.n_expert, spec.n_ff, d), s_in)
+            q8(b + "ffn_down_exps.weight", (spec.n_expert, d, spec.n_ff), spec.gain * s_ff)
+            continue
         if arch == "phi3":
             q8(b + "ffn_up.weight", (2 * spec.n_ff, d), s_in)
         else:
