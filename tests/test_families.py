@@ -42,6 +42,7 @@ pytestmark = pytest.mark.llama
 N_NEW = 24
 N_LAYER = 6
 WINDOW = 8
+GEMMA_HEAD = 32
 SPLITS = ([3, 3], [1, 2, 3])  # gemma3's period is 6 and gemma2's 2: both cut inside them
 
 
@@ -57,8 +58,10 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
+    # Gemma 2/3 heads are wider than n_embd / n_head, as in the real ones (256 against 1152 / 4)
     out = {
-        arch: str(write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, sliding_window=WINDOW, seed=i))
+        arch: str(write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, sliding_window=WINDOW, seed=i,
+                                  head_dim=GEMMA_HEAD if arch in ("gemma2", "gemma3") else 0))
         for i, arch in enumerate(FAMILIES)
     }
     out["llama+moe"] = str(write_tiny_gguf(root / "tiny-llama-moe.gguf", "llama", n_layer=N_LAYER, n_expert=4, seed=9))
@@ -125,6 +128,18 @@ def test_controls_without_the_fixes_differ(models, reference, monkeypatch):
     prompt, ref = reference["gemma"]
     got = _greedy(_stages(models["gemma"], [3, 3]), prompt)
     assert float(np.max(np.abs(got.logits - ref.logits))) > 1e-3
+
+
+def test_kv_bytes_follow_the_head_width(models, reference):
+    prompt, _ = reference["gemma3"]
+    (tail,) = _stages(models["gemma3"], [N_LAYER])
+    try:
+        tail.open_session("s", len(prompt))
+        tail.forward("s", 0, np.array(prompt, np.int32), None, True)
+        # 6 layers x 2 KV heads x (K 32 + V 32) x f16, per position
+        assert tail.kv_bytes() == len(prompt) * N_LAYER * 2 * (GEMMA_HEAD + GEMMA_HEAD) * 2
+    finally:
+        tail.close()
 
 
 def test_injection_recovers_when_the_node_moves(models, reference):

@@ -522,10 +522,29 @@ class LlamaEngine:
         return int(perf.n_p_eval + perf.n_eval)
 
     def kv_bytes_per_position(self) -> int:
-        """KV bytes one position costs in this file's layers (f16 K and V)."""
+        """KV bytes one position costs in this file's layers (f16 K and V).
+
+        Head widths are `attention.key_length` / `value_length` where the file
+        sets them (Gemma: 256 where n_embd / n_head is not), else n_embd / n_head.
+        """
         lib = llama_lib()
-        head_dim = lib.llama_model_n_embd(self._model) // lib.llama_model_n_head(self._model)
-        return self.n_layer * 2 * lib.llama_model_n_head_kv(self._model) * head_dim * 2
+        default = lib.llama_model_n_embd(self._model) // lib.llama_model_n_head(self._model)
+        head_k = self._meta_int("attention.key_length") or default
+        head_v = self._meta_int("attention.value_length") or default
+        return self.n_layer * lib.llama_model_n_head_kv(self._model) * (head_k + head_v) * 2
+
+    def _meta_int(self, key: str) -> int:
+        """`{arch}.{key}` of the loaded model as an int; 0 when absent."""
+        lib, buf = llama_lib(), ctypes.create_string_buffer(128)
+        if lib.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf)) < 0:
+            return 0
+        key_full = f"{buf.value.decode()}.{key}".encode()
+        if lib.llama_model_meta_val_str(self._model, key_full, buf, len(buf)) < 0:
+            return 0
+        try:
+            return int(buf.value)
+        except ValueError:
+            return 0
 
     def close(self) -> None:
         """Free the context and the model. Idempotent."""

@@ -37,7 +37,7 @@ _TEMPLATE = (
 
 @attrs.frozen
 class TinySpec:
-    """The shape of a tiny model. head_dim = n_embd / n_head."""
+    """The shape of a tiny model. head_dim: n_embd / n_head unless given (Gemma's is wider)."""
 
     arch: str
     n_layer: int = 6
@@ -45,6 +45,7 @@ class TinySpec:
     n_head: int = 4
     n_head_kv: int = 2
     n_ff: int = 128
+    head_dim: int = 0
     context: int = 512
     sliding_window: int = 8  # gemma2 / gemma3 only
     n_expert: int = 0  # llama only: a Mixtral-like mixture of experts, 2 used per token
@@ -84,7 +85,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, scores, types = _vocab()
-    n_vocab, d, hd = len(tokens), spec.n_embd, spec.n_embd // spec.n_head
+    n_vocab, d, hd = len(tokens), spec.n_embd, spec.head_dim or spec.n_embd // spec.n_head
     q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -104,7 +105,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
             raise ValueError("tiny mixtures of experts are written for llama only")
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(2)
-    if arch.startswith("gemma"):
+    if arch.startswith("gemma") or spec.head_dim:
         w.add_key_length(hd)
         w.add_value_length(hd)
     if arch in ("gemma2", "gemma3"):
