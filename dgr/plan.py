@@ -377,6 +377,7 @@ class _Pricer:
 
     def __init__(self, layout: ModelLayout, params: PlanParams) -> None:
         self.n = layout.n_layers
+        self.whole_only = layout.whole_only
         self.pre = _Prefix.of(layout, params)
         # Per required kind, how many layers of it precede each index.
         self.kind_counts = []
@@ -403,14 +404,17 @@ class _Pricer:
 
     def valid(self, a: int, b: int) -> bool:
         """Whether [a, b) may be a shard: it holds every layer kind a shard must have
-        (ModelLayout.shard_needs) and starts where a shard may (ModelLayout.shard_starts)."""
+        (ModelLayout.shard_needs), starts where a shard may (ModelLayout.shard_starts), and is
+        the whole model where it runs only whole (ModelLayout.whole_only)."""
+        if self.whole_only and (a, b) != (0, self.n):
+            return False
         if self.starts is not None and a != 0 and a not in self.starts:
             return False
         return all(c[b] > c[a] for c in self.kind_counts)
 
     @property
     def constrained(self) -> bool:
-        return bool(self.kind_counts) or self.starts is not None
+        return bool(self.kind_counts) or self.starts is not None or bool(self.whole_only)
 
     def score(self, node: Node, a: int, b: int) -> float:
         return self.headroom(node, a, b) if self.valid(a, b) else -math.inf

@@ -193,8 +193,8 @@ class LayerInfo:
     """One transformer layer: its weight bytes, what a decode step reads, its KV."""
 
     index: int
-    # "attn": full attention; "swa" | "csa" | "hca": DeepSeek-V4; "full" | "share": glm-dsa
-    # indexer roles; "delta": a gated-delta-net (recurrent) layer of Qwen3.5
+    # "attn": full attention; "swa": sliding window (Gemma 2/3, DeepSeek-V4); "csa" | "hca": DeepSeek-V4;
+    # "full" | "share": glm-dsa indexer roles; "delta": a gated-delta-net (recurrent) layer of Qwen3.5
     kind: str
     weight_bytes: int
     active_bytes: int  # weight bytes one decode token reads (routed experts: the used share)
@@ -269,6 +269,9 @@ class ModelLayout:
     # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
     # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).
     shard_starts: frozenset[int] | None = None
+    # Non-empty: why this model runs only whole (llama.cpp switches a hparam by block count,
+    # dgr.backends.llama_arch.check_split: Gemma 2/3 27B).
+    whole_only: str = ""
 
     @property
     def needs_token_ids(self) -> bool:
@@ -276,6 +279,8 @@ class ModelLayout:
 
     def split_rule(self) -> str:
         """The constraints on where shards may be cut, in words (for refusals)."""
+        if self.whole_only:
+            return self.whole_only
         rules = []
         if self.shard_needs:
             rules.append(f"every shard must hold layers of kinds {sorted(self.shard_needs)}")
@@ -379,10 +384,13 @@ def kv_terms_for_layer(
     state_size wide) and the delta rule's state_size x inner_size matrix.
     The other layers ("attn") are full attention, priced as below.
 
-    Every other architecture is priced as full attention: K and V, one row
-    per token each, as wide as the layer's attn_k / attn_v output (which is
+    Every other architecture is priced as attention: K and V, one row per
+    token each, as wide as the layer's attn_k / attn_v output (which is
     head_count_kv x key/value_length), or from the metadata when the layer
-    has no separate attn_k / attn_v (fused QKV).
+    has no separate attn_k / attn_v (fused QKV). Gemma 2 and 3 layers that
+    llama.cpp makes sliding-window (dgr.backends.llama_arch.swa_layers: the
+    same per-layer pattern a shard file carries) are kind "swa", their K and V
+    a window of `attention.sliding_window` rows.
     """
     p = f"{arch}."
     if arch == "deepseek4":
@@ -425,10 +433,14 @@ def kv_terms_for_layer(
             KvTerm("conv_state", conv_dim, dtype="f32", fixed=d_conv - 1, pad=1),
             KvTerm("delta_state", d_state * d_inner, dtype="f32", fixed=1, pad=1),
         )
+    kind, rows = "attn", {"every": 1}
+    window = _swa_window(arch, meta, il)
+    if window:
+        kind, rows = "swa", {"window": window}
     shapes = {t.name.split(".", 2)[2]: t.shape for t in tensors}
     k_shape, v_shape = shapes.get("attn_k.weight"), shapes.get("attn_v.weight")
     if k_shape is not None and v_shape is not None:
-        return "attn", (KvTerm("k", k_shape[-1], every=1), KvTerm("v", v_shape[-1], every=1))
+        return kind, (KvTerm("k", k_shape[-1], **rows), KvTerm("v", v_shape[-1], **rows))
     if p + "attention.head_count" not in meta:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED, f"layer {il}: no attn_k/attn_v tensors and no {p}attention.head_count"
@@ -438,7 +450,27 @@ def kv_terms_for_layer(
     n_embd = _meta_int(meta, p + "embedding_length")
     k_len = _meta_int(meta, p + "attention.key_length", n_embd // n_head)
     v_len = _meta_int(meta, p + "attention.value_length", n_embd // n_head)
-    return "attn", (KvTerm("k", n_kv * k_len, every=1), KvTerm("v", n_kv * v_len, every=1))
+    return kind, (KvTerm("k", n_kv * k_len, **rows), KvTerm("v", n_kv * v_len, **rows))
+
+
+def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
+    """Layer il's sliding window as llama.cpp sets it (0: full attention).
+
+    gemma2: always SWA, window 4096 unless the file says (src/models/gemma2.cpp:4-12);
+    gemma3: SWA only with attention.sliding_window > 0 (src/models/gemma3.cpp:4-12).
+    """
+    from dgr.backends.llama_arch import SHARD_RULES, swa_layers
+
+    rule = SHARD_RULES.get(arch)
+    if rule is None or rule.swa_pattern is None:
+        return 0
+    p = f"{arch}."
+    window = int(meta.get(p + "attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if window <= 0:
+        return 0
+    n_layer = _meta_int(meta, p + "block_count")
+    flags = swa_layers(rule, n_layer, meta.get(p + "attention.sliding_window_pattern"))
+    return window if flags and flags[il] else 0
 
 
 # -- building a layout from (metadata, tensors) -------------------------------------
@@ -565,7 +597,24 @@ def build_layout(
         shard_starts=frozenset(layer.index for layer in layers if layer.kind == "full")
         if arch == "glm-dsa"
         else None,
+        whole_only=_whole_only(arch, meta, n_trunk, n_embd),
     )
+
+
+def _whole_only(arch: str, meta: Mapping[str, Any], n_layer: int, n_embd: int) -> str:
+    """Why a split of this model would compute wrongly in llama.cpp, or "" (see check_split)."""
+    from dgr.backends.llama_arch import SHARD_RULES, check_split
+
+    rule = SHARD_RULES.get(arch)
+    n_head = meta.get(f"{arch}.attention.head_count")
+    if rule is None or not isinstance(n_head, int) or n_head <= 0 or n_layer < 2:
+        return ""
+    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
+    try:
+        check_split(rule, n_layer, 0, 1, n_embd=n_embd, n_head=n_head, head_dim=head_dim)
+    except CallerError as exc:
+        return exc.message
+    return ""
 
 
 # -- llama.cpp CPU compute buffer for GGUF files ---------------------------------

@@ -114,7 +114,13 @@ async def run_up(args) -> None:
     n_layers = model_layer_count(args.backend, model, args.stub_model)
     if args.backend == "llama" and args.nodes != 1:
         raise CallerError(Reason.INVALID_REQUEST, "the llama backend serves a whole model: use --nodes 1, or llama_shard")
+    if args.backend == "llama_shard":  # refuse an architecture not proven for ranges before any process starts
+        from dgr.backends.llama_shard import check_shard_ranges
+
+        check_shard_ranges(model, [LayerRange(0, n_layers)])
     splits = route_splits(model, n_layers, args.nodes)
+    if args.backend == "llama_shard":
+        check_shard_ranges(model, splits)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):

@@ -145,14 +145,23 @@ def _tiny_gguf(path, arch: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("make", [LlamaBackend, lambda p: LlamaShardBackend(p, LayerRange(0, 1))])
-def test_refuses_other_architecture(tmp_path, make):
+def test_refuses_what_llama_cpp_cannot_load(tmp_path):
+    # any architecture is llama.cpp's call: a gemma file without its layers' tensors is refused by it
     path = tmp_path / "tiny-gemma.gguf"
     _tiny_gguf(path, "gemma")
     with pytest.raises(CallerError) as e:
-        make(path)
+        LlamaBackend(path)
     assert e.value.reason is Reason.MODEL_LOAD_FAILED
-    assert "'gemma'" in e.value.message and str(path) in e.value.message
+    assert str(path) in e.value.message and "'gemma'" in e.value.message
+
+
+def test_shard_refuses_unproven_architecture(tmp_path):
+    path = tmp_path / "tiny-starcoder2.gguf"
+    _tiny_gguf(path, "starcoder2")
+    with pytest.raises(CallerError) as e:
+        LlamaShardBackend(path, LayerRange(0, 1))
+    assert e.value.reason is Reason.MODEL_LOAD_FAILED
+    assert "'starcoder2'" in e.value.message and "proven for ranges" in e.value.message
 
 
 def test_refuses_bad_files(tmp_path):

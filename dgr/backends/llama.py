@@ -4,16 +4,13 @@
 bookkeeping, the architecture check and `describe()` are shared with
 `LlamaShardBackend` (dgr.backends.llama_shard) through `LlamaCppBackend`.
 
-Architectures: only `llama` is accepted. For it, the vendored llama.cpp of
-llama-cpp-python 0.3.36 was read (src/models/llama.cpp, src/llama-graph.cpp):
-- the input embedding is not scaled: `f_embedding_scale` is read only by
-  other architectures (granite, grok, minicpm, ...), and where it is set,
-  `build_inp_embd` scales `batch.embd` input too, which would scale twice on
-  a middle shard;
-- each layer ends with `cb(cur, "l_out", il)`, named `l_out-{il}`;
-- with no `output.weight`, the head is tied to `token_embd` (SmolLM2), so a
-  tail shard keeps token_embd, as every shard must anyway.
-Any other architecture is refused at load with CallerError(MODEL_LOAD_FAILED).
+Architectures: `LlamaBackend` serves whatever architecture the vendored
+llama.cpp loads, whole: it runs the file as llama-cpp-python would, with no
+layer tricks, and llama.cpp's own refusal (an unknown architecture, a broken
+file) becomes CallerError(MODEL_LOAD_FAILED). A layer range
+(`LlamaShardBackend`) runs only the architectures proven for ranges, each with
+its rule (dgr.backends.llama_arch: the layer-output node, input scaling,
+per-layer sliding-window pattern); any other is refused at node start.
 
 Sessions: a Route Session id maps to one llama.cpp seq_id of the engine's
 context; `max_sessions` seq_ids exist, each with `n_ctx` KV cells, all
@@ -31,6 +28,7 @@ import outcome
 
 from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ModelInfo, ShardBackend, Step
 from dgr.backends.gguf_text import GgufText, llama_lib
+from dgr.backends.llama_arch import ShardRule
 from dgr.backends.llama_engine import (
     DEFAULT_N_BATCH,
     GgufHeader,
@@ -44,35 +42,33 @@ from dgr.models import check_gguf_file
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_N_CTX",
-    "SUPPORTED_ARCHITECTURES",
     "LlamaBackend",
     "LlamaCppBackend",
-    "check_architecture",
+    "check_header",
     "default_threads",
 ]
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 DEFAULT_N_CTX = 2048
 DEFAULT_MAX_SESSIONS = 4
 
 
-def check_architecture(path: str | Path) -> GgufHeader:
-    """The GGUF's header, if llama.cpp backends may run its architecture.
+def check_header(path: str | Path) -> GgufHeader:
+    """The GGUF's header, if it names the layer count and width a llama.cpp backend reports.
+
+    Whether llama.cpp can run the architecture is its own call, at load.
 
     Raises:
-        CallerError(MODEL_LOAD_FAILED): missing, unreadable, not GGUF, or an
-        architecture whose graph was not checked (see the module docstring).
+        CallerError(MODEL_LOAD_FAILED): missing, unreadable, not GGUF, or no
+        block_count or embedding_length.
     """
     p = check_gguf_file(path)
     header = read_gguf_header(p)
-    if header.architecture not in SUPPORTED_ARCHITECTURES:
+    if header.n_layer <= 0 or header.n_embd <= 0:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED,
-            f"architecture {header.architecture!r} of {p} is not supported by the llama.cpp backends "
-            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
+            f"GGUF of architecture {header.architecture!r} lacks {header.architecture}.block_count or "
+            f"embedding_length: {p}",
         )
-    if header.n_layer <= 0 or header.n_embd <= 0 or header.context_length <= 0:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF lacks block_count, embedding_length or context_length: {p}")
     return header
 
 
@@ -98,7 +94,9 @@ class LlamaCppBackend(ShardBackend):
         max_sessions: int,
         n_batch: int,
         name: str | None,
+        rule: ShardRule | None = None,
     ) -> None:
+        """Load `engine_file` for `layers` of `source`; `rule` is the range's (None: the whole model)."""
         self.source = source
         self.header = header
         self.layers = layers
@@ -108,7 +106,10 @@ class LlamaCppBackend(ShardBackend):
         self._limits: dict[str, int] = {}  # Route Session id -> max_positions
         digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
         is_tail = layers.stop == header.n_layer  # self.info does not exist yet
-        self.text = GgufText.load(source) if (layers.start == 0 or is_tail) else None
+        try:
+            self.text = GgufText.load(source) if (layers.start == 0 or is_tail) else None
+        except CallerError as exc:
+            raise _naming_architecture(exc, header) from None
         try:
             self.engine = LlamaEngine.load(
                 engine_file,
@@ -117,10 +118,14 @@ class LlamaCppBackend(ShardBackend):
                 n_seq_max=max_sessions,
                 n_ctx_seq=n_ctx,
                 n_batch=n_batch,
+                layer_output=rule.layer_output if rule else "l_out",
+                input_node=rule.input_node if (rule and layers.start > 0) else None,
             )
-        except BaseException:
+        except BaseException as exc:
             if self.text is not None:
                 self.text.close()
+            if isinstance(exc, CallerError):
+                raise _naming_architecture(exc, header) from None
             raise
         self.info = ModelInfo(
             name=name or source.stem,
@@ -129,7 +134,7 @@ class LlamaCppBackend(ShardBackend):
             hidden_size=header.n_embd,
             seam_width=self.engine.n_embd,
             vocab_size=self.engine.n_vocab,
-            context_length=header.context_length,
+            context_length=header.context_length or self.engine.n_ctx_train,
             digest=digest,
             metadata={"quantization": sorted(header.tensor_types)},
         )
@@ -315,6 +320,11 @@ class LlamaCppBackend(ShardBackend):
         }
 
 
+def _naming_architecture(exc: CallerError, header: GgufHeader) -> CallerError:
+    """llama.cpp's refusal, with the architecture it refused: the first thing a user checks."""
+    return CallerError(exc.reason, f"architecture {header.architecture!r}: {exc.message}", **exc.details)
+
+
 def default_threads() -> int:
     """All cores; with several nodes on one machine pass cores / nodes instead."""
     return max(1, os.cpu_count() or 1)
@@ -342,7 +352,7 @@ class LlamaBackend(LlamaCppBackend):
             not GGUF, of an unsupported architecture, or refused by llama.cpp.
         """
         source = check_gguf_file(model).resolve()
-        header = check_architecture(source)
+        header = check_header(source)
         self._setup(
             source,
             header,

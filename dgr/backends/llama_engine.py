@@ -10,7 +10,11 @@ engine drives it through llama-cpp-python's ctypes module:
   returns False in its data phase, which stops the graph before the output
   norm and LM head; every row is marked as output, because llama.cpp keeps
   only output rows in the last layer (`inp_out_ids`);
-- on the tail, the logits of the last position are returned.
+- on the tail, the logits of the last position are returned;
+- on a non-head shard of an architecture whose builder transforms
+  `batch.embd` (Gemma and Gemma 2 scale it by sqrt(n_embd)), the same
+  callback writes the hidden states over that node (`input_node`) once it is
+  computed, so the first layer sees them exactly as sent.
 A chunk of n_batch positions is one llama_decode call and one ubatch; longer
 inputs are split into chunks whose captured rows are concatenated in order.
 
@@ -72,6 +76,7 @@ def ggml_lib() -> ctypes.CDLL:
         ("ggml_get_name", [vp], vp),  # a pointer, not bytes: used to find the name's offset
         ("ggml_nbytes", [vp], sz),
         ("ggml_backend_tensor_get", [vp, vp, sz, sz], None),
+        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
         ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
         ("gguf_init_from_file", [ctypes.c_char_p, _GgufInitParams], vp),
         ("gguf_free", [vp], None),
@@ -98,6 +103,9 @@ class GgufHeader:
     n_embd: int  # {arch}.embedding_length; 0 when absent
     context_length: int  # {arch}.context_length (training context); 0 when absent
     tensor_types: dict[str, int]  # ggml type name -> bytes of tensor data
+    n_head: int = 0  # {arch}.attention.head_count when a scalar; 0 when absent or per layer
+    head_dim: int = 0  # {arch}.attention.key_length; else n_embd / n_head; 0 when unknown
+    nextn_layers: int = 0  # {arch}.nextn_predict_layers: multi-token-prediction layers at the end
 
 
 def read_gguf_header(path: str | Path) -> GgufHeader:
@@ -122,12 +130,17 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
         types: Counter[str] = Counter()
         for i in range(g.gguf_get_n_tensors(ctx)):
             types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
+        n_embd = _int_key(ctx, f"{arch}.embedding_length")
+        n_head = _int_key(ctx, f"{arch}.attention.head_count")
         return GgufHeader(
             architecture=arch,
             n_layer=_int_key(ctx, f"{arch}.block_count"),
-            n_embd=_int_key(ctx, f"{arch}.embedding_length"),
+            n_embd=n_embd,
             context_length=_int_key(ctx, f"{arch}.context_length"),
             tensor_types=dict(types),
+            n_head=n_head,
+            head_dim=_int_key(ctx, f"{arch}.attention.key_length") or (n_embd // n_head if n_head else 0),
+            nextn_layers=_int_key(ctx, f"{arch}.nextn_predict_layers"),
         )
     finally:
         g.gguf_free(ctx)
@@ -154,37 +167,61 @@ DEFAULT_N_BATCH = 512
 
 @attrs.define(eq=False)
 class _Capture:
-    """cb_eval for a non-tail shard: capture one named tensor, then stop the graph.
+    """cb_eval for a shard: capture one named tensor then stop the graph, and/or inject the input.
+
+    Capture (non-tail): the node `target` (the layer output of the file's
+    last layer) is copied out and the graph stops there.
+    Inject (non-head, architectures whose builder transforms batch.embd,
+    dgr.backends.llama_arch): once the node `inject` has been computed, the
+    chunk's hidden states are written over it, so the first layer sees them
+    exactly as the previous shard produced them.
 
     The ask phase runs for every graph node, in order, before any of them is
     computed (ggml-backend.cpp, ggml_backend_sched_compute_splits), about 31
     times per layer, so it must be cheap. Reading a node's name from Python
-    costs about 0.5 us, so the address of the target node is learned by name
-    once and then compared as an int; llama.cpp builds each graph the same
-    way into the same memory, so it stays put. If it ever moves, the data
-    phase sees a wrong name and goes on by name, or nothing is captured and
+    costs about 0.5 us, so the address of each node is learned by name once
+    and then compared as an int; llama.cpp builds each graph the same way into
+    the same memory, so it stays put. If it ever moves, the data phase sees a
+    wrong name and goes on by name, or nothing is captured (or injected) and
     the engine recomputes that chunk by name (`misses` counts it).
     """
 
-    target: bytes  # b"l_out-{il}\0": with the NUL, l_out-2 never matches l_out-29
+    target: bytes | None  # b"l_out-{il}\0": with the NUL, l_out-2 never matches l_out-29
+    inject: bytes | None = None  # b"inp_scaled\0"
     captured: list[np.ndarray] = attrs.field(factory=list)  # float32 [rows * n_embd] per ubatch
-    known: list[int] = attrs.field(factory=lambda: [0])  # [address of the target node], 0 = unknown
+    known: list[int] = attrs.field(factory=lambda: [0, 0])  # addresses of [target, inject] nodes, 0 = unknown
+    feed: list[Any] = attrs.field(factory=lambda: [None])  # [float32 [m, n_embd] of this chunk] while injecting
+    injected: list[int] = attrs.field(factory=lambda: [0])  # chunks whose input was written; -1: wrong size
     misses: int = 0
     cfunc: Any = None  # the ctypes callback object: llama.cpp keeps a raw pointer to it
 
     def __attrs_post_init__(self) -> None:
         g = ggml_lib()
         name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
-        target, n, known, captured = self.target, len(self.target), self.known, self.captured
-        string_at, nbytes, tensor_get = ctypes.string_at, g.ggml_nbytes, g.ggml_backend_tensor_get
+        target, inject = self.target or b"", self.inject or b""
+        n, ni = len(target), len(inject)
+        known, captured, feed, injected = self.known, self.captured, self.feed, self.injected
+        string_at, nbytes = ctypes.string_at, g.ggml_nbytes
+        tensor_get, tensor_set = g.ggml_backend_tensor_get, g.ggml_backend_tensor_set
 
         def cb(t: int, ask: bool, _user: int) -> bool:
             if ask:
-                if known[0]:
-                    return t == known[0]
-                return string_at(t + name_off, n) == target
-            if string_at(t + name_off, n) != target:
-                known[0] = 0  # another node lives there now: keep computing, look by name
+                if t == known[0] or t == known[1]:
+                    return True
+                if n and not known[0] and string_at(t + name_off, n) == target:
+                    return True
+                return bool(ni and not known[1] and feed[0] is not None and string_at(t + name_off, ni) == inject)
+            if ni and feed[0] is not None and string_at(t + name_off, ni) == inject:
+                known[1] = t
+                rows = feed[0]
+                if ctypes.c_int.from_address(t).value != _GGML_TYPE_F32 or nbytes(t) != rows.nbytes:
+                    injected[0] = -1  # the engine reports it
+                    return False
+                tensor_set(t, rows.ctypes.data, 0, rows.nbytes)
+                injected[0] += 1
+                return True
+            if not n or string_at(t + name_off, n) != target:
+                known[0] = known[1] = 0  # another node lives there now: keep computing, look by name
                 return True
             known[0] = t
             if ctypes.c_int.from_address(t).value != _GGML_TYPE_F32:
@@ -232,8 +269,15 @@ class LlamaEngine:
         n_seq_max: int,
         n_ctx_seq: int,
         n_batch: int = DEFAULT_N_BATCH,
+        layer_output: str = "l_out",
+        input_node: str | None = None,
     ) -> LlamaEngine:
         """Load the GGUF at `path` and make its context.
+
+        `layer_output` names the node a non-tail shard captures
+        (`{layer_output}-{n_layer-1}`); `input_node`, for a non-head shard
+        whose builder transforms batch.embd, the node its hidden states are
+        written over (dgr.backends.llama_arch).
 
         Raises:
             CallerError(MODEL_LOAD_FAILED): llama.cpp refused the file.
@@ -247,7 +291,9 @@ class LlamaEngine:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
         n_layer = lib.llama_model_n_layer(model)
         n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-        capture = _Capture(f"l_out-{n_layer - 1}".encode() + b"\0") if hidden_out else None
+        target = f"{layer_output}-{n_layer - 1}".encode() + b"\0" if hidden_out else None
+        inject = input_node.encode() + b"\0" if input_node else None
+        capture = _Capture(target, inject) if (target or inject) else None
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx_seq * n_seq_max
         cparams.n_seq_max = n_seq_max
@@ -375,18 +421,12 @@ class LlamaEngine:
             if i + m == n and want_logits and not self.hidden_out:
                 b["logits"][m - 1] = 1
             batch = self._llama_batch(m, None if embd is None else embd[i : i + m])
-            self._decode(seq, pos0 + i, m, batch)
             if self._capture is not None:
-                rows = self._take_hidden(m)
-                if rows is None:  # the target node moved: undo this chunk, look by name
-                    self._capture.misses += 1
-                    self._capture.known[0] = 0
-                    llama_lib().llama_memory_seq_rm(self._mem, seq, pos0 + i, -1)
-                    self._decode(seq, pos0 + i, m, batch)
-                    rows = self._take_hidden(m)
-                if rows is None:
-                    raise PeerError(Reason.INTERNAL, f"l_out-{self.n_layer - 1} was not captured")
-                parts.append(rows)
+                rows = self._capture_chunk(seq, pos0 + i, m, batch, None if embd is None else embd[i : i + m])
+                if rows is not None:
+                    parts.append(rows)
+            else:
+                self._decode(seq, pos0 + i, m, batch)
             self._n_pos[seq] = pos0 + i + m
             self._evaluated[seq] = self._evaluated.get(seq, 0) + m
         if self.hidden_out:
@@ -500,6 +540,33 @@ class LlamaEngine:
             reason = Reason.NODE_AT_CAPACITY if rc == 1 else Reason.INTERNAL
             raise PeerError(reason, f"llama_decode failed ({rc}) on seq {seq}: {llama_log_tail()}")
 
+    def _capture_chunk(self, seq: int, pos: int, m: int, batch: Any, feed: np.ndarray | None) -> np.ndarray | None:
+        """llama_decode one chunk with the callback: hidden rows out (non-tail), input injected (if set).
+
+        Returns float32 [m, n_embd] on a non-tail shard, else None.
+        """
+        cap = self._capture
+        inject = cap.inject is not None and feed is not None
+        cap.feed[0] = feed
+        try:
+            for attempt in range(2):
+                cap.injected[0] = 0
+                self._decode(seq, pos, m, batch)
+                if cap.injected[0] < 0:
+                    raise PeerError(Reason.INTERNAL, f"{cap.inject!r} is not float32 [{m}, {self.n_embd}]")
+                rows = self._take_hidden(m) if self.hidden_out else None
+                if (rows is not None or not self.hidden_out) and (cap.injected[0] == 1 or not inject):
+                    return rows
+                # a node moved: undo this chunk, look by name
+                cap.misses += 1
+                cap.known[0] = cap.known[1] = 0
+                cap.captured.clear()
+                llama_lib().llama_memory_seq_rm(self._mem, seq, pos, -1)
+            what = f"l_out-{self.n_layer - 1} was not captured" if self.hidden_out else "the input was not injected"
+            raise PeerError(Reason.INTERNAL, what)
+        finally:
+            cap.feed[0] = None
+
     def _take_hidden(self, m: int) -> np.ndarray | None:
         """The rows captured by one llama_decode, one piece per ubatch, in order: float32 [m, n_embd].
 
@@ -549,10 +616,29 @@ class LlamaEngine:
         return int(perf.n_p_eval + perf.n_eval)
 
     def kv_bytes_per_position(self) -> int:
-        """KV bytes one position costs in this file's layers (f16 K and V)."""
+        """KV bytes one position costs in this file's layers (f16 K and V).
+
+        Head widths are `attention.key_length` / `value_length` where the file
+        sets them (Gemma: 256 where n_embd / n_head is not), else n_embd / n_head.
+        """
         lib = llama_lib()
-        head_dim = lib.llama_model_n_embd(self._model) // lib.llama_model_n_head(self._model)
-        return self.n_layer * 2 * lib.llama_model_n_head_kv(self._model) * head_dim * 2
+        default = lib.llama_model_n_embd(self._model) // lib.llama_model_n_head(self._model)
+        head_k = self._meta_int("attention.key_length") or default
+        head_v = self._meta_int("attention.value_length") or default
+        return self.n_layer * lib.llama_model_n_head_kv(self._model) * (head_k + head_v) * 2
+
+    def _meta_int(self, key: str) -> int:
+        """`{arch}.{key}` of the loaded model as an int; 0 when absent."""
+        lib, buf = llama_lib(), ctypes.create_string_buffer(128)
+        if lib.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf)) < 0:
+            return 0
+        key_full = f"{buf.value.decode()}.{key}".encode()
+        if lib.llama_model_meta_val_str(self._model, key_full, buf, len(buf)) < 0:
+            return 0
+        try:
+            return int(buf.value)
+        except ValueError:
+            return 0
 
     def close(self) -> None:
         """Free the context and the model. Idempotent."""

@@ -21,15 +21,41 @@ from dgr.backends.llama import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_N_CTX,
     LlamaCppBackend,
-    check_architecture,
+    check_header,
     default_threads,
 )
-from dgr.backends.llama_engine import DEFAULT_N_BATCH
+from dgr.backends.llama_arch import ShardRule, check_split, shard_rule
+from dgr.backends.llama_engine import DEFAULT_N_BATCH, GgufHeader
 from dgr.backends.shardfile import shard_path
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 
-__all__ = ["LlamaShardBackend"]
+__all__ = ["LlamaShardBackend", "check_shard_ranges"]
+
+
+def check_shard_ranges(model: str | Path, ranges: list[LayerRange]) -> tuple[GgufHeader, ShardRule]:
+    """The model's header and range rule, if every range of `ranges` may run as a shard.
+
+    `dgr up` calls this before it starts any process; each node again at start.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): unreadable file, an architecture not
+        proven for ranges (the message names it and what is missing), a range
+        past the last layer, or one that changes a size-typed hparam.
+    """
+    source = check_gguf_file(model)
+    header = check_header(source)
+    rule = shard_rule(header.architecture, nextn_layers=header.nextn_layers)
+    for layers in ranges:
+        if layers.stop > header.n_layer:
+            raise CallerError(
+                Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
+            )
+        check_split(
+            rule, header.n_layer, layers.start, layers.stop,
+            n_embd=header.n_embd, n_head=header.n_head, head_dim=header.head_dim,
+        )
+    return header, rule
 
 
 class LlamaShardBackend(LlamaCppBackend):
@@ -56,15 +82,13 @@ class LlamaShardBackend(LlamaCppBackend):
 
         Raises:
             CallerError(MODEL_LOAD_FAILED): the file is missing, unreadable,
-            not GGUF, of an unsupported architecture, the range does not fit
-            its layers, or llama.cpp refused the shard.
+            not GGUF, of an architecture not proven for ranges
+            (dgr.backends.llama_arch; the message names it and what is
+            missing), the range does not fit its layers, or llama.cpp refused
+            the shard.
         """
         source = check_gguf_file(model).resolve()
-        header = check_architecture(source)
-        if layers.stop > header.n_layer:
-            raise CallerError(
-                Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
-            )
+        header, rule = check_shard_ranges(source, [layers])
         whole = layers == LayerRange(0, header.n_layer)
         engine_file = source if whole else shard_path(source, layers, root=cache_root)
         self._setup(
@@ -77,4 +101,5 @@ class LlamaShardBackend(LlamaCppBackend):
             max_sessions=max_sessions,
             n_batch=n_batch,
             name=name,
+            rule=rule,
         )

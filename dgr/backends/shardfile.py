@@ -9,7 +9,13 @@ so a shard is a real GGUF file derived from the full one:
   non-layer tensors (token_embd, output_norm, output, rope_freqs) are kept,
   because the loader requires them and silently mis-computes RoPE without
   rope_freqs; the loader also rejects any extra tensor, so nothing else stays;
-- tensor bytes are copied verbatim: quantized blocks need no re-encoding.
+- tensor bytes are copied verbatim: quantized blocks need no re-encoding;
+- for an architecture whose loader assigns sliding-window layers by a period
+  of the *local* layer index (Gemma 2 and 3; dgr.backends.llama_arch), the
+  source's per-layer pattern is written as a bool array sliced to [a, b), in
+  the key the loader reads first (`{arch}.attention.sliding_window_pattern`,
+  src/llama-model.cpp:3434-3441), so layer a of a shard keeps the kind (and
+  RoPE base) it has in the whole model whatever the split.
 
 Shard files live in a cache dir (`$DGR_CACHE_DIR`, else ~/.cache/dgr/shards),
 named by the source's sha256 and the range, so a changed source gets new
@@ -32,6 +38,7 @@ from pathlib import Path
 import gguf
 
 from dgr.backends.base import LayerRange
+from dgr.backends.llama_arch import SHARD_RULES, swa_layers
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 from dgr.progress import NullProgress, Progress
@@ -39,7 +46,7 @@ from dgr.progress import NullProgress, Progress
 __all__ = ["SHARD_FORMAT", "cache_dir", "file_sha256", "remember_sha256", "shard_path", "write_shard"]
 
 # Bump when the shard layout changes, so old cached shards are not reused.
-SHARD_FORMAT = 1
+SHARD_FORMAT = 2
 _CHUNK = 1 << 20
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -210,10 +217,18 @@ def _copy_metadata(
     reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch: str, n_layer: int, layers: LayerRange
 ) -> None:
     prefix = f"{arch}."
+    pattern_key = f"{prefix}attention.sliding_window_pattern"
+    rule = SHARD_RULES.get(arch)
+    swa = None
+    if rule is not None:
+        field = reader.fields.get(pattern_key)
+        swa = swa_layers(rule, n_layer, None if field is None else field.contents())
     for field in reader.fields.values():
         # GGUF.* are virtual; general.architecture is written by GGUFWriter itself.
         if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
             continue
+        if swa is not None and field.name == pattern_key:
+            continue  # written below, per layer
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value = field.contents()
@@ -223,6 +238,10 @@ def _copy_metadata(
             # Per-layer arrays (llama.cpp's get_key_or_arr(..., n_layer_all)).
             value = value[layers.start : layers.stop]
         writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+    if swa is not None:
+        writer.add_key_value(
+            pattern_key, swa[layers.start : layers.stop], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
+        )
     # Provenance only; llama.cpp ignores keys it does not know.
     writer.add_uint32("dgr.shard.layer_start", layers.start)
     writer.add_uint32("dgr.shard.layer_stop", layers.stop)

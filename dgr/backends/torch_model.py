@@ -1,4 +1,4 @@
-"""Llama-family transformer layers [a, b) in plain PyTorch, weights from a GGUF file.
+"""Llama, Qwen 2 and Qwen 3 transformer layers [a, b) in plain PyTorch, weights from a GGUF file.
 
 Why it exists: dgr's reference backend. It is small enough to read in one
 sitting and proves the cache semantics the real backends must keep: each
@@ -22,11 +22,21 @@ Rules that make it agree with llama.cpp:
   where freq_scale = 1/rope.scaling.factor for linear scaling and ff are the
   optional `rope_freqs.weight` factors (Llama 3). Dims past rope_dims pass
   through unrotated, as in ggml_rope.
+- Qwen 2 and 3 use llama.cpp's NEOX rope (LLAMA_ROPE_TYPE_NEOX,
+  src/llama-model.cpp llama_model_rope_type): it rotates (x[i], x[i + r/2]),
+  the halves, as HF does; their GGUF weights are not permuted.
+- Qwen 2 adds Q/K/V biases (src/models/qwen2.cpp); Qwen 3 RMS-normalises each
+  query and key head before RoPE (src/models/qwen3.cpp:88-95).
 - Query head h reads KV head h // (n_heads // n_kv_heads).
 - RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
+- Layer il of the file is layer il of the model: the reference follows
+  llama.cpp's numbering (blk.{il}), so a shard [a, b) reads blk.a..b-1.
 
 Left out, and refused at load with MODEL_LOAD_FAILED: YaRN and longrope
-scaling, attention biases, mixture of experts, architectures other than llama.
+scaling, biases outside Qwen 2's Q/K/V, mixture of experts, and
+architectures other than llama, qwen2 and qwen3 (Gemma's input scaling,
+sliding windows and soft-capping, Phi 3's fused tensors: llama.cpp runs them,
+the reference does not yet).
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from dgr.errors import CallerError, Reason
 
 __all__ = ["KVCache", "ModelArgs", "ShardModel", "apply_rope", "load_shard"]
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -74,6 +84,9 @@ class ModelArgs:
     attn_scale: float
     context_length: int
     vocab_size: int
+    rope_neox: bool = False  # rotate halves (qwen2, qwen3), not consecutive pairs (llama)
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> ModelArgs:
@@ -113,6 +126,9 @@ class ModelArgs:
             attn_scale=float(meta("attention.scale", 0.0)) or 1.0 / math.sqrt(head_dim),
             context_length=int(meta("context_length")),
             vocab_size=int(vocab),
+            rope_neox=arch in ("qwen2", "qwen3"),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
         )
 
 
@@ -147,16 +163,19 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate consecutive pairs of the first rope_dims dims (llama.cpp's NORM rope).
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, neox: bool = False) -> Tensor:
+    """Rotate pairs of the first rope_dims dims: consecutive (NORM rope) or halves (NEOX rope).
 
     x: [n, heads, head_dim]; cos, sin: [n, rope_dims // 2]
     """
     n, heads, _ = x.shape
     r = 2 * cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, r/2]
+    if neox:
+        x0, x1 = x[..., : r // 2], x[..., r // 2 : r]  # [n, h, r/2]
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos, x[..., r:]), dim=-1)  # [n, h, head_dim]
     pairs = x[..., :r].reshape(n, heads, r // 2, 2)  # [n, h, r/2, 2]
     x0, x1 = pairs[..., 0], pairs[..., 1]  # [n, h, r/2]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, r/2]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)  # [n, h, r]
     return torch.cat((rotated, x[..., r:]), dim=-1)  # [n, h, head_dim]
 
@@ -165,18 +184,24 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: Tensor, pos0: int, cos: Tensor, sin: Tensor, mask: Tensor,
                 k_cache: Tensor, v_cache: Tensor) -> Tensor:
         # x: [n, dim]; mask: [n, T] with T = pos0 + n; k_cache, v_cache: [KV, max_positions, hd]
         a, n = self.args, x.shape[0]
         kv, group, hd = a.n_kv_heads, a.n_heads // a.n_kv_heads, a.head_dim
-        q = apply_rope(self.wq(x).view(n, a.n_heads, hd), cos, sin)  # [n, H, hd]
-        k = apply_rope(self.wk(x).view(n, kv, hd), cos, sin)  # [n, KV, hd]
+        q = self.wq(x).view(n, a.n_heads, hd)  # [n, H, hd]
+        k = self.wk(x).view(n, kv, hd)  # [n, KV, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE
+        q = apply_rope(q, cos, sin, a.rope_neox)
+        k = apply_rope(k, cos, sin, a.rope_neox)
         v = self.wv(x).view(n, kv, hd)  # [n, KV, hd]
         end = pos0 + n
         k_cache[:, pos0:end] = k.transpose(0, 1)  # written in place: never computed again
@@ -257,7 +282,7 @@ class ShardModel(nn.Module):
         return self.output(self.norm(h))
 
 
-def _gguf_names(layers: LayerRange, is_head: bool, is_tail: bool) -> dict[str, str]:
+def _gguf_names(layers: LayerRange, is_head: bool, is_tail: bool, args: ModelArgs) -> dict[str, str]:
     """GGUF tensor name -> ShardModel parameter name, for this shard only."""
     names = {"rope_freqs.weight": "rope_inv_ff"}
     if is_head:
@@ -270,9 +295,14 @@ def _gguf_names(layers: LayerRange, is_head: bool, is_tail: bool) -> dict[str, s
         "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
         "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
     }
+    if args.qk_norm:
+        per_block |= {"attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm"}
     for j, i in enumerate(range(layers.start, layers.stop)):
         for src, dst in per_block.items():
             names[f"blk.{i}.{src}.weight"] = f"layers.{j}.{dst}.weight"
+        if args.qkv_bias:
+            for src in ("q", "k", "v"):
+                names[f"blk.{i}.attn_{src}.bias"] = f"layers.{j}.attention.w{src}.bias"
     return names
 
 
@@ -289,11 +319,12 @@ def load_shard(path: str | Path, layers: LayerRange) -> ShardModel:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"layers {layers} exceed the model's {args.n_layers}")
     with torch.device("meta"):
         model = ShardModel(args, layers)
-    wanted = _gguf_names(layers, model.is_head, model.is_tail)
+    wanted = _gguf_names(layers, model.is_head, model.is_tail, args)
     tied = model.is_tail and not any(t.name == "output.weight" for t in reader.tensors)
     state: dict[str, Tensor] = {"rope_inv_ff": torch.ones(args.rope_dims // 2)}
     for t in reader.tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".bias"):
+        qkv_bias = args.qkv_bias and t.name.split(".")[2:3] in (["attn_q"], ["attn_k"], ["attn_v"])
+        if t.name.startswith("blk.") and t.name.endswith(".bias") and not qkv_bias:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"torch backend has no biases ({t.name})")
         if t.name not in wanted and not (tied and t.name == "token_embd.weight"):
             continue

@@ -1,0 +1,336 @@
+"""Every proven model family, on tiny random-weight GGUFs written here (no download).
+
+For each family in dgr.backends.llama_arch.SHARD_RULES (llama, qwen2, qwen3,
+phi3, gemma, gemma2, gemma3), and a Mixtral-like llama with 4 experts:
+- in process, 2- and 3-way layer splits give the single node's greedy tokens
+  and bit-identical logits (max |diff| 0.0), with a prompt longer than the
+  sliding window of gemma2/gemma3; the splits cut inside their local/global
+  period;
+- controls: the same splits without the per-layer sliding-window pattern
+  (gemma2, gemma3) or without the input injection (gemma, gemma2) give other
+  logits, so the checks above see the features they test;
+- through real `dgr up --backend llama` processes, greedy text equals
+  llama-cpp-python's own `create_completion` on the same file;
+- a real 2-node `dgr up --backend llama_shard` on gemma3 picks a split inside
+  its period and answers as llama-cpp-python does;
+- the torch reference, split in llama.cpp's numbering, matches llama.cpp on
+  f32 weights for llama, qwen2 and qwen3;
+- refusals: architectures not proven for ranges are refused at node start,
+  naming the architecture and what is missing;
+- the planner prices gemma3's local layers as a window and its global layers
+  as full context.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import openai
+import pytest
+
+from dgr.backends import llama_arch
+from dgr.backends.base import LayerRange
+from dgr.backends.llama import LlamaBackend
+from dgr.backends.llama_shard import LlamaShardBackend
+from dgr.errors import CallerError, Reason
+from dgr.pipeline import Pipeline
+from dgr.testing.harness import LocalRoute
+from dgr.testing.tiny_gguf import FAMILIES, tiny_prompt, write_tiny_gguf
+
+pytestmark = pytest.mark.llama
+
+N_NEW = 24
+N_LAYER = 6
+WINDOW = 8
+GEMMA_HEAD = 32
+SPLITS = ([3, 3], [1, 2, 3])  # gemma3's period is 6 and gemma2's 2: both cut inside them
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("dgr-cache")
+    mp.setenv("DGR_CACHE_DIR", str(root))
+    yield root
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    # Gemma 2/3 heads are wider than n_embd / n_head, as in the real ones (256 against 1152 / 4)
+    out = {
+        arch: str(write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, sliding_window=WINDOW, seed=i,
+                                  head_dim=GEMMA_HEAD if arch in ("gemma2", "gemma3") else 0))
+        for i, arch in enumerate(FAMILIES)
+    }
+    out["llama+moe"] = str(write_tiny_gguf(root / "tiny-llama-moe.gguf", "llama", n_layer=N_LAYER, n_expert=4, seed=9))
+    return out
+
+
+def _stages(path: str, sizes: list[int]) -> list[LlamaShardBackend]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(LlamaShardBackend(path, LayerRange(at, at + n), n_threads=1, n_ctx=256, max_sessions=1))
+        at += n
+    return out
+
+
+def _greedy(stages, prompt):
+    try:
+        return Pipeline(stages).generate_greedy(prompt, N_NEW, keep_logits=True)
+    finally:
+        for s in stages:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Per family: the prompt ids and the single node's greedy decode with logits."""
+    out = {}
+    for arch, path in models.items():
+        full = LlamaBackend(path, n_threads=1, n_ctx=256, max_sessions=1)
+        prompt = full.tokenize(tiny_prompt(), add_special=True, parse_special=False)
+        out[arch] = (prompt, _greedy([full], prompt))
+    return out
+
+
+def test_families_are_the_proven_list():
+    assert set(FAMILIES) == set(llama_arch.SHARD_RULES)
+
+
+@pytest.mark.parametrize("arch", [*FAMILIES, "llama+moe"])
+def test_splits_equal_single_node(arch, models, reference):
+    prompt, ref = reference[arch]
+    assert len(prompt) > 4 * WINDOW  # past every sliding window of the tiny gemmas
+    assert len(set(ref.tokens)) > 2  # a real continuation, not one token repeated
+    for sizes in SPLITS:
+        got = _greedy(_stages(models[arch], sizes), prompt)
+        diff = float(np.max(np.abs(got.logits - ref.logits)))
+        print(f"{arch} split {sizes}: max |diff| over {N_NEW} steps: {diff}")
+        assert got.tokens == ref.tokens, sizes
+        assert diff == 0.0, sizes
+
+
+def test_controls_without_the_fixes_differ(models, reference, monkeypatch):
+    """Each fix matters: take it away and the same split computes something else."""
+    # gemma3 / gemma2: a shard file that renumbers blocks without the per-layer pattern
+    monkeypatch.setattr("dgr.backends.shardfile.swa_layers", lambda *a: None)
+    monkeypatch.setattr("dgr.backends.shardfile.SHARD_FORMAT", 99)  # other cached files
+    for arch in ("gemma3", "gemma2"):
+        prompt, ref = reference[arch]
+        got = _greedy(_stages(models[arch], [3, 3]), prompt)
+        assert float(np.max(np.abs(got.logits - ref.logits))) > 1e-3, arch
+    monkeypatch.undo()
+    # gemma: no input injection, so the tail scales the residual stream by sqrt(n_embd) again
+    rule = llama_arch.SHARD_RULES["gemma"]
+    monkeypatch.setitem(llama_arch.SHARD_RULES, "gemma", llama_arch.ShardRule("gemma", rule.source))
+    prompt, ref = reference["gemma"]
+    got = _greedy(_stages(models["gemma"], [3, 3]), prompt)
+    assert float(np.max(np.abs(got.logits - ref.logits))) > 1e-3
+
+
+def test_kv_bytes_follow_the_head_width(models, reference):
+    prompt, _ = reference["gemma3"]
+    (tail,) = _stages(models["gemma3"], [N_LAYER])
+    try:
+        tail.open_session("s", len(prompt))
+        tail.forward("s", 0, np.array(prompt, np.int32), None, True)
+        # 6 layers x 2 KV heads x (K 32 + V 32) x f16, per position
+        assert tail.kv_bytes() == len(prompt) * N_LAYER * 2 * (GEMMA_HEAD + GEMMA_HEAD) * 2
+    finally:
+        tail.close()
+
+
+def test_injection_recovers_when_the_node_moves(models, reference):
+    prompt, ref = reference["gemma2"]
+    stages = _stages(models["gemma2"], [3, 3])
+    stages[1].engine._capture.known[1] = 1  # an address no graph node has: the injection misses once
+    misses = [s.engine for s in stages]
+    got = _greedy(stages, prompt)
+    assert got.tokens == ref.tokens and float(np.max(np.abs(got.logits - ref.logits))) == 0.0
+    assert [e.capture_misses() for e in misses] == [0, 1]
+
+
+def test_shard_file_carries_the_pattern(models, cache_dir):
+    from dgr.backends.shardfile import shard_path
+
+    path = shard_path(models["gemma3"], LayerRange(3, 6))
+    r = gguf.GGUFReader(path)
+    assert r.fields["gemma3.block_count"].contents() == 3
+    # source layers 3, 4, 5 of period 6: local, local, global
+    assert r.fields["gemma3.attention.sliding_window_pattern"].contents() == [True, True, False]
+
+
+def _tiny_header_only(path, arch: str, **ints) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(4)
+    w.add_context_length(16)
+    w.add_embedding_length(8)
+    for k, v in ints.items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "ints", "says"),
+    [
+        ("granite", {}, "f_embedding_scale"),
+        ("phimoe", {}, "l_out"),
+        ("deepseek4", {}, "deepseek-v4-flash.md"),
+        ("starcoder2", {}, "not checked"),
+        ("qwen3", {"nextn_predict_layers": 1}, "multi-token-prediction"),
+    ],
+)
+def test_unproven_architectures_are_refused_at_node_start(tmp_path, arch, ints, says):
+    path = tmp_path / f"{arch}.gguf"
+    _tiny_header_only(path, arch, **ints)
+    with pytest.raises(CallerError) as e:
+        LlamaShardBackend(path, LayerRange(0, 2))
+    assert e.value.reason is Reason.MODEL_LOAD_FAILED
+    assert f"'{arch}'" in e.value.message and says in e.value.message
+    assert "--backend llama serves it whole" in e.value.message
+
+
+def test_size_typed_layer_counts_are_refused():
+    rule = llama_arch.SHARD_RULES["gemma3"]
+    # Gemma 3 27B: 62 layers, 5376 wide, 32 heads of 128: the loader's scale follows the block count
+    with pytest.raises(CallerError) as e:
+        llama_arch.check_split(rule, 62, 0, 31, n_embd=5376, n_head=32, head_dim=128)
+    assert "'gemma3'" in e.value.message and "attention scale" in e.value.message
+    llama_arch.check_split(rule, 62, 0, 62, n_embd=5376, n_head=32, head_dim=128)  # whole: fine
+    llama_arch.check_split(rule, 26, 0, 13, n_embd=1152, n_head=4, head_dim=256)  # 1B: fine
+
+
+def test_plan_prices_local_and_global_layers(models):
+    from dgr.plan_layout import layout_from_gguf
+
+    layout = layout_from_gguf(models["gemma3"])
+    kinds = [layer.kind for layer in layout.layers]
+    assert kinds == ["swa"] * 5 + ["attn"]
+    assert all(t.window == WINDOW for t in layout.layers[0].kv)
+    assert all(t.every == 1 for t in layout.layers[5].kv)
+    g2 = [layer.kind for layer in layout_from_gguf(models["gemma2"]).layers]
+    assert g2 == ["swa", "attn"] * 3
+    assert {layer.kind for layer in layout_from_gguf(models["qwen3"]).layers} == {"attn"}
+
+
+# -- real processes ------------------------------------------------------------------
+
+
+def _client(route: LocalRoute) -> openai.OpenAI:
+    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120)
+
+
+def _route(model: str, backend: str, nodes: int) -> LocalRoute:
+    return LocalRoute(backend=backend, nodes=nodes, extra=("--model", model, "--ctx", "256", "--threads", "1"),
+                      ready_timeout_s=120)
+
+
+def _create_completion(path: str) -> dict:
+    """llama-cpp-python's own greedy completion of the tiny prompt: the reference."""
+    from llama_cpp import Llama
+
+    direct = Llama(path, n_ctx=256, n_threads=1, n_batch=512, verbose=False, seed=0)
+    try:
+        return direct.create_completion(tiny_prompt(), max_tokens=N_NEW, temperature=0.0, top_k=1)
+    finally:
+        direct.close()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_dgr_up_llama_equals_create_completion(arch, models):
+    out = _create_completion(models[arch])
+    with _route(models[arch], "llama", 1) as r:
+        listed = _client(r).models.list().data
+        resp = _client(r).completions.create(model=listed[0].id, prompt=tiny_prompt(), max_tokens=N_NEW,
+                                             temperature=0)
+    assert resp.choices[0].text == out["choices"][0]["text"]
+    assert len(resp.choices[0].text) > N_NEW  # words, not nothing
+    assert resp.usage.completion_tokens == out["usage"]["completion_tokens"]
+    assert resp.usage.prompt_tokens == out["usage"]["prompt_tokens"]
+
+
+def test_dgr_up_two_nodes_on_gemma3(models):
+    out = _create_completion(models["gemma3"])
+    with _route(models["gemma3"], "llama_shard", 2) as r:
+        layers = sorted(n["layers"] for n in r.node_table())
+        model_id = _client(r).models.list().data[0].id
+        got = _client(r).completions.create(model=model_id, prompt=tiny_prompt(), max_tokens=N_NEW, temperature=0)
+    print(f"dgr up --nodes 2 on gemma3 ({N_LAYER} layers, period 6): {layers}")
+    assert layers == ["0:3", "3:6"]  # inside the period: the shard files carry the per-layer pattern
+    assert got.choices[0].text == out["choices"][0]["text"]
+    assert got.usage.prompt_tokens > 4 * WINDOW
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_torch_reference_follows_llama_cpp(arch, models, reference, tmp_path):
+    """The torch reference, split 3:3 in llama.cpp's layer numbering, against llama.cpp on f32 weights and KV."""
+    import ctypes
+
+    import llama_cpp
+    import torch
+
+    from dgr.backends.torch_model import load_shard
+
+    prompt, _ = reference[arch]
+    f32 = tmp_path / "f32.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 0  # LLAMA_FTYPE_ALL_F32: llama.cpp dequantizes the Q8_0 tensors itself
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(models[arch].encode(), str(f32).encode(), ctypes.byref(params)) == 0
+    f32_kv = int(gguf.GGMLQuantizationType.F32)
+    llm = llama_cpp.Llama(str(f32), n_ctx=256, n_batch=512, logits_all=True, n_threads=1, verbose=False,
+                          type_k=f32_kv, type_v=f32_kv)
+    try:
+        llm.eval(prompt)
+        ref = np.array(llm.scores[: len(prompt)])  # [n, vocab]
+    finally:
+        llm.close()
+    head, tail = load_shard(models[arch], LayerRange(0, 3)), load_shard(models[arch], LayerRange(3, N_LAYER))
+    with torch.inference_mode():
+        h = head(torch.tensor(prompt), 0, head.new_cache(len(prompt)))  # [n, 64]
+        ours = tail.logits(tail(h, 0, tail.new_cache(len(prompt)))).numpy()  # [n, vocab]
+    print(f"torch vs llama.cpp ({arch}, f32): max |logit diff| {np.abs(ours - ref).max():.2e}")
+    assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
+    np.testing.assert_allclose(ours, ref, atol=2e-3)
+
+
+def test_plan_keeps_a_27b_gemma_whole(models, tmp_path):
+    """A model whose hparams llama.cpp picks by block count: the planner offers no split of it."""
+    import attrs
+
+    from dgr.plan import plan_even
+    from dgr.plan_layout import layout_from_gguf
+
+    from dgr.plan_layout import _whole_only
+
+    layout = layout_from_gguf(models["gemma3"])
+    assert layout.whole_only == "" and len(plan_even(layout, 2)) == 2
+    # Gemma 3 27B's metadata: 62 layers, 5376 wide, 32 heads of 128
+    meta_27b = {"gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
+    assert "attention scale" in _whole_only("gemma3", meta_27b, 62, 5376)
+    assert _whole_only("gemma3", meta_27b, 34, 2560) == ""  # 4B: any split
+    big = attrs.evolve(layout, whole_only="llama.cpp sets the attention scale by block count")
+    with pytest.raises(CallerError) as e:
+        plan_even(big, 2)
+    assert "attention scale" in e.value.message
+    assert plan_even(big, 1) == [LayerRange(0, N_LAYER)]
+
+
+def test_dgr_up_refuses_unproven_architecture_before_any_process(tmp_path):
+    import subprocess
+
+    from dgr.procs import dgr_command
+
+    path = tmp_path / "starcoder2.gguf"
+    _tiny_header_only(path, "starcoder2")
+    out = subprocess.run(dgr_command("up", "--backend", "llama_shard", "--nodes", "2", "--model", str(path)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "'starcoder2' cannot be split into layer ranges" in out.stderr
+    assert "tracker at" not in out.stderr  # nothing started
