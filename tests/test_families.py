@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from dgr.backends import llama_arch
-from dgr.backends.base import LayerRange
+from dgr.backends.base import LayerRange, Step
 from dgr.backends.llama import LlamaBackend
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.errors import CallerError, Reason
@@ -334,3 +334,57 @@ def test_dgr_up_refuses_unproven_architecture_before_any_process(tmp_path):
     assert out.returncode != 0
     assert "'starcoder2' cannot be split into layer ranges" in out.stderr
     assert "tracker at" not in out.stderr  # nothing started
+
+
+@pytest.mark.parametrize("arch", [*FAMILIES, "llama+moe"])
+def test_batched_decode_across_sessions_computes_what_each_alone_does(arch, models):
+    """Three sessions' decode steps in one call give each session its own answer, stage by stage.
+
+    Each stage gets the same inputs and the same KV both ways. The answers agree to rounding, not
+    bit for bit: these tiny models have f32 and Q8_0 weights, whose CPU matmul (llamafile's sgemm)
+    sums a several-row batch in another order than one row, and where a value sits on an f16
+    rounding edge (the f16 KV cache, ggml's f16 GELU table) that last bit becomes one f16 step. The
+    default model's Q4_1 weights take the one-row path either way and are bit-identical over whole
+    answers (tests/test_batching.py). A row mixed up with another session's would differ everywhere
+    by the values' own scale, so each row must sit far closer to its own session than to any other.
+    """
+    path = models[arch]
+    mid = N_LAYER // 2
+
+    def stages() -> list[LlamaShardBackend]:
+        return [LlamaShardBackend(path, LayerRange(a, b), n_threads=1, n_ctx=128, max_sessions=4)
+                for a, b in ((0, mid), (mid, N_LAYER))]
+
+    batched, single = stages(), stages()
+    try:
+        prompts = {f"s{i}": batched[0].tokenize(tiny_prompt()[: 40 + 9 * i], add_special=True, parse_special=False)
+                   for i in range(3)}
+        for head, tail in (batched, single):
+            for sid, prompt in prompts.items():
+                head.open_session(sid, 96)
+                tail.open_session(sid, 96)
+                tail.forward(sid, 0, None, head.forward(sid, 0, np.array(prompt, np.int32), None, False), True)
+        worst = 0.0
+        # One step: after it the two ways hold KV that differs by rounding, which these random
+        # models amplify step by step, so later steps would no longer compare like with like.
+        for k in range(1):
+            ids = {sid: np.array([(7 + 11 * k + len(p)) % 200 + 3], np.int32) for sid, p in prompts.items()}
+            hidden = {sid: single[0].forward(sid, len(p) + k, ids[sid], None, False) for sid, p in prompts.items()}
+            logits = {sid: single[1].forward(sid, len(p) + k, None, hidden[sid], True) for sid, p in prompts.items()}
+            hs = batched[0].forward_batch([Step(sid, len(p) + k, ids[sid], None, False, True)
+                                           for sid, p in prompts.items()])
+            ls = batched[1].forward_batch([Step(sid, len(p) + k, None, hidden[sid], True, True)
+                                           for sid, p in prompts.items()])
+            for got, want in ((dict(zip(prompts, (h.unwrap() for h in hs))), hidden),
+                              (dict(zip(prompts, (lg.unwrap() for lg in ls))), logits)):
+                for sid in prompts:
+                    own = float(np.mean(np.abs(got[sid] - want[sid])))
+                    nearest_other = min(float(np.mean(np.abs(got[sid] - want[o]))) for o in prompts if o != sid)
+                    scale = float(np.max(np.abs(want[sid])))
+                    worst = max(worst, float(np.max(np.abs(got[sid] - want[sid]))) / scale)
+                    assert own < 1e-2 * scale and own < 1e-2 * nearest_other, (sid, own, nearest_other, scale)
+        print(f"{arch}: batched against one by one, largest difference {worst:.3g} of the values' scale")
+        assert worst < 1e-2  # at most a few f16 steps
+    finally:
+        for s in (*batched, *single):
+            s.close()

@@ -221,6 +221,8 @@ class LlamaCppBackend(ShardBackend):
         Each row's answer is bit-identical to `forward` alone: llama.cpp keeps one KV stream per
         sequence here, and a row's matmuls do not depend on the other rows (tests/test_batching.py).
         """
+        if self.engine.injects_input:
+            return super().forward_batch(steps)  # the input overwrite feeds one chunk per llama_decode
         out: list[outcome.Outcome | None] = [None] * len(steps)
         rows: list[tuple[int, tuple[int, int, int | None, np.ndarray | None, bool]]] = []
         for i, s in enumerate(steps):

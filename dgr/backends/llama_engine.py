@@ -460,6 +460,8 @@ class LlamaEngine:
             PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed; no row was applied.
         """
         m = len(rows)
+        if self.injects_input:
+            raise CallerError(Reason.INVALID_REQUEST, "an engine that overwrites its input evaluates one sequence at a time")
         if m == 0 or m > self.n_batch:
             raise CallerError(Reason.INVALID_REQUEST, f"{m} rows: a batch holds 1 to {self.n_batch}")
         order = sorted(range(m), key=lambda i: rows[i][0])
@@ -496,7 +498,7 @@ class LlamaEngine:
         batch = self._llama_batch(m, embd)
         self._decode_rows(seqs, [rows[i][1] for i in order], batch)
         hidden = None
-        if self._capture is not None:
+        if self.hidden_out:
             hidden = self._take_hidden(m)
             if hidden is None:  # the target node moved: undo every row, look by name
                 self._capture.misses += 1
@@ -518,6 +520,11 @@ class LlamaEngine:
                 ptr = llama_lib().llama_get_logits_ith(self._ctx, j)
                 out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
         return out
+
+    @property
+    def injects_input(self) -> bool:
+        """Whether hidden-state input is written over a graph node (gemma, gemma2): one chunk per call."""
+        return self._capture is not None and self._capture.inject is not None
 
     def _decode_rows(self, seqs: list[int], positions: list[int], batch: Any) -> None:
         lib = llama_lib()
