@@ -29,7 +29,7 @@ def default_node_id(backend: str, layers: object) -> str:
 
 def cmd_tracker(args) -> int:
     from dgr.artifact.manifest import Manifest
-    from dgr.seam.wire import DType
+    from dgr.seam.wire import DType, Topology
     from dgr.security.secrets import load_api_keys, load_cluster_secret
     from dgr.tracker.gateway import GatewayConfig
     from dgr.tracker.proofs import Prover
@@ -45,6 +45,7 @@ def cmd_tracker(args) -> int:
         max_session_s=args.max_session_s or None,
         slow_client_s=args.slow_client_s or None,
         admission_wait_s=args.admission_wait_s,
+        topology=Topology(args.topology),
     )
     secret = load_cluster_secret(args.cluster_secret_file)
     api_keys = load_api_keys(args.api_key_file)
@@ -124,6 +125,9 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
+    p.add_argument("--topology", choices=("star", "chain"), default="star",
+                   help="star: the gateway relays every hop; chain: each node forwards to the next and the tail "
+                        "answers the gateway (N + 1 messages a token instead of 2N)")
     p.add_argument("--admission-wait-s", type=float, default=10.0,
                    help="a request that finds every route full waits this long for a slot before its 429")
 

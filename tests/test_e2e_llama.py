@@ -141,12 +141,12 @@ def test_models_metadata(single) -> None:
 
 
 # -- the networked GGUF route ----------------------------------------------------
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_sharded_route_equals_single_node(single, nodes: int) -> None:
+@pytest.mark.parametrize("nodes, topology", [(2, "star"), (3, "star"), (2, "chain"), (3, "chain")])
+def test_sharded_route_equals_single_node(single, nodes: int, topology: str) -> None:
     want = {p: _client(single).completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text
             for p in PROMPTS}
-    with LocalRoute(backend="llama_shard", nodes=nodes, extra=("--ctx", "2048", "--prefill-chunk", "512"),
-                    ready_timeout_s=300) as route:
+    with LocalRoute(backend="llama_shard", nodes=nodes, ready_timeout_s=300,
+                    extra=("--ctx", "2048", "--prefill-chunk", "512", "--topology", topology)) as route:
         client = _client(route)
         for p in PROMPTS:
             assert client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text == want[p]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import trio
 from quart import Response, request
@@ -26,13 +27,15 @@ from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, open
 from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.seam.wire import CONTENT_TYPE, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES
+from dgr.node.relay import NextHop, RelayPlan
+from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, HOPS_HEADER, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
-CAPABILITY_HEADER = "X-Dgr-Capability"
 _CAP_RAW = CAPABILITY_HEADER.lower().encode()
+_HOPS_RAW = HOPS_HEADER.lower().encode()
+_COMPUTE_RAW = COMPUTE_HEADER.lower().encode()
 _SID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -75,7 +78,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             params = SamplingParams(**sampling)
         except TypeError as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
-        await service.open_session(sid, max_positions, params)
+        await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")))
         return json_response({"session": sid, "node": service.node_id}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -144,6 +147,36 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     return seam_fast_path(service, app)
 
 
+def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
+    """A chain session's relay plan from an open body's "relay" object; None for a star session.
+
+    Answers always go to this node's own tracker, never to an address the caller names.
+
+    Raises:
+        CallerError(INVALID_REQUEST): malformed, or this node has no tracker to deliver to.
+    """
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object")
+    if service.tracker_url is None:
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a chain's answers to")
+    nxt, cap = data.get("next"), data.get("deliver_capability")
+    if cap is not None and not isinstance(cap, str):
+        raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
+    hop = None
+    if nxt is not None:
+        if not isinstance(nxt, dict) or not all(isinstance(nxt.get(k), str) for k in ("node", "url")):
+            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http:// url")
+        if not nxt["url"].startswith("http://") or (nxt.get("capability") is not None
+                                                     and not isinstance(nxt["capability"], str)):
+            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http:// url")
+        hop = NextHop(nxt["node"], nxt["url"], nxt.get("capability"))
+    if (hop is None) != service.backend.is_tail:
+        raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
+    return RelayPlan(hop, service.tracker_url, cap)
+
+
 def seam_fast_path(service: NodeService, app):
     """Wrap `app` so that POST /v1/seam/step skips the framework."""
 
@@ -165,12 +198,15 @@ async def _respond(send, status: int, body: bytes, content_type: bytes, extra=()
 async def _step(service: NodeService, scope, receive, send) -> None:
     limit = service.max_frame_bytes
     capability = None
+    hops = ""
     try:
         for name, value in scope["headers"]:
             if name == b"content-length" and int(value) > limit:
                 raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {int(value)} bytes exceeds {limit}")
             if name == _CAP_RAW:
                 capability = value.decode("latin-1")
+            elif name == _HOPS_RAW:
+                hops = value.decode("latin-1")[:4096]
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -183,7 +219,7 @@ async def _step(service: NodeService, scope, receive, send) -> None:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        reply, compute_s = await service.step(b"".join(chunks), capability)
+        reply, compute_s = await service.step(b"".join(chunks), capability, hops)
     except DgrError as exc:
         body = json.dumps(openai_error_body(exc.failure())).encode()
         # refused by its announced size, the body was never read: this connection cannot carry another request
@@ -194,4 +230,7 @@ async def _step(service: NodeService, scope, receive, send) -> None:
         body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad request: {exc}"))).encode()
         await _respond(send, 400, body, b"application/json")
         return
-    await _respond(send, 200, reply, CONTENT_TYPE.encode(), [(b"x-dgr-compute-us", str(int(compute_s * 1e6)).encode())])
+    if reply is None:  # a chain step: accepted; its result goes on through the session's relay
+        await _respond(send, 202, b"", CONTENT_TYPE.encode())
+        return
+    await _respond(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])

@@ -49,7 +49,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           f"a node listening on {host} needs a cluster secret (--cluster-secret-file or "
                           "DGR_CLUSTER_SECRET): without one anyone who reaches it can open sessions")
     authority = None if secret is None else CapabilityAuthority(secret)
-    service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, authority=authority)
+    service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, authority=authority,
+                          tracker_url=tracker.rstrip("/") if tracker else None)
     app = make_node_app(service, artifact=artifact)
     try:
         async with trio.open_nursery() as nursery:

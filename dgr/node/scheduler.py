@@ -62,6 +62,7 @@ class Job:
     finish: Callable[[np.ndarray | None], Any] | None = None  # FORWARD: turns the output into the reply, in the thread
     result: outcome.Outcome | None = None
     compute_s: float = 0.0  # FORWARD: seconds of the backend call this step was part of
+    on_done: Callable[["Job"], None] | None = None  # called on the loop once the job has run; must not block
     done: trio.Event = attrs.field(factory=trio.Event)
 
     @property
@@ -181,6 +182,8 @@ class StepScheduler:
                                           [pending[i] for i in plan.batch])
             for job in ran:
                 job.done.set()
+                if job.on_done is not None:
+                    job.on_done(job)
             pending = [pending[i] for i in plan.deferred]
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> None:

@@ -39,7 +39,9 @@ from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
-from dgr.node.scheduler import StepScheduler
+from dgr.node.relay import Outgoing, Relay, RelayPlan, Report
+from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
@@ -93,6 +95,10 @@ class NodeService:
     capacity: int = attrs.field(init=False)
     max_positions: int = attrs.field(init=False)  # KV positions per session (the node's --ctx)
     described: dict[str, Any] = attrs.field(init=False)
+    tracker_url: str | None = None  # where a chain session's answers and failure reports go
+    relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
+    pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
+    _nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = StepScheduler(self.backend)
@@ -102,8 +108,23 @@ class NodeService:
         self.metrics.watch(self._gauges)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the scheduler that owns the backend, until cancelled."""
-        await self.scheduler.run(task_status=task_status)
+        """Run the scheduler that owns the backend, and the chain sessions' relays, until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.scheduler.run)
+                task_status.started()
+        finally:
+            self._nursery = None
+            with trio.CancelScope(shield=True):
+                for pool in self.pools.values():
+                    await pool.aclose()
+
+    def pool(self, url: str) -> ConnectionPool:
+        p = self.pools.get(url)
+        if p is None:
+            p = self.pools[url] = ConnectionPool(url)
+        return p
 
     def _gauges(self):
         yield gauge("dgr_node_sessions", "Route Sessions holding KV on this node", [], [([], float(len(self.sessions)))])
@@ -133,8 +154,12 @@ class NodeService:
             raise
 
     # -- session lifecycle ----------------------------------------------------
-    async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams) -> None:
-        """Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)."""
+    async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
+                           relay: RelayPlan | None = None) -> None:
+        """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
+
+        Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
+        """
         if sid in self.sessions or sid in self.ended:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} exists or existed on {self.node_id}")
         if len(self.sessions) >= self.capacity:
@@ -159,6 +184,11 @@ class NodeService:
             self.sessions.pop(sid, None)
             self.samplers.pop(sid, None)
             raise
+        if relay is not None and sid in self.sessions:
+            if self._nursery is None:
+                raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
+            r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool)
+            self._nursery.start_soon(r.run)
 
     def _lookup(self, sid: str) -> NodeSession:
         session = self.sessions.get(sid)
@@ -173,6 +203,9 @@ class NodeService:
     async def _forget(self, sid: str, failure: Failure | None) -> None:
         self.sessions.pop(sid, None)
         self.samplers.pop(sid, None)
+        relay = self.relays.pop(sid, None)
+        if relay is not None:
+            relay.close()
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
@@ -244,8 +277,11 @@ class NodeService:
                 raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
         return step
 
-    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
+    async def step(self, body: bytes, capability: str | None = None, hops: str = "") -> tuple[bytes | None, float]:
         """Apply one frame; return (response frame, compute seconds).
+
+        On a chain session the frame is only accepted here: (None, 0.0) comes back at once, and the
+        result goes on through the session's relay, with this hop added to `hops`.
 
         Raises:
             CallerError: the frame was refused (FORBIDDEN without a valid capability); nothing changed.
@@ -272,6 +308,10 @@ class NodeService:
         want = bool(frame.flags & Flag.SAMPLE)
         job = Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), want,
                    decode=frame.kind is FrameKind.DECODE)
+        relay = self.relays.get(frame.session)
+        if relay is not None:
+            self._relay_step(frame, job, want, relay, hops)
+            return None, 0.0
         # the tail samples in the scheduler's thread too, with this session's own sampler
         finish = functools.partial(self._reply, frame, want, self.samplers.get(frame.session))
         try:
@@ -282,12 +322,44 @@ class NodeService:
         except COMPUTE_ERRORS as exc:
             await self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
+        self._count(frame, reply, compute)
+        return reply, compute
+
+    def _relay_step(self, frame: Frame, job: Step, want: bool, relay: Relay, hops: str) -> None:
+        """Queue a chain step; when computed, its result goes to the relay (or its failure is reported)."""
+        sampler = self.samplers.get(frame.session)
+
+        def finish(out: np.ndarray | None) -> bytes:  # in the scheduler's thread
+            if self.backend.is_tail:
+                return self._reply(frame, want, sampler, out)  # the answer, for the gateway
+            # the next hop's input: the same step, with this shard's output as its hidden state
+            return encode_frame(frame.kind, frame.session, frame.seq, frame.pos0, frame.n_tokens, frame.width,
+                                dtype=frame.dtype, flags=frame.flags & Flag.SAMPLE,
+                                token_ids=frame.token_ids if self.backend.info.needs_token_ids else None,
+                                hidden=out)
+
+        def done(j: Job) -> None:  # on the loop, after the iteration
+            try:
+                sent = j.result.unwrap()
+            except COMPUTE_ERRORS as exc:
+                why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
+                failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
+                relay.put(Report(failure))
+                if self._nursery is not None:
+                    self._nursery.start_soon(self.fail_session, frame.session, failure)
+                return
+            self._count(frame, sent, j.compute_s)
+            hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
+            relay.put(Outgoing(sent, f"{hops},{hop}" if hops else hop))
+
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=job, finish=finish, on_done=done))
+
+    def _count(self, frame: Frame, reply: bytes, compute: float) -> None:
         self.stats.compute_s += compute
         self.metrics.frames_total.labels(kind=frame.kind.name).inc()
         self.metrics.frame_bytes_total.labels(kind=frame.kind.name).inc(frame.size)
         self.metrics.compute_seconds.labels(kind=frame.kind.name).observe(compute)
         self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
-        return reply, compute
 
     def _reply(self, frame: Frame, want: bool, sampler: Sampler | None, out: np.ndarray | None) -> bytes:
         """The response frame; runs in the scheduler's thread (sampling and token text are backend work)."""

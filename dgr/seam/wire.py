@@ -25,7 +25,28 @@ __all__ = [
     "MAX_CONTROL_BYTES",
     "MAX_TOKENIZE_BYTES",
     "CONTENT_TYPE",
+    "CAPABILITY_HEADER",
+    "COMPUTE_HEADER",
+    "HOPS_HEADER",
+    "DELIVER_PATH",
+    "Topology",
 ]
+
+# HTTP headers of the seam. A step carries its Route Session capability; a node's answer says how
+# long its compute took; on a chain, each hop adds "node=microseconds" to the hops header it passes on.
+CAPABILITY_HEADER = "X-Dgr-Capability"
+COMPUTE_HEADER = "X-Dgr-Compute-Us"
+HOPS_HEADER = "X-Dgr-Hops"
+DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
+
+
+class Topology(enum.Enum):
+    """How a step travels a route: the gateway relays every hop (star), or each node forwards to the next
+    and the tail delivers the answer to the gateway (chain: N + 1 one-way messages a token instead of 2N)."""
+
+    STAR = "star"
+    CHAIN = "chain"
+
 
 MAGIC = b"DGRS"
 VERSION = 1

@@ -27,7 +27,8 @@ from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import check_bearer, error_response, install_error_handlers, json_response, parse_json, read_body, read_json
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
 from dgr.api.openapi import openapi_document
-from dgr.errors import CallerError, Failure, Reason, openai_error_body
+from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
+from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, HOPS_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
 from dgr.security.auth import SIG_HEADERS, Verifier
@@ -37,6 +38,9 @@ __all__ = ["make_tracker_app", "SESSION_HEADER"]
 
 SESSION_HEADER = "X-Dgr-Route-Session"
 _REGISTRY_LIMIT = 1024 * 1024
+_DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
+_CAP_RAW = CAPABILITY_HEADER.lower().encode()
+_HOPS_RAW = HOPS_HEADER.lower().encode()
 TELEMETRY_EVERY_S = 0.25
 # Paths (and their subpaths) that need an API key when keys are configured.
 _KEYED = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/route-sessions", "/v1/stats",
@@ -251,7 +255,61 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         page = resources.files("dgr.tracker").joinpath("dashboard.html").read_bytes()
         return Response(page, 200, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
-    return app
+    return deliver_fast_path(gateway, app)
+
+
+def deliver_fast_path(gateway: Gateway, app):
+    """Wrap `app` so that a chain's answers (POST DELIVER_PATH, once per token) skip the framework.
+
+    The body is a TOKEN or ACK seam frame, or a JSON failure report; it is read up to one frame's size
+    limit and authorized by the session's delivery capability in `Gateway.deliver`.
+    """
+
+    async def asgi(scope, receive, send):
+        if not (scope["type"] == "http" and scope["path"] == DELIVER_PATH and scope["method"] == "POST"):
+            await app(scope, receive, send)
+            return
+        capability, hops, report, size = None, "", False, 0
+        try:
+            for name, value in scope["headers"]:
+                if name == b"content-length" and int(value) > _DELIVER_LIMIT:
+                    raise CallerError(Reason.FRAME_TOO_LARGE, f"a delivery of {int(value)} bytes exceeds {_DELIVER_LIMIT}")
+                if name == _CAP_RAW:
+                    capability = value.decode("latin-1")
+                elif name == _HOPS_RAW:
+                    hops = value.decode("latin-1")[:4096]
+                elif name == b"content-type":
+                    report = value.split(b";")[0].strip() == b"application/json"
+            chunks = []
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > _DELIVER_LIMIT:
+                    raise CallerError(Reason.FRAME_TOO_LARGE, f"a delivery exceeds {_DELIVER_LIMIT} bytes")
+                if not message.get("more_body", False):
+                    break
+            gateway.deliver(b"".join(chunks), capability, hops, report)
+        except DgrError as exc:
+            body = json.dumps(openai_error_body(exc.failure())).encode()
+            await _respond(send, http_status(exc.reason), body)
+            return
+        except ValueError as exc:
+            body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad delivery: {exc}"[:300]))).encode()
+            await _respond(send, 400, body)
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    return asgi
+
+
+async def _respond(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:

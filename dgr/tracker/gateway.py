@@ -65,8 +65,9 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
-from dgr.seam.frame import TokenResult, encode_frame
-from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
+from dgr.api.http import parse_json
+from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
+from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology
 from dgr.security.auth import CapabilityAuthority
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route
@@ -76,6 +77,10 @@ from dgr.tracker.telemetry import Broadcast
 __all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]
 
 log = logging.getLogger("dgr.gateway")
+
+# The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
+# one for the whole route, since any of its nodes may have to report.
+_GATEWAY = "gateway"
 
 
 @attrs.frozen
@@ -94,6 +99,7 @@ class GatewayConfig:
     # A request that finds every route full waits this long for a slot before its 429: a client that
     # hangs up and asks again at once must not be refused the slot its last session is giving back.
     admission_wait_s: float = 10.0
+    topology: Topology = Topology.STAR  # how steps travel a route (dgr.seam.wire.Topology)
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
     unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
     unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
@@ -131,6 +137,10 @@ class LiveSession:
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # monotonic time a stream chunk was handed to a client not yet taking it
     unclaimed_since: float | None = None  # monotonic time a stream's response was made, until its body starts
+    # chain: answers (frame, hops header) and failure reports the route's nodes delivered, in order;
+    # unbounded, since the driver takes each answer before it sends the next step
+    inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
+        factory=lambda: trio.open_memory_channel(math.inf))
 
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
@@ -404,11 +414,14 @@ class Gateway:
                 max_tokens = min(max_tokens, cfg.max_tokens_cap)
             positions = len(prompt) + max_tokens
 
+            relays = self._relays(rs.sid, choice.hops, caps)
+
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
                 attempted.append(hop.node_id)
                 try:
-                    await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id))
+                    await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
+                                 relay=relays.get(hop.node_id))
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -525,6 +538,24 @@ class Gateway:
                 self.sessions.pop(rs.sid, None)
                 self._retire(rs)
 
+    def _relays(self, sid: str, hops: tuple[Hop, ...], caps: dict[str, str]) -> dict[str, dict[str, Any]]:
+        """On a chain, each node's relay plan: the next hop (none for the tail) and the capability to deliver with."""
+        if self.config.topology is not Topology.CHAIN:
+            return {}
+        deliver = None
+        if self.authority is not None:
+            life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
+            deliver = self.authority.issue(sid, _GATEWAY, 0, 1, time.time(), ttl_s=life)
+        out = {}
+        for i, hop in enumerate(hops):
+            nxt = hops[i + 1] if i + 1 < len(hops) else None
+            out[hop.node_id] = {
+                "next": None if nxt is None else {"node": nxt.node_id, "url": nxt.url,
+                                                  "capability": caps.get(nxt.node_id)},
+                "deliver_capability": deliver,
+            }
+        return out
+
     def _capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
         """One capability per hop for session `sid`; none without a cluster secret."""
         if self.authority is None:
@@ -596,6 +627,8 @@ class Gateway:
         )
 
     async def _prefill(self, live: LiveSession) -> TokenResult:
+        if self.config.topology is Topology.CHAIN:
+            return await self._prefill_chain(live)
         rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
         chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(0, len(prompt), chunk))]
         last = len(chunks) - 1
@@ -661,16 +694,121 @@ class Gateway:
                 return self._finish(live, "stop")
             if live.completion_tokens >= live.max_tokens:
                 return self._finish(live, "length")
-            hidden: bytes | None = None
-            for i in range(n_hops):
-                frame = self._frame(live, i, FrameKind.DECODE, seq, pos, [token.token], hidden, i == n_hops - 1)
-                reply = await self._call(live, i, frame, 1, seq)
-                self.hop_stats[rs.route[i].node_id].decode_bytes = len(frame)
-                if i < n_hops - 1:
-                    hidden = reply.raw[HEADER_SIZE:]
-            token = TokenResult.from_frame(reply.frame)
+            if self.config.topology is Topology.CHAIN:
+                token = await self._decode_chain(live, token, seq, pos)
+            else:
+                hidden: bytes | None = None
+                for i in range(n_hops):
+                    frame = self._frame(live, i, FrameKind.DECODE, seq, pos, [token.token], hidden, i == n_hops - 1)
+                    reply = await self._call(live, i, frame, 1, seq)
+                    self.hop_stats[rs.route[i].node_id].decode_bytes = len(frame)
+                    if i < n_hops - 1:
+                        hidden = reply.raw[HEADER_SIZE:]
+                token = TokenResult.from_frame(reply.frame)
             pos += 1
             seq += 1
+
+    # -- the chain: the head gets each step, the tail delivers the answer ------------------
+    async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:
+        hop = live.rs.route[0]
+        with trio.move_on_after(self._deadline(n_tokens)) as cs:
+            await self.client(hop).send(frame, live.caps.get(hop.node_id))
+        if cs.cancelled_caught:
+            raise PeerError(Reason.ROUTE_NODE_LOST,
+                            f"node {hop.node_id} did not take step {step} within {self._deadline(n_tokens):.1f}s",
+                            node=hop.node_id, step=step, phase=live.rs.state.value)
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
+
+    async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
+        """The tail's answer to step `seq`: (frame, hops header).
+
+        Raises:
+            PeerError: a node reported a failure, or no answer came within the route's deadline.
+        """
+        deadline = self._deadline(n_tokens) * len(live.rs.route)
+        with trio.move_on_after(deadline):
+            item = await live.inbox[1].receive()
+            if isinstance(item, Failure):
+                raise PeerError(item.reason, item.message, node=item.node, step=seq, phase=live.rs.state.value)
+            frame, hops = item
+            if frame.seq != seq:
+                raise PeerError(Reason.NODE_ERROR, f"the route answered step {frame.seq}, not {seq}",
+                                node=live.rs.route[-1].node_id, step=seq, phase=live.rs.state.value)
+            return frame, hops
+        tail = live.rs.route[-1].node_id
+        raise PeerError(Reason.ROUTE_NODE_LOST, f"the route gave no answer to step {seq} within {deadline:.1f}s",
+                        node=tail, step=seq, phase=live.rs.state.value)
+
+    def _note_hops(self, live: LiveSession, hops: str, round_trip_s: float) -> None:
+        """Per-hop compute from the hops header; what is left of the round trip is the seam's, shared out."""
+        compute: dict[str, float] = {}
+        for part in hops.split(","):
+            node, _, us = part.partition("=")
+            if node and us.isdigit():
+                compute[node] = int(us) / 1e6
+        route = live.rs.route
+        # a token crosses N + 1 links on a chain: the gateway's to the head, N - 1 between nodes, the tail's back
+        share = max(0.0, round_trip_s - sum(compute.values())) / (len(route) + 1)
+        for hop in route:
+            live.rs.hop_latency_ms[hop.node_id] = round(share * 1e3, 4)
+            self.hop_stats[hop.node_id].overhead_ms.append(share * 1e3)
+            self.metrics.hop_latency_seconds.labels(node=hop.node_id).observe(share)
+
+    async def _decode_chain(self, live: LiveSession, token: TokenResult, seq: int, pos: int) -> TokenResult:
+        frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
+        t0 = time.perf_counter()
+        await self._send_head(live, frame, 1, seq)
+        answer, hops = await self._answer(live, seq, 1)
+        self._note_hops(live, hops, time.perf_counter() - t0)
+        self.hop_stats[live.rs.route[0].node_id].decode_bytes = len(frame)
+        return TokenResult.from_frame(answer)
+
+    async def _prefill_chain(self, live: LiveSession) -> TokenResult:
+        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
+        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(0, len(prompt), chunk))]
+        last = len(chunks) - 1
+
+        async def feed() -> None:  # every chunk to the head, in order: the chain pipelines them
+            for k, pos0, ids in chunks:
+                await self._send_head(live, self._frame(live, 0, FrameKind.PREFILL, k, pos0, ids, None, k == last),
+                                      len(ids), k)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            for k, pos0, ids in chunks:
+                answer, _ = await self._answer(live, k, len(ids))
+                if k < last:
+                    live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), time.monotonic()))
+        if answer.kind is not FrameKind.TOKEN:
+            raise PeerError(Reason.NODE_ERROR, "the tail gave no token after prefill", node=rs.route[-1].node_id)
+        return TokenResult.from_frame(answer)
+
+    def deliver(self, body: bytes, capability: str | None, hops: str, report: bool) -> None:
+        """An answer (a seam frame) or a failure report (JSON) from a chain session's node.
+
+        Raises:
+            CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
+        """
+        if report:
+            data = parse_json(body)
+            sid = data.get("session")
+            try:
+                failure = Failure.from_json(data)
+            except (ValueError, KeyError, TypeError):
+                raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
+            item: Any = failure
+        else:
+            frame = decode_frame(body)
+            if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
+                raise CallerError(Reason.BAD_FRAME, f"a chain delivers TOKEN or ACK frames, not {frame.kind.name}")
+            sid, item = frame.session, (frame, hops)
+        live = self.sessions.get(sid) if isinstance(sid, str) else None
+        if self.authority is not None:
+            self.authority.check(capability, session=sid if isinstance(sid, str) else "", node=_GATEWAY, start=0,
+                                 stop=1, now=time.time())
+        if live is None or live.rs.ended:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {str(sid)[:64]}")
+        live.inbox[0].send_nowait(item)
 
     def _finish(self, live: LiveSession, reason: str) -> None:
         tail = live.text.finish()

@@ -22,11 +22,10 @@ import httpx
 from dgr.errors import CallerError, Failure, PeerError, Reason
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
-from dgr.seam.wire import CONTENT_TYPE
+from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
 
-CAPABILITY_HEADER = "X-Dgr-Capability"
 
 
 def _cap(capability: str | None) -> dict[str, str]:
@@ -91,9 +90,13 @@ class NodeClient:
         except httpx.TransportError as exc:
             raise self._lost(exc) from None
 
-    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None) -> None:
-        r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability),
-                                json={"session": sid, "max_positions": max_positions, "sampling": sampling})
+    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
+                   relay: dict[str, Any] | None = None) -> None:
+        """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering."""
+        body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
+        if relay is not None:
+            body["relay"] = relay
+        r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability), json=body)
         if r.status_code != 201:
             raise self._refused(r)
 
@@ -121,8 +124,20 @@ class NodeClient:
         except CallerError as exc:
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a bad frame: {exc.message}",
                             node=self.node_id) from None
-        compute = int(r.headers.get("x-dgr-compute-us", "0")) / 1e6
+        compute = int(r.headers.get(COMPUTE_HEADER.lower(), "0")) / 1e6
         return StepReply(frame, raw, rtt, compute, len(frame_bytes))
+
+    async def send(self, frame_bytes: bytes, capability: str | None = None) -> None:
+        """A chain step to the head: answered 202 once accepted; the result comes from the tail."""
+        headers = [("Content-Type", CONTENT_TYPE)]
+        if capability is not None:
+            headers.append((CAPABILITY_HEADER, capability))
+        try:
+            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
+        except TransportError as exc:
+            raise self._lost(exc) from None
+        if r.status != 202:
+            raise self._refused(r)
 
     async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None) -> list[int]:
         extra = {} if sid is None else {"session": sid}

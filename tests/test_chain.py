@@ -1,0 +1,83 @@
+"""Chain topology through real processes: each node forwards to the next, the tail answers the gateway.
+
+The same answers as the star, one hidden state per hop on the decode seam,
+a lost node named by the neighbour that could not reach it, and deliveries
+that only the session's own route can make.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from dgr.backends.base import LayerRange
+from dgr.backends.stub import StubBackend, StubSpec
+from dgr.seam.frame import TokenResult, encode_frame
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HEADER_SIZE, FrameKind
+from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
+from dgr.testing.reference import expected_greedy
+
+CHAIN = ("--topology", "chain")
+
+
+@pytest.fixture(scope="module")
+def chain():
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005", *CHAIN)) as r:
+        yield r
+
+
+def test_chain_answers_equal_the_stub_and_the_seam_carries_one_step(chain) -> None:
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    client = openai.OpenAI(base_url=chain.api, api_key="unused", max_retries=0)
+    for prompt in ("The route", "x" * 700):  # 700 positions: two prefill chunks through the chain
+        ids = stub.tokenize(prompt, add_special=True, parse_special=True)
+        want = expected_greedy([stub], ids, 40)
+        got = client.completions.create(model="stub", prompt=prompt, max_tokens=40, temperature=0)
+        assert got.choices[0].text == want.text and got.usage.completion_tokens == want.completion_tokens
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="stub", prompt=prompt, max_tokens=40, temperature=0, stream=True) if c.choices)
+        assert streamed == want.text
+    for name in ("node1", "node2"):  # the previous node sent it one position of 576 float32
+        seam = chain.node_status(name)["seam"]
+        assert seam["last_decode_frame_bytes"] == HEADER_SIZE + 576 * 4
+    snap = httpx.get(f"{chain.api}/route-sessions", timeout=5).json()["recent"][-1]
+    assert snap["phase"] == "done" and set(snap["hop_latency_ms"]) == {"node0", "node1", "node2"}
+    chain.wait_sessions_freed(["node0", "node1", "node2"])
+
+
+def test_a_delivery_needs_the_sessions_capability(chain) -> None:
+    sid = uuid.uuid4().hex
+    frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
+    for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
+                    chain.capability(sid, "gateway", layers=(0, 1), secret="other" * 8),
+                    chain.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
+        r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
+                       headers={"Content-Type": CONTENT_TYPE, **headers})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+    # the right capability for a session that is not live: refused as unknown, nothing changes
+    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
+                   headers={"Content-Type": CONTENT_TYPE, **chain.capability(sid, "gateway", layers=(0, 1))})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
+    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=b"not a frame", timeout=5,
+                   headers={"Content-Type": CONTENT_TYPE})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("victim, reporter", [("node1", "node0"), ("node2", "node1")])
+def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str) -> None:
+    # heartbeats would name the node too, after --dead-after; here the neighbour's report must do it
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60", *CHAIN)) as route:
+        body = {"model": "stub", "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=30) as r:
+            events = sse_events(r)
+            first_text(events)
+            killed_at = route.kill(victim)
+            error, seen_at = first_error(events)
+        assert seen_at - killed_at < LOSS_BOUND_S
+        assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", victim, "decode")
+        assert reporter in error["message"]
+        route.wait_sessions_freed([n for n in ("node0", "node1", "node2") if n != victim])
