@@ -1,4 +1,4 @@
-"""`dgr soak`: many Route Sessions through a real 2-node stub route, with faults, and what they leave behind.
+"""`dgr soak`: many Route Sessions through a real 2-node route, with faults, and what they leave behind.
 
 A soak answers one question: after hundreds of sessions that end every way a
 session can end, is anything left over? It starts `dgr up --backend stub
@@ -9,7 +9,9 @@ shuffled mix of:
 - `disconnect`: a non-streaming request whose socket is closed while the
   route is still generating (`cancelled`);
 - `kill`: a stream whose tail node is SIGKILLed after the first text
-  (`route_node_lost`); the node is then restarted and registers again.
+  (`route_node_lost`); the node is then restarted and registers again;
+- `oversized`: a prompt past the gateway's limits, in bytes or in tokens,
+  which must be refused with a 4xx (never a 5xx) before any node works on it.
 
 Sessions run `concurrency` at a time; a `kill` runs alone, so every failure
 the tracker records has exactly one expected cause. Afterwards every node
@@ -19,8 +21,8 @@ by less than `MAX_RSS_GROWTH`. The figures are printed; the exit code says
 whether the checks held.
 
 Bounded: `--sessions` caps the count and `--time-limit` the wall time (no
-new session starts after it). Left out: real models (the stub's KV is real
-bookkeeping, which is what a leak would show in) and multi-machine routes.
+new session starts after it). `--backend llama_shard` soaks the default GGUF
+model instead of the stub. Left out: multi-machine routes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dgr.testing.harness import LocalRoute, RouteTimeout
 __all__ = ["SoakConfig", "SoakReport", "plan", "run_soak", "register", "MAX_RSS_GROWTH", "KINDS"]
 
 MAX_RSS_GROWTH = 0.05
-KINDS = ("complete", "cancel", "disconnect", "kill")
+KINDS = ("complete", "cancel", "disconnect", "kill", "oversized")
 # Enough tokens that a cancelled or disconnected session is still generating when its client leaves.
 _LONG = 2000
 _WORDS = ("route", "shard", "layer", "token", "cache", "node", "seam", "hidden", "state", "prefill", "decode")
@@ -60,6 +62,8 @@ class SoakConfig:
     max_tokens: int = 48
     warmup: int = 20  # sessions a node process serves before its RSS baseline is taken
     stub_delay: float = 0.0
+    oversized_share: float = 0.0
+    backend: str = "stub"
 
 
 def plan(cfg: SoakConfig) -> list[str]:
@@ -73,7 +77,8 @@ def plan(cfg: SoakConfig) -> list[str]:
             continue
         r = rng.random()
         kinds.append("cancel" if r < cfg.cancel_share else
-                     "disconnect" if r < cfg.cancel_share + cfg.disconnect_share else "complete")
+                     "disconnect" if r < cfg.cancel_share + cfg.disconnect_share else
+                     "oversized" if r < cfg.cancel_share + cfg.disconnect_share + cfg.oversized_share else "complete")
     return kinds
 
 
@@ -138,7 +143,7 @@ class SoakReport:
         unexpected = {k: v for k, v in self.outcomes.items() if not k.endswith(":ok")}
         if unexpected:
             p.append(f"sessions that did not end as planned: {dict(unexpected)}")
-        allowed = {"cancelled", "route_node_lost"}
+        allowed = {"cancelled", "route_node_lost", "prompt_too_large", "context_length_exceeded"}
         odd = {r: n for r, n in self.tracker_failures.items() if r not in allowed}
         if odd:
             p.append(f"the tracker recorded unexpected failures: {odd}")
@@ -211,6 +216,7 @@ class _Soak:
     cfg: SoakConfig
     report: SoakReport
     client: httpx.AsyncClient
+    model: str = "stub"
     procs: dict[int, _Proc] = attrs.field(factory=dict)
 
     async def _nodes(self) -> list[dict[str, Any]]:
@@ -236,7 +242,7 @@ class _Soak:
             proc.served += proc.alive
 
     async def one(self, kind: str, rng: random.Random) -> None:
-        body = {"model": "stub", "prompt": _prompt(rng), "temperature": rng.choice((0.0, 0.8)),
+        body = {"model": self.model, "prompt": _prompt(rng), "temperature": rng.choice((0.0, 0.8)),
                 "seed": rng.randint(0, 2 ** 31)}
         if kind == "complete":
             stream = rng.random() < 0.5
@@ -246,6 +252,8 @@ class _Soak:
             outcome = await self._cancel(body)
         elif kind == "disconnect":
             outcome = await self._disconnect(body)
+        elif kind == "oversized":
+            outcome = await self._oversized(body, rng)
         else:
             outcome = await self._kill(body)
         self.report.outcomes[f"{kind}:{outcome}"] += 1
@@ -284,6 +292,15 @@ class _Soak:
             if not await self._until_text(r.aiter_lines()):
                 return "no_text"
         return "ok"  # leaving the block closes the connection mid-stream
+
+    async def _oversized(self, body: dict[str, Any], rng: random.Random) -> str:
+        """4 MiB of text (past the prompt-byte limit), or words past the token limit: a 4xx, nothing else."""
+        if rng.random() < 0.5:
+            prompt = "x" * (4 * 1024 * 1024 - 4096)  # refused by its bytes, before the head tokenizes it
+        else:
+            prompt = "x " * 5000  # few bytes, but more tokens than the context holds: refused after tokenizing
+        r = await self.client.post("/completions", json={**body, "prompt": prompt, "max_tokens": 8})
+        return "ok" if r.status_code in (400, 413) else f"http_{r.status_code}"
 
     async def _disconnect(self, body: dict[str, Any]) -> str:
         u = urlparse(self.route.url)
@@ -346,7 +363,8 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
     rng = random.Random(cfg.seed + 1)
     start = time.monotonic()
     async with httpx.AsyncClient(base_url=route.api, headers=route.headers, timeout=60) as client:
-        soak = _Soak(route, cfg, report, client)
+        model = (await client.get("/models")).json()["data"][0]["id"]
+        soak = _Soak(route, cfg, report, client, model=model)
         await soak.track_procs()
         for n in await soak._nodes():
             status = await trio.to_thread.run_sync(route.node_status, n["node"])
@@ -391,15 +409,20 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
 
 
 def run_soak(cfg: SoakConfig, *, extra: tuple[str, ...] = ()) -> SoakReport:
-    """Start a 2-node stub route, soak it, stop it; return the figures."""
-    with LocalRoute(backend="stub", nodes=2, extra=("--stub-delay", str(cfg.stub_delay), *extra)) as route:
+    """Start a 2-node route (the stub, or the default GGUF with llama_shard), soak it, stop it; return the figures."""
+    if cfg.backend == "stub":
+        extra = ("--stub-delay", str(cfg.stub_delay), *extra)
+    else:
+        extra = ("--ctx", "2048", "--max-sessions", str(max(8, cfg.concurrency)), *extra)
+    with LocalRoute(backend=cfg.backend, nodes=2, extra=extra, ready_timeout_s=600) as route:
         return trio.run(_run, route, cfg)
 
 
 def _main(args) -> int:
     cfg = SoakConfig(sessions=args.sessions, concurrency=args.concurrency, seed=args.seed,
                      time_limit_s=args.time_limit, kill_every=args.kill_every, stub_delay=args.stub_delay,
-                     warmup=min(20, max(10, args.sessions // 10)))
+                     warmup=min(20, max(10, args.sessions // 10)), oversized_share=args.oversized_share,
+                     backend=args.backend)
     report = run_soak(cfg)
     print(report.render())
     if args.json:
@@ -417,5 +440,9 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=900.0, help="start no session after this many seconds")
     p.add_argument("--kill-every", type=int, default=50, help="one session in N kills and restarts a node (0: none)")
     p.add_argument("--stub-delay", type=float, default=0.0, help="seconds of fake compute per position")
+    p.add_argument("--backend", choices=("stub", "llama_shard"), default="stub",
+                   help="the route's backend: the stub, or the default GGUF model split over the 2 nodes")
+    p.add_argument("--oversized-share", type=float, default=0.0,
+                   help="share of sessions that send a prompt past the gateway's limits (expect a 4xx)")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     p.set_defaults(func=_main)
