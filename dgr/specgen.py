@@ -83,18 +83,30 @@ def render_seam() -> str:
         f"(SmolLM2-135M, f32: {wire.HEADER_SIZE} + 576 x 4 = {wire.HEADER_SIZE + 576 * 4}), whatever the context length. "
         "Models whose seam needs token ids (DeepSeek-V4) add 4 bytes per position.",
         "", "## Exchanges", "",
-        "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling}`) opens a node session: 201, or 409/429.",
+        "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling[, relay]}`) opens a node session: "
+        "201, or 409/429. `relay` (chain topology only) is `{next: {node, url, capability} | null, "
+        "deliver_capability}`: where this node sends its results; the tail's `next` is null.",
         "- `POST /v1/seam/step` with a PREFILL or DECODE frame answers HIDDEN (non-tail), ACK (tail, no sample) "
         "or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style JSON error with a reason code, and changes nothing.",
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV.",
+        f"- On a chain, a step is answered `202` once accepted; the node then sends its output on as the next "
+        f"node's input frame (same kind, seq, pos0 and SAMPLE flag), adding `node=compute_us` to the "
+        f"`{wire.HOPS_HEADER}` header, and the tail posts its TOKEN or ACK frame to the tracker's "
+        f"`{wire.DELIVER_PATH}` with the session's delivery capability. A node that cannot send on posts a JSON "
+        "failure report there instead (`route_node_lost` naming the node it could not reach, or `node_error`).",
         "", "## What a node refuses (4xx, state unchanged)", "",
         "unknown or ended session; a step out of order or replayed (`seq`); a position that does not continue its KV "
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "
         "a frame kind a node does not accept.", "",
         "## Topology", "",
-        "The gateway relays every hop (star). Per decoded token and a route of N nodes: N request/response "
-        "round trips (2N messages), each one position. Prefill chunks are pipelined: hop i+1 computes chunk k "
-        "while hop i computes chunk k+1. Each hop keeps long-lived HTTP/1.1 keep-alive connections.",
+        f"`{wire.Topology.STAR.value}` (the default): the gateway relays every hop. Per decoded token and a route "
+        "of N nodes: N request/response round trips (2N messages), each one position. Prefill chunks are "
+        "pipelined: hop i+1 computes chunk k while hop i computes chunk k+1.", "",
+        f"`{wire.Topology.CHAIN.value}`: the gateway sends each step to the head; each node forwards to the next "
+        "and the tail delivers to the gateway: N + 1 one-way messages a token, so (N + 1)/2 RTT on a network "
+        "where every pair sees the same RTT, against N RTT for the star. Each node keeps one ordered relay per "
+        "session, since a step out of order is refused.", "",
+        "Every hop keeps long-lived HTTP/1.1 keep-alive connections.",
     ]
     return "\n".join(lines) + "\n"
 
