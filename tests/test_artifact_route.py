@@ -164,8 +164,6 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm(manifest_path: Path, tmp_path_factory):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("libtorrent")
     root = tmp_path_factory.mktemp("swarm")
     logs = root / "logs"
     logs.mkdir()
@@ -198,7 +196,6 @@ def swarm(manifest_path: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    pytest.importorskip("llama_cpp")
     with LocalRoute(backend="llama", nodes=1, extra=("--ctx", "2048", "--prefill-chunk", "512", "--threads", "1"),
                     ready_timeout_s=240) as r:
         yield r

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright import sync_api  # a test dependency (pyproject [test]): missing, it fails loudly
 
 from dgr.testing.harness import LocalRoute, sse_events
 
@@ -25,7 +26,6 @@ ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-net
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT_MS = 10_000  # every browser-side wait; the page polls every 500 ms
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
                                 reason="no /usr/bin/chromium (apt-get install -y chromium)")
 

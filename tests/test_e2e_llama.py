@@ -14,7 +14,7 @@ from dgr.seam.wire import HEADER_SIZE
 from dgr.testing.harness import LocalRoute, sse_events
 
 pytestmark = pytest.mark.llama
-llama_cpp = pytest.importorskip("llama_cpp")
+import llama_cpp  # a hard dependency: a broken build fails here, it is not skipped
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPTS = [

@@ -422,7 +422,6 @@ def test_spec_outputs_are_current():
 
 @pytest.mark.llama
 def test_plan_matches_rss_of_a_real_llamacpp_node(smol):
-    pytest.importorskip("llama_cpp")
     bench = _load_script(ROOT / "bench" / "plan_overhead.py")
     r = LayerRange(0, 30)
     got = bench.run_shard(default_model_path(), r, smol.n_layers, 2048, 2)
