@@ -24,7 +24,9 @@ def _rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 3])
+# One node serving the whole model is test_plan.py's test_plan_matches_rss_of_a_real_llamacpp_node,
+# against a bare llama.cpp process and a tighter bound; here, the shards of real routes.
+@pytest.mark.parametrize("nodes", [2, 3])
 def test_plan_matches_node_rss(nodes: int) -> None:
     backend = "llama" if nodes == 1 else "llama_shard"
     with LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=300,
