@@ -128,6 +128,9 @@ class StepScheduler:
     session_count: int = 0
     iterations: int = 0
     batched_steps: int = 0  # forwards that ran in a batch of two or more
+    # Run iterations on the loop instead of a worker thread: only for trio-level tests on a MockClock,
+    # where a thread would count as blocked and let the clock jump past every deadline.
+    inline: bool = False
     # Unbounded on purpose: every job was admitted by a session state machine (or is a control
     # call of one request), and a submitted job must never be lost to a full buffer.
     _send: trio.MemorySendChannel = attrs.field(init=False)
@@ -178,8 +181,12 @@ class StepScheduler:
                     break
             plan = plan_iteration(pending, self.token_budget)
             ran = [pending[i] for i in plan.controls + plan.batch]
-            await trio.to_thread.run_sync(self._iterate, [pending[i] for i in plan.controls],
-                                          [pending[i] for i in plan.batch])
+            controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
+            if self.inline:
+                self._iterate(controls, batch)
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.to_thread.run_sync(self._iterate, controls, batch)
             for job in ran:
                 job.done.set()
                 if job.on_done is not None:

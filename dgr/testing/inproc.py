@@ -61,12 +61,14 @@ class InProcRoute:
     @classmethod
     def stub(cls, splits: tuple[tuple[int, int], ...] = ((0, 15), (15, 30)), *, n_ctx: tuple[int | None, ...] = (),
              spec: StubSpec = StubSpec(), delay_s: float = 0.0, config: GatewayConfig = GatewayConfig(),
-             capacity: int = 8) -> "InProcRoute":
+             capacity: int = 8, inline: bool = False) -> "InProcRoute":
+        """Stub nodes over `splits`; `inline` runs their schedulers on the loop, for tests on a MockClock."""
         services, urls, apps = [], [], {}
         for i, (a, b) in enumerate(splits):
             ctx = n_ctx[i] if i < len(n_ctx) else None
             backend = StubBackend(spec=spec, layers=LayerRange(a, b), delay_s=delay_s, capacity=capacity, n_ctx=ctx)
             service = NodeService(backend=backend, node_id=f"n{i}")
+            service.scheduler.inline = inline
             url = f"http://n{i}.test:{8000 + i}"
             services.append(service)
             urls.append(url)

@@ -167,7 +167,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         live = await gateway.open(req)
         headers = {SESSION_HEADER: live.rs.sid}
         if req.stream:
-            live.unclaimed_since = time.monotonic()  # until the body starts: a client gone before it is noticed
+            live.unclaimed_since = trio.current_time()  # until the body starts: a client gone before it is noticed
             response = Response(_stream(gateway, live), 200, mimetype="text/event-stream",
                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             # Quart cuts every response at RESPONSE_TIMEOUT (60 s); a stream lives as long as its
@@ -181,7 +181,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         finally:
             gateway.cancel(live.rs.sid, "the client went away")
         rs = live.rs
-        snapshot = rs.snapshot(time.monotonic())
+        snapshot = rs.snapshot(trio.current_time())
         if rs.state is not RouteState.DONE:
             failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
             return error_response(failure, headers=headers, route_session=rs.sid)
@@ -201,7 +201,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     # -- Route Sessions ---------------------------------------------------------
     @app.get("/v1/route-sessions")
     async def route_sessions():
-        now = time.monotonic()
+        now = trio.current_time()
         live = [l.rs.snapshot(now) for l in gateway.sessions.values()]
         ended = [rs.snapshot(now) for rs in list(gateway.ended.values())[-50:]]
         return json_response({"active": live, "recent": ended})
@@ -211,7 +211,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         rs = gateway.lookup(sid)
         if rs is None:
             raise CallerError(Reason.NOT_FOUND, f"no route session {sid}")
-        return json_response(rs.snapshot(time.monotonic()))
+        return json_response(rs.snapshot(trio.current_time()))
 
     @app.get("/v1/route-sessions/<sid>/events")
     async def route_session_events(sid: str):
@@ -222,7 +222,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
         async def events() -> AsyncIterator[bytes]:
             if hub is None:  # already ended: its final state, once
-                yield b"event: telemetry\n" + _sse(rs.snapshot(time.monotonic()))
+                yield b"event: telemetry\n" + _sse(rs.snapshot(trio.current_time()))
                 return
             recv = hub.subscribe()
             async with recv:
@@ -335,7 +335,7 @@ async def _stream(gateway: Gateway, live: LiveSession) -> AsyncIterator[bytes]:
     try:
         async with contextlib.aclosing(_sse_chunks(live)) as chunks:
             async for chunk in chunks:
-                live.writing_since = time.monotonic()
+                live.writing_since = trio.current_time()
                 yield chunk
                 live.writing_since = None
         finished = True
@@ -349,26 +349,26 @@ async def _sse_chunks(live: LiveSession) -> AsyncIterator[bytes]:
     req: GenerationRequest = live.request
     rs = live.rs
     created = int(time.time())
-    yield _comment(live.telemetry.latest or rs.snapshot(time.monotonic()))
+    yield _comment(live.telemetry.latest or rs.snapshot(trio.current_time()))
     if req.telemetry_chunks:
-        yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(time.monotonic())))
+        yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(trio.current_time())))
     if req.kind == "chat":
         yield _sse(chunk_body(req, rs.sid, created, role=True, text=""))
-    last_telemetry = time.monotonic()
+    last_telemetry = trio.current_time()
     while True:
         item = await _next(live, TELEMETRY_EVERY_S)
         if item is False:
             break
         if item is not None:
             yield _sse(chunk_body(req, rs.sid, created, text=item.text))
-        now = time.monotonic()
+        now = trio.current_time()
         if now - last_telemetry >= TELEMETRY_EVERY_S:
             last_telemetry = now
             snapshot = rs.snapshot(now)
             yield _comment(snapshot)
             if req.telemetry_chunks:
                 yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
-    snapshot = rs.snapshot(time.monotonic())
+    snapshot = rs.snapshot(trio.current_time())
     yield _comment(snapshot)
     if rs.state is RouteState.DONE:
         yield _sse(chunk_body(req, rs.sid, created, finish_reason=rs.finish_reason or "stop"))

@@ -135,8 +135,8 @@ class LiveSession:
     text: TextAssembler = attrs.field(init=False)
     lost: set[str] = attrs.field(factory=set)
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
-    writing_since: float | None = None  # monotonic time a stream chunk was handed to a client not yet taking it
-    unclaimed_since: float | None = None  # monotonic time a stream's response was made, until its body starts
+    writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
+    unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
     # chain: answers (frame, hops header) and failure reports the route's nodes delivered, in order;
     # unbounded, since the driver takes each answer before it sends the next step
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
@@ -289,7 +289,7 @@ class Gateway:
     async def _watch_sessions(self) -> None:
         while True:
             await trio.sleep(self.config.sweep_s)
-            self.enforce_limits(time.monotonic())
+            self.enforce_limits(trio.current_time())
 
     def enforce_limits(self, now: float) -> list[str]:
         """Fail sessions past `max_session_s`, cancel streams stalled past `slow_client_s`; return their ids."""
@@ -359,7 +359,7 @@ class Gateway:
             CallerError: bad model, prompt too long, nodes at capacity.
             PeerError: no route, a node lost while opening.
         """
-        now = time.monotonic()
+        now = trio.current_time()
         rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
         rs.start_routing(now)
         opened: list[NodeClient] = []
@@ -443,7 +443,7 @@ class Gateway:
                 if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
                     self.owe_close(node_id, rs.sid)
             if failure is not None:
-                rs.fail(failure, time.monotonic())
+                rs.fail(failure, trio.current_time())
                 self._count_end(rs)
                 self._retire(rs)
             if isinstance(exc, trio.TooSlowError):
@@ -457,7 +457,7 @@ class Gateway:
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
             send=send, recv=recv, caps=caps,
         )
-        live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), time.monotonic()))
+        live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time()))
         self.metrics.prompt_tokens_total.inc(len(prompt))
         self.sessions[rs.sid] = live
         if self._nursery is None:
@@ -526,7 +526,7 @@ class Gateway:
                 if failure is None and not rs.ended:
                     failure = Failure(Reason.INTERNAL, "driver ended without finishing", phase=rs.state.value)
                 if failure is not None:
-                    live.telemetry.publish(rs.fail(failure, time.monotonic()))
+                    live.telemetry.publish(rs.fail(failure, trio.current_time()))
                 self._count_end(rs)
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
                 for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
@@ -649,7 +649,7 @@ class Gateway:
                     elif k == last:
                         result.append(TokenResult.from_frame(reply.frame))
                     else:
-                        live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), time.monotonic()))
+                        live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), trio.current_time()))
             if send is not None:
                 await send.aclose()
 
@@ -676,7 +676,7 @@ class Gateway:
         n_hops = len(rs.route)
         last = None
         while True:
-            now = time.monotonic()
+            now = trio.current_time()
             live.telemetry.publish(rs.token(now))
             self.metrics.generated_tokens_total.inc()
             if last is None:
@@ -778,7 +778,7 @@ class Gateway:
             for k, pos0, ids in chunks:
                 answer, _ = await self._answer(live, k, len(ids))
                 if k < last:
-                    live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), time.monotonic()))
+                    live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), trio.current_time()))
         if answer.kind is not FrameKind.TOKEN:
             raise PeerError(Reason.NODE_ERROR, "the tail gave no token after prefill", node=rs.route[-1].node_id)
         return TokenResult.from_frame(answer)
@@ -814,7 +814,7 @@ class Gateway:
         tail = live.text.finish()
         if tail:
             live.send.send_nowait(Delta(tail, live.completion_tokens))
-        live.telemetry.publish(live.rs.finish(reason, time.monotonic()))
+        live.telemetry.publish(live.rs.finish(reason, trio.current_time()))
 
     # -- views --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

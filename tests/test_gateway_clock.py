@@ -1,0 +1,161 @@
+"""The gateway's deadlines on trio's MockClock: an in-process route (real node apps, real gateway, no sockets).
+
+Each fault is injected where it happens (a node that never answers, a node
+that is slow, a reader that stops reading, heartbeats that stop), and the
+time it takes to be caught is read off the mock clock, exactly, instead of
+slept through on the wall clock. The node schedulers run inline, so compute
+takes no mock time and every second that passes is one the test chose.
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from dgr.api.openai import parse_request
+from dgr.errors import Reason
+from dgr.testing.inproc import InProcRoute
+from dgr.tracker.app import make_tracker_app
+from dgr.tracker.gateway import GatewayConfig
+
+BEAT_S = 0.25
+
+
+def _req(**kw):
+    return parse_request({"model": "stub", "prompt": "hello", "temperature": 0, **kw}, "completion")
+
+
+async def _drain(live) -> int:
+    """Read the session to its end; a session nothing ends fails here after a minute of mock time."""
+    n = 0
+    with trio.fail_after(60):
+        async for _ in live.recv:
+            n += 1
+    return n
+
+
+class _Slow:
+    """A NodeClient whose steps each take `step_s` of (mock) time; `hang` makes them never answer."""
+
+    def __init__(self, inner, step_s: float, hang: trio.Event | None = None) -> None:
+        self._inner, self._step_s, self._hang = inner, step_s, hang
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def step(self, *a, **kw):
+        if self._hang is not None and self._hang.is_set():
+            await trio.sleep_forever()
+        await trio.sleep(self._step_s)
+        return await self._inner.step(*a, **kw)
+
+
+async def _beat(route: InProcRoute, nodes: list[int]) -> None:
+    while True:
+        await trio.sleep(BEAT_S)
+        for i in nodes:
+            route.heartbeat(i)
+
+
+async def test_a_node_that_stops_answering_fails_the_session_at_its_step_deadline(autojump_clock, nursery) -> None:
+    cfg = GatewayConfig(step_deadline_s=10.0, per_token_deadline_s=0.05, sweep_s=0.1)
+    route = InProcRoute.stub(config=cfg, inline=True)
+    hang = trio.Event()
+    route.wrap = lambda client: _Slow(client, 0.01, hang) if client.node_id == "n1" else client
+    route.register_all()
+    await nursery.start(route.run)
+    nursery.start_soon(_beat, route, [0, 1])  # heartbeats go on: only the step deadline can catch it
+    live = await route.gateway.open(_req(max_tokens=10_000, ignore_eos=True, stream=True))
+    await live.recv.receive()  # decoding
+    hang.set()
+    hung_at = trio.current_time()
+    await _drain(live)
+    waited = trio.current_time() - hung_at
+    failure = live.rs.failure
+    assert (failure.reason, failure.node, failure.phase) == (Reason.ROUTE_NODE_LOST, "n1", "decode")
+    assert "did not answer step" in failure.message
+    # caught by the deadline of one decode step (10 s + 1 token x 50 ms), give or take a step in flight
+    assert cfg.step_deadline_s + cfg.per_token_deadline_s <= waited <= cfg.step_deadline_s + 0.2, waited
+
+
+async def test_heartbeats_that_stop_fail_the_session_after_the_death_threshold(autojump_clock, nursery) -> None:
+    route = InProcRoute.stub(config=GatewayConfig(sweep_s=0.1), inline=True)
+    route.wrap = lambda client: _Slow(client, 0.01)
+    route.register_all()
+    await nursery.start(route.run)
+    n1_beats = trio.CancelScope()
+
+    async def beat_n1() -> None:
+        with n1_beats:
+            await _beat(route, [1])
+
+    nursery.start_soon(_beat, route, [0])
+    nursery.start_soon(beat_n1)
+    live = await route.gateway.open(_req(max_tokens=100_000, ignore_eos=True, stream=True))
+    await live.recv.receive()
+    n1_beats.cancel()  # n1 hangs: its heartbeats stop, but it does not refuse connections
+    silent_at = trio.current_time()
+    await _drain(live)
+    waited = trio.current_time() - silent_at
+    failure = live.rs.failure
+    assert (failure.reason, failure.node) == (Reason.ROUTE_NODE_LOST, "n1") and "heartbeats" in failure.message
+    dead_after = route.registry.dead_after_s
+    assert dead_after - BEAT_S <= waited <= dead_after + 0.2, waited
+    assert not route.services[0].sessions  # the survivor was told to drop it
+
+
+async def test_a_session_past_its_time_limit_fails_with_session_timeout(autojump_clock, nursery) -> None:
+    route = InProcRoute.stub(config=GatewayConfig(sweep_s=0.1, max_session_s=5.0), inline=True)
+    route.registry.dead_after_s = 3600.0
+    route.wrap = lambda client: _Slow(client, 0.02)
+    route.register_all()
+    await nursery.start(route.run)
+    started = trio.current_time()
+    live = await route.gateway.open(_req(max_tokens=100_000, ignore_eos=True))
+    tokens = await _drain(live)
+    assert live.rs.failure.reason is Reason.SESSION_TIMEOUT and "limit of 5s" in live.rs.failure.message
+    assert 5.0 <= trio.current_time() - started <= 5.2
+    assert 0 < tokens < 100_000
+    assert not route.services[0].sessions and not route.services[1].sessions
+
+
+async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojump_clock, nursery) -> None:
+    route = InProcRoute.stub(config=GatewayConfig(sweep_s=0.1, slow_client_s=2.0), inline=True)
+    route.registry.dead_after_s = 3600.0
+    route.wrap = lambda client: _Slow(client, 0.01)
+    route.register_all()
+    await nursery.start(route.run)
+    tracker = make_tracker_app(route.gateway)
+    body = b'{"model": "stub", "prompt": "hi", "max_tokens": 100000, "ignore_eos": true, "stream": true}'
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    chunks_taken = 0
+    stalled = trio.Event()
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await trio.sleep_forever()
+
+    async def send(message):
+        nonlocal chunks_taken
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks_taken += 1
+            if chunks_taken >= 3:  # the reader takes three chunks, then its socket stays full
+                stalled.set()
+                await trio.sleep_forever()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    with trio.CancelScope() as request_scope:
+        nursery.start_soon(tracker, scope, receive, send)
+        await stalled.wait()
+        stalled_at = trio.current_time()
+        (live,) = route.gateway.sessions.values()
+        await _drain(live)
+        request_scope.cancel()
+    failure = live.rs.failure
+    assert failure.reason is Reason.SLOW_CLIENT and "for over 2s" in failure.message
+    assert 2.0 <= trio.current_time() - stalled_at <= 2.2
+    assert not route.services[0].sessions and not route.services[1].sessions
