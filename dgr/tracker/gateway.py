@@ -835,7 +835,8 @@ def _failure_of(exc: BaseException, rs: RouteSession) -> Failure | None:
     if isinstance(exc, trio.TooSlowError):
         return Failure(Reason.ROUTE_NODE_LOST, "a node did not answer while the route was being opened",
                        phase=rs.state.value)
-    if isinstance(exc, trio.Cancelled):
+    # a bare Cancelled, or the per-hop opens' nursery passing on only cancellations
+    if isinstance(exc, trio.Cancelled) or (isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None):
         return Failure(Reason.CANCELLED, "the client went away while the route was being opened",
                        phase=rs.state.value)
     return Failure(Reason.INTERNAL, f"{type(exc).__name__}: {exc}", phase=rs.state.value)
