@@ -35,7 +35,7 @@ run: install
 	$(PY) -m dgr up --backend $(BACKEND) --nodes $(NODES) --port $(PORT)
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-slow: install
 	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider

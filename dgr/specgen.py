@@ -89,7 +89,8 @@ def render_seam() -> str:
         "- `POST /v1/seam/step` with a PREFILL or DECODE frame answers HIDDEN (non-tail), ACK (tail, no sample) "
         "or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style JSON error with a reason code, and changes nothing.",
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV.",
-        f"- On a chain, a step is answered `202` once accepted; the node then sends its output on as the next "
+        f"- On a chain, a step is answered `202` once computed (so the sender sees the node die while it holds the "
+        f"step); the node sends its output on as the next "
         f"node's input frame (same kind, seq, pos0 and SAMPLE flag), adding `node=compute_us` to the "
         f"`{wire.HOPS_HEADER}` header, and the tail posts its TOKEN or ACK frame to the tracker's "
         f"`{wire.DELIVER_PATH}` with the session's delivery capability. A node that cannot send on posts a JSON "

@@ -165,7 +165,10 @@ async def test_two_seeders_one_fetcher_gets_only_layers_10_to_20(
     assert set(result.pieces_have) == want
     assert set(result.pieces_fetched) == want
     want_bytes = sum(manifest.piece_span(i)[1] - manifest.piece_span(i)[0] for i in want)
-    assert want_bytes <= result.payload_bytes <= want_bytes + 4 * manifest.torrent.piece_length
+    # Every wanted byte came, and no piece outside them (the sets above, exactly). How many blocks
+    # came twice depends on timing: in end-game mode libtorrent asks both seeders for the blocks
+    # still in flight, and a loaded machine leaves more in flight. Each block at most once a seeder.
+    assert want_bytes <= result.payload_bytes <= 2 * want_bytes
     assert result.payload_bytes < manifest.file.size / 3
     assert result.hash_failures == ()
     assert result.report.ok and [r.index for r in result.report.results] == list(range(10, 20))

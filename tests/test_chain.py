@@ -68,7 +68,9 @@ def test_a_delivery_needs_the_sessions_capability(chain) -> None:
 
 @pytest.mark.parametrize("victim, reporter", [("node1", "node0"), ("node2", "node1")])
 def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str) -> None:
-    # heartbeats would name the node too, after --dead-after; here the neighbour's report must do it
+    # Heartbeats would name the node too, after --dead-after; here the neighbour's report must do it.
+    # Its request stays open while the victim computes, and a node killed between steps refuses the
+    # next one, so whenever the kill lands the neighbour sees it.
     with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60", *CHAIN)) as route:
         body = {"model": "stub", "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}

@@ -230,7 +230,7 @@ async def _step(service: NodeService, scope, receive, send) -> None:
         body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad request: {exc}"))).encode()
         await _respond(send, 400, body, b"application/json")
         return
-    if reply is None:  # a chain step: accepted; its result goes on through the session's relay
+    if reply is None:  # a chain step: computed; its result goes on through the session's relay
         await _respond(send, 202, b"", CONTENT_TYPE.encode())
         return
     await _respond(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])

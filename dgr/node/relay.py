@@ -59,12 +59,15 @@ class RelayPlan:
     deliver_capability: str | None
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Outgoing:
     """One computed step, ready to send on: the next hop's input frame, or the tail's answer."""
 
     frame: bytes
     hops: str  # the hops header so far, this node included
+    # set once the frame is written to the next hop (or will never be): until then the node holds
+    # the step, so it keeps its sender's request open
+    sent: trio.Event = attrs.field(factory=trio.Event)
 
 
 @attrs.frozen
@@ -91,23 +94,40 @@ class Relay:
     def put(self, item: Outgoing | Report) -> None:
         try:
             self._send.send_nowait(item)
-        except trio.ClosedResourceError:
-            pass  # the session has ended: nothing more goes out for it
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            if isinstance(item, Outgoing):  # the session has ended: nothing more goes out for it
+                item.sent.set()
 
     def close(self) -> None:
         self._send.close()
 
     async def run(self) -> None:
         """Send every item in order until the session closes the relay or a send fails."""
-        async with self._recv:
+        try:
             async for item in self._recv:
                 if isinstance(item, Report):
                     await self._report(item.failure)
                     return
-                failure = await self._send_on(item)
+                try:
+                    failure = await self._send_on(item)
+                finally:
+                    item.sent.set()
                 if failure is not None:
                     await self._report(failure)
                     return
+        finally:
+            self._release()
+            self._recv.close()
+
+    def _release(self) -> None:
+        """Nothing more will be sent: let every step still waiting to be sent answer its sender."""
+        while True:
+            try:
+                item = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if isinstance(item, Outgoing):
+                item.sent.set()
 
     async def _send_on(self, item: Outgoing) -> Failure | None:
         nxt = self.plan.next
@@ -120,7 +140,7 @@ class Relay:
             headers.append((CAPABILITY_HEADER, cap))
         target = "/v1/seam/step" if nxt is not None else DELIVER_PATH
         try:
-            r = await self.pool(url).request("POST", target, item.frame, headers)
+            r = await self.pool(url).request("POST", target, item.frame, headers, sent=item.sent)
         except TransportError as exc:
             if nxt is None:
                 log.warning("%s: cannot deliver session %s to the gateway: %s", self.node_id, self.sid, exc)

@@ -280,7 +280,7 @@ class NodeService:
     async def step(self, body: bytes, capability: str | None = None, hops: str = "") -> tuple[bytes | None, float]:
         """Apply one frame; return (response frame, compute seconds).
 
-        On a chain session the frame is only accepted here: (None, 0.0) comes back at once, and the
+        On a chain session (None, compute seconds) comes back once the step is computed, and the
         result goes on through the session's relay, with this hop added to `hops`.
 
         Raises:
@@ -310,8 +310,13 @@ class NodeService:
                    decode=frame.kind is FrameKind.DECODE)
         relay = self.relays.get(frame.session)
         if relay is not None:
-            self._relay_step(frame, job, want, relay, hops)
-            return None, 0.0
+            # Answered once the result is on its way to the next hop: the sender's request stays open
+            # for exactly as long as this node holds the step, so if it dies then, the sender sees the
+            # connection drop and names it (as the gateway does on a star).
+            done, sent = self._relay_step(frame, job, want, relay, hops)
+            await done.done.wait()
+            await sent.wait()
+            return None, done.compute_s
         # the tail samples in the scheduler's thread too, with this session's own sampler
         finish = functools.partial(self._reply, frame, want, self.samplers.get(frame.session))
         try:
@@ -325,9 +330,10 @@ class NodeService:
         self._count(frame, reply, compute)
         return reply, compute
 
-    def _relay_step(self, frame: Frame, job: Step, want: bool, relay: Relay, hops: str) -> None:
+    def _relay_step(self, frame: Frame, job: Step, want: bool, relay: Relay, hops: str) -> tuple[Job, trio.Event]:
         """Queue a chain step; when computed, its result goes to the relay (or its failure is reported)."""
         sampler = self.samplers.get(frame.session)
+        sent = trio.Event()  # the result is written to the next hop, or never will be
 
         def finish(out: np.ndarray | None) -> bytes:  # in the scheduler's thread
             if self.backend.is_tail:
@@ -340,19 +346,20 @@ class NodeService:
 
         def done(j: Job) -> None:  # on the loop, after the iteration
             try:
-                sent = j.result.unwrap()
+                out = j.result.unwrap()
             except COMPUTE_ERRORS as exc:
                 why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
                 failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
+                sent.set()
                 relay.put(Report(failure))
                 if self._nursery is not None:
                     self._nursery.start_soon(self.fail_session, frame.session, failure)
                 return
-            self._count(frame, sent, j.compute_s)
+            self._count(frame, out, j.compute_s)
             hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
-            relay.put(Outgoing(sent, f"{hops},{hop}" if hops else hop))
+            relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop, sent))
 
-        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=job, finish=finish, on_done=done))
+        return self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=job, finish=finish, on_done=done)), sent
 
     def _count(self, frame: Frame, reply: bytes, compute: float) -> None:
         self.stats.compute_s += compute

@@ -45,13 +45,15 @@ class _Conn:
     last_used: float
 
     async def request(self, method: str, target: str, host: str, headers: list[tuple[str, str]],
-                      body: bytes) -> HttpResponse:
+                      body: bytes, sent: trio.Event | None = None) -> HttpResponse:
         conn = self.h11
         out = conn.send(h11.Request(method=method, target=target,
                                     headers=[("Host", host), ("Content-Length", str(len(body))), *headers]))
         out += conn.send(h11.Data(data=body)) if body else b""
         out += conn.send(h11.EndOfMessage())
         await self.stream.send_all(out)
+        if sent is not None:
+            sent.set()
         status, resp_headers, chunks = 0, {}, []
         while True:
             event = conn.next_event()
@@ -96,7 +98,8 @@ class ConnectionPool:
         return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic())
 
     async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None) -> HttpResponse:
+                      headers: list[tuple[str, str]] | None = None, *, sent: trio.Event | None = None) -> HttpResponse:
+        """One request on a pooled connection; `sent` is set once the whole request is written."""
         now = time.monotonic()
         conn = None
         while self._idle:
@@ -109,7 +112,7 @@ class ConnectionPool:
             conn = await self._connect()
         ok = False
         try:
-            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body)
+            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body, sent)
             ok = True
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
