@@ -43,7 +43,11 @@ def test_chain_answers_equal_the_stub_and_the_seam_carries_one_step(chain) -> No
     for name in ("node1", "node2"):  # the previous node sent it one position of 576 float32
         seam = chain.node_status(name)["seam"]
         assert seam["last_decode_frame_bytes"] == HEADER_SIZE + 576 * 4
-    snap = httpx.get(f"{chain.api}/route-sessions", timeout=5).json()["recent"][-1]
+    with httpx.stream("POST", f"{chain.api}/completions", timeout=30,
+                      json={"model": "stub", "prompt": "hops", "max_tokens": 8, "stream": True}) as r:
+        sid = r.headers["x-dgr-route-session"]
+        r.read()
+    snap = chain.wait_session_ended(sid)
     assert snap["phase"] == "done" and set(snap["hop_latency_ms"]) == {"node0", "node1", "node2"}
     chain.wait_sessions_freed(["node0", "node1", "node2"])
 

@@ -119,15 +119,13 @@ def test_prompt_longer_than_context_is_a_400(single) -> None:
 def test_client_disconnect_frees_the_session(single) -> None:
     body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 1000, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{single.api}/completions", json=body, timeout=60) as r:
+        sid = r.headers["x-dgr-route-session"]
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break
-    deadline = time.monotonic() + 30  # a bound on waiting for the free, not a timing claim
-    while single.node_status("node0")["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert single.node_status("node0")["sessions"] == 0
-    ended = httpx.get(f"{single.api}/route-sessions").json()["recent"][-1]
+    ended = single.wait_session_ended(sid)  # this session's own record, not whichever ended last
     assert ended["phase"] == "failed" and ended["failure"]["code"] == "cancelled"
+    single.wait_sessions_freed(["node0"])
 
 
 def test_models_metadata(single) -> None:

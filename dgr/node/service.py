@@ -192,7 +192,7 @@ class NodeService:
 
     def _lookup(self, sid: str) -> NodeSession:
         session = self.sessions.get(sid)
-        if session is not None:
+        if session is not None and sid not in self.ended:
             return session
         if sid in self.ended:
             failure = self.ended[sid]
@@ -201,7 +201,11 @@ class NodeService:
         raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on {self.node_id}")
 
     async def _forget(self, sid: str, failure: Failure | None) -> None:
-        self.sessions.pop(sid, None)
+        """End `sid` here: refused from now on, and counted as held until its slot is free.
+
+        Its close is queued behind its own steps, so the slot is freed once none is in flight; until
+        then it still counts against capacity and in status, so `sessions` and `kv_bytes` agree.
+        """
         self.samplers.pop(sid, None)
         relay = self.relays.pop(sid, None)
         if relay is not None:
@@ -209,8 +213,10 @@ class NodeService:
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
-        # queued behind the session's own steps: its slot is freed once none is in flight
-        await self.scheduler.session_call(sid, functools.partial(self.backend.close_session, sid))
+        try:
+            await self.scheduler.session_call(sid, functools.partial(self.backend.close_session, sid))
+        finally:
+            self.sessions.pop(sid, None)  # the job runs even if this caller is cancelled
 
     async def close_session(self, sid: str) -> None:
         session = self._lookup(sid)
@@ -219,13 +225,14 @@ class NodeService:
 
     async def fail_session(self, sid: str, failure: Failure) -> None:
         session = self.sessions.get(sid)
-        if session is None:
+        if session is None or sid in self.ended:
             return
         session.fail(failure)
         await self._forget(sid, failure)
 
     async def expire_idle(self, now: float) -> list[str]:
-        expired = [sid for sid, s in self.sessions.items() if s.idle_for(now) > self.idle_timeout_s]
+        expired = [sid for sid, s in self.sessions.items()
+                   if sid not in self.ended and s.idle_for(now) > self.idle_timeout_s]
         for sid in expired:
             await self.fail_session(
                 sid,

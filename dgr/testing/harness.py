@@ -279,6 +279,15 @@ class LocalRoute:
     def session(self, sid: str) -> dict[str, Any]:
         return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5, headers=self.headers).json()
 
+    def wait_session_ended(self, sid: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The Route Session's telemetry once it is done or failed (its nodes may be freed a moment before)."""
+        deadline = time.monotonic() + timeout_s
+        while (snap := self.session(sid)).get("phase") not in ("done", "failed"):
+            if time.monotonic() > deadline:
+                raise RouteTimeout(f"session {sid} still {snap.get('phase')} after {timeout_s}s")
+            time.sleep(0.05)
+        return snap
+
 
 @attrs.define(eq=False)
 class Slowdown:
