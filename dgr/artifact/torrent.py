@@ -66,6 +66,8 @@ _ALERT_WAIT_MS = 100
 # Bounds on the bookkeeping a cancelled or finished fetch does in its finally.
 _FLUSH_TIMEOUT_S = 10.0
 _RESUME_SAVE_INTERVAL_S = 5.0
+# How often a fetch dials again the given peers it is not connected to.
+_REDIAL_INTERVAL_S = 1.0
 
 
 def _lt() -> Any:
@@ -182,6 +184,13 @@ def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, An
         # Many nodes may pull from one seeder at once.
         "unchoke_slots_limit": -1,
         "upload_rate_limit": upload_rate_limit,
+        # libtorrent waits 60 s (times its fail count) before dialling a
+        # peer again, and forgets a peer after 3 failed dials: right for a
+        # public swarm, but a seeder of ours that was briefly unreachable
+        # (starting, restarting, a reset connection) then cost a fetch two
+        # minutes. `fetch` also re-dials the peers it was given.
+        "min_reconnect_time": 1,
+        "max_failcount": 100,
         "alert_mask": cat.error | cat.status | cat.storage | cat.peer,
         "alert_queue_size": 10000,
     }
@@ -321,6 +330,20 @@ def _flags_active(atp: Any) -> None:
     atp.flags = atp.flags & ~lt.torrent_flags.paused & ~lt.torrent_flags.auto_managed
 
 
+def _redial(h: Any, addrs: Sequence[PeerAddr], tally: _Tally) -> None:
+    """Dial each given peer that is neither connected nor banned.
+
+    The peers a fetch is given are the artifact's known seeders; a refused or
+    dropped connection to one is worth retrying at once rather than after
+    libtorrent's public-swarm back-off.
+    """
+    connected = {"%s:%d" % tuple(p.ip) for p in h.get_peer_info()}
+    for a in addrs:
+        key = f"{a.host}:{a.port}"
+        if key not in connected and key not in tally.banned:
+            h.connect_peer((a.host, a.port))
+
+
 def _status(h: Any, tally: _Tally, wanted: int) -> TransferStatus:
     st = h.status()
     return TransferStatus(
@@ -458,8 +481,7 @@ async def fetch(
             await swarm.until(lambda: swarm.tally.checked > 0)
             held_before = {i for i in wanted if h.have_piece(i)}
             connected = time.perf_counter()
-            for a in addrs:
-                h.connect_peer((a.host, a.port))
+            next_redial = 0.0
             next_report = 0.0
             next_save = time.monotonic() + _RESUME_SAVE_INTERVAL_S
             while True:
@@ -472,6 +494,9 @@ async def fetch(
                     next_report = now + status_interval
                 if complete:
                     break
+                if now >= next_redial:
+                    _redial(h, addrs, swarm.tally)
+                    next_redial = now + _REDIAL_INTERVAL_S
                 if now >= next_save:
                     # Bounded: a missed checkpoint only costs a re-hash after a crash.
                     with trio.move_on_after(_FLUSH_TIMEOUT_S):
