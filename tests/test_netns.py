@@ -21,6 +21,7 @@ from dgr.bench.netns import (
     leftovers,
     prerequisites,
     remove_stale,
+    round_trips_per_token,
     rtt_sweep,
     ttft_round_trips,
 )
@@ -61,6 +62,17 @@ def test_expected_time_per_token_adds_hops_times_rtt() -> None:
     assert rows[0]["extra_ms_per_hop"] is None
 
 
+def test_a_chain_waits_n_plus_one_one_way_trips_per_token() -> None:
+    assert round_trips_per_token(3, "star") == 3
+    assert round_trips_per_token(3, "chain") == 2  # gateway -> node0 -> node1 -> node2 -> gateway
+    rows = expectations([{"rtt_ms": 0.0, "decode_tok_s": 50.0, "ttft_s": 0.1},
+                         {"rtt_ms": 5.0, "decode_tok_s": 1e3 / 31.0, "ttft_s": 0.13}], hops=3, ttft_trips=4,
+                        topology="chain")
+    assert rows[1]["expected_ms_per_token"] == pytest.approx(20.0 + 10.0)
+    assert rows[1]["extra_rtts_per_token"] == pytest.approx(11.0 / 5.0)
+    assert ttft_round_trips(3, [1, 2, 3], 3, 512, "chain") == 1 + 2
+
+
 def test_round_trips_before_the_first_token() -> None:
     # token ids: open + 1 chunk through 3 hops; text adds the head's tokenize; 2 chunks add 1 pipelined trip
     assert ttft_round_trips(3, [1, 2, 3], 3, 512) == 1 + 3
@@ -74,7 +86,7 @@ def test_nodes_run_in_their_own_namespaces(netns) -> None:
         by_name = {n["node"]: n for n in table}
         for link in route.links:
             node = by_name[f"node{link.index}"]
-            assert node["url"].startswith(f"http://{link.ns_addr}:")
+            assert node["url"].startswith(f"http://{link.addr}:")
             assert _ns_of(node["pid"]) == link.ns
         assert _ns_of(os.getpid()) == ""  # the client and tracker stay in the root namespace
         assert httpx.get(f"{route.url}/v1/models", timeout=5).status_code == 401  # not loopback: keyed
@@ -82,34 +94,37 @@ def test_nodes_run_in_their_own_namespaces(netns) -> None:
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
-def _qdiscs(link) -> list[str]:
-    """The root qdisc lines on both ends of a link."""
-    out = subprocess.run(["tc", "qdisc", "show", "dev", link.root_dev], capture_output=True, text=True).stdout
-    out += subprocess.run(["ip", "netns", "exec", link.ns, "tc", "qdisc", "show", "dev", link.ns_dev],
+def _qdiscs(route, link) -> list[str]:
+    """The root qdisc lines on both ends of an endpoint's link to the hub."""
+    out = subprocess.run([*link.in_ns("tc"), "qdisc", "show", "dev", link.dev], capture_output=True, text=True).stdout
+    out += subprocess.run(["ip", "netns", "exec", route.hub, "tc", "qdisc", "show", "dev", link.hub_dev],
                           capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if " root " in line]
 
 
-def test_set_rtt_delays_each_direction_of_every_link(netns) -> None:
-    # What the RTT costs a token is a figure for `dgr bench --rtt`; here, that the delay is in place.
-    with NetnsRoute(backend="stub", nodes=2, ready_timeout_s=120) as route:
+@pytest.mark.parametrize("topology", ["star", "chain"])
+def test_set_rtt_delays_every_pair_of_endpoints_alike(netns, topology: str) -> None:
+    # What the RTT costs a token is a figure for `dgr bench --rtt`; here, that the delay is in place
+    # on every endpoint's link (the tracker's too), and that nodes reach each other (the chain needs it).
+    with NetnsRoute(backend="stub", nodes=2, topology=topology, ready_timeout_s=120) as route:
         route.set_rtt(5.0)
         if route.kind == "netem":
-            for link in route.links:
-                lines = _qdiscs(link)
-                assert len(lines) == 2 and all("netem" in q and "delay 2.5ms" in q for q in lines), lines
+            for link in route.endpoints:
+                lines = _qdiscs(route, link)
+                assert len(lines) == 2 and all("netem" in q and "delay 1.25ms" in q for q in lines), lines
         r = httpx.post(f"{route.api}/completions", headers=route.headers, timeout=60,
                        json={"model": route.model_id(), "prompt": PROMPT, "max_tokens": 8})
+        # on a chain node0 posts each step straight to node1: this answer needs node-to-node routes
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         route.set_rtt(0.0)
         if route.kind == "netem":
-            assert all("netem" not in q for link in route.links for q in _qdiscs(link))
+            assert all("netem" not in q for link in route.endpoints for q in _qdiscs(route, link))
 
 
 def test_rtt_sweep_reports_every_rtt_with_its_expectation(netns) -> None:
     res = rtt_sweep(backend="stub", node_counts=(2,), rtts_ms=(5.0,), prompt=PROMPT, decode_tokens=16,
-                    threads=2, repeats=1, ready_timeout_s=120, log=lambda m: None)
-    route = res["routes"]["dgr stub, 2 nodes, namespaces"]
+                    threads=2, repeats=1, ready_timeout_s=120, topologies=("star",), log=lambda m: None)
+    route = res["routes"]["dgr stub, 2 nodes, star, namespaces"]
     rows = {r["rtt_ms"]: r for r in route["rows"]}
     assert sorted(rows) == [0.0, 5.0] and route["ttft_round_trips"] == 4
     # tokenize, open, and one prefill chunk through both hops: 4 x 5 ms expected

@@ -18,7 +18,8 @@ def _run(args) -> int:
         print("dgr bench: --only rtt needs at least one --rtt MS", file=sys.stderr)
         return 2
     cfg = BenchConfig.make(args.quick, tuple(args.rtt or ()))
-    cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link)
+    cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link, peers=args.peers or args.only == "peers",
+                       big=args.big)
     if args.threads:
         cfg = attrs.evolve(cfg, threads=args.threads)
     results = run_suite(cfg)
@@ -39,5 +40,12 @@ def register(subparsers) -> None:
     p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
                    help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
                         "(auto: netem when the kernel has it)")
-    p.add_argument("--only", choices=("rtt",), help="run only this part of the suite")
+    p.add_argument("--only", choices=("rtt", "peers"),
+                   help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers)")
+    p.add_argument("--peers", action="store_true",
+                   help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "
+                        "from the llama.cpp vendored in the installed llama-cpp-python's sdist")
+    p.add_argument("--big", action="store_true",
+                   help="repeat the single-session and 8-session rows on a random-weight 1B-shape llama "
+                        "(written once to ~/.cache/dgr/models)")
     p.set_defaults(func=_run)

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import httpx
 
-__all__ = ["StreamResult", "stream_once", "concurrent", "hop_stats"]
+__all__ = ["StreamResult", "stream_once", "concurrent", "short_ttft", "hop_stats"]
 
 
 @attrs.frozen
@@ -31,9 +31,11 @@ class StreamResult:
 
 
 def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
-                headers: dict[str, str] | None = None) -> StreamResult:
+                headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> StreamResult:
+    """One streamed completion of exactly max_tokens tokens; `extra` adds server-specific body fields."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+                            **(extra or {})}
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict[str, int] = {}
@@ -60,14 +62,15 @@ def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
                         usage.get("prompt_tokens", 0), sid)
 
 
-def concurrent(api: str, model: str, prompt: str, max_tokens: int, n: int) -> dict[str, float]:
+def concurrent(api: str, model: str, prompt: str, max_tokens: int, n: int,
+               extra: dict[str, Any] | None = None) -> dict[str, float]:
     """N simultaneous streams; aggregate tokens/s over the wall time they all took."""
     results: list[StreamResult] = []
     errors: list[str] = []
 
     def run(i: int) -> None:
         try:
-            results.append(stream_once(api, model, f"{prompt} ({i})", max_tokens))
+            results.append(stream_once(api, model, f"{prompt} ({i})", max_tokens, extra=extra))
         except (RuntimeError, httpx.HTTPError) as exc:
             errors.append(str(exc))
 
@@ -87,6 +90,12 @@ def concurrent(api: str, model: str, prompt: str, max_tokens: int, n: int) -> di
         "per_session_tok_s": statistics.mean(r.decode_tok_s for r in results) if results else 0.0,
         "wall_s": wall,
     }
+
+
+def short_ttft(api: str, model: str, prompt: list[int], extra: dict[str, Any] | None = None,
+               repeats: int = 3) -> float:
+    """Median TTFT of a short prompt: the fixed costs before the first token, with little compute."""
+    return statistics.median(stream_once(api, model, prompt, 2, extra=extra).ttft_s for _ in range(repeats))
 
 
 def hop_stats(api_root: str) -> dict[str, Any]:

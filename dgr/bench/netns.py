@@ -4,36 +4,40 @@
 cost something, so that a route's hop count shows up as latency the way it
 would across machines. Loopback costs microseconds and hides it.
 
-Topology: the tracker and the benchmark client stay in the root namespace;
-node k runs in namespace `dgrb-<pid>-<k>`, joined to the root namespace by
-one link of its own. The gateway relays every hop (tracker -> node0 ->
-tracker -> node1 -> ...), so one decoded token on an N-node route costs N
-tracker-node round trips: expected time per token = the 0 ms figure + N x RTT.
-The client-tracker connection is not delayed (the client is co-located with
-the gateway, as `dgr up` users are).
+Topology: machines on one network. The tracker and the benchmark client stay
+in the root namespace; node k runs in namespace `dgrb-<pid>-<k>`. Every
+endpoint (the tracker and each node) has one link to a shared network, and
+any two endpoints see the same RTT, node to node as well as tracker to node.
+So the topology's cost shows as it would across machines: a star (the
+gateway relays every hop) pays N round trips per token on an N-node route,
+a chain (each node forwards to the next, the tail answers the gateway) pays
+(N + 1) one-way trips, (N + 1)/2 round trips. The client-tracker connection
+is not delayed (the client is co-located with the gateway, as `dgr up`
+users are).
 
-Where the delay goes: half the RTT on each direction of each link, so a
-request and its reply together see exactly RTT.
-- `netem` links: a veth pair per node with `tc qdisc ... netem delay RTT/2`
-  on both ends.
+Where the delay goes:
+- `netem` links: a hub namespace `dgrb-<pid>-hub` forwards between the
+  endpoints; each endpoint's link to it is a veth pair with
+  `tc qdisc ... netem delay RTT/4` on both ends, so a packet between two
+  endpoints crosses two delayed egresses (RTT/2 one way).
 - `tun` links, for kernels built without sch_netem (CONFIG_NET_SCH_NETEM
-  unset, as on some VM kernels): a TUN device on each side and one
+  unset, as on some VM kernels): a TUN device per endpoint, and one
   user-space delay line process (`python -m dgr.bench.netns delay-line`)
-  that copies each IP packet across after RTT/2. The copy costs tens of
-  microseconds per packet at every RTT, 0 ms included, so the 0 ms baseline
-  carries it too.
+  that routes each IP packet to the TUN of its destination after RTT/2. The
+  copy costs tens of microseconds per packet at every RTT, 0 ms included,
+  so the 0 ms baseline carries it too.
 `auto` picks netem when a probe namespace accepts a netem qdisc.
 
 Network rules: only addresses on links made here are used, 10.213.S.0/24
-with a /30 per link, S picked so that nothing already routed on the machine
-overlaps it. Node namespaces hold only their link and loopback, with one
-host route to the tracker and no default route, so nothing else is reachable
-from them. The tracker listens on link 0's root-side address only; that is
-not loopback, so it runs with a fresh cluster secret and API key, both passed
-in the environment, never in argv.
+with a /30 per link (endpoint j at .4j+2, the hub's side at .4j+1), S picked
+so that nothing already routed on the machine overlaps it. Node namespaces
+hold only their link and loopback, with a route to the /24 and no default
+route, so nothing else is reachable from them. The tracker listens on its
+own link's address only; that is not loopback, so it runs with a fresh
+cluster secret and API key, both passed in the environment, never in argv.
 
-Cleanup: namespaces `dgrb-<pid>-<k>` and links `dgrb<pid>r<k>` (root side)
-and `dgrb<pid>n<k>` (node side) are removed in a `finally`; on start, those
+Cleanup: namespaces `dgrb-<pid>-<k>` and `dgrb-<pid>-hub`, and the root
+namespace's link `dgrb<pid>r0` are removed in a `finally`; on start, those
 left by a run whose pid is gone (a crashed run) are removed first.
 
 Needs root and iproute2 with `ip netns` (and /dev/net/tun for `tun` links);
@@ -82,12 +86,15 @@ __all__ = [
     "main",
     "prerequisites",
     "remove_stale",
+    "round_trips_per_token",
     "rtt_sweep",
     "ttft_round_trips",
 ]
 
 LINK_KINDS = ("auto", "netem", "tun")
-PLACEMENT = "RTT/2 on each direction of every tracker-node link, so a request and its reply see RTT"
+PLACEMENT = ("one network: any two endpoints (the tracker and each node) see the same RTT, "
+             "RTT/2 each way, node to node as well as tracker to node")
+TOPOLOGIES = ("star", "chain")
 _NS = re.compile(r"^dgrb-(\d+)-\w+$")
 _DEV = re.compile(r"^dgrb(\d+)[rn]\d+$")
 _NETNS_DIRS = ("/run/netns", "/var/run/netns")
@@ -236,21 +243,37 @@ def _free_subnet() -> int:
 
 @attrs.frozen
 class Link:
-    """One node's link: namespace, device names and the /30 at each end."""
+    """One endpoint's link to the shared network: the tracker's (index -1) or node k's (index k).
+
+    `ns` is the endpoint's namespace ("" for the root namespace, the
+    tracker's); `dev` and `addr` are its side; `hub_dev` and `hub_addr` are
+    the hub's side (used by netem links only).
+    """
 
     index: int
     ns: str
-    root_dev: str
-    ns_dev: str
-    root_addr: str
-    ns_addr: str
+    dev: str
+    addr: str
+    hub_dev: str
+    hub_addr: str
+    subnet: str
 
     @classmethod
     def make(cls, pid: int, subnet: int, k: int) -> Link:
-        if not 0 <= k < 64:
-            raise CallerError(Reason.INVALID_REQUEST, "at most 64 namespaced nodes (a /30 each in one /24)")
-        return cls(k, f"dgrb-{pid}-{k}", f"dgrb{pid}r{k}", f"dgrb{pid}n{k}",
-                   f"10.213.{subnet}.{4 * k + 1}", f"10.213.{subnet}.{4 * k + 2}")
+        """Node k's link, or the tracker's for k == -1."""
+        if not -1 <= k < 62:
+            raise CallerError(Reason.INVALID_REQUEST, "at most 62 namespaced nodes (a /30 each in one /24)")
+        j = k + 1
+        ns, dev = ("", f"dgrb{pid}r0") if k < 0 else (f"dgrb-{pid}-{k}", f"dgrb{pid}n{k}")
+        return cls(k, ns, dev, f"10.213.{subnet}.{4 * j + 2}", f"dgrb{pid}h{j}", f"10.213.{subnet}.{4 * j + 1}",
+                   f"10.213.{subnet}.0/24")
+
+    def ip(self, *args: str) -> list[str]:
+        """An `ip` command run in this endpoint's namespace."""
+        return ["ip", *(["-n", self.ns] if self.ns else []), *args]
+
+    def in_ns(self, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *cmd] if self.ns else list(cmd)
 
 
 # -- child processes ------------------------------------------------------------------------
@@ -345,10 +368,13 @@ class NetnsRoute:
     stub_delay: float = 0.0
     prefill_chunk: int = 512
     link: str = "auto"
+    topology: str = "star"  # the tracker's --topology
     ready_timeout_s: float = 120.0
     kind: str = ""  # the link kind built: netem or tun
     rtt_ms: float = 0.0
-    links: list[Link] = attrs.field(factory=list)
+    links: list[Link] = attrs.field(factory=list)  # one per node, node k's at index k
+    tracker_link: Link | None = None
+    hub: str = ""  # the hub namespace (netem links)
     url: str = ""
     secret: str = attrs.field(factory=new_secret)
     api_key: str = attrs.field(factory=lambda: "dgrb-" + secrets.token_hex(16))
@@ -384,41 +410,55 @@ class NetnsRoute:
         pid, subnet = os.getpid(), _free_subnet()
         deadline = time.monotonic() + self.ready_timeout_s
         try:
+            self.tracker_link = Link.make(pid, subnet, -1)
             self.links = [Link.make(pid, subnet, k) for k in range(self.nodes)]
-            self._build_links()
+            self._build_links(pid)
             self._start_processes(splits, deadline)
         except BaseException:
             self.close()
             raise
 
-    def _build_links(self) -> None:
+    @property
+    def endpoints(self) -> list[Link]:
+        return [self.tracker_link, *self.links] if self.tracker_link is not None else list(self.links)
+
+    def _add_ns(self, ns: str) -> None:
+        _run(["ip", "netns", "add", ns])
+        self._namespaces.append(ns)
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _build_links(self, pid: int) -> None:
         for ln in self.links:
-            _run(["ip", "netns", "add", ln.ns])
-            self._namespaces.append(ln.ns)
-            _run(["ip", "-n", ln.ns, "link", "set", "lo", "up"])
-            if self.kind == "netem":
-                _run(["ip", "link", "add", ln.root_dev, "type", "veth", "peer", "name", ln.ns_dev, "netns", ln.ns])
-        if self.kind == "tun":
-            specs = [f"{ln.root_dev}:{ln.ns}:{ln.ns_dev}" for ln in self.links]
+            self._add_ns(ln.ns)
+        if self.kind == "netem":
+            self.hub = f"dgrb-{pid}-hub"
+            self._add_ns(self.hub)
+            _run(["ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            for ln in self.endpoints:
+                _run(["ip", "link", "add", ln.dev, *(["netns", ln.ns] if ln.ns else []),
+                      "type", "veth", "peer", "name", ln.hub_dev, "netns", self.hub])
+                _run(["ip", "-n", self.hub, "addr", "add", f"{ln.hub_addr}/30", "dev", ln.hub_dev])
+                _run(["ip", "-n", self.hub, "link", "set", ln.hub_dev, "up"])
+                _run(ln.ip("addr", "add", f"{ln.addr}/30", "dev", ln.dev))
+                _run(ln.ip("link", "set", ln.dev, "up"))
+                _run(ln.ip("route", "add", ln.subnet, "via", ln.hub_addr))
+        else:
+            # the delay line is the network: every endpoint's TUN holds the /24, and it routes by destination
+            specs = [f"{ln.dev}:{ln.ns or '-'}:{ln.addr}" for ln in self.endpoints]
             self._delay_line = _Child.spawn("delay line", [sys.executable, "-m", "dgr.bench.netns", "delay-line",
                                                             *specs], _clean_env(), stdin=True)
             self._delay_line.wait(time.monotonic() + 30)
-        tracker = self.links[0].root_addr
-        for ln in self.links:
-            _run(["ip", "addr", "add", f"{ln.root_addr}/30", "dev", ln.root_dev])
-            _run(["ip", "link", "set", ln.root_dev, "up"])
-            _run(["ip", "-n", ln.ns, "addr", "add", f"{ln.ns_addr}/30", "dev", ln.ns_dev])
-            _run(["ip", "-n", ln.ns, "link", "set", ln.ns_dev, "up"])
-            if ln.index:
-                # the tracker listens on link 0's address; the root namespace takes it from any link
-                _run(["ip", "-n", ln.ns, "route", "add", f"{tracker}/32", "via", ln.root_addr])
+            for ln in self.endpoints:
+                _run(ln.ip("addr", "add", f"{ln.addr}/24", "dev", ln.dev))
+                _run(ln.ip("link", "set", ln.dev, "up"))
         self.set_rtt(0.0)
 
     def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
         from dgr.up import node_args, tracker_args
 
-        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
-        tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.links[0].root_addr],
+        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
+                                      topology=self.topology)
+        tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.tracker_link.addr],
                                _clean_env(**{CLUSTER_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
@@ -427,7 +467,7 @@ class NetnsRoute:
                                       model=None, manifest=None)
         for ln, layers in zip(self.links, splits):
             cmd = ["ip", "netns", "exec", ln.ns,
-                   *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.ns_addr]
+                   *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.addr]
             self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{CLUSTER_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)
@@ -444,20 +484,19 @@ class NetnsRoute:
             time.sleep(0.1)
 
     def set_rtt(self, rtt_ms: float) -> None:
-        """Make every tracker-node round trip cost `rtt_ms` more (half each way)."""
+        """Make the round trip between any two endpoints cost `rtt_ms` more (half each way)."""
         if rtt_ms < 0:
             raise CallerError(Reason.INVALID_REQUEST, f"RTT must be >= 0 ms, not {rtt_ms}")
-        half_us = f"{rtt_ms * 500:.0f}us"
         if self.kind == "tun":
             self._delay_line.command(f"{rtt_ms / 2e3:.9f}")
         else:
-            for ln in self.links:
-                for where in ([], ["ip", "netns", "exec", ln.ns]):
-                    dev = ln.ns_dev if where else ln.root_dev
+            quarter_us = f"{rtt_ms * 250:.0f}us"  # two delayed egresses between any two endpoints
+            for ln in self.endpoints:
+                for cmd, dev in ((ln.in_ns("tc"), ln.dev), (["ip", "netns", "exec", self.hub, "tc"], ln.hub_dev)):
                     if rtt_ms > 0:
-                        _run([*where, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", half_us])
+                        _run([*cmd, "qdisc", "replace", "dev", dev, "root", "netem", "delay", quarter_us])
                     else:
-                        _run([*where, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+                        _run([*cmd, "qdisc", "del", "dev", dev, "root"], check=False)
         self.rtt_ms = rtt_ms
 
     def model_id(self) -> str:
@@ -471,33 +510,41 @@ class NetnsRoute:
         if self._delay_line is not None:
             self._delay_line.stop()  # its TUN devices go with it
             self._delay_line = None
-        for ln in self.links:
-            if ln.root_dev in _root_links():
-                _run(["ip", "link", "del", ln.root_dev], check=False)  # a veth pair goes as a whole
+        if self.tracker_link is not None and self.tracker_link.dev in _root_links():
+            _run(["ip", "link", "del", self.tracker_link.dev], check=False)  # a veth pair goes as a whole
         for ns in self._namespaces:
             _run(["ip", "netns", "del", ns], check=False)
         self._namespaces.clear()
 
 
 # -- the measurement ------------------------------------------------------------------------
-def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: int) -> list[dict[str, Any]]:
+def round_trips_per_token(hops: int, topology: str = "star") -> float:
+    """RTTs one decoded token waits on: the star's gateway relays each hop (N round trips); the
+    chain's step goes gateway -> node0 -> ... -> tail -> gateway (N + 1 one-way trips)."""
+    return float(hops) if topology == "star" else (hops + 1) / 2
+
+
+def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: float,
+                 topology: str = "star") -> list[dict[str, Any]]:
     """Add to each row what the topology predicts from the 0 ms row.
 
-    Decode: + hops x RTT per token (the gateway relays every hop). TTFT:
-    + ttft_trips x RTT, the round trips before the first token (see
-    `ttft_round_trips`). Rows hold `rtt_ms`, `decode_tok_s` and `ttft_s`;
-    one must have rtt_ms == 0.
+    Decode: + `round_trips_per_token` x RTT per token. TTFT: + ttft_trips x
+    RTT, the round trips before the first token (see `ttft_round_trips`).
+    Rows hold `rtt_ms`, `decode_tok_s` and `ttft_s`; one must have rtt_ms == 0.
     """
+    trips = round_trips_per_token(hops, topology)
     base = next(r for r in rows if r["rtt_ms"] == 0)
     base_ms = 1e3 / base["decode_tok_s"]
     out = []
     for r in rows:
         ms = 1e3 / r["decode_tok_s"] if r["decode_tok_s"] else float("inf")
-        expected = base_ms + hops * r["rtt_ms"]
+        expected = base_ms + trips * r["rtt_ms"]
         extra = ms - base_ms
-        out.append({**r, "hops": hops, "ms_per_token": ms, "expected_ms_per_token": expected,
+        out.append({**r, "hops": hops, "topology": topology, "round_trips_per_token": trips,
+                    "ms_per_token": ms, "expected_ms_per_token": expected,
                     "expected_tok_s": 1e3 / expected, "extra_ms_per_token": extra,
-                    "expected_extra_ms_per_token": hops * r["rtt_ms"],
+                    "expected_extra_ms_per_token": trips * r["rtt_ms"],
+                    "extra_rtts_per_token": extra / r["rtt_ms"] if r["rtt_ms"] else None,
                     "extra_ms_per_hop": extra / hops if r["rtt_ms"] else None,
                     "decode_vs_0": r["decode_tok_s"] / base["decode_tok_s"],
                     "ttft_extra_ms": (r["ttft_s"] - base["ttft_s"]) * 1e3,
@@ -505,20 +552,23 @@ def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: int) -> list
     return out
 
 
-def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, prefill_chunk: int) -> int:
-    """Tracker-node round trips before the first token, on warm connections.
+def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, prefill_chunk: int,
+                     topology: str = "star") -> float:
+    """Round trips before the first token, on warm connections.
 
     A text prompt is tokenized by the head node (1), every node opens the
     session at once (1), and K prefill chunks flow through the hops as a
-    pipeline, the last one leaving the tail with the first token (K + hops - 1).
+    pipeline, the last one leaving the tail with the first token: K - 1
+    trips, plus the last chunk's way through the route (hops for the star,
+    (hops + 1)/2 for the chain).
     """
     chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
-    return (0 if isinstance(prompt, list) else 1) + 1 + chunks + hops - 1
+    return (0 if isinstance(prompt, list) else 1) + 1 + chunks - 1 + round_trips_per_token(hops, topology)
 
 
 def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[float, ...], prompt: str | list[int],
               decode_tokens: int, threads: int, ctx: int = 4096, link: str = "auto", repeats: int = 1,
-              ready_timeout_s: float = 600.0, stub_delay: float = 0.0,
+              ready_timeout_s: float = 600.0, stub_delay: float = 0.0, topologies: tuple[str, ...] = TOPOLOGIES,
               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """Decode tok/s and TTFT of namespaced routes at each RTT, with the N x RTT expectation.
 
@@ -538,12 +588,12 @@ def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[floa
     rtts = sorted({0.0, *(float(r) for r in rtts_ms)})
     out: dict[str, Any] = {"backend": backend, "rtts_ms": rtts, "placement": PLACEMENT, "repeats": repeats,
                            "routes": {}}
-    for n in node_counts:
-        label = f"dgr {backend}, {n} nodes, namespaces"
+    for n, topology in [(n, t) for n in node_counts for t in topologies]:
+        label = f"dgr {backend}, {n} nodes, {topology}, namespaces"
         per_node = max(1, threads // n)
         log(f"rtt: {label} ({per_node} thread(s) per node)")
         with NetnsRoute(backend=backend, nodes=n, threads=per_node, ctx=ctx, link=link, stub_delay=stub_delay,
-                        ready_timeout_s=ready_timeout_s) as route:
+                        topology=topology, ready_timeout_s=ready_timeout_s) as route:
             out["link"] = route.kind
             model = route.model_id()
             rows = []
@@ -557,9 +607,9 @@ def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[floa
                 log(f"rtt: {label}, {rtt:g} ms: {best.decode_tok_s:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms")
                 rows.append({"rtt_ms": rtt, "decode_tok_s": best.decode_tok_s, "ttft_s": ttft,
                              "tokens": best.tokens, "prompt_tokens": best.prompt_tokens})
-            trips = ttft_round_trips(n, prompt, rows[0]["prompt_tokens"], route.prefill_chunk)
-            out["routes"][label] = {"nodes": n, "threads_per_node": per_node, "ttft_round_trips": trips,
-                                    "rows": expectations(rows, n, trips)}
+            trips = ttft_round_trips(n, prompt, rows[0]["prompt_tokens"], route.prefill_chunk, topology)
+            out["routes"][label] = {"nodes": n, "topology": topology, "threads_per_node": per_node,
+                                    "ttft_round_trips": trips, "rows": expectations(rows, n, trips, topology)}
     return out
 
 
@@ -584,14 +634,16 @@ def _netns_path(ns: str) -> str:
 
 
 def delay_line(specs: list[str]) -> int:
-    """Copy IP packets between TUN pairs, each one after the current one-way delay.
+    """Route IP packets between endpoints' TUN devices, each one after the current one-way delay.
 
-    `specs` are ROOT_DEV:NAMESPACE:NS_DEV. Each pair's root side is made in
-    this process's namespace and its node side inside NAMESPACE (setns),
-    both non-persistent, so they vanish when this process exits. Prints
-    `ready`; then each stdin line is a new one-way delay in seconds (answered
-    `ok`); end of stdin ends it. Packets keep their order, and one that
-    cannot be written (a link going down) is lost, as on a wire.
+    `specs` are DEV:NAMESPACE:ADDR, NAMESPACE `-` for this process's own.
+    Each TUN is made inside its namespace (setns), non-persistent, so they
+    vanish when this process exits. A packet read from any TUN is written to
+    the TUN whose endpoint holds its IPv4 destination; one for nobody is
+    dropped. Prints `ready`; then each stdin line is a new one-way delay in
+    seconds (answered `ok`); end of stdin ends it. Packets to one endpoint
+    keep their order, and one that cannot be written (a link going down) is
+    lost, as on a wire.
 
     A timed wake-up runs late (timer slack, then the scheduler: about a
     quarter of a millisecond per direction on a busy VM), which would add
@@ -601,22 +653,25 @@ def delay_line(specs: list[str]) -> int:
     """
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    peer: dict[int, int] = {}
+    owner: dict[bytes, int] = {}  # IPv4 address -> the TUN of the endpoint holding it
     for spec in specs:
-        root_dev, ns, ns_dev = spec.split(":")
-        a = _open_tun(root_dev)
-        target = os.open(_netns_path(ns), os.O_RDONLY)
-        _setns(libc, target)
-        b = _open_tun(ns_dev)
-        _setns(libc, home)
-        os.close(target)
-        peer[a], peer[b] = b, a
+        dev, ns, addr = spec.split(":")
+        if ns == "-":
+            fd = _open_tun(dev)
+        else:
+            target = os.open(_netns_path(ns), os.O_RDONLY)
+            _setns(libc, target)
+            fd = _open_tun(dev)
+            _setns(libc, home)
+            os.close(target)
+        owner[ipaddress.IPv4Address(addr).packed] = fd
+    tuns = list(owner.values())
     try:
         os.setpriority(os.PRIO_PROCESS, 0, -10)  # a wire does not wait for the CPU: run ahead of the nodes
     except OSError:
         pass
     libc.prctl(_PR_SET_TIMERSLACK, 1)  # 1 ns instead of 50 us of slack on every timed wait
-    waiting: dict[int, collections.deque] = {fd: collections.deque() for fd in peer}  # (due, packet) to write to fd
+    waiting: dict[int, collections.deque] = {fd: collections.deque() for fd in tuns}  # (due, packet) to write to fd
     delay, stdin, pending = 0.0, sys.stdin.fileno(), b""
     late = 0.0  # how late a timed wake-up comes here (moving average, seconds)
     print("ready", flush=True)
@@ -624,7 +679,7 @@ def delay_line(specs: list[str]) -> int:
         due = min((q[0][0] for q in waiting.values() if q), default=None)
         start = time.monotonic()
         timeout = None if due is None else max(0.0, due - start - late)
-        readable, _, _ = select.select([stdin, *peer], [], [], timeout)
+        readable, _, _ = select.select([stdin, *tuns], [], [], timeout)
         now = time.monotonic()
         if not readable and timeout:
             late = 0.9 * late + 0.1 * min(2e-3, max(0.0, now - start - timeout))
@@ -644,7 +699,10 @@ def delay_line(specs: list[str]) -> int:
                     packet = os.read(fd, 65536)
                 except BlockingIOError:
                     break
-                waiting[peer[fd]].append((now + delay, packet))
+                # IPv4 only (the links carry no other): the destination is bytes 16-20
+                to = owner.get(packet[16:20]) if len(packet) >= 20 and packet[0] >> 4 == 4 else None
+                if to is not None:
+                    waiting[to].append((now + delay, packet))
         now = time.monotonic()
         for fd, q in waiting.items():
             while q and q[0][0] <= now:
@@ -657,7 +715,7 @@ def delay_line(specs: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["delay-line"] or len(argv) < 2:
-        print("usage: python -m dgr.bench.netns delay-line ROOT_DEV:NAMESPACE:NS_DEV ...", file=sys.stderr)
+        print("usage: python -m dgr.bench.netns delay-line DEV:NAMESPACE:ADDR ...", file=sys.stderr)
         return 2
     return delay_line(argv[1:])
 

@@ -15,6 +15,7 @@ __all__ = ["write_report"]
 
 BASE = "llama-cpp-python direct"
 ROUTE_BASE = "dgr llama, 1 node"
+PEER_BASE = "llama-server, 1 thread(s)"
 
 
 def _ratio(x: float | None, base: float | None) -> str:
@@ -35,16 +36,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
              f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
              "Ratios are to llama-cpp-python called directly in the same run."]
     if setups:
-        lines += ["", "## Decode and prefill", "",
-                  "| setup | decode tok/s | vs direct | prefill tok/s | vs direct | TTFT ms | hop p50 ms | hop p99 ms | seam bytes/step/hop |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-    for label, s in setups.items():
-        p50 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p50_ms") or {}).values()) or "-"
-        p99 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p99_ms") or {}).values()) or "-"
-        seam = ", ".join(str(v) for v in list((s.get("seam_bytes_per_step") or {}).values())[1:]) or "-"
-        lines.append(f"| {label} | {_f(s.get('decode_tok_s'))} | {_ratio(s.get('decode_tok_s'), base.get('decode_tok_s'))} "
-                     f"| {_f(s.get('prefill_tok_s'))} | {_ratio(s.get('prefill_tok_s'), base.get('prefill_tok_s'))} "
-                     f"| {_f(s.get('ttft_s', 0) * 1e3)} | {p50} | {p99} | {seam} |")
+        lines += ["", "## Decode and prefill", ""] + _setup_table(setups, base)
     if res.get("inprocess"):
         full = res["inprocess"].get("full model, in process", {})
         lines += ["", "## llama.cpp shards in one process (no HTTP)", "",
@@ -55,11 +47,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res.get("concurrency"):
         lines += ["", "## Concurrent Route Sessions", "",
                   "| setup | sessions | aggregate tok/s | vs 1 session | per-session tok/s | errors |", "|---|---|---|---|---|---|"]
-        for label, rows in res["concurrency"].items():
-            one = rows.get(1, rows.get("1", {})).get("aggregate_tok_s")
-            for c, r in rows.items():
-                lines.append(f"| {label} | {c} | {_f(r['aggregate_tok_s'])} | {_ratio(r['aggregate_tok_s'], one)} "
-                             f"| {_f(r['per_session_tok_s'])} | {r['errors']} |")
+        lines += _concurrency_rows(res["concurrency"])
     if res.get("ttft"):
         lines += ["", "## TTFT by prompt length (ms)", "", "| setup | " + " | ".join(str(n) for n in res["config"]["prompt_lengths"]) + " |",
                   "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
@@ -81,11 +69,48 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
                   "|---|" + "---|" * len(res["config"]["prompt_lengths"])]
         for label, rows in res["torch"].items():
             lines.append(f"| {label} | " + " | ".join(_f(r["decode_ms_per_token"]) for r in rows.values()) + " |")
+    if res.get("big", {}).get("setups"):
+        big = res["big"]
+        lines += ["", f"## A 1B-parameter llama shape ({big['model']}, random weights)", "",
+                  f"Shape: {big['shape']['n_layers']} layers, hidden size {big['shape']['hidden']}, "
+                  f"{big['shape']['heads']} heads ({big['shape']['kv_heads']} KV), FFN {big['shape']['ffn']}, "
+                  f"{big['shape']['quant']}. Ratios are to llama-server with 1 thread.", ""]
+        lines += _setup_table(big["setups"], big["setups"].get(PEER_BASE, {}), "vs llama-server 1 thread")
+        lines += ["", "| setup | sessions | aggregate tok/s | vs 1 session | per-session tok/s | errors |",
+                  "|---|---|---|---|---|---|"]
+        lines += _concurrency_rows(big["concurrency"])
     if res.get("rtt"):
         lines += _rtt_markdown(res["rtt"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"
+
+
+def _setup_table(setups: dict[str, Any], base: dict[str, Any], vs: str = "vs direct") -> list[str]:
+    lines = [f"| setup | threads per process | decode tok/s | {vs} | prefill tok/s | {vs} | TTFT ms "
+             f"| TTFT short prompt ms | hop p50 ms | hop p99 ms | seam bytes/step/hop |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, s in setups.items():
+        p50 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p50_ms") or {}).values()) or "-"
+        p99 = ", ".join(_f(v, "{:.2f}") for v in (s.get("hop_p99_ms") or {}).values()) or "-"
+        seam = ", ".join(str(v) for v in list((s.get("seam_bytes_per_step") or {}).values())[1:]) or "-"
+        short = s.get("ttft_short_s")
+        lines.append(f"| {label} | {s.get('threads_per_node', '-')} | {_f(s.get('decode_tok_s'))} "
+                     f"| {_ratio(s.get('decode_tok_s'), base.get('decode_tok_s'))} "
+                     f"| {_f(s.get('prefill_tok_s'))} | {_ratio(s.get('prefill_tok_s'), base.get('prefill_tok_s'))} "
+                     f"| {_f(s.get('ttft_s', 0) * 1e3)} | {_f(short * 1e3 if short else None)} "
+                     f"| {p50} | {p99} | {seam} |")
+    return lines
+
+
+def _concurrency_rows(conc: dict[str, Any]) -> list[str]:
+    lines = []
+    for label, rows in conc.items():
+        one = rows.get(1, rows.get("1", {})).get("aggregate_tok_s")
+        for c, r in rows.items():
+            lines.append(f"| {label} | {c} | {_f(r['aggregate_tok_s'])} | {_ratio(r['aggregate_tok_s'], one)} "
+                         f"| {_f(r['per_session_tok_s'])} | {r['errors']} |")
+    return lines
 
 
 def plots(res: dict[str, Any], out: Path) -> list[str]:
@@ -161,6 +186,7 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
 def _command(cfg: dict[str, Any]) -> str:
     """The command line that makes this report."""
     parts = ["dgr bench"] + (["--quick"] if cfg["quick"] else [])
+    parts += (["--peers"] if cfg.get("peers") and cfg.get("only") != "peers" else []) + (["--big"] if cfg.get("big") else [])
     parts += [f"--rtt {r:g}" for r in cfg.get("rtts_ms") or ()]
     if cfg.get("rtt_link", "auto") != "auto":
         parts.append(f"--rtt-link {cfg['rtt_link']}")
@@ -170,9 +196,10 @@ def _command(cfg: dict[str, Any]) -> str:
 
 
 _LINKS = {
-    "netem": "a veth pair per node with `tc qdisc ... netem delay RTT/2` on both ends",
-    "tun": "a TUN pair per node and a user-space delay line holding each packet RTT/2 each way "
-           "(this kernel has no sch_netem); the copy costs tens of microseconds at every RTT, 0 ms included",
+    "netem": "a veth pair per endpoint to a forwarding hub namespace, with `tc qdisc ... netem delay RTT/4` on "
+             "both ends",
+    "tun": "a TUN device per endpoint and a user-space delay line routing each packet to its destination after "
+           "RTT/2 (this kernel has no sch_netem); the copy costs tens of microseconds at every RTT, 0 ms included",
 }
 
 
@@ -181,27 +208,30 @@ def _rtt_markdown(rtt: dict[str, Any]) -> list[str]:
     if "skipped" in rtt:
         return lines + [f"Skipped: {rtt['skipped']}."]
     lines += [
-        (f"The tracker stays in the root namespace; each node runs in a namespace of its own, joined to it by "
-         f"{_LINKS.get(rtt.get('link'), rtt.get('link'))}. Delay placement: {rtt['placement']}. The gateway "
-         "relays every hop, so one decoded token on an N-node route costs N tracker-node round trips: "
-         "expected ms/token = the route's 0 ms figure + N x RTT. Extra per hop is the measured extra "
-         "ms/token over N; it should read as the RTT. TTFT pays the round trips before the first token "
-         "(open, plus each prefill chunk through the hops, plus tokenize for a text prompt) on top of prefill "
+        (f"The tracker stays in the root namespace and each node runs in a namespace of its own; the endpoints "
+         f"share one network built from {_LINKS.get(rtt.get('link'), rtt.get('link'))}. Delay placement: "
+         f"{rtt['placement']}. On an N-node route a star (the gateway relays every hop) waits N round trips "
+         "per decoded token; a chain (each node forwards to the next, the tail answers the gateway) waits "
+         "N + 1 one-way trips, (N + 1)/2 round trips. Expected ms/token = the route's 0 ms figure + that many "
+         "RTTs; 'extra RTTs/token' is what was measured. TTFT pays the round trips before the first token "
+         "(open, plus each prefill chunk through the route, plus tokenize for a text prompt) on top of prefill "
          "compute, whose spread from run to run can exceed them. "
          f"Each figure is the best of {rtt.get('repeats', 1)} run(s) at that RTT."),
         "",
-        ("| route | hops/token | RTT ms | decode tok/s | vs 0 ms | expected tok/s | ms/token | expected ms/token "
-         "| extra ms/token (expected) | extra per hop ms | TTFT ms | TTFT vs 0 ms (expected) |"),
+        ("| route | hops | RTT ms | decode tok/s | vs 0 ms | expected tok/s | ms/token | expected ms/token "
+         "| extra ms/token (expected) | extra RTTs/token (expected) | TTFT ms | TTFT vs 0 ms (expected) |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, route in rtt["routes"].items():
         for r in route["rows"]:
+            trips = r.get("round_trips_per_token", r["hops"])
             lines.append(
                 f"| {label} | {r['hops']} | {r['rtt_ms']:g} | {_f(r['decode_tok_s'])} | {r['decode_vs_0']:.2f}x "
                 f"| {_f(r['expected_tok_s'])} | {_f(r['ms_per_token'], '{:.2f}')} "
                 f"| {_f(r['expected_ms_per_token'], '{:.2f}')} "
                 f"| {_f(r['extra_ms_per_token'], '{:+.2f}')} ({_f(r['expected_extra_ms_per_token'], '{:.2f}')}) "
-                f"| {_f(r['extra_ms_per_hop'], '{:.2f}') if r['extra_ms_per_hop'] is not None else '-'} "
+                f"| {_f(r.get('extra_rtts_per_token'), '{:.2f}') if r.get('extra_rtts_per_token') is not None else '-'} "
+                f"({trips:g}) "
                 f"| {_f(r['ttft_s'] * 1e3)} | {_f(r['ttft_extra_ms'], '{:+.1f}')} "
                 f"({_f(r.get('expected_ttft_extra_ms'), '{:.0f}')}) |")
     return lines
@@ -215,12 +245,12 @@ def _rtt_plot(rtt: dict[str, Any], out: Path, save: Callable) -> None:
         rows = sorted(route["rows"], key=lambda r: r["rtt_ms"])
         xs = [r["rtt_ms"] for r in rows]
         color = f"C{i}"
-        name = f"{route['nodes']} nodes ({route['nodes']} hops/token)"
+        name = f"{route['nodes']} nodes, {route.get('topology', 'star')}"
         left.plot(xs, [r["decode_tok_s"] for r in rows], marker="o", color=color, label=f"{name}, measured")
         left.plot(xs, [r["expected_tok_s"] for r in rows], ls="--", color=color, label=f"{name}, expected")
         right.plot(xs, [r["ms_per_token"] for r in rows], marker="o", color=color, label=f"{name}, measured")
         right.plot(xs, [r["expected_ms_per_token"] for r in rows], ls="--", color=color,
-                   label=f"{name}, expected (0 ms + N x RTT)")
+                   label=f"{name}, expected")
     left.set_xlabel("tracker-node round-trip time (ms)")
     left.set_ylabel("decode tokens/s (single session)")
     left.set_title("Decode speed vs RTT")

@@ -15,9 +15,10 @@ import time
 from typing import Any, Callable
 
 import attrs
+import httpx
 
 from dgr.bench.direct import direct_llama
-from dgr.bench.measure import concurrent, hop_stats, stream_once
+from dgr.bench.measure import concurrent, hop_stats, short_ttft, stream_once
 from dgr.models import default_model_path
 from dgr.seam.wire import HEADER_SIZE
 from dgr.testing.harness import LocalRoute
@@ -36,8 +37,11 @@ class BenchConfig:
     prompt_lengths: tuple[int, ...] = (128, 512, 2048)
     concurrency: tuple[int, ...] = (1, 4, 8)
     rtts_ms: tuple[float, ...] = ()
-    only: str | None = None  # "rtt": just the namespaced RTT routes
+    only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
+    peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
+    big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
+    short_prompt: int = 50  # tokens of the prompt whose TTFT shows the fixed costs before the first token
 
     @classmethod
     def make(cls, quick: bool, rtts_ms: tuple[float, ...] = ()) -> "BenchConfig":
@@ -70,7 +74,7 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     name = "SmolLM2-135M-Instruct.Q4_1"
     results: dict[str, Any] = {"config": attrs.asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "setups": {}, "ttft": {}, "seam": {}, "concurrency": {}, "inprocess": {},
-                               "torch": {}}
+                               "torch": {}, "big": {}}
     prompt = {n: _prompt_tokens(n) for n in cfg.prompt_lengths}
     base_prompt = prompt[cfg.prompt_lengths[0]]
     max_ctx = max(cfg.prompt_lengths) + cfg.decode_tokens + 64
@@ -87,39 +91,125 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
         results["ttft"].setdefault("llama-cpp-python direct", {})[n] = direct_llama(model, ids, 2, cfg.threads,
                                                                                    n_ctx=max_ctx)["ttft_s"]
 
-    setups: list[tuple[str, str, int]] = [("dgr llama, 1 node", "llama", 1),
-                                          ("dgr llama_shard, 2 nodes", "llama_shard", 2),
-                                          ("dgr llama_shard, 3 nodes", "llama_shard", 3)]
-    for label, backend, nodes in setups:
+    short = _prompt_tokens(cfg.short_prompt)
+    for label, backend, nodes, topology in _DGR_SETUPS:
         threads = max(1, cfg.threads // nodes)
         _log(f"{label} ({threads} thread(s) per node)")
-        with _route(backend, nodes, threads, ctx=max_ctx) as route:
-            stream_once(route.api, name, base_prompt[:16], 4)  # warm up connections and caches
-            r = stream_once(route.api, name, base_prompt, cfg.decode_tokens)
-            hops = hop_stats(route.url)
-            results["setups"][label] = {
-                "decode_tok_s": r.decode_tok_s, "ttft_s": r.ttft_s, "prefill_tok_s": r.prompt_tokens / r.ttft_s,
-                "hop_p50_ms": {k: v.get("p50_ms") for k, v in hops.items()},
-                "hop_p99_ms": {k: v.get("p99_ms") for k, v in hops.items()},
-                "seam_bytes_per_step": {k: v.get("decode_frame_bytes") for k, v in hops.items()},
-                "threads_per_node": threads,
-            }
+        with _route(backend, nodes, threads, ctx=max_ctx, extra=("--topology", topology)) as route:
+            results["setups"][label] = _dgr_row(route, name, base_prompt, short, cfg.decode_tokens, threads)
+            if nodes == 2 and topology == "star":
+                continue  # the chain's figures below cover the rest
             for n, ids in prompt.items():
                 rr = stream_once(route.api, name, ids, 4)
                 results["ttft"].setdefault(label, {})[n] = rr.ttft_s
                 if nodes > 1:
                     status = route.node_status("node1")["seam"]
                     results["seam"].setdefault(label, {})[n] = status["last_decode_frame_bytes"]
-            if nodes == 2:
+            if nodes == 2 and topology == "chain":
                 for c in cfg.concurrency:
                     _log(f"{label}: {c} concurrent session(s)")
                     results["concurrency"].setdefault(label, {})[c] = concurrent(
                         route.api, name, STORY, cfg.decode_tokens // 2, c)
-    _inprocess(results, cfg)
-    _torch(results, cfg)
+    if cfg.peers:
+        _peers(results["setups"], results["concurrency"], results["ttft"], cfg, model, base_prompt, short, prompt)
+    if cfg.big:
+        _big(results["big"], cfg, base_prompt, short)
+    if cfg.only != "peers":
+        _inprocess(results, cfg)
+        _torch(results, cfg)
     results["seam_expected_bytes"] = HEADER_SIZE + 576 * 4
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return results
+
+
+# label, backend, nodes, topology
+_DGR_SETUPS: tuple[tuple[str, str, int, str], ...] = (
+    ("dgr llama, 1 node", "llama", 1, "star"),
+    ("dgr llama_shard, 2 nodes, star", "llama_shard", 2, "star"),
+    ("dgr llama_shard, 2 nodes, chain", "llama_shard", 2, "chain"),
+    ("dgr llama_shard, 3 nodes, chain", "llama_shard", 3, "chain"),
+)
+# llama-server's prompt cache would answer a repeated prompt's TTFT from memory; dgr has none yet.
+_NO_PROMPT_CACHE = {"cache_prompt": False}
+
+
+def _dgr_row(route: LocalRoute, name: str, prompt: list[int], short: list[int], decode_tokens: int,
+             threads: int) -> dict[str, Any]:
+    stream_once(route.api, name, prompt[:16], 4)  # warm up connections and caches
+    r = stream_once(route.api, name, prompt, decode_tokens)
+    hops = hop_stats(route.url)
+    return {
+        "decode_tok_s": r.decode_tok_s, "ttft_s": r.ttft_s, "prefill_tok_s": r.prompt_tokens / r.ttft_s,
+        "ttft_short_s": short_ttft(route.api, name, short),
+        "hop_p50_ms": {k: v.get("p50_ms") for k, v in hops.items()},
+        "hop_p99_ms": {k: v.get("p99_ms") for k, v in hops.items()},
+        "seam_bytes_per_step": {k: v.get("decode_frame_bytes") for k, v in hops.items()},
+        "threads_per_node": threads,
+    }
+
+
+def _server_row(srv: Any, prompt: list[int], short: list[int], decode_tokens: int, threads: str) -> dict[str, Any]:
+    stream_once(srv.api, "x", prompt[:16], 4, extra=_NO_PROMPT_CACHE)
+    r = stream_once(srv.api, "x", prompt, decode_tokens, extra=_NO_PROMPT_CACHE)
+    return {"decode_tok_s": r.decode_tok_s, "ttft_s": r.ttft_s, "prefill_tok_s": len(prompt) / r.ttft_s,
+            "ttft_short_s": short_ttft(srv.api, "x", short, extra=_NO_PROMPT_CACHE), "threads_per_node": threads}
+
+
+def _peers(setups: dict[str, Any], conc: dict[str, Any], ttft: dict[str, Any] | None, cfg: BenchConfig,
+           model: str, prompt: list[int], short: list[int], lengths: dict[int, list[int]] | None = None) -> None:
+    """llama-server alone, over RPC, and with parallel slots, on the same prompt and token count as dgr."""
+    from contextlib import ExitStack
+
+    from dgr.bench.peers import LlamaServer, RpcServer, ensure_tools
+
+    tools = ensure_tools(_log)
+    ctx = max(lengths or {len(prompt): prompt}) + cfg.decode_tokens + 64
+    for threads in sorted({1, cfg.threads}):
+        label = f"llama-server, {threads} thread(s)"
+        _log(label)
+        with LlamaServer(tools, model, threads, ctx) as srv:
+            setups[label] = _server_row(srv, prompt, short, cfg.decode_tokens, str(threads))
+            if ttft is not None and lengths and threads == 1:
+                for n, ids in lengths.items():
+                    ttft.setdefault(label, {})[n] = stream_once(srv.api, "x", ids, 2, extra=_NO_PROMPT_CACHE).ttft_s
+    for n in (2, 3):
+        label = f"llama-server over RPC, {n} rpc-servers x 1 thread"
+        _log(label)
+        with ExitStack() as stack:
+            rpcs = [stack.enter_context(RpcServer(tools, 1)) for _ in range(n)]
+            srv = stack.enter_context(LlamaServer(tools, model, 1, ctx, rpc=tuple(r.endpoint for r in rpcs)))
+            setups[label] = _server_row(srv, prompt, short, cfg.decode_tokens, f"{n} x 1")
+    slots = max(cfg.concurrency)
+    label = f"llama-server -np {slots}, {cfg.threads} thread(s)"
+    _log(label)
+    with LlamaServer(tools, model, cfg.threads, ctx, parallel=slots) as srv:
+        for c in cfg.concurrency:
+            conc.setdefault(label, {})[c] = concurrent(srv.api, "x", STORY, cfg.decode_tokens // 2, c,
+                                                       extra=_NO_PROMPT_CACHE)
+
+
+def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[int]) -> None:
+    """The head-to-head rows again on a random-weight file with a 1B-parameter llama's shape."""
+    from dgr.bench.shapes import LLAMA_1B, random_llama_gguf
+
+    model = str(random_llama_gguf(LLAMA_1B, log=_log))
+    out.update(model=LLAMA_1B.name, shape={**attrs.asdict(LLAMA_1B, filter=lambda a, _v: a.name != "quant"), "quant": LLAMA_1B.quant.name},
+               setups={}, concurrency={})
+    for label, backend, nodes, topology in _DGR_SETUPS:
+        if nodes == 3:
+            continue
+        threads = max(1, cfg.threads // nodes)
+        _log(f"{LLAMA_1B.name}: {label}")
+        with _route(backend, nodes, threads, ctx=len(prompt) + cfg.decode_tokens + 64,
+                    extra=("--topology", topology, "--model", model)) as route:
+            name = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
+            out["setups"][label] = _dgr_row(route, name, prompt, short, cfg.decode_tokens, threads)
+            if nodes == 2 and topology == "chain":
+                for c in (1, max(cfg.concurrency)):
+                    out["concurrency"].setdefault(label, {})[c] = concurrent(
+                        route.api, name, STORY, cfg.decode_tokens // 2, c)
+    if cfg.peers:
+        _peers(out["setups"], out["concurrency"], None, cfg, model, prompt, short)
 
 
 def _rtt(cfg: BenchConfig, prompt: list[int], ctx: int) -> dict[str, Any]:

@@ -1,0 +1,60 @@
+"""The bench's own parts that can be checked without timing anything: baselines are built the way
+the project builds llama.cpp, and a shaped random-weight file is a model llama.cpp runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import pytest
+
+from dgr.bench import peers, shapes
+from dgr.bench.shapes import LlamaShape, random_llama_gguf
+from dgr.models import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_peer_tools_use_the_makefiles_llama_cpp_flags() -> None:
+    make = (ROOT / "Makefile").read_text()
+    flags = re.search(r"^LLAMA_CMAKE_ARGS := (.+)$", make, re.M).group(1).split()
+    assert tuple(flags) == peers.LLAMA_CMAKE_ARGS
+    assert "-DGGML_RPC=ON" in peers._TOOL_ARGS
+
+
+def test_llama_server_command_splits_context_over_slots_and_puts_layers_on_rpc() -> None:
+    tools = peers.PeerTools(Path("/x/llama-server"), Path("/x/rpc"), "0")
+    srv = peers.LlamaServer(tools, "m.gguf", threads=1, ctx=1000, parallel=8, rpc=("127.0.0.1:1", "127.0.0.1:2"))
+    cmd = srv.command()
+    assert cmd[cmd.index("-c") + 1] == "8000" and cmd[cmd.index("-np") + 1] == "8"
+    assert cmd[cmd.index("--rpc") + 1] == "127.0.0.1:1,127.0.0.1:2" and "-ngl" in cmd
+    assert cmd[cmd.index("-t") + 1] == "1" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_a_shaped_random_model_runs_with_the_default_tokenizer(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shape = LlamaShape("tiny-test", n_layers=2, hidden=256, heads=4, kv_heads=2, ffn=512)
+    path = random_llama_gguf(shape)
+    assert path.parent == tmp_path / "dgr" / "models" and random_llama_gguf(shape) == path  # cached
+    meta = gguf.GGUFReader(str(path)).fields
+    assert meta["llama.block_count"].contents() == 2 and meta["llama.embedding_length"].contents() == 256
+    text = b"The lighthouse keeper kept a log"
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    ref = llama_cpp.Llama(str(default_model_path()), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
+    try:
+        assert llm.tokenize(text) == ref.tokenize(text)
+        out = llm.create_completion(text.decode(), max_tokens=4, temperature=0)
+        assert out["usage"]["completion_tokens"] >= 1
+    finally:
+        llm.close()
+        ref.close()
+
+
+def test_the_1b_shape_is_a_1b_llama() -> None:
+    s = shapes.LLAMA_1B
+    vocab = 49152
+    per_layer = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * s.head_dim + 3 * s.hidden * s.ffn
+    params = s.n_layers * per_layer + vocab * s.hidden
+    assert params == pytest.approx(1.07e9, rel=0.02)
