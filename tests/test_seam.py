@@ -194,3 +194,37 @@ def test_stub_chunking_and_sharding_do_not_change_results() -> None:
     c.forward("a", 0, tokens[:4], None, False)
     c.forward("a", 4, tokens[3:8], None, False)
     assert not np.array_equal(c.forward("a", 9, tokens[7:8], None, True), ref)
+
+
+async def test_a_frame_without_a_capability_is_refused_after_its_header_alone() -> None:
+    """An unauthorized sender of a 60 MiB frame costs the node 48 bytes, not the whole buffered body."""
+    from dgr.node.app import seam_fast_path
+    from dgr.security.auth import CapabilityAuthority
+
+    service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n0",
+                          authority=CapabilityAuthority(b"s" * 32))
+    raw = encode_frame(FrameKind.PREFILL, uuid.uuid4().hex, 0, 0, 1, W, token_ids=[1])
+    announced = 60 * 1024 * 1024
+    reads = 0
+
+    async def receive():
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            return {"type": "http.request", "body": raw[:HEADER_SIZE], "more_body": True}
+        raise AssertionError("the node read past the header of an unauthorized frame")
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def unreachable(scope, receive, send):
+        raise AssertionError("the seam step went to the framework")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/seam/step",
+             "headers": [(b"content-length", str(announced).encode())]}
+    await seam_fast_path(service, unreachable)(scope, receive, send)
+    assert reads == 1
+    assert sent[0]["status"] == 403
+    assert dict(service.stats.refused) == {Reason.FORBIDDEN.value: 1}

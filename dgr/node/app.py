@@ -28,7 +28,16 @@ from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import NextHop, RelayPlan
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, HOPS_HEADER, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES
+from dgr.seam.frame import frame_session
+from dgr.seam.wire import (
+    CAPABILITY_HEADER,
+    COMPUTE_HEADER,
+    CONTENT_TYPE,
+    HEADER_SIZE,
+    HOPS_HEADER,
+    MAX_CONTROL_BYTES,
+    MAX_TOKENIZE_BYTES,
+)
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
@@ -207,7 +216,7 @@ async def _step(service: NodeService, scope, receive, send) -> None:
                 capability = value.decode("latin-1")
             elif name == _HOPS_RAW:
                 hops = value.decode("latin-1")[:4096]
-        chunks, size = [], 0
+        chunks, size, authorized = [], 0, False
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -217,6 +226,13 @@ async def _step(service: NodeService, scope, receive, send) -> None:
             if size > limit:
                 raise CallerError(Reason.FRAME_TOO_LARGE, f"frame exceeds {limit} bytes")
             chunks.append(chunk)
+            if not authorized and size >= HEADER_SIZE:
+                # Before the payload is read or checksummed: a sender without a capability for this
+                # session costs us a header, not a 64 MiB buffer.
+                head = b"".join(chunks)
+                chunks = [head]
+                service.authorize(capability, frame_session(head))
+                authorized = True
             if not message.get("more_body", False):
                 break
         reply, compute_s = await service.step(b"".join(chunks), capability, hops)
