@@ -40,6 +40,13 @@ def single():
         yield r
 
 
+@pytest.fixture(scope="module")
+def single_answers(single) -> dict[str, str]:
+    """The one-node route's greedy 48-token answers to PROMPTS: what every sharded route must equal."""
+    return {p: _client(single).completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text
+            for p in PROMPTS}
+
+
 def _client(route: LocalRoute) -> openai.OpenAI:
     return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120)
 
@@ -140,9 +147,8 @@ def test_models_metadata(single) -> None:
 
 # -- the networked GGUF route ----------------------------------------------------
 @pytest.mark.parametrize("nodes, topology", [(2, "star"), (3, "star"), (2, "chain"), (3, "chain")])
-def test_sharded_route_equals_single_node(single, nodes: int, topology: str) -> None:
-    want = {p: _client(single).completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text
-            for p in PROMPTS}
+def test_sharded_route_equals_single_node(single_answers, nodes: int, topology: str) -> None:
+    want = single_answers
     with LocalRoute(backend="llama_shard", nodes=nodes, ready_timeout_s=300,
                     extra=("--ctx", "2048", "--prefill-chunk", "512", "--topology", topology)) as route:
         client = _client(route)
