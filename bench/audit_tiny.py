@@ -8,7 +8,7 @@ llama-cpp-python:
 
 1. the fixture's tensor list loads (llama.cpp refuses a missing, misshapen
    or extra tensor) and computes finite logits;
-2. the cache sizes llama.cpp logs equal dgr.plan_layout's KV terms;
+2. the cache sizes llama.cpp logs equal dgr.plan.rules's KV terms;
 3. a head shard's residual after its last layer (`l_out`) is captured at
    hidden_size width; and whether a middle shard loads and runs (glm-dsa:
    one that starts at a full-indexer layer; qwen35moe: ones of
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import make_audit_layouts as mk  # noqa: E402
 
-from dgr.plan_layout import layout_from_json  # noqa: E402
+from dgr.plan.sources import layout_from_json  # noqa: E402
 
 CTX, SEQS = 512, 2
 

@@ -9,7 +9,7 @@ llama-cpp-python ships checks, on this machine:
    extra tensor, so a clean load means the fixture's tensor list is the one
    its deepseek4 loader creates;
 2. KV per layer kind: the cache sizes llama.cpp logs against
-   dgr.plan_layout's KV terms for the same model;
+   dgr.plan.rules's KV terms for the same model;
 3. what breaks for a layer-range shard (see spec/deepseek-v4-flash.md):
    the width llama.cpp takes as embeddings input vs the width of the
    residual stream between layers; a shard GGUF starting after the
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import gguf
 import make_dsv4_layout as mk
 
-from dgr.plan_layout import layout_from_json
+from dgr.plan.sources import layout_from_json
 
 TINY = mk.Dims(
     hidden=64, vocab=256, layers=6, heads=4, head_dim=128, rope_dim=16, q_lora=32, o_lora=16, o_groups=2,
@@ -221,7 +221,7 @@ def _kv_check(log: str, layout, ubatch: int, *, swa_full: bool) -> int:
         "csa_k+indexer_k+hca_k": sum(planned.get(k, 0) for k in ("csa_k", "indexer_k", "hca_k")),
         "compressor states": sum(planned.get(k, 0) for k in ("csa_state", "indexer_state", "hca_state")),
     }
-    print(f"2. KV at context {CTX} x {SEQS} sequences, f16, swa_full={swa_full} (llama.cpp log vs dgr.plan_layout):")
+    print(f"2. KV at context {CTX} x {SEQS} sequences, f16, swa_full={swa_full} (llama.cpp log vs dgr.plan.rules):")
     bad = 0
     for k, v in want.items():
         same = abs(logged[k] * 2**20 - v) < 0.006 * 2**20  # the log rounds to 0.01 MiB

@@ -9,7 +9,7 @@ compared with the planner's total for the same node (dgr.plan.shard_cost).
 
 It also prints the two constants the planner takes from here: the RSS of a
 node process before any model (LLAMA_CPU_RUNTIME_BYTES) and llama.cpp's
-"CPU compute buffer size" line (dgr.plan_layout.gguf_compute_rule).
+"CPU compute buffer size" line (dgr.plan.rules.gguf_compute_rule).
 
     python bench/plan_overhead.py [--context 2048] [--sessions 2]
 
@@ -39,7 +39,7 @@ from dgr.plan import (
     plan_even,
     shard_cost,
 )
-from dgr.plan_layout import layout_from_gguf
+from dgr.plan.sources import layout_from_gguf
 
 CHILD = r"""
 import json, sys, numpy as np

@@ -190,12 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    from dgr import plan, soak
+    from dgr import soak
     from dgr.artifact import cli as artifact_cli
+    from dgr.plan import cli as plan_cli
     from dgr.bench import cli as bench_cli
 
     artifact_cli.register(sub)
-    plan.register(sub)
+    plan_cli.register(sub)
     bench_cli.register(sub)
     soak.register(sub)
     return parser

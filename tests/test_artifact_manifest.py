@@ -14,11 +14,12 @@ import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact import merkle
-from dgr.artifact.constants import BLOCK_SIZE, PieceSize, Role
+from dgr.artifact.constants import BLOCK_SIZE, PieceSize
 from dgr.artifact.manifest import Manifest, build_manifest, canonical_json, choose_piece_length, layer_digest
 from dgr.artifact.spec import SPEC_PATH, render_tables, splice
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import Role
 
 
 @pytest.fixture()

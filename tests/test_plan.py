@@ -1,4 +1,4 @@
-"""The shard planner (dgr.plan) and model layouts (dgr.plan_layout).
+"""The shard planner (dgr.plan) and model layouts (dgr.plan.layout, rules, sources).
 
 On the real default model (SmolLM2-135M GGUF): splits over 1, 2 and 3 nodes,
 the fewest-nodes and balance rules against brute force, refusal, JSON, the
@@ -40,19 +40,13 @@ from dgr.plan import (
     parse_size,
     plan,
     plan_even,
-    register,
     seam_hops,
     shard_cost,
 )
-from dgr.plan_layout import (
-    KvTerm,
-    kv_terms_for_layer,
-    layout_from_gguf,
-    layout_from_json,
-    layout_from_manifest,
-    load_layout,
-    tensor_nbytes,
-)
+from dgr.plan.cli import register
+from dgr.plan.layout import KvTerm, tensor_nbytes
+from dgr.plan.rules import kv_terms_for_layer
+from dgr.plan.sources import layout_from_gguf, layout_from_json, layout_from_manifest, load_layout
 from dgr.seam.wire import HEADER_SIZE, MAX_FRAME_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent

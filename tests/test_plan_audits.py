@@ -2,7 +2,7 @@
 
 Each fixture is what tools/make_audit_layouts.py writes; its tensor list
 matches what was published about real files; the KV per layer kind is what
-dgr.plan_layout derives from llama.cpp's rules; the planner honours the
+dgr.plan.rules derives from llama.cpp's rules; the planner honours the
 split rules (GLM-5.2: shards start at full-indexer layers); the seam is
 hidden_size wide with no token ids; and the audits' pasted `dgr plan`
 outputs are current.
@@ -20,7 +20,9 @@ import pytest
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError
 from dgr.plan import Node, PlanParams, plan, plan_even, seam_hops
-from dgr.plan_layout import KvTerm, glm52_indexer_full, kv_terms_for_layer, layout_from_json
+from dgr.plan.layout import KvTerm
+from dgr.plan.rules import glm52_indexer_full, kv_terms_for_layer
+from dgr.plan.sources import layout_from_json
 from dgr.seam.wire import HEADER_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent

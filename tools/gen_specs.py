@@ -36,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from dgr import plan as dgr_plan  # noqa: E402
 from dgr.errors import CallerError  # noqa: E402
-from dgr.plan_layout import ModelLayout, layout_from_json  # noqa: E402
+from dgr.plan.cli import register  # noqa: E402
+from dgr.plan.layout import ModelLayout  # noqa: E402
+from dgr.plan.sources import layout_from_json  # noqa: E402
 
 _CONSOLE = re.compile(r"(```console\n)(\$ dgr plan [^\n]*)\n(.*?)(```)", re.DOTALL)
 _TABLE = re.compile(r"(<!-- table: ([a-z0-9-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
@@ -89,7 +91,7 @@ def run_cli(command: str) -> str:
     """`dgr plan ...` run in-process from the repo root: its stdout and stderr, as a console shows them."""
     argv = shlex.split(command)[1:]  # drop "dgr"
     parser = argparse.ArgumentParser(prog="dgr")
-    dgr_plan.register(parser.add_subparsers())
+    register(parser.add_subparsers())
     args = parser.parse_args(argv)
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()

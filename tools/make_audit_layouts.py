@@ -4,7 +4,7 @@ Like tools/make_dsv4_layout.py (whose JSON writer this reuses), each layout
 describes a model for `dgr plan` without its weights: GGUF metadata in
 llama.cpp's key names, every tensor's name and shape per layer group (from
 llama.cpp's loader), quantization recipes, and a compute-buffer rule. The
-KV terms are not written out: dgr.plan_layout derives them from the
+KV terms are not written out: dgr.plan.rules derives them from the
 metadata (tests/test_plan_audits.py checks what it derives).
 
     python tools/make_audit_layouts.py          # rewrite both fixtures
@@ -33,12 +33,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from make_dsv4_layout import _dump  # noqa: E402  (the one JSON writer for layout fixtures)
 
-from dgr.plan_layout import (  # noqa: E402
-    DEFAULT_UBATCH,
-    DSV4_COMPUTE_ANCHORS,
-    gguf_compute_rule,
-    glm52_indexer_full,
-)
+from dgr.plan.layout import DEFAULT_UBATCH  # noqa: E402
+from dgr.plan.rules import DSV4_COMPUTE_ANCHORS, gguf_compute_rule, glm52_indexer_full  # noqa: E402
 
 GLM_OUT = ROOT / "tests" / "fixtures" / "glm-5.2.layout.json"
 ORNITH_OUT = ROOT / "tests" / "fixtures" / "ornith-1.0-35b.layout.json"

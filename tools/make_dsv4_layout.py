@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dgr.plan_layout import DSV4_COMPUTE_ANCHORS, DSV4_COMPUTE_SOURCE
+from dgr.plan.rules import DSV4_COMPUTE_ANCHORS, DSV4_COMPUTE_SOURCE
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepseek-v4-flash.layout.json"
 
@@ -220,7 +220,7 @@ RECIPES = {
 def kv_kinds(d: Dims) -> dict[str, list[dict[str, Any]]]:
     """Per-sequence caches of llama.cpp's llama_kv_cache_dsv4, written out from its constructor.
 
-    tests/test_plan.py checks dgr.plan_layout derives the same from the metadata. "cache" rows
+    tests/test_plan.py checks dgr.plan.rules derives the same from the metadata. "cache" rows
     follow --kv-dtype; the compressor state is always f32. Cache rows are padded to 256.
     """
     raw = {"name": "raw_k", "width": d.head_dim, "window": d.window}

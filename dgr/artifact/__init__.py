@@ -5,7 +5,7 @@ so that code which only checks manifests and proofs (the tracker) does not
 load libtorrent.
 """
 
-from dgr.artifact.constants import SCHEMA_VERSION, GlobalNeed, Role
+from dgr.artifact.constants import SCHEMA_VERSION, GlobalNeed
 from dgr.artifact.manifest import Manifest, build_manifest
 from dgr.artifact.proof import (
     Answer,
@@ -17,6 +17,7 @@ from dgr.artifact.proof import (
     make_challenge,
 )
 from dgr.artifact.verify import VerifyReport, verify_file
+from dgr.gguf_meta import Role
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -38,22 +37,30 @@ import attrs
 from dgr.artifact import merkle
 from dgr.artifact.bencode import bencode
 from dgr.artifact.constants import (
-    GLOBAL_ROLES,
     HASH_CHUNK,
-    LAYER_PREFIX,
     MANIFEST_KIND,
     SCHEMA_VERSION,
     TARGET_PIECE_COUNT,
     TORRENT_META_VERSION,
     GlobalNeed,
     PieceSize,
-    Role,
     SchemaVersion,
 )
 from dgr.progress import NullProgress, Progress
 from dgr.backends.base import LayerRange, ModelInfo
 from dgr.errors import CallerError, Reason
-from dgr.models import check_gguf_file
+from dgr.gguf_meta import (
+    ARCHITECTURE_KEY,
+    NAME_KEY,
+    Role,
+    arch_key,
+    field,
+    is_tied,
+    layer_of,
+    open_reader,
+    require_field,
+    tensor_role,
+)
 
 __all__ = [
     "ModelIdentity",
@@ -70,8 +77,6 @@ __all__ = [
     "read_gguf_layout",
     "GgufLayout",
 ]
-
-_LAYER_RE = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.")
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -585,15 +590,6 @@ class GgufLayout:
     tensors: tuple[_TensorLayout, ...]  # offset order
 
 
-def _field(reader: Any, key: str, path: Path, required: bool = True) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if required:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF metadata lacks {key!r}: {path}")
-        return None
-    return field.contents()
-
-
 def read_gguf_layout(path: str | Path) -> GgufLayout:
     """Read metadata and the tensor table with gguf.GGUFReader.
 
@@ -601,35 +597,27 @@ def read_gguf_layout(path: str | Path) -> GgufLayout:
         CallerError(MODEL_LOAD_FAILED): not GGUF, unreadable, truncated, or
             missing the architecture keys a manifest needs.
     """
-    import gguf  # heavy import (numpy memmaps); only when a file is read
-
-    p = check_gguf_file(path)
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except (ValueError, IndexError, OSError, KeyError) as exc:
-        raise CallerError(
-            Reason.MODEL_LOAD_FAILED,
-            f"cannot parse GGUF {p} (truncated or corrupt?): {exc}",
-        ) from None
-    arch = _field(reader, "general.architecture", p)
-    vocab = _field(reader, f"{arch}.vocab_size", p, required=False)
+    p = Path(path)
+    reader = open_reader(p)
+    arch = require_field(reader, ARCHITECTURE_KEY, p)
+    vocab = field(reader, arch_key(arch, "vocab_size"))
     if vocab is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
         if tokens is None:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has neither {arch}.vocab_size nor a token list: {p}")
         vocab = len(tokens.data)
-    hidden = int(_field(reader, f"{arch}.embedding_length", p))
+    hidden = int(require_field(reader, arch_key(arch, "embedding_length"), p))
     model = ModelIdentity(
         architecture=str(arch),
-        name=str(_field(reader, "general.name", p, required=False) or ""),
-        block_count=int(_field(reader, f"{arch}.block_count", p)),
+        name=str(field(reader, NAME_KEY) or ""),
+        block_count=int(require_field(reader, arch_key(arch, "block_count"), p)),
         hidden_size=hidden,
         # The seam carries the residual stream, hidden_size floats per token,
         # for every architecture dgr splits today (see PRD: seams proportional
         # to hidden_size).
         seam_width=hidden,
         vocab_size=int(vocab),
-        context_length=int(_field(reader, f"{arch}.context_length", p)),
+        context_length=int(require_field(reader, arch_key(arch, "context_length"), p)),
     )
     tensors = tuple(
         sorted(
@@ -648,26 +636,12 @@ def read_gguf_layout(path: str | Path) -> GgufLayout:
     )
     return GgufLayout(
         model=model,
-        gguf_version=int(_field(reader, "GGUF.version", p)),
+        gguf_version=int(require_field(reader, "GGUF.version", p)),
         alignment=int(reader.alignment),
-        kv_count=int(_field(reader, "GGUF.kv_count", p)),
+        kv_count=int(require_field(reader, "GGUF.kv_count", p)),
         data_offset=int(reader.data_offset),
         tensors=tensors,
     )
-
-
-def _layer_of(name: str) -> int | None:
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _role_of(name: str, tied: bool) -> Role:
-    if _layer_of(name) is not None:
-        return Role.LAYER
-    role = GLOBAL_ROLES.get(name.split(".", 1)[0], Role.SHARED)
-    if role is Role.HEAD and tied and name.startswith("token_embd."):
-        return Role.HEAD_TAIL
-    return role
 
 
 # -- hashing -------------------------------------------------------------------------
@@ -746,12 +720,12 @@ def build_manifest(path: str | Path, *, piece_length: int | None = None, progres
         raise CallerError(Reason.INVALID_REQUEST, f"piece length {plen} is not 16 KiB * 2^k")
 
     digests = _hash_file(p, size, layout.data_offset, layout.tensors, plen, progress)
-    tied = not any(t.name == "output.weight" for t in layout.tensors)
+    tied = is_tied(t.name for t in layout.tensors)
     entries = tuple(
         TensorEntry(
             name=t.name,
-            layer=_layer_of(t.name),
-            role=_role_of(t.name, tied),
+            layer=layer_of(t.name),
+            role=tensor_role(t.name, tied=tied),
             type=t.type,
             shape=t.shape,
             offset=t.offset,

@@ -13,17 +13,16 @@ from pathlib import Path
 
 from dgr.artifact.constants import (
     BLOCK_SIZE,
-    GLOBAL_ROLES,
     MANIFEST_KIND,
     TARGET_PIECE_COUNT,
     TORRENT_META_VERSION,
     GlobalNeed,
     PieceSize,
-    Role,
     SchemaVersion,
 )
 from dgr.artifact.proof import Verdict
 from dgr.errors import HTTP_TABLE, CallerError, Reason
+from dgr.gguf_meta import GLOBAL_ROLES, Role
 
 __all__ = ["BEGIN", "END", "SPEC_PATH", "render_tables", "splice"]
 
@@ -66,7 +65,7 @@ def render_tables() -> str:
         "|---|---|",
     ]
     lines += [f"| `{r.value}` | {_ROLE_DOC[r]} |" for r in Role]
-    lines += ["", "Global tensor name prefixes (before the first `.`); any other global is `shared`:", ""]
+    lines += ["", "Global tensor name prefixes (before the first `.`; `*` matches any rest); any other global is `shared`:", ""]
     lines += [f"- `{prefix}` -> `{role.value}`" for prefix, role in GLOBAL_ROLES.items()]
     lines += ["", "### Global needs", "", "| need | globals included |", "|---|---|"]
     lines += [
