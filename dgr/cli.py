@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    from dgr import soak
+    from dgr.bench import soak
     from dgr.artifact import cli as artifact_cli
     from dgr.plan import cli as plan_cli
     from dgr.bench import cli as bench_cli

@@ -16,10 +16,10 @@ from fixtures.artifact_helpers import write_tiny_llama
 from dgr.artifact import merkle
 from dgr.artifact.constants import BLOCK_SIZE, PieceSize
 from dgr.artifact.manifest import Manifest, build_manifest, canonical_json, choose_piece_length, layer_digest
-from dgr.artifact.spec import SPEC_PATH, render_tables, splice
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.gguf_meta import Role
+from dgr.specgen.artifact import SPEC_PATH, render_tables, splice
 
 
 @pytest.fixture()

@@ -53,7 +53,7 @@ __all__ = [
 
 
 # RSS of a dgr node process before it loads a model: Python, numpy, trio, quart,
-# hypercorn, httpx and llama.cpp's libraries. Measured by bench/plan_overhead.py
+# hypercorn, httpx and llama.cpp's libraries. Measured by dgr/bench/plan_overhead.py
 # (73 to 74 MiB with llama-cpp-python 0.3.36 on this machine), rounded up.
 LLAMA_CPU_RUNTIME_BYTES = 80 * 2**20
 

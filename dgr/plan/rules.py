@@ -221,9 +221,9 @@ def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
 def shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
     """Layer kinds every shard must hold, or llama.cpp dies creating its context.
 
-    deepseek4: a CSA and an HCA layer (SIGFPE; bench/dsv4_tiny.py). qwen35moe and kin: a
+    deepseek4: a CSA and an HCA layer (SIGFPE; dgr/bench/dsv4_tiny.py). qwen35moe and kin: a
     full-attention layer (a shard of gated-delta-net layers only aborts on its empty KV
-    buffer, GGML_ASSERT(buffer); bench/audit_tiny.py).
+    buffer, GGML_ASSERT(buffer); dgr/bench/audit_tiny.py).
     """
     if arch == "deepseek4":
         return frozenset({"csa", "hca"} & kinds)
@@ -277,7 +277,7 @@ def gguf_compute_rule(arch: str, meta: Mapping[str, Any], vocab: int) -> Compute
     activations of one ubatch, which measured at ubatch x vocab bytes, and
     LLAMA_VOCAB_RESIDENT bytes per vocabulary entry; plus the f16 attention
     mask, context x ubatch (flash attention, llama.cpp's CPU default). Fit to
-    SmolLM2-135M by bench/plan_overhead.py: a guess for other models, which
+    SmolLM2-135M by dgr/bench/plan_overhead.py: a guess for other models, which
     that script re-measures. deepseek4 uses the measured DSV4 rule instead.
     """
     if arch == "deepseek4":

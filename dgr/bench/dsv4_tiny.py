@@ -1,6 +1,6 @@
 """Check the DeepSeek-V4 layout against llama.cpp itself, on a tiny random deepseek4 GGUF.
 
-No DeepSeek-V4 weights are needed: tools/make_dsv4_layout.py describes the
+No DeepSeek-V4 weights are needed: dgr.specgen.dsv4_layout describes the
 model with its sizes as parameters, so the same tensor list, at toy sizes,
 becomes a GGUF with random data. Loading it in the llama.cpp that
 llama-cpp-python ships checks, on this machine:
@@ -17,7 +17,7 @@ llama-cpp-python ships checks, on this machine:
    and shards that lack a CSA or an HCA layer (each run in a child
    process, because llama.cpp kills the process).
 
-    python bench/dsv4_tiny.py
+    python -m dgr.bench.dsv4_tiny
 
 Prints a report; exits 1 if a check fails.
 """
@@ -34,14 +34,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
 import gguf
-import make_dsv4_layout as mk
 
 from dgr.plan.sources import layout_from_json
+from dgr.specgen import dsv4_layout as mk
+
+__all__ = ["kinds_probe", "main", "write_gguf"]
 
 TINY = mk.Dims(
     hidden=64, vocab=256, layers=6, heads=4, head_dim=128, rope_dim=16, q_lora=32, o_lora=16, o_groups=2,
@@ -190,7 +188,7 @@ def main() -> int:
         (6, 2, 4, "layers 2:4, CSA and HCA"),
     ):
         child = subprocess.run(
-            [sys.executable, __file__, "--kinds", str(layers), str(a), str(b)],
+            [sys.executable, "-m", "dgr.bench.dsv4_tiny", "--kinds", str(layers), str(a), str(b)],
             check=False,
             capture_output=True,
             text=True,

@@ -1,8 +1,8 @@
 """Check the GLM-5.2 and Ornith layouts against the llama.cpp dgr ships, on tiny random GGUFs.
 
-No weights are needed: tools/make_audit_layouts.py writes each model's
+No weights are needed: dgr.specgen.audit_layouts writes each model's
 tensor list from its sizes, so the same list at toy sizes becomes a GGUF
-with random data (as bench/dsv4_tiny.py does for DeepSeek-V4-Flash). For
+with random data (as dgr.bench.dsv4_tiny does for DeepSeek-V4-Flash). For
 each of glm-dsa and qwen35moe this checks, in the llama.cpp of
 llama-cpp-python:
 
@@ -15,7 +15,7 @@ llama-cpp-python:
    gated-delta-net layers only), each in a child process, because
    llama.cpp may kill it.
 
-    python bench/audit_tiny.py
+    python -m dgr.bench.audit_tiny
 
 Prints a report; exits 1 if a check fails. Keys llama.cpp needs that the
 planner does not (norm epsilons, RoPE sections) are added here only.
@@ -34,13 +34,10 @@ from typing import Any
 import gguf
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from dgr.plan.sources import layout_from_json
+from dgr.specgen import audit_layouts as mk
 
-import make_audit_layouts as mk  # noqa: E402
-
-from dgr.plan.sources import layout_from_json  # noqa: E402
+__all__ = ["check", "main", "write_gguf"]
 
 CTX, SEQS = 512, 2
 
@@ -180,7 +177,7 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
         shard = tmp / f"{name}.{a}-{b}.gguf"
         write_shard(path, LayerRange(a, b), shard)
         child = subprocess.run(
-            [sys.executable, __file__, "--load", str(shard)], check=False, capture_output=True, text=True
+            [sys.executable, "-m", "dgr.bench.audit_tiny", "--load", str(shard)], check=False, capture_output=True, text=True
         )
         kinds = sorted({layout.layers[i].kind for i in range(a, b)})
         why = re.findall(r"error loading model: (.*)", child.stderr)

@@ -3,12 +3,11 @@
 The constants, roles and verdicts in the spec are written by this module, so
 the document cannot drift from the code: a test compares the block between
 the markers in the committed spec with `render_tables()`.
-Run `python -m dgr.artifact.spec` to rewrite that block after a change.
+Run `python -m dgr.specgen` to rewrite that block after a change.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from dgr.artifact.constants import (
@@ -26,7 +25,7 @@ from dgr.gguf_meta import GLOBAL_ROLES, Role
 
 __all__ = ["BEGIN", "END", "SPEC_PATH", "render_tables", "splice"]
 
-BEGIN = "<!-- BEGIN GENERATED: python -m dgr.artifact.spec -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m dgr.specgen -->"
 END = "<!-- END GENERATED -->"
 SPEC_PATH = Path(__file__).resolve().parents[2] / "spec" / "artifact-manifest.md"
 
@@ -93,13 +92,3 @@ def splice(text: str) -> str:
     if not sep or not sep2:
         raise CallerError(Reason.INTERNAL, f"spec lacks the {BEGIN!r} ... {END!r} markers")
     return head + render_tables() + tail
-
-
-def main() -> int:
-    SPEC_PATH.write_text(splice(SPEC_PATH.read_text(encoding="utf-8")), encoding="utf-8")
-    print(f"wrote {SPEC_PATH}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
