@@ -33,7 +33,7 @@ import trio
 
 from dgr.errors import Failure, Reason
 from dgr.seam.transport import ConnectionPool, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER, STEP_PATH
 
 __all__ = ["NextHop", "RelayPlan", "Relay", "Outgoing", "Report"]
 
@@ -138,7 +138,7 @@ class Relay:
         headers = [("Content-Type", CONTENT_TYPE), (HOPS_HEADER, item.hops)]
         if cap is not None:
             headers.append((CAPABILITY_HEADER, cap))
-        target = "/v1/seam/step" if nxt is not None else DELIVER_PATH
+        target = STEP_PATH if nxt is not None else DELIVER_PATH
         try:
             r = await self.pool(url).request("POST", target, item.frame, headers, sent=item.sent)
         except TransportError as exc:

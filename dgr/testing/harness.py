@@ -35,6 +35,7 @@ import httpx
 from dgr.procs import dgr_command, die_with_parent
 from dgr.security.auth import CapabilityAuthority, Signer
 from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, STEP_PATH
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
 
@@ -63,8 +64,8 @@ def cut_mid_frame(url: str, frame: bytes, fraction: float = 0.5) -> None:
     """POST a seam frame but close the connection after `fraction` of its bytes."""
     u = urlparse(url)
     head = (
-        f"POST /v1/seam/step HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-        f"Content-Type: application/x-dgr-seam\r\nContent-Length: {len(frame)}\r\n\r\n"
+        f"POST {STEP_PATH} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+        f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(frame)}\r\n\r\n"
     ).encode()
     with socket.create_connection((u.hostname, u.port), timeout=5) as s:
         s.sendall(head + frame[: int(len(frame) * fraction)])
@@ -120,7 +121,7 @@ class LocalRoute:
             layers = (int(a), int(b))
         authority = CapabilityAuthority((secret or self.secret).encode())
         token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s)
-        return {"X-Dgr-Capability": token}
+        return {CAPABILITY_HEADER: token}
 
     def signed(self, path: str, body: bytes, *, secret: str | None = None, now: float | None = None) -> dict[str, str]:
         """Headers of a membership message signed with the route's secret (or `secret`)."""

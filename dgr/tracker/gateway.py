@@ -67,7 +67,7 @@ from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
-from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology
+from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route
@@ -612,7 +612,7 @@ class Gateway:
         live.rs.hop_latency_ms[hop.node_id] = round(overhead * 1e3, 4)
         self.hop_stats[hop.node_id].overhead_ms.append(overhead * 1e3)
         self.metrics.hop_latency_seconds.labels(node=hop.node_id).observe(overhead)
-        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
         return reply
 
     def _frame(self, live: LiveSession, i: int, kind: FrameKind, seq: int, pos0: int, ids: list[int],
@@ -717,7 +717,7 @@ class Gateway:
             raise PeerError(Reason.ROUTE_NODE_LOST,
                             f"node {hop.node_id} did not take step {step} within {self._deadline(n_tokens):.1f}s",
                             node=hop.node_id, step=step, phase=live.rs.state.value)
-        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
 
     async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
         """The tail's answer to step `seq`: (frame, hops header).

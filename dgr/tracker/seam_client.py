@@ -22,7 +22,7 @@ import httpx
 from dgr.errors import CallerError, Failure, PeerError, Reason
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE
+from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, STEP_PATH
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
 
@@ -112,7 +112,7 @@ class NodeClient:
             headers.append((CAPABILITY_HEADER, capability))
         t0 = time.perf_counter()
         try:
-            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
+            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
         rtt = time.perf_counter() - t0
@@ -133,7 +133,7 @@ class NodeClient:
         if capability is not None:
             headers.append((CAPABILITY_HEADER, capability))
         try:
-            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
+            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
         if r.status != 202:
