@@ -31,7 +31,7 @@ from typing import Callable
 import attrs
 import trio
 
-from dgr.errors import Failure, Reason
+from dgr.errors import Failure, Reason, parse_error_body
 from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER, STEP_PATH
 
@@ -152,11 +152,8 @@ class Relay:
         if nxt is None:
             log.warning("%s: the gateway refused session %s's answer (%d)", self.node_id, self.sid, r.status)
             return None
-        try:
-            err = json.loads(r.body)["error"]
-            message = f"{err.get('code')}: {err.get('message', '')}"
-        except (ValueError, KeyError, TypeError):
-            message = r.body[:200].decode(errors="replace")
+        code, text = parse_error_body(r.body)
+        message = text if code is None else f"{code}: {text}"
         return Failure(Reason.NODE_ERROR, f"{who} refused a step from {self.node_id} ({r.status} {message})"[:300],
                        node=who)
 

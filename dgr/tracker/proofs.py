@@ -41,7 +41,7 @@ import trio
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
 from dgr.backends.base import LayerRange
-from dgr.errors import CallerError, Reason
+from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.tracker.registry import NodeEntry, ProofState
 
 __all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges"]
@@ -172,11 +172,8 @@ class Prover:
         if scope.cancelled_caught:
             return None, f"no answer within {self.deadline_s:g} s (piece {challenge.piece} block {challenge.block})"
         if r.status_code != 200:
-            try:
-                err = r.json()["error"]
-                detail = f"{err.get('code')}: {err.get('message')}"
-            except (ValueError, KeyError, TypeError):
-                detail = r.text[:200]
+            code, message = parse_error_body(r.content)
+            detail = message if code is None else f"{code}: {message}"
             return None, f"the node refused the challenge (HTTP {r.status_code}, {detail})"
         try:
             answer = Answer.from_json(r.json())
