@@ -15,6 +15,7 @@ import trio.testing
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import RETRY_MIN_S, stay_registered
+from dgr.sampling import SamplingParams
 from dgr.testing.inproc import InProcRoute
 from dgr.testing.nodes import settled
 from dgr.tracker.app import make_tracker_app
@@ -34,6 +35,24 @@ async def _drain(live) -> str:
     async for delta in live.recv:
         text.append(delta.text)
     return "".join(text)
+
+
+# -- one sampling validator --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, True, 1.5, "7"])
+def test_gateway_and_nodes_refuse_the_same_seeds(seed) -> None:
+    with pytest.raises(CallerError) as api:
+        _req(seed=seed)
+    with pytest.raises(CallerError) as node:
+        SamplingParams.from_json({"seed": seed})
+    assert api.value.reason is node.value.reason is Reason.INVALID_REQUEST
+    assert api.value.details.get("param") == "seed" and api.value.message == node.value.message
+
+
+def test_gateway_and_nodes_accept_the_same_seeds() -> None:
+    for seed in (None, 0, 2**63 - 1):
+        assert _req(seed=seed).sampling == SamplingParams.from_json({"temperature": 0, "seed": seed})
 
 
 # -- context clamp ------------------------------------------------------------------------------------------

@@ -77,13 +77,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
         if not isinstance(sampling, dict):
             raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
-        seed = sampling.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64):
-            raise CallerError(Reason.INVALID_REQUEST, "sampling.seed must be an integer in [0, 2^64)")
-        try:
-            params = SamplingParams(**sampling)
-        except TypeError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
+        params = SamplingParams.from_json(sampling)
         await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")))
         return json_response({"session": sid, "node": service.node_id}, 201)
 
