@@ -32,7 +32,8 @@ import pytest
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest, build_manifest
-from dgr.backends.base import LayerRange, ModelInfo
+from dgr.backends.base import LayerRange
+from dgr.seam.types import ModelInfo
 from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
 from dgr.procs import WatchedChild, dgr_command

@@ -47,7 +47,8 @@ from dgr.artifact.constants import (
     SchemaVersion,
 )
 from dgr.progress import NullProgress, Progress
-from dgr.backends.base import LayerRange, ModelInfo
+from dgr.backends.base import LayerRange
+from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.gguf_meta import (
     ARCHITECTURE_KEY,

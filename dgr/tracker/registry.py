@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from dgr.backends.base import ModelInfo
+from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 
 __all__ = ["NodeEntry", "Registry", "ProofState", "ProofStatus", "DEAD_AFTER_S", "MAX_HELD"]
