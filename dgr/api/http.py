@@ -15,7 +15,6 @@ with a body, then GET, on one connection).
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
@@ -29,7 +28,7 @@ from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, open
 from dgr.seam.wire import CAPABILITY_HEADER, HOPS_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "is_loopback", "check_bearer", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
+           "is_loopback", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -113,22 +112,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
-    """Accept `Authorization: Bearer KEY` for one of `keys` (constant-time per key).
-
-    Raises:
-        CallerError(UNAUTHENTICATED): missing or unknown key.
-    """
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise CallerError(Reason.UNAUTHENTICATED, "this API needs a key: send 'Authorization: Bearer KEY'",
-                          bearer=True)
-    given = token.encode()
-    if not any(hmac.compare_digest(given, k.encode()) for k in keys):
-        raise CallerError(Reason.UNAUTHENTICATED, "incorrect API key provided", bearer=True)
 
 
 async def read_body(max_bytes: int) -> bytes:

@@ -25,7 +25,6 @@ from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import (
-    check_bearer,
     error_response,
     install_error_handlers,
     json_response,
@@ -41,6 +40,7 @@ from dgr.errors import CallerError, DgrError, Failure, Reason, openai_error_body
 from dgr.seam.wire import DELIVER_PATH, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
+from dgr.security.api_keys import check_bearer
 from dgr.security.auth import SIG_HEADERS, Verifier
 from dgr.tracker.proofs import Prover
 
