@@ -69,7 +69,10 @@ def cmd_node(args) -> int:
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
 
-        artifact = prepare_node_artifact(args, layers)
+        artifact = prepare_node_artifact(
+            args.manifest, layers, backend=args.backend, model=args.model, fetch=args.fetch, tracker=args.tracker,
+            model_dir=args.model_dir, listen_host=args.host, fetch_timeout_s=args.fetch_timeout,
+        )
         model, layers = artifact.path, artifact.layers
     else:
         model = resolve_model(args.backend, args.model)
