@@ -16,7 +16,7 @@ from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import RETRY_MIN_S, stay_registered
 from dgr.sampling import SamplingParams
-from dgr.testing.inproc import InProcRoute
+from dgr.testing.inproc import InProcRoute, http_scope, receive_once
 from dgr.testing.nodes import settled
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import GatewayConfig
@@ -184,13 +184,7 @@ async def test_a_stream_nobody_starts_reading_is_cancelled(nursery) -> None:
     tracker = make_tracker_app(route.gateway)
     sent: list[dict] = []
     body = b'{"model": "stub", "prompt": "hi", "max_tokens": 100000, "ignore_eos": true, "stream": true}'
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
     responded = trio.Event()
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await trio.sleep_forever()
 
     async def send(message):
         sent.append(message)
@@ -200,12 +194,9 @@ async def test_a_stream_nobody_starts_reading_is_cancelled(nursery) -> None:
             request_scope.cancel()
             await trio.sleep_forever()
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     request_scope = trio.CancelScope()
-    nursery.start_soon(_call, tracker, scope, receive, send, request_scope)
+    nursery.start_soon(_call, tracker, http_scope("POST", "/v1/completions", body), receive_once(body), send,
+                       request_scope)
     await responded.wait()
     (live,) = route.gateway.sessions.values()
     with trio.fail_after(30):  # a guard: before the fix it ran on towards max_tokens
