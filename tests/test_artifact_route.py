@@ -38,7 +38,8 @@ from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
 from dgr.procs import WatchedChild, dgr_command
 from dgr.testing.harness import LocalRoute
-from dgr.tracker.registry import NodeEntry, ProofState, ProofStatus
+from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.tracker.registry import NodeEntry
 from dgr.tracker.routing import choose_route
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dgr.errors import CallerError, Failure, IllegalTransition, Reason
 from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind
+from dgr.fsm.proof import PROOF_TABLE, ProofEvent, ProofState, ProofStatus
 from dgr.fsm.route import ROUTE_TABLE, Hop, RouteEvent, RouteSession, RouteState
 
 HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
@@ -145,10 +146,48 @@ def test_route_failure_records_phase_and_is_sticky() -> None:
 
 
 def test_every_state_appears_in_its_table() -> None:
-    for table in (NODE_TABLE, ROUTE_TABLE):
+    for table in (NODE_TABLE, ROUTE_TABLE, PROOF_TABLE):
         touched = {t.source for t in table.transitions} | {t.target for t in table.transitions}
         assert touched == set(table.states)
+    for table in (NODE_TABLE, ROUTE_TABLE):
         assert table.terminal == {s for s in table.states if s.value in ("done", "failed")}
+    assert PROOF_TABLE.terminal == {ProofState.PASSED, ProofState.FAILED}
+
+
+# -- Proof Status ----------------------------------------------------------------
+
+
+def _apply_proof(p: ProofStatus, event: ProofEvent) -> bool | None:
+    if event is ProofEvent.CLAIM:
+        return p.claim()
+    if event is ProofEvent.PROOF_REQUIRED:
+        return p.require("claims nothing", "proof_failed")
+    return p.decide(event, "verdict", reason="proof_failed" if event is ProofEvent.REFUTED else None, challenges=3)
+
+
+@pytest.mark.parametrize("state", list(ProofState))
+@pytest.mark.parametrize("event", list(ProofEvent))
+def test_proof_every_state_event_pair(state: ProofState, event: ProofEvent) -> None:
+    p = ProofStatus(state, message="before")
+    before = attrs.asdict(p)
+    if PROOF_TABLE.allows(state, event):
+        assert _apply_proof(p, event) in (None, True)
+        assert p.state is PROOF_TABLE.next(state, event)
+        assert p.routable is (p.state in (ProofState.UNCLAIMED, ProofState.PASSED))
+    elif event in (ProofEvent.HELD, ProofEvent.REFUTED):
+        assert _apply_proof(p, event) is False  # a late verdict is discarded
+        assert attrs.asdict(p) == before
+    else:
+        with pytest.raises(IllegalTransition):
+            _apply_proof(p, event)
+        assert attrs.asdict(p) == before
+
+
+def test_proof_verdicts_only_through_decide() -> None:
+    p = ProofStatus()
+    with pytest.raises(IllegalTransition):
+        p.decide(ProofEvent.CLAIM, "not a verdict")
+    assert p == ProofStatus()
 
 
 # -- stateful models -------------------------------------------------------------
@@ -242,7 +281,7 @@ TestRouteSessionMachine = RouteSessionMachine.TestCase
 
 def test_fsm_core_imports_no_io_libraries() -> None:
     code = (
-        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.machine, dgr.errors\n"
+        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.proof, dgr.fsm.machine, dgr.errors\n"
         "bad = [m for m in ('trio', 'torch', 'llama_cpp', 'httpx', 'quart', 'numpy') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dgr.errors import HTTP_TABLE, Reason
 from dgr.fsm.machine import TransitionTable
 from dgr.fsm.node import NODE_TABLE
+from dgr.fsm.proof import PROOF_TABLE
 from dgr.fsm.route import ROUTE_TABLE
 from dgr.seam import wire
 
@@ -36,8 +37,8 @@ def _machine(table: TransitionTable) -> str:
 
 def render_states() -> str:
     return (
-        "# Session state machines\n\n" + _GENERATED
-        + _machine(ROUTE_TABLE) + "\n" + _machine(NODE_TABLE)
+        "# State machines\n\n" + _GENERATED
+        + _machine(ROUTE_TABLE) + "\n" + _machine(NODE_TABLE) + "\n" + _machine(PROOF_TABLE)
     )
 
 
