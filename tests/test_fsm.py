@@ -248,31 +248,82 @@ class NodeSessionMachine(RuleBasedStateMachine):
 
 
 class RouteSessionMachine(RuleBasedStateMachine):
+    """Drive a RouteSession and a hand-written model side by side; the model never reads ROUTE_TABLE.
+
+    The model is the contract in the module docstring, written out: which
+    calls are legal in which state, and what they do to the counters.
+    """
+
+    LIVE = ("created", "routing", "prefill", "decode")
+
     def __init__(self) -> None:
         super().__init__()
         self.rs = RouteSession(sid="r", model="m", created_at=0.0)
+        self.state = "created"
         self.tokens = 0
+        self.prompt = 0
+        self.done = 0
+        self.phase: str | None = None
+        self.now = 0.0
 
-    @rule(event=st.sampled_from(list(RouteEvent)))
-    def event(self, event: RouteEvent) -> None:
-        state = self.rs.state
-        legal = ROUTE_TABLE.allows(state, event)
+    def _expect(self, ok: bool, call) -> bool:
+        """Call the real session; a call the model calls illegal must raise and change nothing."""
+        self.now += 1.0
         before = attrs.asdict(self.rs, recurse=False)
-        if legal:
-            _apply_route(self.rs, event)
-            if event is RouteEvent.TOKEN:
-                self.tokens += 1
-            assert self.rs.state is ROUTE_TABLE.next(state, event)
+        if ok:
+            call(self.now)
         else:
             with pytest.raises(CallerError):
-                _apply_route(self.rs, event)
+                call(self.now)
             assert attrs.asdict(self.rs, recurse=False) == before
+        return ok
+
+    @rule()
+    def start_routing(self) -> None:
+        if self._expect(self.state == "created", self.rs.start_routing):
+            self.state = "routing"
+
+    @rule(prompt=st.integers(-1, 12), with_hops=st.booleans())
+    def route_ready(self, prompt: int, with_hops: bool) -> None:
+        ok = self.state == "routing" and prompt >= 1 and with_hops
+        if self._expect(ok, lambda now: self.rs.route_ready(HOPS if with_hops else (), prompt, now)):
+            self.state, self.prompt = "prefill", prompt
+
+    @rule(delta=st.integers(-2, 6))
+    def prefill_progress(self, delta: int) -> None:
+        done = self.done + delta
+        ok = self.state == "prefill" and self.done <= done <= self.prompt
+        if self._expect(ok, lambda now: self.rs.prefill_progress(done, now)):
+            self.done = done
+
+    @rule()
+    def token(self) -> None:
+        if self._expect(self.state in ("prefill", "decode"), self.rs.token):
+            if self.state == "prefill":
+                self.done = self.prompt  # the first token means the whole prompt went through
+            self.state = "decode"
+            self.tokens += 1
+
+    @rule()
+    def finish(self) -> None:
+        if self._expect(self.state == "decode", lambda now: self.rs.finish("stop", now)):
+            self.state = "done"
+
+    @rule()
+    def fail(self) -> None:
+        failure = Failure(Reason.ROUTE_NODE_LOST, "lost", node="b")
+        if self._expect(self.state in self.LIVE, lambda now: self.rs.fail(failure, now)):
+            self.phase, self.state = self.state, "failed"
 
     @invariant()
-    def counts(self) -> None:
+    def agrees(self) -> None:
+        assert self.rs.state.value == self.state
         assert self.rs.generated == self.tokens
-        assert (self.rs.failure is not None) == (self.rs.state is RouteState.FAILED)
-        assert 0 <= self.rs.prefill_done <= max(self.rs.prompt_tokens, 0)
+        assert self.rs.prefill_done == self.done
+        assert self.rs.ended == (self.state in ("done", "failed"))
+        assert (self.rs.failure is not None) == (self.state == "failed")
+        if self.rs.failure is not None:
+            assert self.rs.failure.phase == self.phase
 
 
 TestNodeSessionMachine = NodeSessionMachine.TestCase
