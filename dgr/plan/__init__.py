@@ -4,22 +4,15 @@
     layout   ModelLayout: a model's memory and seam shape without tensor data
     rules    llama.cpp's rules: KV per layer kind, where shards may be cut, compute buffers
     sources  layouts from a GGUF header, a layout JSON or a manifest
-    cost     every byte a shard is charged, seam frames, decode latency
+    cost     every byte a shard is charged, and the seam frames
     search   fewest nodes that fit, then the largest smallest headroom
+    latency  decode time per token of a plan, from stated assumptions
     render   the `dgr plan` table
     cli      the `dgr plan` command
 """
 
-from dgr.plan.cost import (
-    LLAMA_CPU_RUNTIME_BYTES,
-    LatencyEstimate,
-    PlanParams,
-    SeamHop,
-    ShardCost,
-    decode_latency,
-    seam_hops,
-    shard_cost,
-)
+from dgr.plan.cost import LLAMA_CPU_RUNTIME_BYTES, PlanParams, SeamHop, ShardCost, seam_hops, shard_cost
+from dgr.plan.latency import LatencyEstimate, decode_latency
 from dgr.plan.layout import KV_DTYPES, KvTerm, ModelLayout
 from dgr.plan.render import render_plan
 from dgr.plan.search import Plan, plan, plan_even

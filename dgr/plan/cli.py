@@ -10,7 +10,8 @@ from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.errors import DgrError
-from dgr.plan.cost import LLAMA_CPU_RUNTIME_BYTES, PlanParams, decode_latency
+from dgr.plan.cost import LLAMA_CPU_RUNTIME_BYTES, PlanParams
+from dgr.plan.latency import decode_latency
 from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES
 from dgr.plan.render import render_plan
 from dgr.plan.search import plan

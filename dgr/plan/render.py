@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dgr.plan.cost import LatencyEstimate
+from dgr.plan.latency import LatencyEstimate
 from dgr.plan.layout import ModelLayout
 from dgr.plan.search import Plan
 from dgr.plan.sizes import format_size
