@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -62,3 +63,23 @@ def test_no_assert_on_input_in_the_package() -> None:
             if line.lstrip().startswith("assert "):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}")
     assert offenders == []
+
+
+def test_readme_layout_lists_the_real_tree() -> None:
+    """The README's layout section names every module and package of dgr/, and nothing that is not there."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout\n", 1)[1].split("```\n", 2)[1]
+    listed, package = set(), None
+    for line in block.splitlines():
+        head = re.split(r"\s{2,}", line.strip())[0]
+        if not line.startswith(" "):
+            package = head if head.endswith("/") else None
+            listed.add(head)
+        elif package is not None:
+            listed.update(package + name for name in head.split())
+    real = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dgr").rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts}
+    real |= {p.relative_to(ROOT).as_posix() + "/" for p in (ROOT / "dgr").iterdir() if (p / "__init__.py").exists()}
+    listed_dgr = {p for p in listed if p.startswith("dgr/") and (p.endswith(".py") or p.endswith("/"))}
+    assert real - listed_dgr == set(), "modules missing from the README layout"
+    assert listed_dgr - real == set(), "the README layout lists modules that do not exist"

@@ -1,4 +1,4 @@
-"""The shard planner: which contiguous layers each node serves, and whether the model fits.
+"""The search: which contiguous layers each node serves (fewest nodes that fit, then balanced headroom).
 
 `plan(layout, nodes, params)` splits a model's layers [0, n) into contiguous
 ranges, one per node, in the order the nodes are given, and prices every
