@@ -36,8 +36,9 @@ import numpy as np
 
 from dgr.plan.sources import layout_from_json
 from dgr.specgen import audit_layouts as mk
+from dgr.testing.tiny_gguf import write_layout_gguf
 
-__all__ = ["check", "main", "write_gguf"]
+__all__ = ["check", "main"]
 
 CTX, SEQS = 512, 2
 
@@ -72,48 +73,6 @@ EXTRA = {
 }
 
 
-def write_gguf(data: dict[str, Any], extra: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The layout `data` at its own sizes, as a GGUF of random f32 tensors."""
-    arch = data["architecture"]
-    types = {role: "F32" for recipe in data["recipes"].values() for role in recipe["types"]}
-    data = data | {"recipes": {"f32": {"description": "probe", "types": types}}, "default_recipe": "f32"}
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    meta = data["metadata"] | {f"{arch}.{k}": v for k, v in extra.items()}
-    for key, value in meta.items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, value)
-    w.add_string("tokenizer.ggml.model", "no_vocab")
-    n_all = meta[f"{arch}.block_count"]
-    rng = np.random.default_rng(0)
-    for group in data["tensor_groups"]:
-        spec = group["layers"]
-        layers = [None] if spec == "global" else range(n_all) if spec == "all" else spec
-        for il in layers:
-            for t in group["tensors"]:
-                name = t["name"].format(i=il) if il is not None else t["name"]
-                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
-                if "norm" in name:
-                    arr = np.ones(shape, np.float32)
-                else:
-                    arr = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-                w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return data
-
-
 def _logged_kv_mib(log: str) -> float:
     """The KV and recurrent-state buffer sizes llama.cpp logged, summed (MiB)."""
     sizes = re.findall(r"(?:KV|RS) buffer size\s*=\s*([0-9.]+) MiB", log)
@@ -129,7 +88,7 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
 
     failures = 0
     path = tmp / f"{name}.gguf"
-    data = write_gguf(data, extra, path)
+    data = write_layout_gguf(data, path, extra=extra)
     n_tensors = len(gguf.GGUFReader(path).tensors)
     layout = layout_from_json(data, recipe="f32")
     print(f"tiny {data['architecture']} GGUF: {layout.n_layers} layers, kinds {sorted(layout.kinds())}, {n_tensors} tensors")

@@ -38,6 +38,7 @@ import gguf
 
 from dgr.plan.sources import layout_from_json
 from dgr.specgen import dsv4_layout as mk
+from dgr.testing.tiny_gguf import write_layout_gguf
 
 __all__ = ["kinds_probe", "main", "write_gguf"]
 
@@ -52,52 +53,32 @@ CTX, SEQS = 1024, 2
 TYPES = {role: "F32" for role in mk.RECIPES["q8_0"]["types"]} | {"hash": "I32"}
 
 
+# What llama.cpp's deepseek4 loader reads beyond the layout's metadata.
+EXTRA = {
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "rope.freq_base": 10000.0,
+    "attention.compress_rope_freq_base": 160000.0,
+    "hyper_connection.epsilon": 1e-6,
+    "hyper_connection.sinkhorn_iterations": 20,
+    "expert_weights_scale": 1.5,
+    "expert_weights_norm": True,
+    "expert_gating_func": 4,  # sqrtsoftplus
+    "swiglu_clamp_exp": 10.0,
+    "leading_dense_block_count": 0,
+}
+
+
 def write_gguf(d: mk.Dims, path: Path) -> dict:
-    data = mk.layout(d)
-    data["recipes"] = {"f32": {"description": "probe", "types": TYPES}}
-    data["default_recipe"] = "f32"
-    w = gguf.GGUFWriter(str(path), arch="deepseek4")
-    for key, value in data["metadata"].items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_uint32(key, value)
-    p = "deepseek4."
-    w.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(p + "rope.freq_base", 10000.0)
-    w.add_float32(p + "attention.compress_rope_freq_base", 160000.0)
-    w.add_float32(p + "hyper_connection.epsilon", 1e-6)
-    w.add_uint32(p + "hyper_connection.sinkhorn_iterations", 20)
-    w.add_float32(p + "expert_weights_scale", 1.5)
-    w.add_bool(p + "expert_weights_norm", True)
-    w.add_uint32(p + "expert_gating_func", 4)  # sqrtsoftplus
-    w.add_float32(p + "swiglu_clamp_exp", 10.0)
-    w.add_uint32(p + "leading_dense_block_count", 0)
-    w.add_string("tokenizer.ggml.model", "no_vocab")
-    rng = np.random.default_rng(0)
-    for group in data["tensor_groups"]:
-        spec = group["layers"]
-        layers = [None] if spec == "global" else range(d.layers) if spec == "all" else spec
-        for il in layers:
-            for t in group["tensors"]:
-                name = t["name"].format(i=il) if il is not None else t["name"]
-                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
-                if t["role"] == "hash":
-                    arr = rng.integers(0, d.experts, shape, dtype=np.int32)
-                elif name.endswith("norm.weight"):
-                    arr = np.ones(shape, np.float32)
-                else:
-                    arr = (rng.standard_normal(shape) * 0.02).astype(np.float32)
-                w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return data
+    """The fixture's layout at dims `d`, as a random GGUF; the hash-routing table holds expert ids."""
+
+    def value(name: str, role: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+        if role == "hash":
+            return rng.integers(0, d.experts, shape, dtype=np.int32)
+        if name.endswith("norm.weight"):
+            return np.ones(shape, np.float32)
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    return write_layout_gguf(mk.layout(d), path, extra=EXTRA, types=TYPES, value=value)
 
 
 def main() -> int:
