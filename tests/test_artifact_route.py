@@ -31,7 +31,8 @@ import httpx
 import pytest
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.backends.base import LayerRange
 from dgr.seam.types import ModelInfo
 from dgr.errors import PeerError, Reason

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
-from dgr.artifact.manifest import build_manifest
+from dgr.artifact.build import build_manifest
 from dgr.gguf_meta import Role, global_role, layer_of, layer_tensor_name, split_layer_name, tensor_role
 from dgr.plan import layout_from_gguf
 

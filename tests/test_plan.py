@@ -256,7 +256,7 @@ def test_human_table_names_every_node(smol):
 
 
 def test_manifest_gives_the_same_layout(smol):
-    from dgr.artifact.manifest import build_manifest
+    from dgr.artifact.build import build_manifest
 
     manifest = build_manifest(default_model_path())
     layout = layout_from_manifest(manifest.to_json())

@@ -6,7 +6,8 @@ load libtorrent.
 """
 
 from dgr.artifact.constants import SCHEMA_VERSION, GlobalNeed
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import (
     Answer,
     Challenge,

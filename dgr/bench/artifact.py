@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import build_manifest
+from dgr.artifact.build import build_manifest
 from dgr.artifact.proof import answer_challenge, check_answer, make_challenge
 from dgr.artifact.torrent import fetch, seed
 from dgr.artifact.verify import verify_file
