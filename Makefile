@@ -12,7 +12,7 @@ PORT ?= 8000
 NODES ?= 2
 BACKEND ?= llama_shard
 
-.PHONY: install run test test-slow bench clean
+.PHONY: install run test test-slow bench specs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test-slow: install
 
 bench: install
 	$(PY) -m dgr bench --quick
+
+# every generated file in spec/ and tests/fixtures/, redrawn from the code (tests/test_spec.py checks them)
+specs: install
+	$(PY) -m dgr.specgen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -69,7 +69,10 @@ def cmd_node(args) -> int:
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
 
-        artifact = prepare_node_artifact(args, layers)
+        artifact = prepare_node_artifact(
+            args.manifest, layers, backend=args.backend, model=args.model, fetch=args.fetch, tracker=args.tracker,
+            model_dir=args.model_dir, listen_host=args.host, fetch_timeout_s=args.fetch_timeout,
+        )
         model, layers = artifact.path, artifact.layers
     else:
         model = resolve_model(args.backend, args.model)
@@ -190,12 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    from dgr import plan, soak
+    from dgr.bench import soak
     from dgr.artifact import cli as artifact_cli
+    from dgr.plan import cli as plan_cli
     from dgr.bench import cli as bench_cli
 
     artifact_cli.register(sub)
-    plan.register(sub)
+    plan_cli.register(sub)
     bench_cli.register(sub)
     soak.register(sub)
     return parser

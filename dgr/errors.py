@@ -16,6 +16,7 @@ can use it.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import attrs
@@ -30,6 +31,7 @@ __all__ = [
     "HTTP_TABLE",
     "http_status",
     "openai_error_body",
+    "parse_error_body",
     "first_dgr_error",
 ]
 
@@ -203,6 +205,21 @@ def openai_error_body(failure: Failure, **extra: Any) -> dict[str, Any]:
     }
     body.update(extra)
     return {"error": body}
+
+
+def parse_error_body(body: bytes | str) -> tuple[str | None, str]:
+    """(code, message) of an `openai_error_body` another process sent; (None, the body's start) for any other body.
+
+    The one reader of peers' error bodies: a peer's code is a string here, not a
+    Reason, because a newer peer may send one this process does not know.
+    """
+    try:
+        err = json.loads(body)["error"]
+        code, message = err.get("code"), err.get("message", "")
+        return (None if code is None else str(code)), str(message if message is not None else "")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        text = body if isinstance(body, str) else body[:200].decode(errors="replace")
+        return None, text[:200]
 
 
 def first_dgr_error(exc: BaseException) -> BaseException:

@@ -67,6 +67,11 @@ class TrackerMetrics:
     def watch(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         self.registry.register(_StateCollector(collect))
 
+    def failure_counts(self) -> dict[str, int]:
+        """Route Session failures so far by reason code, read from the counter: the one tally of them."""
+        return {s.labels["reason"]: int(s.value)
+                for m in self.failures_total.collect() for s in m.samples if s.name.endswith("_total")}
+
     def forget_node(self, node_id: str) -> None:
         """Drop every series labelled with `node_id` (a node the registry has forgotten)."""
         for metric in (self.hop_latency_seconds, self.seam_bytes_total):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from dgr.backends.base import ModelInfo, ShardBackend
+from dgr.backends.base import ShardBackend
+from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, PeerError, Reason
 
 __all__ = ["Greedy", "Pipeline"]

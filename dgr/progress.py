@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-__all__ = ["Progress", "NullProgress", "terminal_progress"]
+__all__ = ["LineProgress", "Progress", "NullProgress", "terminal_progress"]
 
 
 class Progress(Protocol):
@@ -103,3 +104,44 @@ def terminal_progress(enabled: bool = True) -> Iterator[Progress]:
     )
     with bar:
         yield _RichProgress(bar)
+
+
+class LineProgress:
+    """Progress as plain lines on stderr (logs, pipes, `dgr up` children): at most one a second."""
+
+    def __init__(self, every_s: float = 1.0, emit: Callable[[str], None] | None = None) -> None:
+        self._say = emit or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._every = every_s
+        self._desc = ""
+        self._total: int | None = None
+        self._done = 0
+        self._next = 0.0
+
+    def _emit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + self._every
+        if self._total:
+            self._say(f"{self._desc}: {self._done / 1e6:.1f} / {self._total / 1e6:.1f} MB "
+                f"({100 * self._done / self._total:.0f}%)")
+        elif self._desc:
+            self._say(f"{self._desc}...")
+
+    def start(self, description: str, total: int | None) -> None:
+        self._desc, self._total, self._done = description, total, 0
+        self._next = 0.0
+        self._emit()
+
+    def advance(self, amount: int) -> None:
+        self._done += amount
+        self._emit(force=self._total is not None and self._done >= self._total)
+
+    def update(self, completed: int, total: int | None = None, description: str | None = None) -> None:
+        finished = total is not None and completed >= total > 0 and self._done < completed
+        self._done = completed
+        if total is not None:
+            self._total = total
+        if description is not None:
+            self._desc = description
+        self._emit(force=finished)

@@ -12,23 +12,47 @@ import numpy as np
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SEED_LIMIT", "SamplingParams", "Sampler"]
+
+# Seeds are non-negative int64 values (OpenAI's `seed` is an int64): one bound for the API and nodes.
+SEED_LIMIT = 2**63
 
 
 @attrs.frozen
 class SamplingParams:
+    """How the tail picks a token. The one validator of sampling parameters, on the gateway and on nodes.
+
+    Raises:
+        CallerError(INVALID_REQUEST): a value out of range; `param` names it.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 2.0):
-            raise CallerError(Reason.INVALID_REQUEST, "temperature must be between 0 and 2")
+            raise CallerError(Reason.INVALID_REQUEST, "temperature must be between 0 and 2", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise CallerError(Reason.INVALID_REQUEST, "top_p must be in (0, 1]")
+            raise CallerError(Reason.INVALID_REQUEST, "top_p must be in (0, 1]", param="top_p")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
+            raise CallerError(Reason.INVALID_REQUEST, "'seed' must be an integer in [0, 2^63)", param="seed")
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> SamplingParams:
+        """Parameters a peer sent (`to_json`'s shape).
+
+        Raises:
+            CallerError(INVALID_REQUEST): unknown fields, wrong types or values out of range.
+        """
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
 
 
 @attrs.define

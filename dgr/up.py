@@ -39,8 +39,7 @@ def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerR
     if model is None:
         return even_split(n_layers, n_nodes)
     # the planner balances weight bytes per shard (a shard's decode time follows the bytes it reads)
-    from dgr.plan import plan_even
-    from dgr.plan_layout import layout_from_gguf
+    from dgr.plan import layout_from_gguf, plan_even
 
     return plan_even(layout_from_gguf(model), n_nodes)
 

@@ -16,7 +16,7 @@ def model_path():
 @pytest.fixture(scope="session")
 def manifest(model_path):
     """The default model's Model Artifact manifest, hashed once for every artifact test."""
-    from dgr.artifact.manifest import build_manifest
+    from dgr.artifact.build import build_manifest
 
     return build_manifest(model_path)
 

@@ -14,11 +14,13 @@ import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact import merkle
-from dgr.artifact.constants import BLOCK_SIZE, PieceSize, Role
-from dgr.artifact.manifest import Manifest, build_manifest, canonical_json, choose_piece_length, layer_digest
-from dgr.artifact.spec import SPEC_PATH, render_tables, splice
+from dgr.artifact.constants import BLOCK_SIZE, PieceSize
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest, canonical_json, choose_piece_length, layer_digest
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import Role
+from dgr.specgen.artifact import SPEC_PATH, render_tables, splice
 
 
 @pytest.fixture()

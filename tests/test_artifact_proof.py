@@ -13,7 +13,8 @@ import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact.constants import BLOCK_SIZE
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import (
     Answer,
     Challenge,

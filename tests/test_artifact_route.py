@@ -31,14 +31,16 @@ import httpx
 import pytest
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import Manifest, build_manifest
-from dgr.backends.base import LayerRange, ModelInfo
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
+from dgr.backends.base import LayerRange
+from dgr.seam.types import ModelInfo
 from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
-from dgr.procs import dgr_command, die_with_parent
-from dgr.serve import READY_PREFIX
+from dgr.procs import WatchedChild, dgr_command
 from dgr.testing.harness import LocalRoute
-from dgr.tracker.registry import NodeEntry, ProofState, ProofStatus
+from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.tracker.registry import NodeEntry
 from dgr.tracker.routing import choose_route
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -54,54 +56,26 @@ NODE_ARGS = ("--backend", "llama_shard", "--threads", "1", "--ctx", "2048", "--m
 
 
 @attrs.define
-class Proc:
-    """A dgr child process: stdout scanned for its ready line, stderr kept in a file."""
+class Proc(WatchedChild):
+    """A dgr child process: stdout read for its ready line (dgr.procs), stderr kept in a file."""
 
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    started_at: float
-    ready: dict[str, Any] | None = None
-    ready_at: float | None = None
-    _event: threading.Event = attrs.field(factory=threading.Event)
+    log: Path | None = None
 
     @classmethod
     def start(cls, name: str, args: list[str], logs: Path, env: dict[str, str] | None = None) -> Proc:
         log = logs / f"{name}.err"
-        popen = subprocess.Popen(
-            dgr_command(*args), stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent,
-        )
-        proc = cls(name, popen, log, time.monotonic())
-        threading.Thread(target=proc._pump, daemon=True).start()
-        return proc
-
-    def _pump(self) -> None:
-        for line in self.popen.stdout:
-            if self.ready is None and line.startswith(READY_PREFIX):
-                self.ready = json.loads(line[len(READY_PREFIX):])
-                self.ready_at = time.monotonic()
-                self._event.set()
-
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while not self._event.wait(0.1):
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} not ready (exit {self.popen.poll()}):\n{self.stderr()[-3000:]}")
-        return self.ready
+        return cls.spawn(name, dgr_command(*args), env={**os.environ, **(env or {})}, stderr=log.open("w"), log=log)
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def stop(self) -> None:
+    def output_tail(self) -> str:
+        return self.stderr()[-3000:]
+
+    def stop(self, grace_s: float = 15.0) -> None:
         if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGCONT)
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
+            os.kill(self.popen.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+        super().stop(grace_s)
 
 
 def _nodes(tracker: str) -> dict[str, dict[str, Any]]:

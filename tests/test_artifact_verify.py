@@ -11,7 +11,8 @@ from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact.cli import EXIT_ERROR, EXIT_MISMATCH, EXIT_OK
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason

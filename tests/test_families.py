@@ -207,7 +207,7 @@ def test_size_typed_layer_counts_are_refused():
 
 
 def test_plan_prices_local_and_global_layers(models):
-    from dgr.plan_layout import layout_from_gguf
+    from dgr.plan import layout_from_gguf
 
     layout = layout_from_gguf(models["gemma3"])
     kinds = [layer.kind for layer in layout.layers]
@@ -304,17 +304,16 @@ def test_plan_keeps_a_27b_gemma_whole(models, tmp_path):
     """A model whose hparams llama.cpp picks by block count: the planner offers no split of it."""
     import attrs
 
-    from dgr.plan import plan_even
-    from dgr.plan_layout import layout_from_gguf
+    from dgr.plan import layout_from_gguf, plan_even
 
-    from dgr.plan_layout import _whole_only
+    from dgr.plan.rules import whole_only
 
     layout = layout_from_gguf(models["gemma3"])
     assert layout.whole_only == "" and len(plan_even(layout, 2)) == 2
     # Gemma 3 27B's metadata: 62 layers, 5376 wide, 32 heads of 128
     meta_27b = {"gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128}
-    assert "attention scale" in _whole_only("gemma3", meta_27b, 62, 5376)
-    assert _whole_only("gemma3", meta_27b, 34, 2560) == ""  # 4B: any split
+    assert "attention scale" in whole_only("gemma3", meta_27b, 62, 5376)
+    assert whole_only("gemma3", meta_27b, 34, 2560) == ""  # 4B: any split
     big = attrs.evolve(layout, whole_only="llama.cpp sets the attention scale by block count")
     with pytest.raises(CallerError) as e:
         plan_even(big, 2)

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dgr.errors import CallerError, Failure, IllegalTransition, Reason
 from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind
+from dgr.fsm.proof import PROOF_TABLE, ProofEvent, ProofState, ProofStatus
 from dgr.fsm.route import ROUTE_TABLE, Hop, RouteEvent, RouteSession, RouteState
 
 HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
@@ -145,10 +146,48 @@ def test_route_failure_records_phase_and_is_sticky() -> None:
 
 
 def test_every_state_appears_in_its_table() -> None:
-    for table in (NODE_TABLE, ROUTE_TABLE):
+    for table in (NODE_TABLE, ROUTE_TABLE, PROOF_TABLE):
         touched = {t.source for t in table.transitions} | {t.target for t in table.transitions}
         assert touched == set(table.states)
+    for table in (NODE_TABLE, ROUTE_TABLE):
         assert table.terminal == {s for s in table.states if s.value in ("done", "failed")}
+    assert PROOF_TABLE.terminal == {ProofState.PASSED, ProofState.FAILED}
+
+
+# -- Proof Status ----------------------------------------------------------------
+
+
+def _apply_proof(p: ProofStatus, event: ProofEvent) -> bool | None:
+    if event is ProofEvent.CLAIM:
+        return p.claim()
+    if event is ProofEvent.PROOF_REQUIRED:
+        return p.require("claims nothing", "proof_failed")
+    return p.decide(event, "verdict", reason="proof_failed" if event is ProofEvent.REFUTED else None, challenges=3)
+
+
+@pytest.mark.parametrize("state", list(ProofState))
+@pytest.mark.parametrize("event", list(ProofEvent))
+def test_proof_every_state_event_pair(state: ProofState, event: ProofEvent) -> None:
+    p = ProofStatus(state, message="before")
+    before = attrs.asdict(p)
+    if PROOF_TABLE.allows(state, event):
+        assert _apply_proof(p, event) in (None, True)
+        assert p.state is PROOF_TABLE.next(state, event)
+        assert p.routable is (p.state in (ProofState.UNCLAIMED, ProofState.PASSED))
+    elif event in (ProofEvent.HELD, ProofEvent.REFUTED):
+        assert _apply_proof(p, event) is False  # a late verdict is discarded
+        assert attrs.asdict(p) == before
+    else:
+        with pytest.raises(IllegalTransition):
+            _apply_proof(p, event)
+        assert attrs.asdict(p) == before
+
+
+def test_proof_verdicts_only_through_decide() -> None:
+    p = ProofStatus()
+    with pytest.raises(IllegalTransition):
+        p.decide(ProofEvent.CLAIM, "not a verdict")
+    assert p == ProofStatus()
 
 
 # -- stateful models -------------------------------------------------------------
@@ -209,31 +248,82 @@ class NodeSessionMachine(RuleBasedStateMachine):
 
 
 class RouteSessionMachine(RuleBasedStateMachine):
+    """Drive a RouteSession and a hand-written model side by side; the model never reads ROUTE_TABLE.
+
+    The model is the contract in the module docstring, written out: which
+    calls are legal in which state, and what they do to the counters.
+    """
+
+    LIVE = ("created", "routing", "prefill", "decode")
+
     def __init__(self) -> None:
         super().__init__()
         self.rs = RouteSession(sid="r", model="m", created_at=0.0)
+        self.state = "created"
         self.tokens = 0
+        self.prompt = 0
+        self.done = 0
+        self.phase: str | None = None
+        self.now = 0.0
 
-    @rule(event=st.sampled_from(list(RouteEvent)))
-    def event(self, event: RouteEvent) -> None:
-        state = self.rs.state
-        legal = ROUTE_TABLE.allows(state, event)
+    def _expect(self, ok: bool, call) -> bool:
+        """Call the real session; a call the model calls illegal must raise and change nothing."""
+        self.now += 1.0
         before = attrs.asdict(self.rs, recurse=False)
-        if legal:
-            _apply_route(self.rs, event)
-            if event is RouteEvent.TOKEN:
-                self.tokens += 1
-            assert self.rs.state is ROUTE_TABLE.next(state, event)
+        if ok:
+            call(self.now)
         else:
             with pytest.raises(CallerError):
-                _apply_route(self.rs, event)
+                call(self.now)
             assert attrs.asdict(self.rs, recurse=False) == before
+        return ok
+
+    @rule()
+    def start_routing(self) -> None:
+        if self._expect(self.state == "created", self.rs.start_routing):
+            self.state = "routing"
+
+    @rule(prompt=st.integers(-1, 12), with_hops=st.booleans())
+    def route_ready(self, prompt: int, with_hops: bool) -> None:
+        ok = self.state == "routing" and prompt >= 1 and with_hops
+        if self._expect(ok, lambda now: self.rs.route_ready(HOPS if with_hops else (), prompt, now)):
+            self.state, self.prompt = "prefill", prompt
+
+    @rule(delta=st.integers(-2, 6))
+    def prefill_progress(self, delta: int) -> None:
+        done = self.done + delta
+        ok = self.state == "prefill" and self.done <= done <= self.prompt
+        if self._expect(ok, lambda now: self.rs.prefill_progress(done, now)):
+            self.done = done
+
+    @rule()
+    def token(self) -> None:
+        if self._expect(self.state in ("prefill", "decode"), self.rs.token):
+            if self.state == "prefill":
+                self.done = self.prompt  # the first token means the whole prompt went through
+            self.state = "decode"
+            self.tokens += 1
+
+    @rule()
+    def finish(self) -> None:
+        if self._expect(self.state == "decode", lambda now: self.rs.finish("stop", now)):
+            self.state = "done"
+
+    @rule()
+    def fail(self) -> None:
+        failure = Failure(Reason.ROUTE_NODE_LOST, "lost", node="b")
+        if self._expect(self.state in self.LIVE, lambda now: self.rs.fail(failure, now)):
+            self.phase, self.state = self.state, "failed"
 
     @invariant()
-    def counts(self) -> None:
+    def agrees(self) -> None:
+        assert self.rs.state.value == self.state
         assert self.rs.generated == self.tokens
-        assert (self.rs.failure is not None) == (self.rs.state is RouteState.FAILED)
-        assert 0 <= self.rs.prefill_done <= max(self.rs.prompt_tokens, 0)
+        assert self.rs.prefill_done == self.done
+        assert self.rs.ended == (self.state in ("done", "failed"))
+        assert (self.rs.failure is not None) == (self.state == "failed")
+        if self.rs.failure is not None:
+            assert self.rs.failure.phase == self.phase
 
 
 TestNodeSessionMachine = NodeSessionMachine.TestCase
@@ -242,7 +332,7 @@ TestRouteSessionMachine = RouteSessionMachine.TestCase
 
 def test_fsm_core_imports_no_io_libraries() -> None:
     code = (
-        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.machine, dgr.errors\n"
+        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.proof, dgr.fsm.machine, dgr.errors\n"
         "bad = [m for m in ('trio', 'torch', 'llama_cpp', 'httpx', 'quart', 'numpy') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

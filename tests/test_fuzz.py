@@ -31,6 +31,7 @@ from dgr.node.membership import registration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.security.auth import CapabilityAuthority
+from dgr.testing.inproc import http_scope, receive_once
 from dgr.testing.nodes import running
 from dgr.seam.frame import Frame, decode_frame, encode_frame
 from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, DType, Flag, FrameKind
@@ -205,22 +206,13 @@ def test_node_step_with_a_secret_refuses_without_the_right_capability(raw: bytes
 
 async def _asgi(app, method: str, path: str, body: bytes, headers=(), query_string: bytes = b"") -> int:
     sent: list[dict] = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await trio.sleep_forever()
 
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": query_string, "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    scope = http_scope(method, path, body, headers=headers, query_string=query_string)
     with trio.fail_after(10):
-        await app(scope, receive, send)
+        await app(scope, receive_once(body), send)
     return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
 

@@ -14,7 +14,7 @@ import trio.testing
 
 from dgr.api.openai import parse_request
 from dgr.errors import Reason
-from dgr.testing.inproc import InProcRoute
+from dgr.testing.inproc import InProcRoute, http_scope, receive_once
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import GatewayConfig
 
@@ -127,14 +127,8 @@ async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojum
     await nursery.start(route.run)
     tracker = make_tracker_app(route.gateway)
     body = b'{"model": "stub", "prompt": "hi", "max_tokens": 100000, "ignore_eos": true, "stream": true}'
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
     chunks_taken = 0
     stalled = trio.Event()
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await trio.sleep_forever()
 
     async def send(message):
         nonlocal chunks_taken
@@ -144,12 +138,8 @@ async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojum
                 stalled.set()
                 await trio.sleep_forever()
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     with trio.CancelScope() as request_scope:
-        nursery.start_soon(tracker, scope, receive, send)
+        nursery.start_soon(tracker, http_scope("POST", "/v1/completions", body), receive_once(body), send)
         await stalled.wait()
         stalled_at = trio.current_time()
         (live,) = route.gateway.sessions.values()

@@ -15,7 +15,8 @@ import trio.testing
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import RETRY_MIN_S, stay_registered
-from dgr.testing.inproc import InProcRoute
+from dgr.sampling import SamplingParams
+from dgr.testing.inproc import InProcRoute, http_scope, receive_once
 from dgr.testing.nodes import settled
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import GatewayConfig
@@ -34,6 +35,24 @@ async def _drain(live) -> str:
     async for delta in live.recv:
         text.append(delta.text)
     return "".join(text)
+
+
+# -- one sampling validator --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, True, 1.5, "7"])
+def test_gateway_and_nodes_refuse_the_same_seeds(seed) -> None:
+    with pytest.raises(CallerError) as api:
+        _req(seed=seed)
+    with pytest.raises(CallerError) as node:
+        SamplingParams.from_json({"seed": seed})
+    assert api.value.reason is node.value.reason is Reason.INVALID_REQUEST
+    assert api.value.details.get("param") == "seed" and api.value.message == node.value.message
+
+
+def test_gateway_and_nodes_accept_the_same_seeds() -> None:
+    for seed in (None, 0, 2**63 - 1):
+        assert _req(seed=seed).sampling == SamplingParams.from_json({"temperature": 0, "seed": seed})
 
 
 # -- context clamp ------------------------------------------------------------------------------------------
@@ -165,13 +184,7 @@ async def test_a_stream_nobody_starts_reading_is_cancelled(nursery) -> None:
     tracker = make_tracker_app(route.gateway)
     sent: list[dict] = []
     body = b'{"model": "stub", "prompt": "hi", "max_tokens": 100000, "ignore_eos": true, "stream": true}'
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
     responded = trio.Event()
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await trio.sleep_forever()
 
     async def send(message):
         sent.append(message)
@@ -181,12 +194,9 @@ async def test_a_stream_nobody_starts_reading_is_cancelled(nursery) -> None:
             request_scope.cancel()
             await trio.sleep_forever()
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
     request_scope = trio.CancelScope()
-    nursery.start_soon(_call, tracker, scope, receive, send, request_scope)
+    nursery.start_soon(_call, tracker, http_scope("POST", "/v1/completions", body), receive_once(body), send,
+                       request_scope)
     await responded.wait()
     (live,) = route.gateway.sessions.values()
     with trio.fail_after(30):  # a guard: before the fix it ran on towards max_tokens

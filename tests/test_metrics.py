@@ -79,3 +79,8 @@ def test_metrics_follow_a_request() -> None:
         m = _wait_metric(route.url, lambda m: _get(m, "dgr_node_up", node="node1", layers="15:30") == 0.0,
                          "node1 down in dgr_node_up")
         assert _get(m, "dgr_route_session_failures_total", reason="model_not_found") >= 1
+        # /v1/stats counts failures from the same counter
+        stats = httpx.get(f"{route.url}/v1/stats", timeout=5).json()
+        counted = {labels[0][1]: v for (name, labels), v in _scrape(route.url).items()
+                   if name == "dgr_route_session_failures_total"}
+        assert stats["failures"] == counted and stats["failures"]["model_not_found"] >= 1

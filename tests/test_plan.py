@@ -1,4 +1,4 @@
-"""The shard planner (dgr.plan) and model layouts (dgr.plan_layout).
+"""The shard planner (dgr.plan) and model layouts (dgr.plan.layout, rules, sources).
 
 On the real default model (SmolLM2-135M GGUF): splits over 1, 2 and 3 nodes,
 the fewest-nodes and balance rules against brute force, refusal, JSON, the
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import itertools
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import gguf
@@ -27,6 +25,7 @@ import pytest
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.backends.base import LayerRange
+from dgr.bench import plan_overhead
 from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
 from dgr.plan import (
@@ -40,38 +39,19 @@ from dgr.plan import (
     parse_size,
     plan,
     plan_even,
-    register,
     seam_hops,
     shard_cost,
 )
-from dgr.plan_layout import (
-    KvTerm,
-    kv_terms_for_layer,
-    layout_from_gguf,
-    layout_from_json,
-    layout_from_manifest,
-    load_layout,
-    tensor_nbytes,
-)
+from dgr.plan.cli import register
+from dgr.plan.layout import KvTerm, tensor_nbytes
+from dgr.plan.rules import kv_terms_for_layer
+from dgr.plan.sources import layout_from_gguf, layout_from_json, layout_from_manifest, load_layout
 from dgr.seam.wire import HEADER_SIZE, MAX_FRAME_BYTES
+from dgr.specgen import audits
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "deepseek-v4-flash.layout.json"
 GIB, MIB = 2**30, 2**20
-
-
-def _load_script(path: Path):
-    if path.stem in sys.modules:
-        return sys.modules[path.stem]
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses look their module up while the class is made
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
@@ -276,7 +256,7 @@ def test_human_table_names_every_node(smol):
 
 
 def test_manifest_gives_the_same_layout(smol):
-    from dgr.artifact.manifest import build_manifest
+    from dgr.artifact.build import build_manifest
 
     manifest = build_manifest(default_model_path())
     layout = layout_from_manifest(manifest.to_json())
@@ -301,11 +281,6 @@ def test_decode_latency_adds_up(smol):
 
 
 # -- DeepSeek-V4-Flash -------------------------------------------------------------------------
-
-
-def test_fixture_is_what_the_generator_writes():
-    gen = _load_script(ROOT / "tools" / "make_dsv4_layout.py")
-    assert FIXTURE.read_text() == gen.render()
 
 
 def test_fixture_reproduces_published_files(dsv4_data):
@@ -396,9 +371,8 @@ def test_every_dsv4_shard_holds_both_compressed_kinds(dsv4):
 
 
 def test_node_counts_follow_size_and_bits():
-    gen = _load_script(ROOT / "tools" / "gen_specs.py")
-    audit = gen.AUDITS["deepseek-v4-flash"]
-    plans = gen.node_counts(audit)
+    audit = audits.AUDITS["deepseek-v4-flash"]
+    plans = audits.node_counts(audit)
     for recipe in audit.recipes:
         for context, sessions in audit.cases:
             counts = [plans[(recipe, context, sessions, g)] for g in audit.node_gib]
@@ -410,21 +384,13 @@ def test_node_counts_follow_size_and_bits():
     assert plans[("q2-antirez", 32768, 1, 128)].shards[0].headroom_bytes > 0
 
 
-def test_spec_outputs_are_current():
-    gen = _load_script(ROOT / "tools" / "gen_specs.py")
-    audit = gen.AUDITS["deepseek-v4-flash"]
-    text = audit.spec.read_text()
-    assert gen.render(text, audit) == text, "run: python tools/gen_specs.py deepseek-v4-flash"
-
-
 # -- against a real llama.cpp process ------------------------------------------------------------
 
 
 @pytest.mark.llama
 def test_plan_matches_rss_of_a_real_llamacpp_node(smol):
-    bench = _load_script(ROOT / "bench" / "plan_overhead.py")
     r = LayerRange(0, 30)
-    got = bench.run_shard(default_model_path(), r, smol.n_layers, 2048, 2)
+    got = plan_overhead.run_shard(default_model_path(), r, smol.n_layers, 2048, 2)
     want = shard_cost(smol, PlanParams(context=2048, sessions=2), Node("n", 0), r).total_bytes
     assert got["base"] <= LLAMA_CPU_RUNTIME_BYTES
     assert 0.85 <= got["rss"] / want <= 1.0, (got, want)

@@ -1,18 +1,16 @@
 """The follow-up audits' layouts (GLM-5.2, Ornith-1.0-35B) through the shard planner.
 
-Each fixture is what tools/make_audit_layouts.py writes; its tensor list
+Each fixture is what dgr.specgen.audit_layouts writes (tests/test_spec.py
+checks it, and the audits' pasted `dgr plan` outputs); its tensor list
 matches what was published about real files; the KV per layer kind is what
-dgr.plan_layout derives from llama.cpp's rules; the planner honours the
+dgr.plan.rules derives from llama.cpp's rules; the planner honours the
 split rules (GLM-5.2: shards start at full-indexer layers); the seam is
-hidden_size wide with no token ids; and the audits' pasted `dgr plan`
-outputs are current.
+hidden_size wide with no token ids.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,27 +18,15 @@ import pytest
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError
 from dgr.plan import Node, PlanParams, plan, plan_even, seam_hops
-from dgr.plan_layout import KvTerm, glm52_indexer_full, kv_terms_for_layer, layout_from_json
+from dgr.plan.layout import KvTerm
+from dgr.plan.rules import glm52_indexer_full, kv_terms_for_layer
+from dgr.plan.sources import layout_from_json
 from dgr.seam.wire import HEADER_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 GLM = ROOT / "tests" / "fixtures" / "glm-5.2.layout.json"
 ORNITH = ROOT / "tests" / "fixtures" / "ornith-1.0-35b.layout.json"
 GIB = 2**30
-
-
-def _load_script(path: Path):
-    if path.stem in sys.modules:
-        return sys.modules[path.stem]
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
 
 
 def _count(data: dict, n_all: int) -> int:
@@ -74,12 +60,6 @@ def ornith_data():
 @pytest.fixture(scope="module")
 def ornith(ornith_data):
     return layout_from_json(ornith_data, recipe="q4k-q8")
-
-
-def test_fixtures_are_what_the_generator_writes():
-    gen = _load_script(ROOT / "tools" / "make_audit_layouts.py")
-    for path in (GLM, ORNITH):
-        assert path.read_text() == gen.render(path), f"run: python tools/make_audit_layouts.py ({path.name})"
 
 
 # -- GLM-5.2 --------------------------------------------------------------------------------------
@@ -164,22 +144,10 @@ def test_ornith_kinds_and_state(ornith, ornith_data):
 
 def test_ornith_seam_is_hidden_wide_and_every_shard_holds_full_attention(ornith):
     assert ornith.seam_width == ornith.hidden_size == 2048 and not ornith.needs_token_ids
-    # llama.cpp aborts on a shard of gated-delta-net layers only (bench/audit_tiny.py).
+    # llama.cpp aborts on a shard of gated-delta-net layers only (dgr/bench/audit_tiny.py).
     assert ornith.shard_starts is None and ornith.shard_needs == {"attn"}
     for k in (2, 4, 8, 10):
         for r in plan_even(ornith, k):
             assert any(ornith.layers[i].kind == "attn" for i in range(r.start, r.stop))
     with pytest.raises(CallerError, match="every shard must hold layers of kinds"):
         plan_even(ornith, 11)  # 10 full-attention layers
-
-
-# -- the audits' generated figures ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", ["glm-5.2", "ornith"])
-def test_audit_outputs_are_current(name):
-    gen = _load_script(ROOT / "tools" / "gen_specs.py")
-    audit = gen.AUDITS[name]
-    text = audit.spec.read_text()
-    assert "<!-- table: split-2-4-8 -->" in text and "```console\n$ dgr plan" in text
-    assert gen.render(text, audit) == text, f"run: python tools/gen_specs.py {name}"

@@ -6,8 +6,7 @@ import pytest
 
 from dgr.models import default_model_path
 from dgr.backends.base import LayerRange
-from dgr.plan import Node, PlanParams, shard_cost
-from dgr.plan_layout import layout_from_gguf
+from dgr.plan import Node, PlanParams, layout_from_gguf, shard_cost
 from dgr.testing.harness import LocalRoute
 
 pytestmark = pytest.mark.llama

@@ -17,7 +17,7 @@ from dgr.node.service import NodeService
 from dgr.testing.nodes import running
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import decode_frame, encode_frame
-from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind
+from dgr.seam.wire import HEADER_FIELDS, HEADER_SIZE, KIND_OFFSET, DType, Flag, FrameKind, frame_kind
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width
@@ -38,6 +38,13 @@ def test_frame_roundtrip_and_sizes() -> None:
     assert len(raw) == HEADER_SIZE + 3 * 4 + 3 * W * 4
     half = encode_frame(FrameKind.DECODE, sid, 0, 0, 1, W, dtype=DType.F16, hidden=hidden[:1])
     assert len(half) == HEADER_SIZE + W * 2
+    assert frame_kind(raw) is FrameKind.PREFILL and frame_kind(half) is FrameKind.DECODE
+
+
+def test_kind_offset_is_the_header_fields() -> None:
+    names = [name for name, _, _ in HEADER_FIELDS]
+    sizes = {"4s": 4, "B": 1, "16s": 16, "I": 4}
+    assert KIND_OFFSET == sum(sizes[code] for _, code, _ in HEADER_FIELDS[: names.index("kind")])
 
 
 @pytest.mark.parametrize(

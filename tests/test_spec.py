@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
 import pytest
 
-from dgr import specgen
+from dgr.specgen import audits
+from dgr.specgen.files import GENERATED, expected
 from dgr.errors import HTTP_TABLE, Reason
 from dgr.seam import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("rel", sorted(specgen.DOCUMENTS))
-def test_committed_spec_matches_code(rel: str) -> None:
+@pytest.mark.parametrize("rel", list(GENERATED))
+def test_committed_file_matches_code(rel: str) -> None:
+    """Every generated file: the protocol docs, the artifact tables, the layout fixtures, the audits."""
     committed = (ROOT / rel).read_text()
-    assert committed == specgen.DOCUMENTS[rel](), f"{rel} is stale: run `python -m dgr.specgen`"
+    assert committed == expected(rel), f"{rel} is stale: run `python -m dgr.specgen`"
+
+
+@pytest.mark.parametrize("name", sorted(audits.AUDITS))
+def test_audits_have_generated_blocks(name: str) -> None:
+    """An audit with no generated block would pass the drift check with every figure typed by hand."""
+    text = audits.AUDITS[name].spec.read_text()
+    assert "<!-- table: node-counts -->" in text and "```console\n$ dgr plan" in text
+    if name != "deepseek-v4-flash":  # the follow-up audits also tabulate fixed splits
+        assert "<!-- table: split-2-4-8 -->" in text
 
 
 def test_seam_doc_lists_every_header_field_at_its_offset() -> None:
@@ -51,3 +63,23 @@ def test_no_assert_on_input_in_the_package() -> None:
             if line.lstrip().startswith("assert "):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}")
     assert offenders == []
+
+
+def test_readme_layout_lists_the_real_tree() -> None:
+    """The README's layout section names every module and package of dgr/, and nothing that is not there."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout\n", 1)[1].split("```\n", 2)[1]
+    listed, package = set(), None
+    for line in block.splitlines():
+        head = re.split(r"\s{2,}", line.strip())[0]
+        if not line.startswith(" "):
+            package = head if head.endswith("/") else None
+            listed.add(head)
+        elif package is not None:
+            listed.update(package + name for name in head.split())
+    real = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dgr").rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts}
+    real |= {p.relative_to(ROOT).as_posix() + "/" for p in (ROOT / "dgr").iterdir() if (p / "__init__.py").exists()}
+    listed_dgr = {p for p in listed if p.startswith("dgr/") and (p.endswith(".py") or p.endswith("/"))}
+    assert real - listed_dgr == set(), "modules missing from the README layout"
+    assert listed_dgr - real == set(), "the README layout lists modules that do not exist"

@@ -15,20 +15,20 @@ with a body, then GET, on one connection).
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
+import attrs
 import trio
-
 from quart import Response, request
 
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
+from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, HOPS_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "is_loopback", "check_bearer"]
+           "is_loopback", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -114,22 +114,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bearer(authorization: str | None, keys: frozenset[str]) -> None:
-    """Accept `Authorization: Bearer KEY` for one of `keys` (constant-time per key).
-
-    Raises:
-        CallerError(UNAUTHENTICATED): missing or unknown key.
-    """
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise CallerError(Reason.UNAUTHENTICATED, "this API needs a key: send 'Authorization: Bearer KEY'",
-                          bearer=True)
-    given = token.encode()
-    if not any(hmac.compare_digest(given, k.encode()) for k in keys):
-        raise CallerError(Reason.UNAUTHENTICATED, "incorrect API key provided", bearer=True)
-
-
 async def read_body(max_bytes: int) -> bytes:
     """The raw request body, refused past `max_bytes`.
 
@@ -169,3 +153,89 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CallerError(Reason.INVALID_REQUEST, "body must be a JSON object")
     return data
+
+
+# -- the seam's fast paths: bare ASGI in front of Quart ----------------------------------------------
+# A node's POST /v1/seam/step and the tracker's POST /v1/seam/deliver run once per token per hop, so
+# they skip the framework; these are the one reader and the one writer both use.
+
+_CAP_RAW = raw_header(CAPABILITY_HEADER)
+_HOPS_RAW = raw_header(HOPS_HEADER)
+_HOPS_MAX = 4096  # characters of the hops header kept: a chain adds one short entry a hop
+
+
+@attrs.frozen
+class RawSeamRequest:
+    """A seam request's body and the seam headers it carried."""
+
+    body: bytes
+    capability: str | None
+    hops: str
+    is_json: bool  # Content-Type application/json (a failure report, not a frame)
+
+
+async def read_raw_seam(scope, receive, limit: int, what: str,
+                        on_header: Callable[[bytes, str | None], None] | None = None) -> RawSeamRequest | None:
+    """Read a bare ASGI request's seam headers and its body, refusing more than `limit` bytes.
+
+    `what` names the body in errors ("frame", "a delivery"). None when the
+    sender went away mid-body: nothing was read that may be applied.
+    `on_header(first HEADER_SIZE bytes, capability)` runs once that much of
+    the body has come, before the rest is read: it authorizes a frame from
+    its header alone, so a sender without a capability costs a header, not
+    a `limit`-sized buffer. It raises to refuse.
+
+    Raises:
+        CallerError(FRAME_TOO_LARGE): announced or sent past `limit`.
+        ValueError: a malformed Content-Length.
+    """
+    capability, hops, is_json = None, "", False
+    for name, value in scope["headers"]:
+        if name == b"content-length" and int(value) > limit:
+            raise CallerError(Reason.FRAME_TOO_LARGE, f"{what} of {int(value)} bytes exceeds {limit}")
+        if name == _CAP_RAW:
+            capability = value.decode("latin-1")
+        elif name == _HOPS_RAW:
+            hops = value.decode("latin-1")[:_HOPS_MAX]
+        elif name == b"content-type":
+            is_json = value.split(b";")[0].strip() == b"application/json"
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise CallerError(Reason.FRAME_TOO_LARGE, f"{what} exceeds {limit} bytes")
+        chunks.append(chunk)
+        if on_header is not None and size >= HEADER_SIZE:
+            head = b"".join(chunks)
+            chunks = [head]
+            on_header(head[:HEADER_SIZE], capability)
+            on_header = None
+        if not message.get("more_body", False):
+            break
+    return RawSeamRequest(b"".join(chunks), capability, hops, is_json)
+
+
+async def respond_raw(send, status: int, body: bytes, content_type: bytes = b"application/json", extra=()) -> None:
+    """One whole response on a bare ASGI `send`."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_raw_error(send, exc: DgrError | ValueError, what: str) -> None:
+    """The OpenAI-shaped error for a fast path's failure: a DgrError's own, or BAD_FRAME for a ValueError.
+
+    A body refused by its announced size was never read, so that connection
+    cannot carry another request: it is closed.
+    """
+    if isinstance(exc, DgrError):
+        failure, status = exc.failure(), http_status(exc.reason)
+    else:
+        failure, status = Failure(Reason.BAD_FRAME, f"bad {what}: {exc}"[:300]), 400
+    extra = [(b"connection", b"close")] if failure.reason is Reason.FRAME_TOO_LARGE else []
+    await respond_raw(send, status, json.dumps(openai_error_body(failure)).encode(), extra=extra)
+

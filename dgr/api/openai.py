@@ -133,9 +133,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise _bad("'top_p' must be greater than 0", "top_p")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
-        raise _bad("'seed' must be a non-negative 64-bit integer", "seed")
+    seed = body.get("seed")  # checked by SamplingParams, the one sampling validator
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dgr.seam.wire import CAPABILITY_HEADER
+
 __all__ = ["openapi_document", "node_openapi_document"]
 
 _ERROR = {
@@ -125,7 +127,7 @@ _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
 def node_openapi_document() -> dict[str, Any]:
     """A node's control routes. With a cluster secret every session call needs `X-Dgr-Capability` (403)."""
     sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
-    cap = [{"name": "X-Dgr-Capability", "in": "header", "required": False, "schema": {"type": "string"}}]
+    cap = [{"name": CAPABILITY_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
     return {
         "openapi": "3.0.3",
         "info": {"title": "dgr node", "version": "1"},

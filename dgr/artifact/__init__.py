@@ -5,8 +5,9 @@ so that code which only checks manifests and proofs (the tracker) does not
 load libtorrent.
 """
 
-from dgr.artifact.constants import SCHEMA_VERSION, GlobalNeed, Role
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.constants import SCHEMA_VERSION, GlobalNeed
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import (
     Answer,
     Challenge,
@@ -17,6 +18,7 @@ from dgr.artifact.proof import (
     make_challenge,
 )
 from dgr.artifact.verify import VerifyReport, verify_file
+from dgr.gguf_meta import Role
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -89,7 +89,7 @@ def _fail(exc: DgrError) -> int:
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
-    from dgr.artifact.manifest import build_manifest
+    from dgr.artifact.build import build_manifest
 
     try:
         with terminal_progress() as progress:

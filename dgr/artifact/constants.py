@@ -4,6 +4,8 @@ These numbers cross the disk (the manifest JSON) and the wire (BitTorrent,
 possession proofs). Changing one changes manifest ids, so each lives here
 once, with an explicit value, and spec/artifact-manifest.md is checked
 against this module by tests/test_artifact_manifest.py.
+
+Tensor roles (`Role`, `GLOBAL_ROLES`) are GGUF facts and live in dgr.gguf_meta.
 """
 
 from __future__ import annotations
@@ -19,10 +21,7 @@ __all__ = [
     "TARGET_PIECE_COUNT",
     "TORRENT_META_VERSION",
     "HASH_CHUNK",
-    "Role",
     "GlobalNeed",
-    "GLOBAL_ROLES",
-    "LAYER_PREFIX",
 ]
 
 
@@ -60,16 +59,6 @@ TORRENT_META_VERSION = 2
 HASH_CHUNK = 4 * 1024 * 1024
 
 
-class Role(enum.Enum):
-    """Which shards need a tensor. Values are written into the manifest."""
-
-    LAYER = "layer"  # blk.N.*: the shard holding layer N
-    HEAD = "head"  # input side: the shard with layer 0
-    TAIL = "tail"  # output side: the shard with the last layer
-    HEAD_TAIL = "head+tail"  # tied embeddings: both ends
-    SHARED = "shared"  # every shard computes with it (rope_freqs)
-
-
 class GlobalNeed(enum.Enum):
     """Which global (non-layer) tensors a layer range is said to need."""
 
@@ -80,16 +69,3 @@ class GlobalNeed(enum.Enum):
     # in every shard file (see /work/shared/LLAMACPP.md), so a node that will
     # write a shard GGUF must hold them all.
     LOADER = "loader"
-
-
-# Global tensor name prefix (before the first '.') -> role. Anything else
-# that is not blk.N.* is SHARED. token_embd becomes HEAD_TAIL when the file has
-# no output.weight (tied embeddings).
-GLOBAL_ROLES: dict[str, Role] = {
-    "token_embd": Role.HEAD,
-    "token_embd_norm": Role.HEAD,
-    "output_norm": Role.TAIL,
-    "output": Role.TAIL,
-}
-
-LAYER_PREFIX = "blk."

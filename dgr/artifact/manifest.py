@@ -9,9 +9,8 @@ piece hashes, pieces root, info-hash), so the same bytes can be fetched from a
 swarm layer range by layer range and checked against the same hashes.
 
 Rules:
-- The GGUF is read with gguf-py's `GGUFReader`; dgr has no GGUF parser of its own.
-- The file is read once: one streaming pass feeds the whole-file hash, the
-  header hash, every tensor hash and the BEP 52 merkle leaves.
+- Building one from a GGUF is dgr.artifact.build; this module is the schema,
+  its canonical encoding, and the checks a loaded manifest must pass.
 - The manifest id is sha256 of the canonical JSON (sorted keys, no whitespace,
   ASCII) of every field but `id`. Loading a manifest recomputes the id, the
   layer digests, the pieces root and the info-hash, and refuses a manifest
@@ -28,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -38,22 +36,17 @@ import attrs
 from dgr.artifact import merkle
 from dgr.artifact.bencode import bencode
 from dgr.artifact.constants import (
-    GLOBAL_ROLES,
-    HASH_CHUNK,
-    LAYER_PREFIX,
     MANIFEST_KIND,
-    SCHEMA_VERSION,
     TARGET_PIECE_COUNT,
     TORRENT_META_VERSION,
     GlobalNeed,
     PieceSize,
-    Role,
     SchemaVersion,
 )
-from dgr.progress import NullProgress, Progress
-from dgr.backends.base import LayerRange, ModelInfo
+from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.models import check_gguf_file
+from dgr.gguf_meta import Role
+from dgr.seam.types import ModelInfo
 
 __all__ = [
     "ModelIdentity",
@@ -63,15 +56,14 @@ __all__ = [
     "LayerEntry",
     "TorrentInfo",
     "Manifest",
-    "build_manifest",
     "choose_piece_length",
     "canonical_json",
     "layer_digest",
-    "read_gguf_layout",
-    "GgufLayout",
+    "merge_spans",
+    "piece_runs",
+    "pieces_of",
+    "torrent_info_dict",
 ]
-
-_LAYER_RE = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.")
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -317,7 +309,7 @@ class TorrentInfo:
         )
 
 
-def _info_dict(file: FileInfo, piece_length: int, pieces_root: bytes) -> dict[str, Any]:
+def torrent_info_dict(file: FileInfo, piece_length: int, pieces_root: bytes) -> dict[str, Any]:
     """The BEP 52 info dictionary of a one-file v2 torrent, as libtorrent writes it."""
     return {
         "file tree": {file.name: {"": {"length": file.size, "pieces root": pieces_root}}},
@@ -468,7 +460,7 @@ class Manifest:
 
     # -- torrent ----------------------------------------------------------------
     def info_dict(self) -> dict[str, Any]:
-        return _info_dict(self.file, self.torrent.piece_length, bytes.fromhex(self.torrent.pieces_root))
+        return torrent_info_dict(self.file, self.torrent.piece_length, bytes.fromhex(self.torrent.pieces_root))
 
     def info_hash_v2(self) -> str:
         return hashlib.sha256(bencode(self.info_dict())).hexdigest()
@@ -520,11 +512,11 @@ class Manifest:
     def needed_ranges(self, layers: LayerRange | None, need: GlobalNeed = GlobalNeed.COMPUTE) -> list[tuple[int, int]]:
         """Byte ranges [start, end) a node serving layers needs: the header plus needed tensors."""
         spans = [(0, self.header.length)] + [(x.offset, x.end) for x in self.needed_tensors(layers, need)]
-        return _merge(spans)
+        return merge_spans(spans)
 
     def pieces_for_ranges(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
         """Sorted piece indices overlapping any of the byte ranges."""
-        return _pieces_of(ranges, self.torrent.piece_length)
+        return pieces_of(ranges, self.torrent.piece_length)
 
     def needed_pieces(self, layers: LayerRange | None, need: GlobalNeed = GlobalNeed.COMPUTE) -> list[int]:
         """Pieces a node must download to serve layers: header + needed tensors, rounded up to pieces."""
@@ -550,7 +542,7 @@ class Manifest:
         )
 
 
-def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sort and merge touching or overlapping [start, end) ranges; drop empty ones."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(s for s in spans if s[1] > s[0]):
@@ -561,255 +553,7 @@ def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-# -- reading the GGUF ----------------------------------------------------------------
-
-
-@attrs.frozen
-class _TensorLayout:
-    name: str
-    type: str
-    shape: tuple[int, ...]
-    offset: int
-    size: int
-
-
-@attrs.frozen
-class GgufLayout:
-    """What gguf-py tells us about a file, before any hashing."""
-
-    model: ModelIdentity
-    gguf_version: int
-    alignment: int
-    kv_count: int
-    data_offset: int
-    tensors: tuple[_TensorLayout, ...]  # offset order
-
-
-def _field(reader: Any, key: str, path: Path, required: bool = True) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if required:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF metadata lacks {key!r}: {path}")
-        return None
-    return field.contents()
-
-
-def read_gguf_layout(path: str | Path) -> GgufLayout:
-    """Read metadata and the tensor table with gguf.GGUFReader.
-
-    Raises:
-        CallerError(MODEL_LOAD_FAILED): not GGUF, unreadable, truncated, or
-            missing the architecture keys a manifest needs.
-    """
-    import gguf  # heavy import (numpy memmaps); only when a file is read
-
-    p = check_gguf_file(path)
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except (ValueError, IndexError, OSError, KeyError) as exc:
-        raise CallerError(
-            Reason.MODEL_LOAD_FAILED,
-            f"cannot parse GGUF {p} (truncated or corrupt?): {exc}",
-        ) from None
-    arch = _field(reader, "general.architecture", p)
-    vocab = _field(reader, f"{arch}.vocab_size", p, required=False)
-    if vocab is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has neither {arch}.vocab_size nor a token list: {p}")
-        vocab = len(tokens.data)
-    hidden = int(_field(reader, f"{arch}.embedding_length", p))
-    model = ModelIdentity(
-        architecture=str(arch),
-        name=str(_field(reader, "general.name", p, required=False) or ""),
-        block_count=int(_field(reader, f"{arch}.block_count", p)),
-        hidden_size=hidden,
-        # The seam carries the residual stream, hidden_size floats per token,
-        # for every architecture dgr splits today (see PRD: seams proportional
-        # to hidden_size).
-        seam_width=hidden,
-        vocab_size=int(vocab),
-        context_length=int(_field(reader, f"{arch}.context_length", p)),
-    )
-    tensors = tuple(
-        sorted(
-            (
-                _TensorLayout(
-                    name=t.name,
-                    type=t.tensor_type.name,
-                    shape=tuple(int(n) for n in t.shape.tolist()),
-                    offset=int(t.data_offset),
-                    size=int(t.n_bytes),
-                )
-                for t in reader.tensors
-            ),
-            key=lambda t: t.offset,
-        )
-    )
-    return GgufLayout(
-        model=model,
-        gguf_version=int(_field(reader, "GGUF.version", p)),
-        alignment=int(reader.alignment),
-        kv_count=int(_field(reader, "GGUF.kv_count", p)),
-        data_offset=int(reader.data_offset),
-        tensors=tensors,
-    )
-
-
-def _layer_of(name: str) -> int | None:
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _role_of(name: str, tied: bool) -> Role:
-    if _layer_of(name) is not None:
-        return Role.LAYER
-    role = GLOBAL_ROLES.get(name.split(".", 1)[0], Role.SHARED)
-    if role is Role.HEAD and tied and name.startswith("token_embd."):
-        return Role.HEAD_TAIL
-    return role
-
-
-# -- hashing -------------------------------------------------------------------------
-
-
-@attrs.frozen
-class _Digests:
-    file: str
-    header: str
-    tensors: dict[str, str]
-    pieces: list[bytes]
-
-
-def _hash_file(
-    path: Path, size: int, header_len: int, tensors: Sequence[_TensorLayout], piece_length: int, progress: Progress
-) -> _Digests:
-    """One front-to-back read feeding every hash the manifest holds."""
-    whole = hashlib.sha256()
-    header = hashlib.sha256()
-    pieces = merkle.PieceHasher(size, piece_length)
-    order = sorted(tensors, key=lambda t: t.offset)
-    states = [hashlib.sha256() for _ in order]
-    first_open = 0  # first tensor (offset order) not yet fully read
-    pos = 0
-    progress.start(f"hashing {path.name}", size)
-    with path.open("rb", buffering=0) as f:
-        while pos < size:
-            chunk = f.read(min(HASH_CHUNK, size - pos))
-            if not chunk:
-                raise CallerError(Reason.MODEL_LOAD_FAILED, f"{path} ended at byte {pos}; expected {size}")
-            view = memoryview(chunk)
-            end = pos + len(view)
-            whole.update(view)
-            pieces.update(view)
-            if pos < header_len:
-                header.update(view[: min(header_len, end) - pos])
-            j = first_open
-            while j < len(order) and order[j].offset < end:
-                t = order[j]
-                lo, hi = max(t.offset, pos), min(t.offset + t.size, end)
-                if hi > lo:
-                    states[j].update(view[lo - pos : hi - pos])
-                j += 1
-            while first_open < len(order) and order[first_open].offset + order[first_open].size <= end:
-                first_open += 1
-            pos = end
-            progress.advance(len(view))
-    return _Digests(
-        file=whole.hexdigest(),
-        header=header.hexdigest(),
-        tensors={t.name: s.hexdigest() for t, s in zip(order, states, strict=True)},
-        pieces=pieces.finish(),
-    )
-
-
-def build_manifest(path: str | Path, *, piece_length: int | None = None, progress: Progress | None = None) -> Manifest:
-    """Read a GGUF with gguf-py, hash it once, and return its manifest.
-
-    Raises:
-        CallerError(MODEL_LOAD_FAILED): missing, not GGUF, truncated or corrupt.
-        CallerError(INVALID_REQUEST): a piece_length that is not 16 KiB * 2^k.
-    """
-    progress = progress or NullProgress()
-    p = Path(path)
-    progress.start(f"reading GGUF metadata of {p.name}", None)
-    layout = read_gguf_layout(p)
-    size = p.stat().st_size
-    last_end = max((t.offset + t.size for t in layout.tensors), default=layout.data_offset)
-    if last_end > size:
-        raise CallerError(
-            Reason.MODEL_LOAD_FAILED,
-            f"GGUF {p} is truncated: its tensors end at byte {last_end} but the file has {size}",
-        )
-    plen = piece_length or choose_piece_length(size)
-    if plen < PieceSize.MIN or plen & (plen - 1):
-        raise CallerError(Reason.INVALID_REQUEST, f"piece length {plen} is not 16 KiB * 2^k")
-
-    digests = _hash_file(p, size, layout.data_offset, layout.tensors, plen, progress)
-    tied = not any(t.name == "output.weight" for t in layout.tensors)
-    entries = tuple(
-        TensorEntry(
-            name=t.name,
-            layer=_layer_of(t.name),
-            role=_role_of(t.name, tied),
-            type=t.type,
-            shape=t.shape,
-            offset=t.offset,
-            size=t.size,
-            sha256=digests.tensors[t.name],
-        )
-        for t in layout.tensors
-    )
-    n_layers = layout.model.block_count
-    stray = sorted({e.layer for e in entries if e.layer is not None and not 0 <= e.layer < n_layers})
-    if stray:
-        raise CallerError(
-            Reason.MODEL_LOAD_FAILED, f"GGUF {p} has tensors of layers {stray} beyond block_count {n_layers}"
-        )
-    layers = []
-    for i in range(n_layers):
-        members = [e for e in entries if e.layer == i]
-        ranges = _merge((e.offset, e.end) for e in members)
-        layers.append(
-            LayerEntry(
-                index=i,
-                tensors=tuple(sorted((e.name for e in members), key=lambda n: n.encode("utf-8"))),
-                ranges=tuple(ranges),
-                size=sum(e.size for e in members),
-                sha256=layer_digest((e.name, e.sha256) for e in members),
-                pieces=tuple(_runs(_pieces_of(ranges, plen))),
-            )
-        )
-    file = FileInfo(name=p.name, size=size, sha256=digests.file)
-    root = merkle.root_from_piece_hashes(digests.pieces, size, plen)
-    torrent = TorrentInfo(
-        meta_version=TORRENT_META_VERSION,
-        piece_length=plen,
-        piece_count=len(digests.pieces),
-        pieces_root=root.hex(),
-        piece_hashes=tuple(h.hex() for h in digests.pieces),
-        info_hash_v2=hashlib.sha256(bencode(_info_dict(file, plen, root))).hexdigest(),
-    )
-    manifest = Manifest(
-        schema=int(SCHEMA_VERSION),
-        model=layout.model,
-        file=file,
-        header=HeaderInfo(
-            gguf_version=layout.gguf_version,
-            alignment=layout.alignment,
-            tensor_count=len(layout.tensors),
-            kv_count=layout.kv_count,
-            length=layout.data_offset,
-            sha256=digests.header,
-        ),
-        tensors=entries,
-        layers=tuple(layers),
-        torrent=torrent,
-    )
-    return manifest.with_id()
-
-
-def _pieces_of(ranges: Iterable[tuple[int, int]], piece_length: int) -> list[int]:
+def pieces_of(ranges: Iterable[tuple[int, int]], piece_length: int) -> list[int]:
     out: set[int] = set()
     for start, end in ranges:
         if end > start:
@@ -817,7 +561,7 @@ def _pieces_of(ranges: Iterable[tuple[int, int]], piece_length: int) -> list[int
     return sorted(out)
 
 
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+def piece_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     """[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]."""
     out: list[tuple[int, int]] = []
     for i in indices:

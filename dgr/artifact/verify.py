@@ -30,7 +30,8 @@ from typing import Any
 import attrs
 
 from dgr.artifact.constants import HASH_CHUNK, GlobalNeed
-from dgr.artifact.manifest import Manifest, TensorEntry, read_gguf_layout
+from dgr.artifact.build import read_gguf_layout
+from dgr.artifact.manifest import Manifest, TensorEntry
 from dgr.progress import NullProgress, Progress
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason

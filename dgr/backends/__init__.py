@@ -1,5 +1,5 @@
 """Shard backends: what a node computes for its layer range."""
 
-from dgr.backends.base import LayerRange, ModelInfo, ShardBackend
+from dgr.backends.base import LayerRange, ShardBackend
 
-__all__ = ["LayerRange", "ModelInfo", "ShardBackend"]
+__all__ = ["LayerRange", "ShardBackend"]

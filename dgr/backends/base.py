@@ -34,8 +34,9 @@ import numpy as np
 import outcome
 
 from dgr.errors import DgrError
+from dgr.seam.types import ModelInfo
 
-__all__ = ["LayerRange", "ModelInfo", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS"]
+__all__ = ["LayerRange", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS"]
 
 # What a failed step may raise: typed errors, and what numpy, ctypes or torch raise on bad input.
 COMPUTE_ERRORS = (DgrError, ValueError, RuntimeError, IndexError, OSError)
@@ -67,29 +68,6 @@ class LayerRange:
 
     def __len__(self) -> int:
         return self.stop - self.start
-
-
-@attrs.frozen
-class ModelInfo:
-    """What a node and the tracker need to know of a model, whatever the backend."""
-
-    name: str  # id served by /v1/models
-    architecture: str
-    n_layers: int
-    hidden_size: int
-    seam_width: int  # floats per token on the seam; hidden_size for most models
-    vocab_size: int
-    context_length: int
-    digest: str  # identity of the weights (sha256 of the file); nodes of different digests never share a route
-    needs_token_ids: bool = False  # the seam also carries token ids (DeepSeek-V4 hash-routed layers)
-    metadata: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelInfo":
-        return cls(**data)
 
 
 @attrs.frozen(eq=False)

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 import outcome
 
-from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ModelInfo, ShardBackend, Step
+from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
+from dgr.seam.types import ModelInfo
 from dgr.backends.gguf_text import GgufText, llama_lib
 from dgr.backends.llama_arch import ShardRule
 from dgr.backends.llama_engine import (

@@ -45,6 +45,7 @@ import numpy as np
 
 from dgr.backends.gguf_text import llama_lib, llama_log_tail
 from dgr.errors import CallerError, PeerError, Reason
+from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
 from dgr.models import check_gguf_file
 
 __all__ = ["DEFAULT_N_BATCH", "GgufHeader", "LlamaEngine", "ggml_lib", "read_gguf_header"]
@@ -123,24 +124,24 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
     if not ctx:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"not a readable GGUF file: {p}")
     try:
-        kid = g.gguf_find_key(ctx, b"general.architecture")
+        kid = g.gguf_find_key(ctx, ARCHITECTURE_KEY.encode())
         if kid < 0 or g.gguf_get_kv_type(ctx, kid) != _GGUF_TYPE_STRING:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no general.architecture: {p}")
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {p}")
         arch = g.gguf_get_val_str(ctx, kid).decode()
         types: Counter[str] = Counter()
         for i in range(g.gguf_get_n_tensors(ctx)):
             types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
-        n_embd = _int_key(ctx, f"{arch}.embedding_length")
-        n_head = _int_key(ctx, f"{arch}.attention.head_count")
+        n_embd = _int_key(ctx, arch_key(arch, "embedding_length"))
+        n_head = _int_key(ctx, arch_key(arch, "attention.head_count"))
         return GgufHeader(
             architecture=arch,
-            n_layer=_int_key(ctx, f"{arch}.block_count"),
+            n_layer=_int_key(ctx, arch_key(arch, "block_count")),
             n_embd=n_embd,
-            context_length=_int_key(ctx, f"{arch}.context_length"),
+            context_length=_int_key(ctx, arch_key(arch, "context_length")),
             tensor_types=dict(types),
             n_head=n_head,
-            head_dim=_int_key(ctx, f"{arch}.attention.key_length") or (n_embd // n_head if n_head else 0),
-            nextn_layers=_int_key(ctx, f"{arch}.nextn_predict_layers"),
+            head_dim=_int_key(ctx, arch_key(arch, "attention.key_length")) or (n_embd // n_head if n_head else 0),
+            nextn_layers=_int_key(ctx, arch_key(arch, "nextn_predict_layers")),
         )
     finally:
         g.gguf_free(ctx)
@@ -637,9 +638,9 @@ class LlamaEngine:
     def _meta_int(self, key: str) -> int:
         """`{arch}.{key}` of the loaded model as an int; 0 when absent."""
         lib, buf = llama_lib(), ctypes.create_string_buffer(128)
-        if lib.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf)) < 0:
+        if lib.llama_model_meta_val_str(self._model, ARCHITECTURE_KEY.encode(), buf, len(buf)) < 0:
             return 0
-        key_full = f"{buf.value.decode()}.{key}".encode()
+        key_full = arch_key(buf.value.decode(), key).encode()
         if lib.llama_model_meta_val_str(self._model, key_full, buf, len(buf)) < 0:
             return 0
         try:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import gguf
 from dgr.backends.base import LayerRange
 from dgr.backends.llama_arch import SHARD_RULES, swa_layers
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key, field, layer_tensor_name, open_reader, split_layer_name
 from dgr.models import check_gguf_file
 from dgr.progress import NullProgress, Progress
 
@@ -48,7 +48,6 @@ __all__ = ["SHARD_FORMAT", "cache_dir", "file_sha256", "remember_sha256", "shard
 # Bump when the shard layout changes, so old cached shards are not reused.
 SHARD_FORMAT = 2
 _CHUNK = 1 << 20
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def cache_dir() -> Path:
@@ -150,11 +149,10 @@ def write_shard(source: str | Path, layers: LayerRange, out: str | Path, *, prog
     src = check_gguf_file(source)
     out = Path(out)
     reader = _reader(src)
-    arch_field = reader.fields.get(gguf.Keys.General.ARCHITECTURE)
-    if arch_field is None:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no general.architecture: {src}")
-    arch = arch_field.contents()
-    count_key = f"{arch}.block_count"
+    arch = field(reader, ARCHITECTURE_KEY)
+    if arch is None:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {src}")
+    count_key = arch_key(arch, "block_count")
     if count_key not in reader.fields:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {count_key}: {src}")
     n_layer = int(reader.fields[count_key].contents())
@@ -204,10 +202,7 @@ def _reader(src: Path) -> gguf.GGUFReader:
     key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
     reader = _READER.get(key)
     if reader is None:
-        try:
-            reader = gguf.GGUFReader(src)
-        except (ValueError, OSError) as exc:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot parse GGUF {src}: {exc}") from None
+        reader = open_reader(src)
         _READER.clear()  # one source at a time: a reader holds the whole vocabulary
         _READER[key] = reader
     return reader
@@ -216,28 +211,27 @@ def _reader(src: Path) -> gguf.GGUFReader:
 def _copy_metadata(
     reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch: str, n_layer: int, layers: LayerRange
 ) -> None:
-    prefix = f"{arch}."
-    pattern_key = f"{prefix}attention.sliding_window_pattern"
+    prefix = arch_key(arch, "")
+    pattern_key = arch_key(arch, "attention.sliding_window_pattern")
     rule = SHARD_RULES.get(arch)
     swa = None
     if rule is not None:
-        field = reader.fields.get(pattern_key)
-        swa = swa_layers(rule, n_layer, None if field is None else field.contents())
-    for field in reader.fields.values():
+        swa = swa_layers(rule, n_layer, field(reader, pattern_key))
+    for kv in reader.fields.values():
         # GGUF.* are virtual; general.architecture is written by GGUFWriter itself.
-        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
+        if kv.name.startswith("GGUF.") or kv.name == ARCHITECTURE_KEY:
             continue
-        if swa is not None and field.name == pattern_key:
+        if swa is not None and kv.name == pattern_key:
             continue  # written below, per layer
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == f"{prefix}block_count":
+        vtype = kv.types[0]
+        sub_type = kv.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = kv.contents()
+        if kv.name == arch_key(arch, "block_count"):
             value = len(layers)
-        elif sub_type is not None and field.name.startswith(prefix) and len(value) == n_layer:
+        elif sub_type is not None and kv.name.startswith(prefix) and len(value) == n_layer:
             # Per-layer arrays (llama.cpp's get_key_or_arr(..., n_layer_all)).
             value = value[layers.start : layers.stop]
-        writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
+        writer.add_key_value(kv.name, value, vtype, sub_type=sub_type)
     if swa is not None:
         writer.add_key_value(
             pattern_key, swa[layers.start : layers.stop], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
@@ -250,10 +244,10 @@ def _copy_metadata(
 
 def _shard_tensor_name(name: str, layers: LayerRange) -> str | None:
     """The tensor's name in the shard, or None when the shard drops it."""
-    m = _BLK.match(name)
-    if m is None:
+    parts = split_layer_name(name)
+    if parts is None:
         return name  # token_embd, output_norm, output, rope_freqs: the loader needs them
-    il = int(m.group(1))
+    il, rest = parts
     if not (layers.start <= il < layers.stop):
         return None
-    return f"blk.{il - layers.start}.{m.group(2)}"
+    return layer_tensor_name(il - layers.start, rest)

@@ -28,7 +28,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dgr.backends.base import ChatMessage, LayerRange, ModelInfo, ShardBackend
+from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
+from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 
 __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]

@@ -25,7 +25,8 @@ import attrs
 import numpy as np
 import torch
 
-from dgr.backends.base import ChatMessage, LayerRange, ModelInfo, ShardBackend
+from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
+from dgr.seam.types import ModelInfo
 from dgr.backends.shardfile import file_sha256
 from dgr.backends.torch_model import KVCache, ShardModel, load_shard
 from dgr.errors import CallerError, Reason

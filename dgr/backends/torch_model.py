@@ -55,15 +55,11 @@ from torch import Tensor, nn
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key, field, is_tied, layer_of, layer_tensor_name, open_reader
 
 __all__ = ["KVCache", "ModelArgs", "ShardModel", "apply_rope", "load_shard"]
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 @attrs.frozen
@@ -91,12 +87,12 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> ModelArgs:
         """Raises: CallerError(MODEL_LOAD_FAILED) on a model this file cannot run."""
-        arch = _field(reader, "general.architecture")
+        arch = field(reader, ARCHITECTURE_KEY)
         if arch not in SUPPORTED_ARCHS:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"torch backend runs {SUPPORTED_ARCHS}, not {arch!r}")
 
         def meta(key: str, default: Any = None) -> Any:
-            value = _field(reader, f"{arch}.{key}", default)
+            value = field(reader, arch_key(arch, key), default)
             if value is None:
                 raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF lacks {arch}.{key}")
             return value
@@ -110,7 +106,7 @@ class ModelArgs:
         factor = float(meta("rope.scaling.factor", meta("rope.scale_linear", 0.0)))
         dim, n_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
         head_dim = int(meta("attention.key_length", dim // n_heads))
-        vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = field(reader, arch_key(arch, "vocab_size")) or len(reader.fields["tokenizer.ggml.tokens"].data)
         return cls(
             arch=arch,
             n_layers=int(meta("block_count")),
@@ -299,10 +295,10 @@ def _gguf_names(layers: LayerRange, is_head: bool, is_tail: bool, args: ModelArg
         per_block |= {"attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm"}
     for j, i in enumerate(range(layers.start, layers.stop)):
         for src, dst in per_block.items():
-            names[f"blk.{i}.{src}.weight"] = f"layers.{j}.{dst}.weight"
+            names[layer_tensor_name(i, f"{src}.weight")] = f"layers.{j}.{dst}.weight"
         if args.qkv_bias:
             for src in ("q", "k", "v"):
-                names[f"blk.{i}.attn_{src}.bias"] = f"layers.{j}.attention.w{src}.bias"
+                names[layer_tensor_name(i, f"attn_{src}.bias")] = f"layers.{j}.attention.w{src}.bias"
     return names
 
 
@@ -313,18 +309,18 @@ def load_shard(path: str | Path, layers: LayerRange) -> ShardModel:
         CallerError(MODEL_LOAD_FAILED): unsupported model, range past the last
         layer, or tensors missing or of the wrong shape.
     """
-    reader = gguf.GGUFReader(path)
+    reader = open_reader(path)
     args = ModelArgs.from_gguf(reader)
     if layers.stop > args.n_layers:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"layers {layers} exceed the model's {args.n_layers}")
     with torch.device("meta"):
         model = ShardModel(args, layers)
     wanted = _gguf_names(layers, model.is_head, model.is_tail, args)
-    tied = model.is_tail and not any(t.name == "output.weight" for t in reader.tensors)
+    tied = model.is_tail and is_tied(t.name for t in reader.tensors)
     state: dict[str, Tensor] = {"rope_inv_ff": torch.ones(args.rope_dims // 2)}
     for t in reader.tensors:
         qkv_bias = args.qkv_bias and t.name.split(".")[2:3] in (["attn_q"], ["attn_k"], ["attn_v"])
-        if t.name.startswith("blk.") and t.name.endswith(".bias") and not qkv_bias:
+        if layer_of(t.name) is not None and t.name.endswith(".bias") and not qkv_bias:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"torch backend has no biases ({t.name})")
         if t.name not in wanted and not (tied and t.name == "token_embd.weight"):
             continue

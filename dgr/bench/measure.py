@@ -17,6 +17,8 @@ from typing import Any
 import attrs
 import httpx
 
+from dgr.seam.wire import ROUTE_SESSION_HEADER
+
 __all__ = ["StreamResult", "stream_once", "concurrent", "short_ttft", "hop_stats"]
 
 
@@ -42,7 +44,7 @@ def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
     with httpx.stream("POST", f"{api}/completions", json=body, headers=headers, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        sid = r.headers.get("x-dgr-route-session", "")
+        sid = r.headers.get(ROUTE_SESSION_HEADER, "")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

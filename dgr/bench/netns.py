@@ -61,7 +61,6 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable
@@ -72,9 +71,8 @@ import httpx
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
-from dgr.procs import die_with_parent
+from dgr.procs import WatchedChild, ready_info
 from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
-from dgr.serve import READY_PREFIX
 
 __all__ = [
     "LINK_KINDS",
@@ -277,67 +275,43 @@ class Link:
 
 
 # -- child processes ------------------------------------------------------------------------
-@attrs.define
-class _Child:
-    """A process that prints one `dgr-ready {json}` line (or `ready`) when it is up."""
+def _ready_or_plain(line: str) -> dict[str, Any] | None:
+    """A `dgr-ready {json}` line, or the delay line's plain `ready`."""
+    return {} if line == "ready" else ready_info(line)
 
-    name: str
-    popen: subprocess.Popen
-    lines: list[str] = attrs.field(factory=list)
-    ready: dict[str, Any] | None = None
-    _event: threading.Event = attrs.field(factory=threading.Event)
+
+@attrs.define
+class _Child(WatchedChild):
+    """A dgr process, or the delay line (plain `ready`, then `ok` after each command it is sent)."""
+
+    is_ready: Callable[[str], dict[str, Any] | None] = _ready_or_plain
 
     @classmethod
     def spawn(cls, name: str, cmd: list[str], env: dict[str, str], *, stdin: bool = False) -> _Child:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, preexec_fn=die_with_parent)
-        child = cls(name, p)
-        threading.Thread(target=child._pump, daemon=True).start()
-        return child
+        return super().spawn(name, cmd, env=env, stdin=stdin)
 
-    def _pump(self) -> None:
-        for line in self.popen.stdout:
-            line = line.rstrip()
-            if line.startswith(READY_PREFIX) and self.ready is None:
-                self.ready = json.loads(line[len(READY_PREFIX):])
-                self._event.set()
-            elif line == "ready" and self.ready is None:
-                self.ready = {}
-                self._event.set()
-            else:
-                self.lines.append(line)
-                if line == "ok":
-                    self._event.set()
+    def on_line(self, line: str) -> None:
+        if line == "ok":
+            self.event.set()
 
     def wait(self, deadline: float) -> dict[str, Any]:
         """Raises: PeerError(NODE_ERROR): it exited or was not ready by `deadline` (monotonic)."""
-        while not self._event.wait(0.1):
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                why = f"exited with code {self.popen.returncode}" if self.popen.poll() is not None else "timed out"
-                raise PeerError(Reason.NODE_ERROR, f"{self.name} did not become ready ({why}):\n"
-                                + "\n".join(self.lines[-30:]), node=self.name)
-        return self.ready or {}
+        return self.wait_ready(deadline - time.monotonic())
 
     def command(self, line: str, timeout_s: float = 5.0) -> None:
         """Send one line to the delay line and wait for its `ok`."""
-        self._event.clear()
+        self.event.clear()
         self.popen.stdin.write(line + "\n")
         self.popen.stdin.flush()
-        self.wait(time.monotonic() + timeout_s)
+        self.wait_ready(timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
         if self.popen.stdin is not None:
             try:
                 self.popen.stdin.close()  # the delay line exits on EOF
             except OSError:
                 pass
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
+        super().stop(grace_s)
 
 
 def _splits(backend: str, nodes: int) -> list[LayerRange]:

@@ -2,6 +2,7 @@
 
 from dgr.fsm.machine import Transition, TransitionTable
 from dgr.fsm.node import NodeEvent, NodeSession, NodeState
+from dgr.fsm.proof import ProofEvent, ProofState, ProofStatus
 from dgr.fsm.route import RouteEvent, RouteSession, RouteState
 
 __all__ = [
@@ -10,6 +11,9 @@ __all__ = [
     "NodeEvent",
     "NodeSession",
     "NodeState",
+    "ProofEvent",
+    "ProofState",
+    "ProofStatus",
     "RouteEvent",
     "RouteSession",
     "RouteState",

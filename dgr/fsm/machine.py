@@ -4,7 +4,7 @@ A table maps (state, event) to the next state. A missing key is an illegal
 transition: `TransitionTable.next` raises `IllegalTransition` and the caller
 has not assigned anything yet, so nothing changes. Terminal states are those
 with no outgoing entry. The spec documents are drawn from these tables
-(dgr.fsm.spec), so they cannot drift from the code.
+(dgr.specgen.protocol), so they cannot drift from the code.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Contract:
 - Every transition returns a telemetry snapshot, so a driver can publish one
   event per change with no extra bookkeeping.
 
-Theory: the trio driver (dgr.tracker.driver) feeds events with the current
+Theory: the trio driver (dgr.tracker.gateway) feeds events with the current
 time passed in; this module holds no clock and does no I/O. Rolling tokens/s
 is computed over the last `RATE_WINDOW` token times.
 

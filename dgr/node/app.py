@@ -20,10 +20,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import install_error_handlers, json_response, read_json
+from dgr.api.http import install_error_handlers, json_response, read_json, read_raw_seam, respond_raw, respond_raw_error
 from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
-from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
+from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.node.artifact import NodeArtifact
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
@@ -33,18 +33,16 @@ from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
     CONTENT_TYPE,
-    HEADER_SIZE,
-    HOPS_HEADER,
     MAX_CONTROL_BYTES,
     MAX_TOKENIZE_BYTES,
+    STEP_PATH,
+    raw_header,
 )
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
-_CAP_RAW = CAPABILITY_HEADER.lower().encode()
-_HOPS_RAW = HOPS_HEADER.lower().encode()
-_COMPUTE_RAW = COMPUTE_HEADER.lower().encode()
+_COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -80,13 +78,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
         if not isinstance(sampling, dict):
             raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
-        seed = sampling.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64):
-            raise CallerError(Reason.INVALID_REQUEST, "sampling.seed must be an integer in [0, 2^64)")
-        try:
-            params = SamplingParams(**sampling)
-        except TypeError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
+        params = SamplingParams.from_json(sampling)
         await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")))
         return json_response({"session": sid, "node": service.node_id}, 201)
 
@@ -190,7 +182,7 @@ def seam_fast_path(service: NodeService, app):
     """Wrap `app` so that POST /v1/seam/step skips the framework."""
 
     async def asgi(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == "/v1/seam/step" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["path"] == STEP_PATH and scope["method"] == "POST":
             await _step(service, scope, receive, send)
         else:
             await app(scope, receive, send)
@@ -198,55 +190,17 @@ def seam_fast_path(service: NodeService, app):
     return asgi
 
 
-async def _respond(send, status: int, body: bytes, content_type: bytes, extra=()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra]})
-    await send({"type": "http.response.body", "body": body})
-
-
 async def _step(service: NodeService, scope, receive, send) -> None:
-    limit = service.max_frame_bytes
-    capability = None
-    hops = ""
     try:
-        for name, value in scope["headers"]:
-            if name == b"content-length" and int(value) > limit:
-                raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {int(value)} bytes exceeds {limit}")
-            if name == _CAP_RAW:
-                capability = value.decode("latin-1")
-            elif name == _HOPS_RAW:
-                hops = value.decode("latin-1")[:4096]
-        chunks, size, authorized = [], 0, False
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the sender went away mid-frame: nothing was applied
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise CallerError(Reason.FRAME_TOO_LARGE, f"frame exceeds {limit} bytes")
-            chunks.append(chunk)
-            if not authorized and size >= HEADER_SIZE:
-                # Before the payload is read or checksummed: a sender without a capability for this
-                # session costs us a header, not a 64 MiB buffer.
-                head = b"".join(chunks)
-                chunks = [head]
-                service.authorize(capability, frame_session(head))
-                authorized = True
-            if not message.get("more_body", False):
-                break
-        reply, compute_s = await service.step(b"".join(chunks), capability, hops)
-    except DgrError as exc:
-        body = json.dumps(openai_error_body(exc.failure())).encode()
-        # refused by its announced size, the body was never read: this connection cannot carry another request
-        extra = [(b"connection", b"close")] if exc.reason is Reason.FRAME_TOO_LARGE else []
-        await _respond(send, http_status(exc.reason), body, b"application/json", extra)
-        return
-    except ValueError as exc:
-        body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad request: {exc}"))).encode()
-        await _respond(send, 400, body, b"application/json")
+        req = await read_raw_seam(scope, receive, service.max_frame_bytes, "frame",
+                                  on_header=lambda head, cap: service.authorize(cap, frame_session(head)))
+        if req is None:
+            return  # the sender went away mid-frame: nothing was applied
+        reply, compute_s = await service.step(req.body, req.capability, req.hops)
+    except (DgrError, ValueError) as exc:
+        await respond_raw_error(send, exc, "request")
         return
     if reply is None:  # a chain step: computed; its result goes on through the session's relay
-        await _respond(send, 202, b"", CONTENT_TYPE.encode())
+        await respond_raw(send, 202, b"", CONTENT_TYPE.encode())
         return
-    await _respond(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])
+    await respond_raw(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])

@@ -45,11 +45,10 @@ from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange, ShardBackend
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.procs import run_until_signal
-from dgr.progress import Progress, terminal_progress
+from dgr.progress import LineProgress, Progress, terminal_progress
 
 __all__ = [
     "NodeArtifact",
-    "LineProgress",
     "node_progress",
     "say",
     "verify_local",
@@ -68,46 +67,6 @@ def say(message: str) -> None:
     print(f"dgr node: {message}", file=sys.stderr, flush=True)
 
 
-class LineProgress:
-    """Progress as plain lines on stderr (logs, pipes, `dgr up` children): at most one a second."""
-
-    def __init__(self, every_s: float = 1.0) -> None:
-        self._every = every_s
-        self._desc = ""
-        self._total: int | None = None
-        self._done = 0
-        self._next = 0.0
-
-    def _emit(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now < self._next:
-            return
-        self._next = now + self._every
-        if self._total:
-            say(f"{self._desc}: {self._done / 1e6:.1f} / {self._total / 1e6:.1f} MB "
-                f"({100 * self._done / self._total:.0f}%)")
-        elif self._desc:
-            say(f"{self._desc}...")
-
-    def start(self, description: str, total: int | None) -> None:
-        self._desc, self._total, self._done = description, total, 0
-        self._next = 0.0
-        self._emit()
-
-    def advance(self, amount: int) -> None:
-        self._done += amount
-        self._emit(force=self._total is not None and self._done >= self._total)
-
-    def update(self, completed: int, total: int | None = None, description: str | None = None) -> None:
-        finished = total is not None and completed >= total > 0 and self._done < completed
-        self._done = completed
-        if total is not None:
-            self._total = total
-        if description is not None:
-            self._desc = description
-        self._emit(force=finished)
-
-
 @contextlib.contextmanager
 def node_progress() -> Iterator[Progress]:
     """A rich bar when stderr is a terminal, else LineProgress."""
@@ -115,7 +74,7 @@ def node_progress() -> Iterator[Progress]:
         with terminal_progress() as bar:
             yield bar
     else:
-        yield LineProgress()
+        yield LineProgress(emit=say)
 
 
 def default_model_dir(manifest: Manifest) -> Path:
@@ -368,8 +327,24 @@ def _run_interruptible(fn: Any, *args: Any) -> Any:
     return result
 
 
-def prepare_node_artifact(args: Any, layers: LayerRange | None) -> NodeArtifact:
+def prepare_node_artifact(
+    manifest_path: str | Path | None,
+    layers: LayerRange | None,
+    *,
+    backend: str,
+    model: str | Path | None = None,
+    fetch: bool = False,
+    tracker: str | None = None,
+    model_dir: str | Path | None = None,
+    listen_host: str = "127.0.0.1",
+    fetch_timeout_s: float | None = None,
+) -> NodeArtifact:
     """What `dgr node --manifest M [--fetch]` does before loading its backend: verify or fetch.
+
+    `layers` None means every layer of the manifest. With `fetch`, the layers
+    come from `tracker`'s proven peers into `model_dir` (default: beside the
+    shard cache), listening on `listen_host`; otherwise `model` (or the
+    backend's default model) is verified in place.
 
     Raises:
         CallerError(INVALID_REQUEST): flags that do not fit together.
@@ -377,29 +352,29 @@ def prepare_node_artifact(args: Any, layers: LayerRange | None) -> NodeArtifact:
         PeerError(NODE_ERROR): the fetch timed out.
     """
     started = time.monotonic()
-    if not args.manifest:
+    if not manifest_path:
         raise CallerError(Reason.INVALID_REQUEST, "--fetch needs --manifest")
-    if args.backend == "stub":
+    if backend == "stub":
         raise CallerError(Reason.INVALID_REQUEST, "the stub backend has no weights to verify, fetch or prove")
-    manifest = Manifest.load(args.manifest)
+    manifest = Manifest.load(manifest_path)
     layers = layers or LayerRange(0, manifest.model.block_count)
     manifest.check_layers(layers)
-    if args.fetch:
-        if args.model:
+    if fetch:
+        if model:
             raise CallerError(Reason.INVALID_REQUEST, "--fetch writes its own file: use --model-dir, not --model")
-        if not args.tracker:
+        if not tracker:
             raise CallerError(Reason.INVALID_REQUEST, "--fetch asks the tracker for peers: give --tracker")
-        model_dir = Path(args.model_dir) if args.model_dir else default_model_dir(manifest)
+        into = Path(model_dir) if model_dir else default_model_dir(manifest)
         art = _run_interruptible(
-            functools.partial(fetch_layers, manifest, layers, args.tracker, model_dir, listen_host=args.host,
-                              timeout_s=args.fetch_timeout)
+            functools.partial(fetch_layers, manifest, layers, tracker, into, listen_host=listen_host,
+                              timeout_s=fetch_timeout_s)
         )
     else:
         from dgr.backends.factory import resolve_model
 
-        art = verify_local(manifest, resolve_model(args.backend, args.model), layers)
+        art = verify_local(manifest, resolve_model(backend, model), layers)
     art.started_at = started
     art.prepared_at = time.monotonic()
-    how = " (the shard GGUF is derived from the verified layers and globals)" if args.backend == "llama_shard" else ""
-    say(f"loading {args.backend} layers {layers} from {art.path.name}{how}")
+    how = " (the shard GGUF is derived from the verified layers and globals)" if backend == "llama_shard" else ""
+    say(f"loading {backend} layers {layers} from {art.path.name}{how}")
     return art

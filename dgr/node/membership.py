@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import trio
 
-from dgr.errors import CallerError, Reason
+from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
 from dgr.security.auth import Signer
@@ -106,11 +106,11 @@ async def _post(client: httpx.AsyncClient, signer: Signer | None, path: str, dat
         headers.update(signer.headers("POST", path, body, time.time()))
     r = await client.post(path, content=body, headers=headers)
     if r.status_code == 401:
+        code, message = parse_error_body(r.content)
         try:
-            err = r.json()["error"]
-            reason, message = Reason(err["code"]), str(err.get("message", ""))
-        except (ValueError, KeyError, TypeError):
-            reason, message = Reason.UNAUTHENTICATED, r.text[:200]
+            reason = Reason(code)
+        except ValueError:  # not an error body, or a code this node does not know
+            reason = Reason.UNAUTHENTICATED
         raise CallerError(reason, f"the tracker refused this node ({reason.value}): {message}")
     return r
 

@@ -31,9 +31,9 @@ from typing import Callable
 import attrs
 import trio
 
-from dgr.errors import Failure, Reason
+from dgr.errors import Failure, Reason, parse_error_body
 from dgr.seam.transport import ConnectionPool, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER, STEP_PATH
 
 __all__ = ["NextHop", "RelayPlan", "Relay", "Outgoing", "Report"]
 
@@ -138,7 +138,7 @@ class Relay:
         headers = [("Content-Type", CONTENT_TYPE), (HOPS_HEADER, item.hops)]
         if cap is not None:
             headers.append((CAPABILITY_HEADER, cap))
-        target = "/v1/seam/step" if nxt is not None else DELIVER_PATH
+        target = STEP_PATH if nxt is not None else DELIVER_PATH
         try:
             r = await self.pool(url).request("POST", target, item.frame, headers, sent=item.sent)
         except TransportError as exc:
@@ -152,11 +152,8 @@ class Relay:
         if nxt is None:
             log.warning("%s: the gateway refused session %s's answer (%d)", self.node_id, self.sid, r.status)
             return None
-        try:
-            err = json.loads(r.body)["error"]
-            message = f"{err.get('code')}: {err.get('message', '')}"
-        except (ValueError, KeyError, TypeError):
-            message = r.body[:200].decode(errors="replace")
+        code, text = parse_error_body(r.body)
+        message = text if code is None else f"{code}: {text}"
         return Failure(Reason.NODE_ERROR, f"{who} refused a step from {self.node_id} ({r.status} {message})"[:300],
                        node=who)
 

@@ -1,7 +1,7 @@
 """Every constant that crosses the seam, in one place, with explicit numbers.
 
-spec/seam.md is generated from this module (dgr.seam.spec) and a test fails
-when the committed document differs.
+spec/seam.md is generated from this module (dgr.specgen.protocol) and a test
+fails when the committed document differs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ __all__ = [
     "CAPABILITY_HEADER",
     "COMPUTE_HEADER",
     "HOPS_HEADER",
+    "ROUTE_SESSION_HEADER",
     "DELIVER_PATH",
+    "STEP_PATH",
+    "KIND_OFFSET",
+    "raw_header",
+    "frame_kind",
     "Topology",
 ]
 
@@ -37,7 +42,15 @@ __all__ = [
 CAPABILITY_HEADER = "X-Dgr-Capability"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
 HOPS_HEADER = "X-Dgr-Hops"
+# The gateway's answer to a completion names its Route Session (clients follow its telemetry by it).
+ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
+STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
 DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
+
+
+def raw_header(name: str) -> bytes:
+    """A header name as an ASGI scope carries it: lowercase latin-1 bytes."""
+    return name.lower().encode("latin-1")
 
 
 class Topology(enum.Enum):
@@ -77,6 +90,8 @@ HEADER_FIELDS: tuple[tuple[str, str, str], ...] = (
 )
 HEADER = struct.Struct("<" + "".join(code for _, code, _ in HEADER_FIELDS))
 HEADER_SIZE = HEADER.size
+# Byte offset of `kind` (after magic and version), for counting frames without decoding them.
+KIND_OFFSET = struct.calcsize("<4sB")
 
 
 class FrameKind(enum.IntEnum):
@@ -104,3 +119,12 @@ DTYPE_NUMPY: dict[DType, str] = {DType.F32: "<f4", DType.F16: "<f2"}
 
 # TOKEN payload: token id, its log-probability, then the token's raw bytes.
 TOKEN_RESULT = struct.Struct("<if")
+
+
+def frame_kind(frame: bytes | bytearray | memoryview) -> FrameKind:
+    """The kind of an encoded frame, read from its header without checking the rest.
+
+    Raises:
+        ValueError: not a frame kind (the caller has already sent or decoded the frame).
+    """
+    return FrameKind(frame[KIND_OFFSET])

@@ -32,9 +32,11 @@ from urllib.parse import urlparse
 import attrs
 import httpx
 
-from dgr.procs import dgr_command, die_with_parent
+from dgr.errors import PeerError
+from dgr.procs import WatchedChild, dgr_command, die_with_parent
 from dgr.security.auth import CapabilityAuthority, Signer
 from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, STEP_PATH
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
 
@@ -47,6 +49,12 @@ LOSS_BOUND_S = 8.0
 
 # `dgr up`'s last line once every node is ready; with --port 0 it names the real port
 _SERVING = re.compile(r"serving the OpenAI API at http://127\.0\.0\.1:(\d+)/v1")
+
+
+def _serving_port(line: str) -> dict[str, int] | None:
+    """`dgr up`'s ready line is its last: the API's address."""
+    served = _SERVING.search(line)
+    return None if served is None else {"port": int(served.group(1))}
 
 
 class RouteTimeout(Exception):
@@ -63,8 +71,8 @@ def cut_mid_frame(url: str, frame: bytes, fraction: float = 0.5) -> None:
     """POST a seam frame but close the connection after `fraction` of its bytes."""
     u = urlparse(url)
     head = (
-        f"POST /v1/seam/step HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-        f"Content-Type: application/x-dgr-seam\r\nContent-Length: {len(frame)}\r\n\r\n"
+        f"POST {STEP_PATH} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+        f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(frame)}\r\n\r\n"
     ).encode()
     with socket.create_connection((u.hostname, u.port), timeout=5) as s:
         s.sendall(head + frame[: int(len(frame) * fraction)])
@@ -120,7 +128,7 @@ class LocalRoute:
             layers = (int(a), int(b))
         authority = CapabilityAuthority((secret or self.secret).encode())
         token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s)
-        return {"X-Dgr-Capability": token}
+        return {CAPABILITY_HEADER: token}
 
     def signed(self, path: str, body: bytes, *, secret: str | None = None, now: float | None = None) -> dict[str, str]:
         """Headers of a membership message signed with the route's secret (or `secret`)."""
@@ -139,26 +147,13 @@ class LocalRoute:
     def start(self) -> None:
         cmd = dgr_command("up", "--backend", self.backend, "--nodes", str(self.nodes), "--port", str(self.port),
                           *self.extra)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=die_with_parent, env=self.env())
-        deadline = time.monotonic() + self.ready_timeout_s
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.log_lines.append(line.rstrip())
-                served = _SERVING.search(line)
-                if served is not None and not ready.is_set():
-                    self.port = int(served.group(1))
-                    ready.set()
-
-        t = threading.Thread(target=pump, daemon=True)
-        t.start()
-        self._threads.append(t)
-        while not ready.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RouteTimeout("dgr up did not become ready:\n" + "\n".join(self.log_lines[-40:]))
+        child = WatchedChild.spawn("dgr up", cmd, env=self.env(), is_ready=_serving_port)
+        self.proc, self.log_lines = child.popen, child.lines  # the reader keeps filling log_lines
+        try:
+            self.port = child.wait_ready(self.ready_timeout_s)["port"]
+        except PeerError:
+            self.close()
+            raise RouteTimeout("dgr up did not become ready:\n" + "\n".join(self.log_lines[-40:])) from None
 
     def close(self) -> None:
         for p in self.restarted:

@@ -10,6 +10,7 @@ the real membership loop sends.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Iterable
 from typing import Any, Callable
 
 import attrs
@@ -26,7 +27,7 @@ from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.seam_client import NodeClient
 
-__all__ = ["InProcRoute", "asgi_client"]
+__all__ = ["InProcRoute", "asgi_client", "http_scope", "receive_once"]
 
 
 @attrs.define
@@ -103,3 +104,31 @@ class InProcRoute:
     def register_all(self) -> None:
         for i in range(len(self.services)):
             self.register(i)
+
+
+def http_scope(method: str, path: str, body: bytes = b"", *, headers: Iterable[tuple[bytes, bytes]] = (),
+               query_string: bytes = b"") -> dict[str, Any]:
+    """The ASGI scope of one HTTP/1.1 request from 127.0.0.1 with a JSON body, for calling an app directly.
+
+    For tests that play the server themselves (a client that stalls, or leaves
+    mid-response) where httpx's ASGITransport cannot.
+    """
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": query_string, "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        *headers],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+
+
+def receive_once(body: bytes) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI `receive` that gives `body` in one message, then waits forever: a client that stays connected."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # sleep_forever only returns by raising
+
+    return receive
+

@@ -15,13 +15,15 @@ split which shifted their local/global layer pattern would change the answer.
 from __future__ import annotations
 
 import string
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import gguf
 import numpy as np
 
-__all__ = ["FAMILIES", "TinySpec", "tiny_prompt", "write_tiny_gguf"]
+__all__ = ["FAMILIES", "TinySpec", "tiny_prompt", "write_layout_gguf", "write_tiny_gguf"]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
 
@@ -191,3 +193,61 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _random_value(name: str, role: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+    if "norm" in name:
+        return np.ones(shape, np.float32)
+    return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+
+def write_layout_gguf(
+    data: Mapping[str, Any],
+    path: str | Path,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    types: Mapping[str, str] | None = None,
+    value: Callable[[str, str, list[int], np.random.Generator], np.ndarray] = _random_value,
+) -> dict[str, Any]:
+    """A layout JSON (dgr-layout/1) at its own sizes, as a GGUF of random tensors, for llama.cpp to load.
+
+    `extra` adds `{arch}.*` metadata llama.cpp needs and a layout does not
+    carry; `value(name, role, numpy shape, rng)` makes each tensor (default:
+    ones for norms, small normal noise otherwise). Returns the layout with its
+    one recipe, "f32" (every role F32 unless `types` says otherwise), so
+    `layout_from_json(returned, recipe="f32")` prices this very file.
+    """
+    arch = data["architecture"]
+    types = dict(types or {role: "F32" for recipe in data["recipes"].values() for role in recipe["types"]})
+    data = dict(data) | {"recipes": {"f32": {"description": "probe", "types": types}}, "default_recipe": "f32"}
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    meta = dict(data["metadata"]) | {f"{arch}.{k}": v for k, v in (extra or {}).items()}
+    for key, v in meta.items():
+        if key == "general.architecture":
+            continue  # GGUFWriter writes it
+        if isinstance(v, list):
+            w.add_array(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        elif isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        else:
+            w.add_uint32(key, v)
+    w.add_string("tokenizer.ggml.model", "no_vocab")
+    n_all = meta[f"{arch}.block_count"]
+    rng = np.random.default_rng(0)
+    for group in data["tensor_groups"]:
+        spec = group["layers"]
+        layers = [None] if spec == "global" else range(n_all) if spec == "all" else spec
+        for il in layers:
+            for t in group["tensors"]:
+                name = t["name"].format(i=il) if il is not None else t["name"]
+                w.add_tensor(name, value(name, t["role"], list(reversed(t["shape"])), rng))  # numpy order: ne0 last
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return data
+

@@ -24,23 +24,30 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import check_bearer, error_response, install_error_handlers, json_response, parse_json, read_body, read_json
+from dgr.api.http import (
+    error_response,
+    install_error_handlers,
+    json_response,
+    parse_json,
+    read_body,
+    read_json,
+    read_raw_seam,
+    respond_raw_error,
+)
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
 from dgr.api.openapi import openapi_document
-from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
-from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, HOPS_HEADER
+from dgr.errors import CallerError, DgrError, Failure, Reason, openai_error_body
+from dgr.seam.wire import DELIVER_PATH, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
+from dgr.security.api_keys import check_bearer
 from dgr.security.auth import SIG_HEADERS, Verifier
 from dgr.tracker.proofs import Prover
 
-__all__ = ["make_tracker_app", "SESSION_HEADER"]
+__all__ = ["make_tracker_app"]
 
-SESSION_HEADER = "X-Dgr-Route-Session"
 _REGISTRY_LIMIT = 1024 * 1024
 _DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
-_CAP_RAW = CAPABILITY_HEADER.lower().encode()
-_HOPS_RAW = HOPS_HEADER.lower().encode()
 TELEMETRY_EVERY_S = 0.25
 # Paths (and their subpaths) that need an API key when keys are configured.
 _KEYED = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/route-sessions", "/v1/stats",
@@ -165,7 +172,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     async def generate(kind: str):
         req = parse_request(await read_json(max_body_bytes), kind)  # type: ignore[arg-type]
         live = await gateway.open(req)
-        headers = {SESSION_HEADER: live.rs.sid}
+        headers = {ROUTE_SESSION_HEADER: live.rs.sid}
         if req.stream:
             live.unclaimed_since = trio.current_time()  # until the body starts: a client gone before it is noticed
             response = Response(_stream(gateway, live), 200, mimetype="text/event-stream",
@@ -269,47 +276,18 @@ def deliver_fast_path(gateway: Gateway, app):
         if not (scope["type"] == "http" and scope["path"] == DELIVER_PATH and scope["method"] == "POST"):
             await app(scope, receive, send)
             return
-        capability, hops, report, size = None, "", False, 0
         try:
-            for name, value in scope["headers"]:
-                if name == b"content-length" and int(value) > _DELIVER_LIMIT:
-                    raise CallerError(Reason.FRAME_TOO_LARGE, f"a delivery of {int(value)} bytes exceeds {_DELIVER_LIMIT}")
-                if name == _CAP_RAW:
-                    capability = value.decode("latin-1")
-                elif name == _HOPS_RAW:
-                    hops = value.decode("latin-1")[:4096]
-                elif name == b"content-type":
-                    report = value.split(b";")[0].strip() == b"application/json"
-            chunks = []
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > _DELIVER_LIMIT:
-                    raise CallerError(Reason.FRAME_TOO_LARGE, f"a delivery exceeds {_DELIVER_LIMIT} bytes")
-                if not message.get("more_body", False):
-                    break
-            gateway.deliver(b"".join(chunks), capability, hops, report)
-        except DgrError as exc:
-            body = json.dumps(openai_error_body(exc.failure())).encode()
-            await _respond(send, http_status(exc.reason), body)
-            return
-        except ValueError as exc:
-            body = json.dumps(openai_error_body(Failure(Reason.BAD_FRAME, f"bad delivery: {exc}"[:300]))).encode()
-            await _respond(send, 400, body)
+            req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
+            if req is None:
+                return
+            gateway.deliver(req.body, req.capability, req.hops, req.is_json)
+        except (DgrError, ValueError) as exc:
+            await respond_raw_error(send, exc, "delivery")
             return
         await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
     return asgi
-
-
-async def _respond(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:

@@ -67,7 +67,7 @@ from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
-from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology
+from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route
@@ -182,7 +182,6 @@ class Gateway:
     ended: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # sid -> RouteSession
     clients: dict[str, NodeClient] = attrs.field(factory=dict)
     hop_stats: dict[str, HopStats] = attrs.field(factory=lambda: collections.defaultdict(HopStats))
-    failures: collections.Counter = attrs.field(factory=collections.Counter)
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
     authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
@@ -586,7 +585,6 @@ class Gateway:
     def _count_end(self, rs: RouteSession) -> None:
         self.metrics.sessions_total.labels(outcome=rs.state.value).inc()
         if rs.failure is not None:
-            self.failures[rs.failure.reason.value] += 1
             self.metrics.failures_total.labels(reason=rs.failure.reason.value).inc()
             self.recent_failures.append({"session": rs.sid, "model": rs.model, "at": time.time(), **rs.failure.to_json()})
 
@@ -608,11 +606,8 @@ class Gateway:
                 f"node {hop.node_id} did not answer step {step} within {self._deadline(n_tokens):.1f}s",
                 node=hop.node_id, step=step, phase=live.rs.state.value,
             )
-        overhead = max(0.0, reply.rtt_s - reply.compute_s)
-        live.rs.hop_latency_ms[hop.node_id] = round(overhead * 1e3, 4)
-        self.hop_stats[hop.node_id].overhead_ms.append(overhead * 1e3)
-        self.metrics.hop_latency_seconds.labels(node=hop.node_id).observe(overhead)
-        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
+        self._note_hop(live, hop.node_id, max(0.0, reply.rtt_s - reply.compute_s))
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
         return reply
 
     def _frame(self, live: LiveSession, i: int, kind: FrameKind, seq: int, pos0: int, ids: list[int],
@@ -717,7 +712,7 @@ class Gateway:
             raise PeerError(Reason.ROUTE_NODE_LOST,
                             f"node {hop.node_id} did not take step {step} within {self._deadline(n_tokens):.1f}s",
                             node=hop.node_id, step=step, phase=live.rs.state.value)
-        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=FrameKind(frame[5]).name).inc(len(frame))
+        self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
 
     async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
         """The tail's answer to step `seq`: (frame, hops header).
@@ -750,9 +745,14 @@ class Gateway:
         # a token crosses N + 1 links on a chain: the gateway's to the head, N - 1 between nodes, the tail's back
         share = max(0.0, round_trip_s - sum(compute.values())) / (len(route) + 1)
         for hop in route:
-            live.rs.hop_latency_ms[hop.node_id] = round(share * 1e3, 4)
-            self.hop_stats[hop.node_id].overhead_ms.append(share * 1e3)
-            self.metrics.hop_latency_seconds.labels(node=hop.node_id).observe(share)
+            self._note_hop(live, hop.node_id, share)
+
+    def _note_hop(self, live: LiveSession, node_id: str, overhead_s: float) -> None:
+        """One hop's seam overhead (round trip less compute) into each view of it: the session's
+        telemetry, /v1/stats percentiles and the /metrics histogram."""
+        live.rs.hop_latency_ms[node_id] = round(overhead_s * 1e3, 4)
+        self.hop_stats[node_id].overhead_ms.append(overhead_s * 1e3)
+        self.metrics.hop_latency_seconds.labels(node=node_id).observe(overhead_s)
 
     async def _decode_chain(self, live: LiveSession, token: TokenResult, seq: int, pos: int) -> TokenResult:
         frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
@@ -823,7 +823,7 @@ class Gateway:
         return {
             "sessions": dict(states),
             "active": len(self.sessions),
-            "failures": dict(self.failures),
+            "failures": self.metrics.failure_counts(),
             "recent_failures": list(self.recent_failures),
             "hops": {k: v.to_json() for k, v in self.hop_stats.items()},
         }

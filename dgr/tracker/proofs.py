@@ -41,8 +41,9 @@ import trio
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
 from dgr.backends.base import LayerRange
-from dgr.errors import CallerError, Reason
-from dgr.tracker.registry import NodeEntry, ProofState
+from dgr.errors import CallerError, Reason, parse_error_body
+from dgr.fsm.proof import ProofEvent, ProofState
+from dgr.tracker.registry import NodeEntry
 
 __all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges"]
 
@@ -122,7 +123,7 @@ class Prover:
         if entry.proof.state is not ProofState.PENDING:
             return
         if self._nursery is None:
-            entry.proof.finish(ProofState.FAILED, "this tracker is not checking proofs",
+            entry.proof.decide(ProofEvent.REFUTED, "this tracker is not checking proofs",
                                reason=Reason.PROOF_FAILED.value)
             return
         self._nursery.start_soon(self.prove, entry)
@@ -153,7 +154,7 @@ class Prover:
                            verdict=verdict, challenges=passed)
                 return
         seconds = time.perf_counter() - started
-        if entry.proof.finish(ProofState.PASSED, f"{len(plan)} challenges over layers {layers} held",
+        if entry.proof.decide(ProofEvent.HELD, f"{len(plan)} challenges over layers {layers} held",
                               challenges=len(plan), seconds=seconds):
             log.info("node %s proved layers %s of %s (%d challenges, %.3f s)", entry.node_id, layers,
                      manifest.id[:12], len(plan), seconds)
@@ -172,11 +173,8 @@ class Prover:
         if scope.cancelled_caught:
             return None, f"no answer within {self.deadline_s:g} s (piece {challenge.piece} block {challenge.block})"
         if r.status_code != 200:
-            try:
-                err = r.json()["error"]
-                detail = f"{err.get('code')}: {err.get('message')}"
-            except (ValueError, KeyError, TypeError):
-                detail = r.text[:200]
+            code, message = parse_error_body(r.content)
+            detail = message if code is None else f"{code}: {message}"
             return None, f"the node refused the challenge (HTTP {r.status_code}, {detail})"
         try:
             answer = Answer.from_json(r.json())
@@ -187,6 +185,6 @@ class Prover:
 
     def _fail(self, entry: NodeEntry, reason: Reason, message: str, started: float, *, verdict: str | None = None,
               challenges: int = 0) -> None:
-        if entry.proof.finish(ProofState.FAILED, message, reason=reason.value, verdict=verdict,
+        if entry.proof.decide(ProofEvent.REFUTED, message, reason=reason.value, verdict=verdict,
                               challenges=challenges, seconds=time.perf_counter() - started):
             log.warning("node %s failed its layer proof: %s", entry.node_id, message)

@@ -26,7 +26,6 @@ proofs, in which case it is FAILED at once. Only `routable` nodes are routed.
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 from typing import Any
@@ -34,10 +33,11 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from dgr.backends.base import ModelInfo
+from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
+from dgr.fsm.proof import ProofState, ProofStatus
 
-__all__ = ["NodeEntry", "Registry", "ProofState", "ProofStatus", "DEAD_AFTER_S", "MAX_HELD"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "MAX_HELD"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -46,60 +46,6 @@ log = logging.getLogger("dgr.registry")
 DEAD_AFTER_S = 3.0
 MAX_HELD = 65536  # session ids one heartbeat may list
 _SID = re.compile(r"[0-9a-f]{32}")
-
-
-class ProofState(enum.Enum):
-    """Where a node's layer-possession proof stands. Values appear in GET /v1/nodes."""
-
-    UNCLAIMED = "none"  # no manifest claimed: routable unless proofs are required
-    PENDING = "pending"  # claimed, challenges not finished: not routable yet
-    PASSED = "passed"  # every challenge held: routable
-    FAILED = "failed"  # a challenge failed, or the claim cannot be checked: never routable
-
-
-# The only moves: a claim's challenges end once, in PASSED or FAILED. A new
-# registration makes a new entry (and a new claim) instead of moving back.
-_PROOF_MOVES: dict[ProofState, frozenset[ProofState]] = {
-    ProofState.UNCLAIMED: frozenset(),
-    ProofState.PENDING: frozenset({ProofState.PASSED, ProofState.FAILED}),
-    ProofState.PASSED: frozenset(),
-    ProofState.FAILED: frozenset(),
-}
-
-
-@attrs.define
-class ProofStatus:
-    state: ProofState = ProofState.UNCLAIMED
-    reason: str | None = None  # wire code of a failure: proof_failed, artifact_mismatch, ...
-    message: str = ""
-    verdict: str | None = None  # dgr.artifact.proof.Verdict value of the deciding challenge, if one decided
-    challenges: int = 0  # challenges that passed
-    seconds: float | None = None  # time the challenges took
-
-    @property
-    def routable(self) -> bool:
-        return self.state in (ProofState.UNCLAIMED, ProofState.PASSED)
-
-    def finish(self, state: ProofState, message: str, *, reason: str | None = None, verdict: str | None = None,
-               challenges: int = 0, seconds: float | None = None) -> bool:
-        """Record the claim's verdict; False (and nothing changes) if it already had one."""
-        if state not in _PROOF_MOVES[self.state]:
-            return False
-        self.state, self.message, self.reason, self.verdict = state, message, reason, verdict
-        self.challenges, self.seconds = challenges, seconds
-        return True
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"state": self.state.value, "challenges": self.challenges}
-        if self.message:
-            out["message"] = self.message
-        if self.reason is not None:
-            out["reason"] = self.reason
-        if self.verdict is not None:
-            out["verdict"] = self.verdict
-        if self.seconds is not None:
-            out["seconds"] = round(self.seconds, 4)
-        return out
 
 
 @attrs.define
@@ -244,13 +190,10 @@ class Registry:
         if not (0 <= entry.start < entry.stop <= model.n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {start}:{stop} outside [0, {model.n_layers})")
         if entry.manifest_id is not None:
-            entry.proof = ProofStatus(ProofState.PENDING, message="challenges not finished")
+            entry.proof.claim()
         elif self.require_proof:
-            entry.proof = ProofStatus(
-                ProofState.FAILED,
-                reason=Reason.PROOF_FAILED.value,
-                message="this tracker routes only nodes that prove their layers: start the node with --manifest",
-            )
+            entry.proof.require("this tracker routes only nodes that prove their layers: start the node with --manifest",
+                                Reason.PROOF_FAILED.value)
         old = self.nodes.get(entry.node_id)
         if old is not None and old.alive and old.url != entry.url:
             log.warning("node id %s re-registered from %s while %s still heartbeats under it: replacing it",

@@ -19,10 +19,10 @@ from typing import Any
 import attrs
 import httpx
 
-from dgr.errors import CallerError, Failure, PeerError, Reason
+from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE
+from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, STEP_PATH
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
 
@@ -71,11 +71,7 @@ class NodeClient:
     def _refused(self, r: httpx.Response | HttpResponse) -> Exception:
         body = r.content if isinstance(r, httpx.Response) else r.body
         status = r.status_code if isinstance(r, httpx.Response) else r.status
-        try:
-            err = json.loads(body)["error"]
-            code, message = err.get("code"), err.get("message", "")
-        except (ValueError, KeyError, TypeError):
-            code, message = None, body[:200].decode(errors="replace")
+        code, message = parse_error_body(body)
         if code == Reason.NODE_AT_CAPACITY.value:
             return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
                                retry_after=int(r.headers.get("retry-after", "1")))
@@ -112,7 +108,7 @@ class NodeClient:
             headers.append((CAPABILITY_HEADER, capability))
         t0 = time.perf_counter()
         try:
-            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
+            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
         rtt = time.perf_counter() - t0
@@ -133,7 +129,7 @@ class NodeClient:
         if capability is not None:
             headers.append((CAPABILITY_HEADER, capability))
         try:
-            r = await self._seam.request("POST", "/v1/seam/step", frame_bytes, headers)
+            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
         if r.status != 202:

@@ -1,6 +1,6 @@
 """Check the DeepSeek-V4 layout against llama.cpp itself, on a tiny random deepseek4 GGUF.
 
-No DeepSeek-V4 weights are needed: tools/make_dsv4_layout.py describes the
+No DeepSeek-V4 weights are needed: dgr.specgen.dsv4_layout describes the
 model with its sizes as parameters, so the same tensor list, at toy sizes,
 becomes a GGUF with random data. Loading it in the llama.cpp that
 llama-cpp-python ships checks, on this machine:
@@ -9,7 +9,7 @@ llama-cpp-python ships checks, on this machine:
    extra tensor, so a clean load means the fixture's tensor list is the one
    its deepseek4 loader creates;
 2. KV per layer kind: the cache sizes llama.cpp logs against
-   dgr.plan_layout's KV terms for the same model;
+   dgr.plan.rules's KV terms for the same model;
 3. what breaks for a layer-range shard (see spec/deepseek-v4-flash.md):
    the width llama.cpp takes as embeddings input vs the width of the
    residual stream between layers; a shard GGUF starting after the
@@ -17,7 +17,7 @@ llama-cpp-python ships checks, on this machine:
    and shards that lack a CSA or an HCA layer (each run in a child
    process, because llama.cpp kills the process).
 
-    python bench/dsv4_tiny.py
+    python -m dgr.bench.dsv4_tiny
 
 Prints a report; exits 1 if a check fails.
 """
@@ -34,14 +34,13 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
 import gguf
-import make_dsv4_layout as mk
 
-from dgr.plan_layout import layout_from_json
+from dgr.plan.sources import layout_from_json
+from dgr.specgen import dsv4_layout as mk
+from dgr.testing.tiny_gguf import write_layout_gguf
+
+__all__ = ["kinds_probe", "main", "write_gguf"]
 
 TINY = mk.Dims(
     hidden=64, vocab=256, layers=6, heads=4, head_dim=128, rope_dim=16, q_lora=32, o_lora=16, o_groups=2,
@@ -54,52 +53,32 @@ CTX, SEQS = 1024, 2
 TYPES = {role: "F32" for role in mk.RECIPES["q8_0"]["types"]} | {"hash": "I32"}
 
 
+# What llama.cpp's deepseek4 loader reads beyond the layout's metadata.
+EXTRA = {
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "rope.freq_base": 10000.0,
+    "attention.compress_rope_freq_base": 160000.0,
+    "hyper_connection.epsilon": 1e-6,
+    "hyper_connection.sinkhorn_iterations": 20,
+    "expert_weights_scale": 1.5,
+    "expert_weights_norm": True,
+    "expert_gating_func": 4,  # sqrtsoftplus
+    "swiglu_clamp_exp": 10.0,
+    "leading_dense_block_count": 0,
+}
+
+
 def write_gguf(d: mk.Dims, path: Path) -> dict:
-    data = mk.layout(d)
-    data["recipes"] = {"f32": {"description": "probe", "types": TYPES}}
-    data["default_recipe"] = "f32"
-    w = gguf.GGUFWriter(str(path), arch="deepseek4")
-    for key, value in data["metadata"].items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_uint32(key, value)
-    p = "deepseek4."
-    w.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(p + "rope.freq_base", 10000.0)
-    w.add_float32(p + "attention.compress_rope_freq_base", 160000.0)
-    w.add_float32(p + "hyper_connection.epsilon", 1e-6)
-    w.add_uint32(p + "hyper_connection.sinkhorn_iterations", 20)
-    w.add_float32(p + "expert_weights_scale", 1.5)
-    w.add_bool(p + "expert_weights_norm", True)
-    w.add_uint32(p + "expert_gating_func", 4)  # sqrtsoftplus
-    w.add_float32(p + "swiglu_clamp_exp", 10.0)
-    w.add_uint32(p + "leading_dense_block_count", 0)
-    w.add_string("tokenizer.ggml.model", "no_vocab")
-    rng = np.random.default_rng(0)
-    for group in data["tensor_groups"]:
-        spec = group["layers"]
-        layers = [None] if spec == "global" else range(d.layers) if spec == "all" else spec
-        for il in layers:
-            for t in group["tensors"]:
-                name = t["name"].format(i=il) if il is not None else t["name"]
-                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
-                if t["role"] == "hash":
-                    arr = rng.integers(0, d.experts, shape, dtype=np.int32)
-                elif name.endswith("norm.weight"):
-                    arr = np.ones(shape, np.float32)
-                else:
-                    arr = (rng.standard_normal(shape) * 0.02).astype(np.float32)
-                w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return data
+    """The fixture's layout at dims `d`, as a random GGUF; the hash-routing table holds expert ids."""
+
+    def value(name: str, role: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+        if role == "hash":
+            return rng.integers(0, d.experts, shape, dtype=np.int32)
+        if name.endswith("norm.weight"):
+            return np.ones(shape, np.float32)
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    return write_layout_gguf(mk.layout(d), path, extra=EXTRA, types=TYPES, value=value)
 
 
 def main() -> int:
@@ -190,7 +169,7 @@ def main() -> int:
         (6, 2, 4, "layers 2:4, CSA and HCA"),
     ):
         child = subprocess.run(
-            [sys.executable, __file__, "--kinds", str(layers), str(a), str(b)],
+            [sys.executable, "-m", "dgr.bench.dsv4_tiny", "--kinds", str(layers), str(a), str(b)],
             check=False,
             capture_output=True,
             text=True,
@@ -221,7 +200,7 @@ def _kv_check(log: str, layout, ubatch: int, *, swa_full: bool) -> int:
         "csa_k+indexer_k+hca_k": sum(planned.get(k, 0) for k in ("csa_k", "indexer_k", "hca_k")),
         "compressor states": sum(planned.get(k, 0) for k in ("csa_state", "indexer_state", "hca_state")),
     }
-    print(f"2. KV at context {CTX} x {SEQS} sequences, f16, swa_full={swa_full} (llama.cpp log vs dgr.plan_layout):")
+    print(f"2. KV at context {CTX} x {SEQS} sequences, f16, swa_full={swa_full} (llama.cpp log vs dgr.plan.rules):")
     bad = 0
     for k, v in want.items():
         same = abs(logged[k] * 2**20 - v) < 0.006 * 2**20  # the log rounds to 0.01 MiB

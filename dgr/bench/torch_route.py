@@ -15,7 +15,7 @@ the real design generated, and the table says whether its greedy picks
 matched. Prompts are seeded random token ids: the figures measure compute and
 traffic, which do not depend on what the text says.
 
-    python bench/bench_torch_route.py --threads 2
+    python -m dgr.bench.torch_route --threads 2
 """
 
 from __future__ import annotations

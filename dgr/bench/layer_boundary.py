@@ -1,7 +1,7 @@
 """Layer-boundary benchmark: the full model against in-process llama.cpp shards.
 
-    python bench/bench_layer_boundary.py            # speed table
-    python bench/bench_layer_boundary.py --costs    # also the costs of each hack (spec/llama-layer-boundary.md)
+    python -m dgr.bench.layer_boundary            # speed table
+    python -m dgr.bench.layer_boundary --costs    # also the costs of each hack (spec/llama-layer-boundary.md)
 
 Speed: the same prompt (~300 tokens) and the same threads for the single-node
 model (LlamaBackend) and for 2 (15:15) and 3 (10:10:10) shards chained in one
@@ -37,8 +37,6 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from dgr.backends.base import LayerRange
 from dgr.backends.gguf_text import llama_lib
 from dgr.backends.llama import LlamaBackend
@@ -46,6 +44,8 @@ from dgr.backends.llama_engine import ggml_lib
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
+
+__all__ = ["main"]
 
 SPLITS = {"full": None, "2 shards 15:15": [(0, 15), (15, 30)], "3 shards 10:10:10": [(0, 10), (10, 20), (20, 30)]}
 STORY = (
@@ -370,7 +370,7 @@ def memory_cost(args: argparse.Namespace) -> None:
     print(f"{'setup':8s} {'file':>7s} {'RSS file':>9s} {'RSS anon':>9s} {'anon after load':>16s} {'anon prefill':>13s} {'KV alloc':>9s}")
     for setup in ["full", "0:15", "15:30", "0:10", "10:20", "20:30"]:
         out = subprocess.run(
-            [sys.executable, __file__, "--rss-child", setup, "--model", str(args.model), "--threads", str(args.threads),
+            [sys.executable, "-m", "dgr.bench.layer_boundary", "--rss-child", setup, "--model", str(args.model), "--threads", str(args.threads),
              "--n-ctx", str(args.n_ctx), "--prompt-tokens", str(args.prompt_tokens)],
             capture_output=True, text=True, check=True,
         )

@@ -3,31 +3,29 @@
 The constants, roles and verdicts in the spec are written by this module, so
 the document cannot drift from the code: a test compares the block between
 the markers in the committed spec with `render_tables()`.
-Run `python -m dgr.artifact.spec` to rewrite that block after a change.
+Run `python -m dgr.specgen` to rewrite that block after a change.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from dgr.artifact.constants import (
     BLOCK_SIZE,
-    GLOBAL_ROLES,
     MANIFEST_KIND,
     TARGET_PIECE_COUNT,
     TORRENT_META_VERSION,
     GlobalNeed,
     PieceSize,
-    Role,
     SchemaVersion,
 )
 from dgr.artifact.proof import Verdict
 from dgr.errors import HTTP_TABLE, CallerError, Reason
+from dgr.gguf_meta import GLOBAL_ROLES, Role
 
 __all__ = ["BEGIN", "END", "SPEC_PATH", "render_tables", "splice"]
 
-BEGIN = "<!-- BEGIN GENERATED: python -m dgr.artifact.spec -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m dgr.specgen -->"
 END = "<!-- END GENERATED -->"
 SPEC_PATH = Path(__file__).resolve().parents[2] / "spec" / "artifact-manifest.md"
 
@@ -66,7 +64,7 @@ def render_tables() -> str:
         "|---|---|",
     ]
     lines += [f"| `{r.value}` | {_ROLE_DOC[r]} |" for r in Role]
-    lines += ["", "Global tensor name prefixes (before the first `.`); any other global is `shared`:", ""]
+    lines += ["", "Global tensor name prefixes (before the first `.`; `*` matches any rest); any other global is `shared`:", ""]
     lines += [f"- `{prefix}` -> `{role.value}`" for prefix, role in GLOBAL_ROLES.items()]
     lines += ["", "### Global needs", "", "| need | globals included |", "|---|---|"]
     lines += [
@@ -94,13 +92,3 @@ def splice(text: str) -> str:
     if not sep or not sep2:
         raise CallerError(Reason.INTERNAL, f"spec lacks the {BEGIN!r} ... {END!r} markers")
     return head + render_tables() + tail
-
-
-def main() -> int:
-    SPEC_PATH.write_text(splice(SPEC_PATH.read_text(encoding="utf-8")), encoding="utf-8")
-    print(f"wrote {SPEC_PATH}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

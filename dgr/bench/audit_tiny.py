@@ -1,21 +1,21 @@
 """Check the GLM-5.2 and Ornith layouts against the llama.cpp dgr ships, on tiny random GGUFs.
 
-No weights are needed: tools/make_audit_layouts.py writes each model's
+No weights are needed: dgr.specgen.audit_layouts writes each model's
 tensor list from its sizes, so the same list at toy sizes becomes a GGUF
-with random data (as bench/dsv4_tiny.py does for DeepSeek-V4-Flash). For
+with random data (as dgr.bench.dsv4_tiny does for DeepSeek-V4-Flash). For
 each of glm-dsa and qwen35moe this checks, in the llama.cpp of
 llama-cpp-python:
 
 1. the fixture's tensor list loads (llama.cpp refuses a missing, misshapen
    or extra tensor) and computes finite logits;
-2. the cache sizes llama.cpp logs equal dgr.plan_layout's KV terms;
+2. the cache sizes llama.cpp logs equal dgr.plan.rules's KV terms;
 3. a head shard's residual after its last layer (`l_out`) is captured at
    hidden_size width; and whether a middle shard loads and runs (glm-dsa:
    one that starts at a full-indexer layer; qwen35moe: ones of
    gated-delta-net layers only), each in a child process, because
    llama.cpp may kill it.
 
-    python bench/audit_tiny.py
+    python -m dgr.bench.audit_tiny
 
 Prints a report; exits 1 if a check fails. Keys llama.cpp needs that the
 planner does not (norm epsilons, RoPE sections) are added here only.
@@ -34,13 +34,11 @@ from typing import Any
 import gguf
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from dgr.plan.sources import layout_from_json
+from dgr.specgen import audit_layouts as mk
+from dgr.testing.tiny_gguf import write_layout_gguf
 
-import make_audit_layouts as mk  # noqa: E402
-
-from dgr.plan_layout import layout_from_json  # noqa: E402
+__all__ = ["check", "main"]
 
 CTX, SEQS = 512, 2
 
@@ -75,48 +73,6 @@ EXTRA = {
 }
 
 
-def write_gguf(data: dict[str, Any], extra: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The layout `data` at its own sizes, as a GGUF of random f32 tensors."""
-    arch = data["architecture"]
-    types = {role: "F32" for recipe in data["recipes"].values() for role in recipe["types"]}
-    data = data | {"recipes": {"f32": {"description": "probe", "types": types}}, "default_recipe": "f32"}
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    meta = data["metadata"] | {f"{arch}.{k}": v for k, v in extra.items()}
-    for key, value in meta.items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, value)
-    w.add_string("tokenizer.ggml.model", "no_vocab")
-    n_all = meta[f"{arch}.block_count"]
-    rng = np.random.default_rng(0)
-    for group in data["tensor_groups"]:
-        spec = group["layers"]
-        layers = [None] if spec == "global" else range(n_all) if spec == "all" else spec
-        for il in layers:
-            for t in group["tensors"]:
-                name = t["name"].format(i=il) if il is not None else t["name"]
-                shape = list(reversed(t["shape"]))  # numpy order: ne0 last
-                if "norm" in name:
-                    arr = np.ones(shape, np.float32)
-                else:
-                    arr = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-                w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return data
-
-
 def _logged_kv_mib(log: str) -> float:
     """The KV and recurrent-state buffer sizes llama.cpp logged, summed (MiB)."""
     sizes = re.findall(r"(?:KV|RS) buffer size\s*=\s*([0-9.]+) MiB", log)
@@ -132,7 +88,7 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
 
     failures = 0
     path = tmp / f"{name}.gguf"
-    data = write_gguf(data, extra, path)
+    data = write_layout_gguf(data, path, extra=extra)
     n_tensors = len(gguf.GGUFReader(path).tensors)
     layout = layout_from_json(data, recipe="f32")
     print(f"tiny {data['architecture']} GGUF: {layout.n_layers} layers, kinds {sorted(layout.kinds())}, {n_tensors} tensors")
@@ -180,7 +136,7 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
         shard = tmp / f"{name}.{a}-{b}.gguf"
         write_shard(path, LayerRange(a, b), shard)
         child = subprocess.run(
-            [sys.executable, __file__, "--load", str(shard)], check=False, capture_output=True, text=True
+            [sys.executable, "-m", "dgr.bench.audit_tiny", "--load", str(shard)], check=False, capture_output=True, text=True
         )
         kinds = sorted({layout.layers[i].kind for i in range(a, b)})
         why = re.findall(r"error loading model: (.*)", child.stderr)

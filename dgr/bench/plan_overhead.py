@@ -9,9 +9,9 @@ compared with the planner's total for the same node (dgr.plan.shard_cost).
 
 It also prints the two constants the planner takes from here: the RSS of a
 node process before any model (LLAMA_CPU_RUNTIME_BYTES) and llama.cpp's
-"CPU compute buffer size" line (dgr.plan_layout.gguf_compute_rule).
+"CPU compute buffer size" line (dgr.plan.rules.gguf_compute_rule).
 
-    python bench/plan_overhead.py [--context 2048] [--sessions 2]
+    python -m dgr.bench.plan_overhead [--context 2048] [--sessions 2]
 
 Not a test: it needs llama-cpp-python and takes a minute on two cores.
 """
@@ -26,9 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from dgr.backends.base import LayerRange
 from dgr.models import default_model_path
 from dgr.plan import (
@@ -39,7 +36,11 @@ from dgr.plan import (
     plan_even,
     shard_cost,
 )
-from dgr.plan_layout import layout_from_gguf
+from dgr.plan.sources import layout_from_gguf
+
+__all__ = ["main", "run_shard"]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys, numpy as np

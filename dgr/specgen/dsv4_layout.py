@@ -5,9 +5,9 @@ GGUF metadata (from config.json, in llama.cpp's key names), every tensor's
 name and shape per layer group (from llama.cpp's loader), quantization
 recipes (which ggml type each tensor role gets), the KV terms per layer kind
 and a compute-buffer rule. tests/test_plan.py checks the file is what this
-script writes, so edit the facts here and rerun:
+module writes, so edit the facts here and rerun:
 
-    python tools/make_dsv4_layout.py
+    python -m dgr.specgen
 
 Sources, each second-hand unless spec/deepseek-v4-flash.md says it was checked:
 - config.json of deepseek-ai/DeepSeek-V4-Flash, as quoted in /work/shared/DEEPSEEK-V4-FLASH.md;
@@ -21,16 +21,16 @@ Sources, each second-hand unless spec/deepseek-v4-flash.md says it was checked:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dgr.plan_layout import DSV4_COMPUTE_ANCHORS, DSV4_COMPUTE_SOURCE
+from dgr.plan.rules import DSV4_COMPUTE_ANCHORS, DSV4_COMPUTE_SOURCE
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepseek-v4-flash.layout.json"
+__all__ = ["OUT", "Dims", "dump", "layout", "render"]
+
+OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "deepseek-v4-flash.layout.json"
 
 
 @attrs.frozen
@@ -220,7 +220,7 @@ RECIPES = {
 def kv_kinds(d: Dims) -> dict[str, list[dict[str, Any]]]:
     """Per-sequence caches of llama.cpp's llama_kv_cache_dsv4, written out from its constructor.
 
-    tests/test_plan.py checks dgr.plan_layout derives the same from the metadata. "cache" rows
+    tests/test_plan.py checks dgr.plan.rules derives the same from the metadata. "cache" rows
     follow --kv-dtype; the compressor state is always f32. Cache rows are padded to 256.
     """
     raw = {"name": "raw_k", "width": d.head_dim, "window": d.window}
@@ -279,16 +279,16 @@ SOURCES = [
 ]
 
 
-def _dump(obj: Any, indent: int = 0) -> str:
+def dump(obj: Any, indent: int = 0) -> str:
     """JSON with one tensor or one KV term per line, so the fixture stays short and reviewable."""
     pad = "  " * indent
     if isinstance(obj, dict) and not any(isinstance(v, (dict, list)) and v and _nested(v) for v in obj.values()):
         return json.dumps(obj)
     if isinstance(obj, dict):
-        items = [f"{pad}  {json.dumps(k)}: {_dump(v, indent + 1)}" for k, v in obj.items()]
+        items = [f"{pad}  {json.dumps(k)}: {dump(v, indent + 1)}" for k, v in obj.items()]
         return "{\n" + ",\n".join(items) + f"\n{pad}}}"
     if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
-        items = [f"{pad}  {_dump(v, indent + 1)}" for v in obj]
+        items = [f"{pad}  {dump(v, indent + 1)}" for v in obj]
         return "[\n" + ",\n".join(items) + f"\n{pad}]"
     return json.dumps(obj)
 
@@ -298,17 +298,4 @@ def _nested(v: Any) -> bool:
 
 
 def render() -> str:
-    return _dump(layout()) + "\n"
-
-
-def main() -> int:
-    text = render()
-    if "--check" in sys.argv[1:]:
-        return 0 if OUT.read_text() == text else 1
-    OUT.write_text(text)
-    print(f"wrote {OUT} ({len(text.splitlines())} lines)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return dump(layout()) + "\n"

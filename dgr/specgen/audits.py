@@ -11,10 +11,9 @@ generated block:
   needs when the model is split over exactly 2, 4 and 8 nodes (balanced:
   the largest shard as small as it can be).
 
-    python tools/gen_specs.py          # rewrite every audit
-    python tools/gen_specs.py --check  # exit 1 if any audit is stale
-
-tests/test_plan.py and tests/test_plan_audits.py run the check.
+`python -m dgr.specgen` rewrites them with every other generated file;
+tests/test_spec.py checks them, and tests/test_plan.py and
+tests/test_plan_audits.py check the figures they rest on.
 """
 
 from __future__ import annotations
@@ -26,17 +25,19 @@ import json
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import attrs
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dgr import plan as dgr_plan
+from dgr.errors import CallerError
+from dgr.plan.cli import register
+from dgr.plan.layout import ModelLayout
+from dgr.plan.sources import layout_from_json
 
-from dgr import plan as dgr_plan  # noqa: E402
-from dgr.errors import CallerError  # noqa: E402
-from dgr.plan_layout import ModelLayout, layout_from_json  # noqa: E402
+__all__ = ["AUDITS", "Audit", "node_counts", "render", "render_node_counts", "render_splits", "run_cli", "splits"]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _CONSOLE = re.compile(r"(```console\n)(\$ dgr plan [^\n]*)\n(.*?)(```)", re.DOTALL)
 _TABLE = re.compile(r"(<!-- table: ([a-z0-9-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
@@ -89,7 +90,7 @@ def run_cli(command: str) -> str:
     """`dgr plan ...` run in-process from the repo root: its stdout and stderr, as a console shows them."""
     argv = shlex.split(command)[1:]  # drop "dgr"
     parser = argparse.ArgumentParser(prog="dgr")
-    dgr_plan.register(parser.add_subparsers())
+    register(parser.add_subparsers())
     args = parser.parse_args(argv)
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
@@ -184,28 +185,3 @@ def render(text: str, audit: Audit) -> str:
     """`text` (the audit's spec) with every generated block brought up to date."""
     text = _CONSOLE.sub(lambda m: m.group(1) + m.group(2) + "\n" + run_cli(m.group(2)[2:]) + m.group(4), text)
     return _TABLE.sub(lambda m: m.group(1) + _TABLES[m.group(2)](audit) + m.group(4), text)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if a spec differs from what would be generated")
-    ap.add_argument("audits", nargs="*", choices=[[], *AUDITS], help="which audits (default: all)")
-    args = ap.parse_args()
-    stale = 0
-    for name in args.audits or AUDITS:
-        audit = AUDITS[name]
-        text = audit.spec.read_text()
-        new = render(text, audit)
-        where = audit.spec.relative_to(ROOT)
-        if args.check:
-            if new != text:
-                print(f"{where} is stale: run python tools/gen_specs.py {name}", file=sys.stderr)
-                stale = 1
-            continue
-        audit.spec.write_text(new)
-        print(f"wrote {where}")
-    return stale
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,14 @@
 """Write the layout fixtures of the follow-up audits: GLM-5.2 and Ornith-1.0-35B.
 
-Like tools/make_dsv4_layout.py (whose JSON writer this reuses), each layout
+Like dgr.specgen.dsv4_layout (whose JSON writer this reuses), each layout
 describes a model for `dgr plan` without its weights: GGUF metadata in
 llama.cpp's key names, every tensor's name and shape per layer group (from
 llama.cpp's loader), quantization recipes, and a compute-buffer rule. The
-KV terms are not written out: dgr.plan_layout derives them from the
+KV terms are not written out: dgr.plan.rules derives them from the
 metadata (tests/test_plan_audits.py checks what it derives).
 
-    python tools/make_audit_layouts.py          # rewrite both fixtures
-    python tools/make_audit_layouts.py --check  # exit 1 if either is stale
+    python -m dgr.specgen          # rewrite every generated file, these included
+    python -m dgr.specgen --check  # exit 1 if any is stale
 
 Sources (spec/glm-5.2.md and spec/ornith.md say which were verified):
 - GLM-5.2: llama.cpp src/models/glm-dsa.cpp `load_arch_tensors` (tensor shapes,
@@ -23,22 +23,16 @@ Sources (spec/glm-5.2.md and spec/ornith.md say which were verified):
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from dgr.plan.layout import DEFAULT_UBATCH
+from dgr.plan.rules import DSV4_COMPUTE_ANCHORS, gguf_compute_rule, glm52_indexer_full
+from dgr.specgen.dsv4_layout import dump  # the one JSON writer for layout fixtures
 
-from make_dsv4_layout import _dump  # noqa: E402  (the one JSON writer for layout fixtures)
+__all__ = ["GLM_OUT", "ORNITH_OUT", "OUTPUTS", "glm_layout", "ornith_layout", "render"]
 
-from dgr.plan_layout import (  # noqa: E402
-    DEFAULT_UBATCH,
-    DSV4_COMPUTE_ANCHORS,
-    gguf_compute_rule,
-    glm52_indexer_full,
-)
+ROOT = Path(__file__).resolve().parents[2]
 
 GLM_OUT = ROOT / "tests" / "fixtures" / "glm-5.2.layout.json"
 ORNITH_OUT = ROOT / "tests" / "fixtures" / "ornith-1.0-35b.layout.json"
@@ -401,18 +395,4 @@ OUTPUTS = {GLM_OUT: glm_layout, ORNITH_OUT: ornith_layout}
 
 
 def render(path: Path) -> str:
-    return _dump(OUTPUTS[path]()) + "\n"
-
-
-def main() -> int:
-    stale = [p for p in OUTPUTS if not p.exists() or p.read_text() != render(p)]
-    if "--check" in sys.argv[1:]:
-        return 1 if stale else 0
-    for p in OUTPUTS:
-        p.write_text(render(p))
-        print(f"wrote {p.relative_to(ROOT)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return dump(OUTPUTS[path]()) + "\n"

@@ -1,6 +1,6 @@
 """Artifact plane figures on the default model: manifest, verify, proofs, loopback fetch.
 
-Run: python bench/bench_artifact.py [--model PATH]. Prints one line per
+Run: python -m dgr.bench.artifact [--model PATH]. Prints one line per
 figure. Everything runs on this machine over 127.0.0.1; the file is read
 from the page cache after the first pass, so verify and fetch figures are
 CPU/loopback bound, not disk bound.
@@ -17,12 +17,14 @@ from pathlib import Path
 import trio
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.artifact.manifest import build_manifest
+from dgr.artifact.build import build_manifest
 from dgr.artifact.proof import answer_challenge, check_answer, make_challenge
 from dgr.artifact.torrent import fetch, seed
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange
 from dgr.models import default_model_path
+
+__all__ = ["main"]
 
 
 class _StepTimer:

@@ -1,0 +1,220 @@
+"""The cost model: every byte a node is charged for a layer range, and the seam frames at each boundary.
+
+`shard_cost` prices one node's shard: its layer weights, the global tensors
+it must load, its Hot KV State at the given context and session count (per
+layer kind, see dgr.plan.layout), the llama.cpp compute and output buffers,
+and the runtime. What is left of the node's memory is its headroom.
+
+Globals: with `GlobalNeed.LOADER` (the default, what dgr's llama_shard
+backend does today) every shard loads every global tensor, because
+llama.cpp's loader requires token_embd, output_norm and output in each
+shard file (dgr.backends.shardfile). `GlobalNeed.COMPUTE` charges each
+global only where it is computed with (the upstream layer-range API's case).
+
+The seam: `seam_hops` prices the frames that cross each boundary, with the
+model's seam width (DeepSeek-V4: 4 x hidden_size, its hyper-connection
+streams) and the token ids that hash-routed layers need.
+
+Left out: measuring nodes. A plan predicts; `python -m dgr.bench.plan_overhead`
+checks the prediction against the RSS of real llama.cpp shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from dgr.artifact.constants import GlobalNeed
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import Role, layer_of
+from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES, ModelLayout
+from dgr.plan.sizes import Node
+from dgr.seam.wire import DTYPE_SIZE, HEADER_SIZE, MAX_FRAME_BYTES, DType
+
+__all__ = [
+    "LLAMA_CPU_RUNTIME_BYTES",
+    "PlanParams",
+    "SeamHop",
+    "ShardCost",
+    "seam_hops",
+    "shard_compute_bytes",
+    "shard_cost",
+    "shard_global_bytes",
+]
+
+
+# RSS of a dgr node process before it loads a model: Python, numpy, trio, quart,
+# hypercorn, httpx and llama.cpp's libraries. Measured by dgr/bench/plan_overhead.py
+# (73 to 74 MiB with llama-cpp-python 0.3.36 on this machine), rounded up.
+LLAMA_CPU_RUNTIME_BYTES = 80 * 2**20
+
+
+@attrs.frozen
+class PlanParams:
+    """What the plan is for: context and sessions per node, KV dtype, and what a node costs to run."""
+
+    context: int = 4096  # positions per session
+    sessions: int = 1  # concurrent Route Sessions each node keeps KV for
+    kv_dtype: str = "f16"
+    ubatch: int = DEFAULT_UBATCH
+    # llama.cpp's default keeps sliding-window caches at full context; DeepSeek-V4 needs it off
+    # (llama_context_params.swa_full = false), or every layer's 128-token window costs a full cache.
+    swa_full: bool = False
+    globals_need: GlobalNeed = attrs.field(default=GlobalNeed.LOADER, converter=GlobalNeed)
+    runtime_bytes: int = LLAMA_CPU_RUNTIME_BYTES
+    seam_width: int | None = None  # None: the model's own
+    seam_dtype: str = "f32"
+    prefill_chunk: int = 512
+    fewest: bool = True  # False: use every node given
+
+    def __attrs_post_init__(self) -> None:
+        if self.context < 1 or self.sessions < 1 or self.ubatch < 1 or self.prefill_chunk < 1:
+            raise CallerError(Reason.INVALID_REQUEST, "context, sessions, ubatch and prefill chunk must be positive")
+        if self.kv_dtype not in KV_DTYPES:
+            raise CallerError(Reason.INVALID_REQUEST, f"KV dtype must be one of {', '.join(KV_DTYPES)}")
+        if self.seam_dtype.upper() not in DType.__members__:
+            raise CallerError(Reason.INVALID_REQUEST, "seam dtype must be f32 or f16")
+
+    def to_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["globals_need"] = self.globals_need.value
+        return d
+
+
+@attrs.frozen
+class ShardCost:
+    """One node's shard and every byte it is charged."""
+
+    node: Node
+    layers: LayerRange
+    weight_bytes: int  # the layers' tensors
+    global_bytes: int  # global tensors this shard loads
+    kv_bytes: int  # Hot KV State for all sessions at full context
+    compute_bytes: int  # llama.cpp compute buffer (+ the output buffer of a non-tail shard)
+    runtime_bytes: int
+    kv_by_kind: dict[str, int]  # layer kind -> KV bytes, so per-kind rates show
+    active_bytes: int  # weight bytes one decode token reads on this shard
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.global_bytes + self.kv_bytes + self.compute_bytes + self.runtime_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.node.memory_bytes - self.total_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.node.name,
+            "memory_bytes": self.node.memory_bytes,
+            "layers": str(self.layers),
+            "weight_bytes": self.weight_bytes,
+            "global_bytes": self.global_bytes,
+            "kv_bytes": self.kv_bytes,
+            "compute_bytes": self.compute_bytes,
+            "runtime_bytes": self.runtime_bytes,
+            "kv_by_kind": dict(self.kv_by_kind),
+            "active_bytes": self.active_bytes,
+            "total_bytes": self.total_bytes,
+            "headroom_bytes": self.headroom_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ShardCost:
+        return cls(
+            node=Node(d["node"], int(d["memory_bytes"])),
+            layers=LayerRange.parse(d["layers"]),
+            weight_bytes=int(d["weight_bytes"]),
+            global_bytes=int(d["global_bytes"]),
+            kv_bytes=int(d["kv_bytes"]),
+            compute_bytes=int(d["compute_bytes"]),
+            runtime_bytes=int(d["runtime_bytes"]),
+            kv_by_kind={k: int(v) for k, v in d["kv_by_kind"].items()},
+            active_bytes=int(d["active_bytes"]),
+        )
+
+
+@attrs.frozen
+class SeamHop:
+    """The frames crossing one boundary between consecutive shards."""
+
+    boundary: int  # the first layer of the receiving shard
+    token_ids: bool  # the receiving shard holds a hash-routed layer, so the frame carries token ids
+    decode_bytes: int  # one decode step, header included
+    prefill_bytes: int  # one prefill chunk of `prefill_chunk` positions
+    max_chunk: int  # most positions one frame may carry (MAX_FRAME_BYTES)
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def shard_global_bytes(layout: ModelLayout, params: PlanParams, *, is_head: bool, is_tail: bool) -> tuple[int, int]:
+    """(bytes loaded, bytes read per decode token) of the globals one shard holds."""
+    loaded = active = 0
+    for g in layout.globals:
+        computes = g.needed_by(is_head=is_head, is_tail=is_tail)
+        # A next-token-prediction layer lives only on the tail, even in a shard file.
+        loads = computes or (params.globals_need is GlobalNeed.LOADER and layer_of(g.name) is None)
+        if loads:
+            loaded += g.n_bytes
+        if computes and (is_tail or g.role is not Role.HEAD_TAIL):
+            active += g.active_bytes  # a head only looks up embedding rows; a tied tail reads them all
+    return loaded, active
+
+
+def shard_compute_bytes(layout: ModelLayout, params: PlanParams, *, is_tail: bool) -> int:
+    """llama.cpp's compute buffer, plus the logits buffer of a non-tail shard.
+
+    dgr's llama_shard backend marks every row of a non-tail shard as an output
+    (llama.cpp keeps only output rows in the last layer), so llama.cpp sizes
+    its output buffer for ubatch x vocab f32 logits it never computes.
+    """
+    out = 0 if is_tail else params.ubatch * layout.vocab_size * 4
+    return layout.compute.nbytes(params.context) + out
+
+
+def shard_cost(layout: ModelLayout, params: PlanParams, node: Node, layers: LayerRange) -> ShardCost:
+    """Every byte `node` is charged for serving `layers` of `layout`."""
+    is_head, is_tail = layers.start == 0, layers.stop == layout.n_layers
+    g_loaded, g_active = shard_global_bytes(layout, params, is_head=is_head, is_tail=is_tail)
+    weights = active = 0
+    kinds: dict[str, int] = {}
+    for layer in layout.layers[layers.start : layers.stop]:
+        weights += layer.weight_bytes
+        active += layer.active_bytes
+        kv = layer.kv_bytes(params.context, params.sessions, params.kv_dtype, params.ubatch, params.swa_full)
+        kinds[layer.kind] = kinds.get(layer.kind, 0) + kv
+    return ShardCost(
+        node=node,
+        layers=layers,
+        weight_bytes=weights,
+        global_bytes=g_loaded,
+        kv_bytes=sum(kinds.values()),
+        compute_bytes=shard_compute_bytes(layout, params, is_tail=is_tail),
+        runtime_bytes=params.runtime_bytes,
+        kv_by_kind=kinds,
+        active_bytes=active + g_active,
+    )
+
+
+def seam_hops(layout: ModelLayout, params: PlanParams, ranges: Sequence[LayerRange]) -> tuple[SeamHop, ...]:
+    """The frame sizes at each boundary of a route (dgr.seam.wire's frame: header + ids + floats)."""
+    width = params.seam_width or layout.seam_width
+    value = DTYPE_SIZE[DType[params.seam_dtype.upper()]]
+    hops = []
+    for r in ranges[1:]:
+        ids = r.start < layout.hash_layers
+        per_pos = width * value + (4 if ids else 0)
+        hops.append(
+            SeamHop(
+                boundary=r.start,
+                token_ids=ids,
+                decode_bytes=HEADER_SIZE + per_pos,
+                prefill_bytes=HEADER_SIZE + params.prefill_chunk * per_pos,
+                max_chunk=(MAX_FRAME_BYTES - HEADER_SIZE) // per_pos,
+            )
+        )
+    return tuple(hops)

@@ -1,0 +1,346 @@
+"""The search: which contiguous layers each node serves (fewest nodes that fit, then balanced headroom).
+
+`plan(layout, nodes, params)` splits a model's layers [0, n) into contiguous
+ranges, one per node, in the order the nodes are given, and prices every
+node: its layer weights, the global tensors it must load, its Hot KV State
+at the given context and session count (per layer kind, see
+dgr.plan.layout), the llama.cpp compute and output buffers, and the
+runtime. What is left of the node's memory is its headroom.
+
+The rule, in order:
+1. Fewest nodes. For k = 1, 2, ... the planner tries the k largest nodes
+   (ties: the order given), kept in the order given, and takes the first k
+   for which a contiguous split fits. A greedy pass (each node takes as many
+   layers as fit) decides it exactly, because giving a node more layers
+   never makes a later node's job harder; where a model requires layer
+   kinds in every shard (ModelLayout.shard_needs, DeepSeek-V4) or lets
+   shards start only at some layers (ModelLayout.shard_starts, GLM-5.2's
+   full-indexer layers), that pass is only a quick necessary test and the
+   dynamic program below decides.
+2. Balance. Among the splits over those k nodes, it takes one that
+   maximises the smallest headroom (a dynamic program over (node, layer);
+   ties go to the earliest boundary). Balance is in bytes, not layers: a
+   non-tail shard also pays llama.cpp's logits buffer.
+3. If even every node cannot hold the model, it refuses with a CallerError
+
+Also here: `plan_even(layout, n)` balances weight bytes over n nodes, for
+`dgr up`. The prices are dgr.plan.cost's.
+
+Left out: pricing (dgr.plan.cost), the table (dgr.plan.render) and the
+command (dgr.plan.cli).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, Reason
+from dgr.plan.cost import PlanParams, SeamHop, ShardCost, shard_compute_bytes, shard_global_bytes, seam_hops, shard_cost
+from dgr.plan.layout import ModelLayout
+from dgr.plan.sizes import Node, format_size
+
+__all__ = [
+    "Plan",
+    "plan",
+    "plan_even",
+]
+
+
+@attrs.frozen
+class Plan:
+    """A split of a model over nodes, with what each node is charged."""
+
+    model: str
+    architecture: str
+    source: str
+    recipe: str | None
+    n_layers: int
+    seam_width: int
+    params: PlanParams
+    shards: tuple[ShardCost, ...]
+    unused: tuple[Node, ...]
+    hops: tuple[SeamHop, ...]
+
+    def ranges(self) -> list[LayerRange]:
+        return [s.layers for s in self.shards]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "architecture": self.architecture,
+            "source": self.source,
+            "recipe": self.recipe,
+            "n_layers": self.n_layers,
+            "seam_width": self.seam_width,
+            "params": self.params.to_json(),
+            "shards": [s.to_json() for s in self.shards],
+            "unused": [{"node": n.name, "memory_bytes": n.memory_bytes} for n in self.unused],
+            "hops": [h.to_json() for h in self.hops],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        return cls(
+            model=d["model"],
+            architecture=d["architecture"],
+            source=d["source"],
+            recipe=d["recipe"],
+            n_layers=int(d["n_layers"]),
+            seam_width=int(d["seam_width"]),
+            params=PlanParams(**d["params"]),
+            shards=tuple(ShardCost.from_json(s) for s in d["shards"]),
+            unused=tuple(Node(n["node"], int(n["memory_bytes"])) for n in d["unused"]),
+            hops=tuple(SeamHop(**h) for h in d["hops"]),
+        )
+
+
+# -- the search ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Prefix:
+    """Prefix sums over layers, so a range [a, b) is priced in O(1)."""
+
+    weights: list[int]
+    kv: list[int]
+
+    @classmethod
+    def of(cls, layout: ModelLayout, params: PlanParams) -> _Prefix:
+        w, kv = [0], [0]
+        for layer in layout.layers:
+            w.append(w[-1] + layer.weight_bytes)
+            kv.append(
+                kv[-1]
+                + layer.kv_bytes(params.context, params.sessions, params.kv_dtype, params.ubatch, params.swa_full)
+            )
+        return cls(w, kv)
+
+
+class _Pricer:
+    """Headroom of node j holding [a, b) when it is the head and/or tail of a k-node route."""
+
+    def __init__(self, layout: ModelLayout, params: PlanParams) -> None:
+        self.n = layout.n_layers
+        self.whole_only = layout.whole_only
+        self.pre = _Prefix.of(layout, params)
+        # Per required kind, how many layers of it precede each index.
+        self.kind_counts = []
+        for kind in sorted(layout.shard_needs):
+            c = [0]
+            for layer in layout.layers:
+                c.append(c[-1] + (layer.kind == kind))
+            self.kind_counts.append(c)
+        self.starts = layout.shard_starts
+        self.fixed = {
+            (h, t): shard_global_bytes(layout, params, is_head=h, is_tail=t)[0]
+            + shard_compute_bytes(layout, params, is_tail=t)
+            + params.runtime_bytes
+            for h in (False, True)
+            for t in (False, True)
+        }
+
+    def need(self, a: int, b: int) -> int:
+        p = self.pre
+        return p.weights[b] - p.weights[a] + p.kv[b] - p.kv[a] + self.fixed[(a == 0, b == self.n)]
+
+    def headroom(self, node: Node, a: int, b: int) -> int:
+        return node.memory_bytes - self.need(a, b)
+
+    def valid(self, a: int, b: int) -> bool:
+        """Whether [a, b) may be a shard: it holds every layer kind a shard must have
+        (ModelLayout.shard_needs), starts where a shard may (ModelLayout.shard_starts), and is
+        the whole model where it runs only whole (ModelLayout.whole_only)."""
+        if self.whole_only and (a, b) != (0, self.n):
+            return False
+        if self.starts is not None and a != 0 and a not in self.starts:
+            return False
+        return all(c[b] > c[a] for c in self.kind_counts)
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.kind_counts) or self.starts is not None or bool(self.whole_only)
+
+    def score(self, node: Node, a: int, b: int) -> float:
+        return self.headroom(node, a, b) if self.valid(a, b) else -math.inf
+
+    def best_split(self, nodes: Sequence[Node]) -> tuple[float, list[int]]:
+        """The split of every layer over `nodes` with the largest smallest headroom."""
+        return _max_min_split(self.n, len(nodes), lambda j, a, b: self.score(nodes[j], a, b))
+
+    def fits(self, nodes: Sequence[Node]) -> bool:
+        """Whether `nodes`, in order, can hold the model (greedy, then the DP when kinds are required)."""
+        if not _fits_greedy(self, nodes):
+            return False
+        return not self.constrained or self.best_split(nodes)[0] >= 0
+
+
+def _fits_greedy(pricer: _Pricer, nodes: Sequence[Node]) -> bool:
+    """Whether `nodes`, in order, can hold every layer as contiguous non-empty ranges."""
+    n, k, a = pricer.n, len(nodes), 0
+    if k > n:
+        return False
+    for j, node in enumerate(nodes):
+        left = k - j - 1  # later nodes each need at least one layer
+        if left == 0:
+            return pricer.headroom(node, a, n) >= 0
+        b = a
+        while b + 1 <= n - left and pricer.headroom(node, a, b + 1) >= 0:
+            b += 1
+        if b == a:
+            return False
+        a = b
+    return False
+
+
+def _max_min_split(n: int, k: int, score: Callable[[int, int, int], float]) -> tuple[float, list[int]]:
+    """Boundaries 0 = c0 < c1 < ... < ck = n maximising min_j score(j, c_j, c_j+1)."""
+    neg = -math.inf
+    best = [[neg] * (n + 1) for _ in range(k)]
+    arg = [[0] * (n + 1) for _ in range(k)]
+    for b in range(1, n - k + 2):
+        best[0][b] = score(0, 0, b)
+    for j in range(1, k):
+        for b in range(j + 1, n - (k - j - 1) + 1):
+            for a in range(j, b):
+                v = min(best[j - 1][a], score(j, a, b))
+                if v > best[j][b]:
+                    best[j][b], arg[j][b] = v, a
+    cuts = [n]
+    for j in range(k - 1, 0, -1):
+        cuts.append(arg[j][cuts[-1]])
+    cuts.append(0)
+    return best[k - 1][n], cuts[::-1]
+
+
+def _largest(nodes: Sequence[Node], k: int) -> list[Node]:
+    """The k largest nodes (ties: the order given), kept in the order given."""
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].memory_bytes, i))[:k]
+    return [nodes[i] for i in sorted(order)]
+
+
+def _check_params(layout: ModelLayout, params: PlanParams) -> None:
+    if layout.context_length and params.context > layout.context_length:
+        raise CallerError(
+            Reason.CONTEXT_LENGTH_EXCEEDED,
+            f"context {params.context} exceeds {layout.name}'s trained context of {layout.context_length}",
+        )
+
+
+def _refusal(layout: ModelLayout, params: PlanParams, pricer: _Pricer, nodes: Sequence[Node]) -> CallerError:
+    """The clearest true statement of why `nodes` cannot hold the model."""
+    for k in range(min(len(nodes), layout.n_layers), 0, -1):
+        use = _largest(nodes, k)
+        head_room, cuts = pricer.best_split(use)
+        if head_room > -math.inf:
+            break
+    else:
+        return CallerError(
+            Reason.INVALID_REQUEST,
+            f"{layout.name} cannot be split: {layout.split_rule()}",
+        )
+    costs = [shard_cost(layout, params, use[j], LayerRange(cuts[j], cuts[j + 1])) for j in range(k)]
+    need = sum(c.total_bytes for c in costs)
+    have = sum(n.memory_bytes for n in use)
+    what = (
+        f"{layout.name} ({layout.recipe or layout.architecture}) at context {params.context} x "
+        f"{params.sessions} session(s), KV {params.kv_dtype}"
+    )
+    if need > have:
+        msg = (
+            f"{what} does not fit: on {k} node(s) it needs {format_size(need)} "
+            f"(weights {format_size(sum(c.weight_bytes + c.global_bytes for c in costs))}, "
+            f"KV {format_size(sum(c.kv_bytes for c in costs))}, "
+            f"buffers and runtime {format_size(sum(c.compute_bytes + c.runtime_bytes for c in costs))}) "
+            f"and the nodes have {format_size(have)}: {format_size(need - have)} missing"
+        )
+    else:
+        worst = min(costs, key=lambda c: c.headroom_bytes)
+        msg = (
+            f"{what} does not fit: the {k} node(s) have enough memory in total but no contiguous split "
+            f"fits; the best split leaves {worst.node.name} (layers {worst.layers}) "
+            f"{format_size(-worst.headroom_bytes)} short"
+        )
+    sizes = {n.memory_bytes for n in nodes}
+    if len(sizes) == 1:
+        size = sizes.pop()
+        fit = next(
+            (m for m in range(len(nodes) + 1, layout.n_layers + 1)
+             if pricer.fits([Node("n", size)] * m)),
+            None,
+        )  # fmt: skip
+        msg += (
+            f"; {fit} nodes of {format_size(size)} would hold it"
+            if fit
+            else f"; no number of {format_size(size)} nodes holds it (one layer per node is too much)"
+        )
+    return CallerError(Reason.INVALID_REQUEST, msg, missing_bytes=max(need - have, -min(head_room, 0)))
+
+
+def plan(layout: ModelLayout, nodes: Sequence[Node], params: PlanParams | None = None) -> Plan:
+    """Split `layout` over `nodes` (fewest that fit, then balanced headroom).
+
+    Raises:
+        CallerError(INVALID_REQUEST): the model does not fit; the message says how much is missing.
+        CallerError(CONTEXT_LENGTH_EXCEEDED): the context exceeds the model's.
+    """
+    params = params or PlanParams()
+    if not nodes:
+        raise CallerError(Reason.INVALID_REQUEST, "no nodes to plan for")
+    _check_params(layout, params)
+    pricer = _Pricer(layout, params)
+    n = layout.n_layers
+    counts = range(1, min(len(nodes), n) + 1) if params.fewest else [min(len(nodes), n)]
+    use: list[Node] | None = None
+    for k in counts:
+        candidate = _largest(nodes, k)
+        if pricer.fits(candidate):
+            use = candidate
+            break
+    if use is None:
+        raise _refusal(layout, params, pricer, nodes)
+    k = len(use)
+    _, cuts = pricer.best_split(use)
+    ranges = [LayerRange(cuts[j], cuts[j + 1]) for j in range(k)]
+    used = {id(x) for x in use}
+    return Plan(
+        model=layout.name,
+        architecture=layout.architecture,
+        source=layout.source,
+        recipe=layout.recipe,
+        n_layers=n,
+        seam_width=params.seam_width or layout.seam_width,
+        params=params,
+        shards=tuple(shard_cost(layout, params, use[j], ranges[j]) for j in range(k)),
+        unused=tuple(x for x in nodes if id(x) not in used),
+        hops=seam_hops(layout, params, ranges),
+    )
+
+
+def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
+    """Contiguous ranges over `n_nodes` nodes that minimise the largest share of layer weight bytes.
+
+    For `dgr up` on one machine: memory is not the limit there, the slowest
+    shard is, and a shard's decode time follows the bytes it reads.
+
+    Raises:
+        CallerError(INVALID_REQUEST): fewer than 1 node, more nodes than layers, or
+            more than the model's split rules allow (ModelLayout.shard_needs, shard_starts).
+    """
+    if not 1 <= n_nodes <= layout.n_layers:
+        raise CallerError(Reason.INVALID_REQUEST, f"cannot split {layout.n_layers} layers over {n_nodes} nodes")
+    pricer = _Pricer(layout, PlanParams())
+    w = pricer.pre.weights
+    best, cuts = _max_min_split(
+        layout.n_layers, n_nodes, lambda j, a, b: -(w[b] - w[a]) if pricer.valid(a, b) else -math.inf
+    )
+    if best == -math.inf:
+        raise CallerError(
+            Reason.INVALID_REQUEST,
+            f"cannot split {layout.name} over {n_nodes} nodes: {layout.split_rule()}",
+        )
+    return [LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)]
