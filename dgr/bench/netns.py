@@ -29,7 +29,7 @@ with a /30 per link, S picked so that nothing already routed on the machine
 overlaps it. Node namespaces hold only their link and loopback, with one
 host route to the tracker and no default route, so nothing else is reachable
 from them. The tracker listens on link 0's root-side address only; that is
-not loopback, so it runs with a fresh cluster secret and API key, both passed
+not loopback, so it runs with a fresh join token and API key, both passed
 in the environment, never in argv.
 
 Cleanup: namespaces `dgrb-<pid>-<k>` and links `dgrb<pid>r<k>` (root side)
@@ -69,7 +69,7 @@ import httpx
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.procs import die_with_parent
-from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.serve import READY_PREFIX
 
 __all__ = [
@@ -419,7 +419,7 @@ class NetnsRoute:
 
         targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
         tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.links[0].root_addr],
-                               _clean_env(**{CLUSTER_ENV: self.secret, API_KEYS_ENV: self.api_key}))
+                               _clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
@@ -428,7 +428,7 @@ class NetnsRoute:
         for ln, layers in zip(self.links, splits):
             cmd = ["ip", "netns", "exec", ln.ns,
                    *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.ns_addr]
-            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{CLUSTER_ENV: self.secret})))
+            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{JOIN_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)
         names = {f"node{ln.index}" for ln in self.links}
