@@ -132,6 +132,18 @@ async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict
     return r, headers["X-Dgr-Signature"]
 
 
+def _why(exc: BaseException) -> str:
+    """An exception and its causes in one line: a TLS refusal hides under an empty transport error."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return "; ".join(parts) or "no detail"
+
+
 def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | None) -> None:
     """Pin the tracker key a registration reply carries.
 
@@ -209,5 +221,5 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                 continue
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
                 registered = False
-                log.warning("tracker %s unreachable or refused: %s", tracker, exc)
+                log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
             await trio.sleep(HEARTBEAT_S)
