@@ -44,6 +44,7 @@ _CAP_RAW = CAPABILITY_HEADER.lower().encode()
 _HOPS_RAW = HOPS_HEADER.lower().encode()
 _COMPUTE_RAW = COMPUTE_HEADER.lower().encode()
 _SID = re.compile(r"[0-9a-f]{32}")
+_JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 
 
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
@@ -127,6 +128,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     async def artifact_challenge():
         art = _artifact()
         body = await read_json(_JSON_LIMIT)
+        await service.wait_joined(_JOIN_WAIT_S)
         service.accept_challenge(body)
         # Reading and hashing a piece blocks; the limiter keeps a flood of
         # challenges from taking every worker thread.

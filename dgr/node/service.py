@@ -99,6 +99,7 @@ class NodeService:
     identity: Identity | None = None  # this node's key: signs its membership messages and proof answers
     tracker_key: bytes | None = None  # pinned at join
     advertised: str | None = None  # the URL the tracker recorded for this node
+    joined: trio.Event = attrs.field(factory=trio.Event)  # set once the tracker key is pinned
     tls: TlsTrust = attrs.field(factory=TlsTrust)  # whom this node's own https calls trust
     scheduler: StepScheduler = attrs.field(init=False)
     # read once, before the scheduler owns the backend; fixed for the node's life
@@ -151,6 +152,14 @@ class NodeService:
                                                 "pinned at join: restart the node to join a new tracker")
         self.tracker_key = tracker_key
         self.authority = CapabilityAuthority.verifier(tracker_key)
+        self.joined.set()
+
+    async def wait_joined(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for the tracker key: the tracker challenges a claim as soon as it registers it,
+        which may be before its reply (carrying the key) has reached this node."""
+        if self.joining and self.tracker_key is None:
+            with trio.move_on_after(wait_s):
+                await self.joined.wait()
 
     @property
     def guarded(self) -> bool:
