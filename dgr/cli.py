@@ -69,6 +69,8 @@ def cmd_node(args) -> int:
     advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
     identity = claim_identity(args.identity, "node")
     layers = LayerRange.parse(args.layers) if args.layers else None
+    if args.memory and layers is None:
+        layers = _assigned_layers(args)
     artifact = None
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
@@ -88,6 +90,25 @@ def cmd_node(args) -> int:
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
                             advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca))
+
+
+def _assigned_layers(args):
+    """`--memory` without `--layers`: the range the tracker picks for this node's memory."""
+    from dgr.artifact.manifest import Manifest
+    from dgr.errors import CallerError, Reason
+    from dgr.node.assign import ask_layers
+    from dgr.plan import parse_size
+    from dgr.security.tls import TlsTrust
+
+    if not (args.manifest and args.tracker):
+        raise CallerError(Reason.INVALID_REQUEST, "--memory without --layers asks the tracker which layers to serve: "
+                                                  "give --tracker and --manifest")
+    manifest = Manifest.load(args.manifest)
+    layers, answer = ask_layers(args.tracker, manifest.id, parse_size(args.memory), context=args.ctx,
+                                sessions=args.max_sessions, tls=TlsTrust(args.tls_ca))
+    print(f"dgr node: the tracker assigned layers {layers} ({answer.get('newly_covered', 0)} not served before)",
+          file=sys.stderr)
+    return layers
 
 
 def cmd_up(args) -> int:
@@ -175,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
     p.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--layers", help="A:B, layers [A, B) (default: all)")
+    p.add_argument("--layers", help="A:B, layers [A, B) (default: all, or with --memory what the tracker assigns)")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="with --tracker and --manifest and no --layers: memory this node may use, e.g. 24GiB; the "
+                        "tracker assigns the contiguous layers that fit it and most improve the route's coverage")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", help="node id (default: derived from the node's public key); the first key to "

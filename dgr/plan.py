@@ -71,6 +71,7 @@ __all__ = [
     "SeamHop",
     "ShardCost",
     "decode_latency",
+    "fitting_ranges",
     "format_size",
     "parse_nodes",
     "parse_size",
@@ -615,6 +616,15 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
             f"cannot split {layout.name} over {n_nodes} nodes: {layout.split_rule()}",
         )
     return [LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)]
+
+
+def fitting_ranges(layout: ModelLayout, params: PlanParams, node: Node) -> list[tuple[LayerRange, int]]:
+    """Every contiguous range `node` may serve alone, with its headroom: valid under the model's split
+    rules and within the node's memory. For a node joining a running route (dgr.tracker.assign)."""
+    pricer = _Pricer(layout, params)
+    n = layout.n_layers
+    return [(LayerRange(a, b), pricer.headroom(node, a, b)) for a in range(n) for b in range(a + 1, n + 1)
+            if pricer.valid(a, b) and pricer.headroom(node, a, b) >= 0]
 
 
 # -- decode latency ------------------------------------------------------------------

@@ -144,6 +144,32 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
             {"node": n.node_id, "seed": n.seed, "layers": f"{n.start}:{n.stop}"} for n in registry.seeders(manifest_id)
         ]})
 
+    layouts: dict[str, Any] = {}  # manifest id -> its ModelLayout, priced once
+
+    @app.post("/v1/assign")
+    async def assign():
+        """The layers a joining node should serve (dgr.tracker.assign): advice, open like the peer lists."""
+        from dgr.plan import PlanParams
+        from dgr.plan_layout import layout_from_manifest
+        from dgr.tracker.assign import assign_layers, coverage
+
+        body = await read_json(_REGISTRY_LIMIT)
+        manifest_id = body.get("manifest_id")
+        manifest = prover.manifests.get(manifest_id) if prover is not None and isinstance(manifest_id, str) else None
+        if manifest is None:
+            raise CallerError(Reason.NOT_FOUND, f"this tracker does not know manifest {str(manifest_id)[:12]}: "
+                                                "start it with --manifest for that file")
+        numbers = {k: body.get(k, d) for k, d in (("memory_bytes", None), ("context", 4096), ("sessions", 1))}
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2 ** 62 for v in numbers.values()):
+            raise CallerError(Reason.INVALID_REQUEST, "memory_bytes, context and sessions must be positive integers")
+        layout = layouts.get(manifest.id)
+        if layout is None:
+            layout = layouts[manifest.id] = layout_from_manifest(manifest.to_json())
+        params = PlanParams(context=numbers["context"], sessions=numbers["sessions"])
+        counts = coverage(registry.nodes.values(), manifest.id, layout.n_layers)
+        chosen = await trio.to_thread.run_sync(assign_layers, layout, params, numbers["memory_bytes"], counts)
+        return json_response({**chosen.to_json(), "manifest_id": manifest.id, "coverage": counts})
+
     # -- OpenAI API -------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
