@@ -174,3 +174,34 @@ def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
     # a node serves TLS only: plain http to it gets no answer
     with pytest.raises(httpx.HTTPError):
         httpx.get(table["node1"]["url"].replace("https://", "http://") + "/healthz", timeout=5)
+
+
+@pytest.mark.llama
+def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(manifest, tmp_path: Path,
+                                                                             procs) -> None:
+    """`dgr node --manifest M --memory SIZE` with no --layers: the tracker prices the ranges with the planner's
+    cost model and the node serves, proves and is routed on the range it was given."""
+    from dgr.plan import PlanParams
+    from dgr.plan_layout import layout_from_manifest
+    from dgr.tracker.assign import assign_layers
+
+    path = tmp_path / "m.json"
+    manifest.save(path)
+    layout = layout_from_manifest(manifest.to_json())
+    params = PlanParams(context=256, sessions=1)
+    memory = 200 * 2**20
+    want = assign_layers(layout, params, memory, [0] * layout.n_layers).layers
+    assert 0 < len(want) < layout.n_layers  # the memory holds part of the model, not all of it
+    env = _env()
+    tracker = Proc.start(["tracker", "--port", "0", "--manifest", str(path),
+                          "--identity", str(tmp_path / "tracker.id")], env)
+    procs.append(tracker)
+    url = tracker.wait_ready()["url"]
+    node = Proc.start(["node", "--tracker", url, "--manifest", str(path), "--memory", str(memory),
+                       "--backend", "llama_shard", "--ctx", "256", "--max-sessions", "1", "--threads", "1",
+                       "--name", "sized", "--identity", str(tmp_path / "node.id")], env)
+    procs.append(node)
+    assert node.wait_ready()["layers"] == str(want)
+    assert any(f"the tracker assigned layers {want}" in line for line in node.lines)
+    entry = {n["node"]: n for n in httpx.get(f"{url}/v1/nodes", timeout=5).json()["nodes"]}["sized"]
+    assert entry["layers"] == str(want) and entry["proof"]["state"] == "passed"
