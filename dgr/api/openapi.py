@@ -106,6 +106,9 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
                                             "responses": {"200": _OK, **_errors(400, 401, 409, 413)}}},
             "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
                                              "responses": {"200": _OK, **_errors(400, 401, 404, 409, 413)}}},
+            # advice for a joining node: which layers to serve (dgr.tracker.assign)
+            "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),
+                                    "responses": {"200": _OK, **_errors(400, 404, 413)}}},
         },
     }
 
@@ -118,6 +121,9 @@ _REGISTRATION = {"type": "object", "required": ["node", "url", "layers", "backen
     "backend": {"type": "string"}, "capacity": {"type": "integer"}, "max_positions": {"type": "integer"},
     "describe": {"type": "object"}, "model": {"type": "object"}, "tls_cert": {"type": "string"},
     "artifact": {"type": "object", "properties": {"manifest_id": {"type": "string"}, "seed": {"type": "string"}}}}}
+_ASSIGN = {"type": "object", "required": ["manifest_id", "memory_bytes"], "properties": {
+    "manifest_id": {"type": "string"}, "memory_bytes": {"type": "integer"}, "context": {"type": "integer"},
+    "sessions": {"type": "integer"}}}
 _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
     "node": {"type": "string"}, "sessions": {"type": "integer"}, "kv_bytes": {"type": "integer"},
     "session_ids": {"type": "array", "items": _SID}}}

@@ -189,6 +189,7 @@ class Gateway:
     authority: CapabilityAuthority | None = None  # the tracker's key; None (in-process tests): no capabilities
     connect: Callable[..., NodeClient] = NodeClient  # (node id, url[, ssl_context]) -> client; tests connect in-process
     tls: TlsTrust = attrs.field(factory=TlsTrust)  # how https nodes are trusted: their registered cert, or a CA
+    pins: dict[str, str | None] = attrs.field(factory=dict)  # node id -> the certificate its client pins
     unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
@@ -283,6 +284,7 @@ class Gateway:
     def forget_node(self, node_id: str) -> None:
         """Drop what the gateway keeps per node: pooled connections, hop stats, metric labels."""
         client = self.clients.pop(node_id, None)
+        self.pins.pop(node_id, None)
         if client is not None and self._nursery is not None:
             self._nursery.start_soon(client.aclose)
         self.hop_stats.pop(node_id, None)
@@ -332,17 +334,18 @@ class Gateway:
     def client(self, hop: Hop | NodeEntry) -> NodeClient:
         node_id = hop.node_id
         url = hop.url
+        entry = self.registry.nodes.get(node_id)
+        pinned = entry.tls_cert if entry is not None and url.startswith("https://") else None
         c = self.clients.get(node_id)
-        if c is None or c.url != url:
+        if c is None or c.url != url or self.pins.get(node_id) != pinned:
             if c is not None and self._nursery is not None:
-                self._nursery.start_soon(c.aclose)  # the node moved: its old connections go
+                self._nursery.start_soon(c.aclose)  # the node moved, or has a new certificate: its old connections go
             if url.startswith("https://"):
-                entry = self.registry.nodes.get(node_id)
-                pinned = entry.tls_cert if entry is not None else None
                 c = self.connect(node_id, url, ssl_context=self.tls.context(pinned))
             else:
                 c = self.connect(node_id, url)
             self.clients[node_id] = c
+            self.pins[node_id] = pinned
         return c
 
     def lookup(self, sid: str) -> RouteSession | None:
