@@ -1,5 +1,6 @@
 """Node identities at the trio level: proof answers bound to the challenger and the answerer, key binding in the
-registry, wildcard addresses. The real-process attacks are in tests/test_security.py.
+registry, admission by join token or listed key, pinning the tracker's key, wildcard addresses. The
+real-process attacks are in tests/test_security.py.
 
 Proofs: the tracker signs each challenge and addresses it to one node with a
 fresh nonce; a node answers only challenges signed by the tracker it joined
@@ -10,12 +11,15 @@ refusal, and one that passes off an honest node's answer fails its proof.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import random
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact.manifest import Manifest, build_manifest
@@ -25,9 +29,9 @@ from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.artifact import NodeArtifact
-from dgr.node.membership import registration
+from dgr.node.membership import registration, stay_registered
 from dgr.node.service import NodeService
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.auth import Admission, CapabilityAuthority, join_proof, tracker_join_proof
 from dgr.security.identity import Identity, node_id_for
 from dgr.testing.inproc import asgi_client
 from dgr.tracker.proofs import Prover
@@ -167,3 +171,49 @@ def test_wildcard_addresses_become_the_address_the_tracker_saw() -> None:
     data = {**registration(service, "http://0.0.0.0:8001"), "artifact": {"manifest_id": "m", "seed": "0.0.0.0:6881"}}
     entry = registry.register(data, 0.0, seen="192.0.2.7")
     assert (entry.url, entry.seed) == ("http://192.0.2.7:8001", "192.0.2.7:6881")
+
+
+def test_admission_needs_the_token_bound_to_the_request_or_a_listed_key() -> None:
+    token, member, listed = b"t" * 32, Identity.generate(), Identity.generate()
+    admission = Admission(token, frozenset({listed.public}))
+    signature = "sig-of-one-request"
+    admission.admit(member.public, signature, join_proof(token, member.public, signature))
+    admission.admit(listed.public, signature, None)  # listed: no token needed
+    for public, proof, words in [
+        (member.public, None, "not admitted"),
+        (member.public, join_proof(b"x" * 32, member.public, signature), "bad join proof"),  # another token
+        (member.public, join_proof(token, member.public, "another request"), "bad join proof"),  # lifted
+        (member.public, join_proof(token, listed.public, signature), "bad join proof"),  # made for another key
+    ]:
+        with pytest.raises(CallerError, match=words) as err:
+            admission.admit(public, signature, proof)
+        assert err.value.reason is Reason.UNAUTHENTICATED
+    Admission().admit(member.public, signature, None)  # an open (loopback) tracker admits every key
+
+
+async def test_a_node_with_a_join_token_pins_only_a_tracker_that_holds_it(autojump_clock, caplog) -> None:
+    token, tracker, node = b"t" * 32, Identity.generate(), Identity.generate()
+    service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0",
+                          identity=node, joining=True)
+    sent: list[tuple[str, str]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/nodes/register":
+            return httpx.Response(200, json={"ok": True, "proof": {"state": "none"}})
+        signature = request.headers["x-dgr-signature"]
+        sent.append((signature, request.headers["x-dgr-join"]))
+        reply = {"node": "n0", "registered": True, "proof": {"state": "none"}, "tracker_key": tracker.public_text}
+        vouching = [None, b"x" * 32, token][min(len(sent), 3) - 1]  # none; another token's; ours
+        if vouching is not None:
+            reply["tracker_proof"] = tracker_join_proof(vouching, tracker.public, signature)
+        return httpx.Response(200, json=reply)
+
+    with caplog.at_level(logging.WARNING, logger="dgr.node"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(stay_registered, service, "http://tracker.test", "http://n.test:1",
+                                                  join_token=token, transport=httpx.MockTransport(answer)))
+            nursery.cancel_scope.cancel()
+    assert len(sent) == 3 and service.tracker_key == tracker.public
+    assert all(join == join_proof(token, node.public, sig) for sig, join in sent)
+    said = [r.getMessage() for r in caplog.records if "not pinning" in r.getMessage()]
+    assert len(said) == 2 and "did not prove it holds our join token" in said[0]
