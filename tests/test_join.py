@@ -180,7 +180,9 @@ def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
 def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(manifest, tmp_path: Path,
                                                                              procs) -> None:
     """`dgr node --manifest M --memory SIZE` with no --layers: the tracker prices the ranges with the planner's
-    cost model and the node serves, proves and is routed on the range it was given."""
+    cost model and the node serves, proves and is routed on the range it was given. Over TLS, so the
+    assignment, the layer-possession challenges (pinned to the node's registered certificate) and the
+    route all go over https."""
     from dgr.plan import PlanParams
     from dgr.plan_layout import layout_from_manifest
     from dgr.tracker.assign import assign_layers
@@ -193,15 +195,20 @@ def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(mani
     want = assign_layers(layout, params, memory, [0] * layout.n_layers).layers
     assert 0 < len(want) < layout.n_layers  # the memory holds part of the model, not all of it
     env = _env()
-    tracker = Proc.start(["tracker", "--port", "0", "--manifest", str(path),
-                          "--identity", str(tmp_path / "tracker.id")], env)
+    t_cert, t_key = _self_signed(tmp_path, "tracker")
+    n_cert, n_key = _self_signed(tmp_path, "node")
+    tracker = Proc.start(["tracker", "--port", "0", "--manifest", str(path), "--tls-cert", str(t_cert),
+                          "--tls-key", str(t_key), "--identity", str(tmp_path / "tracker.id")], env)
     procs.append(tracker)
     url = tracker.wait_ready()["url"]
     node = Proc.start(["node", "--tracker", url, "--manifest", str(path), "--memory", str(memory),
                        "--backend", "llama_shard", "--ctx", "256", "--max-sessions", "1", "--threads", "1",
-                       "--name", "sized", "--identity", str(tmp_path / "node.id")], env)
+                       "--name", "sized", "--tls-cert", str(n_cert), "--tls-key", str(n_key), "--tls-ca", str(t_cert),
+                       "--identity", str(tmp_path / "node.id")], env)
     procs.append(node)
     assert node.wait_ready()["layers"] == str(want)
     assert any(f"the tracker assigned layers {want}" in line for line in node.lines)
-    entry = {n["node"]: n for n in httpx.get(f"{url}/v1/nodes", timeout=5).json()["nodes"]}["sized"]
-    assert entry["layers"] == str(want) and entry["proof"]["state"] == "passed"
+    table = httpx.get(f"{url}/v1/nodes", timeout=5, verify=ssl.create_default_context(cafile=str(t_cert))).json()
+    entry = {n["node"]: n for n in table["nodes"]}["sized"]
+    assert entry["url"].startswith("https://") and entry["layers"] == str(want)
+    assert entry["proof"]["state"] == "passed" and entry["proof"]["challenges"] == 8
