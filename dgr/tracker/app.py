@@ -149,6 +149,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     @app.post("/v1/assign")
     async def assign():
         """The layers a joining node should serve (dgr.tracker.assign): advice, open like the peer lists."""
+        # imported here: the planner pulls in gguf, which a tracker without manifests never needs
         from dgr.plan import PlanParams
         from dgr.plan_layout import layout_from_manifest
         from dgr.tracker.assign import assign_layers, coverage
