@@ -82,6 +82,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None)
     app = make_node_app(service, artifact=artifact)
     seed_host = urlsplit(advertise).hostname if advertise else None
+    if seed_host and ":" in seed_host:
+        seed_host = f"[{seed_host}]"  # an IPv6 literal in HOST:PORT
     try:
         async with trio.open_nursery() as nursery:
             if artifact is not None:
