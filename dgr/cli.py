@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import uuid
 
 from dgr.errors import DgrError, first_dgr_error
 from dgr.procs import run_until_signal
@@ -18,19 +17,13 @@ def _threads_default() -> int:
     return max(1, (os.cpu_count() or 1))
 
 
-def default_node_id(backend: str, layers: object) -> str:
-    """`backend-layers-RANDOM`: unique per process.
-
-    A pid is not: in containers it is often 1, and two nodes with one id
-    replace each other in the tracker's registry.
-    """
-    return f"{backend}-{layers}-{uuid.uuid4().hex[:12]}"
-
-
 def cmd_tracker(args) -> int:
     from dgr.artifact.manifest import Manifest
     from dgr.seam.wire import DType, Topology
-    from dgr.security.secrets import load_api_keys, load_cluster_secret
+    from dgr.security.auth import Admission
+    from dgr.security.identity import claim_identity, parse_public_key
+    from dgr.security.secrets import load_api_keys, load_join_token
+    from dgr.security.tls import TlsTrust, check_server_files
     from dgr.tracker.gateway import GatewayConfig
     from dgr.tracker.proofs import Prover
     from dgr.tracker.run import run_tracker
@@ -47,24 +40,37 @@ def cmd_tracker(args) -> int:
         admission_wait_s=args.admission_wait_s,
         topology=Topology(args.topology),
     )
-    secret = load_cluster_secret(args.cluster_secret_file)
+    admission = Admission(load_join_token(args.join_token_file),
+                          frozenset(parse_public_key(k) for k in args.allow_node))
+    tls_files = check_server_files(args.tls_cert, args.tls_key)
+    identity = claim_identity(args.identity, "tracker")
     api_keys = load_api_keys(args.api_key_file)
     manifests = [Manifest.load(m) for m in args.manifest]
     for m in manifests:
         print(f"dgr tracker: checking layer proofs against manifest {m.id[:12]} ({m.file.name})", file=sys.stderr)
     prover = Prover.from_manifests(manifests, challenges=args.proof_challenges, deadline_s=args.proof_deadline)
     return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after,
-                            prover=prover, require_proof=args.require_proof, secret=secret, api_keys=api_keys)
+                            prover=prover, require_proof=args.require_proof, identity=identity, admission=admission,
+                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca))
 
 
 def cmd_node(args) -> int:
     from dgr.backends.base import LayerRange
     from dgr.backends.factory import make_backend, resolve_model
     from dgr.node.run import run_node
-    from dgr.security.secrets import load_cluster_secret
+    from dgr.node.run import advertised_url
+    from dgr.security.identity import claim_identity
+    from dgr.security.secrets import load_join_token
+    from dgr.security.tls import TlsTrust, check_server_files
 
-    secret = load_cluster_secret(args.cluster_secret_file)  # before loading a model: fail fast
+    # before loading a model: fail fast
+    join_token = load_join_token(args.join_token_file)
+    tls_files = check_server_files(args.tls_cert, args.tls_key)
+    advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
+    identity = claim_identity(args.identity, "node")
     layers = LayerRange.parse(args.layers) if args.layers else None
+    if args.memory and layers is None:
+        layers = _assigned_layers(args)
     artifact = None
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
@@ -72,6 +78,7 @@ def cmd_node(args) -> int:
         artifact = prepare_node_artifact(
             args.manifest, layers, backend=args.backend, model=args.model, fetch=args.fetch, tracker=args.tracker,
             model_dir=args.model_dir, listen_host=args.host, fetch_timeout_s=args.fetch_timeout,
+            tls_ca=getattr(args, "tls_ca", None),
         )
         model, layers = artifact.path, artifact.layers
     else:
@@ -82,10 +89,30 @@ def cmd_node(args) -> int:
     )
     if artifact is not None:
         artifact.check_backend(backend)
-    node_id = args.name or default_node_id(args.backend, backend.layers)
+    node_id = args.name or identity.node_id
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
-                            tracker=args.tracker, idle_timeout_s=args.idle_timeout, artifact=artifact,
-                            seed_port=args.seed_port, secret=secret)
+                            tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
+                            artifact=artifact, seed_port=args.seed_port, join_token=join_token,
+                            advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca))
+
+
+def _assigned_layers(args):
+    """`--memory` without `--layers`: the range the tracker picks for this node's memory."""
+    from dgr.artifact.manifest import Manifest
+    from dgr.errors import CallerError, Reason
+    from dgr.node.assign import ask_layers
+    from dgr.plan import parse_size
+    from dgr.security.tls import TlsTrust
+
+    if not (args.manifest and args.tracker):
+        raise CallerError(Reason.INVALID_REQUEST, "--memory without --layers asks the tracker which layers to serve: "
+                                                  "give --tracker and --manifest")
+    manifest = Manifest.load(args.manifest)
+    layers, answer = ask_layers(args.tracker, manifest.id, parse_size(args.memory), context=args.ctx,
+                                sessions=args.max_sessions, tls=TlsTrust(args.tls_ca))
+    print(f"dgr node: the tracker assigned layers {layers} ({answer.get('newly_covered', 0)} not served before)",
+          file=sys.stderr)
+    return layers
 
 
 def cmd_up(args) -> int:
@@ -106,10 +133,21 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
 
 
-def _add_secret_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster-secret-file", metavar="F",
-                   help="file holding the cluster secret (chmod 600); default: $DGR_CLUSTER_SECRET. "
-                        "Never on the command line, where ps shows it")
+def _add_join_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--join-token-file", metavar="F",
+                   help="file holding the join token that admits nodes to the tracker (chmod 600); default: "
+                        "$DGR_JOIN_TOKEN. Never on the command line, where ps shows it")
+
+
+def _add_identity_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--identity", metavar="PATH",
+                   help=f"this {role}'s Ed25519 key file, made on first start (chmod 600); default: the first free "
+                        f"{role}[-N].key under $XDG_CONFIG_HOME/dgr or ~/.config/dgr")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve https with this certificate (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="CA bundle (or a self-signed certificate) to trust for https:// peers that registered no "
+                        "certificate, the tracker included; default: the system's CAs")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -152,16 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route only nodes that proved their layers (nodes without --manifest are not routed)")
     p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
     p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
-    _add_secret_arg(p)
+    p.add_argument("--allow-node", action="append", default=[], metavar="PUBKEY",
+                   help="admit the node with this public key (as `dgr node` prints it) without the join token; "
+                        "repeatable")
+    _add_join_arg(p)
+    _add_identity_args(p, "tracker")
     _add_limit_args(p)
     p.set_defaults(func=cmd_tracker)
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
     p.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--layers", help="A:B, layers [A, B) (default: all)")
+    p.add_argument("--layers", help="A:B, layers [A, B) (default: all, or with --memory what the tracker assigns)")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="with --tracker and --manifest and no --layers: memory this node may use, e.g. 24GiB; the "
+                        "tracker assigns the contiguous layers that fit it and most improve the route's coverage")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--name", help="node id (default: backend-layers-RANDOM, unique per process)")
+    p.add_argument("--name", help="node id (default: derived from the node's public key); the first key to "
+                                  "register a name owns it on that tracker")
     p.add_argument("--threads", type=int, default=_threads_default())
     p.add_argument("--idle-timeout", type=float, default=120.0, help="free a session's KV after this idle time")
     p.add_argument("--manifest", metavar="M",
@@ -173,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="where --fetch writes the file (default: ~/.cache/dgr/artifacts/ID)")
     p.add_argument("--fetch-timeout", type=float, default=None, help="give up fetching after this many seconds")
     p.add_argument("--seed-port", type=int, default=0, help="BitTorrent port to seed the artifact on (0: any)")
-    _add_secret_arg(p)
+    p.add_argument("--advertise", metavar="URL",
+                   help="the URL others reach this node at, e.g. https://node1.example:9000 (default: the bound "
+                        "address; bound to 0.0.0.0 or ::, the address the tracker saw the node come from). The "
+                        "seed address takes its host too")
+    _add_join_arg(p)
+    _add_identity_args(p, "node")
     _add_node_model_args(p)
     p.set_defaults(func=cmd_node)
 
@@ -188,7 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "
                         "seeds and proves its layers")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="nodes free a session's KV after this idle time")
-    _add_secret_arg(p)
+    p.add_argument("--identity-dir", metavar="DIR",
+                   help="where the route's keys (tracker.key, nodeN.key) are kept (default: a fresh temporary "
+                        "folder, removed on exit)")
+    _add_join_arg(p)
     _add_limit_args(p)
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)

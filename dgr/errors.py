@@ -64,6 +64,7 @@ class Reason(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     REPLAYED = "replayed"
     FORBIDDEN = "forbidden"
+    IDENTITY_TAKEN = "identity_taken"  # a node id registered by another key: ids are never taken over
     # Capacity.
     NODE_AT_CAPACITY = "node_at_capacity"
     # The route failed us.
@@ -173,6 +174,7 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.UNAUTHENTICATED: (401, "authentication_error"),
     Reason.REPLAYED: (401, "authentication_error"),
     Reason.FORBIDDEN: (403, "permission_error"),
+    Reason.IDENTITY_TAKEN: (409, "permission_error"),
     Reason.NODE_AT_CAPACITY: (429, "rate_limit_error"),
     Reason.NO_ROUTE: (503, "route_error"),
     Reason.ROUTE_NODE_LOST: (502, "route_error"),

@@ -5,19 +5,23 @@ each node gets cores / nodes threads so llama.cpp's spinning threads never
 oversubscribe the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
 
-Every local route is a closed cluster: `dgr up` uses the cluster secret it
-is given (--cluster-secret-file or $DGR_CLUSTER_SECRET) or generates a fresh
-one, and hands it to its children in the environment, never in argv, so
-nodes sign their membership and the gateway issues capabilities on every
-route it starts. API keys (--api-key-file or $DGR_API_KEYS) pass through to
-the tracker.
+Every local route is a closed cluster with no flags: `dgr up` makes a key
+per process (tracker.key, node0.key, ... in `--identity-dir`, by default a
+fresh temporary folder removed on exit) and uses the join token it is given
+(--join-token-file or $DGR_JOIN_TOKEN) or generates a fresh one, handed to
+its children in the environment, never in argv. So nodes sign their
+membership with their own keys, and the gateway signs a capability for every
+hop of every route it starts. API keys (--api-key-file or $DGR_API_KEYS)
+pass through to the tracker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import trio
@@ -27,7 +31,7 @@ from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
 from dgr.procs import dgr_command, run_child
 from dgr.progress import terminal_progress
-from dgr.security.secrets import CLUSTER_ENV, load_cluster_secret, new_secret
+from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
 
 __all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
@@ -77,7 +81,7 @@ async def _print_example(url: str) -> None:
     )
 
 
-def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -> list[str]:
+def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None) -> list[str]:
     cmd = dgr_command(
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
@@ -88,12 +92,16 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int) -
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):
         cmd += ["--manifest", str(args.manifest)]
+    if identity is not None:
+        cmd += ["--identity", str(identity)]
     return cmd
 
 
-def tracker_args(args) -> list[str]:
+def tracker_args(args, identity: Path | None = None) -> list[str]:
     cmd = dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
                       "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype)
+    if identity is not None:
+        cmd += ["--identity", str(identity)]
     if getattr(args, "manifest", None):
         cmd += ["--manifest", str(args.manifest)]
     if getattr(args, "api_key_file", None):
@@ -107,8 +115,17 @@ def tracker_args(args) -> list[str]:
 
 
 async def run_up(args) -> None:
-    given = load_cluster_secret(getattr(args, "cluster_secret_file", None))
-    env = {CLUSTER_ENV: given.decode() if given is not None else new_secret()}
+    given = load_join_token(getattr(args, "join_token_file", None))
+    env = {JOIN_ENV: given.decode() if given is not None else new_secret()}
+    with contextlib.ExitStack() as stack:
+        keys = getattr(args, "identity_dir", None)
+        if keys is None:
+            keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="dgr-up-keys-"))
+        await _run_up(args, env, Path(keys))
+
+
+async def _run_up(args, env: dict[str, str], keys: Path) -> None:
+    """`run_up` once the route's join token and key folder are settled."""
     model = resolve_model(args.backend, args.model)
     n_layers = model_layer_count(args.backend, model, args.stub_model)
     if args.backend == "llama" and args.nodes != 1:
@@ -123,7 +140,8 @@ async def run_up(args) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):
-            tracker = await nursery.start(functools.partial(run_child, env=env), "tracker", tracker_args(args))
+            tracker = await nursery.start(functools.partial(run_child, env=env), "tracker",
+                                          tracker_args(args, keys / "tracker.key"))
             url = tracker.ready["url"]
             print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
                   + ", ".join(str(s) for s in splits), file=sys.stderr)
@@ -133,7 +151,7 @@ async def run_up(args) -> None:
             async def start(i: int, layers: LayerRange) -> None:
                 child = await nursery.start(
                     functools.partial(run_child, fatal=False, env=env), f"node{i}",
-                    node_args(args, layers, url, f"node{i}", threads),
+                    node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key"),
                 )
                 ready.append(layers)
                 covered = sum(len(r) for r in ready)

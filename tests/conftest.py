@@ -21,6 +21,21 @@ def manifest(model_path):
     return build_manifest(model_path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _config_home(tmp_path_factory):
+    """Node and tracker keys made without --identity go to a folder of this run, not the user's ~/.config/dgr.
+
+    Set in os.environ, so every `dgr` child process inherits it.
+    """
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = old
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("DGR_SLOW") == "1":
         return

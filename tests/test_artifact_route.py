@@ -38,6 +38,8 @@ from dgr.seam.types import ModelInfo
 from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
 from dgr.procs import WatchedChild, dgr_command
+from dgr.security.auth import Signer
+from dgr.security.identity import Identity
 from dgr.testing.harness import LocalRoute
 from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.tracker.registry import NodeEntry
@@ -273,17 +275,25 @@ def test_route_through_fetched_layers_equals_single_node(swarm: Swarm, single: L
 # -- (b) claims that fail ---------------------------------------------------------------
 
 
+def _post_signed(url: str, path: str, data: dict[str, Any], identity: Identity) -> httpx.Response:
+    """A membership message signed with `identity` (this loopback tracker admits any key)."""
+    body = json.dumps(data).encode()
+    headers = {"Content-Type": "application/json", **Signer(identity).headers("POST", path, body, time.time())}
+    return httpx.post(f"{url}{path}", content=body, headers=headers, timeout=5)
+
+
 @attrs.define
 class Heartbeat:
     """Keep a registry entry alive from the test: the claim's only other part is its registration."""
 
     url: str
     node: str
+    identity: Identity  # the key the entry was registered with: only it may heartbeat for it
     _stop: threading.Event = attrs.field(factory=threading.Event)
 
     def run(self) -> None:
         while not self._stop.wait(0.2):
-            httpx.post(f"{self.url}/v1/nodes/heartbeat", json={"node": self.node, "sessions": 0}, timeout=2)
+            _post_signed(self.url, "/v1/nodes/heartbeat", {"node": self.node, "sessions": 0}, self.identity)
 
     def __enter__(self) -> Heartbeat:
         threading.Thread(target=self.run, daemon=True).start()
@@ -294,23 +304,29 @@ class Heartbeat:
 
 
 @pytest.mark.llama
-def test_claiming_layers_it_does_not_hold_fails_and_is_never_routed(swarm: Swarm, manifest: Manifest) -> None:
-    """A node holding only 10:20 (the fetcher's own partial file answers) claims all 30 layers."""
+def test_claiming_layers_through_another_nodes_address_fails_and_is_never_routed(swarm: Swarm,
+                                                                                 manifest: Manifest) -> None:
+    """A node with no weights claims all 30 layers at the fetcher's address, to have the fetcher answer for it.
+
+    Before node identities the fetcher answered any challenge (and its partial file failed the blocks
+    outside 10:20); now it refuses a challenge addressed to another node, so the claim fails at the first.
+    """
     fetcher = _nodes(swarm.url)["fetcher"]
+    greedy = Identity.generate()
     claim = {
         "node": "greedy", "url": fetcher["url"], "pid": None, "layers": [0, 30], "backend": "llama_shard",
         "model": manifest.model_info(MODEL).to_json(), "capacity": 4, "describe": {},
         "artifact": {"manifest_id": manifest.id, "seed": None},
     }
-    r = httpx.post(f"{swarm.url}/v1/nodes/register", json=claim, timeout=5)
+    r = _post_signed(swarm.url, "/v1/nodes/register", claim, greedy)
     assert r.status_code == 200 and r.json()["proof"]["state"] == "pending"
-    with Heartbeat(swarm.url, "greedy"):
+    with Heartbeat(swarm.url, "greedy", greedy):
         proof = _wait_for(lambda: _nodes(swarm.url)["greedy"]["proof"]["state"] != "pending"
                           and _nodes(swarm.url)["greedy"]["proof"], 10, "the greedy claim's verdict")
         print(f"\ngreedy claim: {json.dumps(proof)}")
-        assert proof["state"] == "failed"
-        assert proof["reason"] == "proof_failed" and proof["verdict"] == "hash_mismatch"
-        assert "does not match the manifest" in proof["message"]
+        assert proof["state"] == "failed" and proof["challenges"] == 0
+        assert proof["reason"] == "proof_failed" and "verdict" not in proof
+        assert "HTTP 403" in proof["message"] and "addressed to 'greedy', not fetcher" in proof["message"]
         entry = _nodes(swarm.url)["greedy"]
         assert entry["alive"] and not entry["routable"]
         # One hop over all 30 layers would win every route if it were routable.
@@ -329,7 +345,7 @@ def test_claim_of_another_file_fails_without_a_challenge(swarm: Swarm, manifest:
         "node": "other-file", "url": "http://127.0.0.1:9", "layers": [0, 10], "backend": "llama_shard",
         "model": other.to_json(), "capacity": 4, "artifact": {"manifest_id": manifest.id, "seed": None},
     }
-    httpx.post(f"{swarm.url}/v1/nodes/register", json=claim, timeout=5).raise_for_status()
+    _post_signed(swarm.url, "/v1/nodes/register", claim, Identity.generate()).raise_for_status()
     proof = _wait_for(lambda: _nodes(swarm.url)["other-file"]["proof"]["state"] == "failed"
                       and _nodes(swarm.url)["other-file"]["proof"], 5, "the other file's verdict")
     assert proof["reason"] == "artifact_mismatch" and proof["challenges"] == 0

@@ -72,7 +72,7 @@ def test_malformed_and_cut_frames_leave_nodes_serving(route) -> None:
     node = route.node("node1")
     url = node["url"]
     sid = uuid.uuid4().hex
-    cap = route.capability(sid, "node1")  # the route has a cluster secret: every session call needs one
+    cap = route.capability(sid, "node1")  # the route's nodes pinned its tracker's key: every session call needs one
     frame = encode_frame(FrameKind.PREFILL, sid, 0, 0, 64, 576, hidden=np.ones((64, 576), np.float32))
     r = httpx.post(f"{url}/v1/seam/step", content=frame, headers=cap)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session"

@@ -17,6 +17,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HEADER_SIZE, FrameKind
+from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
 
@@ -56,7 +57,7 @@ def test_a_delivery_needs_the_sessions_capability(chain) -> None:
     sid = uuid.uuid4().hex
     frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
     for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
-                    chain.capability(sid, "gateway", layers=(0, 1), secret="other" * 8),
+                    chain.capability(sid, "gateway", layers=(0, 1), identity=Identity.generate()),  # not the tracker's
                     chain.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
         r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
                        headers={"Content-Type": CONTENT_TYPE, **headers})

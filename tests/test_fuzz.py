@@ -30,7 +30,8 @@ from dgr.node.app import make_node_app
 from dgr.node.membership import registration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.auth import CapabilityAuthority, Signer
+from dgr.security.identity import Identity
 from dgr.testing.inproc import http_scope, receive_once
 from dgr.testing.nodes import running
 from dgr.seam.frame import Frame, decode_frame, encode_frame
@@ -177,13 +178,13 @@ def test_node_step_answers_or_refuses_and_refusals_change_nothing(raws: list[byt
 
 @FUZZ
 @given(frames(), st.one_of(st.none(), st.text(max_size=80), st.sampled_from(["good", "other-session", "other-node"])))
-def test_node_step_with_a_secret_refuses_without_the_right_capability(raw: bytes, token) -> None:
-    authority = CapabilityAuthority(b"k" * 32)
+def test_node_step_with_a_tracker_key_refuses_without_the_right_capability(raw: bytes, token) -> None:
+    authority = CapabilityAuthority.issuer(TRACKER)
     good = {"good": (SID, "n2"), "other-session": (uuid.UUID(int=8).hex, "n2"), "other-node": (SID, "n0")}
     if token in good:
         sid, node = good[token]
         token = authority.issue(sid, node, 2, 4, now=time.time())
-    s = _services(authority)[1]
+    s = _services(CapabilityAuthority.verifier(TRACKER.public))[1]  # a node holds only the tracker's public key
 
     async def run() -> bool:
         async with running(s):
@@ -262,6 +263,10 @@ def test_node_control_routes_answer_below_500(route, body, sid, query) -> None:
     assert status < 500, (status, route, body, sid, query)
 
 
+TRACKER = Identity.generate()
+NODE = Identity.generate()
+
+
 @functools.cache
 def _good_registration() -> dict:
     service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 2)), node_id="n0")
@@ -281,13 +286,19 @@ heartbeats = st.one_of(json_values, st.fixed_dictionaries(
 @FUZZ
 @given(registrations, heartbeats)
 def test_membership_routes_answer_below_500(reg, beat) -> None:
-    """Registration and heartbeats (no cluster secret here, so bodies get past the signature)."""
-    app = make_tracker_app(Gateway(registry=Registry()))
+    """Registration and heartbeats, signed with a node key (an open loopback tracker admits any key), so
+    bodies get past the signature and the admission check."""
+    app = make_tracker_app(Gateway(registry=Registry()), identity=TRACKER)
+
+    async def signed(path: str, data) -> int:
+        body = json.dumps(data).encode()
+        headers = Signer(NODE).headers("POST", path, body, time.time())
+        return await _asgi(app, "POST", path, body, [(k.lower().encode(), v.encode()) for k, v in headers.items()])
 
     async def run() -> list[int]:
-        await _asgi(app, "POST", "/v1/nodes/register", json.dumps(_good_registration()).encode())
-        return [await _asgi(app, "POST", "/v1/nodes/register", json.dumps(reg).encode()),
-                await _asgi(app, "POST", "/v1/nodes/heartbeat", json.dumps(beat).encode()),
+        await signed("/v1/nodes/register", _good_registration())
+        return [await signed("/v1/nodes/register", reg),
+                await signed("/v1/nodes/heartbeat", beat),
                 await _asgi(app, "GET", "/v1/nodes", b""),  # whatever was accepted must render
                 await _asgi(app, "GET", "/v1/models", b"")]
 

@@ -16,6 +16,7 @@ from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import RETRY_MIN_S, stay_registered
 from dgr.sampling import SamplingParams
+from dgr.security.identity import Identity
 from dgr.testing.inproc import InProcRoute, http_scope, receive_once
 from dgr.testing.nodes import settled
 from dgr.tracker.app import make_tracker_app
@@ -253,11 +254,20 @@ async def test_dead_nodes_are_forgotten_with_connections_stats_and_metric_labels
     assert b'node="n1"' not in render(gw.metrics.registry)
 
 
-def test_default_node_ids_are_unique_per_process() -> None:
-    from dgr.cli import default_node_id
+def test_default_node_ids_are_derived_from_keys_and_unique_per_process(tmp_path, monkeypatch) -> None:
+    """A pid is not unique (in containers it is often 1); a key is, and two nodes on one machine without
+    --identity take two key files (the first is locked by its holder)."""
+    from dgr.security.identity import claim_identity, is_derived_id, node_id_for
 
-    ids = {default_node_id("stub", "0:15") for _ in range(100)}
-    assert len(ids) == 100 and all(i.startswith("stub-0:15-") for i in ids)
+    ids = {Identity.generate().node_id for _ in range(100)}
+    assert len(ids) == 100 and all(is_derived_id(i) for i in ids)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    first, second = claim_identity(None, "node"), claim_identity(None, "node")
+    assert (first.path.name, second.path.name) == ("node.key", "node-1.key")
+    assert first.node_id != second.node_id == node_id_for(second.public)
+    assert oct(first.path.stat().st_mode & 0o777) == "0o600"
+    again = claim_identity(str(first.path), "node")  # a restart with the same file is the same node
+    assert again.node_id == first.node_id
 
 
 # -- a 401 is retried ---------------------------------------------------------------------------------------
@@ -272,7 +282,8 @@ async def test_a_refused_node_retries_with_backoff_and_says_why(autojump_clock, 
             registers.append(trio.current_time())
             if len(registers) <= 3:  # e.g. the tracker restarts with a rotated secret
                 return httpx.Response(401, json={"error": {"code": "unauthenticated", "message": "bad signature"}})
-            return httpx.Response(200, json={"node": "n0", "registered": True, "proof": {"state": "none"}})
+            return httpx.Response(200, json={"node": "n0", "registered": True, "proof": {"state": "none"},
+                                             "tracker_key": Identity.generate().public_text})
         return httpx.Response(200, json={"ok": True, "proof": {"state": "none"}})
 
     with caplog.at_level(logging.WARNING, logger="dgr.node"):
@@ -296,25 +307,23 @@ async def test_bad_heartbeats_and_registrations_are_refused_with_4xx() -> None:
     route = InProcRoute.stub()
     app = make_tracker_app(route.gateway)
     good = registration(route.services[0], route.urls[0])
+
+    async def post(http, path: str, data):
+        body, headers = route.signed(0, path, data)  # signed by n0's own key: past the signature check
+        return await http.post(path, content=body, headers=headers)
+
     async with asgi_client(app, "http://tracker.test") as http:
-        assert (await http.post("/v1/nodes/register", json=good)).status_code == 200
+        assert (await post(http, "/v1/nodes/register", good)).status_code == 200
         for beat in ({"node": "n0", "sessions": "many"}, {"node": "n0", "kv_bytes": [1]},
                      {"node": "n0", "sessions": -1}, {"node": "n0", "session_ids": "all"},
                      {"node": "n0", "session_ids": [5]}, {"node": ["n0"]}, {"node": "n0", "sessions": True}):
-            r = await http.post("/v1/nodes/heartbeat", json=beat)
+            r = await post(http, "/v1/nodes/heartbeat", beat)
             assert r.status_code in (400, 404), (beat, r.status_code, r.text)
         for change in ({"capacity": 1e300}, {"layers": [0, "x"]}, {"layers": 5}, {"url": "::nonsense"},
                        {"model": {**good["model"], "n_layers": "30"}}, {"model": []}, {"pid": "1"},
-                       {"artifact": ["x"]}, {"max_positions": 0}, {"describe": 3}):
-            r = await http.post("/v1/nodes/register", content=_json({**good, **change}),
-                                headers={"Content-Type": "application/json"})
+                       {"artifact": ["x"]}, {"max_positions": 0}, {"describe": 3}, {"tls_cert": "not a cert"}):
+            r = await post(http, "/v1/nodes/register", {**good, **change})
             assert r.status_code == 400, (change, r.status_code, r.text)
-
-
-def _json(value) -> bytes:
-    import json
-
-    return json.dumps(value, allow_nan=True).encode()
 
 
 # -- node bodies are limited to what they need --------------------------------------------------------------

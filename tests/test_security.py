@@ -1,12 +1,17 @@
 """Attacks on a real route (spec/security.md): each is refused with its reason code and changes nothing.
 
-The route is `dgr up` with the cluster secret the harness made, so the test
-can act as the tracker (mint capabilities, sign registrations) and as an
-attacker (forge, replay, reuse them out of place).
+The route is `dgr up` with the join token and key folder the harness made, so
+the test can act as the tracker (mint capabilities with its key), as a node
+that joins (sign registrations with a key of its own), and as an attacker
+(forge, replay, reuse them out of place, sign with a node's key or with the
+old shared cluster secret).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import os
 import subprocess
@@ -22,7 +27,8 @@ import pytest
 
 from dgr.procs import dgr_command
 from dgr.serve import READY_PREFIX
-from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.security.identity import Identity, node_id_for
+from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.frame import encode_frame
 from dgr.seam.wire import FrameKind
 from dgr.testing.harness import LocalRoute
@@ -73,15 +79,22 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     assert before[2:] == (4, 1)
     refused_before = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"].get("forbidden", 0)
     good = route.capability(sid, "node1")["X-Dgr-Capability"]
-    body, _, mac = good.partition(".")
+    body, _, sig = good.partition(".")
     other_sid = uuid.uuid4().hex
+    a_node = Identity.load(route.keys / "node0.key", create=False)  # a member of the route, not its tracker
     attacks = {
         "no capability": ({}, "capability is required"),
-        "forged: another secret": (route.capability(sid, "node1", secret=new_secret()), "does not verify"),
-        "altered: payload swapped under the MAC": (
+        "forged: signed by a node's own key": (route.capability(sid, "node1", identity=a_node), "does not verify"),
+        "forged: signed by the node that checks it": (
+            route.capability(sid, "node1", identity=Identity.load(route.keys / "node1.key", create=False)),
+            "does not verify"),
+        "forged: the old shared cluster secret's MAC": (
+            {"X-Dgr-Capability": _shared_secret_capability(new_secret().encode(), sid, "node1", 15, 30)},
+            "does not verify"),
+        "altered: payload swapped under the signature": (
             {"X-Dgr-Capability": route.capability(other_sid, "node1")["X-Dgr-Capability"].partition(".")[0]
-             + "." + mac}, "does not verify"),
-        "malformed": ({"X-Dgr-Capability": "!!!." + mac}, "malformed"),
+             + "." + sig}, "does not verify"),
+        "malformed": ({"X-Dgr-Capability": "!!!." + sig}, "malformed"),
         "expired": (route.capability(sid, "node1", ttl_s=-5), "expired"),
         "another session": (route.capability(other_sid, "node1"), "another Route Session"),
         "another layer range": (route.capability(sid, "node1", layers=(0, 15)), "another node or layer range"),
@@ -116,6 +129,15 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     assert _state(route, url, sid)[2:] == (6, 2)
 
 
+def _shared_secret_capability(secret: bytes, sid: str, node: str, start: int, stop: int) -> str:
+    """A capability as the old cluster-secret model made them (any node holding the secret could)."""
+    key = hmac.new(secret, b"dgr/v1/capability", hashlib.sha256).digest()
+    payload = json.dumps({"s": sid, "n": node, "l": [start, stop], "e": time.time() + 60},
+                         sort_keys=True, separators=(",", ":")).encode()
+    mac = hmac.new(key, len(payload).to_bytes(8, "big") + payload, hashlib.sha256).hexdigest()
+    return base64.urlsafe_b64encode(payload).decode().rstrip("=") + "." + mac
+
+
 def test_replayed_frame_is_refused_and_changes_nothing(route, victim) -> None:
     url, sid, first = victim
     before = _state(route, url, sid)
@@ -136,19 +158,22 @@ def _registry(route: LocalRoute) -> dict[str, tuple]:
     return {n["node"]: (n["url"], n["layers"], n["alive"], n["model"]) for n in route.node_table()}
 
 
-def test_registration_needs_the_cluster_secret(route) -> None:
+def test_registration_needs_a_signature_and_admission(route) -> None:
     path = "/v1/nodes/register"
     before = _registry(route)
     body = _registration("intruder", model="stub")  # would take over every stub route if accepted
     cases = [
-        ({"Content-Type": "application/json"}, "must be signed"),
-        (route.signed(path, body, secret=new_secret()), "bad signature"),  # forged: another secret
-        ({**route.signed(path, body), "X-Dgr-Nonce": "0" * 32}, "bad signature"),  # nonce swapped
-        (route.signed(path, body.replace(b"127.0.0.1:9", b"127.0.0.1:8")), "bad signature"),  # body altered
-        (route.signed("/v1/nodes/heartbeat", body), "bad signature"),  # signed for another path
+        ({"Content-Type": "application/json"}, "unauthenticated", "must be signed"),
+        (route.signed(path, body, join=False), "unauthenticated", "not admitted"),  # a valid key, no join token
+        (route.signed(path, body, join_token=new_secret()), "unauthenticated", "join token"),  # another cluster's
+        ({**route.signed(path, body), "X-Dgr-Nonce": "0" * 32}, "unauthenticated", "bad signature"),  # nonce swapped
+        ({**route.signed(path, body), "X-Dgr-Key": Identity.generate().public_text},  # key swapped under it
+         "unauthenticated", "bad signature"),
+        (route.signed(path, body.replace(b"127.0.0.1:9", b"127.0.0.1:8")), "unauthenticated", "bad signature"),
+        (route.signed("/v1/nodes/heartbeat", body), "unauthenticated", "bad signature"),  # signed for another path
     ]
-    for headers, words in cases:
-        _refused(httpx.post(f"{route.url}{path}", content=body, headers=headers), 401, "unauthenticated", words)
+    for headers, code, words in cases:
+        _refused(httpx.post(f"{route.url}{path}", content=body, headers=headers), 401, code, words)
     beat = json.dumps({"node": "node0", "sessions": 99, "kv_bytes": 1}).encode()
     _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat, headers={"Content-Type": "application/json"}),
              401, "unauthenticated", "must be signed")
@@ -156,6 +181,31 @@ def test_registration_needs_the_cluster_secret(route) -> None:
     assert route.node("node0")["sessions"] != 99
     r = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and [h["node"] for h in r.json()["dgr"]["telemetry"]["route"]] == ["node0", "node1"]
+
+
+def test_a_node_id_is_never_taken_over(route) -> None:
+    """An admitted key (it holds the join token) still cannot speak for another node's id."""
+    before = _registry(route)
+    owner = route.node("node1")["key"]
+    intruder = Identity.generate()
+    assert owner and owner != intruder.public_text
+    for name in ("node1", node_id_for(Identity.generate().public)):  # a chosen name; an id derived from another key
+        body = _registration(name, model="stub")
+        r = httpx.post(f"{route.url}/v1/nodes/register", content=body,
+                       headers=route.signed("/v1/nodes/register", body, identity=intruder))
+        _refused(r, 409, "identity_taken", "belongs to another key")
+    beat = json.dumps({"node": "node1", "sessions": 99, "kv_bytes": 1, "session_ids": []}).encode()
+    r = httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat,
+                   headers=route.signed("/v1/nodes/heartbeat", beat, identity=intruder, join=False))
+    _refused(r, 409, "identity_taken", "belongs to another key")
+    assert _registry(route) == before and route.node("node1")["key"] == owner
+    assert route.node("node1")["sessions"] != 99
+    # the same key registering its own id is fine: that is a restart
+    mine = _registration(intruder.node_id)
+    r = httpx.post(f"{route.url}/v1/nodes/register", content=mine,
+                   headers=route.signed("/v1/nodes/register", mine, identity=intruder))
+    assert r.status_code == 200 and r.json()["node"] == intruder.node_id, r.text
+    assert r.json()["tracker_key"] == route.tracker_identity.public_text
 
 
 def test_replayed_signed_registration_is_refused(route) -> None:
@@ -176,11 +226,11 @@ def test_replayed_signed_registration_is_refused(route) -> None:
     assert _registry(route) == before and not route.node("ghost")["alive"]
 
 
-def test_node_with_the_wrong_secret_says_why_and_keeps_retrying(route) -> None:
-    """A 401 is not final (the tracker may come back with the node's secret): it is logged and retried."""
-    env = {**os.environ, CLUSTER_ENV: new_secret()}
+def test_node_with_the_wrong_join_token_says_why_and_keeps_retrying(route, tmp_path) -> None:
+    """A 401 is not final (the tracker may come back with the node's token): it is logged and retried."""
+    env = {**os.environ, JOIN_ENV: new_secret()}
     p = subprocess.Popen(dgr_command("node", "--tracker", route.url, "--layers", "0:15", "--backend", "stub",
-                                     "--name", "impostor", "--threads", "1"),
+                                     "--name", "impostor", "--threads", "1", "--identity", str(tmp_path / "k")),
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         said = []
@@ -190,7 +240,7 @@ def test_node_with_the_wrong_secret_says_why_and_keeps_retrying(route) -> None:
                 if len(said) == 2:
                     break
         assert p.poll() is None, "the node stopped"
-        assert "refused this node (unauthenticated)" in said[0] and "bad signature" in said[0]
+        assert "refused this node (unauthenticated)" in said[0] and "bad join proof" in said[0]
         assert "retrying in" in said[0] and "retrying in" in said[1]
         assert "impostor" not in _registry(route)
     finally:
@@ -223,21 +273,28 @@ def _start(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess 
 
 
 def test_exposed_tracker_and_node_refuse_to_run_open(tmp_path: Path) -> None:
-    base = {k: v for k, v in os.environ.items() if k not in (CLUSTER_ENV, API_KEYS_ENV)}
-    tracker = ["tracker", "--host", "0.0.0.0", "--port", "0"]
-    for env, missing in [(base, "a cluster secret"), ({**base, CLUSTER_ENV: new_secret()}, "API keys"),
-                         ({**base, API_KEYS_ENV: "k1"}, "a cluster secret")]:
+    base = {k: v for k, v in os.environ.items() if k not in (JOIN_ENV, API_KEYS_ENV)}
+    tracker = ["tracker", "--host", "0.0.0.0", "--port", "0", "--identity", str(tmp_path / "tracker.key")]
+    for env, missing in [(base, "a join token"), ({**base, JOIN_ENV: new_secret()}, "API keys"),
+                         ({**base, API_KEYS_ENV: "k1"}, "a join token")]:
         done = _start(tracker, env)
         assert done is not None and done.returncode == 2 and missing in done.stderr, done
-    assert _start(tracker, {**base, CLUSTER_ENV: new_secret(), API_KEYS_ENV: "k1"}) is None  # both: it serves
-    done = _start(["node", "--host", "0.0.0.0", "--backend", "stub", "--layers", "0:1"], base)
-    assert done is not None and done.returncode == 2 and "needs a cluster secret" in done.stderr
-    # secrets come from files only when nobody else can read them
-    loose = tmp_path / "secret"
+    assert _start(tracker, {**base, JOIN_ENV: new_secret(), API_KEYS_ENV: "k1"}) is None  # both: it serves
+    listed = ["--allow-node", Identity.generate().public_text]
+    assert _start(tracker + listed, {**base, API_KEYS_ENV: "k1"}) is None  # listed keys are an admission rule too
+    done = _start(["node", "--host", "0.0.0.0", "--backend", "stub", "--layers", "0:1",
+                   "--identity", str(tmp_path / "node.key")], base)
+    assert done is not None and done.returncode == 2 and "needs a tracker" in done.stderr
+    # secrets and keys come from files only when nobody else can read them
+    loose = tmp_path / "token"
     loose.write_text(new_secret())
     loose.chmod(0o644)
-    done = _start(["tracker", "--port", "0", "--cluster-secret-file", str(loose)], base)
+    done = _start(["tracker", "--port", "0", "--join-token-file", str(loose),
+                   "--identity", str(tmp_path / "tracker.key")], base)
     assert done is not None and done.returncode == 2 and "chmod 600" in done.stderr
+    (tmp_path / "tracker.key").chmod(0o644)
+    done = _start(["tracker", "--port", "0", "--identity", str(tmp_path / "tracker.key")], base)
+    assert done is not None and done.returncode == 2 and "chmod 600" in done.stderr and "identity" in done.stderr
 
 
 KEY = "sk-dgr-test-" + uuid.uuid4().hex

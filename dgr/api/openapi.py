@@ -102,11 +102,15 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
             "/v1/stats": {"get": {"responses": {"200": {"description": "stats",
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
-            # signed with the cluster secret instead of an API key (401 unauthenticated or replayed otherwise)
+            # signed with the node's own key instead of an API key (401 unauthenticated or replayed otherwise;
+            # 409 identity_taken for a node id that belongs to another key)
             "/v1/nodes/register": {"post": {**open_, "requestBody": _json_body(_REGISTRATION),
-                                            "responses": {"200": _OK, **_errors(400, 401, 413)}}},
+                                            "responses": {"200": _OK, **_errors(400, 401, 409, 413)}}},
             "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
-                                             "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
+                                             "responses": {"200": _OK, **_errors(400, 401, 404, 409, 413)}}},
+            # advice for a joining node: which layers to serve (dgr.tracker.assign)
+            "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),
+                                    "responses": {"200": _OK, **_errors(400, 404, 413)}}},
         },
     }
 
@@ -117,15 +121,19 @@ _REGISTRATION = {"type": "object", "required": ["node", "url", "layers", "backen
     "node": {"type": "string"}, "url": {"type": "string"}, "pid": {"type": "integer"},
     "layers": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
     "backend": {"type": "string"}, "capacity": {"type": "integer"}, "max_positions": {"type": "integer"},
-    "describe": {"type": "object"}, "model": {"type": "object"},
+    "describe": {"type": "object"}, "model": {"type": "object"}, "tls_cert": {"type": "string"},
     "artifact": {"type": "object", "properties": {"manifest_id": {"type": "string"}, "seed": {"type": "string"}}}}}
+_ASSIGN = {"type": "object", "required": ["manifest_id", "memory_bytes"], "properties": {
+    "manifest_id": {"type": "string"}, "memory_bytes": {"type": "integer"}, "context": {"type": "integer"},
+    "sessions": {"type": "integer"}}}
 _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
     "node": {"type": "string"}, "sessions": {"type": "integer"}, "kv_bytes": {"type": "integer"},
     "session_ids": {"type": "array", "items": _SID}}}
 
 
 def node_openapi_document() -> dict[str, Any]:
-    """A node's control routes. With a cluster secret every session call needs `X-Dgr-Capability` (403)."""
+    """A node's control routes. A node with a tracker needs `X-Dgr-Capability`, signed by it, on every session
+    call (403)."""
     sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
     cap = [{"name": CAPABILITY_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
     return {

@@ -34,7 +34,7 @@ so that nothing already routed on the machine overlaps it. Node namespaces
 hold only their link and loopback, with a route to the /24 and no default
 route, so nothing else is reachable from them. The tracker listens on its
 own link's address only; that is not loopback, so it runs with a fresh
-cluster secret and API key, both passed in the environment, never in argv.
+join token and API key, both passed in the environment, never in argv.
 
 Cleanup: namespaces `dgrb-<pid>-<k>` and `dgrb-<pid>-hub`, and the root
 namespace's link `dgrb<pid>r0` are removed in a `finally`; on start, those
@@ -50,7 +50,6 @@ import collections
 import ctypes
 import fcntl
 import ipaddress
-import json
 import math
 import os
 import re
@@ -72,7 +71,7 @@ import httpx
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.procs import WatchedChild, ready_info
-from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 
 __all__ = [
     "LINK_KINDS",
@@ -433,7 +432,7 @@ class NetnsRoute:
         targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
                                       topology=self.topology)
         tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.tracker_link.addr],
-                               _clean_env(**{CLUSTER_ENV: self.secret, API_KEYS_ENV: self.api_key}))
+                               _clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
@@ -442,7 +441,7 @@ class NetnsRoute:
         for ln, layers in zip(self.links, splits):
             cmd = ["ip", "netns", "exec", ln.ns,
                    *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.addr]
-            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{CLUSTER_ENV: self.secret})))
+            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{JOIN_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)
         names = {f"node{ln.index}" for ln in self.links}

@@ -5,13 +5,19 @@ runs once per token per hop, and Quart's request and response objects cost
 more than the step's own bookkeeping. Everything else goes through Quart.
 
 Every call that names a Route Session carries its capability in
-`X-Dgr-Capability`; `NodeService.authorize` checks it (a no-op without a
-cluster secret) before the session is touched.
+`X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
+pinned at join (a node that has not joined refuses them; one with no
+tracker, on loopback, asks for none) before the session is touched.
+
+Layer-possession challenges are answered only when signed by the pinned
+tracker key and addressed to this node, and each answer is signed with this
+node's key over the challenge (nonce included): a node without the weights
+can neither get an honest node to answer its challenges nor pass off that
+node's answers as its own.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -44,6 +50,7 @@ __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
+_JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 
 
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
@@ -104,7 +111,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     @app.post("/v1/node/tokenize")
     async def tokenize():
         body = await read_json(MAX_TOKENIZE_BYTES)
-        if service.authority is not None:
+        if service.guarded:
             # tokenizing is work done for a Route Session: only for one the tracker opened
             sid = body.get("session")
             _authorize(sid if isinstance(sid, str) else "")
@@ -121,9 +128,12 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     async def artifact_challenge():
         art = _artifact()
         body = await read_json(_JSON_LIMIT)
+        await service.wait_joined(_JOIN_WAIT_S)
+        service.accept_challenge(body)
         # Reading and hashing a piece blocks; the limiter keeps a flood of
         # challenges from taking every worker thread.
-        return json_response(await trio.to_thread.run_sync(art.answer, body, limiter=art.limiter))
+        answer = await trio.to_thread.run_sync(art.answer, body, limiter=art.limiter)
+        return json_response(service.sign_answer(body, answer))
 
     @app.get("/v1/artifact")
     async def artifact_status():
@@ -168,11 +178,11 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
     hop = None
     if nxt is not None:
         if not isinstance(nxt, dict) or not all(isinstance(nxt.get(k), str) for k in ("node", "url")):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http:// url")
-        if not nxt["url"].startswith("http://") or (nxt.get("capability") is not None
-                                                     and not isinstance(nxt["capability"], str)):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http:// url")
-        hop = NextHop(nxt["node"], nxt["url"], nxt.get("capability"))
+            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http(s):// url")
+        if not nxt["url"].startswith(("http://", "https://")) or any(
+                nxt.get(k) is not None and not isinstance(nxt[k], str) for k in ("capability", "tls_cert")):
+            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http(s):// url")
+        hop = NextHop(nxt["node"], nxt["url"], nxt.get("capability"), nxt.get("tls_cert"))
     if (hop is None) != service.backend.is_tail:
         raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
     return RelayPlan(hop, service.tracker_url, cap)

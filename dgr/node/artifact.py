@@ -40,6 +40,7 @@ import trio
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import Challenge, answer_challenge
+from dgr.security.tls import TlsTrust
 from dgr.artifact.torrent import resume_path_for
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange, ShardBackend
@@ -190,10 +191,10 @@ async def _peers(client: httpx.AsyncClient, manifest: Manifest) -> list[dict[str
     return [p for p in r.json()["peers"] if p.get("seed")]
 
 
-async def _wait_for_peers(tracker: str, manifest: Manifest) -> list[dict[str, Any]]:
+async def _wait_for_peers(tracker: str, manifest: Manifest, tls: TlsTrust = TlsTrust()) -> list[dict[str, Any]]:
     """Peers that seed the manifest, once there is at least one; the caller's scope bounds the wait."""
     waiting = False
-    async with httpx.AsyncClient(base_url=tracker, timeout=5.0) as client:
+    async with httpx.AsyncClient(base_url=tracker, timeout=5.0, verify=tls.httpx_verify(tracker)) as client:
         while True:
             try:
                 peers = await _peers(client, manifest)
@@ -218,6 +219,7 @@ async def fetch_layers(
     *,
     listen_host: str = "127.0.0.1",
     timeout_s: float | None = None,
+    tls: TlsTrust = TlsTrust(),
 ) -> NodeArtifact:
     """Fetch the header, layers and globals from the tracker's peers; verify; record the digest.
 
@@ -236,7 +238,7 @@ async def fetch_layers(
     started = time.perf_counter()
     peers_seen = 0
     with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as scope:
-        peers = await _wait_for_peers(tracker, manifest)
+        peers = await _wait_for_peers(tracker, manifest, tls)
         peers_at = time.perf_counter()
         say(
             f"fetching layers {layers} of {manifest.file.name} (header, {len(layers)} layers, every global: "
@@ -338,6 +340,7 @@ def prepare_node_artifact(
     model_dir: str | Path | None = None,
     listen_host: str = "127.0.0.1",
     fetch_timeout_s: float | None = None,
+    tls_ca: str | None = None,
 ) -> NodeArtifact:
     """What `dgr node --manifest M [--fetch]` does before loading its backend: verify or fetch.
 
@@ -367,7 +370,7 @@ def prepare_node_artifact(
         into = Path(model_dir) if model_dir else default_model_dir(manifest)
         art = _run_interruptible(
             functools.partial(fetch_layers, manifest, layers, tracker, into, listen_host=listen_host,
-                              timeout_s=fetch_timeout_s)
+                              timeout_s=fetch_timeout_s, tls=TlsTrust(tls_ca))
         )
     else:
         from dgr.backends.factory import resolve_model

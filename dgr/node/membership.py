@@ -10,13 +10,24 @@ each registration; the tracker answers with the proof's state, and every
 heartbeat reply repeats it, so the node can say on stderr when its layers
 are proven (or why not).
 
-With a cluster secret every registration and heartbeat is signed over its
+Every registration and heartbeat is signed with the node's own key over its
 exact body bytes (dgr.security.auth.Signer), so the tracker can refuse
-forged and replayed ones. A 401 is not final: the tracker may be restarting
-with a rotated secret, a clock may be off for a while, or a signature may
-collide with a nonce it saw. The node says why on its log and retries with
-exponential backoff (`RETRY_MIN_S` doubling to `RETRY_MAX_S`), serving its
-open sessions meanwhile.
+forged and replayed ones and knows which key speaks for which node id. A
+registration also carries the join token's proof (when the node has a
+token), bound to that one signature. The reply carries the tracker's public
+key, which the node pins (`NodeService.join`): from then on it accepts only
+capabilities and challenges signed with it. With a join token, the node
+pins the key only if the reply proves the tracker holds the token too.
+
+The reply also says which URL and seed address the tracker recorded: a node
+bound to a wildcard address without `--advertise` is recorded at the source
+address the tracker saw, and the node shows that address.
+
+A refusal (401, or 409 for an id that belongs to another key) is not final:
+the tracker may be restarting with a rotated token, a clock may be off for a
+while, or a signature may collide with a nonce it saw. The node says why on
+its log and retries with exponential backoff (`RETRY_MIN_S` doubling to
+`RETRY_MAX_S`), serving its open sessions meanwhile.
 
 Each heartbeat lists the ids of the sessions the node holds, so the tracker
 can close the ones it no longer runs (a node it declared lost, an open whose
@@ -38,7 +49,9 @@ import trio
 from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
-from dgr.security.auth import Signer
+from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
+from dgr.security.identity import b64d
+from dgr.security.tls import TlsTrust
 
 __all__ = ["HEARTBEAT_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
 
@@ -48,11 +61,14 @@ RETRY_MIN_S = 1.0  # first wait after the tracker refused this node's credential
 RETRY_MAX_S = 30.0
 
 
-def registration(service: NodeService, url: str, artifact: NodeArtifact | None = None) -> dict[str, Any]:
+def registration(service: NodeService, url: str, artifact: NodeArtifact | None = None,
+                 tls_cert: str | None = None) -> dict[str, Any]:
     backend = service.backend
     claim = {} if artifact is None else {"artifact": artifact.claim()}
+    cert = {} if tls_cert is None else {"tls_cert": tls_cert}
     return {
         **claim,
+        **cert,
         "node": service.node_id,
         "url": url,
         "pid": os.getpid(),
@@ -94,29 +110,67 @@ def _decided(artifact: NodeArtifact | None) -> bool:
     return artifact is None or artifact.proof.get("state") in ("passed", "failed", "none")
 
 
-async def _post(client: httpx.AsyncClient, signer: Signer | None, path: str, data: dict[str, Any]) -> httpx.Response:
-    """POST `data` as JSON, signed over the exact bytes sent.
+async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict[str, Any],
+                join_token: bytes | None = None) -> tuple[httpx.Response, str]:
+    """POST `data` as JSON, signed over the exact bytes sent; the response and the signature sent.
 
     Raises:
-        CallerError(UNAUTHENTICATED | REPLAYED): the tracker refused our signature (or its absence).
+        CallerError(UNAUTHENTICATED | REPLAYED | IDENTITY_TAKEN): the tracker refused our key or signature.
     """
     body = json.dumps(data).encode()
-    headers = {"Content-Type": "application/json"}
-    if signer is not None:
-        headers.update(signer.headers("POST", path, body, time.time()))
+    headers = {"Content-Type": "application/json", **signer.headers("POST", path, body, time.time())}
+    if join_token is not None:
+        headers[JOIN_HEADER] = join_proof(join_token, signer.identity.public, headers["X-Dgr-Signature"])
     r = await client.post(path, content=body, headers=headers)
-    if r.status_code == 401:
+    if r.status_code in (401, 409):
         code, message = parse_error_body(r.content)
         try:
             reason = Reason(code)
         except ValueError:  # not an error body, or a code this node does not know
             reason = Reason.UNAUTHENTICATED
         raise CallerError(reason, f"the tracker refused this node ({reason.value}): {message}")
-    return r
+    return r, headers["X-Dgr-Signature"]
+
+
+def _why(exc: BaseException) -> str:
+    """An exception and its causes in one line: a TLS refusal hides under an empty transport error."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return "; ".join(parts) or "no detail"
+
+
+def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | None) -> None:
+    """Pin the tracker key a registration reply carries.
+
+    Raises:
+        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key pinned before.
+    """
+    try:
+        key = b64d(reply["tracker_key"])
+    except (KeyError, TypeError, ValueError):
+        raise CallerError(Reason.FORBIDDEN, "the tracker's reply carries no key to check capabilities with") from None
+    if join_token is not None and reply.get("tracker_proof") != tracker_join_proof(join_token, key, signature):
+        raise CallerError(Reason.FORBIDDEN, "the tracker did not prove it holds our join token: not pinning its key")
+    service.join(key)
+
+
+def _note_address(service: NodeService, reply: Any, url: str) -> None:
+    """Say where the tracker recorded us, when that is not where we bound (a wildcard address)."""
+    recorded = reply.get("url") if isinstance(reply, dict) else None
+    if isinstance(recorded, str) and recorded != url and recorded != service.advertised:
+        say(f"the tracker reaches this node at {recorded} (it saw the registration come from {reply.get('seen')})")
+    if isinstance(recorded, str):
+        service.advertised = recorded
 
 
 async def stay_registered(service: NodeService, tracker: str, url: str, *, artifact: NodeArtifact | None = None,
-                          secret: bytes | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                          join_token: bytes | None = None, tls_cert: str | None = None,
+                          tls: TlsTrust = TlsTrust(), transport: httpx.AsyncBaseTransport | None = None,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
@@ -126,22 +180,29 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     retried with backoff; `transport` is for in-process tests.
     """
     started = False
-    signer = None if secret is None else Signer(secret)
+    if service.identity is None:
+        raise CallerError(Reason.INVALID_REQUEST, "a node joins a tracker with its own key: it has no identity")
+    signer = Signer(service.identity)
     backoff = RETRY_MIN_S
-    async with httpx.AsyncClient(base_url=tracker, timeout=2.0, transport=transport) as client:
+    verify = tls.httpx_verify(tracker)
+    async with httpx.AsyncClient(base_url=tracker, timeout=2.0, transport=transport, verify=verify) as client:
         registered = False
         while True:
             try:
                 if not registered:
-                    r = await _post(client, signer, "/v1/nodes/register", registration(service, url, artifact))
+                    r, signature = await _post(client, signer, "/v1/nodes/register",
+                                               registration(service, url, artifact, tls_cert), join_token)
                     r.raise_for_status()
-                    _note_proof(artifact, r.json())
+                    reply = r.json()
+                    _pin(service, reply, signature, join_token)
+                    _note_address(service, reply, url)
+                    _note_proof(artifact, reply)
                     registered = True
                     log.info("registered with %s as %s", tracker, service.node_id)
                     if not started and _decided(artifact):
                         started = True
                         task_status.started()
-                r = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service))
+                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service))
                 if r.status_code == 404:
                     registered = False
                     continue
@@ -151,13 +212,14 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     started = True
                     task_status.started()
                 backoff = RETRY_MIN_S
-            except CallerError as exc:  # 401: our secret, our clock, or a replayed nonce
+            except CallerError as exc:  # 401/409: our key or token, our clock, a replayed nonce; or an impostor
                 registered = False
-                log.warning("%s; retrying in %gs (check the cluster secret and the clocks)", exc.message, backoff)
+                log.warning("%s; retrying in %gs (check the join token, the node's identity and the clocks)",
+                            exc.message, backoff)
                 await trio.sleep(backoff)
                 backoff = min(RETRY_MAX_S, backoff * 2)
                 continue
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
                 registered = False
-                log.warning("tracker %s unreachable or refused: %s", tracker, exc)
+                log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
             await trio.sleep(HEARTBEAT_S)

@@ -48,6 +48,7 @@ class NextHop:
     node: str
     url: str
     capability: str | None
+    tls_cert: str | None = None  # its registered certificate, pinned when `url` is https
 
 
 @attrs.frozen
@@ -82,7 +83,7 @@ class Relay:
     sid: str
     node_id: str
     plan: RelayPlan
-    pool: Callable[[str], ConnectionPool]  # url -> the node's pooled connections to it
+    pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _recv: trio.MemoryReceiveChannel = attrs.field(init=False)
 
@@ -140,7 +141,8 @@ class Relay:
             headers.append((CAPABILITY_HEADER, cap))
         target = STEP_PATH if nxt is not None else DELIVER_PATH
         try:
-            r = await self.pool(url).request("POST", target, item.frame, headers, sent=item.sent)
+            pool = self.pool(url) if nxt is None else self.pool(url, nxt.tls_cert)
+            r = await pool.request("POST", target, item.frame, headers, sent=item.sent)
         except TransportError as exc:
             if nxt is None:
                 log.warning("%s: cannot deliver session %s to the gateway: %s", self.node_id, self.sid, exc)

@@ -5,15 +5,24 @@ claims its layers at registration; seeding starts first so that the claim
 can carry the seed address, and the HTTP app before registration so that the
 tracker's challenges find it answering.
 
-With a cluster secret the node signs its membership messages and demands a
-capability on every session call. Without one it accepts any caller, so it
-refuses to listen anywhere but loopback.
+A node with a tracker signs its membership messages with its own key, pins
+the tracker's key when it joins, and demands a capability signed with that
+key on every session call. A node without a tracker accepts any caller, so
+it refuses to listen anywhere but loopback.
+
+Where it is reached: `advertise` (`--advertise URL`; the bound port when
+the URL names none) if given, else the bound address, except that a
+wildcard bind (0.0.0.0, ::) is recorded by the tracker at the source address
+it saw. The seed address follows the same rule. With `tls` (`--tls-cert`,
+`--tls-key`) it serves https and registers its certificate, which the
+tracker pins.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from urllib.parse import urlsplit
 
 import trio
 
@@ -24,10 +33,11 @@ from dgr.node.app import make_node_app
 from dgr.node.artifact import NodeArtifact, seed_artifact
 from dgr.node.membership import stay_registered
 from dgr.node.service import NodeService
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust, cert_pem
 from dgr.serve import print_ready, serve_app
 
-__all__ = ["run_node"]
+__all__ = ["run_node", "advertised_url"]
 
 
 async def _expire(service: NodeService) -> None:
@@ -36,32 +46,59 @@ async def _expire(service: NodeService) -> None:
         await service.expire_idle(time.monotonic())
 
 
+def advertised_url(bound: str, advertise: str | None) -> str:
+    """The URL to register: `advertise` (with the bound port if it names none), else the bound URL.
+
+    Raises:
+        CallerError(INVALID_REQUEST): `advertise` is not an http(s) URL.
+    """
+    if not advertise:
+        return bound
+    parts = urlsplit(advertise)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CallerError(Reason.INVALID_REQUEST, f"--advertise must look like https://HOST[:PORT], got {advertise!r}")
+    try:
+        port = parts.port or urlsplit(bound).port
+    except ValueError:
+        raise CallerError(Reason.INVALID_REQUEST, f"--advertise has a bad port: {advertise!r}") from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
+
+
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
-                   idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None, seed_port: int = 0,
-                   secret: bytes | None = None) -> None:
+                   identity: Identity, idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None,
+                   seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
+                   tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust()) -> None:
     """Serve until cancelled.
 
     Raises:
-        CallerError(INVALID_REQUEST): bound beyond loopback without a cluster secret.
+        CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
     """
-    if secret is None and not is_loopback(host):
+    if tracker is None and not is_loopback(host):
         raise CallerError(Reason.INVALID_REQUEST,
-                          f"a node listening on {host} needs a cluster secret (--cluster-secret-file or "
-                          "DGR_CLUSTER_SECRET): without one anyone who reaches it can open sessions")
-    authority = None if secret is None else CapabilityAuthority(secret)
-    service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, authority=authority,
-                          tracker_url=tracker.rstrip("/") if tracker else None)
+                          f"a node listening on {host} needs a tracker (--tracker): without one it has no key to "
+                          "check capabilities with, and anyone who reaches it could open sessions")
+    service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
+                          identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None)
     app = make_node_app(service, artifact=artifact)
+    seed_host = urlsplit(advertise).hostname if advertise else None
+    if seed_host and ":" in seed_host:
+        seed_host = f"[{seed_host}]"  # an IPv6 literal in HOST:PORT
     try:
         async with trio.open_nursery() as nursery:
             if artifact is not None:
                 await nursery.start(seed_artifact, artifact, host, seed_port)
+                if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
+                    artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
-            url = await nursery.start(serve_app, app, host, port)
+            bound = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
+            url = advertised_url(bound, advertise)
             nursery.start_soon(_expire, service)
             if tracker:
+                cert = cert_pem(tls_files[0]) if tls_files else None
                 await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact,
-                                                      secret=secret))
-            print_ready({"role": "node", "node": node_id, "url": url, "layers": str(backend.layers)})
+                                                      join_token=join_token, tls_cert=cert, tls=tls))
+            print_ready({"role": "node", "node": node_id, "url": service.advertised or url, "bound": bound,
+                         "key": identity.public_text, "layers": str(backend.layers)})
     finally:
         backend.close()

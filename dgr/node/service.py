@@ -16,12 +16,15 @@ after any of its steps already queued. Ended session ids are remembered
 (bounded) so a late frame is refused as `session_ended`, not
 `unknown_session`.
 
-Authorization: with a cluster secret (`authority`), every call that names a
-session (open, step, close, status, tokenize) must carry the capability the
-tracker issued for that session, this node and these layers
-(dgr.security.auth). It is checked before anything else about the session is
-looked at, so an unauthorized caller learns nothing and changes nothing.
-Without a secret (loopback development) no capability is asked for.
+Authorization: a node with a tracker (`joining`) pins the tracker's public
+key when it joins (`join`); from then on every call that names a session
+(open, step, close, status, tokenize) must carry the capability the tracker
+signed for that session, this node and these layers (dgr.security.auth).
+Before it has joined, such calls are refused. It is checked before anything
+else about the session is looked at, so an unauthorized caller learns
+nothing and changes nothing. A node without a tracker (loopback
+development) asks for no capability. The node holds no key that can make a
+capability: its own key signs only its messages and proof answers.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, sign_json, verify_json
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust
 
 __all__ = ["NodeService", "SeamStats"]
 
@@ -89,7 +94,13 @@ class NodeService:
     stats: SeamStats = attrs.field(factory=SeamStats)
     started_at: float = attrs.field(factory=time.monotonic)
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
-    authority: CapabilityAuthority | None = None  # None: no cluster secret, capabilities not required
+    authority: CapabilityAuthority | None = None  # the pinned tracker key; None: not joined (or no tracker)
+    joining: bool = False  # has a tracker: session calls need its capabilities, refused until joined
+    identity: Identity | None = None  # this node's key: signs its membership messages and proof answers
+    tracker_key: bytes | None = None  # pinned at join
+    advertised: str | None = None  # the URL the tracker recorded for this node
+    joined: trio.Event = attrs.field(factory=trio.Event)  # set once the tracker key is pinned
+    tls: TlsTrust = attrs.field(factory=TlsTrust)  # whom this node's own https calls trust
     scheduler: StepScheduler = attrs.field(init=False)
     # read once, before the scheduler owns the backend; fixed for the node's life
     capacity: int = attrs.field(init=False)
@@ -120,11 +131,63 @@ class NodeService:
                 for pool in self.pools.values():
                     await pool.aclose()
 
-    def pool(self, url: str) -> ConnectionPool:
-        p = self.pools.get(url)
+    def pool(self, url: str, pinned: str | None = None) -> ConnectionPool:
+        """Keep-alive connections to `url`; https trusts `pinned` (a registered certificate) or the CA file."""
+        key = url if pinned is None else f"{url} {hash(pinned)}"
+        p = self.pools.get(key)
         if p is None:
-            p = self.pools[url] = ConnectionPool(url)
+            ctx = self.tls.context(pinned) if url.startswith("https://") else None
+            p = self.pools[key] = ConnectionPool(url, ctx)
         return p
+
+    # -- trust ----------------------------------------------------------------
+    def join(self, tracker_key: bytes) -> None:
+        """Pin the tracker's public key: capabilities and challenges must be signed with it from now on.
+
+        Raises:
+            CallerError(FORBIDDEN): a different key than the one pinned (another tracker, or an impostor).
+        """
+        if self.tracker_key is not None and self.tracker_key != tracker_key:
+            raise CallerError(Reason.FORBIDDEN, "the tracker answered with another key than the one this node "
+                                                "pinned at join: restart the node to join a new tracker")
+        self.tracker_key = tracker_key
+        self.authority = CapabilityAuthority.verifier(tracker_key)
+        self.joined.set()
+
+    async def wait_joined(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for the tracker key: the tracker challenges a claim as soon as it registers it,
+        which may be before its reply (carrying the key) has reached this node."""
+        if self.joining and self.tracker_key is None:
+            with trio.move_on_after(wait_s):
+                await self.joined.wait()
+
+    @property
+    def guarded(self) -> bool:
+        """True when session calls need a capability."""
+        return self.joining or self.authority is not None
+
+    def accept_challenge(self, body: dict[str, Any]) -> None:
+        """Check that a layer-possession challenge comes from this node's tracker and is addressed to it.
+
+        Raises:
+            CallerError(FORBIDDEN): not joined, not signed by the pinned tracker key, or for another node.
+        """
+        if self.tracker_key is None:
+            raise CallerError(Reason.FORBIDDEN, f"{self.node_id} answers challenges only from the tracker it joined")
+        data = {k: v for k, v in body.items() if k != "tracker_signature"}
+        if not verify_json(self.tracker_key, CHALLENGE_DOMAIN, data, body.get("tracker_signature")):
+            raise CallerError(Reason.FORBIDDEN, "the challenge is not signed by this node's tracker")
+        if data.get("node") != self.node_id:
+            raise CallerError(Reason.FORBIDDEN, f"the challenge is addressed to {str(data.get('node'))[:100]!r}, "
+                                                f"not {self.node_id}: a node answers only its own challenges")
+
+    def sign_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+        """The answer, signed with this node's key together with the challenge (and its nonce) it answers."""
+        if self.identity is None:
+            return answer
+        challenge = {k: v for k, v in body.items() if k != "tracker_signature"}
+        return {**answer, "signature": sign_json(self.identity, ANSWER_DOMAIN,
+                                                 {"challenge": challenge, "answer": answer})}
 
     def _gauges(self):
         yield gauge("dgr_node_sessions", "Route Sessions holding KV on this node", [], [([], float(len(self.sessions)))])
@@ -143,6 +206,11 @@ class NodeService:
             CallerError(FORBIDDEN): missing, forged, expired, or for another session, node or layer range.
         """
         if self.authority is None:
+            if self.joining:
+                exc = CallerError(Reason.FORBIDDEN, f"{self.node_id} has not joined its tracker yet: "
+                                                    "it has no tracker key to check capabilities with")
+                self._refuse(exc)
+                raise exc
             return
         layers = self.backend.layers
         try:

@@ -15,7 +15,7 @@ from dgr.plan.cost import LLAMA_CPU_RUNTIME_BYTES, PlanParams, SeamHop, ShardCos
 from dgr.plan.latency import LatencyEstimate, decode_latency
 from dgr.plan.layout import KV_DTYPES, KvTerm, ModelLayout
 from dgr.plan.render import render_plan
-from dgr.plan.search import Plan, plan, plan_even
+from dgr.plan.search import Plan, fitting_ranges, plan, plan_even
 from dgr.plan.sizes import Node, format_size, parse_nodes, parse_size
 from dgr.plan.sources import layout_from_gguf, layout_from_json, layout_from_manifest, load_layout
 
@@ -40,6 +40,7 @@ __all__ = [
     "parse_size",
     "plan",
     "plan_even",
+    "fitting_ranges",
     "render_plan",
     "seam_hops",
     "shard_cost",

@@ -46,6 +46,7 @@ from dgr.plan.sizes import Node, format_size
 
 __all__ = [
     "Plan",
+    "fitting_ranges",
     "plan",
     "plan_even",
 ]
@@ -319,6 +320,15 @@ def plan(layout: ModelLayout, nodes: Sequence[Node], params: PlanParams | None =
         unused=tuple(x for x in nodes if id(x) not in used),
         hops=seam_hops(layout, params, ranges),
     )
+
+
+def fitting_ranges(layout: ModelLayout, params: PlanParams, node: Node) -> list[tuple[LayerRange, int]]:
+    """Every contiguous range `node` may serve alone, with its headroom: valid under the model's split
+    rules and within the node's memory. For a node joining a running route (dgr.tracker.assign)."""
+    pricer = _Pricer(layout, params)
+    n = layout.n_layers
+    return [(LayerRange(a, b), pricer.headroom(node, a, b)) for a in range(n) for b in range(a + 1, n + 1)
+            if pricer.valid(a, b) and pricer.headroom(node, a, b) >= 0]
 
 
 def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:

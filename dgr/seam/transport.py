@@ -6,6 +6,10 @@ about a millisecond per request here; this one does the minimum: one
 keep-alive connection per concurrent step per node, reused in LIFO order, no
 redirects, no cookies, no retries.
 
+An `https://` URL is spoken over TLS (trio.SSLStream) with the caller's
+SSL context (dgr.security.tls decides what it trusts); the handshake is part
+of opening a connection, so it is paid once per pooled connection.
+
 No retries on purpose: a seam step is not idempotent (the node advances its
 session when it accepts a frame), so a request that may have reached the node
 is never sent twice. A connection that broke is dropped and the caller sees
@@ -14,6 +18,7 @@ is never sent twice. A connection that broke is dropped and the caller sees
 
 from __future__ import annotations
 
+import ssl
 import time
 from urllib.parse import urlsplit
 
@@ -40,7 +45,7 @@ class HttpResponse:
 
 @attrs.define
 class _Conn:
-    stream: trio.SocketStream
+    stream: trio.abc.Stream
     h11: h11.Connection
     last_used: float
 
@@ -80,21 +85,34 @@ class ConnectionPool:
     """Keep-alive connections to one server."""
 
     url: str
+    ssl_context: ssl.SSLContext | None = None  # for https://; None: the system's default trust
     _idle: list[_Conn] = attrs.field(factory=list)
     _host: str = attrs.field(init=False)
     _port: int = attrs.field(init=False)
+    _tls: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         parts = urlsplit(self.url)
+        self._tls = parts.scheme == "https"
         self._host = parts.hostname or "127.0.0.1"
-        self._port = parts.port or 80
+        self._port = parts.port or (443 if self._tls else 80)
 
     async def _connect(self) -> _Conn:
         try:
-            stream = await trio.open_tcp_stream(self._host, self._port)
+            sock = await trio.open_tcp_stream(self._host, self._port)
         except OSError as exc:
             raise TransportError(f"connect to {self._host}:{self._port} failed: {exc}") from None
-        stream.setsockopt(6, 1, 1)  # TCP_NODELAY: a frame must not wait for Nagle
+        sock.setsockopt(6, 1, 1)  # TCP_NODELAY: a frame must not wait for Nagle
+        stream: trio.abc.Stream = sock
+        if self._tls:
+            ctx = self.ssl_context or ssl.create_default_context()
+            tls = trio.SSLStream(sock, ctx, server_hostname=self._host)
+            try:
+                await tls.do_handshake()
+            except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
+                await sock.aclose()
+                raise TransportError(f"TLS handshake with {self._host}:{self._port} failed: {exc}") from None
+            stream = tls
         return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic())
 
     async def request(self, method: str, target: str, body: bytes = b"",
@@ -114,7 +132,7 @@ class ConnectionPool:
         try:
             response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body, sent)
             ok = True
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+        except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
         finally:
             if not ok:

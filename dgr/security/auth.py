@@ -1,28 +1,38 @@
-"""Signed control messages and Route Session capabilities, with no I/O.
+"""Signed control messages, admission, and Route Session capabilities, with no I/O.
 
-Two mechanisms, one secret (the cluster secret, shared by the tracker and
-its nodes):
+Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
 
-1. Signed requests (registration, heartbeats): the sender puts a timestamp,
-   a random nonce and an HMAC-SHA256 over (method, path, timestamp, nonce,
-   body) in headers. The receiver checks the MAC, refuses a timestamp more
-   than `MAX_SKEW_S` away from its clock, and refuses a nonce it has already
-   seen inside that window, so a captured registration cannot be replayed.
+1. Signed requests (registration, heartbeats): the sender puts its public
+   key, a timestamp, a random nonce and an Ed25519 signature over (method,
+   path, timestamp, nonce, body) in headers. The receiver checks the
+   signature against the key in the request, refuses a timestamp more than
+   `MAX_SKEW_S` away from its clock, and a nonce it has already seen inside
+   that window, so a captured registration cannot be replayed. A valid
+   signature proves only who sent it; whether that key may join is
+   `Admission`'s question, and which node id it may speak for is the
+   registry's (an id is bound to one key for the tracker's life).
 
-2. Capabilities: for each Route Session the tracker issues, per hop, a token
-   binding session id, node id, layer range and expiry, MACed with a key
-   derived from the cluster secret (domain-separated from request signing).
-   A node checks it on every seam call against the frame's session and its
-   own id and layers. Without one nobody can open a session on a node, inject
-   a frame into another session, or read its output.
+2. Admission: a tracker admits a new key if it is listed (`--allow-node`),
+   or if the registration proves knowledge of the join token: `X-Dgr-Join =
+   HMAC(K_join, key || request signature)`, `K_join = HMAC(token,
+   "dgr/v1/join")`. The token itself never crosses the wire, and the proof
+   is bound to one signed request, so it cannot be lifted onto another.
+   The tracker answers with its own key and, when it has a token,
+   `HMAC(K_join, "tracker" || tracker key || request signature)`, so a node
+   with the token knows it pinned the key of a tracker that has it too.
 
-Keys derive from the secret with HMAC(secret, purpose) so one leaked MAC
-cannot be reused in the other role. Comparisons are constant-time.
+3. Capabilities: for each Route Session the tracker issues, per hop, a token
+   binding session id, node id, layer range and expiry, signed with the
+   tracker's private key. A node checks it on every seam call with the
+   tracker key it pinned at join, against the frame's session and its own id
+   and layers. A node holds no key that can make one.
+
+Signatures are domain-separated (`identity.Identity.sign`), so a signature
+made in one role is never valid in another.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import hashlib
 import hmac
@@ -33,71 +43,116 @@ from typing import Any
 import attrs
 
 from dgr.errors import CallerError, Reason
+from dgr.security.identity import Identity, b64d, b64e, verify
 
 __all__ = [
     "MAX_SKEW_S",
     "Signer",
     "Verifier",
+    "Admission",
     "Capability",
     "CapabilityAuthority",
     "SIG_HEADERS",
+    "JOIN_HEADER",
+    "join_proof",
+    "tracker_join_proof",
+    "sign_json",
+    "verify_json",
+    "CHALLENGE_DOMAIN",
+    "ANSWER_DOMAIN",
 ]
 
 MAX_SKEW_S = 30.0
 CAPABILITY_TTL_S = 3600.0
-SIG_HEADERS = ("x-dgr-timestamp", "x-dgr-nonce", "x-dgr-signature")
+SIG_HEADERS = ("x-dgr-key", "x-dgr-timestamp", "x-dgr-nonce", "x-dgr-signature")
+JOIN_HEADER = "X-Dgr-Join"
+_REQUEST = b"dgr/v1/request"
+_CAPABILITY = b"dgr/v1/capability"
+CHALLENGE_DOMAIN = b"dgr/v1/challenge"  # the tracker signs each layer-possession challenge it sends
+ANSWER_DOMAIN = b"dgr/v1/proof-answer"  # a node signs its answer together with the challenge it answers
 
 
-def _key(secret: bytes, purpose: bytes) -> bytes:
-    return hmac.new(secret, b"dgr/v1/" + purpose, hashlib.sha256).digest()
+def _framed(*parts: bytes) -> bytes:
+    """Length-prefixed parts, so no two different part lists encode the same bytes."""
+    return b"".join(len(p).to_bytes(8, "big") + p for p in parts)
 
 
-def _mac(key: bytes, *parts: bytes) -> str:
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        h.update(len(p).to_bytes(8, "big"))
-        h.update(p)
-    return h.hexdigest()
+def _join_key(token: bytes) -> bytes:
+    return hmac.new(token, b"dgr/v1/join", hashlib.sha256).digest()
+
+
+def join_proof(token: bytes, public: bytes, signature: str) -> str:
+    """What a node sends in `X-Dgr-Join`: its knowledge of the token, bound to one signed request."""
+    return hmac.new(_join_key(token), _framed(public, signature.encode()), hashlib.sha256).hexdigest()
+
+
+def tracker_join_proof(token: bytes, tracker_public: bytes, signature: str) -> str:
+    """What a tracker with the token answers a registration with: its key, vouched for by the token."""
+    return hmac.new(_join_key(token), _framed(b"tracker", tracker_public, signature.encode()),
+                    hashlib.sha256).hexdigest()
+
+
+def _canonical(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_json(identity: Identity, domain: bytes, data: dict[str, Any]) -> str:
+    """A signature over a JSON object's canonical form (sorted keys, no spaces)."""
+    return b64e(identity.sign(domain, _canonical(data)))
+
+
+def verify_json(public: bytes, domain: bytes, data: dict[str, Any], signature: Any) -> bool:
+    """True if `signature` is `public`'s over `data`'s canonical form; False for anything malformed."""
+    try:
+        raw = b64d(signature)
+        message = _canonical(data)
+    except (ValueError, TypeError):
+        return False
+    return verify(public, domain, message, raw)
 
 
 @attrs.frozen
 class Signer:
-    secret: bytes
+    identity: Identity
 
     def headers(self, method: str, path: str, body: bytes, now: float) -> dict[str, str]:
         ts = f"{now:.3f}"
         nonce = secrets.token_hex(16)
-        sig = _mac(_key(self.secret, b"request"), method.upper().encode(), path.encode(), ts.encode(),
-                   nonce.encode(), body)
-        return {"X-Dgr-Timestamp": ts, "X-Dgr-Nonce": nonce, "X-Dgr-Signature": sig}
+        sig = self.identity.sign(_REQUEST, _framed(method.upper().encode(), path.encode(), ts.encode(),
+                                                   nonce.encode(), body))
+        return {"X-Dgr-Key": self.identity.public_text, "X-Dgr-Timestamp": ts, "X-Dgr-Nonce": nonce,
+                "X-Dgr-Signature": b64e(sig)}
 
 
 @attrs.define
 class Verifier:
     """Checks signed requests; remembers nonces for the skew window to refuse replays."""
 
-    secret: bytes
     _seen: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # nonce -> timestamp
 
-    def check(self, method: str, path: str, body: bytes, headers: dict[str, str], now: float) -> None:
-        """Raises: CallerError(UNAUTHENTICATED | REPLAYED). Records the nonce only on success."""
-        ts, nonce, sig = (headers.get(h, "") for h in SIG_HEADERS)
-        if not (ts and nonce and sig):
-            raise CallerError(Reason.UNAUTHENTICATED, "this request must be signed with the cluster secret")
+    def check(self, method: str, path: str, body: bytes, headers: dict[str, str], now: float) -> bytes:
+        """The signer's public key, once the signature holds. Records the nonce only on success.
+
+        Raises: CallerError(UNAUTHENTICATED | REPLAYED).
+        """
+        key, ts, nonce, sig = (headers.get(h, "") for h in SIG_HEADERS)
+        if not (key and ts and nonce and sig):
+            raise CallerError(Reason.UNAUTHENTICATED, "this request must be signed with the node's key")
         try:
             when = float(ts)
+            public, raw = b64d(key), b64d(sig)
         except ValueError:
-            raise CallerError(Reason.UNAUTHENTICATED, "bad signature timestamp") from None
-        want = _mac(_key(self.secret, b"request"), method.upper().encode(), path.encode(), ts.encode(),
-                    nonce.encode(), body)
-        if not hmac.compare_digest(want, sig):
-            raise CallerError(Reason.UNAUTHENTICATED, "bad signature: wrong cluster secret or altered request")
+            raise CallerError(Reason.UNAUTHENTICATED, "bad signature: malformed key, timestamp or signature") from None
+        message = _framed(method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), body)
+        if not verify(public, _REQUEST, message, raw):
+            raise CallerError(Reason.UNAUTHENTICATED, "bad signature: not this key's, or the request was altered")
         if abs(now - when) > MAX_SKEW_S:
             raise CallerError(Reason.REPLAYED, f"signature timestamp is {now - when:+.0f}s off; clocks or a replay")
         self._forget(now)
         if nonce in self._seen:
             raise CallerError(Reason.REPLAYED, "this signed request was already used (replay)")
         self._seen[nonce] = when
+        return public
 
     def _forget(self, now: float) -> None:
         while self._seen:
@@ -105,6 +160,32 @@ class Verifier:
             if now - when <= 2 * MAX_SKEW_S:
                 break
             self._seen.popitem(last=False)
+
+
+@attrs.frozen
+class Admission:
+    """Which keys a tracker lets join: holders of the join token, and listed keys.
+
+    With neither, every key is admitted (a loopback tracker only: see dgr.tracker.run).
+    """
+
+    token: bytes | None = None
+    allowed: frozenset[bytes] = frozenset()
+
+    @property
+    def open(self) -> bool:
+        return self.token is None and not self.allowed
+
+    def admit(self, public: bytes, signature: str, proof: str | None) -> None:
+        """Raises: CallerError(UNAUTHENTICATED): neither listed nor holding the join token."""
+        if self.open or public in self.allowed:
+            return
+        if not proof:
+            raise CallerError(Reason.UNAUTHENTICATED,
+                              f"key {b64e(public)} is not admitted: this tracker needs the join token "
+                              "(--join-token-file or DGR_JOIN_TOKEN) or --allow-node for the key")
+        if self.token is None or not hmac.compare_digest(join_proof(self.token, public, signature), proof):
+            raise CallerError(Reason.UNAUTHENTICATED, "bad join proof: the node's join token is not this tracker's")
 
 
 @attrs.frozen
@@ -122,30 +203,45 @@ class Capability:
 
 @attrs.frozen
 class CapabilityAuthority:
-    """Issues (tracker) and checks (node) capability tokens."""
+    """Checks capability tokens with the tracker's public key; issues them only with its private key.
 
-    secret: bytes
+    A node's authority is `verifier(pinned tracker key)`: it can check but never issue.
+    """
+
+    public: bytes
+    identity: Identity | None = None
+
+    @classmethod
+    def issuer(cls, identity: Identity) -> CapabilityAuthority:
+        return cls(identity.public, identity)
+
+    @classmethod
+    def verifier(cls, public: bytes) -> CapabilityAuthority:
+        return cls(public)
 
     def issue(self, session: str, node: str, start: int, stop: int, now: float,
               ttl_s: float = CAPABILITY_TTL_S) -> str:
-        cap = Capability(session, node, start, stop, round(now + ttl_s, 3))
-        payload = cap.payload()
-        mac = _mac(_key(self.secret, b"capability"), payload)
-        return base64.urlsafe_b64encode(payload).decode().rstrip("=") + "." + mac
+        """Raises: CallerError(FORBIDDEN): this authority holds no private key (it is a node's)."""
+        if self.identity is None:
+            raise CallerError(Reason.FORBIDDEN, "only the tracker can issue capabilities")
+        payload = Capability(session, node, start, stop, round(now + ttl_s, 3)).payload()
+        return b64e(payload) + "." + b64e(self.identity.sign(_CAPABILITY, payload))
 
     def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float) -> Capability:
         """Raises: CallerError(FORBIDDEN) naming what does not match."""
         if not token:
             raise CallerError(Reason.FORBIDDEN, "a Route Session capability is required")
-        body, _, mac = token.partition(".")
+        body, _, sig = token.partition(".")
         try:
-            payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+            payload = b64d(body)
             data: dict[str, Any] = json.loads(payload)
             cap = Capability(str(data["s"]), str(data["n"]), int(data["l"][0]), int(data["l"][1]), float(data["e"]))
+            raw = b64d(sig)
         except (ValueError, KeyError, TypeError, IndexError):
             raise CallerError(Reason.FORBIDDEN, "malformed capability") from None
-        if not hmac.compare_digest(_mac(_key(self.secret, b"capability"), payload), mac):
-            raise CallerError(Reason.FORBIDDEN, "capability signature does not verify (forged or altered)")
+        if not verify(self.public, _CAPABILITY, payload, raw):
+            raise CallerError(Reason.FORBIDDEN,
+                              "capability signature does not verify with the tracker's key (forged or altered)")
         if cap.expires < now:
             raise CallerError(Reason.FORBIDDEN, "capability expired")
         if cap.session != session:

@@ -1,10 +1,14 @@
 """Where secrets come from: a file or an environment variable, never argv.
 
 A secret on the command line is visible to every user through `ps` and
-/proc, so dgr reads the cluster secret and API keys only from a file
-(`--cluster-secret-file`, `--api-key-file`) or from the environment
-(`DGR_CLUSTER_SECRET`, `DGR_API_KEYS`). `dgr up` generates a fresh cluster
-secret per local route and hands it to its children in the environment.
+/proc, so dgr reads the join token and API keys only from a file
+(`--join-token-file`, `--api-key-file`) or from the environment
+(`DGR_JOIN_TOKEN`, `DGR_API_KEYS`). `dgr up` generates a fresh join token
+per local route and hands it to its children in the environment.
+
+The join token only admits a node's key to a tracker (dgr.security.auth):
+it signs nothing, so a node that holds it can join but cannot mint
+capabilities or speak for another node.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from pathlib import Path
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["CLUSTER_ENV", "API_KEYS_ENV", "load_cluster_secret", "load_api_keys", "new_secret", "MIN_SECRET_BYTES"]
+__all__ = ["JOIN_ENV", "API_KEYS_ENV", "load_join_token", "load_api_keys", "new_secret", "MIN_SECRET_BYTES"]
 
-CLUSTER_ENV = "DGR_CLUSTER_SECRET"
+JOIN_ENV = "DGR_JOIN_TOKEN"
 API_KEYS_ENV = "DGR_API_KEYS"
 MIN_SECRET_BYTES = 16
 
@@ -40,18 +44,18 @@ def _read(path: str | Path, what: str) -> str:
     return text
 
 
-def load_cluster_secret(path: str | None) -> bytes | None:
-    """The cluster secret from `path` or $DGR_CLUSTER_SECRET; None when neither is set.
+def load_join_token(path: str | None) -> bytes | None:
+    """The join token from `path` or $DGR_JOIN_TOKEN; None when neither is set.
 
     Raises:
         CallerError(INVALID_REQUEST): unreadable, world-readable or too short.
     """
-    text = _read(path, "cluster secret") if path else os.environ.get(CLUSTER_ENV, "").strip()
+    text = _read(path, "join token") if path else os.environ.get(JOIN_ENV, "").strip()
     if not text:
         return None
     raw = text.encode()
     if len(raw) < MIN_SECRET_BYTES:
-        raise CallerError(Reason.INVALID_REQUEST, f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise CallerError(Reason.INVALID_REQUEST, f"the join token must be at least {MIN_SECRET_BYTES} bytes")
     return raw
 
 

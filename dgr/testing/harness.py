@@ -11,9 +11,11 @@ can then, at a chosen phase and step of a Route Session:
 Everything is bounded in time, uses 127.0.0.1 only, and stops every process
 it started, even when a test fails.
 
-The route's cluster secret is made here and handed to `dgr up` in the
-environment, so tests can mint capabilities and sign membership messages
-(`capability`, `signed`) the way the tracker and nodes do, and forge bad ones.
+The route's join token is made here and handed to `dgr up` in the
+environment, and its keys live in a folder made here (`dgr up
+--identity-dir`), so tests can mint capabilities with the tracker's key and
+sign membership messages with a key of their own (`capability`, `signed`)
+the way the tracker and nodes do, and forge bad ones.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -34,8 +39,9 @@ import httpx
 
 from dgr.errors import PeerError
 from dgr.procs import WatchedChild, dgr_command, die_with_parent
-from dgr.security.auth import CapabilityAuthority, Signer
-from dgr.security.secrets import API_KEYS_ENV, CLUSTER_ENV, new_secret
+from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_proof
+from dgr.security.identity import Identity
+from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, STEP_PATH
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
@@ -94,7 +100,9 @@ class LocalRoute:
     proc: subprocess.Popen | None = None
     log_lines: list[str] = attrs.field(factory=list)
     restarted: list[subprocess.Popen] = attrs.field(factory=list)
-    secret: str = attrs.field(factory=new_secret)  # the route's cluster secret
+    join_token: str = attrs.field(factory=new_secret)  # admits the route's nodes (and the harness's guest key)
+    keys: Path | None = None  # the route's key folder (tracker.key, nodeN.key); made by `start`
+    guest: Identity = attrs.field(factory=Identity.generate)  # a key of the harness's own, for test registrations
     api_key: str | None = None  # when set, the tracker requires it (DGR_API_KEYS) and the harness sends it
     _threads: list[threading.Thread] = attrs.field(factory=list)
 
@@ -112,7 +120,7 @@ class LocalRoute:
         return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, CLUSTER_ENV: self.secret}
+        env = {**os.environ, JOIN_ENV: self.join_token}
         if self.api_key is not None:
             env[API_KEYS_ENV] = self.api_key
         else:
@@ -120,21 +128,35 @@ class LocalRoute:
         return env
 
     # -- credentials, as the tracker and nodes make them ---------------------------
+    @property
+    def tracker_identity(self) -> Identity:
+        """The tracker's key, read from the route's key folder."""
+        if self.keys is None:
+            raise RouteTimeout("the route has not started")
+        return Identity.load(self.keys / "tracker.key", create=False)
+
     def capability(self, sid: str, name: str, *, ttl_s: float = 60.0, layers: tuple[int, int] | None = None,
-                   secret: str | None = None, node: str | None = None) -> dict[str, str]:
-        """The X-Dgr-Capability header for session `sid` on node `name` (override parts to forge one)."""
+                   identity: Identity | None = None, node: str | None = None) -> dict[str, str]:
+        """The X-Dgr-Capability header for session `sid` on node `name`, signed with the tracker's key
+        (override parts, or sign with another `identity`, to forge one)."""
         if layers is None:
             a, b = self.node(name)["layers"].split(":")
             layers = (int(a), int(b))
-        authority = CapabilityAuthority((secret or self.secret).encode())
+        authority = CapabilityAuthority.issuer(identity or self.tracker_identity)
         token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s)
         return {CAPABILITY_HEADER: token}
 
-    def signed(self, path: str, body: bytes, *, secret: str | None = None, now: float | None = None) -> dict[str, str]:
-        """Headers of a membership message signed with the route's secret (or `secret`)."""
-        signer = Signer((secret or self.secret).encode())
-        return {"Content-Type": "application/json",
-                **signer.headers("POST", path, body, time.time() if now is None else now)}
+    def signed(self, path: str, body: bytes, *, identity: Identity | None = None, now: float | None = None,
+               join_token: str | None = None, join: bool = True) -> dict[str, str]:
+        """Headers of a membership message signed with the harness's guest key (or `identity`), carrying
+        the proof of the route's join token (or `join_token`; none when not `join`)."""
+        signer = Signer(identity or self.guest)
+        headers = {"Content-Type": "application/json",
+                   **signer.headers("POST", path, body, time.time() if now is None else now)}
+        if join:
+            token = (join_token or self.join_token).encode()
+            headers[JOIN_HEADER] = join_proof(token, signer.identity.public, headers["X-Dgr-Signature"])
+        return headers
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> "LocalRoute":
@@ -145,8 +167,10 @@ class LocalRoute:
         self.close()
 
     def start(self) -> None:
+        if self.keys is None:
+            self.keys = Path(tempfile.mkdtemp(prefix="dgr-route-keys-"))
         cmd = dgr_command("up", "--backend", self.backend, "--nodes", str(self.nodes), "--port", str(self.port),
-                          *self.extra)
+                          "--identity-dir", str(self.keys), *self.extra)
         child = WatchedChild.spawn("dgr up", cmd, env=self.env(), is_ready=_serving_port)
         self.proc, self.log_lines = child.popen, child.lines  # the reader keeps filling log_lines
         try:
@@ -163,6 +187,9 @@ class LocalRoute:
                 _signal(n, signal.SIGCONT)  # a stopped child cannot handle SIGTERM
             _stop(self.proc)
             self.proc = None
+        if self.keys is not None:
+            shutil.rmtree(self.keys, ignore_errors=True)
+            self.keys = None
 
     # -- registry ---------------------------------------------------------------
     def node_table(self) -> list[dict[str, Any]]:
@@ -215,7 +242,8 @@ class LocalRoute:
     def restart_node(self, name: str, layers: str, timeout_s: float = 120.0) -> subprocess.Popen:
         """Start a fresh `dgr node` with the same name and layers; wait until it is alive."""
         cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
-                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra())
+                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra(),
+                          *(["--identity", str(self.keys / f"{name}.key")] if self.keys is not None else []))
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
                              env=self.env())
         self.restarted.append(p)

@@ -5,11 +5,14 @@ a `Registry` and a `Gateway` whose `connect` reaches each node's ASGI app
 through httpx's `ASGITransport`, seam steps included. So gateway tests run
 the real node code paths inside one `trio.run`, and decide themselves when
 a node registers or heartbeats (`register`, `heartbeat`), with the payloads
-the real membership loop sends.
+the real membership loop sends, under each node's own key (`signed` makes the
+headers of a membership message for a node, as its membership loop would).
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, Callable
 
@@ -22,6 +25,8 @@ from dgr.backends.stub import StubBackend, StubSpec
 from dgr.node.app import make_node_app
 from dgr.node.membership import heartbeat_body, registration
 from dgr.node.service import NodeService
+from dgr.security.auth import Signer
+from dgr.security.identity import Identity
 from dgr.seam.transport import HttpResponse
 from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.registry import NodeEntry, Registry
@@ -68,7 +73,7 @@ class InProcRoute:
         for i, (a, b) in enumerate(splits):
             ctx = n_ctx[i] if i < len(n_ctx) else None
             backend = StubBackend(spec=spec, layers=LayerRange(a, b), delay_s=delay_s, capacity=capacity, n_ctx=ctx)
-            service = NodeService(backend=backend, node_id=f"n{i}")
+            service = NodeService(backend=backend, node_id=f"n{i}", identity=Identity.generate())
             service.scheduler.inline = inline
             url = f"http://n{i}.test:{8000 + i}"
             services.append(service)
@@ -96,10 +101,20 @@ class InProcRoute:
         return self.wrap(client)
 
     def register(self, i: int) -> NodeEntry:
-        return self.registry.register(registration(self.services[i], self.urls[i]), trio.current_time())
+        service = self.services[i]
+        return self.registry.register(registration(service, self.urls[i]), trio.current_time(),
+                                      key=service.identity.public)
 
     def heartbeat(self, i: int) -> NodeEntry:
-        return self.registry.heartbeat(heartbeat_body(self.services[i]), trio.current_time())
+        service = self.services[i]
+        return self.registry.heartbeat(heartbeat_body(service), trio.current_time(), key=service.identity.public)
+
+    def signed(self, i: int, path: str, data: Any) -> tuple[bytes, dict[str, str]]:
+        """(body, headers) of a membership message for node `i`, signed with its key (no join token)."""
+        body = json.dumps(data, allow_nan=True).encode()
+        headers = {"Content-Type": "application/json",
+                   **Signer(self.services[i].identity).headers("POST", path, body, time.time())}
+        return body, headers
 
     def register_all(self) -> None:
         for i in range(len(self.services)):

@@ -1,10 +1,12 @@
 """The tracker's HTTP face: node registry, the OpenAI API, Route Session telemetry, artifact peers.
 
 Who may call what (spec/security.md):
-- registration and heartbeats must be signed with the cluster secret when the
-  tracker has one (`unauthenticated` or `replayed`, 401, and the registry is
-  untouched); a tracker without one refuses signed ones, which mean a node
-  configured for another cluster;
+- registration and heartbeats must be signed with the node's own key
+  (`unauthenticated` or `replayed`, 401, and the registry is untouched); a
+  registration's key must be admitted (the join token's proof, or
+  `--allow-node`), and a node id belongs to the first key that registered it
+  (`identity_taken`, 409). The registration's reply carries the tracker's
+  public key, which the node pins to check capabilities and challenges with;
 - with API keys, the OpenAI endpoints and the telemetry views need
   `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise);
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
@@ -41,7 +43,8 @@ from dgr.seam.wire import DELIVER_PATH, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
 from dgr.security.api_keys import check_bearer
-from dgr.security.auth import SIG_HEADERS, Verifier
+from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
+from dgr.security.identity import Identity
 from dgr.tracker.proofs import Prover
 
 __all__ = ["make_tracker_app"]
@@ -52,7 +55,7 @@ TELEMETRY_EVERY_S = 0.25
 # Paths (and their subpaths) that need an API key when keys are configured.
 _KEYED = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/route-sessions", "/v1/stats",
           "/v1/nodes", "/metrics")
-_MEMBERSHIP = ("/v1/nodes/register", "/v1/nodes/heartbeat")  # the cluster secret guards these instead
+_MEMBERSHIP = ("/v1/nodes/register", "/v1/nodes/heartbeat")  # node keys and admission guard these instead
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -65,18 +68,20 @@ def _comment(snapshot: dict[str, Any]) -> bytes:
 
 
 def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
-                     prover: Prover | None = None, secret: bytes | None = None,
-                     api_keys: frozenset[str] = frozenset()) -> QuartTrio:
+                     prover: Prover | None = None, identity: Identity | None = None,
+                     admission: Admission = Admission(), api_keys: frozenset[str] = frozenset()) -> QuartTrio:
     """The tracker's app. Without a prover, every Model Artifact claim fails (nothing can check it).
 
-    `secret` is the cluster secret that membership messages must be signed
-    with; `api_keys`, when not empty, guard the OpenAI and telemetry endpoints.
+    `identity` is the tracker's key (its public half goes to every node that
+    registers; the gateway's authority signs capabilities with it);
+    `admission` says which node keys may register; `api_keys`, when not
+    empty, guard the OpenAI and telemetry endpoints.
     """
     app = QuartTrio("dgr.tracker")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     install_error_handlers(app)
     registry = gateway.registry
-    verifier = None if secret is None else Verifier(secret)
+    verifier = Verifier()
 
     @app.before_request
     async def _api_key():
@@ -86,32 +91,39 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         if any(path == p or path.startswith(p + "/") for p in _KEYED):
             check_bearer(request.headers.get("Authorization"), api_keys)
 
-    async def _membership_json() -> dict[str, Any]:
-        """A membership message's body, once its signature holds; nothing is parsed before.
+    async def _membership_json(*, joining: bool = False) -> tuple[dict[str, Any], bytes, str]:
+        """A membership message's body, signer key and signature, once the signature holds (and, `joining`,
+        the key is admitted); nothing is parsed before.
 
         Raises:
             CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE | INVALID_JSON | INVALID_REQUEST)
         """
         raw = await read_body(_REGISTRY_LIMIT)
         headers = {h: request.headers.get(h, "") for h in SIG_HEADERS}
-        if verifier is not None:
-            verifier.check(request.method, request.path, raw, headers, time.time())
-        elif headers["x-dgr-signature"]:
-            raise CallerError(Reason.UNAUTHENTICATED,
-                              "this tracker has no cluster secret but the node signs its messages: "
-                              "give the tracker the same secret")
-        return parse_json(raw)
+        key = verifier.check(request.method, request.path, raw, headers, time.time())
+        if joining:
+            admission.admit(key, headers["x-dgr-signature"], request.headers.get(JOIN_HEADER))
+        return parse_json(raw), key, headers["x-dgr-signature"]
 
     # -- node registry ----------------------------------------------------------
     @app.post("/v1/nodes/register")
     async def register():
-        entry = registry.register(await _membership_json(), trio.current_time())
+        data, key, signature = await _membership_json(joining=True)
+        seen = request.remote_addr if isinstance(request.remote_addr, str) else None
+        entry = registry.register(data, trio.current_time(), key=key, seen=seen)
         (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
-        return json_response({"node": entry.node_id, "registered": True, "proof": entry.proof.to_json()})
+        reply: dict[str, Any] = {"node": entry.node_id, "registered": True, "proof": entry.proof.to_json(),
+                                 "url": entry.url, "seed": entry.seed, "seen": seen}
+        if identity is not None:
+            reply["tracker_key"] = identity.public_text
+            if admission.token is not None:
+                reply["tracker_proof"] = tracker_join_proof(admission.token, identity.public, signature)
+        return json_response(reply)
 
     @app.post("/v1/nodes/heartbeat")
     async def heartbeat():
-        entry = registry.heartbeat(await _membership_json(), trio.current_time())
+        data, key, _ = await _membership_json()
+        entry = registry.heartbeat(data, trio.current_time(), key=key)
         # The node learns its proof verdict here, to show it to its operator.
         return json_response({"ok": True, "proof": entry.proof.to_json()})
 
@@ -138,6 +150,33 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         return json_response({"manifest_id": manifest_id, "peers": [
             {"node": n.node_id, "seed": n.seed, "layers": f"{n.start}:{n.stop}"} for n in registry.seeders(manifest_id)
         ]})
+
+    layouts: dict[str, Any] = {}  # manifest id -> its ModelLayout, priced once
+
+    @app.post("/v1/assign")
+    async def assign():
+        """The layers a joining node should serve (dgr.tracker.assign): advice, open like the peer lists."""
+        # imported here: the planner pulls in gguf, which a tracker without manifests never needs
+        from dgr.plan import PlanParams
+        from dgr.plan.sources import layout_from_manifest
+        from dgr.tracker.assign import assign_layers, coverage
+
+        body = await read_json(_REGISTRY_LIMIT)
+        manifest_id = body.get("manifest_id")
+        manifest = prover.manifests.get(manifest_id) if prover is not None and isinstance(manifest_id, str) else None
+        if manifest is None:
+            raise CallerError(Reason.NOT_FOUND, f"this tracker does not know manifest {str(manifest_id)[:12]}: "
+                                                "start it with --manifest for that file")
+        numbers = {k: body.get(k, d) for k, d in (("memory_bytes", None), ("context", 4096), ("sessions", 1))}
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2 ** 62 for v in numbers.values()):
+            raise CallerError(Reason.INVALID_REQUEST, "memory_bytes, context and sessions must be positive integers")
+        layout = layouts.get(manifest.id)
+        if layout is None:
+            layout = layouts[manifest.id] = layout_from_manifest(manifest.to_json())
+        params = PlanParams(context=numbers["context"], sessions=numbers["sessions"])
+        counts = coverage(registry.nodes.values(), manifest.id, layout.n_layers)
+        chosen = await trio.to_thread.run_sync(assign_layers, layout, params, numbers["memory_bytes"], counts)
+        return json_response({**chosen.to_json(), "manifest_id": manifest.id, "coverage": counts})
 
     # -- OpenAI API -------------------------------------------------------------
     @app.get("/v1/models")

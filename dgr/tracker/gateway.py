@@ -21,7 +21,7 @@ Theory of operation:
   The dead node is marked so new routes avoid it. Survivors are told to drop
   the session's KV (shielded, bounded), and no repair is attempted.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
-- Authorization: with a cluster secret (`authority`), `open` issues one
+- Authorization: with the tracker's key (`authority`), `open` issues one
   capability per hop, binding the session, the node and its layers, and every
   call for the session (tokenize, open, step, close) carries it. Nodes refuse
   calls without a matching one.
@@ -69,6 +69,7 @@ from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
+from dgr.security.tls import TlsTrust
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route
 from dgr.tracker.seam_client import NodeClient, StepReply
@@ -184,8 +185,10 @@ class Gateway:
     hop_stats: dict[str, HopStats] = attrs.field(factory=lambda: collections.defaultdict(HopStats))
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
     metrics: TrackerMetrics = attrs.field(factory=TrackerMetrics)
-    authority: CapabilityAuthority | None = None  # None: no cluster secret, nodes ask for no capability
-    connect: Callable[[str, str], NodeClient] = NodeClient  # (node id, url) -> client; tests connect in-process
+    authority: CapabilityAuthority | None = None  # the tracker's key; None (in-process tests): no capabilities
+    connect: Callable[..., NodeClient] = NodeClient  # (node id, url[, ssl_context]) -> client; tests connect in-process
+    tls: TlsTrust = attrs.field(factory=TlsTrust)  # how https nodes are trusted: their registered cert, or a CA
+    pins: dict[str, str | None] = attrs.field(factory=dict)  # node id -> the certificate its client pins
     unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
@@ -280,6 +283,7 @@ class Gateway:
     def forget_node(self, node_id: str) -> None:
         """Drop what the gateway keeps per node: pooled connections, hop stats, metric labels."""
         client = self.clients.pop(node_id, None)
+        self.pins.pop(node_id, None)
         if client is not None and self._nursery is not None:
             self._nursery.start_soon(client.aclose)
         self.hop_stats.pop(node_id, None)
@@ -329,11 +333,18 @@ class Gateway:
     def client(self, hop: Hop | NodeEntry) -> NodeClient:
         node_id = hop.node_id
         url = hop.url
+        entry = self.registry.nodes.get(node_id)
+        pinned = entry.tls_cert if entry is not None and url.startswith("https://") else None
         c = self.clients.get(node_id)
-        if c is None or c.url != url:
+        if c is None or c.url != url or self.pins.get(node_id) != pinned:
             if c is not None and self._nursery is not None:
-                self._nursery.start_soon(c.aclose)  # the node moved: its old connections go
-            c = self.clients[node_id] = self.connect(node_id, url)
+                self._nursery.start_soon(c.aclose)  # the node moved, or has a new certificate: its old connections go
+            if url.startswith("https://"):
+                c = self.connect(node_id, url, ssl_context=self.tls.context(pinned))
+            else:
+                c = self.connect(node_id, url)
+            self.clients[node_id] = c
+            self.pins[node_id] = pinned
         return c
 
     def lookup(self, sid: str) -> RouteSession | None:
@@ -550,13 +561,19 @@ class Gateway:
             nxt = hops[i + 1] if i + 1 < len(hops) else None
             out[hop.node_id] = {
                 "next": None if nxt is None else {"node": nxt.node_id, "url": nxt.url,
-                                                  "capability": caps.get(nxt.node_id)},
+                                                  "capability": caps.get(nxt.node_id),
+                                                  "tls_cert": self._pinned(nxt.node_id)},
                 "deliver_capability": deliver,
             }
         return out
 
+    def _pinned(self, node_id: str) -> str | None:
+        """The TLS certificate a node registered: a chain's previous node pins it to call this one."""
+        entry = self.registry.nodes.get(node_id)
+        return None if entry is None else entry.tls_cert
+
     def _capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
-        """One capability per hop for session `sid`; none without a cluster secret."""
+        """One capability per hop for session `sid`; none without an authority."""
         if self.authority is None:
             return {}
         life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s

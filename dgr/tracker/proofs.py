@@ -17,6 +17,15 @@ at HOST:PORT)". The tracker routes it only once the claim is proven:
 3. The first failed challenge (a wrong answer, an error, a timeout, an
    unreachable node) fails the claim with `proof_failed` and the verdict.
 
+Each challenge is sent signed with the tracker's key and addressed to the
+node by id, with a fresh nonce; honest nodes answer only challenges signed
+by the tracker they pinned and addressed to themselves. The answer must be
+signed by the key the node registered with, over the challenge (nonce
+included) and the answer: a node without the weights cannot relay its
+challenges to an honest node (it refuses them) nor pass off that node's
+signed answers as its own (the signature is the other node's). An `https://`
+node is challenged over TLS, trusting the certificate it registered.
+
 The verdict lands in the entry's `ProofStatus` (dgr.tracker.registry). A
 re-registration makes a new entry with a new PENDING claim and is challenged
 again; a late verdict for an old entry changes nothing that is routed.
@@ -28,11 +37,14 @@ are routed at all).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
+import secrets
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import httpx
@@ -43,9 +55,13 @@ from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.fsm.proof import ProofEvent, ProofState
+from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, sign_json, verify_json
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust
 from dgr.tracker.registry import NodeEntry
 
-__all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges"]
+__all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges",
+           "answer_signature_problem"]
 
 log = logging.getLogger("dgr.proofs")
 
@@ -76,6 +92,23 @@ def plan_challenges(manifest: Manifest, layers: LayerRange, k: int, rng: random.
     return plan
 
 
+def answer_signature_problem(entry: NodeEntry, challenge: dict[str, Any], reply: Any) -> str | None:
+    """Why an answer is not the node's own answer to this challenge, or None.
+
+    Every entry registered over HTTP has a key; only in-process registrations
+    (tests of other things) have none, and their answers are not signed.
+    """
+    if not entry.key:
+        return None
+    sent = {k: v for k, v in challenge.items() if k != "tracker_signature"}
+    answer = {k: v for k, v in reply.items() if k != "signature"} if isinstance(reply, dict) else {}
+    signature = reply.get("signature") if isinstance(reply, dict) else None
+    if not verify_json(entry.key, ANSWER_DOMAIN, {"challenge": sent, "answer": answer}, signature):
+        return (f"the answer is not signed by {entry.node_id}'s key over this challenge "
+                "(unsigned, altered, or relayed from another node)")
+    return None
+
+
 def _claim_problem(entry: NodeEntry, manifest: Manifest) -> str | None:
     """Why a claim cannot be of this manifest, or None."""
     m, model = manifest.model, entry.model
@@ -100,6 +133,8 @@ class Prover:
     challenges: int = DEFAULT_CHALLENGES
     deadline_s: float = DEFAULT_DEADLINE_S
     rng: random.Random = attrs.field(factory=random.SystemRandom)
+    identity: Identity | None = None  # the tracker's key: signs challenges (nodes refuse unsigned ones)
+    tls: TlsTrust = attrs.field(factory=TlsTrust)
     _nursery: trio.Nursery | None = None
     _client: httpx.AsyncClient | None = None
 
@@ -147,11 +182,16 @@ class Prover:
         except CallerError as exc:
             self._fail(entry, Reason.PROOF_FAILED, exc.message, started)
             return
-        for passed, challenge in enumerate(plan):
-            verdict, why = await self._ask(entry, manifest, challenge)
-            if why is not None:
-                self._fail(entry, Reason.PROOF_FAILED, f"challenge {passed + 1}/{len(plan)}: {why}", started,
-                           verdict=verdict, challenges=passed)
+        async with contextlib.AsyncExitStack() as stack:
+            client = self._client
+            if entry.url.startswith("https://"):  # its own client: trust is the node's registered certificate
+                try:
+                    verify = self.tls.context(entry.tls_cert)
+                except CallerError as exc:
+                    self._fail(entry, Reason.PROOF_FAILED, exc.message, started)
+                    return
+                client = await stack.enter_async_context(httpx.AsyncClient(timeout=self.deadline_s, verify=verify))
+            if not await self._challenge_all(entry, manifest, plan, client, started):
                 return
         seconds = time.perf_counter() - started
         if entry.proof.decide(ProofEvent.HELD, f"{len(plan)} challenges over layers {layers} held",
@@ -159,15 +199,35 @@ class Prover:
             log.info("node %s proved layers %s of %s (%d challenges, %.3f s)", entry.node_id, layers,
                      manifest.id[:12], len(plan), seconds)
 
-    async def _ask(self, entry: NodeEntry, manifest: Manifest, challenge: Challenge) -> tuple[str | None, str | None]:
+    async def _challenge_all(self, entry: NodeEntry, manifest: Manifest, plan: list[Challenge],
+                             client: httpx.AsyncClient | None, started: float) -> bool:
+        """Ask every challenge in turn; False (and the claim failed) at the first that does not hold."""
+        for passed, challenge in enumerate(plan):
+            verdict, why = await self._ask(entry, manifest, challenge, client)
+            if why is not None:
+                self._fail(entry, Reason.PROOF_FAILED, f"challenge {passed + 1}/{len(plan)}: {why}", started,
+                           verdict=verdict, challenges=passed)
+                return False
+        return True
+
+    def challenge_body(self, entry: NodeEntry, challenge: Challenge) -> dict[str, Any]:
+        """The challenge as sent: addressed to the node, with a fresh nonce, signed by the tracker."""
+        body: dict[str, Any] = {**challenge.to_json(), "node": entry.node_id, "nonce": secrets.token_hex(16)}
+        if self.identity is not None:
+            body["tracker_signature"] = sign_json(self.identity, CHALLENGE_DOMAIN, body)
+        return body
+
+    async def _ask(self, entry: NodeEntry, manifest: Manifest, challenge: Challenge,
+                   client: httpx.AsyncClient | None = None) -> tuple[str | None, str | None]:
         """(verdict, None) if the answer held, else (verdict or None, why)."""
-        client = self._client
+        client = client or self._client
         if client is None:
             return None, "the tracker is stopping"
         url = entry.url.rstrip("/") + CHALLENGE_PATH
+        body = self.challenge_body(entry, challenge)
         with trio.move_on_after(self.deadline_s) as scope:
             try:
-                r = await client.post(url, json=challenge.to_json())
+                r = await client.post(url, json=body)
             except httpx.HTTPError as exc:
                 return None, f"node unreachable: {type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
@@ -177,9 +237,13 @@ class Prover:
             detail = message if code is None else f"{code}: {message}"
             return None, f"the node refused the challenge (HTTP {r.status_code}, {detail})"
         try:
-            answer = Answer.from_json(r.json())
+            reply = r.json()
+            answer = Answer.from_json(reply)
         except (CallerError, ValueError) as exc:
             return None, f"malformed answer: {getattr(exc, 'message', exc)}"
+        why = answer_signature_problem(entry, body, reply)
+        if why is not None:
+            return None, why
         result = check_answer(manifest, challenge, answer)
         return result.verdict.value, None if result.ok else result.message
 

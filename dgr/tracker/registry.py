@@ -17,6 +17,19 @@ allocates (`--ctx`), which the gateway clamps Route Sessions to; and each
 heartbeat lists the session ids the node holds, so the gateway can close
 sessions it no longer knows of (see Gateway.reconcile).
 
+Every entry belongs to the Ed25519 key that signed its registration
+(dgr.security.auth). The first key to register a node id owns it for the
+tracker's life, and an id derived from a key (`n-...`, see
+dgr.security.identity) belongs to that key from the start: a registration
+or heartbeat for an id under another key is refused with `identity_taken`
+and changes nothing. A node that restarts with its key registers again and
+replaces its entry.
+
+A registration whose URL or seed address names a wildcard host (0.0.0.0,
+::) is recorded with the source address the tracker saw it come from
+instead, so a node bound to every interface is reachable at the address its
+packets came from; the reply tells the node what was recorded.
+
 A node may claim a Model Artifact (a manifest id and, optionally, the
 address it seeds it on). Each registration starts the claim's proof afresh:
 PENDING until the tracker's challenges (dgr.tracker.proofs) pass or fail.
@@ -26,6 +39,7 @@ proofs, in which case it is FAILED at once. Only `routable` nodes are routed.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from typing import Any
@@ -36,8 +50,9 @@ import attrs
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.security.identity import b64e, is_derived_id, node_id_for
 
-__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "MAX_HELD"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "MAX_HELD", "reachable"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -74,6 +89,8 @@ class NodeEntry:
     max_positions: int = 0  # positions per session the node allocates (--ctx); 0 until set from the model
     held: frozenset[str] = frozenset()  # session ids the node held at its last heartbeat
     dead_since: float | None = None
+    key: bytes = b""  # the Ed25519 public key that signed its registration: only it may speak for the node
+    tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
 
     def __attrs_post_init__(self) -> None:
         if self.max_positions <= 0:
@@ -109,6 +126,8 @@ class NodeEntry:
             "seed": self.seed,
             "proof": self.proof.to_json(),
             "routable": self.routable,
+            "key": b64e(self.key) if self.key else None,
+            "tls": self.tls_cert is not None,
             "describe": self.describe,
         }
 
@@ -152,6 +171,30 @@ def _url(value: Any) -> str:
     return value
 
 
+def _wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def reachable(address: str, seen: str | None) -> str:
+    """`address` (a URL or HOST:PORT) with a wildcard host replaced by `seen`, the host the tracker saw.
+
+    A node bound to 0.0.0.0 or :: cannot be reached there; the source address of
+    its registration is where its packets came from, so the best guess at where
+    the tracker (and other nodes) reach it.
+    """
+    if not seen:
+        return address
+    scheme, sep, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if not _wildcard(host):
+        return address
+    shown = f"[{seen}]" if ":" in seen else seen
+    return f"{scheme}{sep}{shown}:{port}"
+
+
 @attrs.define
 class Registry:
     dead_after_s: float = DEAD_AFTER_S
@@ -159,8 +202,24 @@ class Registry:
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
 
-    def register(self, data: dict[str, Any], now: float) -> NodeEntry:
-        """Raises: CallerError(INVALID_REQUEST) on a malformed registration."""
+    owners: dict[str, bytes] = attrs.field(factory=dict)  # node id -> the key that first registered it
+
+    def _owned(self, node_id: str, key: bytes) -> None:
+        """Raises: CallerError(IDENTITY_TAKEN) if `node_id` belongs to another key than `key`."""
+        owner = self.owners.get(node_id)
+        if is_derived_id(node_id) and owner is None:
+            owner = None if node_id_for(key) == node_id else b"derived from another key"
+        if owner is not None and owner != key:
+            raise CallerError(Reason.IDENTITY_TAKEN,
+                              f"node id {node_id[:100]!r} belongs to another key; an id is never taken over")
+
+    def register(self, data: dict[str, Any], now: float, *, key: bytes = b"", seen: str | None = None) -> NodeEntry:
+        """Record a node signed by `key`, reached from host `seen`.
+
+        Raises:
+            CallerError(INVALID_REQUEST): a malformed registration.
+            CallerError(IDENTITY_TAKEN): its node id belongs to another key; nothing changed.
+        """
         try:
             model = _model(data.get("model"))
             layers = data.get("layers")
@@ -169,7 +228,7 @@ class Registry:
             start, stop = _int({"start": layers[0]}, "start"), _int({"stop": layers[1]}, "stop")
             entry = NodeEntry(
                 node_id=_str(data, "node"),
-                url=_url(data.get("url")),
+                url=reachable(_url(data.get("url")), seen),
                 start=start,
                 stop=stop,
                 backend=_str(data, "backend"),
@@ -180,11 +239,17 @@ class Registry:
                 last_seen=now,
                 pid=_int(data, "pid") if data.get("pid") is not None else None,
                 max_positions=_int(data, "max_positions", 1, default=model.context_length),
+                key=key,
             )
+            cert = data.get("tls_cert")
+            if cert is not None:
+                if not isinstance(cert, str) or "BEGIN CERTIFICATE" not in cert or len(cert) > 16384:
+                    raise ValueError("tls_cert must be a PEM certificate")
+                entry.tls_cert = cert
             artifact = data.get("artifact")
             if artifact is not None:
                 entry.manifest_id = _str(artifact, "manifest_id")
-                entry.seed = str(artifact["seed"]) if artifact.get("seed") else None
+                entry.seed = reachable(str(artifact["seed"]), seen) if artifact.get("seed") else None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}"[:300]) from None
         if not (0 <= entry.start < entry.stop <= model.n_layers):
@@ -194,6 +259,8 @@ class Registry:
         elif self.require_proof:
             entry.proof.require("this tracker routes only nodes that prove their layers: start the node with --manifest",
                                 Reason.PROOF_FAILED.value)
+        self._owned(entry.node_id, key)
+        self.owners.setdefault(entry.node_id, key)
         old = self.nodes.get(entry.node_id)
         if old is not None and old.alive and old.url != entry.url:
             log.warning("node id %s re-registered from %s while %s still heartbeats under it: replacing it",
@@ -201,9 +268,13 @@ class Registry:
         self.nodes[entry.node_id] = entry
         return entry
 
-    def heartbeat(self, data: dict[str, Any], now: float) -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed."""
+    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed;
+        (IDENTITY_TAKEN) signed by a key that does not own the node id."""
         entry = self.nodes.get(data.get("node")) if isinstance(data.get("node"), str) else None
+        if entry is not None and entry.key != key:
+            raise CallerError(Reason.IDENTITY_TAKEN,
+                              f"node {entry.node_id[:100]!r} belongs to another key; its heartbeats are its own")
         if entry is None or not entry.alive:
             raise CallerError(Reason.NOT_FOUND, f"node {str(data.get('node'))[:100]!r} is not registered")
         try:

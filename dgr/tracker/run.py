@@ -1,18 +1,25 @@
 """`dgr tracker`: the registry, the gateway and the OpenAI API in one process.
 
-Exposure rule: on loopback a tracker may run open (development); bound to
-any other address it refuses to start unless it has both a cluster secret
-(so only members register and nodes demand capabilities) and API keys (so
-only key holders generate).
+Exposure rule: on loopback a tracker may run open (development: any node key
+may join); bound to any other address it refuses to start unless it has an
+admission rule (a join token, or `--allow-node` keys, so only chosen nodes
+register) and API keys (so only key holders generate).
+
+The tracker's own key (`--identity`, made on first start) signs every
+capability and challenge; nodes pin its public half when they join.
 """
 
 from __future__ import annotations
+
+import functools
 
 import trio
 
 from dgr.api.http import is_loopback
 from dgr.errors import CallerError, Reason
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.auth import Admission, CapabilityAuthority
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust
 from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway, GatewayConfig
@@ -22,28 +29,34 @@ from dgr.tracker.registry import DEAD_AFTER_S, Registry
 __all__ = ["run_tracker"]
 
 
-async def run_tracker(*, host: str, port: int, config: GatewayConfig, dead_after_s: float = DEAD_AFTER_S,
-                      prover: Prover | None = None, require_proof: bool = False, secret: bytes | None = None,
-                      api_keys: frozenset[str] = frozenset(), max_body_bytes: int = 4 * 1024 * 1024) -> None:
+async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: Identity,
+                      dead_after_s: float = DEAD_AFTER_S, prover: Prover | None = None, require_proof: bool = False,
+                      admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
+                      max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
+                      tls: TlsTrust = TlsTrust()) -> None:
     """Serve until cancelled. `prover` holds the manifests layer proofs are checked against.
 
     Raises:
-        CallerError(INVALID_REQUEST): bound beyond loopback without a cluster secret and API keys.
+        CallerError(INVALID_REQUEST): bound beyond loopback without an admission rule and API keys.
     """
     if not is_loopback(host):
-        missing = [what for what, have in (("a cluster secret (--cluster-secret-file or DGR_CLUSTER_SECRET)", secret),
-                                           ("API keys (--api-key-file or DGR_API_KEYS)", api_keys)) if not have]
+        missing = [what for what, have in (
+            ("a join token (--join-token-file or DGR_JOIN_TOKEN) or --allow-node keys", not admission.open),
+            ("API keys (--api-key-file or DGR_API_KEYS)", api_keys)) if not have]
         if missing:
             raise CallerError(Reason.INVALID_REQUEST,
                               f"a tracker listening on {host} needs " + " and ".join(missing)
                               + "; only a loopback tracker may run without them")
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof), config=config,
-                      authority=None if secret is None else CapabilityAuthority(secret))
+                      authority=CapabilityAuthority.issuer(identity), tls=tls)
     prover = prover or Prover()
-    app = make_tracker_app(gateway, prover=prover, secret=secret, api_keys=api_keys, max_body_bytes=max_body_bytes)
+    prover.identity, prover.tls = identity, tls
+    app = make_tracker_app(gateway, prover=prover, identity=identity, admission=admission, api_keys=api_keys,
+                           max_body_bytes=max_body_bytes)
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.run)
         await nursery.start(prover.run)
-        url = await nursery.start(serve_app, app, host, port)
-        print_ready({"role": "tracker", "url": url, "api": f"{url}/v1", "cluster_secret": secret is not None,
+        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
+        print_ready({"role": "tracker", "url": url, "api": f"{url}/v1", "key": identity.public_text,
+                     "join_token": admission.token is not None, "allowed_nodes": len(admission.allowed),
                      "api_keys": len(api_keys)})

@@ -7,12 +7,14 @@ handle. Deadlines are the caller's cancel scopes.
 
 Every call for a Route Session carries that session's capability for this
 node (`X-Dgr-Capability`, issued by the gateway); `None` sends none, for a
-cluster without a secret.
+caller that issues none (an in-process test). An `https://` node is called
+over TLS with `ssl_context` (the node's registered certificate pinned, see
+dgr.security.tls), both on the control client and on the seam's pool.
 """
 
 from __future__ import annotations
 
-import json
+import ssl
 import time
 from typing import Any
 
@@ -45,6 +47,7 @@ class StepReply:
 class NodeClient:
     node_id: str
     url: str
+    ssl_context: ssl.SSLContext | None = None  # https nodes: what to trust (None: the system's CAs)
     _http: httpx.AsyncClient = attrs.field(init=False)  # control calls: open, close, tokenize, status
     _seam: ConnectionPool = attrs.field(init=False)  # the per-token hot path
 
@@ -53,8 +56,9 @@ class NodeClient:
             base_url=self.url,
             timeout=httpx.Timeout(None),  # deadlines are cancel scopes at the call site
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=300),
+            verify=self.ssl_context if self.ssl_context is not None else True,
         )
-        self._seam = ConnectionPool(self.url)
+        self._seam = ConnectionPool(self.url, self.ssl_context)
 
     async def aclose(self) -> None:
         await self._http.aclose()

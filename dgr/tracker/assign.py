@@ -1,0 +1,76 @@
+"""Automatic layer assignment: the contiguous layers a joining node should serve.
+
+A node started with `--manifest M --memory SIZE` and no `--layers` asks its
+tracker (`POST /v1/assign`) before it loads anything. The tracker counts, per
+layer of M's model, the live nodes that claim it (proven or still proving),
+prices every contiguous range with the planner's cost model (dgr.plan:
+weights, the globals a shard loads, Hot KV State at the node's context and
+session count, llama.cpp's buffers, the runtime) and answers with the range
+that fits the node's memory and most improves coverage:
+1. the most layers that nobody serves yet;
+2. then the largest sum of 1 / (1 + servers) over its layers (thinly served
+   layers count more than well served ones);
+3. then the earliest start.
+
+Pure functions over values; the tracker's app does the I/O. Left out: a
+node's speed (every node is priced by memory alone), and reassigning nodes
+that already serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from dgr.backends.base import LayerRange
+from dgr.errors import CallerError, Reason
+from dgr.plan import Node, PlanParams, fitting_ranges, format_size, shard_cost
+from dgr.plan.layout import ModelLayout
+from dgr.fsm.proof import ProofState
+from dgr.tracker.registry import NodeEntry
+
+__all__ = ["Assignment", "coverage", "assign_layers"]
+
+
+@attrs.frozen
+class Assignment:
+    layers: LayerRange
+    newly_covered: int  # layers nobody served before
+    headroom_bytes: int  # the node's memory left over under the cost model
+
+    def to_json(self) -> dict[str, object]:
+        return {"layers": str(self.layers), "newly_covered": self.newly_covered, "headroom_bytes": self.headroom_bytes}
+
+
+def coverage(entries: Iterable[NodeEntry], manifest_id: str, n_layers: int) -> list[int]:
+    """How many live nodes claim each layer of the manifest (claims that failed their proof do not count)."""
+    counts = [0] * n_layers
+    for e in entries:
+        if e.alive and e.manifest_id == manifest_id and e.proof.state is not ProofState.FAILED:
+            for i in range(max(0, e.start), min(n_layers, e.stop)):
+                counts[i] += 1
+    return counts
+
+
+def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, counts: Sequence[int]) -> Assignment:
+    """The range a node with `memory_bytes` should serve, given how many nodes serve each layer.
+
+    Raises:
+        CallerError(INVALID_REQUEST): not even one layer fits the memory.
+    """
+    node = Node("joining", memory_bytes)
+    best: tuple[tuple[int, float, int], LayerRange, int] | None = None
+    for layers, headroom in fitting_ranges(layout, params, node):
+        held = counts[layers.start:layers.stop]
+        key = (sum(c == 0 for c in held), sum(1.0 / (1 + c) for c in held), -layers.start)
+        if best is None or key > best[0]:
+            best = (key, layers, headroom)
+    if best is None:
+        smallest = min(shard_cost(layout, params, node, LayerRange(i, i + 1)).total_bytes
+                       for i in range(layout.n_layers))
+        raise CallerError(Reason.INVALID_REQUEST,
+                          f"{format_size(memory_bytes)} holds no layer of {layout.name} at context {params.context} "
+                          f"x {params.sessions} sessions: the smallest shard needs {format_size(smallest)}")
+    key, layers, headroom = best
+    return Assignment(layers, key[0], headroom)
