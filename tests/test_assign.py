@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.cli import build_parser, cmd_node

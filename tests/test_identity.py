@@ -22,7 +22,8 @@ import pytest
 import trio
 from fixtures.artifact_helpers import write_tiny_llama
 
-from dgr.artifact.manifest import Manifest, build_manifest
+from dgr.artifact.build import build_manifest
+from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import make_challenge
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
