@@ -203,23 +203,26 @@ def test_stub_chunking_and_sharding_do_not_change_results() -> None:
     assert not np.array_equal(c.forward("a", 9, tokens[7:8], None, True), ref)
 
 
-async def test_a_frame_without_a_capability_is_refused_after_its_header_alone() -> None:
-    """An unauthorized sender of a 60 MiB frame costs the node 48 bytes, not the whole buffered body."""
+async def test_a_frame_without_a_capability_is_refused_from_its_header_and_never_buffered() -> None:
+    """An unauthorized sender of a 60 MiB frame costs the node a header: the rest is read and dropped,
+    never kept or checksummed, and the 403 comes once the body has ended."""
+    import tracemalloc
+
     from dgr.node.app import seam_fast_path
     from dgr.security.auth import CapabilityAuthority
+    from dgr.security.identity import Identity
 
     service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n0",
-                          authority=CapabilityAuthority(b"s" * 32))
+                          authority=CapabilityAuthority.verifier(Identity.generate().public))
     raw = encode_frame(FrameKind.PREFILL, uuid.uuid4().hex, 0, 0, 1, W, token_ids=[1])
-    announced = 60 * 1024 * 1024
+    mib, n = 1024 * 1024, 60
     reads = 0
 
-    async def receive():
+    async def receive():  # the header, then n fresh 1 MiB chunks
         nonlocal reads
         reads += 1
-        if reads == 1:
-            return {"type": "http.request", "body": raw[:HEADER_SIZE], "more_body": True}
-        raise AssertionError("the node read past the header of an unauthorized frame")
+        body = raw[:HEADER_SIZE] if reads == 1 else bytes(mib)
+        return {"type": "http.request", "body": body, "more_body": reads <= n}
 
     sent: list[dict] = []
 
@@ -230,8 +233,13 @@ async def test_a_frame_without_a_capability_is_refused_after_its_header_alone() 
         raise AssertionError("the seam step went to the framework")
 
     scope = {"type": "http", "method": "POST", "path": "/v1/seam/step",
-             "headers": [(b"content-length", str(announced).encode())]}
-    await seam_fast_path(service, unreachable)(scope, receive, send)
-    assert reads == 1
-    assert sent[0]["status"] == 403
-    assert dict(service.stats.refused) == {Reason.FORBIDDEN.value: 1}
+             "headers": [(b"content-length", str(HEADER_SIZE + n * mib).encode())]}
+    tracemalloc.start()
+    try:
+        await seam_fast_path(service, unreachable)(scope, receive, send)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sent[0]["status"] == 403 and reads == n + 1  # answered once the body ended
+    assert dict(service.stats.refused) == {Reason.FORBIDDEN.value: 1}  # once: the service never saw it
+    assert peak < 8 * mib, f"{peak / mib:.1f} MiB held for a refused frame"

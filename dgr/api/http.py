@@ -182,8 +182,12 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
     sender went away mid-body: nothing was read that may be applied.
     `on_header(first HEADER_SIZE bytes, capability)` runs once that much of
     the body has come, before the rest is read: it authorizes a frame from
-    its header alone, so a sender without a capability costs a header, not
-    a `limit`-sized buffer. It raises to refuse.
+    its header alone, and raises a DgrError to refuse. A refused frame's
+    other bytes are read and dropped, never kept or checksummed, so such a
+    sender costs a header, not a `limit`-sized buffer. The refusal is raised
+    once the body has ended: answering mid-body races hypercorn's own error
+    answer to the cut request (trio.BusyResourceError, which took the whole
+    node down).
 
     Raises:
         CallerError(FRAME_TOO_LARGE): announced or sent past `limit`.
@@ -199,7 +203,7 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
             hops = value.decode("latin-1")[:_HOPS_MAX]
         elif name == b"content-type":
             is_json = value.split(b";")[0].strip() == b"application/json"
-    chunks, size = [], 0
+    chunks, size, refused = [], 0, None
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -208,14 +212,20 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
         size += len(chunk)
         if size > limit:
             raise CallerError(Reason.FRAME_TOO_LARGE, f"{what} exceeds {limit} bytes")
-        chunks.append(chunk)
+        if refused is None:
+            chunks.append(chunk)
         if on_header is not None and size >= HEADER_SIZE:
             head = b"".join(chunks)
             chunks = [head]
-            on_header(head[:HEADER_SIZE], capability)
+            try:
+                on_header(head[:HEADER_SIZE], capability)
+            except DgrError as exc:
+                refused, chunks = exc, []
             on_header = None
         if not message.get("more_body", False):
             break
+    if refused is not None:
+        raise refused
     return RawSeamRequest(b"".join(chunks), capability, hops, is_json)
 
 
