@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import httpx
@@ -119,6 +119,7 @@ class RpcServer:
     threads: int
     port: int = 0
     proc: subprocess.Popen | None = None
+    _log: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -126,13 +127,15 @@ class RpcServer:
 
     def __enter__(self) -> "RpcServer":
         self.port = _free_port()
+        # its output goes to a file: an unread pipe would stall it once full
+        self._log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([str(self.tools.rpc), "-H", "127.0.0.1", "-p", str(self.port),
-                                      "-t", str(self.threads)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                      "-t", str(self.threads)], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"rpc-server exited: {self.proc.stderr.read()[-1000:]}")
+                self._log.seek(0)
+                raise RuntimeError(f"rpc-server exited: {self._log.read()[-1000:]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return self
@@ -143,6 +146,8 @@ class RpcServer:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             _stop(self.proc)
+        if self._log is not None:
+            self._log.close()
 
 
 @attrs.define
