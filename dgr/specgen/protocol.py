@@ -99,10 +99,10 @@ def render_seam() -> str:
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "
         "a frame kind a node does not accept.", "",
         "## Topology", "",
-        f"`{wire.Topology.STAR.value}` (the default): the gateway relays every hop. Per decoded token and a route "
+        f"`{wire.Topology.STAR.value}`: the gateway relays every hop. Per decoded token and a route "
         "of N nodes: N request/response round trips (2N messages), each one position. Prefill chunks are "
         "pipelined: hop i+1 computes chunk k while hop i computes chunk k+1.", "",
-        f"`{wire.Topology.CHAIN.value}`: the gateway sends each step to the head; each node forwards to the next "
+        f"`{wire.Topology.CHAIN.value}` (the default of `dgr tracker` and `dgr up`): the gateway sends each step to the head; each node forwards to the next "
         "and the tail delivers to the gateway: N + 1 one-way messages a token, so (N + 1)/2 RTT on a network "
         "where every pair sees the same RTT, against N RTT for the star. Each node keeps one ordered relay per "
         "session, since a step out of order is refused.", "",

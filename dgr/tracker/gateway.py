@@ -100,7 +100,9 @@ class GatewayConfig:
     # A request that finds every route full waits this long for a slot before its 429: a client that
     # hangs up and asks again at once must not be refused the slot its last session is giving back.
     admission_wait_s: float = 10.0
-    topology: Topology = Topology.STAR  # how steps travel a route (dgr.seam.wire.Topology)
+    # How steps travel a route (dgr.seam.wire.Topology). `dgr tracker` and `dgr up` default to chain;
+    # in-process routes (dgr.testing.inproc) have no tracker app to take chain deliveries, so star here.
+    topology: Topology = Topology.STAR
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
     unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
     unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
