@@ -166,8 +166,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
-    # chain by default: as fast as the star on loopback, faster wherever hops cost a network RTT
-    # (dgr bench --rtt 5: 3 nodes at 29.8 tok/s against 25.6, docs/perf/rtt/REPORT.md)
+    # chain by default: level with the star on loopback, faster wherever hops cost a network RTT
+    # (`dgr bench --only rtt --rtt 5` sweeps both; the committed run is docs/perf/rtt/REPORT.md)
     p.add_argument("--topology", choices=("star", "chain"), default="chain",
                    help="chain (default): each node forwards to the next and the tail answers the gateway "
                         "(N + 1 messages a token); star: the gateway relays every hop (2N messages)")

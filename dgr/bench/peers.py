@@ -9,7 +9,7 @@ cached under the user's cache folder and built once.
 Rules:
 - every server listens on 127.0.0.1 on a port the OS picked;
 - a server is stopped with SIGTERM, then SIGKILL, when its `with` ends;
-- readiness is llama-server's own `/health` answering 200.
+- llama-server is ready at its `listening on` line (printed once its model is loaded).
 
 Left out: GPU builds, and llama-server's speculative or multimodal options.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
-import httpx
+
+from dgr.errors import PeerError
+from dgr.procs import WatchedChild
+from dgr.testing.harness import free_port
 
 __all__ = ["LLAMA_CMAKE_ARGS", "PeerTools", "ensure_tools", "LlamaServer", "RpcServer", "tools_dir"]
 
@@ -94,21 +96,9 @@ def _step(cmd: Sequence[str], what: str) -> None:
         raise RuntimeError(f"{what} failed ({r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
 
 
-def _free_port() -> int:
-    # The OS picks; the window until the server binds is only for this bench's own children.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _listening(line: str) -> dict[str, Any] | None:
+    """llama-server's ready line: it listens only once its model is loaded."""
+    return {} if "listening on http" in line else None
 
 
 @attrs.define
@@ -118,36 +108,30 @@ class RpcServer:
     tools: PeerTools
     threads: int
     port: int = 0
-    proc: subprocess.Popen | None = None
-    _log: Any = None
+    child: WatchedChild | None = None
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def __enter__(self) -> "RpcServer":
-        self.port = _free_port()
-        # its output goes to a file: an unread pipe would stall it once full
-        self._log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([str(self.tools.rpc), "-H", "127.0.0.1", "-p", str(self.port),
-                                      "-t", str(self.threads)], stdout=self._log, stderr=subprocess.STDOUT)
+        self.port = free_port()
+        # it prints no ready line we can rely on: ready is accepting a connection
+        self.child = WatchedChild.spawn("rpc-server", [str(self.tools.rpc), "-H", "127.0.0.1", "-p", str(self.port),
+                                                       "-t", str(self.threads)], is_ready=lambda line: None)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._log.seek(0)
-                raise RuntimeError(f"rpc-server exited: {self._log.read()[-1000:]}")
+        while time.monotonic() < deadline and self.child.popen.poll() is None:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return self
             except OSError:
                 time.sleep(0.1)
-        raise RuntimeError("rpc-server did not listen within 60 s")
+        self.__exit__()
+        raise RuntimeError(f"rpc-server did not listen within 60 s:\n{self.child.output_tail()}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            _stop(self.proc)
-        if self._log is not None:
-            self._log.close()
+        if self.child is not None:
+            self.child.stop(grace_s=10)
 
 
 @attrs.define
@@ -161,8 +145,7 @@ class LlamaServer:
     parallel: int = 1
     rpc: tuple[str, ...] = ()
     port: int = 0
-    proc: subprocess.Popen | None = None
-    _log: Path | None = None
+    child: WatchedChild | None = None
 
     @property
     def api(self) -> str:
@@ -178,29 +161,15 @@ class LlamaServer:
         return cmd
 
     def __enter__(self) -> "LlamaServer":
-        self.port = _free_port()
-        fd, name = tempfile.mkstemp(prefix="dgr-llama-server-", suffix=".log")
-        self._log = Path(name)
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self._log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        raise RuntimeError("llama-server was not healthy within 300 s")
+        self.port = free_port()
+        self.child = WatchedChild.spawn("llama-server", self.command(), is_ready=_listening)
+        try:
+            self.child.wait_ready(300)
+        except PeerError:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            _stop(self.proc)
-        if self._log is not None:
-            self._log.unlink(missing_ok=True)
-
-    def log_text(self) -> str:
-        return self._log.read_text() if self._log is not None and self._log.exists() else ""
+        if self.child is not None:
+            self.child.stop(grace_s=10)
