@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact.build import build_manifest
@@ -27,13 +28,14 @@ from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import make_challenge
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
+from dgr.cli import build_parser
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.artifact import NodeArtifact
 from dgr.node.membership import registration, stay_registered
 from dgr.node.service import NodeService
 from dgr.security.auth import Admission, CapabilityAuthority, join_proof, tracker_join_proof
-from dgr.security.identity import Identity, node_id_for
+from dgr.security.identity import Identity, b64e, key_from_text, node_id_for, parse_public_key
 from dgr.testing.inproc import asgi_client
 from dgr.tracker.proofs import Prover
 from dgr.tracker.registry import NodeEntry, Registry, reachable
@@ -218,3 +220,19 @@ async def test_a_node_with_a_join_token_pins_only_a_tracker_that_holds_it(autoju
     assert all(join == join_proof(token, node.public, sig) for sig, join in sent)
     said = [r.getMessage() for r in caplog.records if "not pinning" in r.getMessage()]
     assert len(said) == 2 and "did not prove it holds our join token" in said[0]
+
+
+def test_every_public_key_text_survives_a_command_line() -> None:
+    # Bare base64url starts with "-" for one key in 64, and argparse then took
+    # `--allow-node -Xyz...` for an unknown option (a CI run failed that way).
+    seed = 0
+    while True:  # a deterministic key whose bare text starts with "-"
+        dashed = Identity(Ed25519PrivateKey.from_private_bytes(seed.to_bytes(32, "big")))
+        if b64e(dashed.public).startswith("-"):
+            break
+        seed += 1
+    args = build_parser().parse_args(["tracker", "--allow-node", dashed.public_text])
+    assert [parse_public_key(k) for k in args.allow_node] == [dashed.public]
+    assert key_from_text(dashed.public_text) == dashed.public
+    with pytest.raises(CallerError):
+        parse_public_key(b64e(dashed.public))  # the bare form is refused: one spelling per key

@@ -50,7 +50,7 @@ from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
-from dgr.security.identity import b64d
+from dgr.security.identity import key_from_text
 from dgr.security.tls import TlsTrust
 
 __all__ = ["HEARTBEAT_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
@@ -151,7 +151,7 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
         CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key pinned before.
     """
     try:
-        key = b64d(reply["tracker_key"])
+        key = key_from_text(reply["tracker_key"])
     except (KeyError, TypeError, ValueError):
         raise CallerError(Reason.FORBIDDEN, "the tracker's reply carries no key to check capabilities with") from None
     if join_token is not None and reply.get("tracker_proof") != tracker_join_proof(join_token, key, signature):

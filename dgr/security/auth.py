@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from dgr.errors import CallerError, Reason
-from dgr.security.identity import Identity, b64d, b64e, verify
+from dgr.security.identity import Identity, b64d, b64e, key_from_text, key_text, verify
 
 __all__ = [
     "MAX_SKEW_S",
@@ -140,7 +140,7 @@ class Verifier:
             raise CallerError(Reason.UNAUTHENTICATED, "this request must be signed with the node's key")
         try:
             when = float(ts)
-            public, raw = b64d(key), b64d(sig)
+            public, raw = key_from_text(key), b64d(sig)
         except ValueError:
             raise CallerError(Reason.UNAUTHENTICATED, "bad signature: malformed key, timestamp or signature") from None
         message = _framed(method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), body)
@@ -182,7 +182,7 @@ class Admission:
             return
         if not proof:
             raise CallerError(Reason.UNAUTHENTICATED,
-                              f"key {b64e(public)} is not admitted: this tracker needs the join token "
+                              f"key {key_text(public)} is not admitted: this tracker needs the join token "
                               "(--join-token-file or DGR_JOIN_TOKEN) or --allow-node for the key")
         if self.token is None or not hmac.compare_digest(join_proof(self.token, public, signature), proof):
             raise CallerError(Reason.UNAUTHENTICATED, "bad join proof: the node's join token is not this tracker's")

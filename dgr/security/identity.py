@@ -51,11 +51,16 @@ __all__ = [
     "claim_identity",
     "node_id_for",
     "is_derived_id",
+    "key_text",
+    "key_from_text",
     "parse_public_key",
     "verify",
 ]
 
 _ID_PREFIX = "n-"
+# A public key's text starts with a letter: bare base64url starts with "-" for
+# one key in 64, and a command line then reads `--allow-node -Xyz...` as an option.
+_KEY_PREFIX = "ed25519:"
 _ID_CHARS = 20  # base32 characters: 100 bits of the key's hash
 
 
@@ -82,15 +87,31 @@ def is_derived_id(node_id: str) -> bool:
     return node_id.startswith(_ID_PREFIX) and len(node_id) == len(_ID_PREFIX) + _ID_CHARS
 
 
+def key_text(public: bytes) -> str:
+    """A public key as `--allow-node`, `X-Dgr-Key` and ready lines carry it: `ed25519:` and base64url."""
+    return _KEY_PREFIX + b64e(public)
+
+
+def key_from_text(text: str) -> bytes:
+    """The raw 32-byte public key `key_text` wrote.
+
+    Raises: ValueError for anything else.
+    """
+    if not isinstance(text, str) or not text.startswith(_KEY_PREFIX):
+        raise ValueError(f"a public key's text starts with {_KEY_PREFIX!r}")
+    raw = b64d(text[len(_KEY_PREFIX):])
+    Ed25519PublicKey.from_public_bytes(raw)  # ValueError unless 32 bytes
+    return raw
+
+
 def parse_public_key(text: str) -> bytes:
-    """A raw 32-byte Ed25519 public key from its base64url text (as `--allow-node` and `X-Dgr-Key` carry it).
+    """A raw public key from text a person gave (`--allow-node`).
 
     Raises:
-        CallerError(INVALID_REQUEST): not base64, or not 32 bytes.
+        CallerError(INVALID_REQUEST): not `ed25519:` and the base64url of 32 bytes.
     """
     try:
-        raw = b64d(text.strip())
-        Ed25519PublicKey.from_public_bytes(raw)
+        raw = key_from_text(text.strip())
     except ValueError:
         raise CallerError(Reason.INVALID_REQUEST, f"not an Ed25519 public key: {text[:60]!r}") from None
     return raw
@@ -123,7 +144,7 @@ class Identity:
 
     @property
     def public_text(self) -> str:
-        return b64e(self.public)
+        return key_text(self.public)
 
     @property
     def node_id(self) -> str:
