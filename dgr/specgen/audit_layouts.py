@@ -28,7 +28,7 @@ from typing import Any
 
 from dgr.plan.layout import DEFAULT_UBATCH
 from dgr.plan.rules import DSV4_COMPUTE_ANCHORS, gguf_compute_rule, glm52_indexer_full
-from dgr.specgen.dsv4_layout import dump  # the one JSON writer for layout fixtures
+from dgr.specgen.dsv4_layout import blk, dump, embed_and_output  # one JSON writer and one tensor notation
 
 __all__ = ["GLM_OUT", "ORNITH_OUT", "OUTPUTS", "glm_layout", "ornith_layout", "render"]
 
@@ -36,14 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 GLM_OUT = ROOT / "tests" / "fixtures" / "glm-5.2.layout.json"
 ORNITH_OUT = ROOT / "tests" / "fixtures" / "ornith-1.0-35b.layout.json"
-
-
-def t(name: str, shape: list[int], role: str) -> dict[str, Any]:
-    return {"name": name, "shape": shape, "role": role}
-
-
-def blk(suffix: str, shape: list[int], role: str) -> dict[str, Any]:
-    return t("blk.{i}." + suffix, shape, role)
 
 
 # -- GLM-5.2 (glm-dsa) --------------------------------------------------------------------------
@@ -117,11 +109,7 @@ def glm_tensor_groups(g: dict[str, int] = GLM) -> list[dict[str, Any]]:
     return [
         {
             "layers": "global",
-            "tensors": [
-                t("token_embd.weight", [D, V], "embed"),
-                t("output_norm.weight", [D], "norm"),
-                t("output.weight", [D, V], "output"),
-            ],
+            "tensors": embed_and_output(D, V),
         },
         {
             "layers": "all",
@@ -299,11 +287,7 @@ def ornith_tensor_groups(q: dict[str, int] = QWEN) -> list[dict[str, Any]]:
     return [
         {
             "layers": "global",
-            "tensors": [
-                t("token_embd.weight", [D, V], "embed"),
-                t("output_norm.weight", [D], "norm"),
-                t("output.weight", [D, V], "output"),
-            ],
+            "tensors": embed_and_output(D, V),
         },
         {
             "layers": "all",

@@ -105,6 +105,15 @@ def blk(suffix: str, shape: list[int], role: str) -> dict[str, Any]:
     return t("blk.{i}." + suffix, shape, role)
 
 
+def embed_and_output(D: int, V: int) -> list[dict[str, Any]]:
+    """The global tensors every llama-descended layout has: the embedding, the final norm, the output head."""
+    return [
+        t("token_embd.weight", [D, V], "embed"),
+        t("output_norm.weight", [D], "norm"),
+        t("output.weight", [D, V], "output"),
+    ]
+
+
 def tensor_groups(d: Dims) -> list[dict[str, Any]]:
     """Every tensor llama.cpp's deepseek4 loader creates, by the layers that have it (shapes: ne0 first)."""
     D, V, HD, IDX = d.hidden, d.vocab, d.head_dim, d.idx_dim
@@ -116,9 +125,7 @@ def tensor_groups(d: Dims) -> list[dict[str, Any]]:
         {
             "layers": "global",
             "tensors": [
-                t("token_embd.weight", [D, V], "embed"),
-                t("output_norm.weight", [D], "norm"),
-                t("output.weight", [D, V], "output"),
+                *embed_and_output(D, V),
                 t("output_hc_fn.weight", [d.hc * D, d.hc], "hc"),
                 t("output_hc_base.weight", [d.hc], "hc_small"),
                 t("output_hc_scale.weight", [1], "hc_small"),
