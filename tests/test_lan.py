@@ -44,7 +44,6 @@ from dgr.plan import PlanParams
 from dgr.plan.sources import layout_from_manifest
 from dgr.procs import WatchedChild, dgr_command
 from dgr.security.secrets import JOIN_ENV, new_secret
-from dgr.testing.harness import LocalRoute
 from dgr.testing.lan import Lan
 from dgr.tracker.assign import assign_layers
 
@@ -79,6 +78,22 @@ def _tiling_budget(manifest: Manifest) -> int:
             break  # the first window of budgets that tile: take its middle
     assert fits, "no budget splits the model over exactly three nodes"
     return fits[len(fits) // 2] * 2**20
+
+
+def _whole_model_answers() -> dict[str, tuple[str, int]]:
+    """Greedy answers of the whole model in one llama.cpp, in this process: text and token count.
+
+    What a single whole-model `llama` node answers (tests/test_e2e_llama.py holds the two equal, on these
+    prompts), without a tracker and a node to start.
+    """
+    import llama_cpp
+
+    whole = llama_cpp.Llama(str(default_model_path()), n_ctx=512, n_threads=1, n_batch=512, verbose=False, seed=0)
+    try:
+        outs = {p: whole.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0, top_k=1) for p in PROMPTS}
+    finally:
+        whole.close()
+    return {p: (o["choices"][0]["text"], o["usage"]["completion_tokens"]) for p, o in outs.items()}
 
 
 def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -161,10 +176,7 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
               "--prefill-chunk", "512")
         procs["tracker"].wait_ready(READY_S)
         node("a", "--model", str(default_model_path()))  # the machine with the whole file
-        # the reference loads on this machine meanwhile: one node, the whole model, on loopback
-        with LocalRoute(backend="llama", nodes=1, ready_timeout_s=READY_S,
-                        extra=("--ctx", "2048", "--prefill-chunk", "512", "--threads", "1")) as single:
-            want = {p: _complete(single.api, p, {})[:2] for p in PROMPTS}
+        want = _whole_model_answers()  # while the node loads
         entries = {"a": joined("a")}
         for host in ("b", "c"):  # one at a time: each is assigned with the others' claims counted
             node(host, "--fetch", "--model-dir", str(tmp_path / f"model-{host}"), "--fetch-timeout", "60")
