@@ -197,6 +197,7 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
         for host, e in entries.items():
             assert e["url"] == f"http://{lan.addr(host)}:{NODE_PORT}", e["url"]
             assert procs[host].ready["bound"] == f"http://0.0.0.0:{NODE_PORT}"
+            assert e["key"] == procs[host].ready["key"]  # one spelling of a key (ed25519:...), as --allow-node takes
         peers = httpx.get(f"{url}/v1/artifacts/{manifest.id}/peers", headers=headers, timeout=5).json()["peers"]
         by_node = {p["node"]: p["seed"] for p in peers}
         for host, e in entries.items():
