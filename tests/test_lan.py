@@ -11,8 +11,9 @@ of their layers, from the nodes already seeding them.
 
 Checked: the assigned ranges tile the model; nodes and seeds are recorded at
 their LAN addresses; each fetcher holds exactly its layers' pieces; greedy
-answers through the route equal a single whole-model node's, token for
-token; a node that joins once the model is covered gets the range of a
+answers through the route equal the whole model's in one llama.cpp (what a
+single whole-model node answers: tests/test_e2e_llama.py), text and token
+count; a node that joins once the model is covered gets the range of a
 running node (a replica), and when that node is killed (SIGKILL) new
 sessions go through the replica and still answer the same.
 
