@@ -31,6 +31,7 @@ from dgr.artifact.torrent import (
     SeedInfo,
     TransferStatus,
     fetch,
+    one_port,
     resume_path_for,
     seed,
     session_settings,
@@ -329,6 +330,39 @@ async def test_partial_node_seeds_its_layers_to_the_next(manifest: Manifest, mod
             nursery.cancel_scope.cancel()
     assert result.report.ok
     assert [r.index for r in result.report.results] == [None, 12, 13, 14]
+
+
+def _local_ipv4() -> list[str]:
+    """This machine's IPv4 addresses, loopback's and the others' (from `ip`, where it is installed)."""
+    if shutil.which("ip") is None:
+        return ["127.0.0.1"]
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
+
+
+def test_a_wildcard_listen_gets_one_port() -> None:
+    host, _, port = one_port("0.0.0.0:0").rpartition(":")
+    assert host == "0.0.0.0" and 0 < int(port) < 65536
+    assert one_port("[::]:0").startswith("[::]:") and not one_port("[::]:0").endswith(":0")
+    for fixed in ("0.0.0.0:6881", "127.0.0.1:0", "10.1.2.3:0"):
+        assert one_port(fixed) == fixed  # a named port, or one address: libtorrent opens one socket
+
+
+async def test_a_seed_on_the_wildcard_answers_at_its_port_on_every_address(manifest: Manifest,
+                                                                          model_path: Path) -> None:
+    """libtorrent listens on each address on its own; with port 0 each took a different port, and the
+    port reported (loopback's) was refused at the LAN address a node announced (found in namespaces)."""
+    addresses = _local_ipv4()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(lambda task_status: seed(manifest, model_path, listen="0.0.0.0:0",
+                                                                task_status=task_status))
+            for addr in addresses:
+                stream = await trio.open_tcp_stream(addr, info.port)
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+    if addresses == ["127.0.0.1"]:
+        pytest.skip("only loopback here: checked at 127.0.0.1 alone")
 
 
 async def test_fetch_refuses_bad_input(manifest: Manifest, tmp_path: Path) -> None:

@@ -12,7 +12,10 @@ Rules:
   libtorrent's own v2 info-hash must equal the manifest's, or nothing starts.
 - Swarms are private: peers are added by ip:port only; DHT, local peer
   discovery, UPnP, NAT-PMP and uTP are off, there are no trackers, and the
-  session listens on the one interface given (127.0.0.1 by default).
+  session listens on the one interface given (127.0.0.1 by default). A
+  wildcard (0.0.0.0, ::) with port 0 gets one free port first (`one_port`):
+  libtorrent listens on each local address separately, and with port 0 each
+  would take a port of its own.
 - libtorrent runs its own threads; trio never blocks on it. Alerts are waited
   for in `trio.to_thread.run_sync(ses.wait_for_alert, ...)` with a short
   timeout (not abandoned on cancel, so the session is never destroyed under a
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -55,6 +59,7 @@ __all__ = [
     "FetchResult",
     "torrent_info",
     "session_settings",
+    "one_port",
     "seed",
     "fetch",
     "resume_path_for",
@@ -196,6 +201,29 @@ def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, An
     }
 
 
+_WILDCARDS = {"0.0.0.0": socket.AF_INET, "::": socket.AF_INET6, "[::]": socket.AF_INET6}
+
+
+def one_port(listen: str) -> str:
+    """`listen` (HOST:PORT), with one free port in place of 0 when HOST is a wildcard.
+
+    libtorrent expands a wildcard into one listening socket per local
+    address, and with port 0 each socket takes an ephemeral port of its
+    own, while `listen_port()` reports only the first (loopback's). A node
+    bound to 0.0.0.0 then announced a seed port that nothing listened on at
+    its LAN address. A port free on the wildcard is free on every address,
+    so libtorrent takes that one everywhere. (Another process could take it
+    in between: libtorrent's listen_failed_alert then says so.)
+    """
+    host, _, port = listen.rpartition(":")
+    family = _WILDCARDS.get(host)
+    if port != "0" or family is None:
+        return listen
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
 def torrent_info(manifest: Manifest) -> Any:
     """libtorrent's torrent_info for the manifest, checked against the manifest's info-hash.
 
@@ -302,7 +330,7 @@ def _in_thread(swarm: _Swarm, method: str, *args: Any) -> Any:
 @contextlib.asynccontextmanager
 async def _open_swarm(listen: str, *, upload_rate_limit: int = 0) -> AsyncIterator[_Swarm]:
     lt = _lt()
-    settings = session_settings(listen, upload_rate_limit=upload_rate_limit)
+    settings = session_settings(one_port(listen), upload_rate_limit=upload_rate_limit)
     swarm = _Swarm(await trio.to_thread.run_sync(lt.session, settings))
     if upload_rate_limit:
         # libtorrent puts LAN and loopback peers in a peer class of their own that the

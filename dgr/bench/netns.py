@@ -78,13 +78,16 @@ __all__ = [
     "Link",
     "NetnsRoute",
     "choose_link",
+    "clean_env",
     "expectations",
+    "free_subnet",
     "leftovers",
     "main",
     "prerequisites",
     "remove_stale",
     "round_trips_per_token",
     "rtt_sweep",
+    "run_tool",
     "ttft_round_trips",
 ]
 
@@ -102,7 +105,7 @@ _PR_SET_TIMERSLACK = 29
 
 
 # -- system commands ------------------------------------------------------------------------
-def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+def run_tool(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
     """Run one iproute2/tc command.
 
     Raises:
@@ -125,12 +128,12 @@ def _alive(pid: int) -> bool:
 
 
 def _netns_names() -> list[str]:
-    r = _run(["ip", "netns", "list"], check=False)
+    r = run_tool(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
 
 
 def _root_links() -> list[str]:
-    r = _run(["ip", "-o", "link", "show"], check=False)
+    r = run_tool(["ip", "-o", "link", "show"], check=False)
     # "6: dgrb12r0@if5: <...>": the name ends at '@' (veth peer) or ':'
     return [line.split(":")[1].strip().split("@")[0] for line in r.stdout.splitlines() if ":" in line]
 
@@ -154,17 +157,17 @@ def remove_stale() -> list[str]:
         m = _NS.match(name)
         if m and not _alive(int(m.group(1))):
             # a crashed run's nodes keep its namespace alive; they are this tool's processes
-            for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
+            for pid in run_tool(["ip", "netns", "pids", name], check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
-            _run(["ip", "netns", "del", name], check=False)
+            run_tool(["ip", "netns", "del", name], check=False)
             removed.append(name)
     for dev in _root_links():
         m = _DEV.match(dev)
         if m and not _alive(int(m.group(1))):
-            _run(["ip", "link", "del", dev], check=False)
+            run_tool(["ip", "link", "del", dev], check=False)
             removed.append(dev)
     return removed
 
@@ -177,14 +180,14 @@ def prerequisites() -> str | None:
         return "network namespaces need root: run `dgr bench --rtt` as root, or leave --rtt out"
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
-    r = _run(["ip", "netns", "list"], check=False)
+    r = run_tool(["ip", "netns", "list"], check=False)
     if r.returncode != 0:
         return f"`ip netns` is unavailable: {r.stderr.strip()}"
     probe = f"dgrb-{os.getpid()}-probe"
-    r = _run(["ip", "netns", "add", probe], check=False)
+    r = run_tool(["ip", "netns", "add", probe], check=False)
     if r.returncode != 0:
         return f"cannot create a network namespace: {r.stderr.strip()}"
-    _run(["ip", "netns", "del", probe], check=False)
+    run_tool(["ip", "netns", "del", probe], check=False)
     return None
 
 
@@ -192,12 +195,12 @@ def _netem_works() -> bool:
     if shutil.which("tc") is None:
         return False
     probe = f"dgrb-{os.getpid()}-probe"
-    _run(["ip", "netns", "add", probe])
+    run_tool(["ip", "netns", "add", probe])
     try:
-        return _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+        return run_tool(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
                     check=False).returncode == 0
     finally:
-        _run(["ip", "netns", "del", probe], check=False)
+        run_tool(["ip", "netns", "del", probe], check=False)
 
 
 def choose_link(requested: str = "auto") -> str:
@@ -218,11 +221,11 @@ def choose_link(requested: str = "auto") -> str:
     return "tun"
 
 
-def _free_subnet() -> int:
+def free_subnet() -> int:
     """S such that 10.213.S.0/24 overlaps no address or route of the root namespace."""
     used = []
     for cmd in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table", "all"]):
-        for line in _run(cmd, check=False).stdout.split("\n"):
+        for line in run_tool(cmd, check=False).stdout.split("\n"):
             for token in line.split():
                 try:
                     net = ipaddress.ip_network(token, strict=False)
@@ -322,7 +325,8 @@ def _splits(backend: str, nodes: int) -> list[LayerRange]:
     return route_splits(model, model_layer_count(backend, model), nodes)
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a namespaced child, without proxies or API keys, plus `extra`."""
     # nodes cannot reach any proxy from their namespace, and must not try
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and k != API_KEYS_ENV}
     return {**env, **extra}
@@ -380,7 +384,7 @@ class NetnsRoute:
         remove_stale()
         self.kind = choose_link(self.link)
         splits = _splits(self.backend, self.nodes)
-        pid, subnet = os.getpid(), _free_subnet()
+        pid, subnet = os.getpid(), free_subnet()
         deadline = time.monotonic() + self.ready_timeout_s
         try:
             self.tracker_link = Link.make(pid, subnet, -1)
@@ -396,9 +400,9 @@ class NetnsRoute:
         return [self.tracker_link, *self.links] if self.tracker_link is not None else list(self.links)
 
     def _add_ns(self, ns: str) -> None:
-        _run(["ip", "netns", "add", ns])
+        run_tool(["ip", "netns", "add", ns])
         self._namespaces.append(ns)
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run_tool(["ip", "-n", ns, "link", "set", "lo", "up"])
 
     def _build_links(self, pid: int) -> None:
         for ln in self.links:
@@ -406,24 +410,24 @@ class NetnsRoute:
         if self.kind == "netem":
             self.hub = f"dgrb-{pid}-hub"
             self._add_ns(self.hub)
-            _run(["ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            run_tool(["ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
             for ln in self.endpoints:
-                _run(["ip", "link", "add", ln.dev, *(["netns", ln.ns] if ln.ns else []),
+                run_tool(["ip", "link", "add", ln.dev, *(["netns", ln.ns] if ln.ns else []),
                       "type", "veth", "peer", "name", ln.hub_dev, "netns", self.hub])
-                _run(["ip", "-n", self.hub, "addr", "add", f"{ln.hub_addr}/30", "dev", ln.hub_dev])
-                _run(["ip", "-n", self.hub, "link", "set", ln.hub_dev, "up"])
-                _run(ln.ip("addr", "add", f"{ln.addr}/30", "dev", ln.dev))
-                _run(ln.ip("link", "set", ln.dev, "up"))
-                _run(ln.ip("route", "add", ln.subnet, "via", ln.hub_addr))
+                run_tool(["ip", "-n", self.hub, "addr", "add", f"{ln.hub_addr}/30", "dev", ln.hub_dev])
+                run_tool(["ip", "-n", self.hub, "link", "set", ln.hub_dev, "up"])
+                run_tool(ln.ip("addr", "add", f"{ln.addr}/30", "dev", ln.dev))
+                run_tool(ln.ip("link", "set", ln.dev, "up"))
+                run_tool(ln.ip("route", "add", ln.subnet, "via", ln.hub_addr))
         else:
             # the delay line is the network: every endpoint's TUN holds the /24, and it routes by destination
             specs = [f"{ln.dev}:{ln.ns or '-'}:{ln.addr}" for ln in self.endpoints]
             self._delay_line = _Child.spawn("delay line", [sys.executable, "-m", "dgr.bench.netns", "delay-line",
-                                                            *specs], _clean_env(), stdin=True)
+                                                            *specs], clean_env(), stdin=True)
             self._delay_line.wait(time.monotonic() + 30)
             for ln in self.endpoints:
-                _run(ln.ip("addr", "add", f"{ln.addr}/24", "dev", ln.dev))
-                _run(ln.ip("link", "set", ln.dev, "up"))
+                run_tool(ln.ip("addr", "add", f"{ln.addr}/24", "dev", ln.dev))
+                run_tool(ln.ip("link", "set", ln.dev, "up"))
         self.set_rtt(0.0)
 
     def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
@@ -432,7 +436,7 @@ class NetnsRoute:
         targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
                                       topology=self.topology)
         tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.tracker_link.addr],
-                               _clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
+                               clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
@@ -441,7 +445,7 @@ class NetnsRoute:
         for ln, layers in zip(self.links, splits):
             cmd = ["ip", "netns", "exec", ln.ns,
                    *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.addr]
-            self._children.append(_Child.spawn(f"node{ln.index}", cmd, _clean_env(**{JOIN_ENV: self.secret})))
+            self._children.append(_Child.spawn(f"node{ln.index}", cmd, clean_env(**{JOIN_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)
         names = {f"node{ln.index}" for ln in self.links}
@@ -467,9 +471,9 @@ class NetnsRoute:
             for ln in self.endpoints:
                 for cmd, dev in ((ln.in_ns("tc"), ln.dev), (["ip", "netns", "exec", self.hub, "tc"], ln.hub_dev)):
                     if rtt_ms > 0:
-                        _run([*cmd, "qdisc", "replace", "dev", dev, "root", "netem", "delay", quarter_us])
+                        run_tool([*cmd, "qdisc", "replace", "dev", dev, "root", "netem", "delay", quarter_us])
                     else:
-                        _run([*cmd, "qdisc", "del", "dev", dev, "root"], check=False)
+                        run_tool([*cmd, "qdisc", "del", "dev", dev, "root"], check=False)
         self.rtt_ms = rtt_ms
 
     def model_id(self) -> str:
@@ -484,9 +488,9 @@ class NetnsRoute:
             self._delay_line.stop()  # its TUN devices go with it
             self._delay_line = None
         if self.tracker_link is not None and self.tracker_link.dev in _root_links():
-            _run(["ip", "link", "del", self.tracker_link.dev], check=False)  # a veth pair goes as a whole
+            run_tool(["ip", "link", "del", self.tracker_link.dev], check=False)  # a veth pair goes as a whole
         for ns in self._namespaces:
-            _run(["ip", "netns", "del", ns], check=False)
+            run_tool(["ip", "netns", "del", ns], check=False)
         self._namespaces.clear()
 
 

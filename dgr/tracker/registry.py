@@ -50,7 +50,7 @@ import attrs
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
-from dgr.security.identity import b64e, is_derived_id, node_id_for
+from dgr.security.identity import is_derived_id, key_text, node_id_for
 
 __all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "MAX_HELD", "reachable"]
 
@@ -126,7 +126,7 @@ class NodeEntry:
             "seed": self.seed,
             "proof": self.proof.to_json(),
             "routable": self.routable,
-            "key": b64e(self.key) if self.key else None,
+            "key": key_text(self.key) if self.key else None,
             "tls": self.tls_cert is not None,
             "describe": self.describe,
         }
