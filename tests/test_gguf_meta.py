@@ -3,18 +3,31 @@
 The manifest and the planner used to decide global-tensor roles with two
 rules that disagreed on DeepSeek-V4's `output_hc_*` (the hc_head that
 collapses the hyper-connection streams after the last layer: a tail tensor).
-These tests hold both users to the one rule on a real file.
+These tests hold both users to the one rule on a real file, and hold
+`read_header` (the fast header walk both use) to gguf-py's reader.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 from fixtures.artifact_helpers import write_tiny_llama
 
 from dgr.artifact.build import build_manifest
-from dgr.gguf_meta import Role, global_role, layer_of, layer_tensor_name, split_layer_name, tensor_role
+from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import (
+    Role,
+    global_role,
+    layer_of,
+    layer_tensor_name,
+    read_header,
+    split_layer_name,
+    tensor_role,
+)
+from dgr.models import default_model_path
 from dgr.plan import layout_from_gguf
 
 HC = ("output_hc_fn.weight", "output_hc_base.weight", "output_hc_scale.weight")
@@ -46,3 +59,60 @@ def test_manifest_and_planner_agree_on_global_roles(tmp_path: Path, tied: bool) 
     assert all(manifest[name] is Role.TAIL for name in HC)
     assert manifest["rope_freqs.weight"] is Role.SHARED
     assert manifest["token_embd.weight"] is (Role.HEAD_TAIL if tied else Role.HEAD)
+
+
+def _gguf_py(path: Path) -> tuple[dict, list, int]:
+    r = gguf.GGUFReader(path, "r")
+    fields = {k: f.contents() for k, f in r.fields.items()}
+    tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
+               for t in r.tensors]
+    return fields, tensors, r.data_offset
+
+
+def _every_value_type(path: Path) -> Path:
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint8("t.u8", 7)
+    w.add_int8("t.i8", -7)
+    w.add_uint16("t.u16", 65535)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 2**32 - 1)
+    w.add_int32("t.i32", -(2**31))
+    w.add_float32("t.f32", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ✓")
+    w.add_uint64("t.u64", 2**64 - 1)
+    w.add_int64("t.i64", -(2**63))
+    w.add_float64("t.f64", 1e-300)
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.strs", ["a", "", "ü"])
+    w.add_array("t.empty", [])
+    w.add_custom_alignment(64)
+    w.add_tensor("blk.0.w", np.ones((3, 5), np.float32))
+    w.add_tensor("v", np.ones(7, np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("which", ["default model", "tiny tied", "every value type"])
+def test_read_header_equals_gguf_py(tmp_path: Path, which: str) -> None:
+    path = {"default model": lambda: default_model_path(),
+            "tiny tied": lambda: write_tiny_llama(tmp_path / "t.gguf", tied=True, extra_globals=HC),
+            "every value type": lambda: _every_value_type(tmp_path / "v.gguf")}[which]()
+    header = read_header(path)
+    fields, tensors, data_offset = _gguf_py(path)
+    assert dict(header.fields) == fields
+    assert [(t.name, t.type, t.shape, t.offset, t.n_bytes) for t in header.tensors] == tensors
+    assert header.data_offset == data_offset
+
+
+def test_read_header_refuses_a_cut_or_foreign_file(tmp_path: Path) -> None:
+    whole = _every_value_type(tmp_path / "v.gguf").read_bytes()
+    for name, data in [("cut", whole[:200]), ("foreign", b"PK\x03\x04" + whole[4:]), ("empty-ish", whole[:10])]:
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(CallerError) as err:
+            read_header(bad)
+        assert err.value.reason is Reason.MODEL_LOAD_FAILED, name

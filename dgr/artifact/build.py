@@ -1,8 +1,8 @@
 """Build a Model Artifact manifest from a GGUF file: read its tensor table, hash it once.
 
 Rules:
-- The GGUF is read with gguf-py's `GGUFReader` through dgr.gguf_meta (names,
-  roles and keys are that module's); dgr has no GGUF parser of its own.
+- The GGUF's header is read by dgr.gguf_meta (names, roles and keys are
+  that module's too).
 - The file is read once: one streaming pass feeds the whole-file hash, the
   header hash, every tensor hash and the BEP 52 merkle leaves.
 
@@ -43,7 +43,7 @@ from dgr.gguf_meta import (
     field,
     is_tied,
     layer_of,
-    open_reader,
+    read_header,
     require_field,
     tensor_role,
 )
@@ -77,21 +77,21 @@ class GgufLayout:
 
 
 def read_gguf_layout(path: str | Path) -> GgufLayout:
-    """Read metadata and the tensor table with gguf.GGUFReader.
+    """Read metadata and the tensor table (dgr.gguf_meta.read_header).
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): not GGUF, unreadable, truncated, or
             missing the architecture keys a manifest needs.
     """
     p = Path(path)
-    reader = open_reader(p)
+    reader = read_header(p)
     arch = require_field(reader, ARCHITECTURE_KEY, p)
     vocab = field(reader, arch_key(arch, "vocab_size"))
     if vocab is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
+        tokens = field(reader, "tokenizer.ggml.tokens")
         if tokens is None:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has neither {arch}.vocab_size nor a token list: {p}")
-        vocab = len(tokens.data)
+        vocab = len(tokens)
     hidden = int(require_field(reader, arch_key(arch, "embedding_length"), p))
     model = ModelIdentity(
         architecture=str(arch),
@@ -108,13 +108,7 @@ def read_gguf_layout(path: str | Path) -> GgufLayout:
     tensors = tuple(
         sorted(
             (
-                _TensorLayout(
-                    name=t.name,
-                    type=t.tensor_type.name,
-                    shape=tuple(int(n) for n in t.shape.tolist()),
-                    offset=int(t.data_offset),
-                    size=int(t.n_bytes),
-                )
+                _TensorLayout(name=t.name, type=t.type, shape=t.shape, offset=t.offset, size=t.n_bytes)
                 for t in reader.tensors
             ),
             key=lambda t: t.offset,

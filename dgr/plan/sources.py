@@ -1,8 +1,7 @@
 """Where layouts come from: a GGUF header, a layout JSON, or a Model Artifact manifest.
 
 Three sources give the same layout, all through `build_layout`:
-- a GGUF file, read header-only with gguf-py's `GGUFReader` (dgr.gguf_meta;
-  it memory-maps, so no tensor data is read);
+- a GGUF file, header only (dgr.gguf_meta.read_header: no tensor data is read);
 - a layout JSON (`format: dgr-layout/1`), which describes tensors per layer
   group with a quantization recipe, so a 284B model needs no file at all
   (tests/fixtures/deepseek-v4-flash.layout.json is one);
@@ -24,7 +23,7 @@ from typing import Any
 
 from dgr.artifact.constants import MANIFEST_KIND
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import ARCHITECTURE_KEY, NAME_KEY, Role, global_role, is_tied, layer_of, metadata, open_reader
+from dgr.gguf_meta import ARCHITECTURE_KEY, NAME_KEY, Role, global_role, is_tied, layer_of, metadata, read_header
 from dgr.plan.layout import (
     LAYOUT_FORMAT,
     ComputeRule,
@@ -166,13 +165,13 @@ def layout_from_gguf(path: str | Path) -> ModelLayout:
         CallerError(MODEL_LOAD_FAILED): not a readable GGUF, or metadata missing.
     """
     p = Path(path)
-    reader = open_reader(p)
-    meta = metadata(reader)  # the vocabulary arrays are large and the planner needs none of them
+    header = read_header(p)
+    meta = metadata(header)  # the vocabulary arrays are large and the planner needs none of them
     arch = meta.get(ARCHITECTURE_KEY)
     if not arch:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {p}")
     tensors = [
-        TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.n_bytes)) for t in reader.tensors
+        TensorInfo(t.name, t.type, t.shape, t.n_bytes) for t in header.tensors
     ]
     vocab = next((t.shape[1] for t in tensors if t.name.startswith("token_embd.")), 0)
     return build_layout(
