@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.dgr-installed
 # GGML_NATIVE=ON compiles AMX kernels that crash on these CPUs (ggml_backend_amx_mul_mat).
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+# LLAVA_BUILD=OFF: dgr never loads the multimodal library (mtmd), the largest part of the
+# build after ggml itself. llama.cpp's tests, tools and examples are already off when it
+# is built as llama-cpp-python's subproject.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DLLAVA_BUILD=OFF
 LLAMA_VERSION := 0.3.36
 TORCH_VERSION := 2.13.0
 PORT ?= 8000
