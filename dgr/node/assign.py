@@ -85,7 +85,7 @@ def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: in
             reason, message = Reason(err["code"]), str(err.get("message", ""))
         except (KeyError, TypeError, ValueError):
             reason, message = Reason.INVALID_REQUEST, r.text[:200]
-        raise CallerError(reason, f"the tracker assigned no layers: {message}")
+        raise CallerError(reason, f"the tracker assigned no layers: {message} (or give this node --layers A:B)")
     try:
         return LayerRange.parse(str(answer["layers"])), answer
     except (KeyError, TypeError, ValueError, CallerError):
