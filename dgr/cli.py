@@ -69,7 +69,7 @@ def cmd_node(args) -> int:
     advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
     identity = claim_identity(args.identity, "node")
     layers = LayerRange.parse(args.layers) if args.layers else None
-    if args.memory and layers is None:
+    if layers is None and (args.memory or (args.tracker and args.manifest)):
         layers = _assigned_layers(args)
     artifact = None
     if args.manifest or args.fetch:
@@ -97,19 +97,33 @@ def cmd_node(args) -> int:
 
 
 def _assigned_layers(args):
-    """`--memory` without `--layers`: the range the tracker picks for this node's memory."""
+    """No `--layers`, with `--tracker` and `--manifest` (or `--memory`): the range the tracker picks for this node's
+    memory, `--memory` or a share of what the machine has available.
+
+    Raises:
+        CallerError(INVALID_REQUEST): `--memory` without a tracker and a manifest to ask; no --memory and the
+            available memory cannot be read.
+        CallerError: the tracker's refusal, with its reason.
+    """
     from dgr.artifact.manifest import Manifest
     from dgr.errors import CallerError, Reason
-    from dgr.node.assign import ask_layers
-    from dgr.plan import parse_size
+    from dgr.node import assign
+    from dgr.plan import format_size, parse_size
     from dgr.security.tls import TlsTrust
 
     if not (args.manifest and args.tracker):
         raise CallerError(Reason.INVALID_REQUEST, "--memory without --layers asks the tracker which layers to serve: "
                                                   "give --tracker and --manifest")
     manifest = Manifest.load(args.manifest)
-    layers, answer = ask_layers(args.tracker, manifest.id, parse_size(args.memory), context=args.ctx,
-                                sessions=args.max_sessions, tls=TlsTrust(args.tls_ca))
+    if args.memory:
+        memory = parse_size(args.memory)
+    else:
+        memory, available = assign.read_memory_budget()
+        print(f"dgr node: no --layers or --memory: asking the tracker for layers that fit {format_size(memory)}, "
+              f"{assign.MEMORY_SHARE:.0%} of the {format_size(available)} this machine has available",
+              file=sys.stderr)
+    layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
+                                       sessions=args.max_sessions, tls=TlsTrust(args.tls_ca))
     print(f"dgr node: the tracker assigned layers {layers} ({answer.get('newly_covered', 0)} not served before)",
           file=sys.stderr)
     return layers
@@ -176,6 +190,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dgr.node.assign import MEMORY_SHARE
+
     parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,10 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
     p.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--layers", help="A:B, layers [A, B) (default: all, or with --memory what the tracker assigns)")
+    p.add_argument("--layers", help="A:B, layers [A, B) (default: with --tracker and --manifest, what the tracker "
+                                    "assigns; otherwise all the layers of --model)")
     p.add_argument("--memory", metavar="SIZE",
                    help="with --tracker and --manifest and no --layers: memory this node may use, e.g. 24GiB; the "
-                        "tracker assigns the contiguous layers that fit it and most improve the route's coverage")
+                        "tracker assigns the contiguous layers that fit it and most improve the route's coverage "
+                        f"(default: {MEMORY_SHARE * 100:.0f}%% of MemAvailable in /proc/meminfo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", help="node id (default: derived from the node's public key); the first key to "

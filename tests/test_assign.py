@@ -14,9 +14,10 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.cli import build_parser, cmd_node
 from dgr.errors import CallerError, Reason
+from dgr.node.assign import MEMORY_SHARE, memory_budget, read_memory_budget
 from dgr.node.membership import registration
 from dgr.node.service import NodeService
-from dgr.plan import Node, PlanParams, shard_cost
+from dgr.plan import Node, PlanParams, format_size, shard_cost
 from dgr.plan.sources import layout_from_manifest
 from dgr.testing.inproc import asgi_client
 from dgr.tracker.app import make_tracker_app
@@ -90,3 +91,86 @@ def test_memory_without_layers_needs_a_tracker_and_a_manifest() -> None:
     args = build_parser().parse_args(["node", "--memory", "8GiB", "--backend", "stub"])
     with pytest.raises(CallerError, match="give --tracker and --manifest"):
         cmd_node(args)
+    args = build_parser().parse_args(["node", "--memory", "8GiB", "--backend", "stub", "--tracker", "http://t.test"])
+    with pytest.raises(CallerError, match="give --tracker and --manifest"):
+        cmd_node(args)
+
+
+MEMINFO = """MemTotal:       16318480 kB
+MemFree:         1203440 kB
+MemAvailable:   10485760 kB
+Buffers:          402436 kB
+"""
+
+
+def test_the_default_budget_is_a_share_of_available_memory(tmp_path: Path) -> None:
+    assert memory_budget(MEMINFO) == (int(10 * 2**30 * MEMORY_SHARE), 10 * 2**30)  # MemAvailable, not MemFree
+    for text in ("MemTotal:       16318480 kB\nMemFree:         1203440 kB\n", "MemAvailable: lots kB\n", ""):
+        with pytest.raises(CallerError, match="give --memory SIZE") as err:
+            memory_budget(text)
+        assert err.value.reason is Reason.INVALID_REQUEST
+    path = tmp_path / "meminfo"
+    path.write_text(MEMINFO)
+    assert read_memory_budget(str(path)) == memory_budget(MEMINFO)
+    with pytest.raises(CallerError, match="give --memory SIZE"):
+        read_memory_budget(str(tmp_path / "absent"))
+
+
+class _Asked(Exception):
+    """Stops cmd_node once it has asked the tracker, before it loads anything."""
+
+
+def _asking(monkeypatch, meminfo: Path) -> list[dict]:
+    """Record what cmd_node asks the tracker (and stop there); this machine's meminfo is `meminfo`."""
+    from dgr.node import assign
+
+    asked: list[dict] = []
+
+    def ask(tracker, manifest_id, memory_bytes, **kw):
+        asked.append({"tracker": tracker, "manifest_id": manifest_id, "memory_bytes": memory_bytes, **kw})
+        raise _Asked
+
+    monkeypatch.setattr(assign, "ask_layers", ask)
+    monkeypatch.setattr(assign, "MEMINFO", str(meminfo))
+    return asked
+
+
+def test_a_node_with_a_tracker_and_a_manifest_asks_for_layers_with_its_free_memory(
+        tiny: Manifest, tmp_path: Path, monkeypatch, capsys) -> None:
+    manifest, meminfo = tmp_path / "m.json", tmp_path / "meminfo"
+    tiny.save(manifest)
+    meminfo.write_text(MEMINFO)
+    asked = _asking(monkeypatch, meminfo)
+    base = ["node", "--tracker", "http://t.test", "--manifest", str(manifest), "--backend", "stub", "--ctx", "256"]
+    with pytest.raises(_Asked):
+        cmd_node(build_parser().parse_args(base))
+    budget, _ = memory_budget(MEMINFO)
+    assert asked == [{"tracker": "http://t.test", "manifest_id": tiny.id, "memory_bytes": budget, "context": 256,
+                      "sessions": 8, "tls": asked[0]["tls"]}]
+    err = capsys.readouterr().err
+    share = f"{MEMORY_SHARE:.0%} of the 10.00 GiB this machine has available"
+    assert f"layers that fit {format_size(budget)}, {share}" in err
+    with pytest.raises(_Asked):  # --memory wins over the machine's
+        cmd_node(build_parser().parse_args([*base, "--memory", "1GiB"]))
+    assert asked[1]["memory_bytes"] == 2**30 and "available" not in capsys.readouterr().err
+    meminfo.write_text("MemTotal: 1 kB\n")  # no MemAvailable: the node says to give --memory, and asks nothing
+    with pytest.raises(CallerError, match="give --memory SIZE"):
+        cmd_node(build_parser().parse_args(base))
+    assert len(asked) == 2
+
+
+def test_without_a_manifest_or_a_tracker_a_node_serves_every_layer(tiny: Manifest, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Nothing to ask: `--model FILE` (or the stub) without `--layers` serves the whole model, as before."""
+    import dgr.cli
+
+    manifest, meminfo = tmp_path / "m.json", tmp_path / "meminfo"
+    tiny.save(manifest)
+    meminfo.write_text(MEMINFO)
+    asked = _asking(monkeypatch, meminfo)
+    served = []
+    monkeypatch.setattr(dgr.cli, "run_until_signal", lambda fn, backend, **kw: served.append(backend.layers) or 0)
+    for extra in (["--tracker", "http://t.test"], []):
+        args = build_parser().parse_args(["node", "--backend", "stub", "--identity", str(tmp_path / "n.key"), *extra])
+        assert cmd_node(args) == 0
+    assert asked == [] and served == [LayerRange(0, StubSpec().n_layers)] * 2

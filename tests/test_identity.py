@@ -176,6 +176,56 @@ def test_wildcard_addresses_become_the_address_the_tracker_saw() -> None:
     assert (entry.url, entry.seed) == ("http://192.0.2.7:8001", "192.0.2.7:6881")
 
 
+def test_the_tracker_warns_of_a_wildcard_node_recorded_at_loopback(caplog) -> None:
+    """Bound to every interface to serve other machines, registered over 127.0.0.1: recorded where only this
+    machine reaches it. A node bound to loopback (`dgr up`'s) or seen from the LAN is not warned of."""
+    service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0")
+    with caplog.at_level(logging.WARNING, logger="dgr.registry"):
+        for url, seen in [("http://127.0.0.1:8001", "127.0.0.1"), ("http://0.0.0.0:8001", "192.0.2.7"),
+                          ("http://0.0.0.0:8001", None), ("http://192.0.2.7:8001", "127.0.0.1")]:
+            Registry().register(registration(service, url), 0.0, seen=seen)
+        assert caplog.records == []
+        for url, seen in [("http://0.0.0.0:8001", "127.0.0.1"), ("http://[::]:8001", "::1")]:
+            entry = Registry().register(registration(service, url), 0.0, seen=seen)
+            said = caplog.records[-1].getMessage()
+            assert f"node n0 bound every interface but registered over loopback: recorded at {entry.url}" in said
+            assert "--advertise" in said
+    assert len(caplog.records) == 2
+
+
+@pytest.mark.parametrize("sent, recorded, warned", [
+    ("http://0.0.0.0:8001", "http://127.0.0.1:8001", True),
+    ("http://[::]:8001", "http://[::1]:8001", True),
+    ("http://0.0.0.0:8001", "http://192.0.2.7:8001", False),  # seen from the LAN
+    ("http://127.0.0.1:8001", "http://127.0.0.1:8001", False),  # dgr up: bound to loopback on purpose
+])
+async def test_a_wildcard_node_recorded_at_loopback_warns_on_stderr(sent, recorded, warned, autojump_clock,
+                                                                     capsys) -> None:
+    tracker = Identity.generate()
+    service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0",
+                          identity=Identity.generate(), joining=True)
+
+    paths: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if paths == ["/v1/nodes/register", "/v1/nodes/heartbeat"]:
+            return httpx.Response(404)  # the tracker forgot us: register again
+        return httpx.Response(200, json={"node": "n0", "registered": True, "proof": {"state": "none"},
+                                         "tracker_key": tracker.public_text, "url": recorded, "seen": "x"})
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(stay_registered, service, "http://127.0.0.1:8000", sent,
+                                              transport=httpx.MockTransport(answer)))
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert paths.count("/v1/nodes/register") == 2 and service.advertised == recorded  # registered twice, said once
+    err = capsys.readouterr().err
+    assert err.count("warning: bound to every interface, but registered over loopback") == int(warned)
+    if warned:
+        assert f"at {recorded}, which no other machine reaches" in err and "--advertise" in err
+
+
 def test_admission_needs_the_token_bound_to_the_request_or_a_listed_key() -> None:
     token, member, listed = b"t" * 32, Identity.generate(), Identity.generate()
     admission = Admission(token, frozenset({listed.public}))

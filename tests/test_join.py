@@ -1,8 +1,9 @@
 """Joining from another machine, over loopback: reachable addresses and TLS, with real processes.
 
 - A node bound to 0.0.0.0 is recorded at the address the tracker saw it come
-  from (127.0.0.1 here), not at 0.0.0.0; `--advertise` names the address
-  outright (with the bound port when it gives none).
+  from (127.0.0.1 here), not at 0.0.0.0, and node and tracker warn that no
+  other machine reaches it there; `--advertise` names the address outright
+  (with the bound port when it gives none).
 - With `--tls-cert/--tls-key` the tracker and nodes serve https: nodes trust
   the tracker through `--tls-ca`, the tracker (and a chain's nodes) pin the
   certificate each node registered, so every hop of a star or chain route,
@@ -114,6 +115,16 @@ def test_a_wildcard_node_is_reached_at_the_address_the_tracker_saw(tmp_path: Pat
         assert wild.ready["bound"].startswith("http://0.0.0.0:")
         assert route.node("wild")["url"] == wild.ready["url"] == f"http://127.0.0.1:{port}"
         assert any("reaches this node at http://127.0.0.1" in line for line in wild.lines)
+        # bound to every interface but registered over loopback: both ends warn that no other machine reaches it
+        assert any("warning: bound to every interface, but registered over loopback" in line for line in wild.lines)
+        assert not any("registered over loopback" in line for line in named.lines)  # named by --advertise
+        deadline = time.monotonic() + 10
+        while not any("node wild bound every interface but registered over loopback" in line
+                      for line in route.log_lines):
+            assert time.monotonic() < deadline, "\n".join(route.log_lines[-20:])
+            time.sleep(0.1)
+        # dgr up's own node binds 127.0.0.1 on purpose: no warning for it
+        assert all("node wild " in line for line in route.log_lines if "registered over loopback" in line)
         named_port = int(named.ready["bound"].rpartition(":")[2])
         assert route.node("named")["url"] == named.ready["url"] == f"http://localhost:{named_port}"
         # and it really is reachable there

@@ -28,7 +28,7 @@ from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, open
 from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, HOPS_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "is_loopback", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
+           "is_loopback", "is_wildcard", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -102,6 +102,14 @@ def install_error_handlers(app) -> None:
     async def _other(exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(Failure(Reason.INTERNAL, f"internal error: {type(exc).__name__}"))
+
+
+def is_wildcard(host: str) -> bool:
+    """True for the unspecified addresses (0.0.0.0, ::), which a server binds to listen on every interface."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:

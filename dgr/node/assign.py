@@ -1,9 +1,17 @@
-"""Ask the tracker which layers to serve (`dgr node --manifest M --memory SIZE` without `--layers`).
+"""Ask the tracker which layers to serve (`dgr node --tracker URL --manifest M` without `--layers`).
 
 Before a node loads or fetches anything it needs its layer range; the
 tracker knows what the route already covers (dgr.tracker.assign). One
 request, before the node's trio services start; a refusal is the tracker's
 typed error, passed on.
+
+The node states its memory budget: `--memory SIZE`, or by default
+`MEMORY_SHARE` of what Linux reports available (MemAvailable in
+/proc/meminfo: free memory plus the caches it can drop). The planner's cost
+model already counts the node process itself (LLAMA_CPU_RUNTIME_BYTES); the
+rest is headroom for the model's error, libtorrent's buffers and whatever
+else the machine runs. `memory_budget` is pure, so it is tested on given
+meminfo text; other systems have no /proc/meminfo and must give `--memory`.
 """
 
 from __future__ import annotations
@@ -14,9 +22,46 @@ from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.security.tls import TlsTrust
 
-__all__ = ["ASSIGN_PATH", "ask_layers"]
+__all__ = ["ASSIGN_PATH", "MEMINFO", "MEMORY_SHARE", "ask_layers", "memory_budget", "read_memory_budget"]
 
 ASSIGN_PATH = "/v1/assign"
+MEMINFO = "/proc/meminfo"
+MEMORY_SHARE = 0.8  # of MemAvailable, the default --memory
+
+
+def memory_budget(meminfo: str) -> tuple[int, int]:
+    """The default memory budget from /proc/meminfo's text, and the MemAvailable it is a share of, in bytes.
+
+    Raises:
+        CallerError(INVALID_REQUEST): no MemAvailable line (not Linux, or a kernel before 3.14).
+    """
+    for line in meminfo.splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() != "MemAvailable":
+            continue
+        fields = rest.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1] == "kB":
+            available = int(fields[0]) * 1024
+            return int(available * MEMORY_SHARE), available
+        break
+    raise CallerError(Reason.INVALID_REQUEST, "cannot tell this machine's available memory (no MemAvailable in "
+                                              f"{MEMINFO}): give --memory SIZE")
+
+
+def read_memory_budget(path: str | None = None) -> tuple[int, int]:
+    """`memory_budget` of this machine (`path`, by default `MEMINFO`).
+
+    Raises:
+        CallerError(INVALID_REQUEST): the file cannot be read or has no MemAvailable.
+    """
+    path = MEMINFO if path is None else path
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError as exc:
+        raise CallerError(Reason.INVALID_REQUEST, f"cannot tell this machine's available memory ({exc.strerror}: "
+                                                  f"{path}): give --memory SIZE") from None
+    return memory_budget(text)
 
 
 def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: int, sessions: int,
@@ -40,7 +85,7 @@ def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: in
             reason, message = Reason(err["code"]), str(err.get("message", ""))
         except (KeyError, TypeError, ValueError):
             reason, message = Reason.INVALID_REQUEST, r.text[:200]
-        raise CallerError(reason, f"the tracker assigned no layers: {message}")
+        raise CallerError(reason, f"the tracker assigned no layers: {message} (or give this node --layers A:B)")
     try:
         return LayerRange.parse(str(answer["layers"])), answer
     except (KeyError, TypeError, ValueError, CallerError):

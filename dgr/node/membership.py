@@ -21,7 +21,10 @@ pins the key only if the reply proves the tracker holds the token too.
 
 The reply also says which URL and seed address the tracker recorded: a node
 bound to a wildcard address without `--advertise` is recorded at the source
-address the tracker saw, and the node shows that address.
+address the tracker saw, and the node shows that address. When that is a
+loopback address (the node reached the tracker over 127.0.0.1), the node
+warns on stderr: it bound every interface to serve other machines, which
+cannot reach it there. `dgr up`'s nodes bind 127.0.0.1 and are not warned.
 
 A refusal (401, or 409 for an id that belongs to another key) is not final:
 the tracker may be restarting with a rotated token, a clock may be off for a
@@ -42,10 +45,12 @@ import logging
 import os
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import trio
 
+from dgr.api.http import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
@@ -160,10 +165,16 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
 
 
 def _note_address(service: NodeService, reply: Any, url: str) -> None:
-    """Say where the tracker recorded us, when that is not where we bound (a wildcard address)."""
+    """Say where the tracker recorded us, when that is not where we bound (a wildcard address); warn when that is
+    loopback, where no other machine reaches us."""
     recorded = reply.get("url") if isinstance(reply, dict) else None
     if isinstance(recorded, str) and recorded != url and recorded != service.advertised:
         say(f"the tracker reaches this node at {recorded} (it saw the registration come from {reply.get('seen')})")
+        if is_wildcard(urlsplit(url).hostname or "") and is_loopback(urlsplit(recorded).hostname or ""):
+            say(f"warning: bound to every interface, but registered over loopback, so the tracker routes to this "
+                f"node (and peers fetch its pieces) at {recorded}, which no other machine reaches. Fine if the "
+                f"whole route runs on this machine; otherwise give --tracker the tracker's LAN address, or "
+                f"--advertise http://THIS-MACHINE:PORT")
     if isinstance(recorded, str):
         service.advertised = recorded
 

@@ -28,7 +28,12 @@ replaces its entry.
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
 instead, so a node bound to every interface is reachable at the address its
-packets came from; the reply tells the node what was recorded.
+packets came from; the reply tells the node what was recorded. When that
+source is loopback (the node reached the tracker at 127.0.0.1 on the
+tracker's own machine), the node is recorded at a loopback address that
+other machines cannot reach, and the tracker logs a warning: the node means
+to serve other machines (it bound every interface) but will be routed, and
+its pieces fetched, at an address only this machine reaches.
 
 A node may claim a Model Artifact (a manifest id and, optionally, the
 address it seeds it on). Each registration starts the claim's proof afresh:
@@ -39,7 +44,6 @@ proofs, in which case it is FAILED at once. Only `routable` nodes are routed.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 from typing import Any
@@ -47,6 +51,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from dgr.api.http import is_loopback, is_wildcard
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
@@ -171,13 +176,6 @@ def _url(value: Any) -> str:
     return value
 
 
-def _wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False
-
-
 def reachable(address: str, seen: str | None) -> str:
     """`address` (a URL or HOST:PORT) with a wildcard host replaced by `seen`, the host the tracker saw.
 
@@ -189,7 +187,7 @@ def reachable(address: str, seen: str | None) -> str:
         return address
     scheme, sep, rest = address.rpartition("://")
     host, _, port = rest.rpartition(":")
-    if not _wildcard(host):
+    if not is_wildcard(host):
         return address
     shown = f"[{seen}]" if ":" in seen else seen
     return f"{scheme}{sep}{shown}:{port}"
@@ -265,6 +263,10 @@ class Registry:
         if old is not None and old.alive and old.url != entry.url:
             log.warning("node id %s re-registered from %s while %s still heartbeats under it: replacing it",
                         entry.node_id, entry.url, old.url)
+        if seen and is_loopback(seen) and is_wildcard(urlsplit(data["url"]).hostname or ""):
+            log.warning("node %s bound every interface but registered over loopback: recorded at %s, which other "
+                        "machines cannot reach. If it serves other machines, give it --tracker with this tracker's "
+                        "LAN address, or --advertise", entry.node_id, entry.url)
         self.nodes[entry.node_id] = entry
         return entry
 
