@@ -286,3 +286,22 @@ def test_every_public_key_text_survives_a_command_line() -> None:
     assert key_from_text(dashed.public_text) == dashed.public
     with pytest.raises(CallerError):
         parse_public_key(b64e(dashed.public))  # the bare form is refused: one spelling per key
+
+
+def test_a_remembered_capability_is_still_checked_for_expiry_session_and_layers() -> None:
+    tracker = Identity.generate()
+    issuer, node = CapabilityAuthority.issuer(tracker), CapabilityAuthority.verifier(tracker.public)
+    sid = "s" * 32
+    token = issuer.issue(sid, "n0", 0, 15, now=1000.0, ttl_s=60)
+    assert node.check(token, session=sid, node="n0", start=0, stop=15, now=1000.0).session == sid
+    assert node.check(token, session=sid, node="n0", start=0, stop=15, now=1001.0).session == sid  # remembered
+    for kwargs, says in [({"now": 1061.0}, "expired"), ({"session": "t" * 32}, "another Route Session"),
+                         ({"stop": 16}, "another node or layer range"), ({"node": "n1"}, "another node")]:
+        args = {"session": sid, "node": "n0", "start": 0, "stop": 15, "now": 1001.0, **kwargs}
+        with pytest.raises(CallerError, match=says):
+            node.check(token, **args)
+    body, _, sig = token.partition(".")
+    forged = body + "." + sig[:-2] + ("AA" if sig[-2:] != "AA" else "BB")
+    for _ in range(2):  # a refused token is never remembered as verified
+        with pytest.raises(CallerError, match="does not verify"):
+            node.check(forged, session=sid, node="n0", start=0, stop=15, now=1000.0)
