@@ -602,6 +602,32 @@ class LlamaEngine:
         self._n_pos.pop(seq, None)
         self._evaluated.pop(seq, None)
 
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Make `dst` a copy of `src`'s whole KV (positions and all).
+
+        With kv_unified off each sequence has its own stream, and llama.cpp copies a whole stream's
+        buffers (only whole-sequence copies are allowed across streams) at the next llama_decode;
+        the cells' positions are copied now, so `truncate` may follow at once.
+        """
+        lib = llama_lib()
+        lib.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._n_pos[dst] = self._n_pos.get(src, 0)
+        self.reset_evaluated(dst)
+
+    def reset_evaluated(self, seq: int) -> None:
+        """Count `seq`'s evaluated positions from zero: a session that reuses a prefix evaluated none of it."""
+        self._evaluated[seq] = 0
+
+    def truncate(self, seq: int, positions: int) -> None:
+        """Keep only positions [0, positions) of `seq`'s KV."""
+        have = self._n_pos.get(seq, 0)
+        if not (0 <= positions <= have):
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"seq {seq}: cannot keep {positions} of {have} positions")
+        if positions < have:
+            llama_lib().llama_memory_seq_rm(self._mem, seq, positions, -1)
+        self._n_pos[seq] = positions
+
     def positions(self, seq: int) -> int:
         """Positions now in `seq`'s KV."""
         return self._n_pos.get(seq, 0)
