@@ -32,6 +32,7 @@ from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.artifact import NodeArtifact, seed_artifact
 from dgr.node.membership import stay_registered
+from dgr.node.prefix import PrefixCache
 from dgr.node.service import NodeService
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, cert_pem
@@ -68,7 +69,8 @@ def advertised_url(bound: str, advertise: str | None) -> str:
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
                    identity: Identity, idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None,
                    seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
-                   tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust()) -> None:
+                   tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
+                   prefix_cache_mb: float | None = None) -> None:
     """Serve until cancelled.
 
     Raises:
@@ -79,7 +81,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           f"a node listening on {host} needs a tracker (--tracker): without one it has no key to "
                           "check capabilities with, and anyone who reaches it could open sessions")
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
-                          identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None)
+                          identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
+                          prefix=_prefix_cache(prefix_cache_mb))
     app = make_node_app(service, artifact=artifact)
     seed_host = urlsplit(advertise).hostname if advertise else None
     if seed_host and ":" in seed_host:
@@ -102,3 +105,10 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:
         backend.close()
+
+
+def _prefix_cache(mb: float | None) -> PrefixCache | None:
+    """The node's prefix cache for `--prefix-cache-mb` (None: bounded by free slots only; 0: none)."""
+    if mb is None:
+        return PrefixCache()
+    return PrefixCache(max_bytes=int(mb * 2**20)) if mb > 0 else None

@@ -1,0 +1,117 @@
+"""Prefix reuse on the real model: llama.cpp sequence copies on a 2-shard split, and a multi-turn chat
+through real processes on a 2-node llama_shard route."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from dgr.backends.base import LayerRange
+from dgr.backends.llama_shard import LlamaShardBackend
+from dgr.models import default_model_path
+from dgr.node.prefix import BLOCK_TOKENS
+from dgr.pipeline import Pipeline
+from dgr.testing.harness import LocalRoute
+
+pytestmark = pytest.mark.llama
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+N_NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DGR_CACHE_DIR", str(tmp_path_factory.mktemp("dgr-cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def stages():
+    out = [LlamaShardBackend(default_model_path(), LayerRange(a, b), n_threads=1, n_ctx=1024, max_sessions=3)
+           for a, b in ((0, 15), (15, 30))]
+    yield out
+    for s in out:
+        s.close()
+
+
+def _greedy(p: Pipeline, sid: str, ids: list[int], pos0: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after feeding ids[pos0:] to `sid` (which holds ids[:pos0]), and their logits."""
+    logits = p.prefill(sid, ids, pos0=pos0)
+    toks, rows, pos = [], [], len(ids)
+    for _ in range(N_NEW):
+        rows.append(logits)
+        toks.append(int(np.argmax(logits)))
+        logits = p.decode(sid, toks[-1], pos)
+        pos += 1
+    return toks, np.stack(rows)
+
+
+def test_a_copied_prefix_answers_as_a_full_prefill(stages) -> None:
+    """Turn 1 runs whole and is kept; turn 2 starts from a copy of it on both shards."""
+    text = stages[0].render_chat([{"role": "system", "content": "You describe lighthouses. " * 20},
+                                  {"role": "user", "content": "What does a keeper do?"}])
+    turn1 = stages[0].tokenize(text, add_special=True, parse_special=True)
+    p = Pipeline(stages)
+    p.open("t1", 1024)
+    answer, _ = _greedy(p, "t1", turn1, 0)
+    fed = turn1 + answer  # _greedy feeds every token it samples
+    blocks = len(fed) // BLOCK_TOKENS
+    for s in stages:
+        s.keep_prefix("t1", "k", blocks * BLOCK_TOKENS)
+        assert s.session_count() == 0 and s.kv_bytes() == 0 and s.prefix_bytes() > 0
+    turn2 = fed + stages[0].tokenize(" And at night?", add_special=False, parse_special=False)
+    for s in stages:
+        s.open_from_prefix("t2", 1024, "k", blocks * BLOCK_TOKENS, take=False)
+    p.open("ref", 1024)
+    got, got_logits = _greedy(p, "t2", turn2, blocks * BLOCK_TOKENS)
+    want, want_logits = _greedy(p, "ref", turn2, 0)
+    diff = float(np.max(np.abs(got_logits - want_logits)))
+    print(f"reused {blocks * BLOCK_TOKENS} of {len(turn2)} positions: max abs logit difference {diff}")
+    assert got == want
+    assert diff < 0.05  # the prefix's rows were computed in another chunk (and some as decode steps)
+    for s in stages:
+        assert s.positions_computed("t2") == len(turn2) - blocks * BLOCK_TOKENS + N_NEW
+    # taking the kept KV over (no free slot) gives the same answer again
+    p.close("t2")
+    p.close("ref")
+    for s in stages:
+        s.open_from_prefix("t3", 1024, "k", blocks * BLOCK_TOKENS, take=True)
+        assert s.prefix_bytes() == 0
+    again, _ = _greedy(p, "t3", turn2, blocks * BLOCK_TOKENS)
+    assert again == got
+    p.close("t3")
+    assert all(s.session_count() == 0 and s.free_slots() == 3 for s in stages)
+
+
+SYSTEM = ("You are the harbour master's assistant. You keep answers short and exact, you name ships by their "
+          "registry names, and you never guess a tide time. ") * 6
+QUESTIONS = ["Which ships came in today?", "And which left?", "Is the tide high at noon?",
+             "Summarise the day in one line."]
+
+
+def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
+    """One route; a fresh API key per turn sees no prefix of the conversation's key (isolation), so it is the
+    no-reuse answer."""
+    with LocalRoute(backend="llama_shard", nodes=2, extra=("--ctx", "1024", "--max-sessions", "8"),
+                    ready_timeout_s=300) as route:
+        conv = openai.OpenAI(base_url=route.api, api_key="conversation", max_retries=0, timeout=120)
+        messages = [{"role": "system", "content": SYSTEM}]
+        cached = []
+        for t, q in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": q})
+            fresh = openai.OpenAI(base_url=route.api, api_key=f"fresh-{t}", max_retries=0, timeout=120)
+            want = fresh.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            got = conv.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert want.usage.prompt_tokens_details.cached_tokens == 0
+            cached.append(got.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": got.choices[0].message.content})
+        print(f"cached tokens per turn: {cached}")
+        assert cached[0] == 0 and all(c >= 3 * BLOCK_TOKENS for c in cached[1:])
+        route.wait_sessions_freed(["node0", "node1"])
+        for name in ("node0", "node1"):
+            status = route.node_status(name)
+            assert status["sessions"] == 0 and status["kv_bytes"] == 0
+            assert status["prefix"]["hits"] >= 3 and status["prefix"]["bytes"] > 0
