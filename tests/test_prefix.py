@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import trio
 
 from dgr.api.openai import parse_request
@@ -126,9 +127,10 @@ def _settled(route: InProcRoute) -> None:
         assert s.sessions == {} and s.backend.session_count() == 0 and s.backend.kv_bytes() == 0
 
 
-async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery) -> None:
+@pytest.mark.parametrize("generated", [False, True], ids=["prompt-kept", "generated-kept"])
+async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, generated: bool) -> None:
     off = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
-    on = InProcRoute.stub(config=QUIET)
+    on = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_keep_generated=generated))
     for r in (off, on):
         r.register_all()
         await nursery.start(r.run)
@@ -137,8 +139,10 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery) 
     assert [t for t, _ in reused] == [t for t, _ in plain]
     assert [n for _, n in plain] == [0, 0, 0, 0]
     assert reused[0][1] == 0 and all(n >= 4 * B for _, n in reused[1:])
-    # turn 2 on reuses the whole blocks of turn 1's prompt and answer, never the last prompt token
+    # turn 2 on reuses the whole blocks of turn 1's prompt (and answer), never the last prompt token
     assert all(n % B == 0 for _, n in reused)
+    if generated:  # the stub computes one position as it computes many: its answers' KV reuses exactly too
+        assert reused[2][1] > reused[1][1] + len(reused[1][0]) - B
     _settled(on)  # live-session KV accounting is back to zero; kept prefixes are reported apart
     for s in on.services:
         st = s.status()["prefix"]

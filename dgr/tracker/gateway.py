@@ -120,6 +120,11 @@ class GatewayConfig:
     # One isolation scope for every API key: a prefix one key left is reused for another. Its timing
     # tells a caller whether someone sent the same prefix lately (spec/security.md).
     share_prefixes: bool = False
+    # Keep generated tokens' KV too, as llama-server's cache_prompt does. Off: llama.cpp computes a
+    # one-position step (decode) with other kernels than a chunk, so a prefix of decoded positions
+    # gives logits a little off a full prefill's (0.5 on SmolLM2), enough to flip a near-tie; the
+    # prompt's own positions, prefilled in chunks of two or more, reuse bit-identically.
+    prefix_keep_generated: bool = False
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
@@ -159,6 +164,7 @@ class LiveSession:
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
         factory=lambda: trio.open_memory_channel(math.inf))
     prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
+    keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
     fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
 
     @property
@@ -169,7 +175,20 @@ class LiveSession:
         """The block chain of every whole block in the route's KV: what its nodes may keep."""
         if self.prefix_root is None:
             return None
-        return block_chain(self.prompt + self.fed, self.prefix_root) or None
+        return block_chain(self.prompt + self.fed if self.keep_generated else self.prompt, self.prefix_root) or None
+
+    def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
+        """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
+
+        Never a one-position chunk after another: llama.cpp runs one position with other kernels
+        than two or more, so the tail moves one position back, and a prompt's KV is the same
+        however it was cut (what lets a later session reuse it exactly).
+        """
+        prompt, start = self.prompt, self.rs.prefix_reused
+        bounds = list(range(start, len(prompt), size)) + [len(prompt)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+            bounds[-2] -= 1
+        return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
@@ -500,10 +519,12 @@ class Gateway:
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv, caps=caps, prefix_root=root,
+            send=send, recv=recv, caps=caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([len(offer) * BLOCK_TOKENS, *held.values()]) if offer else 0
+        if reused and len(prompt) - reused == 1:
+            reused -= BLOCK_TOKENS  # a lone position would run on other kernels (LiveSession.chunks)
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         self.metrics.prefix_reused_tokens_total.inc(reused)
         self.metrics.prompt_tokens_total.inc(len(prompt))
@@ -680,8 +701,7 @@ class Gateway:
     async def _prefill(self, live: LiveSession) -> TokenResult:
         if self.config.topology is Topology.CHAIN:
             return await self._prefill_chain(live)
-        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
-        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(live.reused, len(prompt), chunk))]
+        rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
         n_hops = len(rs.route)
         result: list[TokenResult] = []
@@ -723,7 +743,7 @@ class Gateway:
     async def _decode(self, live: LiveSession, token: TokenResult) -> None:
         rs = live.rs
         pos = len(live.prompt)
-        seq = math.ceil((len(live.prompt) - live.reused) / self.config.prefill_chunk)  # after the prefill chunks
+        seq = len(live.chunks(self.config.prefill_chunk))  # after the prefill chunks
         n_hops = len(rs.route)
         last = None
         while True:
@@ -821,8 +841,7 @@ class Gateway:
         return TokenResult.from_frame(answer)
 
     async def _prefill_chain(self, live: LiveSession) -> TokenResult:
-        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
-        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(live.reused, len(prompt), chunk))]
+        rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
 
         async def feed() -> None:  # every chunk to the head, in order: the chain pipelines them
