@@ -81,6 +81,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         lines += _concurrency_rows(big["concurrency"])
     if res.get("rtt"):
         lines += _rtt_markdown(res["rtt"])
+    if res.get("prefix"):
+        from dgr.bench.prefix import markdown as prefix_markdown
+
+        lines += prefix_markdown(res["prefix"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"
@@ -129,6 +133,10 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
 
     if res.get("rtt", {}).get("routes"):
         _rtt_plot(res["rtt"], out, save)
+    if res.get("prefix"):
+        from dgr.bench.prefix import plot as prefix_plot
+
+        prefix_plot(res["prefix"], save)
     if not res["setups"]:
         return names  # dgr bench --only rtt
     base = res["setups"].get(BASE, {}).get("decode_tok_s")
