@@ -146,7 +146,8 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
     _settled(on)  # live-session KV accounting is back to zero; kept prefixes are reported apart
     for s in on.services:
         st = s.status()["prefix"]
-        assert st["entries"] == 1 and st["bytes"] > 0 and st["hits"] == 3 and st["superseded"] == 3
+        # each turn took the last one's KV over (its prompt extends all of it), and left a longer one
+        assert st["entries"] == 1 and st["bytes"] > 0 and st["hits"] == 3 and st["superseded"] == 0
         assert s.backend.prefix_bytes() == st["bytes"]
     # the head computed only what it did not reuse
     head = on.services[0]
@@ -237,3 +238,21 @@ async def test_a_failed_session_keeps_nothing(nursery) -> None:
     assert live.rs.failure is not None
     _settled(route)
     assert all(len(s.prefix.entries) == 0 for s in route.services)
+
+
+async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
+    """Two routes of the same layers: turn 2 goes back to the route that kept turn 1, though the default
+    rule (a tie of loads, broken by node ids) would pick the other."""
+    route = InProcRoute.stub(splits=((0, 15), (15, 30), (0, 15), (15, 30)), config=QUIET)
+    route.register(2)
+    route.register(3)
+    await nursery.start(route.run)
+    text, first = await _ask(route, SYSTEM)
+    assert [h.node_id for h in first.rs.route] == ["n2", "n3"]
+    route.register(0)
+    route.register(1)
+    _, other = await _ask(route, SYSTEM + text + " next", scope="someone else")
+    assert [h.node_id for h in other.rs.route] == ["n0", "n1"] and other.rs.prefix_reused == 0
+    _, second = await _ask(route, SYSTEM + text + " next")
+    assert [h.node_id for h in second.rs.route] == ["n2", "n3"] and second.rs.prefix_reused >= 4 * B
+    assert all(n.reserved == 0 for n in route.registry.nodes.values())

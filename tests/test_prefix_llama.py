@@ -115,3 +115,29 @@ def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
             status = route.node_status(name)
             assert status["sessions"] == 0 and status["kv_bytes"] == 0
             assert status["prefix"]["hits"] >= 3 and status["prefix"]["bytes"] > 0
+
+
+def test_torch_shards_reuse_a_copied_prefix() -> None:
+    """The torch backend keeps the same interface: a kept prefix copied into a new session's cache."""
+    from dgr.backends.torch_backend import TorchBackend
+
+    stages = [TorchBackend(default_model_path(), LayerRange(a, b), capacity=2) for a, b in ((0, 15), (15, 30))]
+    ids = list(range(1000, 1000 + 2 * BLOCK_TOKENS + 9))
+    p = Pipeline(stages)
+    p.open("a", 256)
+    want = p.prefill("a", ids)
+    for s in stages:
+        s.keep_prefix("a", "k", BLOCK_TOKENS)
+        assert s.prefix_bytes() == BLOCK_TOKENS * s.kv_bytes_per_position() and s.free_slots() == 1
+        s.open_from_prefix("b", 256, "k", BLOCK_TOKENS, take=False)
+    got = p.prefill("b", ids, pos0=BLOCK_TOKENS)
+    print(f"torch: max abs logit difference with a reused block: {float(np.max(np.abs(got - want)))}")
+    assert int(np.argmax(got)) == int(np.argmax(want)) and np.allclose(got, want, atol=1e-3)
+    assert all(s.positions_computed("b") == len(ids) - BLOCK_TOKENS for s in stages)
+    for s in stages:
+        s.trim_session("b", BLOCK_TOKENS)  # what a route reusing less than this node holds does
+    assert np.allclose(p.prefill("b", ids, pos0=BLOCK_TOKENS), want, atol=1e-3)
+    p.close("b")
+    for s in stages:
+        s.drop_prefix("k")
+        assert s.free_slots() == 2 and s.prefix_bytes() == 0

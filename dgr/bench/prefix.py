@@ -100,35 +100,54 @@ def _route(threads: int, extra: tuple[str, ...] = ()) -> LocalRoute:
                              "--max-sessions", "4", "--topology", "chain", *extra))
 
 
-def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max_tokens: int = 32) -> dict[str, Any]:
-    """TTFT per turn for each setup, with the figures they are compared by."""
+def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max_tokens: int = 32,
+               repeats: int = 2) -> dict[str, Any]:
+    """TTFT per turn for each setup, with the figures they are compared by; each the best of `repeats` runs."""
     system = system_prompt()
     per_node = max(1, threads // 2)
     out: dict[str, Any] = {"threads": threads, "threads_per_node": per_node, "turns": len(QUESTIONS),
-                           "max_tokens": max_tokens, "setups": {}}
-    key = {"Authorization": "Bearer bench-conversation"}
+                           "max_tokens": max_tokens, "repeats": repeats, "setups": {}}
 
-    log(f"prefix: dgr llama_shard x2 chain, reuse on ({per_node} thread(s) per node)")
+    log(f"prefix: dgr llama_shard x2 chain, reuse on ({per_node} thread(s) per node), and prefilling only "
+        "the new tokens right after each turn on the same route")
+    from dgr.backends.gguf_text import GgufText
+
+    text = GgufText.load(default_model_path())  # tokenizes as the route's head does
+    answers: list[str] | None = None  # the first run's; later runs replay them, so every prompt is the same
+    on_runs: list[list[dict[str, Any]]] = []
+    new_runs: list[list[float]] = []
     with _route(per_node) as route:
         stream_chat(route.api, MODEL, [{"role": "user", "content": "warm up"}], 2, headers={"Authorization": "x"})
-        on = _turns(system, None, lambda m: stream_chat(route.api, MODEL, m, max_tokens, headers=key))
-    answers = [r["text"] for r in on]
-    out["prompt_tokens"] = [r["usage"].get("prompt_tokens", 0) for r in on]
-    out["cached_tokens"] = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in on]
-    out["setups"]["dgr, reuse on"] = [r["ttft_s"] for r in on]
+        for r in range(repeats):
+            key = {"Authorization": f"Bearer bench-conversation-{r}"}  # a key of its own: no prefix of another run
+            new_only: list[float] = []
 
-    log("prefix: the same route with --no-prefix-reuse, and prefilling only the new tokens")
+            def ask(messages: list[dict[str, str]]) -> dict[str, Any]:
+                res = stream_chat(route.api, MODEL, messages, max_tokens, headers=key)
+                usage = res["usage"]
+                n_new = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+                ids = text.tokenize_chat(messages)[0]
+                new_only.append(_completion_ttft(route.api, ids[-n_new:], f"new-{r}-{len(new_only)}"))
+                return res
+
+            on_runs.append(_turns(system, answers, ask))
+            new_runs.append(new_only)
+            answers = answers or [x["text"] for x in on_runs[0]]
+    on = on_runs[0]
+    out["prompt_tokens"] = [x["usage"].get("prompt_tokens", 0) for x in on]
+    out["cached_tokens"] = [(x["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for x in on]
+    out["new_tokens"] = [p - c for p, c in zip(out["prompt_tokens"], out["cached_tokens"])]
+    out["setups"]["dgr, reuse on"] = [min(run[t]["ttft_s"] for run in on_runs) for t in range(len(QUESTIONS))]
+    out["setups"]["dgr, prefill only the new tokens"] = [min(run[t] for run in new_runs) for t in range(len(QUESTIONS))]
+    out["answers_equal_across_runs"] = all(x["text"] == a for run in on_runs for x, a in zip(run, answers))
+
+    log("prefix: the same route with --no-prefix-reuse")
+    key = {"Authorization": "Bearer bench-conversation"}
     with _route(per_node, ("--no-prefix-reuse",)) as route:
         stream_chat(route.api, MODEL, [{"role": "user", "content": "warm up"}], 2)
         off = _turns(system, answers, lambda m: stream_chat(route.api, MODEL, m, max_tokens, headers=key))
-        out["setups"]["dgr, reuse off"] = [r["ttft_s"] for r in off]
-        out["answers_equal"] = [a["text"] == b for a, b in zip(off, answers)]
-        new_only = []
-        for t, ids in enumerate(_prompt_ids(route, system, answers)):
-            n_new = out["prompt_tokens"][t] - out["cached_tokens"][t]
-            new_only.append(_completion_ttft(route.api, ids[-n_new:]))
-        out["setups"]["dgr, prefill only the new tokens"] = new_only
-        out["new_tokens"] = [p - c for p, c in zip(out["prompt_tokens"], out["cached_tokens"])]
+    out["setups"]["dgr, reuse off"] = [x["ttft_s"] for x in off]
+    out["answers_equal"] = [a["text"] == b for a, b in zip(off, answers)]
 
     if peers:
         from dgr.bench.peers import LlamaServer, ensure_tools
@@ -138,30 +157,18 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
             stream_chat(srv.api, "x", [{"role": "user", "content": "warm up"}], 2)
             server = _turns(system, answers, lambda m: stream_chat(srv.api, "x", m, max_tokens,
                                                                    extra={"cache_prompt": True}))
-        out["setups"]["llama-server, cache_prompt"] = [r["ttft_s"] for r in server]
-    ratio = [a / b for a, b in zip(out["setups"]["dgr, reuse on"][1:], new_only[1:])]
-    out["reuse_vs_new_only"] = ratio
-    out["worst_ratio_from_turn_2"] = max(ratio)
+        out["setups"]["llama-server, cache_prompt"] = [x["ttft_s"] for x in server]
+    reuse, new = out["setups"]["dgr, reuse on"], out["setups"]["dgr, prefill only the new tokens"]
+    out["reuse_vs_new_only"] = [a / b for a, b in zip(reuse[1:], new[1:])]
+    out["worst_ratio_from_turn_2"] = max(out["reuse_vs_new_only"])
     return out
 
 
-def _prompt_ids(route: LocalRoute, system: str, answers: list[str]) -> list[list[int]]:
-    """Each turn's prompt tokens, as the route's head tokenizes them."""
-    from dgr.backends.gguf_text import GgufText
-
-    text = GgufText.load(default_model_path())
-    messages, out = [{"role": "system", "content": system}], []
-    for t, q in enumerate(QUESTIONS):
-        messages.append({"role": "user", "content": q})
-        out.append(text.tokenize_chat(messages)[0])
-        messages.append({"role": "assistant", "content": answers[t]})
-    return out
-
-
-def _completion_ttft(api: str, ids: list[int]) -> float:
+def _completion_ttft(api: str, ids: list[int], key: str) -> float:
+    """TTFT of a prompt of just `ids` on a fresh session (a key of its own: nothing of it is kept)."""
     from dgr.bench.measure import stream_once
 
-    return stream_once(api, MODEL, ids, 2, headers={"Authorization": "Bearer bench-new-only"}).ttft_s
+    return stream_once(api, MODEL, ids, 2, headers={"Authorization": f"Bearer {key}"}).ttft_s
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
@@ -173,7 +180,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "`cache_prompt`). Every setup gets the same messages (dgr's reuse-on answers). 'new tokens' are "
               "the prompt tokens the reuse-on turn prefilled; 'prefill only the new tokens' is the TTFT of a "
               "prompt of just those tokens on a fresh session. dgr keeps the prompt's whole 64-token blocks "
-              "(not the answers', see GatewayConfig.prefix_keep_generated)."), "",
+              "(not the answers', see GatewayConfig.prefix_keep_generated). dgr's reuse-on and new-only figures are "
+              f"each the best of {res['repeats']} runs, measured turn by turn on the same route."), "",
              "| turn | prompt tokens | reused | new tokens | " + " | ".join(f"{s} ms" for s in setups)
              + " | reuse on / new only |",
              "|---|---|---|---|" + "---|" * len(setups) + "---|"]

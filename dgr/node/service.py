@@ -294,14 +294,18 @@ class NodeService:
     def _open_kv(self, sid: str, max_positions: int, chain: list[str]) -> int:
         """In the scheduler's thread: open `sid` on the longest kept prefix of `chain`, or empty; its positions.
 
-        A copy needs a free slot; without one the session takes the kept KV over. An empty open
-        without a free slot evicts least recently used prefixes until one is free.
+        A prompt that extends the whole kept prefix (the same conversation's next turn) takes the
+        kept KV over: no copy (llama.cpp copies a whole sequence's buffer, every --ctx position),
+        and the session's close keeps the longer prefix. A prompt that shares only part of it (a
+        common system prompt) gets a copy, and the prefix stays for others, while a slot is free;
+        without one it takes the KV over too. An empty open without a free slot evicts least
+        recently used prefixes until one is free.
         """
         backend, cache, reused = self.backend, self.prefix, 0
         try:
             kept, blocks = cache.match(chain) if cache is not None else (None, 0)
             if kept is not None:
-                take = backend.free_slots() <= 0
+                take = blocks == len(kept.chain) or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
                 backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take)

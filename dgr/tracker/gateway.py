@@ -81,7 +81,7 @@ from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_k
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
 from dgr.tracker.registry import NodeEntry, Registry
-from dgr.tracker.routing import choose_route
+from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 
@@ -92,6 +92,7 @@ log = logging.getLogger("dgr.gateway")
 # The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
 # one for the whole route, since any of its nodes may have to report.
 _GATEWAY = "gateway"
+_HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 
 
 @attrs.frozen
@@ -240,6 +241,9 @@ class Gateway:
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
+    # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
+    # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
+    holders: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -474,10 +478,17 @@ class Gateway:
                 max_tokens = min(max_tokens, cfg.max_tokens_cap)
             positions = len(prompt) + max_tokens
 
-            relays = self._relays(rs.sid, choice.hops, caps)
             root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None)
             # whole blocks only, and never the last token: its logits give the first answer token
             offer = [] if root is None else block_chain(prompt[: len(prompt) - 1], root)
+            better = self._holding_route(offer, choice, context)
+            if better is not None:
+                self._release(reserved)
+                for n in better.nodes:
+                    n.reserved += 1
+                choice, reserved = better, better.nodes
+                caps = self._capabilities(rs.sid, choice.hops)
+            relays = self._relays(rs.sid, choice.hops, caps)
             held: dict[str, int] = {}
 
             async def _open(hop: Hop) -> None:
@@ -533,6 +544,28 @@ class Gateway:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
         self._nursery.start_soon(self._drive, live)
         return live
+
+    def _holding_route(self, offer: list[str], choice, context: int):
+        """A route whose nodes all kept the longest prefix of `offer` this gateway saw closed, when it is not
+        `choice` and has room and the context `choice` has; else None."""
+        for key in reversed(offer):
+            nodes = self.holders.get(key)
+            if nodes is not None:
+                better = prefer_holders(self.registry.alive(), choice, nodes)
+                if better is not None and min(n.max_positions for n in better.nodes) < context:
+                    return None
+                return better
+        return None
+
+    def _note_holders(self, live: LiveSession, chain: list[str] | None) -> None:
+        if not chain:
+            return
+        nodes = frozenset(h.node_id for h in live.rs.route)
+        for key in chain:
+            self.holders[key] = nodes
+            self.holders.move_to_end(key)
+        while len(self.holders) > _HOLDER_KEYS:
+            self.holders.popitem(last=False)
 
     async def _admit(self, model: str):
         """A route for `model`, waiting up to `admission_wait_s` for a slot when every route is full.
@@ -600,8 +633,9 @@ class Gateway:
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
                 for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
-                await self._close_nodes(rs.sid, survivors, failure, live.caps,
-                                        keep=live.kv_chain() if failure is None else None)
+                keep = live.kv_chain() if failure is None else None
+                await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
+                self._note_holders(live, keep)
                 self._release(live.nodes)
                 live.send.close()
                 live.telemetry.close()
