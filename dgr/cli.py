@@ -96,7 +96,7 @@ def cmd_node(args) -> int:
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
                             advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca),
-                            prefix_cache_mb=args.prefix_cache_mb)
+                            prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir)
 
 
 def _assigned_layers(args):
@@ -132,6 +132,9 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context positions per session")
     p.add_argument("--max-sessions", type=int, default=8, help="Route Sessions a node holds at once")
     p.add_argument("--stub-delay", type=float, default=0.0, help="stub: seconds of fake compute per position")
+    p.add_argument("--snapshot-dir", metavar="DIR",
+                   help="write kept prefixes' KV here as verifiable Prefix Snapshots, and reload matching ones at "
+                        "start (dgr up: one subfolder per node)")
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
                         "slots live sessions leave free; 0: keep none)")

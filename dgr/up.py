@@ -88,6 +88,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         "--max-sessions", str(args.max_sessions), "--stub-delay", str(args.stub_delay),
         "--stub-model", args.stub_model, "--idle-timeout", str(getattr(args, "idle_timeout", 120.0)),
     )
+    if getattr(args, "snapshot_dir", None):
+        cmd += ["--snapshot-dir", str(Path(args.snapshot_dir) / name)]
     if getattr(args, "prefix_cache_mb", None) is not None:
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if args.model:

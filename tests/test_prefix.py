@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 
 import pytest
 import trio
 
 from dgr.api.openai import parse_request
-from dgr.errors import Failure, Reason
+from dgr.errors import CallerError, Failure, Reason
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix_root, valid_chain
+from dgr.node.snapshot import SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig
 
@@ -256,3 +259,79 @@ async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
     _, second = await _ask(route, SYSTEM + text + " next")
     assert [h.node_id for h in second.rs.route] == ["n2", "n3"] and second.rs.prefix_reused >= 4 * B
     assert all(n.reserved == 0 for n in route.registry.nodes.values())
+
+
+# -- Prefix Snapshots ---------------------------------------------------------------------------------------
+
+
+def _with_snapshots(folder, config=QUIET) -> InProcRoute:
+    """A fresh in-process route (a restart) whose nodes keep snapshots under `folder`/n0, n1."""
+    route = InProcRoute.stub(config=config)
+    for s in route.services:
+        b = s.backend
+        s.snapshots = SnapshotDir(folder / s.node_id, {"model_digest": b.info.digest, "manifest_id": None,
+                                                      "backend": b.name, "layers": str(b.layers)})
+    route.register_all()
+    return route
+
+
+async def test_a_restarted_route_reloads_its_snapshots_and_skips_the_system_prompt(nursery, tmp_path) -> None:
+    first = _with_snapshots(tmp_path)
+    await nursery.start(first.run)
+    text, _ = await _ask(first, SYSTEM)
+    for s in first.services:
+        assert s.snapshots.written == 1 and len(list((tmp_path / s.node_id).glob("*.kv"))) == 1
+    # a restart: new processes, nothing in memory, the same folders
+    again = _with_snapshots(tmp_path)
+    await nursery.start(again.run)
+    for s in again.services:
+        assert s.snapshots.loaded == 1 and s.snapshots.refused == [] and len(s.prefix.entries) == 1
+    plain = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    plain.register_all()
+    await nursery.start(plain.run)
+    want, _ = await _ask(plain, SYSTEM + text + " next")
+    got, live = await _ask(again, SYSTEM + text + " next")
+    assert live.rs.prefix_reused >= 4 * B and got == want
+    assert again.services[0].stats.frames_in["PREFILL"] == 1  # one chunk: the system prompt was not sent again
+
+
+@pytest.mark.parametrize("damage", ["bytes", "layers", "model"])
+async def test_a_tampered_or_foreign_snapshot_is_refused(nursery, tmp_path, damage: str) -> None:
+    first = _with_snapshots(tmp_path)
+    await nursery.start(first.run)
+    await _ask(first, SYSTEM)
+    folder = tmp_path / "n1"
+    kv, = folder.glob("*.kv")
+    manifest = kv.with_suffix(".json")
+    if damage == "bytes":
+        data = bytearray(kv.read_bytes())
+        data[len(data) // 2] ^= 1
+        kv.write_bytes(bytes(data))
+    else:
+        meta = json.loads(manifest.read_text())
+        meta["layers" if damage == "layers" else "model_digest"] = "0:15" if damage == "layers" else "0" * 64
+        manifest.write_text(json.dumps(meta))
+    again = _with_snapshots(tmp_path)
+    await nursery.start(again.run)
+    tail = again.services[1]
+    assert tail.snapshots.loaded == 0 and len(tail.prefix.entries) == 0
+    refused, = tail.snapshots.refused
+    assert refused["code"] == Reason.SNAPSHOT_MISMATCH.value
+    assert {"bytes": "sha256", "layers": "layers", "model": "model_digest"}[damage] in refused["message"]
+    assert tail.status()["snapshots"]["refused"] == [refused]
+    _, live = await _ask(again, SYSTEM + " next")
+    assert live.rs.prefix_reused == 0  # the head holds it, the tail does not: the route reuses nothing
+
+
+def test_check_refuses_what_does_not_match() -> None:
+    own = {"model_digest": "d", "manifest_id": None, "backend": "stub", "layers": "0:15"}
+    chain = block_chain(list(range(B)), prefix_root("d", ""))
+    data = b"kv"
+    meta = {"schema": 1, **own, "chain": chain, "positions": B, "bytes": 2,
+            "sha256": hashlib.sha256(data).hexdigest()}
+    assert check(meta, data, own).chain == tuple(chain)
+    for bad in ({**meta, "schema": 2}, {**meta, "positions": 2 * B}, {**meta, "backend": "llama"},
+                {**meta, "chain": ["zz"]}, {**meta, "bytes": 3}):
+        with pytest.raises(CallerError) as err:
+            check(bad, data, own)
+        assert err.value.reason is Reason.SNAPSHOT_MISMATCH

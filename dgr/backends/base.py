@@ -192,6 +192,20 @@ class ShardBackend(abc.ABC):
         """KV bytes held by kept prefixes (not counted in `kv_bytes`, which is live sessions' only)."""
         return 0
 
+    snapshot_capable: bool = False  # True where the two methods below work (dgr.node.snapshot)
+
+    def export_prefix(self, key: str) -> bytes:
+        """A kept prefix's KV as bytes that `import_prefix` of the same model file and layers takes back."""
+        raise NotImplementedError
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        """Hold `data` (from `export_prefix`) as the kept prefix `key` in a free slot; return its bytes.
+
+        Raises:
+            CallerError(NODE_AT_CAPACITY): no free slot. CallerError(SNAPSHOT_MISMATCH): the bytes do not load.
+        """
+        raise NotImplementedError
+
     # -- head: text in ---------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         raise NotImplementedError

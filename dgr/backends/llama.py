@@ -215,6 +215,17 @@ class LlamaCppBackend(ShardBackend):
     def free_slots(self) -> int:
         return self.engine.n_seq_max - len(self._sessions) - len(self._kept)
 
+    snapshot_capable = True
+
+    def export_prefix(self, key: str) -> bytes:
+        return self.engine.state_get(self._kept[key])
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        seq = self._free_seq()
+        self.engine.state_set(seq, data, positions)
+        self._kept[key] = seq
+        return positions * self.engine.kv_bytes_per_position()
+
     def prefix_bytes(self) -> int:
         per = self.engine.kv_bytes_per_position()
         return sum(self.engine.positions(seq) * per for seq in self._kept.values())

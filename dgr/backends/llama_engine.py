@@ -619,6 +619,29 @@ class LlamaEngine:
         """Count `seq`'s evaluated positions from zero: a session that reuses a prefix evaluated none of it."""
         self._evaluated[seq] = 0
 
+    def state_get(self, seq: int) -> bytes:
+        """Sequence `seq`'s KV state as llama.cpp serializes it (cells, positions, K and V of every layer)."""
+        lib = llama_lib()
+        size = lib.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return bytes(buf[:n])
+
+    def state_set(self, seq: int, data: bytes, positions: int) -> None:
+        """Load `data` (from `state_get` of a context of this file) into sequence `seq`, holding `positions`.
+
+        Raises:
+            CallerError(SNAPSHOT_MISMATCH): llama.cpp refused the bytes.
+        """
+        lib = llama_lib()
+        self.seq_rm(seq)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if lib.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
+            self.seq_rm(seq)
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"llama.cpp refused the sequence state: {llama_log_tail()}")
+        self._n_pos[seq] = positions
+        self.reset_evaluated(seq)
+
     def truncate(self, seq: int, positions: int) -> None:
         """Keep only positions [0, positions) of `seq`'s KV."""
         have = self._n_pos.get(seq, 0)

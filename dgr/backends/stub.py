@@ -22,6 +22,7 @@ hidden size, and it may need token ids beside the hidden state in its first
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 from typing import Any
 
@@ -175,6 +176,28 @@ class StubBackend(ShardBackend):
 
     def free_slots(self) -> int:
         return self.capacity - len(self._sessions) - len(self._kept)
+
+    snapshot_capable = True
+
+    def export_prefix(self, key: str) -> bytes:
+        s = self._kept[key]
+        buf = io.BytesIO()
+        np.savez(buf, kv_sum=s.kv_sum, **{f"m{p}": m for p, m in s.marks.items()})
+        return buf.getvalue()
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        if self.free_slots() <= 0:
+            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                marks = {int(k[1:]): z[k] for k in z.files if k.startswith("m")}
+                kv_sum = z["kv_sum"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"not a stub prefix: {exc}") from None
+        if kv_sum.shape != (len(self.layers), self.spec.seam_width) or positions not in marks:
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, "a stub prefix of another shape or length")
+        self._kept[key] = _Session(positions, kv_sum, positions, 0, marks)
+        return positions * kv_sum.nbytes
 
     def prefix_bytes(self) -> int:
         return sum(s.positions * s.kv_sum.nbytes for s in self._kept.values())

@@ -119,6 +119,10 @@ class PrefixCache:
             self.misses += 1
         return None, 0
 
+    def holds(self, chain: Sequence[str]) -> bool:
+        """True when some entry holds all of `chain` (its last key names every block before it); counts nothing."""
+        return bool(chain) and bool(self._index.get(chain[-1]))
+
     def add(self, kept: Kept) -> list[str]:
         """Hold `kept`; return the ids dropped for it (superseded, then over budget), `kept.id` possibly among them."""
         dropped = []

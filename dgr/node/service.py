@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import time
 from typing import Any
 
@@ -56,6 +57,7 @@ from dgr.metrics import NodeMetrics, gauge
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Outgoing, Relay, RelayPlan, Report
 from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
@@ -65,6 +67,8 @@ from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust
 
 __all__ = ["NodeService", "SeamStats"]
+
+log = logging.getLogger("dgr.node")
 
 _ENDED_MEMORY = 4096
 _KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
@@ -124,6 +128,7 @@ class NodeService:
     # kept prefixes; None where the backend cannot keep them or the node was started without (--no-prefix-cache)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
+    snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
     _nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -133,6 +138,8 @@ class NodeService:
         self.described = self.backend.describe()
         if self.prefix is not None and not self.backend.prefix_capable:
             self.prefix = None  # this backend holds no KV beyond a session's life
+        if self.prefix is None or not self.backend.snapshot_capable:
+            self.snapshots = None
         self.metrics.watch(self._gauges)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -141,6 +148,8 @@ class NodeService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.scheduler.run)
+                if self.snapshots is not None:
+                    await self.scheduler.call(self._load_snapshots)  # before any session can want them
                 task_status.started()
         finally:
             self._nursery = None
@@ -317,6 +326,28 @@ class NodeService:
         finally:
             self.prefix_bytes = backend.prefix_bytes()
 
+    def _load_snapshots(self) -> None:
+        """In the scheduler's thread, at start: every matching snapshot into a free slot, as a kept prefix."""
+        snaps, cache, backend = self.snapshots, self.prefix, self.backend
+        for snap in snaps.scan():
+            if backend.free_slots() <= 0:
+                break
+            if cache.holds(snap.chain):
+                continue
+            key = cache.new_id()
+            try:
+                nbytes = backend.import_prefix(key, snap.data, snap.positions)
+            except CallerError as exc:
+                snaps.refused.append({"file": f"{snap.chain[-1]}.json", "code": exc.reason.value,
+                                      "message": exc.message})
+                continue
+            for d in cache.add(Kept(key, snap.chain, nbytes)):
+                backend.drop_prefix(d)
+            snaps.loaded += 1
+        self.prefix_bytes = backend.prefix_bytes()
+        for r in snaps.refused:
+            log.warning("prefix snapshot %s refused (%s): %s", r["file"], r["code"], r["message"])
+
     def _close_kv(self, sid: str, keep: list[str]) -> None:
         """In the scheduler's thread: close `sid`, keeping the whole blocks of its KV that `keep` names."""
         backend, cache = self.backend, self.prefix
@@ -328,8 +359,14 @@ class NodeService:
         try:
             key = cache.new_id()
             nbytes = backend.keep_prefix(sid, key, blocks * BLOCK_TOKENS)
-            for dropped in cache.add(Kept(key, tuple(keep[:blocks]), nbytes)):
-                backend.drop_prefix(dropped)
+            dropped = cache.add(Kept(key, tuple(keep[:blocks]), nbytes))
+            for d in dropped:
+                backend.drop_prefix(d)
+            if self.snapshots is not None and key not in dropped:
+                try:
+                    self.snapshots.write(tuple(keep[:blocks]), backend.export_prefix(key))
+                except OSError as exc:  # the prefix is kept in memory all the same
+                    log.warning("could not write a prefix snapshot to %s: %s", self.snapshots.root, exc)
         finally:
             backend.close_session(sid)  # a no-op once kept; frees the slot if keeping failed
             self.prefix_bytes = backend.prefix_bytes()
@@ -571,6 +608,7 @@ class NodeService:
             "capacity": self.capacity,
             "kv_bytes": sched.kv_bytes,
             "prefix": None if self.prefix is None else {**self.prefix.to_json(), "bytes": self.prefix_bytes},
+            "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "backend_sessions": sched.session_count},
