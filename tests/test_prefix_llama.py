@@ -9,6 +9,7 @@ import pytest
 
 from dgr.backends.base import LayerRange
 from dgr.backends.llama_shard import LlamaShardBackend
+from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
 from dgr.node.prefix import BLOCK_TOKENS
 from dgr.pipeline import Pipeline
@@ -141,3 +142,56 @@ def test_torch_shards_reuse_a_copied_prefix() -> None:
     for s in stages:
         s.drop_prefix("k")
         assert s.free_slots() == 2 and s.prefix_bytes() == 0
+
+
+def test_a_llama_snapshot_reloads_in_a_new_context(stages) -> None:
+    """llama.cpp's sequence state out of one context and into a fresh one (a restart) answers as before."""
+    ids = stages[0].tokenize("The harbour log lists every ship that came in. " * 12, add_special=True,
+                             parse_special=False)
+    p = Pipeline(stages)
+    p.open("s", 1024)
+    p.prefill("s", ids)
+    blocks = len(ids) // BLOCK_TOKENS
+    data = []
+    for s in stages:
+        s.keep_prefix("s", "k", blocks * BLOCK_TOKENS)
+        data.append(s.export_prefix("k"))
+        s.drop_prefix("k")
+    fresh = [LlamaShardBackend(default_model_path(), s.layers, n_threads=1, n_ctx=1024, max_sessions=2)
+             for s in stages]
+    try:
+        for s, d in zip(fresh, data):
+            assert s.import_prefix("k", d, blocks * BLOCK_TOKENS) > 0 and s.free_slots() == 1
+            s.open_from_prefix("t", 1024, "k", blocks * BLOCK_TOKENS, take=True)
+        q = Pipeline(fresh)
+        got, got_logits = _greedy(q, "t", ids, blocks * BLOCK_TOKENS)
+        q.open("ref", 1024)
+        want, want_logits = _greedy(q, "ref", ids, 0)
+        assert got == want and float(np.max(np.abs(got_logits - want_logits))) == 0.0
+        q.close("t")
+        q.close("ref")
+        with pytest.raises(CallerError) as err:  # truncated bytes do not load
+            fresh[0].import_prefix("x", data[0][: len(data[0]) // 2], blocks * BLOCK_TOKENS)
+        assert err.value.reason is Reason.SNAPSHOT_MISMATCH
+    finally:
+        for s in fresh:
+            s.close()
+
+
+def test_a_restarted_node_answers_the_next_turn_from_its_snapshot(tmp_path) -> None:
+    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
+                    extra=("--ctx", "1024", "--max-sessions", "4", "--snapshot-dir", str(tmp_path))) as route:
+        conv = openai.OpenAI(base_url=route.api, api_key="conversation", max_retries=0, timeout=120)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+        first = conv.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        route.wait_sessions_freed(["node0", "node1"])
+        assert route.node_status("node1")["snapshots"]["written"] == 1
+        layers = route.node("node1")["layers"]
+        route.kill("node1")
+        route.restart_node("node1", layers, extra=("--snapshot-dir", str(tmp_path / "node1")))
+        snaps = route.node_status("node1")["snapshots"]
+        assert snaps["loaded"] == 1 and snaps["refused"] == []
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": QUESTIONS[1]}]
+        second = conv.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK_TOKENS

@@ -620,12 +620,23 @@ class LlamaEngine:
         self._evaluated[seq] = 0
 
     def state_get(self, seq: int) -> bytes:
-        """Sequence `seq`'s KV state as llama.cpp serializes it (cells, positions, K and V of every layer)."""
+        """Sequence `seq`'s KV state (cells, positions, K and V of every layer), free of this context's shape.
+
+        llama.cpp writes 8 bytes of its own (kept as they are), a u32 stream count, then per stream
+        a u32 cell count and, where it is not zero, that stream's cells. With a stream per sequence only `seq`'s is not empty, and the
+        reader puts it in the stream of the sequence it loads into, whatever its index; so what is
+        kept is that one stream's part, and `state_set` wraps it for its own stream count (a node
+        restarted with another --max-sessions still loads it).
+        """
         lib = llama_lib()
         size = lib.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
-        n = lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return bytes(buf[:n])
+        data = bytes(buf[: lib.llama_state_seq_get_data(self._ctx, buf, size, seq)])
+        n = self.n_seq_max
+        head, tail = data[8 : 12 + 4 * seq], data[len(data) - 4 * (n - seq - 1) :] if seq < n - 1 else b""
+        if head != n.to_bytes(4, "little") + bytes(4 * seq) or tail != bytes(len(tail)):
+            raise CallerError(Reason.INTERNAL, "llama.cpp's sequence state is not laid out as expected")
+        return data[:8] + data[12 + 4 * seq : len(data) - len(tail)]
 
     def state_set(self, seq: int, data: bytes, positions: int) -> None:
         """Load `data` (from `state_get` of a context of this file) into sequence `seq`, holding `positions`.
@@ -635,6 +646,7 @@ class LlamaEngine:
         """
         lib = llama_lib()
         self.seq_rm(seq)
+        data = data[:8] + self.n_seq_max.to_bytes(4, "little") + data[8:] + bytes(4 * (self.n_seq_max - 1))
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if lib.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
             self.seq_rm(seq)

@@ -230,7 +230,7 @@ def plot(res: dict[str, Any], save: Callable) -> None:
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT ms")
     ax.set_title(f"{res['turns']}-turn chat, {res['prompt_tokens'][0]}-token system prompt")
-    ax.set_ylim(bottom=0)
+    ax.set_yscale("log")  # turn 1 and reuse off are tens of times the reused turns
     ax.legend()
     save(fig, "prefix_ttft.png")
 
