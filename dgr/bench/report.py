@@ -35,6 +35,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
              f"Run {res['started']} to {res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1, "
              f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
              "Ratios are to llama-cpp-python called directly in the same run."]
+    if res["config"].get("only") == "prefix":  # one section, whose setups and baselines it states itself
+        lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
+                 f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
     if setups:
         lines += ["", "## Decode and prefill", ""] + _setup_table(setups, base)
     if res.get("inprocess"):
