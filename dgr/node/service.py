@@ -18,9 +18,9 @@ after any of its steps already queued. Ended session ids are remembered
 
 Prefix cache (dgr.node.prefix): a session closed normally with the hash
 chain of the tokens in its KV (`keep`) leaves its KV behind as a kept prefix;
-an open that offers a chain (`prefix`) starts from a copy of the longest
-kept prefix matching it, or takes the kept KV over when no slot is free for
-a copy. The cache is touched only in the scheduler's thread, in the same job
+an open that offers a chain (`prefix`) starts from the longest kept prefix
+matching it: it takes the kept KV over when it extends all of it (a
+conversation's next turn) or no slot is free, else starts from a copy. The cache is touched only in the scheduler's thread, in the same job
 as the backend calls it decides, so the two never disagree. A kept prefix
 holds a sequence slot that no live session holds: an open that finds no
 free slot evicts the least recently used prefix first, so the capacity
@@ -125,7 +125,7 @@ class NodeService:
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
-    # kept prefixes; None where the backend cannot keep them or the node was started without (--no-prefix-cache)
+    # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
     snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
@@ -317,7 +317,12 @@ class NodeService:
                 take = blocks == len(kept.chain) or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
-                backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take)
+                try:
+                    backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take)
+                except BaseException:
+                    if take:
+                        backend.drop_prefix(kept.id)  # the cache forgot it: its slot must not stay taken
+                    raise
                 return blocks * BLOCK_TOKENS
             while cache is not None and backend.free_slots() <= 0 and cache.entries:
                 backend.drop_prefix(cache.evict())

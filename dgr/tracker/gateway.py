@@ -50,8 +50,11 @@ Theory of operation:
   opens on the longest kept prefix it holds of that chain and says how many
   positions that is; the route reuses the smallest answer, and prefill starts
   there (a node holding more drops the rest before that first step). A
-  session that ends normally closes with the chain of every whole block in
-  its KV (prompt and fed tokens), so its nodes may keep it for the next turn.
+  session that ends normally closes with the chain of its prompt's whole
+  blocks (and its answer's, with `prefix_keep_generated`), so its nodes may
+  keep that KV for the next turn; the gateway remembers which route kept
+  which keys (`holders`) and prefers that route for a prompt that extends
+  them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -194,7 +197,7 @@ class LiveSession:
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return usage_body(self.rs.prompt_tokens, self.completion_tokens, self.rs.prefix_reused)
 
     def abort(self, failure: Failure) -> None:
