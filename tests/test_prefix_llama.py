@@ -195,3 +195,39 @@ def test_a_restarted_node_answers_the_next_turn_from_its_snapshot(tmp_path) -> N
                      {"role": "user", "content": QUESTIONS[1]}]
         second = conv.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK_TOKENS
+
+
+def test_eight_concurrent_conversations_never_meet_a_429_for_a_kept_prefix() -> None:
+    """8 conversations at once on nodes of 4 sequence slots: kept prefixes are evicted for live sessions,
+    never the other way round."""
+    import threading
+
+    errors: list[str] = []
+    cached: list[int] = []
+    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
+                    extra=("--ctx", "512", "--max-sessions", "4", "--admission-wait-s", "120")) as route:
+
+        def conversation(i: int) -> None:
+            client = openai.OpenAI(base_url=route.api, api_key=f"user-{i}", max_retries=0, timeout=300)
+            messages = [{"role": "system", "content": SYSTEM[: 300 + 40 * i]}]
+            try:
+                for q in QUESTIONS[:3]:
+                    messages.append({"role": "user", "content": q})
+                    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+                    cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                    messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            except openai.APIError as exc:
+                errors.append(f"{i}: {exc}")
+
+        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert errors == [] and len(cached) == 24
+        assert sum(c > 0 for c in cached) >= 8  # reuse happened under the pressure too
+        route.wait_sessions_freed(["node0", "node1"])
+        for name in ("node0", "node1"):
+            status = route.node_status(name)
+            assert status["seam"]["refused"].get("node_at_capacity", 0) == 0
+            assert status["prefix"]["entries"] <= 4 and status["prefix"]["evictions"] > 0
