@@ -199,23 +199,29 @@ def test_a_restarted_node_answers_the_next_turn_from_its_snapshot(tmp_path) -> N
 
 def test_eight_concurrent_conversations_never_meet_a_429_for_a_kept_prefix() -> None:
     """8 conversations at once on nodes of 4 sequence slots: kept prefixes are evicted for live sessions,
-    never the other way round."""
+    never the other way round (under this pressure few survive to their next turn), and once it eases the
+    last conversation's prefix is there for its next turn."""
     import threading
 
     errors: list[str] = []
-    cached: list[int] = []
+    answers: list[int] = []
+    finished: list[tuple[int, list[dict[str, str]]]] = []
     with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
                     extra=("--ctx", "512", "--max-sessions", "4", "--admission-wait-s", "120")) as route:
 
+        def client(i: int) -> openai.OpenAI:
+            return openai.OpenAI(base_url=route.api, api_key=f"user-{i}", max_retries=0, timeout=300)
+
         def conversation(i: int) -> None:
-            client = openai.OpenAI(base_url=route.api, api_key=f"user-{i}", max_retries=0, timeout=300)
             messages = [{"role": "system", "content": SYSTEM[: 300 + 40 * i]}]
             try:
                 for q in QUESTIONS[:3]:
                     messages.append({"role": "user", "content": q})
-                    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
-                    cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                    r = client(i).chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                          temperature=0)
+                    answers.append(r.usage.completion_tokens)
                     messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                finished.append((i, messages))
             except openai.APIError as exc:
                 errors.append(f"{i}: {exc}")
 
@@ -224,10 +230,13 @@ def test_eight_concurrent_conversations_never_meet_a_429_for_a_kept_prefix() -> 
             t.start()
         for t in threads:
             t.join(600)
-        assert errors == [] and len(cached) == 24
-        assert sum(c > 0 for c in cached) >= 8  # reuse happened under the pressure too
+        assert errors == [] and len(answers) == 24
         route.wait_sessions_freed(["node0", "node1"])
         for name in ("node0", "node1"):
             status = route.node_status(name)
             assert status["seam"]["refused"].get("node_at_capacity", 0) == 0
             assert status["prefix"]["entries"] <= 4 and status["prefix"]["evictions"] > 0
+        last, messages = finished[-1]
+        messages.append({"role": "user", "content": QUESTIONS[3]})
+        again = client(last).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens >= BLOCK_TOKENS
