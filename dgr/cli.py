@@ -39,6 +39,8 @@ def cmd_tracker(args) -> int:
         slow_client_s=args.slow_client_s or None,
         admission_wait_s=args.admission_wait_s,
         topology=Topology(args.topology),
+        prefix_reuse=not args.no_prefix_reuse,
+        share_prefixes=args.share_prefixes,
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -93,7 +95,8 @@ def cmd_node(args) -> int:
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
-                            advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca))
+                            advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca),
+                            prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir)
 
 
 def _assigned_layers(args):
@@ -143,6 +146,12 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context positions per session")
     p.add_argument("--max-sessions", type=int, default=8, help="Route Sessions a node holds at once")
     p.add_argument("--stub-delay", type=float, default=0.0, help="stub: seconds of fake compute per position")
+    p.add_argument("--snapshot-dir", metavar="DIR",
+                   help="write kept prefixes' KV here as verifiable Prefix Snapshots, and reload matching ones at "
+                        "start (dgr up: one subfolder per node)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
+                        "slots live sessions leave free; 0: keep none)")
     p.add_argument("--stub-model", default="default", choices=("default", "dsv4"),
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
 
@@ -185,6 +194,11 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", choices=("star", "chain"), default="chain",
                    help="chain (default): each node forwards to the next and the tail answers the gateway "
                         "(N + 1 messages a token); star: the gateway relays every hop (2N messages)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
+    p.add_argument("--share-prefixes", action="store_true",
+                   help="reuse a kept prefix across API keys (default: only for the key that left it); a caller "
+                        "can then time whether someone sent the same prefix lately (spec/security.md)")
     p.add_argument("--admission-wait-s", type=float, default=10.0,
                    help="a request that finds every route full waits this long for a slot before its 429")
 

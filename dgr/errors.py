@@ -78,6 +78,8 @@ class Reason(enum.Enum):
     # Model Artifacts: a file or a possession proof does not match its manifest.
     ARTIFACT_MISMATCH = "artifact_mismatch"
     PROOF_FAILED = "proof_failed"
+    # A Prefix Snapshot on disk is not of this node's model, layers or bytes (dgr.node.snapshot).
+    SNAPSHOT_MISMATCH = "snapshot_mismatch"
     INTERNAL = "internal_error"
 
 
@@ -185,6 +187,7 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.MODEL_LOAD_FAILED: (500, "server_error"),
     Reason.ARTIFACT_MISMATCH: (422, "artifact_error"),
     Reason.PROOF_FAILED: (403, "artifact_error"),
+    Reason.SNAPSHOT_MISMATCH: (422, "artifact_error"),
     Reason.INTERNAL: (500, "server_error"),
 }
 

@@ -41,6 +41,7 @@ class TrackerMetrics:
     sessions_total: Counter = attrs.field(init=False)
     failures_total: Counter = attrs.field(init=False)
     prompt_tokens_total: Counter = attrs.field(init=False)
+    prefix_reused_tokens_total: Counter = attrs.field(init=False)
     generated_tokens_total: Counter = attrs.field(init=False)
     ttft_seconds: Histogram = attrs.field(init=False)
     token_latency_seconds: Histogram = attrs.field(init=False)
@@ -53,6 +54,8 @@ class TrackerMetrics:
         self.failures_total = Counter("dgr_route_session_failures_total", "Route Session failures by reason code",
                                       ["reason"], registry=r)
         self.prompt_tokens_total = Counter("dgr_prompt_tokens_total", "Prompt tokens prefilled", registry=r)
+        self.prefix_reused_tokens_total = Counter("dgr_prefix_reused_tokens_total",
+                                                  "Prompt tokens whose KV a kept prefix supplied", registry=r)
         self.generated_tokens_total = Counter("dgr_generated_tokens_total", "Tokens generated", registry=r)
         self.ttft_seconds = Histogram("dgr_time_to_first_token_seconds", "Request start to first token", registry=r,
                                       buckets=_TTFT_BUCKETS)

@@ -84,13 +84,14 @@ class Pipeline:
             hidden = out
         return out
 
-    def prefill(self, sid: str, token_ids: list[int] | np.ndarray, chunk: int = 512) -> np.ndarray:
-        """Feed the prompt from position 0 in chunks; float32 [vocab] logits of its last token."""
+    def prefill(self, sid: str, token_ids: list[int] | np.ndarray, chunk: int = 512, pos0: int = 0) -> np.ndarray:
+        """Feed the prompt from position `pos0` (the session holds the ones before) in chunks; float32 [vocab]
+        logits of its last token."""
         ids = np.asarray(token_ids, dtype=np.int32)
-        if ids.size == 0 or chunk < 1:
+        if ids.size <= pos0 or chunk < 1:
             raise CallerError(Reason.INVALID_REQUEST, "prefill needs tokens and a positive chunk")
         logits = None
-        for i in range(0, ids.size, chunk):
+        for i in range(pos0, ids.size, chunk):
             last = i + chunk >= ids.size
             logits = self.forward(sid, i, ids[i : i + chunk], want_logits=last)
         return _logits(logits)

@@ -88,6 +88,10 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         "--max-sessions", str(args.max_sessions), "--stub-delay", str(args.stub_delay),
         "--stub-model", args.stub_model, "--idle-timeout", str(getattr(args, "idle_timeout", 120.0)),
     )
+    if getattr(args, "snapshot_dir", None):
+        cmd += ["--snapshot-dir", str(Path(args.snapshot_dir) / name)]
+    if getattr(args, "prefix_cache_mb", None) is not None:
+        cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if args.model:
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):
@@ -111,6 +115,9 @@ def tracker_args(args, identity: Path | None = None) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
+    for flag in ("no_prefix_reuse", "share_prefixes"):
+        if getattr(args, flag, False):
+            cmd.append("--" + flag.replace("_", "-"))
     return cmd
 
 

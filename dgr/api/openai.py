@@ -173,11 +173,13 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     )
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage block; `cached_tokens` are prompt tokens whose KV a kept prefix supplied."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

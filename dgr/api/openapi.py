@@ -148,13 +148,18 @@ def node_openapi_document() -> dict[str, Any]:
                 "requestBody": _json_body({"type": "object", "required": ["session", "max_positions"], "properties": {
                     "session": _SID, "max_positions": {"type": "integer"},
                     "sampling": {"type": "object", "properties": {
-                        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"}}}}}),
+                        "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"}}},
+                    # block keys of the prompt (dgr.node.prefix): open on the longest kept prefix of them
+                    "prefix": {"type": "array", "maxItems": 64,
+                               "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}}}),
                 "responses": {"201": _OK, **_errors(400, 403, 409, 413, 429)}}},
             "/v1/seam/sessions/{sid}": {
                 "get": {"parameters": sid + cap, "responses": {"200": _OK, **_errors(403, 404, 410)}},
                 "delete": {"parameters": sid + cap + [
                     {"name": "reason", "in": "query", "required": False, "schema": {"type": "string"}},
-                    {"name": "message", "in": "query", "required": False, "schema": {"type": "string"}}],
+                    {"name": "message", "in": "query", "required": False, "schema": {"type": "string"}},
+                    # a normal close: the block keys of the session's KV, joined by '.', to keep it as a prefix
+                    {"name": "keep", "in": "query", "required": False, "schema": {"type": "string"}}],
                     "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
             "/v1/node/tokenize": {"post": {
                 "parameters": cap,

@@ -159,6 +159,53 @@ class ShardBackend(abc.ABC):
         """Positions one session may hold here (`--ctx`); the node advertises it and the gateway clamps to it."""
         return self.info.context_length
 
+    # -- prefix cache: the node's dgr.node.prefix decides, the backend holds the KV ------------
+    prefix_capable: bool = False  # True where the methods below work
+
+    def keep_prefix(self, sid: str, key: str, positions: int) -> int:
+        """End `sid` but keep its first `positions` positions of KV under `key`; return the bytes kept.
+
+        Its sequence slot stays taken until `drop_prefix(key)` or `open_from_prefix(..., take=True)`.
+        """
+        raise NotImplementedError
+
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+        """Open `sid` holding a copy of the first `positions` positions of `key`'s KV.
+
+        With `take`, the kept KV itself becomes the session's and `key` is gone (no copy, no new slot).
+        """
+        raise NotImplementedError
+
+    def drop_prefix(self, key: str) -> None:
+        """Free a kept prefix's KV and slot. Idempotent."""
+        raise NotImplementedError
+
+    def trim_session(self, sid: str, positions: int) -> None:
+        """Keep only the first `positions` positions of `sid`'s KV (a whole number of prefix blocks)."""
+        raise NotImplementedError
+
+    def free_slots(self) -> int:
+        """Sessions that can open now without dropping a kept prefix."""
+        return self.max_sessions() - self.session_count()
+
+    def prefix_bytes(self) -> int:
+        """KV bytes held by kept prefixes (not counted in `kv_bytes`, which is live sessions' only)."""
+        return 0
+
+    snapshot_capable: bool = False  # True where the two methods below work (dgr.node.snapshot)
+
+    def export_prefix(self, key: str) -> bytes:
+        """A kept prefix's KV as bytes that `import_prefix` of the same model file and layers takes back."""
+        raise NotImplementedError
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        """Hold `data` (from `export_prefix`) as the kept prefix `key` in a free slot; return its bytes.
+
+        Raises:
+            CallerError(NODE_AT_CAPACITY): no free slot. CallerError(SNAPSHOT_MISMATCH): the bytes do not load.
+        """
+        raise NotImplementedError
+
     # -- head: text in ---------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         raise NotImplementedError

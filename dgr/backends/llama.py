@@ -105,6 +105,7 @@ class LlamaCppBackend(ShardBackend):
         self.n_ctx = n_ctx
         self._sessions: dict[str, int] = {}  # Route Session id -> seq_id
         self._limits: dict[str, int] = {}  # Route Session id -> max_positions
+        self._kept: dict[str, int] = {}  # kept prefix key -> seq_id (dgr.node.prefix)
         digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
         is_tail = layers.stop == header.n_layer  # self.info does not exist yet
         try:
@@ -154,13 +155,80 @@ class LlamaCppBackend(ShardBackend):
                 Reason.CONTEXT_LENGTH_EXCEEDED,
                 f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session",
             )
-        used = set(self._sessions.values())
-        free = next((s for s in range(self.engine.n_seq_max) if s not in used), None)
-        if free is None:
-            raise CallerError(Reason.NODE_AT_CAPACITY, f"all {self.engine.n_seq_max} sessions are in use")
+        free = self._free_seq()
         self.engine.seq_rm(free)  # a seq_id comes back clean whatever happened before
         self._sessions[sid] = free
         self._limits[sid] = max_positions
+
+    def _free_seq(self) -> int:
+        """A seq_id neither a session nor a kept prefix holds.
+
+        Raises:
+            CallerError(NODE_AT_CAPACITY)
+        """
+        used = set(self._sessions.values()) | set(self._kept.values())
+        free = next((s for s in range(self.engine.n_seq_max) if s not in used), None)
+        if free is None:
+            raise CallerError(Reason.NODE_AT_CAPACITY, f"all {self.engine.n_seq_max} sessions are in use")
+        return free
+
+    # -- prefix cache: a kept prefix is a sequence left in place ---------------------------
+    prefix_capable = True
+
+    def keep_prefix(self, sid: str, key: str, positions: int) -> int:
+        seq = self._seq(sid)
+        if not (0 < positions <= self.engine.positions(seq)):
+            raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {self.engine.positions(seq)} positions")
+        del self._sessions[sid]
+        self._limits.pop(sid, None)
+        self.engine.truncate(seq, positions)
+        self._kept[key] = seq
+        return positions * self.engine.kv_bytes_per_position()
+
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+        if sid in self._sessions:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} is already open")
+        if max_positions > self.engine.n_ctx_seq:
+            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED,
+                              f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session")
+        src = self._kept.get(key)
+        if src is None or positions > self.engine.positions(src):
+            raise CallerError(Reason.INVALID_REQUEST, f"no kept prefix {key} of {positions} positions")
+        if take:
+            seq = self._kept.pop(key)
+        else:
+            seq = self._free_seq()
+            self.engine.seq_copy(src, seq)
+        self.engine.truncate(seq, positions)
+        self.engine.reset_evaluated(seq)
+        self._sessions[sid] = seq
+        self._limits[sid] = max_positions
+
+    def drop_prefix(self, key: str) -> None:
+        seq = self._kept.pop(key, None)
+        if seq is not None:
+            self.engine.seq_rm(seq)
+
+    def trim_session(self, sid: str, positions: int) -> None:
+        self.engine.truncate(self._seq(sid), positions)
+
+    def free_slots(self) -> int:
+        return self.engine.n_seq_max - len(self._sessions) - len(self._kept)
+
+    snapshot_capable = True
+
+    def export_prefix(self, key: str) -> bytes:
+        return self.engine.state_get(self._kept[key])
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        seq = self._free_seq()
+        self.engine.state_set(seq, data, positions)
+        self._kept[key] = seq
+        return positions * self.engine.kv_bytes_per_position()
+
+    def prefix_bytes(self) -> int:
+        per = self.engine.kv_bytes_per_position()
+        return sum(self.engine.positions(seq) * per for seq in self._kept.values())
 
     def close_session(self, sid: str) -> None:
         seq = self._sessions.pop(sid, None)
@@ -291,6 +359,7 @@ class LlamaCppBackend(ShardBackend):
     def close(self) -> None:
         self._sessions.clear()
         self._limits.clear()
+        self._kept.clear()
         self.engine.close()
         if self.text is not None:
             self.text.close()

@@ -602,6 +602,67 @@ class LlamaEngine:
         self._n_pos.pop(seq, None)
         self._evaluated.pop(seq, None)
 
+    def seq_copy(self, src: int, dst: int) -> None:
+        """Make `dst` a copy of `src`'s whole KV (positions and all).
+
+        With kv_unified off each sequence has its own stream, and llama.cpp copies a whole stream's
+        buffers (only whole-sequence copies are allowed across streams) at the next llama_decode;
+        the cells' positions are copied now, so `truncate` may follow at once.
+        """
+        lib = llama_lib()
+        lib.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._n_pos[dst] = self._n_pos.get(src, 0)
+        self.reset_evaluated(dst)
+
+    def reset_evaluated(self, seq: int) -> None:
+        """Count `seq`'s evaluated positions from zero: a session that reuses a prefix evaluated none of it."""
+        self._evaluated[seq] = 0
+
+    def state_get(self, seq: int) -> bytes:
+        """Sequence `seq`'s KV state (cells, positions, K and V of every layer), free of this context's shape.
+
+        llama.cpp writes 8 bytes of its own (kept as they are), a u32 stream count, then per stream
+        a u32 cell count and, where it is not zero, that stream's cells. With a stream per sequence only `seq`'s is not empty, and the
+        reader puts it in the stream of the sequence it loads into, whatever its index; so what is
+        kept is that one stream's part, and `state_set` wraps it for its own stream count (a node
+        restarted with another --max-sessions still loads it).
+        """
+        lib = llama_lib()
+        size = lib.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        data = bytes(buf[: lib.llama_state_seq_get_data(self._ctx, buf, size, seq)])
+        n = self.n_seq_max
+        head, tail = data[8 : 12 + 4 * seq], data[len(data) - 4 * (n - seq - 1) :] if seq < n - 1 else b""
+        if head != n.to_bytes(4, "little") + bytes(4 * seq) or tail != bytes(len(tail)):
+            raise CallerError(Reason.INTERNAL, "llama.cpp's sequence state is not laid out as expected")
+        return data[:8] + data[12 + 4 * seq : len(data) - len(tail)]
+
+    def state_set(self, seq: int, data: bytes, positions: int) -> None:
+        """Load `data` (from `state_get` of a context of this file) into sequence `seq`, holding `positions`.
+
+        Raises:
+            CallerError(SNAPSHOT_MISMATCH): llama.cpp refused the bytes.
+        """
+        lib = llama_lib()
+        self.seq_rm(seq)
+        data = data[:8] + self.n_seq_max.to_bytes(4, "little") + data[8:] + bytes(4 * (self.n_seq_max - 1))
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if lib.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
+            self.seq_rm(seq)
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"llama.cpp refused the sequence state: {llama_log_tail()}")
+        self._n_pos[seq] = positions
+        self.reset_evaluated(seq)
+
+    def truncate(self, seq: int, positions: int) -> None:
+        """Keep only positions [0, positions) of `seq`'s KV."""
+        have = self._n_pos.get(seq, 0)
+        if not (0 <= positions <= have):
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"seq {seq}: cannot keep {positions} of {have} positions")
+        if positions < have:
+            llama_lib().llama_memory_seq_rm(self._mem, seq, positions, -1)
+        self._n_pos[seq] = positions
+
     def positions(self, seq: int) -> int:
         """Positions now in `seq`'s KV."""
         return self._n_pos.get(seq, 0)

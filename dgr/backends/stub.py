@@ -22,6 +22,7 @@ hidden size, and it may need token ids beside the hidden state in its first
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
+from dgr.node.prefix import BLOCK_TOKENS
 
 __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
 
@@ -38,6 +40,16 @@ __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
 STUB_VOCAB: tuple[str, ...] = ("</s>",) + tuple(chr(c) for c in range(32, 127)) + ("\n",)
 _EOS = 0
 _ID = {s: i for i, s in enumerate(STUB_VOCAB)}
+
+
+def _trimmed(s: "_Session", positions: int) -> "_Session":
+    """A copy of `s` holding only its first `positions` positions (0 or a whole number of blocks)."""
+    if positions == 0:
+        return _Session(s.max_positions, np.zeros_like(s.kv_sum))
+    if positions not in s.marks or positions > s.positions:
+        raise CallerError(Reason.POSITION_DISCONTINUITY, f"no block boundary at {positions} of {s.positions}")
+    marks = {p: m.copy() for p, m in s.marks.items() if p <= positions}
+    return _Session(s.max_positions, marks[positions].copy(), positions, s.computed, marks)
 
 
 def _softsign(x: np.ndarray) -> np.ndarray:
@@ -90,6 +102,8 @@ class _Session:
     kv_sum: np.ndarray  # float32 [n_local_layers, W]: running sum of KV entries
     positions: int = 0
     computed: int = 0
+    # positions -> kv_sum after them, at every whole prefix block: what trimming to a block goes back to
+    marks: dict[int, np.ndarray] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -106,6 +120,7 @@ class StubBackend(ShardBackend):
     _embed: np.ndarray = attrs.field(init=False)  # float32 [vocab, W]
     _unembed: np.ndarray = attrs.field(init=False)  # float32 [W, vocab]
     _sessions: dict[str, _Session] = attrs.field(factory=dict)
+    _kept: dict[str, _Session] = attrs.field(factory=dict)  # kept prefix key -> its state (dgr.node.prefix)
 
     def __attrs_post_init__(self) -> None:
         self.info = self.spec.info()
@@ -134,6 +149,58 @@ class StubBackend(ShardBackend):
 
     def session_count(self) -> int:
         return len(self._sessions)
+
+    # -- prefix cache ----------------------------------------------------------
+    prefix_capable = True
+
+    def keep_prefix(self, sid: str, key: str, positions: int) -> int:
+        s = self._sessions.pop(sid)
+        self._kept[key] = _trimmed(s, positions)
+        return positions * s.kv_sum.nbytes
+
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+        if sid in self._sessions:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
+        if self.free_slots() <= 0 and not take:
+            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
+        src = self._kept.pop(key) if take else self._kept[key]
+        s = _trimmed(src, positions)
+        self._sessions[sid] = _Session(max_positions, s.kv_sum, s.positions, 0, s.marks)
+
+    def drop_prefix(self, key: str) -> None:
+        self._kept.pop(key, None)
+
+    def trim_session(self, sid: str, positions: int) -> None:
+        s = self._sessions[sid]
+        self._sessions[sid] = attrs.evolve(_trimmed(s, positions), computed=s.computed)
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self._sessions) - len(self._kept)
+
+    snapshot_capable = True
+
+    def export_prefix(self, key: str) -> bytes:
+        s = self._kept[key]
+        buf = io.BytesIO()
+        np.savez(buf, kv_sum=s.kv_sum, **{f"m{p}": m for p, m in s.marks.items()})
+        return buf.getvalue()
+
+    def import_prefix(self, key: str, data: bytes, positions: int) -> int:
+        if self.free_slots() <= 0:
+            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                marks = {int(k[1:]): z[k] for k in z.files if k.startswith("m")}
+                kv_sum = z["kv_sum"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"not a stub prefix: {exc}") from None
+        if kv_sum.shape != (len(self.layers), self.spec.seam_width) or positions not in marks:
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, "a stub prefix of another shape or length")
+        self._kept[key] = _Session(positions, kv_sum, positions, 0, marks)
+        return positions * kv_sum.nbytes
+
+    def prefix_bytes(self) -> int:
+        return sum(s.positions * s.kv_sum.nbytes for s in self._kept.values())
 
     def max_sessions(self) -> int:
         return self.capacity
@@ -181,6 +248,8 @@ class StubBackend(ShardBackend):
             # sequential running sum: identical whatever the chunking
             run = np.cumsum(np.vstack([s.kv_sum[i : i + 1], k]), axis=0)[1:]  # [n, W]
             s.kv_sum[i] = run[-1]
+            for p in range((pos0 // BLOCK_TOKENS + 1) * BLOCK_TOKENS, pos0 + n + 1, BLOCK_TOKENS):
+                s.marks.setdefault(p, np.zeros_like(s.kv_sum))[i] = run[p - pos0 - 1]
             h = h + 0.5 * _softsign(run / (pos + 1.0) * self._a[i])  # [n, W]
         s.positions += n
         s.computed += n

@@ -57,6 +57,7 @@ class TorchBackend(ShardBackend):
     info: ModelInfo = attrs.field(init=False)
     _model: ShardModel = attrs.field(init=False)
     _sessions: dict[str, _Session] = attrs.field(init=False, factory=dict)
+    _kept: dict[str, _Session] = attrs.field(init=False, factory=dict)  # kept prefix key -> its KV (dgr.node.prefix)
     _text: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
@@ -93,6 +94,47 @@ class TorchBackend(ShardBackend):
 
     def close_session(self, sid: str) -> None:
         self._sessions.pop(sid, None)
+
+    # -- prefix cache: a kept prefix is an ended session's cache, copied into the next one -------------
+    @property
+    def prefix_capable(self) -> bool:  # type: ignore[override]
+        return not self.recompute  # recompute mode keeps nothing between calls
+
+    def keep_prefix(self, sid: str, key: str, positions: int) -> int:
+        s = self._session(sid)
+        if not (0 < positions <= s.positions) or s.cache is None:
+            raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {s.positions} positions")
+        del self._sessions[sid]
+        s.positions = positions  # the cache rows past it are stale, and overwritten before any read
+        self._kept[key] = s
+        return positions * self.kv_bytes_per_position()
+
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+        src = self._kept.get(key)
+        if src is None or src.cache is None or positions > src.positions:
+            raise CallerError(Reason.INVALID_REQUEST, f"no kept prefix {key} of {positions} positions")
+        if take:
+            del self._kept[key]  # its slot goes to the new session
+        self.open_session(sid, max_positions)
+        cache = self._sessions[sid].cache
+        cache.k[:, :, :positions] = src.cache.k[:, :, :positions]  # [layers, kv_heads, positions, head_dim]
+        cache.v[:, :, :positions] = src.cache.v[:, :, :positions]
+        self._sessions[sid].positions = positions
+
+    def drop_prefix(self, key: str) -> None:
+        self._kept.pop(key, None)
+
+    def trim_session(self, sid: str, positions: int) -> None:
+        s = self._session(sid)
+        if not (0 <= positions <= s.positions):
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"cannot keep {positions} of {s.positions} positions")
+        s.positions = positions
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self._sessions) - len(self._kept)
+
+    def prefix_bytes(self) -> int:
+        return sum(s.positions for s in self._kept.values()) * self.kv_bytes_per_position()
 
     def session_count(self) -> int:
         return len(self._sessions)

@@ -40,8 +40,10 @@ def register(subparsers) -> None:
     p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
                    help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
                         "(auto: netem when the kernel has it)")
-    p.add_argument("--only", choices=("rtt", "peers"),
-                   help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers)")
+    p.add_argument("--only", choices=("rtt", "peers", "prefix"),
+                   help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
+                        "prefix: a 10-turn chat's TTFT with and without prefix reuse, beside llama-server's "
+                        "cache_prompt)")
     p.add_argument("--peers", action="store_true",
                    help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "
                         "from the llama.cpp vendored in the installed llama-cpp-python's sdist")

@@ -35,6 +35,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
              f"Run {res['started']} to {res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1, "
              f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
              "Ratios are to llama-cpp-python called directly in the same run."]
+    if res["config"].get("only") == "prefix":  # one section, whose setups and baselines it states itself
+        lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
+                 f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
     if setups:
         lines += ["", "## Decode and prefill", ""] + _setup_table(setups, base)
     if res.get("inprocess"):
@@ -81,6 +84,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         lines += _concurrency_rows(big["concurrency"])
     if res.get("rtt"):
         lines += _rtt_markdown(res["rtt"])
+    if res.get("prefix"):
+        from dgr.bench.prefix import markdown as prefix_markdown
+
+        lines += prefix_markdown(res["prefix"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"
@@ -129,6 +136,10 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
 
     if res.get("rtt", {}).get("routes"):
         _rtt_plot(res["rtt"], out, save)
+    if res.get("prefix"):
+        from dgr.bench.prefix import plot as prefix_plot
+
+        prefix_plot(res["prefix"], save)
     if not res["setups"]:
         return names  # dgr bench --only rtt
     base = res["setups"].get(BASE, {}).get("decode_tok_s")

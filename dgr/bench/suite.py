@@ -37,7 +37,8 @@ class BenchConfig:
     prompt_lengths: tuple[int, ...] = (128, 512, 2048)
     concurrency: tuple[int, ...] = (1, 4, 8)
     rtts_ms: tuple[float, ...] = ()
-    only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers
+    only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers;
+    # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix)
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
@@ -81,7 +82,11 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
 
     if cfg.rtts_ms:
         results["rtt"] = _rtt(cfg, base_prompt, max_ctx)
-    if cfg.only == "rtt":
+    if cfg.only == "prefix" or (cfg.only is None and not cfg.quick):
+        from dgr.bench.prefix import run_prefix
+
+        results["prefix"] = run_prefix(cfg.threads, _log)
+    if cfg.only in ("rtt", "prefix"):
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return results
 

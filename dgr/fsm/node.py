@@ -9,6 +9,10 @@ Contract:
   (`seq`), and each starts at the first position not yet in the Hot KV State
   (`pos0 == positions`). A replayed, skipped or reordered step, or a position
   gap or overlap, is refused with a typed `CallerError` and changes nothing.
+- A session opened on a reused prefix (dgr.node.prefix) starts with that
+  prefix's positions held; its first step may start at or before them (the
+  route reuses the shortest prefix any of its nodes holds), and the driver
+  drops the KV past that step's pos0 before computing it.
 - The check is complete before anything is assigned; `accept` then moves the
   session as if the step was applied. If computing the step fails after that,
   the driver calls `fail`: the KV no longer matches the counters, so the
@@ -125,7 +129,7 @@ class NodeSession:
                 f"a {kind.value} step cannot carry {n_tokens} positions"
                 + (" (decode carries exactly one)" if kind is StepKind.DECODE else ""),
             )
-        if pos0 != self.positions:
+        if pos0 != self.positions and not (self.state is NodeState.CREATED and 0 <= pos0 < self.positions):
             raise CallerError(
                 Reason.POSITION_DISCONTINUITY,
                 f"step starts at position {pos0} but the KV holds {self.positions} positions",
@@ -146,6 +150,10 @@ class NodeSession:
         self.positions = pos0 + n_tokens
         self.next_seq = seq + 1
         self.last_active = now
+
+    def rewinds(self, pos0: int) -> bool:
+        """True when a step at `pos0` starts inside a reused prefix: the KV past pos0 must go first."""
+        return self.state is NodeState.CREATED and pos0 < self.positions
 
     def close(self) -> None:
         """End normally. Raises IllegalTransition when already ended."""

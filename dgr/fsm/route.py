@@ -95,6 +95,7 @@ class RouteSession:
     state: RouteState = ROUTE_TABLE.initial
     route: tuple[Hop, ...] = ()
     prompt_tokens: int = 0
+    prefix_reused: int = 0  # prompt positions whose KV came from a kept prefix on every node (not prefilled)
     prefill_done: int = 0
     generated: int = 0
     first_token_at: float | None = None
@@ -121,14 +122,19 @@ class RouteSession:
         self._move(RouteEvent.START_ROUTING, now)
         return self.snapshot(now)
 
-    def route_ready(self, route: tuple[Hop, ...], prompt_tokens: int, now: float) -> dict[str, Any]:
+    def route_ready(self, route: tuple[Hop, ...], prompt_tokens: int, now: float,
+                    prefix_reused: int = 0) -> dict[str, Any]:
         if not route:
             raise CallerError(Reason.INVALID_REQUEST, "a route needs at least one hop")
         if prompt_tokens < 1:
             raise CallerError(Reason.INVALID_REQUEST, "a prompt needs at least one token")
+        if not (0 <= prefix_reused < prompt_tokens):
+            raise CallerError(Reason.INVALID_REQUEST, f"{prefix_reused} reused of {prompt_tokens} prompt positions: "
+                                                      "at least one must be prefilled")
         self._move(RouteEvent.ROUTE_READY, now)
         self.route = route
         self.prompt_tokens = prompt_tokens
+        self.prefix_reused = self.prefill_done = prefix_reused
         return self.snapshot(now)
 
     def prefill_progress(self, done: int, now: float) -> dict[str, Any]:
@@ -190,6 +196,7 @@ class RouteSession:
             "phase": self.state.value,
             "route": [h.to_json() for h in self.route],
             "prefill": {"done": self.prefill_done, "total": self.prompt_tokens},
+            "prefix_reused_tokens": self.prefix_reused,
             "tokens": self.generated,
             "tokens_per_second": round(self.tokens_per_second(), 3),
             "ttft_ms": None if self.first_token_at is None else round((self.first_token_at - self.created_at) * 1e3, 3),

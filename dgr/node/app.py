@@ -31,6 +31,7 @@ from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.node.artifact import NodeArtifact
+from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import NextHop, RelayPlan
@@ -86,8 +87,12 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         if not isinstance(sampling, dict):
             raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
         params = SamplingParams.from_json(sampling)
-        await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")))
-        return json_response({"session": sid, "node": service.node_id}, 201)
+        prefix = body.get("prefix") or []
+        if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
+            raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
+        reused = await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")),
+                                            prefix=prefix)
+        return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
@@ -100,7 +105,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
                 raise CallerError(Reason.INVALID_REQUEST, f"unknown reason {reason!r}") from None
             await service.fail_session(sid, Failure(why, request.args.get("message", ""), node=service.node_id))
         else:
-            await service.close_session(sid)
+            keep = [k for k in request.args.get("keep", "").split(".") if k]
+            if not valid_chain(keep, service.max_positions // BLOCK_TOKENS + 1):
+                raise CallerError(Reason.INVALID_REQUEST, f"keep must be {KEY_HEX}-digit hex block keys joined by '.'")
+            await service.close_session(sid, keep)
         return json_response({"session": sid, "closed": True})
 
     @app.get("/v1/seam/sessions/<sid>")

@@ -32,7 +32,9 @@ from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.artifact import NodeArtifact, seed_artifact
 from dgr.node.membership import stay_registered
+from dgr.node.prefix import PrefixCache
 from dgr.node.service import NodeService
+from dgr.node.snapshot import SnapshotDir
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, cert_pem
 from dgr.serve import print_ready, serve_app
@@ -68,7 +70,8 @@ def advertised_url(bound: str, advertise: str | None) -> str:
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
                    identity: Identity, idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None,
                    seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
-                   tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust()) -> None:
+                   tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
+                   prefix_cache_mb: float | None = None, snapshot_dir: str | None = None) -> None:
     """Serve until cancelled.
 
     Raises:
@@ -79,7 +82,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           f"a node listening on {host} needs a tracker (--tracker): without one it has no key to "
                           "check capabilities with, and anyone who reaches it could open sessions")
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
-                          identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None)
+                          identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
+                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact))
     app = make_node_app(service, artifact=artifact)
     seed_host = urlsplit(advertise).hostname if advertise else None
     if seed_host and ":" in seed_host:
@@ -102,3 +106,19 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:
         backend.close()
+
+
+def _prefix_cache(mb: float | None) -> PrefixCache | None:
+    """The node's prefix cache for `--prefix-cache-mb` (None: bounded by free slots only; 0: none)."""
+    if mb is None:
+        return PrefixCache()
+    return PrefixCache(max_bytes=int(mb * 2**20)) if mb > 0 else None
+
+
+def _snapshots(folder: str | None, backend: ShardBackend, artifact: NodeArtifact | None) -> SnapshotDir | None:
+    """`--snapshot-dir`: what a snapshot there must match to be loaded is this node's file, manifest and layers."""
+    if folder is None:
+        return None
+    own = {"model_digest": backend.info.digest, "manifest_id": artifact.manifest.id if artifact else None,
+           "backend": backend.name, "layers": str(backend.layers)}
+    return SnapshotDir(folder, own, model=backend.info.name)

@@ -16,6 +16,17 @@ after any of its steps already queued. Ended session ids are remembered
 (bounded) so a late frame is refused as `session_ended`, not
 `unknown_session`.
 
+Prefix cache (dgr.node.prefix): a session closed normally with the hash
+chain of the tokens in its KV (`keep`) leaves its KV behind as a kept prefix;
+an open that offers a chain (`prefix`) starts from the longest kept prefix
+matching it: it takes the kept KV over when it extends all of it (a
+conversation's next turn) or no slot is free, else starts from a copy. The cache is touched only in the scheduler's thread, in the same job
+as the backend calls it decides, so the two never disagree. A kept prefix
+holds a sequence slot that no live session holds: an open that finds no
+free slot evicts the least recently used prefix first, so the capacity
+check (live sessions only) is the only refusal. `kv_bytes` and `sessions`
+count live sessions only; kept prefixes are reported apart (`prefix`).
+
 Authorization: a node with a tracker (`joining`) pins the tracker's public
 key when it joins (`join`); from then on every call that names a session
 (open, step, close, status, tokenize) must carry the capability the tracker
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import time
 from typing import Any
 
@@ -42,8 +54,10 @@ from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
+from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Outgoing, Relay, RelayPlan, Report
 from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
@@ -53,6 +67,8 @@ from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust
 
 __all__ = ["NodeService", "SeamStats"]
+
+log = logging.getLogger("dgr.node")
 
 _ENDED_MEMORY = 4096
 _KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
@@ -109,6 +125,10 @@ class NodeService:
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
+    # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
+    prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
+    prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
+    snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
     _nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -116,6 +136,10 @@ class NodeService:
         self.capacity = self.backend.max_sessions()
         self.max_positions = self.backend.max_positions()
         self.described = self.backend.describe()
+        if self.prefix is not None and not self.backend.prefix_capable:
+            self.prefix = None  # this backend holds no KV beyond a session's life
+        if self.prefix is None or not self.backend.snapshot_capable:
+            self.snapshots = None
         self.metrics.watch(self._gauges)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -124,6 +148,8 @@ class NodeService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.scheduler.run)
+                if self.snapshots is not None:
+                    await self.scheduler.call(self._load_snapshots)  # before any session can want them
                 task_status.started()
         finally:
             self._nursery = None
@@ -194,6 +220,14 @@ class NodeService:
         yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
                     [([], float(self.capacity))])
         yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.scheduler.kv_bytes))])
+        if self.prefix is not None:
+            p = self.prefix
+            yield gauge("dgr_node_prefix_bytes", "KV bytes of kept prefixes (not in dgr_node_kv_bytes)", [],
+                        [([], float(self.prefix_bytes))])
+            yield gauge("dgr_node_prefix_entries", "Kept prefixes", [], [([], float(len(p.entries)))])
+            yield gauge("dgr_node_prefix_events", "Prefix cache hits, misses, evictions, supersessions", ["event"],
+                        [(["hit"], float(p.hits)), (["miss"], float(p.misses)),
+                         (["eviction"], float(p.evictions)), (["superseded"], float(p.superseded))])
 
     def _refuse(self, exc: CallerError) -> None:
         self.stats.refused[exc.reason.value] += 1
@@ -223,8 +257,11 @@ class NodeService:
 
     # -- session lifecycle ----------------------------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
-                           relay: RelayPlan | None = None) -> None:
+                           relay: RelayPlan | None = None, prefix: list[str] | None = None) -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
+
+        With `prefix` (a block hash chain, dgr.node.prefix), the session starts from the longest kept
+        prefix matching it; returns the positions it holds from there (0: none reused).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -247,7 +284,8 @@ class NodeService:
         if self.backend.is_tail:
             self.samplers[sid] = Sampler(sampling)
         try:
-            await self.scheduler.session_call(sid, functools.partial(self.backend.open_session, sid, max_positions))
+            reused = await self.scheduler.session_call(sid, functools.partial(self._open_kv, sid, max_positions,
+                                                                              prefix or []))
         except DgrError:
             self.sessions.pop(sid, None)
             self.samplers.pop(sid, None)
@@ -257,6 +295,86 @@ class NodeService:
                 raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
             r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool)
             self._nursery.start_soon(r.run)
+        session = self.sessions.get(sid)
+        if session is not None and reused:
+            session.positions = reused  # before any step: the gateway waits for this answer to send one
+        return reused
+
+    def _open_kv(self, sid: str, max_positions: int, chain: list[str]) -> int:
+        """In the scheduler's thread: open `sid` on the longest kept prefix of `chain`, or empty; its positions.
+
+        A prompt that extends the whole kept prefix (the same conversation's next turn) takes the
+        kept KV over: no copy (llama.cpp copies a whole sequence's buffer, every --ctx position),
+        and the session's close keeps the longer prefix. A prompt that shares only part of it (a
+        common system prompt) gets a copy, and the prefix stays for others, while a slot is free;
+        without one it takes the KV over too. An empty open without a free slot evicts least
+        recently used prefixes until one is free.
+        """
+        backend, cache, reused = self.backend, self.prefix, 0
+        try:
+            kept, blocks = cache.match(chain) if cache is not None else (None, 0)
+            if kept is not None:
+                take = blocks == len(kept.chain) or backend.free_slots() <= 0
+                if take:
+                    cache.remove(kept.id)
+                try:
+                    backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take)
+                except BaseException:
+                    if take:
+                        backend.drop_prefix(kept.id)  # the cache forgot it: its slot must not stay taken
+                    raise
+                return blocks * BLOCK_TOKENS
+            while cache is not None and backend.free_slots() <= 0 and cache.entries:
+                backend.drop_prefix(cache.evict())
+            backend.open_session(sid, max_positions)
+            return reused
+        finally:
+            self.prefix_bytes = backend.prefix_bytes()
+
+    def _load_snapshots(self) -> None:
+        """In the scheduler's thread, at start: every matching snapshot into a free slot, as a kept prefix."""
+        snaps, cache, backend = self.snapshots, self.prefix, self.backend
+        for snap in snaps.scan():
+            if backend.free_slots() <= 0:
+                break
+            if cache.holds(snap.chain):
+                continue
+            key = cache.new_id()
+            try:
+                nbytes = backend.import_prefix(key, snap.data, snap.positions)
+            except CallerError as exc:
+                snaps.refused.append({"file": f"{snap.chain[-1]}.json", "code": exc.reason.value,
+                                      "message": exc.message})
+                continue
+            for d in cache.add(Kept(key, snap.chain, nbytes)):
+                backend.drop_prefix(d)
+            snaps.loaded += 1
+        self.prefix_bytes = backend.prefix_bytes()
+        for r in snaps.refused:
+            log.warning("prefix snapshot %s refused (%s): %s", r["file"], r["code"], r["message"])
+
+    def _close_kv(self, sid: str, keep: list[str]) -> None:
+        """In the scheduler's thread: close `sid`, keeping the whole blocks of its KV that `keep` names."""
+        backend, cache = self.backend, self.prefix
+        session = self.sessions.get(sid)
+        blocks = min(len(keep), (session.positions if session is not None else 0) // BLOCK_TOKENS)
+        if cache is None or blocks == 0:
+            backend.close_session(sid)
+            return
+        try:
+            key = cache.new_id()
+            nbytes = backend.keep_prefix(sid, key, blocks * BLOCK_TOKENS)
+            dropped = cache.add(Kept(key, tuple(keep[:blocks]), nbytes))
+            for d in dropped:
+                backend.drop_prefix(d)
+            if self.snapshots is not None and key not in dropped:
+                try:
+                    self.snapshots.write(tuple(keep[:blocks]), backend.export_prefix(key))
+                except OSError as exc:  # the prefix is kept in memory all the same
+                    log.warning("could not write a prefix snapshot to %s: %s", self.snapshots.root, exc)
+        finally:
+            backend.close_session(sid)  # a no-op once kept; frees the slot if keeping failed
+            self.prefix_bytes = backend.prefix_bytes()
 
     def _lookup(self, sid: str) -> NodeSession:
         session = self.sessions.get(sid)
@@ -268,7 +386,7 @@ class NodeService:
             raise CallerError(Reason.SESSION_ENDED, f"session {sid} has ended on {self.node_id}{why}")
         raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on {self.node_id}")
 
-    async def _forget(self, sid: str, failure: Failure | None) -> None:
+    async def _forget(self, sid: str, failure: Failure | None, keep: list[str] | None = None) -> None:
         """End `sid` here: refused from now on, and counted as held until its slot is free.
 
         Its close is queued behind its own steps, so the slot is freed once none is in flight; until
@@ -282,14 +400,17 @@ class NodeService:
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
         try:
-            await self.scheduler.session_call(sid, functools.partial(self.backend.close_session, sid))
+            close = (functools.partial(self._close_kv, sid, keep) if keep and failure is None
+                     else functools.partial(self.backend.close_session, sid))
+            await self.scheduler.session_call(sid, close)
         finally:
             self.sessions.pop(sid, None)  # the job runs even if this caller is cancelled
 
-    async def close_session(self, sid: str) -> None:
+    async def close_session(self, sid: str, keep: list[str] | None = None) -> None:
+        """End `sid` normally; with `keep` (the hash chain of the tokens in its KV), keep it as a prefix."""
         session = self._lookup(sid)
         session.close()
-        await self._forget(sid, None)
+        await self._forget(sid, None, keep)
 
     async def fail_session(self, sid: str, failure: Failure) -> None:
         session = self.sessions.get(sid)
@@ -371,10 +492,15 @@ class NodeService:
         try:
             step = self._check_frame(frame)
             session = self._lookup(frame.session)
+            rewind = session.rewinds(frame.pos0)
             session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
         except CallerError as exc:
             self._refuse(exc)
             raise
+        if rewind:
+            # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
+            self.scheduler.submit(Job(JobKind.SESSION, frame.session,
+                                      fn=functools.partial(self.backend.trim_session, frame.session, frame.pos0)))
         self.stats.frames_in[frame.kind.name] += 1
         self.stats.bytes_in[frame.kind.name] += frame.size
         if frame.kind is FrameKind.DECODE:
@@ -486,6 +612,8 @@ class NodeService:
             "sessions": len(self.sessions),
             "capacity": self.capacity,
             "kv_bytes": sched.kv_bytes,
+            "prefix": None if self.prefix is None else {**self.prefix.to_json(), "bytes": self.prefix_bytes},
+            "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "backend_sessions": sched.session_count},

@@ -12,6 +12,7 @@ from dgr.fsm.machine import TransitionTable
 from dgr.fsm.node import NODE_TABLE
 from dgr.fsm.proof import PROOF_TABLE
 from dgr.fsm.route import ROUTE_TABLE
+from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX
 from dgr.seam import wire
 
 __all__ = ["render_states", "render_reasons", "render_seam", "DOCUMENTS"]
@@ -87,7 +88,14 @@ def render_seam() -> str:
         "deliver_capability}`: where this node sends its results; the tail's `next` is null.",
         "- `POST /v1/seam/step` with a PREFILL or DECODE frame answers HIDDEN (non-tail), ACK (tail, no sample) "
         "or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style JSON error with a reason code, and changes nothing.",
-        "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV.",
+        "- `POST /v1/seam/sessions` may carry `prefix`: the prompt's block keys (dgr.node.prefix, "
+        f"{KEY_HEX} hex digits each, one per {BLOCK_TOKENS} tokens). The node opens the session on the longest "
+        "kept prefix of them and answers `prefix_positions`, the positions the session then holds; the gateway "
+        "starts prefill at the smallest answer on the route, and a node's first step may start before what it "
+        "holds (it drops the rest first).",
+        "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV. A normal close may carry "
+        "`keep=K1.K2...`, the block keys of the session's KV: the node may keep those positions as a prefix "
+        "instead of freeing them.",
         f"- On a chain, a step is answered `202` once computed (so the sender sees the node die while it holds the "
         f"step); the node sends its output on as the next "
         f"node's input frame (same kind, seq, pos0 and SAMPLE flag), adding `node=compute_us` to the "

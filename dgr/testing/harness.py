@@ -239,10 +239,11 @@ class LocalRoute:
         self._threads.append(slowdown.thread)
         return slowdown
 
-    def restart_node(self, name: str, layers: str, timeout_s: float = 120.0) -> subprocess.Popen:
-        """Start a fresh `dgr node` with the same name and layers; wait until it is alive."""
+    def restart_node(self, name: str, layers: str, timeout_s: float = 120.0,
+                     extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start a fresh `dgr node` with the same name and layers (and `extra` options); wait until it is alive."""
         cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
-                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra(),
+                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra(), *extra,
                           *(["--identity", str(self.keys / f"{name}.key")] if self.keys is not None else []))
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
                              env=self.env())

@@ -16,6 +16,7 @@ Who may call what (spec/security.md):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 from importlib import resources
@@ -210,7 +211,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
     async def generate(kind: str):
         req = parse_request(await read_json(max_body_bytes), kind)  # type: ignore[arg-type]
-        live = await gateway.open(req)
+        live = await gateway.open(req, scope=_prefix_scope(request.headers.get("Authorization")))
         headers = {ROUTE_SESSION_HEADER: live.rs.sid}
         if req.stream:
             live.unclaimed_since = trio.current_time()  # until the body starts: a client gone before it is noticed
@@ -397,3 +398,13 @@ async def _sse_chunks(live: LiveSession) -> AsyncIterator[bytes]:
     else:
         failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
         yield _sse(openai_error_body(failure, route_session=rs.sid))
+
+
+def _prefix_scope(authorization: str | None) -> str:
+    """A request's prefix isolation scope: a hash of its credential, so one key never reuses another's prefix.
+
+    Without API keys every caller presenting the same header (or none) shares one scope.
+    """
+    if not authorization:
+        return ""
+    return hashlib.sha256(b"dgr-prefix-scope\0" + authorization.encode("utf-8", "replace")).hexdigest()

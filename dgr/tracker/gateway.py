@@ -43,6 +43,18 @@ Theory of operation:
   remembered ones it lists, with a capability minted for the purpose, as
   soon as the node is reachable again. Sessions this gateway never opened
   are left alone.
+- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt's whole
+  blocks (less the last token, which must be prefilled for a first token)
+  into a chain rooted in the model digest and the request's isolation scope
+  (the API key's hash, or one shared scope with `share_prefixes`). Each node
+  opens on the longest kept prefix it holds of that chain and says how many
+  positions that is; the route reuses the smallest answer, and prefill starts
+  there (a node holding more drops the rest before that first step). A
+  session that ends normally closes with the chain of its prompt's whole
+  blocks (and its answer's, with `prefix_keep_generated`), so its nodes may
+  keep that KV for the next turn; the gateway remembers which route kept
+  which keys (`holders`) and prefers that route for a prompt that extends
+  them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -65,13 +77,14 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
+from dgr.node.prefix import BLOCK_TOKENS, block_chain, prefix_root
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
 from dgr.tracker.registry import NodeEntry, Registry
-from dgr.tracker.routing import choose_route
+from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 
@@ -82,6 +95,7 @@ log = logging.getLogger("dgr.gateway")
 # The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
 # one for the whole route, since any of its nodes may have to report.
 _GATEWAY = "gateway"
+_HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 
 
 @attrs.frozen
@@ -106,6 +120,15 @@ class GatewayConfig:
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
     unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
     unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
+    prefix_reuse: bool = True  # offer nodes the prompt's block chain, and let them keep ended sessions' KV
+    # One isolation scope for every API key: a prefix one key left is reused for another. Its timing
+    # tells a caller whether someone sent the same prefix lately (spec/security.md).
+    share_prefixes: bool = False
+    # Keep generated tokens' KV too, as llama-server's cache_prompt does. Off: llama.cpp computes a
+    # one-position step (decode) with other kernels than a chunk, so a prefix of decoded positions
+    # gives logits a little off a full prefill's (0.5 on SmolLM2), enough to flip a near-tie; the
+    # prompt's own positions, prefilled in chunks of two or more, reuse bit-identically.
+    prefix_keep_generated: bool = False
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
@@ -144,12 +167,38 @@ class LiveSession:
     # unbounded, since the driver takes each answer before it sends the next step
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
         factory=lambda: trio.open_memory_channel(math.inf))
+    prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
+    keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
+    fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
+
+    @property
+    def reused(self) -> int:
+        return self.rs.prefix_reused
+
+    def kv_chain(self) -> list[str] | None:
+        """The block chain of every whole block in the route's KV: what its nodes may keep."""
+        if self.prefix_root is None:
+            return None
+        return block_chain(self.prompt + self.fed if self.keep_generated else self.prompt, self.prefix_root) or None
+
+    def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
+        """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
+
+        Never a one-position chunk after another: llama.cpp runs one position with other kernels
+        than two or more, so the tail moves one position back, and a prompt's KV is the same
+        however it was cut (what lets a later session reuse it exactly).
+        """
+        prompt, start = self.prompt, self.rs.prefix_reused
+        bounds = list(range(start, len(prompt), size)) + [len(prompt)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+            bounds[-2] -= 1
+        return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     def __attrs_post_init__(self) -> None:
         self.text = TextAssembler(stop=self.request.stop)
 
-    def usage(self) -> dict[str, int]:
-        return usage_body(self.rs.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        return usage_body(self.rs.prompt_tokens, self.completion_tokens, self.rs.prefix_reused)
 
     def abort(self, failure: Failure) -> None:
         """Fail from outside the driver (node death, client gone). First reason wins."""
@@ -195,6 +244,9 @@ class Gateway:
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
+    # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
+    # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
+    holders: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -364,8 +416,11 @@ class Gateway:
         return out
 
     # -- opening a session ------------------------------------------------------
-    async def open(self, req: GenerationRequest) -> LiveSession:
+    async def open(self, req: GenerationRequest, scope: str = "") -> LiveSession:
         """Route, tokenize, check the context and open node sessions.
+
+        `scope` isolates kept prefixes: only requests of the same scope (the API key's hash) reuse
+        each other's, unless the gateway shares prefixes.
 
         Raises:
             CallerError: bad model, prompt too long, nodes at capacity.
@@ -426,14 +481,25 @@ class Gateway:
                 max_tokens = min(max_tokens, cfg.max_tokens_cap)
             positions = len(prompt) + max_tokens
 
+            root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None)
+            # whole blocks only, and never the last token: its logits give the first answer token
+            offer = [] if root is None else block_chain(prompt[: len(prompt) - 1], root)
+            better = self._holding_route(offer, choice, context)
+            if better is not None:
+                self._release(reserved)
+                for n in better.nodes:
+                    n.reserved += 1
+                choice, reserved = better, better.nodes
+                caps = self._capabilities(rs.sid, choice.hops)
             relays = self._relays(rs.sid, choice.hops, caps)
+            held: dict[str, int] = {}
 
             async def _open(hop: Hop) -> None:
                 c = self.client(hop)
                 attempted.append(hop.node_id)
                 try:
-                    await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
-                                 relay=relays.get(hop.node_id))
+                    held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
+                                                     relay=relays.get(hop.node_id), prefix=offer)
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -467,15 +533,42 @@ class Gateway:
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv, caps=caps,
+            send=send, recv=recv, caps=caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
         )
-        live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time()))
+        # every node must start from the same position: the shortest prefix any of them holds
+        reused = min([len(offer) * BLOCK_TOKENS, *held.values()]) if offer else 0
+        if reused and len(prompt) - reused == 1:
+            reused -= BLOCK_TOKENS  # a lone position would run on other kernels (LiveSession.chunks)
+        live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
+        self.metrics.prefix_reused_tokens_total.inc(reused)
         self.metrics.prompt_tokens_total.inc(len(prompt))
         self.sessions[rs.sid] = live
         if self._nursery is None:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
         self._nursery.start_soon(self._drive, live)
         return live
+
+    def _holding_route(self, offer: list[str], choice, context: int):
+        """A route whose nodes all kept the longest prefix of `offer` this gateway saw closed, when it is not
+        `choice` and has room and the context `choice` has; else None."""
+        for key in reversed(offer):
+            nodes = self.holders.get(key)
+            if nodes is not None:
+                better = prefer_holders(self.registry.alive(), choice, nodes)
+                if better is not None and min(n.max_positions for n in better.nodes) < context:
+                    return None
+                return better
+        return None
+
+    def _note_holders(self, live: LiveSession, chain: list[str] | None) -> None:
+        if not chain:
+            return
+        nodes = frozenset(h.node_id for h in live.rs.route)
+        for key in chain:
+            self.holders[key] = nodes
+            self.holders.move_to_end(key)
+        while len(self.holders) > _HOLDER_KEYS:
+            self.holders.popitem(last=False)
 
     async def _admit(self, model: str):
         """A route for `model`, waiting up to `admission_wait_s` for a slot when every route is full.
@@ -543,7 +636,9 @@ class Gateway:
                 survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
                 for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
-                await self._close_nodes(rs.sid, survivors, failure, live.caps)
+                keep = live.kv_chain() if failure is None else None
+                await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
+                self._note_holders(live, keep)
                 self._release(live.nodes)
                 live.send.close()
                 live.telemetry.close()
@@ -583,12 +678,12 @@ class Gateway:
         return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=life) for h in hops}
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
-                           caps: dict[str, str]) -> None:
+                           caps: dict[str, str], keep: list[str] | None = None) -> None:
         closed: set[str] = set()
 
         async def _one(c: NodeClient) -> None:
             try:
-                await c.close(sid, failure, caps.get(c.node_id))
+                await c.close(sid, failure, caps.get(c.node_id), keep=keep)
                 closed.add(c.node_id)
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
@@ -643,8 +738,7 @@ class Gateway:
     async def _prefill(self, live: LiveSession) -> TokenResult:
         if self.config.topology is Topology.CHAIN:
             return await self._prefill_chain(live)
-        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
-        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(0, len(prompt), chunk))]
+        rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
         n_hops = len(rs.route)
         result: list[TokenResult] = []
@@ -686,7 +780,7 @@ class Gateway:
     async def _decode(self, live: LiveSession, token: TokenResult) -> None:
         rs = live.rs
         pos = len(live.prompt)
-        seq = math.ceil(len(live.prompt) / self.config.prefill_chunk)
+        seq = len(live.chunks(self.config.prefill_chunk))  # after the prefill chunks
         n_hops = len(rs.route)
         last = None
         while True:
@@ -708,6 +802,7 @@ class Gateway:
                 return self._finish(live, "stop")
             if live.completion_tokens >= live.max_tokens:
                 return self._finish(live, "length")
+            live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
             if self.config.topology is Topology.CHAIN:
                 token = await self._decode_chain(live, token, seq, pos)
             else:
@@ -783,8 +878,7 @@ class Gateway:
         return TokenResult.from_frame(answer)
 
     async def _prefill_chain(self, live: LiveSession) -> TokenResult:
-        rs, prompt, chunk = live.rs, live.prompt, self.config.prefill_chunk
-        chunks = [(k, p, prompt[p : p + chunk]) for k, p in enumerate(range(0, len(prompt), chunk))]
+        rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
 
         async def feed() -> None:  # every chunk to the head, in order: the chain pipelines them

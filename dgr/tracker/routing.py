@@ -12,6 +12,11 @@ The rule, in order:
    total, then node ids for a deterministic tie-break.
 A node at capacity is skipped; if only full nodes would complete a route the
 answer is 429 with Retry-After, else 503 with the missing layer ranges.
+
+Prefix affinity (`prefer_holders`): once the prompt is tokenized, a route
+made only of nodes that kept a prefix of it (the gateway's hint, from the
+chains its sessions closed with) replaces the first choice, by the same rule
+among those nodes. It is a hint: the nodes still answer what they hold.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dgr.errors import CallerError, PeerError, Reason
 from dgr.fsm.route import Hop
 from dgr.tracker.registry import NodeEntry
 
-__all__ = ["choose_route", "missing_ranges", "RouteChoice"]
+__all__ = ["choose_route", "missing_ranges", "prefer_holders", "RouteChoice"]
 
 
 @attrs.frozen
@@ -113,3 +118,18 @@ def choose_route(candidates: list[NodeEntry], model: str) -> RouteChoice:
         f"no live route covers all layers of {model!r}; missing layers: {', '.join(gaps)}{why}",
         missing=gaps,
     )
+
+
+def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: frozenset[str]) -> RouteChoice | None:
+    """A route of the same files as `choice` made only of `holders` with a free slot; None if none, or if
+    `choice` is already one."""
+    if all(n.node_id in holders for n in choice.nodes):
+        return None
+    first = choice.nodes[0]
+    group = [n for n in candidates if n.alive and n.routable and n.node_id in holders and not n.full()
+             and _group_key(n) == _group_key(first) and n.model.name == first.model.name]
+    path = _best_path(group, first.model.n_layers)
+    if path is None:
+        return None
+    return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path, choice.digest,
+                       choice.manifest_id)

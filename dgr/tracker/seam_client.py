@@ -91,17 +91,29 @@ class NodeClient:
             raise self._lost(exc) from None
 
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
-                   relay: dict[str, Any] | None = None) -> None:
-        """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering."""
+                   relay: dict[str, Any] | None = None, prefix: list[str] | None = None) -> int:
+        """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
+
+        With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
+        returns the positions it holds from there.
+        """
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
             body["relay"] = relay
+        if prefix:
+            body["prefix"] = prefix
         r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability), json=body)
         if r.status_code != 201:
             raise self._refused(r)
+        reused = r.json().get("prefix_positions", 0)
+        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
 
-    async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None) -> None:
+    async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
+                    keep: list[str] | None = None) -> None:
+        """Close `sid`; a normal close with `keep` (its KV's block hash chain) lets the node keep the KV."""
         params = {} if failure is None else {"reason": failure.reason.value, "message": failure.message[:200]}
+        if failure is None and keep:
+            params["keep"] = ".".join(keep)
         r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params, headers=_cap(capability))
         if r.status_code not in (200, 404, 410):
             raise self._refused(r)

@@ -1,0 +1,337 @@
+"""Prefix reuse: the node's cache (pure), and routes that reuse it (in-process stub nodes, real code paths)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+import trio
+
+from dgr.api.openai import parse_request
+from dgr.errors import CallerError, Failure, Reason
+from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix_root, valid_chain
+from dgr.node.snapshot import SnapshotDir, check
+from dgr.testing.inproc import InProcRoute
+from dgr.tracker.gateway import GatewayConfig
+
+QUIET = GatewayConfig(sweep_s=3600.0)
+B = BLOCK_TOKENS
+
+# -- the hash chain ------------------------------------------------------------------------------------------
+
+
+def test_chain_keys_name_whole_blocks_and_agree_exactly_on_shared_prefixes() -> None:
+    root = prefix_root("digest", "")
+    a = list(range(5 * B + 7))
+    b = a[: 3 * B] + [9] + a[3 * B + 1 :]
+    ka, kb = block_chain(a, root), block_chain(b, root)
+    assert len(ka) == 5 and valid_chain(ka, 5)  # the partial last block has no key
+    assert ka[:3] == kb[:3] and all(x != y for x, y in zip(ka[3:], kb[3:]))  # one token changes every later key
+    assert block_chain(a[: 2 * B], root) == ka[:2]
+    # the root isolates models and scopes
+    assert block_chain(a, prefix_root("digest", "key1"))[0] != ka[0]
+    assert block_chain(a, prefix_root("other", ""))[0] != ka[0]
+    assert not valid_chain(["XYZ"], 5) and not valid_chain(ka, 4) and not valid_chain("ab", 5)
+
+
+# -- the cache's bookkeeping ---------------------------------------------------------------------------------
+
+
+def _kept(cache: PrefixCache, chain: list[str]) -> Kept:
+    return Kept(cache.new_id(), tuple(chain), len(chain) * 10)
+
+
+def test_match_finds_the_longest_prefix_and_a_longer_turn_supersedes_its_own_earlier_one() -> None:
+    root = prefix_root("d", "")
+    conv = block_chain(list(range(6 * B)), root)
+    other = block_chain(list(range(2 * B)) + [7] * (3 * B), root)  # shares two blocks with conv
+    c = PrefixCache()
+    t1 = _kept(c, conv[:3])
+    assert c.add(t1) == []
+    assert c.match(conv) == (t1, 3) and c.hits == 1
+    assert c.match(block_chain([5] * B, root)) == (None, 0) and c.misses == 1
+    t2 = _kept(c, conv[:5])
+    assert c.add(t2) == [t1.id] and c.superseded == 1  # the same conversation, one turn later
+    o = _kept(c, other)
+    assert c.add(o) == []  # a branch, not a continuation: both stay
+    assert c.match(other[:2] + ["0" * 32]) == (o, 2)  # most recently used of the two holding 2 blocks
+    assert c.match(conv) == (t2, 5)
+    assert c.reused_tokens == (3 + 2 + 5) * B
+
+
+def test_lru_eviction_and_the_byte_budget() -> None:
+    root = prefix_root("d", "")
+    chains = [block_chain([i] * (2 * B), root) for i in range(4)]
+    c = PrefixCache(max_bytes=50)
+    ids = [_kept(c, ch) for ch in chains]
+    assert c.add(ids[0]) == [] and c.add(ids[1]) == []
+    c.match(chains[0])  # 0 is now the most recent
+    assert c.add(ids[2]) == [ids[1].id] and c.evictions == 1  # 60 bytes > 50: the least recent goes
+    assert c.evict() == ids[0].id and list(c.entries) == [ids[2].id]
+    assert c.match(chains[1]) == (None, 0)  # evicted keys are gone from the index
+    big = Kept(c.new_id(), tuple(chains[3]), 500)
+    assert big.id in c.add(big)  # larger than the whole budget: not kept at all
+    assert c.nbytes <= 50
+
+
+def test_random_operations_keep_the_index_consistent() -> None:
+    rng = random.Random(17)
+    root = prefix_root("d", "")
+    c = PrefixCache(max_bytes=200)
+    for _ in range(500):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 5) * B)]
+        chain = block_chain(tokens, root)
+        op = rng.random()
+        if op < 0.5:
+            c.add(_kept(c, chain))
+        elif op < 0.8:
+            kept, n = c.match(chain)
+            assert (kept is None) == (n == 0)
+            if kept is not None:
+                assert kept.chain[n - 1] == chain[n - 1]
+        elif c.entries:
+            c.evict()
+        assert c.nbytes <= 200
+        live_keys = {k for e in c.entries.values() for k in e.chain}
+        assert set(c._index) == live_keys
+
+
+# -- routes that reuse --------------------------------------------------------------------------------------
+
+SYSTEM = "You answer in one line. " * 12  # ~290 stub tokens: four whole blocks
+
+
+def _req(prompt: str, max_tokens: int = 24):
+    return parse_request({"model": "stub", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens},
+                         "completion")
+
+
+async def _ask(route: InProcRoute, prompt: str, scope: str = "k1", max_tokens: int = 24):
+    live = await route.gateway.open(_req(prompt, max_tokens), scope=scope)
+    text = "".join([d.text async for d in live.recv])
+    return text, live
+
+
+async def _chat(route: InProcRoute, turns: int, scope: str = "k1", tag: str = "") -> list[tuple[str, int]]:
+    """A conversation: each turn's prompt is the last prompt, its answer and a new question."""
+    prompt, out = SYSTEM + tag, []
+    for t in range(turns):
+        prompt += f" Q{t}: what next?"
+        text, live = await _ask(route, prompt, scope)
+        out.append((text, live.rs.prefix_reused))
+        prompt += text
+    return out
+
+
+def _settled(route: InProcRoute) -> None:
+    for s in route.services:
+        assert s.sessions == {} and s.backend.session_count() == 0 and s.backend.kv_bytes() == 0
+
+
+@pytest.mark.parametrize("generated", [False, True], ids=["prompt-kept", "generated-kept"])
+async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, generated: bool) -> None:
+    off = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    on = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_keep_generated=generated))
+    for r in (off, on):
+        r.register_all()
+        await nursery.start(r.run)
+    plain = await _chat(off, 4)
+    reused = await _chat(on, 4)
+    assert [t for t, _ in reused] == [t for t, _ in plain]
+    assert [n for _, n in plain] == [0, 0, 0, 0]
+    assert reused[0][1] == 0 and all(n >= 4 * B for _, n in reused[1:])
+    # turn 2 on reuses the whole blocks of turn 1's prompt (and answer), never the last prompt token
+    assert all(n % B == 0 for _, n in reused)
+    if generated:  # the stub computes one position as it computes many: its answers' KV reuses exactly too
+        assert reused[2][1] > reused[1][1] + len(reused[1][0]) - B
+    _settled(on)  # live-session KV accounting is back to zero; kept prefixes are reported apart
+    for s in on.services:
+        st = s.status()["prefix"]
+        # each turn took the last one's KV over (its prompt extends all of it), and left a longer one
+        assert st["entries"] == 1 and st["bytes"] > 0 and st["hits"] == 3 and st["superseded"] == 0
+        assert s.backend.prefix_bytes() == st["bytes"]
+    # the head computed only what it did not reuse
+    head = on.services[0]
+    assert head.stats.frames_in["PREFILL"] == 4  # one chunk a turn
+
+
+async def test_usage_and_telemetry_report_the_reused_tokens(nursery) -> None:
+    route = InProcRoute.stub(config=QUIET)
+    route.register_all()
+    await nursery.start(route.run)
+    text, first = await _ask(route, SYSTEM)
+    assert first.usage()["prompt_tokens_details"] == {"cached_tokens": 0}
+    _, second = await _ask(route, SYSTEM + text + " and?")
+    cached = second.usage()["prompt_tokens_details"]["cached_tokens"]
+    assert cached == second.rs.prefix_reused > 0
+    snap = second.telemetry.latest
+    assert snap["prefix_reused_tokens"] == cached and snap["prefill"]["total"] == len(SYSTEM + text + " and?")
+
+
+async def test_another_api_key_does_not_reuse_unless_the_tracker_shares(nursery) -> None:
+    route = InProcRoute.stub(config=QUIET)
+    shared = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, share_prefixes=True))
+    for r in (route, shared):
+        r.register_all()
+        await nursery.start(r.run)
+        await _ask(r, SYSTEM, scope="alice")
+    _, live = await _ask(route, SYSTEM + " again", scope="bob")
+    assert live.rs.prefix_reused == 0
+    _, live = await _ask(route, SYSTEM + " again", scope="alice")
+    assert live.rs.prefix_reused > 0
+    _, live = await _ask(shared, SYSTEM + " again", scope="bob")
+    assert live.rs.prefix_reused > 0
+
+
+async def test_nodes_holding_different_lengths_reuse_the_shortest(nursery) -> None:
+    on = InProcRoute.stub(config=QUIET)
+    off = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    for r in (on, off):
+        r.register_all()
+        await nursery.start(r.run)
+    text, _ = await _ask(on, SYSTEM)
+    # the tail forgets its prefix; the head keeps it, and also learns a shorter one from another scope-mate
+    tail = on.services[1]
+    await tail.scheduler.call(lambda: [tail.backend.drop_prefix(tail.prefix.evict()) for _ in range(1)])
+    await _ask(on, SYSTEM[: 2 * B + 5] + " other")  # both nodes now hold 2 blocks of it, the head 4 as well
+    want, _ = await _ask(off, SYSTEM + text + " next")
+    got, live = await _ask(on, SYSTEM + text + " next")
+    assert live.rs.prefix_reused == 2 * B  # the head held more and dropped the rest before the first step
+    assert got == want
+    _settled(on)
+
+
+async def test_kept_prefixes_never_refuse_a_live_session(nursery) -> None:
+    """Capacity 3 per node, 8 concurrent conversations over 3 turns: prefixes are evicted, never a 429."""
+    route = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, admission_wait_s=60.0), capacity=3)
+    route.register_all()
+    await nursery.start(route.run)
+    results: dict[int, list] = {}
+
+    async def conv(i: int) -> None:
+        results[i] = await _chat(route, 3, scope=f"user{i}", tag=f" #{i}")
+
+    async with trio.open_nursery() as n:
+        for i in range(8):
+            n.start_soon(conv, i)
+    assert len(results) == 8
+    _settled(route)
+    for s in route.services:
+        assert len(s.prefix.entries) <= 3 and s.backend.free_slots() + len(s.prefix.entries) == 3
+        assert s.prefix.evictions > 0
+        assert s.stats.refused.get(Reason.NODE_AT_CAPACITY.value, 0) == 0
+    assert route.gateway.metrics.failure_counts() == {}
+
+
+async def test_a_failed_session_keeps_nothing(nursery) -> None:
+    route = InProcRoute.stub(config=QUIET)
+    route.register_all()
+    await nursery.start(route.run)
+    live = await route.gateway.open(_req(SYSTEM, 200), scope="k")
+    async for _ in live.recv:
+        live.abort(Failure(Reason.CANCELLED, "the client went away"))
+        break
+    async for _ in live.recv:
+        pass
+    with trio.fail_after(5):
+        while route.services[0].sessions or route.services[1].sessions:
+            await trio.sleep(0.01)
+    assert live.rs.failure is not None
+    _settled(route)
+    assert all(len(s.prefix.entries) == 0 for s in route.services)
+
+
+async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
+    """Two routes of the same layers: turn 2 goes back to the route that kept turn 1, though the default
+    rule (a tie of loads, broken by node ids) would pick the other."""
+    route = InProcRoute.stub(splits=((0, 15), (15, 30), (0, 15), (15, 30)), config=QUIET)
+    route.register(2)
+    route.register(3)
+    await nursery.start(route.run)
+    text, first = await _ask(route, SYSTEM)
+    assert [h.node_id for h in first.rs.route] == ["n2", "n3"]
+    route.register(0)
+    route.register(1)
+    _, other = await _ask(route, SYSTEM + text + " next", scope="someone else")
+    assert [h.node_id for h in other.rs.route] == ["n0", "n1"] and other.rs.prefix_reused == 0
+    _, second = await _ask(route, SYSTEM + text + " next")
+    assert [h.node_id for h in second.rs.route] == ["n2", "n3"] and second.rs.prefix_reused >= 4 * B
+    assert all(n.reserved == 0 for n in route.registry.nodes.values())
+
+
+# -- Prefix Snapshots ---------------------------------------------------------------------------------------
+
+
+def _with_snapshots(folder, config=QUIET) -> InProcRoute:
+    """A fresh in-process route (a restart) whose nodes keep snapshots under `folder`/n0, n1."""
+    route = InProcRoute.stub(config=config)
+    for s in route.services:
+        b = s.backend
+        s.snapshots = SnapshotDir(folder / s.node_id, {"model_digest": b.info.digest, "manifest_id": None,
+                                                      "backend": b.name, "layers": str(b.layers)})
+    route.register_all()
+    return route
+
+
+async def test_a_restarted_route_reloads_its_snapshots_and_skips_the_system_prompt(nursery, tmp_path) -> None:
+    first = _with_snapshots(tmp_path)
+    await nursery.start(first.run)
+    text, _ = await _ask(first, SYSTEM)
+    for s in first.services:
+        assert s.snapshots.written == 1 and len(list((tmp_path / s.node_id).glob("*.kv"))) == 1
+    # a restart: new processes, nothing in memory, the same folders
+    again = _with_snapshots(tmp_path)
+    await nursery.start(again.run)
+    for s in again.services:
+        assert s.snapshots.loaded == 1 and s.snapshots.refused == [] and len(s.prefix.entries) == 1
+    plain = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    plain.register_all()
+    await nursery.start(plain.run)
+    want, _ = await _ask(plain, SYSTEM + text + " next")
+    got, live = await _ask(again, SYSTEM + text + " next")
+    assert live.rs.prefix_reused >= 4 * B and got == want
+    assert again.services[0].stats.frames_in["PREFILL"] == 1  # one chunk: the system prompt was not sent again
+
+
+@pytest.mark.parametrize("damage", ["bytes", "layers", "model"])
+async def test_a_tampered_or_foreign_snapshot_is_refused(nursery, tmp_path, damage: str) -> None:
+    first = _with_snapshots(tmp_path)
+    await nursery.start(first.run)
+    await _ask(first, SYSTEM)
+    folder = tmp_path / "n1"
+    kv, = folder.glob("*.kv")
+    manifest = kv.with_suffix(".json")
+    if damage == "bytes":
+        data = bytearray(kv.read_bytes())
+        data[len(data) // 2] ^= 1
+        kv.write_bytes(bytes(data))
+    else:
+        meta = json.loads(manifest.read_text())
+        meta["layers" if damage == "layers" else "model_digest"] = "0:15" if damage == "layers" else "0" * 64
+        manifest.write_text(json.dumps(meta))
+    again = _with_snapshots(tmp_path)
+    await nursery.start(again.run)
+    tail = again.services[1]
+    assert tail.snapshots.loaded == 0 and len(tail.prefix.entries) == 0
+    refused, = tail.snapshots.refused
+    assert refused["code"] == Reason.SNAPSHOT_MISMATCH.value
+    assert {"bytes": "sha256", "layers": "layers", "model": "model_digest"}[damage] in refused["message"]
+    assert tail.status()["snapshots"]["refused"] == [refused]
+    _, live = await _ask(again, SYSTEM + " next")
+    assert live.rs.prefix_reused == 0  # the head holds it, the tail does not: the route reuses nothing
+
+
+def test_check_refuses_what_does_not_match() -> None:
+    own = {"model_digest": "d", "manifest_id": None, "backend": "stub", "layers": "0:15"}
+    chain = block_chain(list(range(B)), prefix_root("d", ""))
+    data = b"kv"
+    meta = {"schema": 1, **own, "chain": chain, "positions": B, "bytes": 2,
+            "sha256": hashlib.sha256(data).hexdigest()}
+    assert check(meta, data, own).chain == tuple(chain)
+    for bad in ({**meta, "schema": 2}, {**meta, "positions": 2 * B}, {**meta, "backend": "llama"},
+                {**meta, "chain": ["zz"]}, {**meta, "bytes": 3}):
+        with pytest.raises(CallerError) as err:
+            check(bad, data, own)
+        assert err.value.reason is Reason.SNAPSHOT_MISMATCH
