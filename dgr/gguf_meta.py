@@ -13,10 +13,11 @@ Rules:
   read) come from `read_header`, a walk over the file's header that decodes
   each value once. gguf-py's `GGUFReader` builds numpy views for every part
   of every field: 2.2 s on SmolLM2's 49k-token vocabulary, paid by every
-  `dgr up` and manifest build; the walk takes a tenth of that. gguf-py stays
-  the reader where tensor data is read or copied (`open_reader`: the shard
-  file writer, the torch model) and the oracle `read_header` is tested
-  against. The llama engine reads headers with ggml's own C parser, but asks
+  `dgr up` and manifest build; the walk takes a tenth of that. The torch
+  model reads its tensors through `tensor_data`, views into a memory map
+  laid out as gguf-py lays them out. gguf-py stays the reader where metadata
+  is copied with its value types (`open_reader`: the shard-file writer) and
+  the oracle `read_header` and `tensor_data` are tested against. The llama engine reads headers with ggml's own C parser, but asks
   this module what the names and keys mean.
 - A layer tensor is `blk.N.<rest>`; everything else is global, and its role
   is `global_role`: the table `GLOBAL_ROLES` (roles are written into
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
@@ -66,6 +68,7 @@ __all__ = [
     "require_field",
     "Role",
     "split_layer_name",
+    "tensor_data",
     "tensor_role",
 ]
 
@@ -278,6 +281,24 @@ def _walk(buf: mmap.mmap) -> GgufHeader:
             n_elems *= d
         tensors.append(HeaderTensor(name, qtype.name, dims, data_offset + rel, n_elems * type_size // block))
     return GgufHeader(version, fields, tuple(tensors), alignment, data_offset)
+
+
+# ggml types stored as plain numpy items; every other type is quantized blocks, read as bytes
+_PLAIN = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+
+
+def tensor_data(file: np.ndarray, t: HeaderTensor) -> np.ndarray:
+    """`t`'s data in `file` (the whole GGUF as a uint8 array, memory-mapped), shaped as gguf-py's
+    `ReaderTensor.data`: numpy order (the file's dims reversed), quantized rows as bytes. No copy."""
+    import gguf  # the quantized-shape rule only
+
+    if t.offset + t.n_bytes > len(file):
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"tensor {t.name} runs past the end of the file")
+    raw = file[t.offset:t.offset + t.n_bytes]
+    np_dims = tuple(reversed(t.shape))
+    if t.type in _PLAIN:
+        return raw.view(_PLAIN[t.type]).reshape(np_dims)
+    return raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, gguf.GGMLQuantizationType[t.type]))
 
 
 def _values(src: gguf.GGUFReader | GgufHeader) -> Mapping[str, Any]:

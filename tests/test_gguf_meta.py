@@ -25,6 +25,7 @@ from dgr.gguf_meta import (
     layer_tensor_name,
     read_header,
     split_layer_name,
+    tensor_data,
     tensor_role,
 )
 from dgr.models import default_model_path
@@ -61,12 +62,12 @@ def test_manifest_and_planner_agree_on_global_roles(tmp_path: Path, tied: bool) 
     assert manifest["token_embd.weight"] is (Role.HEAD_TAIL if tied else Role.HEAD)
 
 
-def _gguf_py(path: Path) -> tuple[dict, list, int]:
+def _gguf_py(path: Path) -> tuple[dict, list, int, list]:
     r = gguf.GGUFReader(path, "r")
     fields = {k: f.contents() for k, f in r.fields.items()}
     tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
                for t in r.tensors]
-    return fields, tensors, r.data_offset
+    return fields, tensors, r.data_offset, [t.data for t in r.tensors]
 
 
 def _every_value_type(path: Path) -> Path:
@@ -102,10 +103,16 @@ def test_read_header_equals_gguf_py(tmp_path: Path, which: str) -> None:
             "tiny tied": lambda: write_tiny_llama(tmp_path / "t.gguf", tied=True, extra_globals=HC),
             "every value type": lambda: _every_value_type(tmp_path / "v.gguf")}[which]()
     header = read_header(path)
-    fields, tensors, data_offset = _gguf_py(path)
+    fields, tensors, data_offset, data = _gguf_py(path)
     assert dict(header.fields) == fields
     assert [(t.name, t.type, t.shape, t.offset, t.n_bytes) for t in header.tensors] == tensors
     assert header.data_offset == data_offset
+    # tensor data: the same dtype, shape and bytes as gguf-py's views (what dequantize expects)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for t, want in zip(header.tensors, data, strict=True):
+        got = tensor_data(file, t)
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), t.name
+        assert np.array_equal(got, want), t.name
 
 
 def test_read_header_refuses_a_cut_or_foreign_file(tmp_path: Path) -> None:

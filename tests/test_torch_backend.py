@@ -24,6 +24,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.torch_backend import TorchBackend
 from dgr.backends.torch_model import load_shard
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import read_header
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
 
@@ -37,8 +38,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def vocab(path) -> list[str]:
-    field = gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"]
-    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    return read_header(path).fields["tokenizer.ggml.tokens"]
 
 
 @pytest.fixture(scope="module")

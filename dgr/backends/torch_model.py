@@ -55,7 +55,8 @@ from torch import Tensor, nn
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key, field, is_tied, layer_of, layer_tensor_name, open_reader
+from dgr.gguf_meta import (ARCHITECTURE_KEY, GgufHeader, arch_key, field, is_tied, layer_of, layer_tensor_name,
+                           read_header, tensor_data)
 
 __all__ = ["KVCache", "ModelArgs", "ShardModel", "apply_rope", "load_shard"]
 
@@ -85,7 +86,7 @@ class ModelArgs:
     qk_norm: bool = False  # qwen3
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> ModelArgs:
+    def from_gguf(cls, reader: GgufHeader) -> ModelArgs:
         """Raises: CallerError(MODEL_LOAD_FAILED) on a model this file cannot run."""
         arch = field(reader, ARCHITECTURE_KEY)
         if arch not in SUPPORTED_ARCHS:
@@ -106,7 +107,7 @@ class ModelArgs:
         factor = float(meta("rope.scaling.factor", meta("rope.scale_linear", 0.0)))
         dim, n_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
         head_dim = int(meta("attention.key_length", dim // n_heads))
-        vocab = field(reader, arch_key(arch, "vocab_size")) or len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = field(reader, arch_key(arch, "vocab_size")) or len(reader.fields["tokenizer.ggml.tokens"])
         return cls(
             arch=arch,
             n_layers=int(meta("block_count")),
@@ -309,7 +310,8 @@ def load_shard(path: str | Path, layers: LayerRange) -> ShardModel:
         CallerError(MODEL_LOAD_FAILED): unsupported model, range past the last
         layer, or tensors missing or of the wrong shape.
     """
-    reader = open_reader(path)
+    reader = read_header(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
     args = ModelArgs.from_gguf(reader)
     if layers.stop > args.n_layers:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"layers {layers} exceed the model's {args.n_layers}")
@@ -324,7 +326,8 @@ def load_shard(path: str | Path, layers: LayerRange) -> ShardModel:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"torch backend has no biases ({t.name})")
         if t.name not in wanted and not (tied and t.name == "token_embd.weight"):
             continue
-        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        qtype = gguf.GGMLQuantizationType[t.type]
+        weight = torch.from_numpy(np.array(dequantize(tensor_data(file, t), qtype), dtype=np.float32))
         if t.name == "rope_freqs.weight":
             weight = 1.0 / weight
         if t.name in wanted:
