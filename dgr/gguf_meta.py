@@ -14,10 +14,10 @@ Rules:
   each value once. gguf-py's `GGUFReader` builds numpy views for every part
   of every field: 2.2 s on SmolLM2's 49k-token vocabulary, paid by every
   `dgr up` and manifest build; the walk takes a tenth of that. The torch
-  model reads its tensors through `tensor_data`, views into a memory map
-  laid out as gguf-py lays them out. gguf-py stays the reader where metadata
-  is copied with its value types (`open_reader`: the shard-file writer) and
-  the oracle `read_header` and `tensor_data` are tested against. The llama engine reads headers with ggml's own C parser, but asks
+  model and the shard-file writer read tensors through `tensor_data`, views
+  into a memory map laid out as gguf-py lays them out; the header keeps
+  each value's GGUF type, so the writer copies metadata as it was written.
+  gguf-py's reader (`open_reader`) is the oracle both are tested against. The llama engine reads headers with ggml's own C parser, but asks
   this module what the names and keys mean.
 - A layer tensor is `blk.N.<rest>`; everything else is global, and its role
   is `global_role`: the table `GLOBAL_ROLES` (roles are written into
@@ -187,6 +187,9 @@ class GgufHeader:
 
     version: int
     fields: Mapping[str, Any]  # with GGUF.version, GGUF.tensor_count, GGUF.kv_count, as gguf-py has them
+    # key -> (GGUF value type, item type of an array or None), for the stored keys (not GGUF.*):
+    # what a writer needs to copy a value as it was written
+    value_types: Mapping[str, tuple[int, int | None]]
     tensors: tuple[HeaderTensor, ...]  # file order
     alignment: int
     data_offset: int
@@ -255,12 +258,14 @@ def _walk(buf: mmap.mmap) -> GgufHeader:
         return v
 
     fields: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    value_types: dict[str, tuple[int, int | None]] = {}
     for _ in range(n_kv):
         key = string()
         (vtype,) = struct.unpack_from("<I", buf, off)
         off += 4
         if key in fields:
             raise ValueError(f"duplicate key {key!r}")
+        value_types[key] = (vtype, struct.unpack_from("<I", buf, off)[0] if vtype == _ARRAY else None)
         fields[key] = value(vtype)
     raw: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(n_tensors):
@@ -280,7 +285,7 @@ def _walk(buf: mmap.mmap) -> GgufHeader:
         for d in dims:
             n_elems *= d
         tensors.append(HeaderTensor(name, qtype.name, dims, data_offset + rel, n_elems * type_size // block))
-    return GgufHeader(version, fields, tuple(tensors), alignment, data_offset)
+    return GgufHeader(version, fields, value_types, tuple(tensors), alignment, data_offset)
 
 
 # ggml types stored as plain numpy items; every other type is quantized blocks, read as bytes

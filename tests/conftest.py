@@ -48,7 +48,7 @@ def _config_home(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("DGR_SLOW") == "1":
         return
-    skip = pytest.mark.skip(reason="long soak/fuzz run: set DGR_SLOW=1 (make test-slow)")
+    skip = pytest.mark.skip(reason="long run, or a variant of a guarantee the gate holds once: DGR_SLOW=1 (make test-slow)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

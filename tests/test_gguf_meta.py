@@ -67,7 +67,7 @@ def _gguf_py(path: Path) -> tuple[dict, list, int, list]:
     fields = {k: f.contents() for k, f in r.fields.items()}
     tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
                for t in r.tensors]
-    return fields, tensors, r.data_offset, [t.data for t in r.tensors]
+    return fields, tensors, r.data_offset, [t.data for t in r.tensors], r
 
 
 def _every_value_type(path: Path) -> Path:
@@ -103,8 +103,11 @@ def test_read_header_equals_gguf_py(tmp_path: Path, which: str) -> None:
             "tiny tied": lambda: write_tiny_llama(tmp_path / "t.gguf", tied=True, extra_globals=HC),
             "every value type": lambda: _every_value_type(tmp_path / "v.gguf")}[which]()
     header = read_header(path)
-    fields, tensors, data_offset, data = _gguf_py(path)
+    fields, tensors, data_offset, data, reader = _gguf_py(path)
     assert dict(header.fields) == fields
+    array = gguf.GGUFValueType.ARRAY
+    assert dict(header.value_types) == {k: (int(f.types[0]), int(f.types[1]) if f.types[0] == array else None)
+                                        for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert [(t.name, t.type, t.shape, t.offset, t.n_bytes) for t in header.tensors] == tensors
     assert header.data_offset == data_offset
     # tensor data: the same dtype, shape and bytes as gguf-py's views (what dequantize expects)

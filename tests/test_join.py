@@ -150,7 +150,8 @@ def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-@pytest.mark.parametrize("topology", ["star", "chain"])
+# the default topology in the gate; the star under `make test-slow`
+@pytest.mark.parametrize("topology", [pytest.param("star", marks=pytest.mark.slow), "chain"])
 def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
     token = new_secret()
     env = _env(**{JOIN_ENV: token})

@@ -34,7 +34,8 @@ def _wait_metric(url: str, ok, what: str, timeout_s: float = 30.0) -> dict:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("topology", ["star", "chain"])
+# the default topology in the gate; the star under `make test-slow`
+@pytest.mark.parametrize("topology", [pytest.param("star", marks=pytest.mark.slow), "chain"])
 def test_metrics_follow_a_request(topology: str) -> None:
     with LocalRoute(nodes=2, extra=("--stub-delay", "0.003", "--topology", topology)) as route:
         first = _scrape(route.url)

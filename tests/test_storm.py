@@ -22,6 +22,7 @@ from dgr.testing.harness import LocalRoute
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CLIENTS = 8
+PREFILL_CHUNK = 128  # short chunks: a prompt of a few hundred tokens is still several prefill steps
 QUESTIONS = ["The capital of France is", "Water boils at", "The largest planet is"]
 
 
@@ -41,9 +42,9 @@ def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock)
         n = 0
         while until(n):
             n += 1
-            # a third leave during prefill (long prompt, gone after the headers), a third mid-decode
+            # a third leave during prefill (a prompt of 3 to 5 chunks, gone after the headers), a third mid-decode
             fate = rng.choice(["complete", "prefill", "decode"])
-            words = rng.randint(250, 450) if fate == "prefill" else rng.randint(5, 40)  # within --ctx 2048
+            words = rng.randint(100, 200) if fate == "prefill" else rng.randint(5, 40)  # within --ctx 2048
             body = {"model": MODEL, "prompt": f"Client {k} asks: " + "tell me more " * words,
                     "max_tokens": rng.randint(8, 40), "temperature": 0, "stream": True}
             with http.stream("POST", f"{route.api}/completions", json=body) as r:
@@ -71,7 +72,8 @@ def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock)
 
 def _storm(seconds: float | None, rounds: int) -> None:
     with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
-                    extra=("--ctx", "2048", "--max-sessions", str(CLIENTS))) as route:
+                    extra=("--ctx", "2048", "--prefill-chunk", str(PREFILL_CHUNK),
+                           "--max-sessions", str(CLIENTS))) as route:
         before = _greedy(route)
         tally: dict = {}
         lock = threading.Lock()

@@ -35,11 +35,13 @@ import tempfile
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 from dgr.backends.base import LayerRange
 from dgr.backends.llama_arch import SHARD_RULES, swa_layers
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key, field, layer_tensor_name, open_reader, split_layer_name
+from dgr.gguf_meta import (ARCHITECTURE_KEY, GgufHeader, arch_key, field, layer_tensor_name, read_header,
+                           split_layer_name, tensor_data)
 from dgr.models import check_gguf_file
 from dgr.progress import NullProgress, Progress
 
@@ -148,14 +150,15 @@ def write_shard(source: str | Path, layers: LayerRange, out: str | Path, *, prog
     """
     src = check_gguf_file(source)
     out = Path(out)
-    reader = _reader(src)
-    arch = field(reader, ARCHITECTURE_KEY)
+    header = read_header(src)
+    file = np.memmap(src, dtype=np.uint8, mode="r")
+    arch = field(header, ARCHITECTURE_KEY)
     if arch is None:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {src}")
     count_key = arch_key(arch, "block_count")
-    if count_key not in reader.fields:
+    if count_key not in header.fields:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {count_key}: {src}")
-    n_layer = int(reader.fields[count_key].contents())
+    n_layer = int(header.fields[count_key])
     if layers.stop > n_layer:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit {n_layer} layers of {src}"
@@ -165,26 +168,27 @@ def write_shard(source: str | Path, layers: LayerRange, out: str | Path, *, prog
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".gguf")
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
-        align = reader.fields.get(gguf.Keys.General.ALIGNMENT)
+        writer = gguf.GGUFWriter(tmp, arch=arch)  # little-endian, as read_header reads
+        align = header.fields.get(gguf.Keys.General.ALIGNMENT)
         if align is not None:
-            writer.data_alignment = int(align.contents())
-        _copy_metadata(reader, writer, arch, n_layer, layers)
+            writer.data_alignment = int(align)
+        _copy_metadata(header, writer, arch, n_layer, layers)
         kept = []
-        for t in reader.tensors:
+        for t in header.tensors:
             name = _shard_tensor_name(t.name, layers)
             if name is None:
                 continue
-            writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-            kept.append(t)
+            data = tensor_data(file, t)
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, gguf.GGMLQuantizationType[t.type])
+            kept.append(data)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         progress = progress or NullProgress()
-        progress.start(f"shard {layers} of {src.name}", sum(int(t.n_bytes) for t in kept))
-        for t in kept:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-            progress.advance(int(t.n_bytes))
+        progress.start(f"shard {layers} of {src.name}", sum(int(data.nbytes) for data in kept))
+        for data in kept:
+            writer.write_tensor_data(data)
+            progress.advance(int(data.nbytes))
         writer.close()
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable like the model
         os.replace(tmp, out)
@@ -193,45 +197,30 @@ def write_shard(source: str | Path, layers: LayerRange, out: str | Path, *, prog
             os.unlink(tmp)
 
 
-_READER: dict[tuple[str, int, int], gguf.GGUFReader] = {}
-
-
-def _reader(src: Path) -> gguf.GGUFReader:
-    """GGUFReader of `src`, kept for the next shard of the same file: parsing takes seconds."""
-    st = src.stat()
-    key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
-    reader = _READER.get(key)
-    if reader is None:
-        reader = open_reader(src)
-        _READER.clear()  # one source at a time: a reader holds the whole vocabulary
-        _READER[key] = reader
-    return reader
-
-
-def _copy_metadata(
-    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, arch: str, n_layer: int, layers: LayerRange
-) -> None:
+def _copy_metadata(header: GgufHeader, writer: gguf.GGUFWriter, arch: str, n_layer: int, layers: LayerRange) -> None:
     prefix = arch_key(arch, "")
     pattern_key = arch_key(arch, "attention.sliding_window_pattern")
     rule = SHARD_RULES.get(arch)
     swa = None
     if rule is not None:
-        swa = swa_layers(rule, n_layer, field(reader, pattern_key))
-    for kv in reader.fields.values():
-        # GGUF.* are virtual; general.architecture is written by GGUFWriter itself.
-        if kv.name.startswith("GGUF.") or kv.name == ARCHITECTURE_KEY:
+        swa = swa_layers(rule, n_layer, field(header, pattern_key))
+    for name, (raw_vtype, raw_sub) in header.value_types.items():
+        # general.architecture is written by GGUFWriter itself.
+        if name == ARCHITECTURE_KEY:
             continue
-        if swa is not None and kv.name == pattern_key:
+        if swa is not None and name == pattern_key:
             continue  # written below, per layer
-        vtype = kv.types[0]
-        sub_type = kv.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = kv.contents()
-        if kv.name == arch_key(arch, "block_count"):
+        vtype = gguf.GGUFValueType(raw_vtype)
+        sub_type = None if raw_sub is None else gguf.GGUFValueType(raw_sub)
+        if sub_type is gguf.GGUFValueType.ARRAY:
+            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF key {name} is an array of arrays, which no loader reads")
+        value = header.fields[name]
+        if name == arch_key(arch, "block_count"):
             value = len(layers)
-        elif sub_type is not None and kv.name.startswith(prefix) and len(value) == n_layer:
+        elif sub_type is not None and name.startswith(prefix) and len(value) == n_layer:
             # Per-layer arrays (llama.cpp's get_key_or_arr(..., n_layer_all)).
             value = value[layers.start : layers.stop]
-        writer.add_key_value(kv.name, value, vtype, sub_type=sub_type)
+        writer.add_key_value(name, value, vtype, sub_type=sub_type)
     if swa is not None:
         writer.add_key_value(
             pattern_key, swa[layers.start : layers.stop], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
