@@ -17,8 +17,10 @@ Rules:
   model and the shard-file writer read tensors through `tensor_data`, views
   into a memory map laid out as gguf-py lays them out; the header keeps
   each value's GGUF type, so the writer copies metadata as it was written.
-  gguf-py's reader (`open_reader`) is the oracle both are tested against. The llama engine reads headers with ggml's own C parser, but asks
-  this module what the names and keys mean.
+  No dgr code parses a GGUF with gguf-py's reader: it is the oracle the
+  walk and the views are tested against. The llama engine reads headers
+  with ggml's own C parser, but asks this module what the names and keys
+  mean.
 - A layer tensor is `blk.N.<rest>`; everything else is global, and its role
   is `global_role`: the table `GLOBAL_ROLES` (roles are written into
   manifests, and the table is drawn into spec/artifact-manifest.md), SHARED
@@ -38,16 +40,13 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
 
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
-
-if TYPE_CHECKING:
-    import gguf
 
 __all__ = [
     "ARCHITECTURE_KEY",
@@ -64,7 +63,6 @@ __all__ = [
     "layer_of",
     "layer_tensor_name",
     "metadata",
-    "open_reader",
     "require_field",
     "Role",
     "split_layer_name",
@@ -155,21 +153,6 @@ def tensor_role(name: str, *, tied: bool) -> Role:
 
 
 # -- reading -------------------------------------------------------------------------
-
-
-def open_reader(path: str | Path) -> gguf.GGUFReader:
-    """gguf-py's reader of `path` (memory-mapped: no tensor data is read).
-
-    Raises:
-        CallerError(MODEL_LOAD_FAILED): missing, not GGUF, truncated or corrupt.
-    """
-    import gguf  # heavy import (numpy memmaps); only when a file is read
-
-    p = check_gguf_file(path)
-    try:
-        return gguf.GGUFReader(p, "r")
-    except (ValueError, IndexError, OSError, KeyError) as exc:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"cannot parse GGUF {p} (truncated or corrupt?): {exc}") from None
 
 
 @attrs.frozen
@@ -306,50 +289,22 @@ def tensor_data(file: np.ndarray, t: HeaderTensor) -> np.ndarray:
     return raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, gguf.GGMLQuantizationType[t.type]))
 
 
-def _values(src: gguf.GGUFReader | GgufHeader) -> Mapping[str, Any]:
-    if isinstance(src, GgufHeader):
-        return src.fields
-    return _ContentsView(src)
-
-
-@attrs.frozen
-class _ContentsView(Mapping[str, Any]):
-    """A GGUFReader's fields as values, decoded one at a time when asked."""
-
-    reader: gguf.GGUFReader
-
-    def __getitem__(self, key: str) -> Any:
-        return self.reader.fields[key].contents()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.reader.fields
-
-    def __iter__(self):
-        return iter(self.reader.fields)
-
-    def __len__(self) -> int:
-        return len(self.reader.fields)
-
-
-def field(src: gguf.GGUFReader | GgufHeader, key: str, default: Any = None) -> Any:
+def field(src: GgufHeader, key: str, default: Any = None) -> Any:
     """The value of metadata `key`, or `default` when the file does not set it."""
-    values = _values(src)
-    return values[key] if key in values else default
+    return src.fields.get(key, default)
 
 
-def require_field(src: gguf.GGUFReader | GgufHeader, key: str, path: str | Path) -> Any:
+def require_field(src: GgufHeader, key: str, path: str | Path) -> Any:
     """The value of metadata `key`.
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): the file does not set it.
     """
-    values = _values(src)
-    if key not in values:
+    if key not in src.fields:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF metadata lacks {key!r}: {path}")
-    return values[key]
+    return src.fields[key]
 
 
-def metadata(src: gguf.GGUFReader | GgufHeader, *, skip: tuple[str, ...] = ("tokenizer.", "GGUF.")) -> dict[str, Any]:
+def metadata(src: GgufHeader, *, skip: tuple[str, ...] = ("tokenizer.", "GGUF.")) -> dict[str, Any]:
     """Every metadata key and value, less those under `skip` (the vocabulary arrays are large)."""
-    values = _values(src)
-    return {key: values[key] for key in values if not key.startswith(skip)}
+    return {key: value for key, value in src.fields.items() if not key.startswith(skip)}
