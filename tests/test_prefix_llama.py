@@ -100,7 +100,7 @@ def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
         conv = openai.OpenAI(base_url=route.api, api_key="conversation", max_retries=0, timeout=120)
         messages = [{"role": "system", "content": SYSTEM}]
         cached = []
-        for t, q in enumerate(QUESTIONS):
+        for t, q in enumerate(QUESTIONS[:3]):  # turn 1 fills the cache; turns 2 and 3 reuse it
             messages.append({"role": "user", "content": q})
             fresh = openai.OpenAI(base_url=route.api, api_key=f"fresh-{t}", max_retries=0, timeout=120)
             want = fresh.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
@@ -115,7 +115,7 @@ def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
         for name in ("node0", "node1"):
             status = route.node_status(name)
             assert status["sessions"] == 0 and status["kv_bytes"] == 0
-            assert status["prefix"]["hits"] >= 3 and status["prefix"]["bytes"] > 0
+            assert status["prefix"]["hits"] >= 2 and status["prefix"]["bytes"] > 0
 
 
 def test_torch_shards_reuse_a_copied_prefix() -> None:
@@ -215,7 +215,7 @@ def test_eight_concurrent_conversations_never_meet_a_429_for_a_kept_prefix() -> 
         def conversation(i: int) -> None:
             messages = [{"role": "system", "content": SYSTEM[: 300 + 40 * i]}]
             try:
-                for q in QUESTIONS[:3]:
+                for q in QUESTIONS[:2]:  # two turns each: 16 requests on 4 slots
                     messages.append({"role": "user", "content": q})
                     r = client(i).chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                                           temperature=0)
@@ -230,13 +230,13 @@ def test_eight_concurrent_conversations_never_meet_a_429_for_a_kept_prefix() -> 
             t.start()
         for t in threads:
             t.join(600)
-        assert errors == [] and len(answers) == 24
+        assert errors == [] and len(answers) == 16
         route.wait_sessions_freed(["node0", "node1"])
         for name in ("node0", "node1"):
             status = route.node_status(name)
             assert status["seam"]["refused"].get("node_at_capacity", 0) == 0
             assert status["prefix"]["entries"] <= 4 and status["prefix"]["evictions"] > 0
         last, messages = finished[-1]
-        messages.append({"role": "user", "content": QUESTIONS[3]})
+        messages.append({"role": "user", "content": QUESTIONS[2]})
         again = client(last).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
         assert again.usage.prompt_tokens_details.cached_tokens >= BLOCK_TOKENS
