@@ -38,8 +38,10 @@ install: $(STAMP)
 run: install
 	$(PY) -m dgr up --backend $(BACKEND) --nodes $(NODES) --port $(PORT)
 
+# Two workers: tests marked `serial` (real compute, network namespaces) run one at a time on one
+# of them, everything else (stub routes, trio-level and pure tests, mostly waiting on I/O) on both.
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
 
 test-slow: install
 	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider

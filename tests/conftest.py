@@ -46,6 +46,14 @@ def _config_home(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    # `make test` runs two xdist workers (--dist loadgroup). Tests that need the cores (real llama.cpp or
+    # torch compute) or the machine's network namespaces form one group, run one at a time on one worker:
+    # two of them at once would share 2 cores between their compute threads, and the namespace tests
+    # check that none is left behind. Every llama.cpp process a test starts uses 1 thread, so a compute
+    # test and a stub test side by side never oversubscribe a spinning thread pool.
+    for item in items:
+        if "serial" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("serial"))
     if os.environ.get("DGR_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="long run, or a variant of a guarantee the gate holds once: DGR_SLOW=1 (make test-slow)")

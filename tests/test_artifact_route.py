@@ -45,6 +45,8 @@ from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.routing import choose_route
 
+pytestmark = pytest.mark.serial  # real llama.cpp compute: one at a time under make test (tests/conftest.py)
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 FETCHED = LayerRange(10, 20)
 PROMPTS = [

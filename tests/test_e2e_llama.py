@@ -13,7 +13,7 @@ import pytest
 from dgr.seam.wire import HEADER_SIZE
 from dgr.testing.harness import LocalRoute, sse_events
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 import llama_cpp  # a hard dependency: a broken build fails here, it is not skipped
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -35,7 +35,7 @@ def direct():
 
 @pytest.fixture(scope="module")
 def single():
-    with LocalRoute(backend="llama", nodes=1, extra=("--ctx", "2048", "--prefill-chunk", "512"),
+    with LocalRoute(backend="llama", nodes=1, extra=("--ctx", "2048", "--prefill-chunk", "512", "--threads", "1"),
                     ready_timeout_s=300) as r:
         yield r
 

@@ -11,7 +11,7 @@ from dgr.models import default_model_path
 from dgr.testing.harness import LocalRoute
 from dgr.testing.reference import expected_greedy
 
-pytestmark = pytest.mark.llama  # the tokenizer comes from llama.cpp's vocabulary loader
+pytestmark = [pytest.mark.llama, pytest.mark.serial]  # the tokenizer comes from llama.cpp's vocabulary loader
 import llama_cpp  # noqa: F401  a hard dependency: a broken build fails here
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -19,7 +19,7 @@ PROMPT = "The capital of Italy is"
 
 
 def test_torch_route_answers_like_the_single_node_model() -> None:
-    single = TorchBackend(default_model_path(), LayerRange(0, 30), n_threads=2)
+    single = TorchBackend(default_model_path(), LayerRange(0, 30), n_threads=1)
     ids = single.tokenize(PROMPT, add_special=True, parse_special=True)
     want = expected_greedy([single], ids, 12)
     single.close()

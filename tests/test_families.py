@@ -37,7 +37,7 @@ from dgr.pipeline import Pipeline
 from dgr.testing.harness import LocalRoute
 from dgr.testing.tiny_gguf import FAMILIES, tiny_prompt, write_tiny_gguf
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 
 N_NEW = 24
 N_LAYER = 6

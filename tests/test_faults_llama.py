@@ -7,7 +7,7 @@ import pytest
 
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 import llama_cpp  # noqa: F401  a hard dependency: a broken build fails here
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

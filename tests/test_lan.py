@@ -48,7 +48,7 @@ from dgr.security.secrets import JOIN_ENV, new_secret
 from dgr.testing.lan import Lan
 from dgr.tracker.assign import assign_layers
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPTS = ("The three primary colors are", "Paris is the capital of France. Berlin is the capital of")

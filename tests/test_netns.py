@@ -27,6 +27,8 @@ from dgr.bench.netns import (
 )
 from dgr.errors import PeerError
 
+pytestmark = pytest.mark.serial  # network namespaces: one at a time under make test (tests/conftest.py)
+
 PROMPT = "The lighthouse keeper kept a log of every ship that passed the point."
 
 

@@ -9,7 +9,7 @@ from dgr.backends.base import LayerRange
 from dgr.plan import Node, PlanParams, layout_from_gguf, shard_cost
 from dgr.testing.harness import LocalRoute
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 import llama_cpp  # noqa: F401  a hard dependency: a broken build fails here
 
 CTX, SESSIONS = 2048, 2

@@ -15,7 +15,7 @@ from dgr.node.prefix import BLOCK_TOKENS
 from dgr.pipeline import Pipeline
 from dgr.testing.harness import LocalRoute
 
-pytestmark = pytest.mark.llama
+pytestmark = [pytest.mark.llama, pytest.mark.serial]
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 N_NEW = 12
 

@@ -20,6 +20,8 @@ import pytest
 
 from dgr.testing.harness import LocalRoute
 
+pytestmark = pytest.mark.serial  # real llama.cpp compute: one at a time under make test (tests/conftest.py)
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CLIENTS = 8
 PREFILL_CHUNK = 128  # short chunks: a prompt of a few hundred tokens is still several prefill steps
