@@ -46,11 +46,12 @@ def _config_home(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    # `make test` runs two xdist workers (--dist loadgroup). Tests that need the cores (real llama.cpp or
-    # torch compute) or the machine's network namespaces form one group, run one at a time on one worker:
-    # two of them at once would share 2 cores between their compute threads, and the namespace tests
-    # check that none is left behind. Every llama.cpp process a test starts uses 1 thread, so a compute
-    # test and a stub test side by side never oversubscribe a spinning thread pool.
+    # `make test` runs two xdist workers (--dist loadgroup). Tests whose processes together want more
+    # than one core (llama.cpp or torch routes of several nodes, concurrent sessions) or the machine's
+    # network namespaces form one group, run one at a time on one worker: two of them at once would
+    # oversubscribe 2 cores, and the namespace tests check that none is left behind. In-process compute
+    # on one thread is not serial. Every llama.cpp or torch process a test starts has 1 thread, so tests
+    # side by side never oversubscribe a spinning thread pool.
     for item in items:
         if "serial" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("serial"))

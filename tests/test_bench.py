@@ -14,8 +14,6 @@ from dgr.bench import peers, shapes
 from dgr.bench.shapes import LlamaShape, random_llama_gguf
 from dgr.models import default_model_path
 
-pytestmark = pytest.mark.serial  # real llama.cpp compute: one at a time under make test (tests/conftest.py)
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,7 +27,7 @@ from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
 
-pytestmark = [pytest.mark.llama, pytest.mark.serial]
+pytestmark = pytest.mark.llama  # in process, one thread: not serial (tests/conftest.py)
 
 N_NEW = 128
 SPLITS = {"15:15": [15, 15], "10:10:10": [10, 10, 10], "1:29": [1, 29], "10:20": [10, 20]}

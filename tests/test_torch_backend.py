@@ -28,8 +28,6 @@ from dgr.gguf_meta import read_header
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
 
-pytestmark = pytest.mark.serial  # torch compute: one at a time under make test (tests/conftest.py)
-
 N_NEW = 32
 
 
