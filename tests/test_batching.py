@@ -13,15 +13,14 @@ import uuid
 import attrs
 import numpy as np
 import outcome
-import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgr.backends.base import LayerRange, Step
 from dgr.backends.stub import StubBackend, StubSpec
-from dgr.errors import CallerError, Reason
-from dgr.node.scheduler import Job, JobKind, StepScheduler, plan_iteration
+from dgr.errors import Reason
+from dgr.node.scheduler import Job, JobKind, plan_iteration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
