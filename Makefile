@@ -38,8 +38,7 @@ install: $(STAMP)
 run: install
 	$(PY) -m dgr up --backend $(BACKEND) --nodes $(NODES) --port $(PORT)
 
-# Two workers: tests marked `serial` (real compute, network namespaces) run one at a time on one
-# of them, everything else (stub routes, trio-level and pure tests, mostly waiting on I/O) on both.
+# Two workers; tests marked `serial` run one at a time on one of them (the rule: tests/conftest.py).
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
 

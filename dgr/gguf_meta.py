@@ -40,13 +40,15 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
 
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
+
+if TYPE_CHECKING:
+    import numpy as np  # annotations only: the header walk and the roles need no numpy
 
 __all__ = [
     "ARCHITECTURE_KEY",

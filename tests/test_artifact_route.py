@@ -45,7 +45,7 @@ from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.routing import choose_route
 
-pytestmark = pytest.mark.serial  # real llama.cpp compute: one at a time under make test (tests/conftest.py)
+pytestmark = pytest.mark.serial  # llama.cpp routes of several nodes: one at a time under make test (tests/conftest.py)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 FETCHED = LayerRange(10, 20)

@@ -62,7 +62,7 @@ def test_manifest_and_planner_agree_on_global_roles(tmp_path: Path, tied: bool) 
     assert manifest["token_embd.weight"] is (Role.HEAD_TAIL if tied else Role.HEAD)
 
 
-def _gguf_py(path: Path) -> tuple[dict, list, int, list]:
+def _gguf_py(path: Path) -> tuple[dict, list, int, list, gguf.GGUFReader]:
     r = gguf.GGUFReader(path, "r")
     fields = {k: f.contents() for k, f in r.fields.items()}
     tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
@@ -116,6 +116,18 @@ def test_read_header_equals_gguf_py(tmp_path: Path, which: str) -> None:
         got = tensor_data(file, t)
         assert (got.dtype, got.shape) == (want.dtype, want.shape), t.name
         assert np.array_equal(got, want), t.name
+
+
+def test_tensor_data_refuses_a_tensor_past_the_end_of_the_file(tmp_path: Path) -> None:
+    whole = _every_value_type(tmp_path / "v.gguf")
+    header = read_header(whole)
+    last = max(header.tensors, key=lambda t: t.offset)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: last.offset + last.n_bytes - 1])  # the header is whole, the data is not
+    file = np.memmap(cut, dtype=np.uint8, mode="r")
+    with pytest.raises(CallerError) as err:
+        tensor_data(file, read_header(cut).tensors[header.tensors.index(last)])
+    assert err.value.reason is Reason.MODEL_LOAD_FAILED
 
 
 def test_read_header_refuses_a_cut_or_foreign_file(tmp_path: Path) -> None:

@@ -189,7 +189,6 @@ def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
 
 
 @pytest.mark.llama
-@pytest.mark.serial  # a real llama.cpp node: one at a time under make test (tests/conftest.py)
 def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(manifest, tmp_path: Path,
                                                                              procs) -> None:
     """`dgr node --manifest M --memory SIZE` with no --layers: the tracker prices the ranges with the planner's

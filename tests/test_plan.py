@@ -388,7 +388,6 @@ def test_node_counts_follow_size_and_bits():
 
 
 @pytest.mark.llama
-@pytest.mark.serial  # a real llama.cpp node: one at a time under make test (tests/conftest.py)
 def test_plan_matches_rss_of_a_real_llamacpp_node(smol):
     r = LayerRange(0, 30)
     got = plan_overhead.run_shard(default_model_path(), r, smol.n_layers, 2048, 2)

@@ -20,7 +20,7 @@ import pytest
 
 from dgr.testing.harness import LocalRoute
 
-pytestmark = pytest.mark.serial  # real llama.cpp compute: one at a time under make test (tests/conftest.py)
+pytestmark = pytest.mark.serial  # llama.cpp routes of several nodes: one at a time under make test (tests/conftest.py)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CLIENTS = 8
