@@ -1,31 +1,57 @@
-"""Run an ASGI app under hypercorn on trio, and report where it listens.
+"""Run an ASGI app on trio, and report where it listens.
 
 `serve_app` is a trio service: it calls `task_status.started(url)` once the
 socket is bound, so a caller can bind port 0 and learn the real port. Given
 a certificate and key it serves https, and the URL says so.
+
+Two servers: hypercorn for the tracker (it streams tokens to many clients and
+must see them go away mid-stream), and dgr.api.server's lean one for nodes
+(`lean=True`), whose seam steps cannot afford hypercorn's per-request cost.
 """
 
 from __future__ import annotations
+
+import ssl
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-__all__ = ["serve_app", "print_ready"]
+from dgr.api.server import serve_asgi
+
+__all__ = ["serve_app", "print_ready", "server_ssl_context"]
 
 READY_PREFIX = "dgr-ready "
+_KEEP_ALIVE_S = 300  # seam connections stay open for a route's life
 
 
-async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None,
+def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """What a dgr server speaks TLS with: TLS 1.2 or later, HTTP/1.1 by ALPN, the given certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    ctx.load_cert_chain(cert_file, key_file)
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None, lean: bool = False,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `app` on host:port (https with `tls_files`, a (cert, key) pair); started with its URL."""
+    if lean:
+        ctx = server_ssl_context(*tls_files) if tls_files is not None else None
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve_asgi(
+                app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, task_status=task_status))
+            task_status.started(url)
+        return
     config = Config()
     config.bind = [f"{host}:{port}"]
     if tls_files is not None:
         config.certfile, config.keyfile = tls_files
     config.accesslog = None
     config.loglevel = "WARNING"
-    config.keep_alive_timeout = 300  # seam connections stay open for a route's life
+    config.keep_alive_timeout = _KEEP_ALIVE_S
     config.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(hypercorn_serve, app, config)

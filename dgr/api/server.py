@@ -1,0 +1,332 @@
+"""A small HTTP/1.1 server for ASGI apps: h11 over trio, one task per connection.
+
+Why not hypercorn everywhere: a node answers one seam step per token per hop,
+and hypercorn's per-request machinery (a task group, protocol and stream
+objects, events between them) costs about 0.25 ms a request on these cores,
+as much as the rest of a small step. Here each connection is one task that
+parses with h11 and calls the app inline; the app's `receive` reads the
+socket on demand, so a refused seam frame's body is never buffered by the
+server, and a response's head and body leave in one write.
+
+What it serves:
+- HTTP/1.1 with keep-alive and pipelining (h11 keeps the cycle), `Expect:
+  100-continue`, HEAD, sized or chunked bodies both ways; https when given an
+  SSL context (trio.SSLStream).
+- ASGI 3 `http` scopes and the `lifespan` startup. No websockets, no HTTP/2.
+- `http.disconnect` comes when the peer goes away mid-body, or once the
+  request body is read and the response has ended. It is not pushed while a
+  response is still streaming: the node's responses are small and whole; the
+  tracker, which streams tokens to clients, stays on hypercorn.
+- Limits: an idle keep-alive connection closes after `keep_alive_s`; once a
+  request's first byte has come, its head must be whole within
+  `head_timeout_s`; a head over 16 KiB gets 431 and other bad HTTP 400 (then
+  the connection closes); an app that fails before answering gets a 500 in
+  OpenAI's error shape, one that fails mid-response loses the connection. A
+  connection whose request body the app left unread is closed after the
+  response, never reused.
+
+Left out: what the app does with a request (dgr.node.app), which
+certificates are served (dgr.security.tls, dgr.serve).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import ssl
+from typing import Any, Callable
+from urllib.parse import unquote
+
+import attrs
+import h11
+import trio
+
+__all__ = ["serve_asgi", "MAX_HEAD_BYTES"]
+
+log = logging.getLogger("dgr.http")
+
+MAX_HEAD_BYTES = 16 * 1024
+_READ = 256 * 1024
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_NET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)
+
+
+def _error_body(message: str, code: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message[:300], "type": kind, "param": None, "code": code}}).encode()
+
+
+class _Gone(Exception):
+    """The peer went away or broke HTTP: drop the connection."""
+
+
+@attrs.define(eq=False)
+class _Exchange:
+    """The ASGI side of one request: what the app has read and sent so far."""
+
+    head: bool  # a HEAD request: the response's body is not sent
+    body_done: bool = False
+    started: list[tuple[int, list]] = attrs.field(factory=list)  # the response's status and headers, until sent
+    head_sent: bool = False
+    ended: bool = False
+    over: trio.Event = attrs.field(factory=trio.Event)  # the response ended or the connection is gone
+
+
+@attrs.define(eq=False)
+class _Connection:
+    stream: trio.abc.Stream
+    app: Callable
+    scheme: str
+    server: tuple[str, int] | None
+    client: tuple[str, int] | None
+    keep_alive_s: float
+    head_timeout_s: float
+    state: dict[str, Any]
+    conn: h11.Connection = attrs.field(
+        factory=lambda: h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES))
+
+    async def _feed(self) -> None:
+        try:
+            data = await self.stream.receive_some(_READ)
+        except _NET_ERRORS:
+            raise _Gone from None
+        self.conn.receive_data(data)  # b"": the peer closed its side; h11 turns that into an event
+
+    async def _event(self) -> Any:
+        """The next h11 event from the peer, reading as needed. Raises h11.RemoteProtocolError."""
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            await self._feed()
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except _NET_ERRORS:
+            raise _Gone from None
+
+    async def _refuse(self, exc: h11.RemoteProtocolError) -> None:
+        """Answer bad HTTP with its status and `Connection: close`, if a response can still go out."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+        body = _error_body(f"bad HTTP: {exc}", "bad_http", "invalid_request_error")
+        try:
+            data = self.conn.send(h11.Response(status_code=status, headers=[
+                ("content-type", "application/json"), ("content-length", str(len(body))), ("connection", "close")]))
+            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            return
+        with trio.move_on_after(1.0):
+            try:
+                await self.stream.send_all(data)
+            except _NET_ERRORS:
+                pass
+
+    async def _next_request(self) -> h11.Request | None:
+        """The next request's head; None when the connection should close (idle, closed, bad HTTP)."""
+        try:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                with trio.move_on_after(self.keep_alive_s) as idle:
+                    await self._feed()
+                if idle.cancelled_caught:
+                    return None
+            with trio.fail_after(self.head_timeout_s):
+                event = await self._event() if event is h11.NEED_DATA else event
+        except h11.RemoteProtocolError as exc:
+            await self._refuse(exc)
+            return None
+        except trio.TooSlowError:
+            return None
+        if not isinstance(event, h11.Request):
+            return None
+        # h11 bounds only a head still arriving; one that came whole in a single read is measured here
+        if len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD_BYTES:
+            await self._refuse(h11.RemoteProtocolError("request head too large", error_status_hint=431))
+            return None
+        return event
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                request = await self._next_request()
+                if request is None:
+                    return
+                await self._exchange(request)
+                if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
+                    return  # Connection: close, an unread body, or a broken exchange
+                self.conn.start_next_cycle()
+        except _Gone:
+            return
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await self.stream.aclose()
+                except _NET_ERRORS:
+                    pass
+
+    def _scope(self, request: h11.Request) -> dict[str, Any]:
+        path, _, query = request.target.partition(b"?")
+        return {
+            "type": "http", "asgi": _ASGI, "http_version": request.http_version.decode("ascii"),
+            "method": request.method.decode("ascii"), "scheme": self.scheme,
+            "path": unquote(path.decode("latin-1")), "raw_path": path, "query_string": query, "root_path": "",
+            "headers": list(request.headers), "client": self.client, "server": self.server,
+            "extensions": {}, "state": dict(self.state),
+        }
+
+    async def _exchange(self, request: h11.Request) -> None:
+        ex = _Exchange(head=request.method == b"HEAD")
+
+        async def receive() -> dict[str, Any]:
+            if ex.body_done:
+                await ex.over.wait()
+                return {"type": "http.disconnect"}
+            try:
+                if self.conn.they_are_waiting_for_100_continue:
+                    await self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                event = await self._event()
+            except (_Gone, h11.RemoteProtocolError, h11.LocalProtocolError):
+                event = None
+            if isinstance(event, h11.Data):
+                return {"type": "http.request", "body": bytes(event.data), "more_body": True}
+            ex.body_done = True
+            if isinstance(event, h11.EndOfMessage):
+                return {"type": "http.request", "body": b"", "more_body": False}
+            ex.over.set()  # the peer went away mid-body (or broke its framing)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                if ex.started or ex.head_sent:
+                    raise RuntimeError("http.response.start sent twice")
+                # held until the first body message, so that head and body leave in one write
+                ex.started.append((message["status"], list(message.get("headers", ()))))
+                return
+            if kind != "http.response.body" or not ex.started or ex.ended:
+                raise RuntimeError(f"unexpected ASGI message {kind!r}")
+            out = b""
+            try:
+                if not ex.head_sent:
+                    status, headers = ex.started[0]
+                    out += self.conn.send(h11.Response(status_code=status, headers=headers))
+                    ex.head_sent = True
+                body = message.get("body", b"")
+                if body and not ex.head:
+                    out += self.conn.send(h11.Data(data=body))
+                if not message.get("more_body", False):
+                    out += self.conn.send(h11.EndOfMessage())
+                    ex.ended = True
+            except h11.LocalProtocolError as exc:  # e.g. more body than its Content-Length
+                ex.over.set()
+                raise _Gone from exc
+            await self._write(out)
+            if ex.ended:
+                ex.over.set()
+
+        try:
+            await self.app(self._scope(request), receive, send)
+        except _Gone:
+            raise
+        except Exception:  # the app's own failure: the process keeps serving
+            log.exception("unhandled error in %s %s", request.method.decode(), request.target[:200].decode("latin-1"))
+            if ex.head_sent:
+                raise _Gone from None
+            ex.started.clear()
+            ex.started.append((500, [(b"content-type", b"application/json"), (b"connection", b"close")]))
+            await send({"type": "http.response.body", "body": _error_body("internal error", "internal_error",
+                                                                          "server_error")})
+        finally:
+            ex.over.set()
+        if not ex.ended:
+            raise _Gone  # the app returned without finishing its response
+
+
+async def _lifespan(app: Callable, state: dict[str, Any], task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the app's lifespan startup, then hold it until cancelled (shutdown is by cancellation).
+
+    An app without lifespan support is served all the same; one that reports
+    a failed startup is not served at all.
+
+    Raises:
+        RuntimeError: the app sent lifespan.startup.failed.
+    """
+    started, failed = trio.Event(), []
+    asked = [False]
+
+    async def receive() -> dict[str, Any]:
+        if not asked[0]:
+            asked[0] = True
+            return {"type": "lifespan.startup"}
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "lifespan.startup.failed":
+            failed.append(message.get("message", ""))
+        if message["type"] in ("lifespan.startup.complete", "lifespan.startup.failed"):
+            started.set()
+
+    async def call() -> None:
+        try:
+            await app({"type": "lifespan", "asgi": _ASGI, "state": state}, receive, send)
+        except Exception as exc:
+            if started.is_set():
+                raise
+            log.debug("the app does not speak ASGI lifespan (%s); serving without it", exc)
+        started.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await started.wait()
+        if failed:
+            raise RuntimeError(f"the app failed to start: {failed[0]}")
+        task_status.started()
+
+
+def _address(stream: trio.abc.Stream, peer: bool) -> tuple[str, int] | None:
+    while isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return None
+    try:
+        name = sock.getpeername() if peer else sock.getsockname()
+    except OSError:
+        return None
+    return (name[0], name[1])
+
+
+async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                     keep_alive_s: float = 300.0, head_timeout_s: float = 30.0,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on host:port until cancelled; started with the bound URL (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        await sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    listener: trio.abc.Listener = trio.SocketListener(sock)
+    scheme = "http"
+    if ssl_context is not None:
+        listener = trio.SSLListener(listener, ssl_context, https_compatible=True)
+        scheme = "https"
+    state: dict[str, Any] = {}
+
+    async def handle(stream: trio.abc.Stream) -> None:
+        await _Connection(stream, app, scheme, _address(stream, False), _address(stream, True), keep_alive_s,
+                          head_timeout_s, state).serve()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_lifespan, app, state)
+        url_host = f"[{host}]" if ":" in host else host
+        task_status.started(f"{scheme}://{url_host}:{bound}")
+        await trio.serve_listeners(handle, [listener])

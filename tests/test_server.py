@@ -1,0 +1,249 @@
+"""The lean HTTP/1.1 server (dgr.api.server) that nodes are served by: HTTP as it is spoken, on a real socket.
+
+Each test serves a small ASGI app on loopback and talks raw bytes to it, so
+what is checked is the wire: keep-alive and pipelining, 100-continue, HEAD,
+bad HTTP, limits, the app's failures, a peer that goes away, lifespan.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import h11
+import pytest
+import trio
+
+from dgr.api.server import MAX_HEAD_BYTES, serve_asgi
+
+pytestmark = pytest.mark.trio
+
+
+async def echo(scope, receive, send) -> None:
+    """Reads the whole body, answers what it saw."""
+    if scope["type"] == "lifespan":
+        raise RuntimeError("no lifespan here")
+    size = 0
+    while True:
+        message = await receive()
+        assert message["type"] == "http.request"
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/boom":
+        raise ValueError("the app broke")
+    body = json.dumps({"method": scope["method"], "path": scope["path"], "query": scope["query_string"].decode(),
+                       "size": size}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def start(nursery: trio.Nursery, app=echo, **kw) -> int:
+    url = await nursery.start(functools.partial(serve_asgi, app, "127.0.0.1", 0, **kw))
+    return int(url.rpartition(":")[2])
+
+
+async def read_responses(stream: trio.SocketStream, n: int, method: bytes = b"GET") -> list[tuple[int, dict, bytes]]:
+    """`n` responses (informational ones included) parsed off the stream."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))  # h11 needs a request to parse answers
+    out, status, headers, body = [], 0, {}, b""
+    while len(out) < n:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+            continue
+        if isinstance(event, h11.InformationalResponse):
+            out.append((event.status_code, {}, b""))
+        elif isinstance(event, h11.Response):
+            status, headers, body = event.status_code, {k.decode(): v.decode() for k, v in event.headers}, b""
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            out.append((status, headers, body))
+            if len(out) < n:
+                conn.send(h11.EndOfMessage()) if conn.our_state is h11.SEND_BODY else None
+                conn.start_next_cycle()
+                conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        elif isinstance(event, h11.ConnectionClosed):
+            break
+    return out
+
+
+async def closed(stream: trio.SocketStream) -> bool:
+    """Whether the server closes the connection (reads to EOF)."""
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            return True
+
+
+async def test_keep_alive_and_pipelined_requests_answer_in_order() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST /a?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+                                  b"GET /b%20c HTTP/1.1\r\nHost: x\r\n\r\n")
+            (s1, _, b1), (s2, _, b2) = await read_responses(stream, 2)
+            assert (s1, json.loads(b1)) == (200, {"method": "POST", "path": "/a", "query": "x=1", "size": 3})
+            assert (s2, json.loads(b2)) == (200, {"method": "GET", "path": "/b c", "query": "", "size": 0})
+            # and the same connection serves a third
+            await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(s3, _, b3)] = await read_responses(stream, 1)
+            assert json.loads(b3)["path"] == "/c"
+            nursery.cancel_scope.cancel()
+
+
+async def test_expect_100_continue_is_answered_before_the_body() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+            first = await stream.receive_some(65536)
+            assert first.startswith(b"HTTP/1.1 100 ")
+            await stream.send_all(b"hello")
+            rest = first.partition(b"\r\n\r\n")[2]
+            while b"}" not in rest:
+                rest += await stream.receive_some(65536)
+            assert b'"size": 5' in rest
+            nursery.cancel_scope.cancel()
+
+
+async def test_head_has_no_body_and_the_connection_goes_on() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(status, headers, body)] = await read_responses(stream, 1, method=b"HEAD")
+            assert status == 200 and int(headers["content-length"]) > 0 and body == b""
+            await stream.send_all(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(_, _, body)] = await read_responses(stream, 1)
+            assert json.loads(body)["path"] == "/after"
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("raw,status", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10) + b"\r\n\r\n", 431),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", 400),
+])
+async def test_bad_http_is_refused_with_its_status_and_closed(raw: bytes, status: int) -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(raw)
+            data = b""
+            while True:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                data += chunk
+            assert data.startswith(f"HTTP/1.1 {status} ".encode())
+            assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "bad_http"
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_app_failure_is_a_500_and_the_server_keeps_serving() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(status, headers, body)] = await read_responses(stream, 1)
+            assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
+            assert headers["connection"] == "close" and await closed(stream)
+            other = await trio.open_tcp_stream("127.0.0.1", port)
+            await other.send_all(b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(status, _, _)] = await read_responses(other, 1)
+            assert status == 200
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_gone_mid_body_reaches_the_app_as_disconnect() -> None:
+    seen: list[str] = []
+    done = trio.Event()
+
+    async def recorder(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                break
+        done.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, recorder)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST /f HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+            await trio.sleep(0.05)
+            await stream.aclose()
+            await done.wait()
+            assert seen[-1] == "http.disconnect" and "http.request" in seen
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_whose_body_was_left_unread_is_not_reused() -> None:
+    async def hasty(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, hasty)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"z" * 10)
+            [(status, _, _)] = await read_responses(stream, 1)
+            assert status == 413 and await closed(stream)
+            nursery.cancel_scope.cancel()
+
+
+async def test_idle_and_slow_connections_are_closed() -> None:
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, keep_alive_s=0.2, head_timeout_s=0.2)
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            await idle.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await read_responses(idle, 1)
+            assert await closed(idle)  # nothing more came within keep_alive_s
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            await slow.send_all(b"GET / HTTP/1.1\r\nHost:")  # a head that never ends
+            assert await closed(slow)
+            nursery.cancel_scope.cancel()
+
+
+async def test_lifespan_startup_runs_first_and_its_failure_stops_the_server() -> None:
+    events: list[str] = []
+
+    def lifespan_app(fail: bool):
+        async def app(scope, receive, send) -> None:
+            if scope["type"] == "lifespan":
+                message = await receive()
+                events.append(message["type"])
+                await send({"type": "lifespan.startup.failed" if fail else "lifespan.startup.complete",
+                            "message": "no weights"})
+                await receive()
+                return
+            await echo(scope, receive, send)
+        return app
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, lifespan_app(False))
+            assert events == ["lifespan.startup"]
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_responses(stream, 1))[0][0] == 200
+            nursery.cancel_scope.cancel()
+        with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="no weights"), flatten_subgroups=True):
+            async with trio.open_nursery() as nursery:
+                await start(nursery, lifespan_app(True))
