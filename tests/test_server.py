@@ -247,3 +247,37 @@ async def test_lifespan_startup_runs_first_and_its_failure_stops_the_server() ->
         with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="no weights"), flatten_subgroups=True):
             async with trio.open_nursery() as nursery:
                 await start(nursery, lifespan_app(True))
+
+
+async def test_a_peer_gone_mid_response_reaches_the_app_as_disconnect() -> None:
+    """As Quart does: one task streams the response, another waits on receive() for the end."""
+    seen: list[str] = []
+    done = trio.Event()
+
+    async def streamer(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        assert (await receive())["type"] == "http.request"
+
+        async def watch(cancel: trio.CancelScope) -> None:
+            seen.append((await receive())["type"])
+            cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            for i in range(1000):
+                await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+                await trio.sleep(0.01)
+        done.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, streamer)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"tick" in await stream.receive_some(65536)
+            await stream.aclose()
+            await done.wait()
+            assert seen == ["http.disconnect"]
+            nursery.cancel_scope.cancel()

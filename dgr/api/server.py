@@ -48,6 +48,7 @@ log = logging.getLogger("dgr.http")
 
 MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
+_WATCH_LIMIT = 1024 * 1024  # bytes read ahead while a response is made, watching for the peer to go away
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _NET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)
 
@@ -84,13 +85,49 @@ class _Connection:
     state: dict[str, Any]
     conn: h11.Connection = attrs.field(
         factory=lambda: h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES))
+    _demand: trio.Event = attrs.field(factory=trio.Event)  # set: the reader should read
+    _arrived: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) after each read
+    _eof: bool = False
+    _watching: trio.Event | None = None  # the current exchange's `over`, once its request body is read
+
+    async def _read(self) -> None:
+        """The connection's only reader: reads when asked (`_feed`) or while a response is watched.
+
+        Reading in its own task lets a peer that goes away be seen while the
+        app is still answering (`http.disconnect` mid-stream), without ever
+        cancelling a read half-way (which would break a TLS stream).
+        """
+        watched = 0
+        while True:
+            await self._demand.wait()
+            try:
+                data = await self.stream.receive_some(_READ)
+            except _NET_ERRORS:
+                data = b""
+            if self._watching is not None:
+                watched += len(data)
+            else:
+                watched = 0
+            self.conn.receive_data(data)  # b"": the peer closed its side; h11 turns that into an event
+            arrived, self._arrived = self._arrived, trio.Event()
+            arrived.set()
+            if not data:
+                self._eof = True
+                if self._watching is not None:
+                    self._watching.set()  # the peer went away while its response was being made
+                return
+            # Keep reading (for the peer going away) only while a response is watched, and not for a
+            # peer that streams more than a pipelined request or two meanwhile.
+            if self._watching is None or watched > _WATCH_LIMIT:
+                self._demand = trio.Event()
 
     async def _feed(self) -> None:
-        try:
-            data = await self.stream.receive_some(_READ)
-        except _NET_ERRORS:
-            raise _Gone from None
-        self.conn.receive_data(data)  # b"": the peer closed its side; h11 turns that into an event
+        """Wait for the next read's bytes to reach h11 (nothing more once the peer has closed)."""
+        if self._eof:
+            raise _Gone
+        arrived = self._arrived
+        self._demand.set()
+        await arrived.wait()
 
     async def _event(self) -> Any:
         """The next h11 event from the peer, reading as needed. Raises h11.RemoteProtocolError."""
@@ -150,6 +187,21 @@ class _Connection:
 
     async def serve(self) -> None:
         try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read)
+                try:
+                    await self._serve_requests()
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await self.stream.aclose()
+                except _NET_ERRORS:
+                    pass
+
+    async def _serve_requests(self) -> None:
+        try:
             while True:
                 request = await self._next_request()
                 if request is None:
@@ -160,12 +212,6 @@ class _Connection:
                 self.conn.start_next_cycle()
         except _Gone:
             return
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                try:
-                    await self.stream.aclose()
-                except _NET_ERRORS:
-                    pass
 
     def _scope(self, request: h11.Request) -> dict[str, Any]:
         path, _, query = request.target.partition(b"?")
@@ -182,6 +228,12 @@ class _Connection:
 
         async def receive() -> dict[str, Any]:
             if ex.body_done:
+                # the next message is the end: of the response, or of the peer
+                if self._eof:
+                    ex.over.set()
+                else:
+                    self._watching = ex.over
+                    self._demand.set()
                 await ex.over.wait()
                 return {"type": "http.disconnect"}
             try:
@@ -241,6 +293,7 @@ class _Connection:
                                                                           "server_error")})
         finally:
             ex.over.set()
+            self._watching = None
         if not ex.ended:
             raise _Gone  # the app returned without finishing its response
 
