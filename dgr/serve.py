@@ -1,12 +1,9 @@
-"""Run an ASGI app on trio, and report where it listens.
+"""Serve an ASGI app on trio, and report where it listens.
 
 `serve_app` is a trio service: it calls `task_status.started(url)` once the
 socket is bound, so a caller can bind port 0 and learn the real port. Given
-a certificate and key it serves https, and the URL says so.
-
-Two servers: hypercorn for the tracker (it streams tokens to many clients and
-must see them go away mid-stream), and dgr.api.server's lean one for nodes
-(`lean=True`), whose seam steps cannot afford hypercorn's per-request cost.
+a certificate and key it serves https, and the URL says so. The server is
+dgr.api.server's lean one (why not hypercorn: see there).
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ from __future__ import annotations
 import ssl
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from dgr.api.server import serve_asgi
 
@@ -35,27 +30,11 @@ def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     return ctx
 
 
-async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None, lean: bool = False,
+async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `app` on host:port (https with `tls_files`, a (cert, key) pair); started with its URL."""
-    if lean:
-        ctx = server_ssl_context(*tls_files) if tls_files is not None else None
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(lambda task_status: serve_asgi(
-                app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, task_status=task_status))
-            task_status.started(url)
-        return
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    if tls_files is not None:
-        config.certfile, config.keyfile = tls_files
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    config.keep_alive_timeout = _KEEP_ALIVE_S
-    config.graceful_timeout = 1.0
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(hypercorn_serve, app, config)
-        task_status.started(binds[0])
+    ctx = server_ssl_context(*tls_files) if tls_files is not None else None
+    await serve_asgi(app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, task_status=task_status)
 
 
 def print_ready(info: dict) -> None:

@@ -7,10 +7,11 @@ process keeps serving.
 
 Every response, errors and Quart's automatic OPTIONS answers included, goes
 out only once the request body has been read (or, when it cannot be: too
-large, the client stalls, with `Connection: close`): hypercorn wedges a
-keep-alive connection's next request when a response leaves while the
-previous body is still arriving (found by schemathesis: OPTIONS or TRACE
-with a body, then GET, on one connection).
+large, the client stalls, with `Connection: close`): a response that
+leaves while the previous body is still arriving wedged a keep-alive
+connection's next request under hypercorn (found by schemathesis: OPTIONS
+or TRACE with a body, then GET, on one connection), and a client cannot
+tell what such a server read.
 """
 
 from __future__ import annotations
@@ -193,9 +194,9 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
     its header alone, and raises a DgrError to refuse. A refused frame's
     other bytes are read and dropped, never kept or checksummed, so such a
     sender costs a header, not a `limit`-sized buffer. The refusal is raised
-    once the body has ended: answering mid-body races hypercorn's own error
-    answer to the cut request (trio.BusyResourceError, which took the whole
-    node down).
+    once the body has ended: answering mid-body raced the server's own error
+    answer to the cut request under hypercorn (trio.BusyResourceError, which
+    took the whole node down), and a peer mid-body cannot read an answer yet.
 
     Raises:
         CallerError(FRAME_TOO_LARGE): announced or sent past `limit`.

@@ -95,7 +95,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                 if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
                     artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
-            bound = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files, lean=True))
+            bound = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
             url = advertised_url(bound, advertise)
             nursery.start_soon(_expire, service)
             if tracker:

@@ -47,7 +47,7 @@ __all__ = [
 
 
 # RSS of a dgr node process before it loads a model: Python, numpy, trio, quart,
-# hypercorn, httpx, cryptography (the node's Ed25519 identity) and llama.cpp's
+# h11, httpx, cryptography (the node's Ed25519 identity) and llama.cpp's
 # libraries. 73 to 74 MiB with llama-cpp-python 0.3.36 on this machine before node
 # identities; 85.9 MiB since (tests/test_plan.py measures it), rounded up.
 LLAMA_CPU_RUNTIME_BYTES = 92 * 2**20

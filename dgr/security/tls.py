@@ -1,7 +1,7 @@
 """TLS for dgr's own connections: which certificates a client trusts, from files or from a registration.
 
-Servers (tracker, node) take `--tls-cert`/`--tls-key` and hypercorn serves
-https. Clients honour `https://` everywhere (seam, membership, proofs,
+Servers (tracker, node) take `--tls-cert`/`--tls-key` and serve https
+(dgr.serve). Clients honour `https://` everywhere (seam, membership, proofs,
 chain relays, artifact peers) and trust, in this order:
 1. the certificate a node registered (its PEM arrives inside the node's
    signed registration, so it is as trustworthy as the node's key): the

@@ -56,7 +56,7 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.run)
         await nursery.start(prover.run)
-        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files, lean=True))
+        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
         print_ready({"role": "tracker", "url": url, "api": f"{url}/v1", "key": identity.public_text,
                      "join_token": admission.token is not None, "allowed_nodes": len(admission.allowed),
                      "api_keys": len(api_keys)})
