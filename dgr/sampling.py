@@ -71,7 +71,10 @@ class Sampler:
         if self.params.temperature == 0.0:
             tok = int(np.argmax(z))
             return tok, float(z[tok]) - log_norm
-        probs = np.exp((z - top) / self.params.temperature, dtype=np.float64)  # [vocab]
+        # In float64: a float32 division takes a temperature below ~1e-45 as 0, and 0 / 0 is NaN. A tiny
+        # one still overflows to -inf for every token but the best, which is right: exp(-inf) is 0.
+        with np.errstate(over="ignore"):
+            probs = np.exp((z - top).astype(np.float64) / self.params.temperature)  # [vocab]
         probs /= probs.sum()
         if self.params.top_p < 1.0:
             ids, p = self._nucleus(probs)
