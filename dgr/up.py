@@ -1,7 +1,7 @@
 """`dgr up`: a tracker and N nodes on 127.0.0.1, each its own process.
 
-The layers are split evenly (the shard planner refines this when it lands),
-each node gets cores / nodes threads so llama.cpp's spinning threads never
+The layers are split so that every shard's decode step costs about the same
+(dgr.plan.plan_even: the tail also carries the LM head), each node gets cores / nodes threads so llama.cpp's spinning threads never
 oversubscribe the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
 
@@ -42,7 +42,7 @@ def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerR
     """The layer ranges of a local route: planned from the GGUF's tensor sizes, or even for the stub."""
     if model is None:
         return even_split(n_layers, n_nodes)
-    # the planner balances weight bytes per shard (a shard's decode time follows the bytes it reads)
+    # balanced by decode work: the bytes a shard reads per token and a fixed cost per layer
     from dgr.plan import layout_from_gguf, plan_even
 
     return plan_even(layout_from_gguf(model), n_nodes)
