@@ -1,8 +1,9 @@
 """`dgr up`: a tracker and N nodes on 127.0.0.1, each its own process.
 
 The layers are split so that every shard's decode step costs about the same
-(dgr.plan.plan_even: the tail also carries the LM head), each node gets cores / nodes threads so llama.cpp's spinning threads never
-oversubscribe the machine, and one line on stdout says where the OpenAI API
+(dgr.plan.plan_even: the tail also carries the LM head), each node gets
+cores / nodes threads so llama.cpp's spinning threads never oversubscribe
+the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
 
 Every local route is a closed cluster with no flags: `dgr up` makes a key
