@@ -86,7 +86,7 @@ def _wrap(name: str):
     base = getattr(StubBackend, name)
 
     def method(self, *args, **kwargs):
-        self._enter(name)
+        self._enter(name, *args)
         try:
             return base(self, *args, **kwargs)
         finally:
@@ -101,17 +101,30 @@ class Watched(StubBackend):
 
     trio_thread: int = 0
     calls: int = 0
+    inline_forwards: int = 0  # decode forwards that ran on the loop (StepScheduler.inline_below_s)
     violations: list[str] = attrs.Factory(list)
     batches: list[int] = attrs.Factory(list)
     _busy: threading.Lock = attrs.Factory(threading.Lock)
 
-    def _enter(self, name: str) -> None:
+    def _enter(self, name: str, *args) -> None:
         if not self._busy.acquire(blocking=False):
             self.violations.append(f"{name} overlapped another backend call")
             self._busy.acquire()
         if threading.get_ident() == self.trio_thread:
-            self.violations.append(f"{name} ran on the trio thread")
+            if not self._may_run_inline(name, *args):
+                self.violations.append(f"{name} ran on the trio thread")
+            self.inline_forwards += name == "forward"
         self.calls += 1
+
+    @staticmethod
+    def _may_run_inline(name: str, *args) -> bool:
+        """What a short decode-only iteration may run on the loop: one-position forwards, the
+        per-iteration accounting and the tail's token lookups. Never a prefill chunk, an open or a
+        close, tokenizing or a chat template."""
+        if name == "forward":
+            _sid, _pos0, token_ids, hidden = args[:4]
+            return (len(hidden) if hidden is not None else len(token_ids)) == 1
+        return name in ("kv_bytes", "session_count", "positions_computed", "token_bytes", "is_eog")
 
     open_session = _wrap("open_session")
     close_session = _wrap("close_session")
@@ -176,8 +189,25 @@ async def test_concurrent_sessions_with_cancels_never_overlap_the_backend_and_ma
         assert got == want
         watched = node.backend
         assert watched.violations == []
+        assert watched.inline_forwards > 0, "short decode iterations ran on the loop"
         assert max(watched.batches) > 1, "concurrent decode steps were batched"
         assert node.scheduler.kv_bytes == 0 and node.scheduler.session_count == 0 and not node.sessions
+
+
+async def test_a_slow_decode_goes_back_to_the_worker_thread() -> None:
+    """Decodes run on the loop only while they are short: one that took longer than `inline_below_s`
+    sends the next ones to the thread, so a big shard never stalls the loop."""
+    node = NodeService(backend=Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident()),
+                       node_id="n")
+    async with running(node):
+        node.scheduler.inline_below_s = 0.02
+        await _generate(node, uuid.UUID(int=1).hex, [3, 14, 15], 6)
+        fast = node.backend.inline_forwards
+        node.backend.delay_s = 0.03  # every decode now takes longer than inline_below_s
+        await _generate(node, uuid.UUID(int=2).hex, [3, 14, 15], 6)
+        assert fast > 0 and node.backend.violations == []
+        # the first slow decode ran where the fast ones did; none after it
+        assert node.backend.inline_forwards - fast <= 1
 
 
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:

@@ -3,9 +3,10 @@
 Contract:
 - Every backend call (open, close, forward, KV accounting, tokenizing,
   chat-template rendering, status) is a job run by this scheduler's single
-  task, in a worker thread, one iteration at a time. Nothing else on the
+  task, one iteration at a time: in a worker thread, or on the loop for a
+  short decode-only iteration (`inline_below_s`). Nothing else on the
   node touches the backend, so llama.cpp's contexts (not thread-safe) never
-  see two calls at once, and the trio loop never blocks on one.
+  see two calls at once, and the trio loop never blocks on a long one.
 - Jobs of one Route Session run in the order they were submitted. Only the
   first queued job of each session is eligible in an iteration, so a close
   can never overtake a forward of its session, nor a forward its open. A
@@ -118,7 +119,7 @@ def plan_iteration(queue: Sequence[Job], token_budget: int) -> Plan:
 
 @attrs.define(eq=False)
 class StepScheduler:
-    """Runs every backend call of a node, one iteration at a time, in a worker thread."""
+    """Runs every backend call of a node, one iteration at a time, in a worker thread or (short decodes) inline."""
 
     backend: ShardBackend
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -131,6 +132,14 @@ class StepScheduler:
     # Run iterations on the loop instead of a worker thread: only for trio-level tests on a MockClock,
     # where a thread would count as blocked and let the clock jump past every deadline.
     inline: bool = False
+    # A decode-only iteration runs on the loop while the last one took less than this: handing a step
+    # to a worker thread and back costs 0.1 to 0.4 ms on these VMs (a sleeping core must wake), as much
+    # as a small shard's whole decode step, and a short block of the loop delays nothing that would not
+    # wait for this iteration anyway. Prefill chunks, control calls and slow decodes stay in the thread,
+    # so the loop never stalls for long (heartbeats, status, new frames).
+    inline_below_s: float = 0.025
+    _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
+    _last_batch_s: float = 0.0
     # Unbounded on purpose: every job was admitted by a session state machine (or is a control
     # call of one request), and a submitted job must never be lost to a full buffer.
     _send: trio.MemorySendChannel = attrs.field(init=False)
@@ -182,11 +191,14 @@ class StepScheduler:
             plan = plan_iteration(pending, self.token_budget)
             ran = [pending[i] for i in plan.controls + plan.batch]
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
-            if self.inline:
+            decode_only = bool(batch) and not controls and all(job.is_decode for job in batch)
+            if self.inline or (decode_only and self._last_decode_s < self.inline_below_s):
                 self._iterate(controls, batch)
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint()  # the results' relays and replies go out before the next
             else:
                 await trio.to_thread.run_sync(self._iterate, controls, batch)
+            if decode_only:
+                self._last_decode_s = self._last_batch_s
             for job in ran:
                 job.done.set()
                 if job.on_done is not None:
@@ -201,6 +213,7 @@ class StepScheduler:
             t0 = time.perf_counter()
             outs = self.backend.forward_batch([job.step for job in batch])
             compute = time.perf_counter() - t0
+            self._last_batch_s = compute
             for job, out in zip(batch, outs):
                 job.compute_s = compute
                 job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())
