@@ -94,6 +94,7 @@ class ShardBackend(abc.ABC):
     info: ModelInfo
     layers: LayerRange
     name: str  # backend name: stub, torch, llama, llama_shard
+    n_threads: int = 1  # threads one backend call computes with (llama.cpp's and torch's own pools)
 
     @property
     def is_head(self) -> bool:

@@ -4,9 +4,10 @@ Contract:
 - Every backend call (open, close, forward, KV accounting, tokenizing,
   chat-template rendering, status) is a job run by this scheduler's single
   task, one iteration at a time: in a worker thread, or on the loop for a
-  short decode-only iteration (`inline_below_s`). Nothing else on the
-  node touches the backend, so llama.cpp's contexts (not thread-safe) never
-  see two calls at once, and the trio loop never blocks on a long one.
+  short decode-only iteration of a one-thread backend (`inline_below_s`).
+  Nothing else on the node touches the backend, so llama.cpp's contexts
+  (not thread-safe) never see two calls at once, and the trio loop never
+  blocks on a long one.
 - Jobs of one Route Session run in the order they were submitted. Only the
   first queued job of each session is eligible in an iteration, so a close
   can never overtake a forward of its session, nor a forward its open. A
@@ -132,11 +133,13 @@ class StepScheduler:
     # Run iterations on the loop instead of a worker thread: only for trio-level tests on a MockClock,
     # where a thread would count as blocked and let the clock jump past every deadline.
     inline: bool = False
-    # A decode-only iteration runs on the loop while the last one took less than this: handing a step
-    # to a worker thread and back costs 0.1 to 0.4 ms on these VMs (a sleeping core must wake), as much
-    # as a small shard's whole decode step, and a short block of the loop delays nothing that would not
-    # wait for this iteration anyway. Prefill chunks, control calls and slow decodes stay in the thread,
-    # so the loop never stalls for long (heartbeats, status, new frames).
+    # A decode-only iteration of a one-thread backend runs on the loop while the last one took less
+    # than this: handing a step to a worker thread and back costs 0.1 to 0.4 ms on these VMs (a
+    # sleeping core must wake), and a short block of the loop delays nothing that would not wait for
+    # this iteration anyway. Prefill chunks, control calls and slow decodes stay in the thread, so the
+    # loop never stalls for long (heartbeats, status, new frames). So do backends with a thread pool:
+    # llama.cpp with 2 threads decoded at 44-53 tok/s from the loop against 67-72 from the worker
+    # thread (SmolLM2, one node, paired runs), though the 1-thread shards gained.
     inline_below_s: float = 0.025
     _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
     _last_batch_s: float = 0.0
@@ -192,7 +195,8 @@ class StepScheduler:
             ran = [pending[i] for i in plan.controls + plan.batch]
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
             decode_only = bool(batch) and not controls and all(job.is_decode for job in batch)
-            if self.inline or (decode_only and self._last_decode_s < self.inline_below_s):
+            if self.inline or (decode_only and self.backend.n_threads == 1
+                               and self._last_decode_s < self.inline_below_s):
                 self._iterate(controls, batch)
                 await trio.lowlevel.checkpoint()  # the results' relays and replies go out before the next
             else:
