@@ -7,6 +7,7 @@ bad HTTP, limits, the app's failures, a peer that goes away, lifespan.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
@@ -44,10 +45,25 @@ async def start(nursery: trio.Nursery, app=echo, **kw) -> int:
     return int(url.rpartition(":")[2])
 
 
+@contextlib.asynccontextmanager
+async def serving(app=echo, **kw):
+    """`app` served on loopback for one test, bounded to 10 s; yields how to open a connection to it."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await start(nursery, app, **kw)
+            yield functools.partial(trio.open_tcp_stream, "127.0.0.1", port)
+            nursery.cancel_scope.cancel()
+
+
 async def read_responses(stream: trio.SocketStream, n: int, method: bytes = b"GET") -> list[tuple[int, dict, bytes]]:
     """`n` responses (informational ones included) parsed off the stream."""
     conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))  # h11 needs a request to parse answers
+
+    def expect() -> None:  # h11 parses a response only to a request it has seen whole
+        conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        conn.send(h11.EndOfMessage())
+
+    expect()
     out, status, headers, body = [], 0, {}, b""
     while len(out) < n:
         event = conn.next_event()
@@ -63,9 +79,8 @@ async def read_responses(stream: trio.SocketStream, n: int, method: bytes = b"GE
         elif isinstance(event, h11.EndOfMessage):
             out.append((status, headers, body))
             if len(out) < n:
-                conn.send(h11.EndOfMessage()) if conn.our_state is h11.SEND_BODY else None
                 conn.start_next_cycle()
-                conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+                expect()
         elif isinstance(event, h11.ConnectionClosed):
             break
     return out
@@ -80,50 +95,41 @@ async def closed(stream: trio.SocketStream) -> bool:
 
 
 async def test_keep_alive_and_pipelined_requests_answer_in_order() -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"POST /a?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
-                                  b"GET /b%20c HTTP/1.1\r\nHost: x\r\n\r\n")
-            (s1, _, b1), (s2, _, b2) = await read_responses(stream, 2)
-            assert (s1, json.loads(b1)) == (200, {"method": "POST", "path": "/a", "query": "x=1", "size": 3})
-            assert (s2, json.loads(b2)) == (200, {"method": "GET", "path": "/b c", "query": "", "size": 0})
-            # and the same connection serves a third
-            await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(s3, _, b3)] = await read_responses(stream, 1)
-            assert json.loads(b3)["path"] == "/c"
-            nursery.cancel_scope.cancel()
+    async with serving() as connect:
+        stream = await connect()
+        await stream.send_all(b"POST /a?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+                              b"GET /b%20c HTTP/1.1\r\nHost: x\r\n\r\n")
+        (s1, _, b1), (s2, _, b2) = await read_responses(stream, 2)
+        assert (s1, json.loads(b1)) == (200, {"method": "POST", "path": "/a", "query": "x=1", "size": 3})
+        assert (s2, json.loads(b2)) == (200, {"method": "GET", "path": "/b c", "query": "", "size": 0})
+        # and the same connection serves a third
+        await stream.send_all(b"GET /c HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(s3, _, b3)] = await read_responses(stream, 1)
+        assert json.loads(b3)["path"] == "/c"
 
 
 async def test_expect_100_continue_is_answered_before_the_body() -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
-            first = await stream.receive_some(65536)
-            assert first.startswith(b"HTTP/1.1 100 ")
-            await stream.send_all(b"hello")
-            rest = first.partition(b"\r\n\r\n")[2]
-            while b"}" not in rest:
-                rest += await stream.receive_some(65536)
-            assert b'"size": 5' in rest
-            nursery.cancel_scope.cancel()
+    async with serving() as connect:
+        stream = await connect()
+        await stream.send_all(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        first = await stream.receive_some(65536)
+        assert first.startswith(b"HTTP/1.1 100 ")
+        await stream.send_all(b"hello")
+        rest = first.partition(b"\r\n\r\n")[2]
+        while b"}" not in rest:
+            rest += await stream.receive_some(65536)
+        assert b'"size": 5' in rest
 
 
 async def test_head_has_no_body_and_the_connection_goes_on() -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(status, headers, body)] = await read_responses(stream, 1, method=b"HEAD")
-            assert status == 200 and int(headers["content-length"]) > 0 and body == b""
-            await stream.send_all(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(_, _, body)] = await read_responses(stream, 1)
-            assert json.loads(body)["path"] == "/after"
-            nursery.cancel_scope.cancel()
+    async with serving() as connect:
+        stream = await connect()
+        await stream.send_all(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, headers, body)] = await read_responses(stream, 1, method=b"HEAD")
+        assert status == 200 and int(headers["content-length"]) > 0 and body == b""
+        await stream.send_all(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(_, _, body)] = await read_responses(stream, 1)
+        assert json.loads(body)["path"] == "/after"
 
 
 @pytest.mark.parametrize("raw,status", [
@@ -132,36 +138,30 @@ async def test_head_has_no_body_and_the_connection_goes_on() -> None:
     (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n", 400),
 ])
 async def test_bad_http_is_refused_with_its_status_and_closed(raw: bytes, status: int) -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(raw)
-            data = b""
-            while True:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    break
-                data += chunk
-            assert data.startswith(f"HTTP/1.1 {status} ".encode())
-            assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "bad_http"
-            nursery.cancel_scope.cancel()
+    async with serving() as connect:
+        stream = await connect()
+        await stream.send_all(raw)
+        data = b""
+        while True:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            data += chunk
+        assert data.startswith(f"HTTP/1.1 {status} ".encode())
+        assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_request_error"
 
 
 async def test_an_app_failure_is_a_500_and_the_server_keeps_serving() -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(status, headers, body)] = await read_responses(stream, 1)
-            assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
-            assert headers["connection"] == "close" and await closed(stream)
-            other = await trio.open_tcp_stream("127.0.0.1", port)
-            await other.send_all(b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(status, _, _)] = await read_responses(other, 1)
-            assert status == 200
-            nursery.cancel_scope.cancel()
+    async with serving() as connect:
+        stream = await connect()
+        await stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, headers, body)] = await read_responses(stream, 1)
+        assert status == 500 and json.loads(body)["error"]["code"] == "internal_error"
+        assert headers["connection"] == "close" and await closed(stream)
+        other = await connect()
+        await other.send_all(b"GET /fine HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, _, _)] = await read_responses(other, 1)
+        assert status == 200
 
 
 async def test_a_peer_gone_mid_body_reaches_the_app_as_disconnect() -> None:
@@ -178,16 +178,13 @@ async def test_a_peer_gone_mid_body_reaches_the_app_as_disconnect() -> None:
                 break
         done.set()
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery, recorder)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"POST /f HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
-            await trio.sleep(0.05)
-            await stream.aclose()
-            await done.wait()
-            assert seen[-1] == "http.disconnect" and "http.request" in seen
-            nursery.cancel_scope.cancel()
+    async with serving(recorder) as connect:
+        stream = await connect()
+        await stream.send_all(b"POST /f HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        await trio.sleep(0.05)
+        await stream.aclose()
+        await done.wait()
+        assert seen[-1] == "http.disconnect" and "http.request" in seen
 
 
 async def test_a_connection_whose_body_was_left_unread_is_not_reused() -> None:
@@ -197,28 +194,22 @@ async def test_a_connection_whose_body_was_left_unread_is_not_reused() -> None:
         await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery, hasty)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"z" * 10)
-            [(status, _, _)] = await read_responses(stream, 1)
-            assert status == 413 and await closed(stream)
-            nursery.cancel_scope.cancel()
+    async with serving(hasty) as connect:
+        stream = await connect()
+        await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"z" * 10)
+        [(status, _, _)] = await read_responses(stream, 1)
+        assert status == 413 and await closed(stream)
 
 
 async def test_idle_and_slow_connections_are_closed() -> None:
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery, keep_alive_s=0.2, head_timeout_s=0.2)
-            idle = await trio.open_tcp_stream("127.0.0.1", port)
-            await idle.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            await read_responses(idle, 1)
-            assert await closed(idle)  # nothing more came within keep_alive_s
-            slow = await trio.open_tcp_stream("127.0.0.1", port)
-            await slow.send_all(b"GET / HTTP/1.1\r\nHost:")  # a head that never ends
-            assert await closed(slow)
-            nursery.cancel_scope.cancel()
+    async with serving(keep_alive_s=0.2, head_timeout_s=0.2) as connect:
+        idle = await connect()
+        await idle.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await read_responses(idle, 1)
+        assert await closed(idle)  # nothing more came within keep_alive_s
+        slow = await connect()
+        await slow.send_all(b"GET / HTTP/1.1\r\nHost:")  # a head that never ends
+        assert await closed(slow)
 
 
 async def test_lifespan_startup_runs_first_and_its_failure_stops_the_server() -> None:
@@ -236,17 +227,14 @@ async def test_lifespan_startup_runs_first_and_its_failure_stops_the_server() ->
             await echo(scope, receive, send)
         return app
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery, lifespan_app(False))
-            assert events == ["lifespan.startup"]
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert (await read_responses(stream, 1))[0][0] == 200
-            nursery.cancel_scope.cancel()
-        with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="no weights"), flatten_subgroups=True):
-            async with trio.open_nursery() as nursery:
-                await start(nursery, lifespan_app(True))
+    async with serving(lifespan_app(False)) as connect:
+        assert events == ["lifespan.startup"]
+        stream = await connect()
+        await stream.send_all(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_responses(stream, 1))[0][0] == 200
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="no weights"), flatten_subgroups=True):
+        async with serving(lifespan_app(True)):
+            pass
 
 
 async def test_a_peer_gone_mid_response_reaches_the_app_as_disconnect() -> None:
@@ -271,13 +259,10 @@ async def test_a_peer_gone_mid_response_reaches_the_app_as_disconnect() -> None:
                 await trio.sleep(0.01)
         done.set()
 
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            port = await start(nursery, streamer)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert b"tick" in await stream.receive_some(65536)
-            await stream.aclose()
-            await done.wait()
-            assert seen == ["http.disconnect"]
-            nursery.cancel_scope.cancel()
+    async with serving(streamer) as connect:
+        stream = await connect()
+        await stream.send_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"tick" in await stream.receive_some(65536)
+        await stream.aclose()
+        await done.wait()
+        assert seen == ["http.disconnect"]

@@ -43,6 +43,8 @@ import attrs
 import h11
 import trio
 
+from dgr.errors import Failure, Reason, openai_error_body
+
 __all__ = ["serve_asgi", "MAX_HEAD_BYTES"]
 
 log = logging.getLogger("dgr.http")
@@ -54,8 +56,8 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _NET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)
 
 
-def _error_body(message: str, code: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message[:300], "type": kind, "param": None, "code": code}}).encode()
+def _error_body(reason: Reason, message: str) -> bytes:
+    return json.dumps(openai_error_body(Failure(reason, message[:300]))).encode()
 
 
 class _Gone(Exception):
@@ -68,7 +70,7 @@ class _Exchange:
 
     head: bool  # a HEAD request: the response's body is not sent
     body_done: bool = False
-    started: list[tuple[int, list]] = attrs.field(factory=list)  # the response's status and headers, until sent
+    start: tuple[int, list] | None = None  # the response's status and headers, held until the first body
     head_sent: bool = False
     ended: bool = False
     over: trio.Event = attrs.field(factory=trio.Event)  # the response ended or the connection is gone
@@ -149,7 +151,7 @@ class _Connection:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
-        body = _error_body(f"bad HTTP: {exc}", "bad_http", "invalid_request_error")
+        body = _error_body(Reason.INVALID_REQUEST, f"bad HTTP: {exc}")
         try:
             data = self.conn.send(h11.Response(status_code=status, headers=[
                 ("content-type", "application/json"), ("content-length", str(len(body))), ("connection", "close")]))
@@ -254,17 +256,17 @@ class _Connection:
         async def send(message: dict[str, Any]) -> None:
             kind = message["type"]
             if kind == "http.response.start":
-                if ex.started or ex.head_sent:
+                if ex.start is not None:
                     raise RuntimeError("http.response.start sent twice")
                 # held until the first body message, so that head and body leave in one write
-                ex.started.append((message["status"], list(message.get("headers", ()))))
+                ex.start = (message["status"], list(message.get("headers", ())))
                 return
-            if kind != "http.response.body" or not ex.started or ex.ended:
+            if kind != "http.response.body" or ex.start is None or ex.ended:
                 raise RuntimeError(f"unexpected ASGI message {kind!r}")
             out = b""
             try:
                 if not ex.head_sent:
-                    status, headers = ex.started[0]
+                    status, headers = ex.start
                     out += self.conn.send(h11.Response(status_code=status, headers=headers))
                     ex.head_sent = True
                 body = message.get("body", b"")
@@ -288,10 +290,8 @@ class _Connection:
             log.exception("unhandled error in %s %s", request.method.decode(), request.target[:200].decode("latin-1"))
             if ex.head_sent:
                 raise _Gone from None
-            ex.started.clear()
-            ex.started.append((500, [(b"content-type", b"application/json"), (b"connection", b"close")]))
-            await send({"type": "http.response.body", "body": _error_body("internal error", "internal_error",
-                                                                          "server_error")})
+            ex.start = (500, [(b"content-type", b"application/json"), (b"connection", b"close")])
+            await send({"type": "http.response.body", "body": _error_body(Reason.INTERNAL, "internal error")})
         finally:
             ex.over.set()
             self._watching = None

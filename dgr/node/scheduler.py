@@ -142,7 +142,6 @@ class StepScheduler:
     # thread (SmolLM2, one node, paired runs), though the 1-thread shards gained.
     inline_below_s: float = 0.025
     _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
-    _last_batch_s: float = 0.0
     # Unbounded on purpose: every job was admitted by a session state machine (or is a control
     # call of one request), and a submitted job must never be lost to a full buffer.
     _send: trio.MemorySendChannel = attrs.field(init=False)
@@ -197,27 +196,30 @@ class StepScheduler:
             decode_only = bool(batch) and not controls and all(job.is_decode for job in batch)
             if self.inline or (decode_only and self.backend.n_threads == 1
                                and self._last_decode_s < self.inline_below_s):
-                self._iterate(controls, batch)
+                compute = self._iterate(controls, batch)
                 await trio.lowlevel.checkpoint()  # the results' relays and replies go out before the next
             else:
-                await trio.to_thread.run_sync(self._iterate, controls, batch)
+                compute = await trio.to_thread.run_sync(self._iterate, controls, batch)
             if decode_only:
-                self._last_decode_s = self._last_batch_s
+                self._last_decode_s = compute
             for job in ran:
                 job.done.set()
                 if job.on_done is not None:
                     job.on_done(job)
             pending = [pending[i] for i in plan.deferred]
 
-    def _iterate(self, controls: list[Job], batch: list[Job]) -> None:
-        """One iteration, in the worker thread: controls, then the batch, then the accounting."""
+    def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
+        """One iteration (in the worker thread, or inline): controls, then the batch, then the accounting.
+
+        Returns the seconds the batch's backend call took (0 without a batch).
+        """
         for job in controls:
             job.result = outcome.capture(job.fn)
+        compute = 0.0
         if batch:
             t0 = time.perf_counter()
             outs = self.backend.forward_batch([job.step for job in batch])
             compute = time.perf_counter() - t0
-            self._last_batch_s = compute
             for job, out in zip(batch, outs):
                 job.compute_s = compute
                 job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())
@@ -225,3 +227,4 @@ class StepScheduler:
         self.iterations += 1
         self.kv_bytes = self.backend.kv_bytes()
         self.session_count = self.backend.session_count()
+        return compute

@@ -358,12 +358,13 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
     """
     if not 1 <= n_nodes <= layout.n_layers:
         raise CallerError(Reason.INVALID_REQUEST, f"cannot split {layout.n_layers} layers over {n_nodes} nodes")
-    pricer = _Pricer(layout, PlanParams())
+    params = PlanParams()
+    pricer = _Pricer(layout, params)
     n = layout.n_layers
     read = [0]
     for layer in layout.layers:
         read.append(read[-1] + layer.active_bytes + LAYER_OVERHEAD_BYTES)
-    ends = {(h, t): shard_global_bytes(layout, PlanParams(), is_head=h, is_tail=t)[1]
+    ends = {(h, t): shard_global_bytes(layout, params, is_head=h, is_tail=t)[1]
             for h in (False, True) for t in (False, True)}
 
     def step_cost(a: int, b: int) -> int:
