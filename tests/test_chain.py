@@ -7,16 +7,22 @@ that only the session's own route can make.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
+import numpy as np
 import openai
 import pytest
+import trio
 
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, encode_frame
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HEADER_SIZE, FrameKind
+from dgr.seam.stream import encode_record
+from dgr.seam.transport import ConnectionPool
+from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
+                           ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
@@ -88,3 +94,40 @@ def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str) -> No
         assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", victim, "decode")
         assert reporter in error["message"]
         route.wait_sessions_freed([n for n in ("node0", "node1", "node2") if n != victim])
+
+
+def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) -> None:
+    """A chain link's stream names its session and capability in its headers: a bad one is answered
+    at once, while its body is still open, and a frame of another session on a good one is refused."""
+    sid, other = uuid.uuid4().hex, uuid.uuid4().hex
+    node1 = chain.node("node1")["url"]
+    frame = encode_frame(FrameKind.DECODE, other, 0, 0, 1, 576, hidden=np.zeros((1, 576), np.float32))
+
+    async def answer(url: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str]:
+        pool = ConnectionPool(url)
+        stream = await pool.open_stream(path, [("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid),
+                                               *headers.items()])
+        try:
+            await stream.send(body)  # and never end the body: an answer must come anyway
+            with trio.fail_after(10):
+                r = await stream.answer()
+            return r.status, json.loads(r.body)["error"]["code"]
+        finally:
+            await stream.release()
+            await pool.aclose()
+
+    async def main() -> None:
+        half = encode_record("", frame)[:30]
+        for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
+                        chain.capability(sid, "node1", identity=Identity.generate()),  # not the tracker's
+                        chain.capability(sid, "node2")):  # another node's
+            assert await answer(node1, STREAM_PATH, headers, half) == (403, "forbidden")
+        for headers in ({}, chain.capability(sid, "node2", layers=(0, 1))):  # a node's is not a delivery one
+            assert await answer(chain.url, DELIVER_STREAM_PATH, headers, half) == (403, "forbidden")
+        # the session's own capability, and a frame of another session in the body
+        assert await answer(node1, STREAM_PATH, chain.capability(sid, "node1"), encode_record("", frame)) == (
+            403, "forbidden")
+        assert await answer(chain.url, DELIVER_STREAM_PATH, chain.capability(sid, "gateway", layers=(0, 1)),
+                            encode_record("", frame)) == (400, "bad_frame")  # a node's input is no answer
+
+    trio.run(main)

@@ -17,7 +17,9 @@ from dgr.node.service import NodeService
 from dgr.testing.nodes import running
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import decode_frame, encode_frame
-from dgr.seam.wire import HEADER_FIELDS, HEADER_SIZE, KIND_OFFSET, DType, Flag, FrameKind, frame_kind
+from dgr.seam.stream import RecordReader, encode_record
+from dgr.seam.wire import (HEADER_FIELDS, HEADER_SIZE, KIND_OFFSET, MAX_HOPS_BYTES, RECORD_PREFIX, DType, Flag,
+                           FrameKind, frame_kind)
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width
@@ -243,3 +245,40 @@ async def test_a_frame_without_a_capability_is_refused_from_its_header_and_never
     assert sent[0]["status"] == 403 and reads == n + 1  # answered once the body ended
     assert dict(service.stats.refused) == {Reason.FORBIDDEN.value: 1}  # once: the service never saw it
     assert peak < 8 * mib, f"{peak / mib:.1f} MiB held for a refused frame"
+
+
+# -- stream records: a chain link's steps in one body --------------------------------------------
+
+_frames = st.builds(
+    lambda n, seq, kind: encode_frame(kind, uuid.UUID(int=seq + 1).hex, seq, 0, n, W,
+                                      hidden=np.full((n, W), seq, np.float32)),
+    st.integers(1, 3), st.integers(0, 50), st.sampled_from([FrameKind.PREFILL, FrameKind.DECODE]))
+
+
+@given(st.lists(st.tuples(st.from_regex(r"[a-z0-9=,]{0,40}", fullmatch=True), _frames), min_size=1, max_size=5),
+       st.lists(st.integers(1, 10_000), max_size=8))
+@settings(max_examples=150, deadline=None)
+def test_stream_records_come_out_whole_and_in_order_however_the_body_is_cut(records, cuts) -> None:
+    body = b"".join(encode_record(hops, frame) for hops, frame in records)
+    bounds = sorted({c % len(body) for c in cuts} | {0, len(body)})
+    reader, out = RecordReader(), []
+    for a, b in zip(bounds, bounds[1:]):
+        out += reader.feed(body[a:b])
+    assert out == records and reader.pending == 0
+
+
+def test_a_bad_stream_record_is_refused_from_its_first_bytes() -> None:
+    frame = encode_frame(FrameKind.DECODE, uuid.uuid4().hex, 0, 0, 1, W, hidden=np.zeros((1, W), np.float32))
+    record = encode_record("n0=5", frame)
+    # an oversized frame is refused from its header: the rest of it is never waited for or buffered
+    with pytest.raises(CallerError) as err:
+        RecordReader(max_frame_bytes=HEADER_SIZE + 8).feed(record[:RECORD_PREFIX.size + 4 + HEADER_SIZE])
+    assert err.value.reason is Reason.FRAME_TOO_LARGE
+    for bad in (record[:RECORD_PREFIX.size + 4] + b"XXXX" + record[RECORD_PREFIX.size + 8:],  # no frame magic
+                RECORD_PREFIX.pack(MAX_HOPS_BYTES + 1),  # a hops text over the limit
+                RECORD_PREFIX.pack(2) + b"\xff\xfe" + frame):  # not ASCII
+        with pytest.raises(CallerError) as err:
+            RecordReader().feed(bad)
+        assert err.value.reason is Reason.BAD_FRAME
+    reader = RecordReader()
+    assert reader.feed(record[:10]) == [] and reader.pending == 10  # half a record: nothing yet, and it shows

@@ -1,8 +1,10 @@
 """The node's HTTP face: seam sessions and steps, tokenizing, status, artifact proofs.
 
-`POST /v1/seam/step` is served by a bare ASGI handler in front of Quart: it
-runs once per token per hop, and Quart's request and response objects cost
-more than the step's own bookkeeping. Everything else goes through Quart.
+`POST /v1/seam/step` (a star's steps) and `POST /v1/seam/stream` (a chain
+session's steps from the previous hop, one long-lived request) are served by
+bare ASGI handlers in front of Quart: they run once per token per hop, and
+Quart's request and response objects cost more than the step's own
+bookkeeping. Everything else goes through Quart.
 
 Every call that names a Route Session carries its capability in
 `X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
@@ -18,6 +20,7 @@ node's answers as its own.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -36,13 +39,16 @@ from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import NextHop, RelayPlan
 from dgr.seam.frame import frame_session
+from dgr.seam.stream import RecordReader
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
     CONTENT_TYPE,
     MAX_CONTROL_BYTES,
     MAX_TOKENIZE_BYTES,
+    ROUTE_SESSION_HEADER,
     STEP_PATH,
+    STREAM_PATH,
     raw_header,
 )
 
@@ -50,6 +56,8 @@ __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
+_CAP_RAW = raw_header(CAPABILITY_HEADER)
+_SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 
@@ -197,15 +205,51 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
 
 
 def seam_fast_path(service: NodeService, app):
-    """Wrap `app` so that POST /v1/seam/step skips the framework."""
+    """Wrap `app` so that POST /v1/seam/step and /v1/seam/stream skip the framework."""
 
     async def asgi(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == STEP_PATH and scope["method"] == "POST":
-            await _step(service, scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in (STEP_PATH, STREAM_PATH):
+            await (_step if scope["path"] == STEP_PATH else _stream)(service, scope, receive, send)
         else:
             await app(scope, receive, send)
 
     return asgi
+
+
+async def _stream(service: NodeService, scope, receive, send) -> None:
+    """A chain session's steps from the previous hop, as records of one body (dgr.seam.stream).
+
+    The session and its capability come in the headers and are checked before any of the body is
+    read. Each record is applied as it completes; the first refusal answers the stream (and ends
+    it: the sender reports it to the gateway). A clean end of the body is answered 200.
+    """
+    sid, capability = "", None
+    for name, value in scope["headers"]:
+        if name == _CAP_RAW:
+            capability = value.decode("latin-1")
+        elif name == _SESSION_RAW:
+            sid = value.decode("latin-1")
+    reader = RecordReader(service.max_frame_bytes)
+    frames = 0
+    try:
+        if not _SID.fullmatch(sid):
+            raise CallerError(Reason.BAD_FRAME, f"a stream names its session in {ROUTE_SESSION_HEADER}: 32 hex digits")
+        service.authorize(capability, sid)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the sender went away: its own sender names it, if it was lost
+            for hops, frame in reader.feed(message.get("body", b"")):
+                service.accept_streamed(sid, frame, hops)
+                frames += 1
+            if not message.get("more_body", False):
+                break
+        if reader.pending:
+            raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
+    except (DgrError, ValueError) as exc:
+        await respond_raw_error(send, exc, "stream")
+        return
+    await respond_raw(send, 200, json.dumps({"session": sid, "frames": frames}).encode())
 
 
 async def _step(service: NodeService, scope, receive, send) -> None:

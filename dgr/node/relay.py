@@ -9,12 +9,17 @@ then costs N + 1 one-way messages instead of the star's 2N round-trip halves.
 Rules:
 - One relay task per session keeps the session's frames in order (a node's
   step FSM refuses a frame out of order, so order is a correctness matter).
-- Each hop adds "node=compute microseconds" to the hops header it passes on,
+- The frames go as records of one streamed request (dgr.seam.stream), opened
+  with the first frame and ended when the session ends here. The next hop
+  answers only then, or to refuse a frame, so a step costs one write.
+- Each hop adds "node=compute microseconds" to the hops text it passes on,
   so the gateway learns every hop's compute with the answer.
-- A send that fails is reported to the gateway (`Report`): a node that cannot
-  be reached is `route_node_lost` naming it; a refusal is `node_error` naming
-  the node that refused. The relay then stops; the gateway fails the Route
-  Session and closes it everywhere, which ends the relay.
+- A link that fails is reported to the gateway (`Report`): a next node whose
+  connection drops while the session lives is `route_node_lost` naming it
+  (a killed process's socket closes at once, so this needs no step in
+  flight); a refusal is `node_error` naming the node that refused. The relay
+  then stops; the gateway fails the Route Session and closes it everywhere,
+  which ends the relay.
 - Nothing is retried: a seam step is not idempotent.
 
 Left out: computing (dgr.node.service submits to the scheduler) and how the
@@ -32,12 +37,17 @@ import attrs
 import trio
 
 from dgr.errors import Failure, Reason, parse_error_body
-from dgr.seam.transport import ConnectionPool, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HOPS_HEADER, STEP_PATH
+from dgr.seam.stream import encode_record
+from dgr.seam.transport import ConnectionPool, OutStream, TransportError
+from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
+                           STREAM_PATH)
 
 __all__ = ["NextHop", "RelayPlan", "Relay", "Outgoing", "Report"]
 
 log = logging.getLogger("dgr.node")
+
+_END_S = 2.0  # how long an ending stream waits for the next hop's answer
+_REFUSAL_S = 0.5  # how long a broken link waits for the refusal that may have come just before
 
 
 
@@ -86,6 +96,9 @@ class Relay:
     pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _recv: trio.MemoryReceiveChannel = attrs.field(init=False)
+    _ending: bool = False  # the session ended here: the stream is being closed on purpose
+    _failure: Failure | None = None  # what to report to the gateway once the relay stops
+    _answered: trio.Event = attrs.field(factory=trio.Event)  # the next hop answered the stream, or it broke
 
     def __attrs_post_init__(self) -> None:
         # Unbounded: each item is a step the session's FSM already accepted and computed; dropping
@@ -103,22 +116,91 @@ class Relay:
         self._send.close()
 
     async def run(self) -> None:
-        """Send every item in order until the session closes the relay or a send fails."""
+        """Send every item in order, on one stream, until the session closes the relay or the link fails."""
+        stream: OutStream | None = None
         try:
-            async for item in self._recv:
-                if isinstance(item, Report):
-                    await self._report(item.failure)
-                    return
-                try:
-                    failure = await self._send_on(item)
-                finally:
-                    item.sent.set()
-                if failure is not None:
-                    await self._report(failure)
-                    return
+            async with trio.open_nursery() as nursery:
+                async for item in self._recv:
+                    if isinstance(item, Report):
+                        self._failure = self._failure or item.failure
+                        break
+                    try:
+                        if stream is None:
+                            stream = await self._open()
+                            nursery.start_soon(self._watch, stream, nursery.cancel_scope)
+                        await stream.send(encode_record(item.hops, item.frame))
+                    except TransportError as exc:
+                        await self._lost(exc)
+                        break
+                    finally:
+                        item.sent.set()
+                else:  # the session ended here: end the stream, and let the next hop answer it
+                    self._ending = True
+                    if stream is not None:
+                        with trio.move_on_after(_END_S):
+                            try:
+                                await stream.end()
+                                await self._answered.wait()
+                            except TransportError:
+                                pass
+                nursery.cancel_scope.cancel()
         finally:
             self._release()
             self._recv.close()
+            if stream is not None:
+                await stream.release()
+        if self._failure is not None:
+            await self._report(self._failure)
+
+    async def _open(self) -> OutStream:
+        nxt = self.plan.next
+        if nxt is None:
+            url, cap, target = self.plan.deliver_url, self.plan.deliver_capability, DELIVER_STREAM_PATH
+            pool = self.pool(url)
+        else:
+            url, cap, target = nxt.url, nxt.capability, STREAM_PATH
+            pool = self.pool(url, nxt.tls_cert)
+        headers = [("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, self.sid)]
+        if cap is not None:
+            headers.append((CAPABILITY_HEADER, cap))
+        return await pool.open_stream(target, headers)
+
+    async def _watch(self, stream: OutStream, scope: trio.CancelScope) -> None:
+        """Read the next hop's answer: before the session ends here, an answer is a refusal and a drop is a loss."""
+        try:
+            r = await stream.answer()
+        except TransportError as exc:
+            self._answered.set()
+            if not self._ending:
+                await self._lost(exc)
+                scope.cancel()
+            return
+        self._answered.set()
+        if self._ending and r.status == 200:
+            return
+        who = "the gateway" if self.plan.next is None else self.plan.next.node
+        code, text = parse_error_body(r.body)
+        message = text if code is None else f"{code}: {text}"
+        if self.plan.next is None:
+            log.warning("%s: the gateway refused session %s's answers (%d %s)", self.node_id, self.sid, r.status,
+                        message[:200])
+        else:
+            self._failure = self._failure or Failure(
+                Reason.NODE_ERROR, f"{who} refused a step from {self.node_id} ({r.status} {message})"[:300], node=who)
+        scope.cancel()
+
+    async def _lost(self, exc: TransportError) -> None:
+        """The link broke. A refusal may have come just before (the next hop answers, then hangs up): it wins."""
+        with trio.move_on_after(_REFUSAL_S):
+            await self._answered.wait()
+        if self._failure is not None:
+            return
+        nxt = self.plan.next
+        if nxt is None:
+            log.warning("%s: cannot deliver session %s to the gateway: %s", self.node_id, self.sid, exc)
+            return  # nobody to tell: the gateway's step deadline fails the session
+        self._failure = Failure(Reason.ROUTE_NODE_LOST, f"lost node {nxt.node}: {self.node_id} could not reach it: {exc}",
+                                node=nxt.node)
 
     def _release(self) -> None:
         """Nothing more will be sent: let every step still waiting to be sent answer its sender."""
@@ -129,35 +211,6 @@ class Relay:
                 return
             if isinstance(item, Outgoing):
                 item.sent.set()
-
-    async def _send_on(self, item: Outgoing) -> Failure | None:
-        nxt = self.plan.next
-        if nxt is None:
-            url, cap, who = self.plan.deliver_url, self.plan.deliver_capability, "the gateway"
-        else:
-            url, cap, who = nxt.url, nxt.capability, nxt.node
-        headers = [("Content-Type", CONTENT_TYPE), (HOPS_HEADER, item.hops)]
-        if cap is not None:
-            headers.append((CAPABILITY_HEADER, cap))
-        target = STEP_PATH if nxt is not None else DELIVER_PATH
-        try:
-            pool = self.pool(url) if nxt is None else self.pool(url, nxt.tls_cert)
-            r = await pool.request("POST", target, item.frame, headers, sent=item.sent)
-        except TransportError as exc:
-            if nxt is None:
-                log.warning("%s: cannot deliver session %s to the gateway: %s", self.node_id, self.sid, exc)
-                return None  # nobody to tell: the gateway's step deadline fails the session
-            return Failure(Reason.ROUTE_NODE_LOST, f"lost node {who}: {self.node_id} could not reach it: {exc}",
-                           node=who)
-        if r.status in (200, 202, 204):
-            return None
-        if nxt is None:
-            log.warning("%s: the gateway refused session %s's answer (%d)", self.node_id, self.sid, r.status)
-            return None
-        code, text = parse_error_body(r.body)
-        message = text if code is None else f"{code}: {text}"
-        return Failure(Reason.NODE_ERROR, f"{who} refused a step from {self.node_id} ({r.status} {message})"[:300],
-                       node=who)
 
     async def _report(self, failure: Failure) -> None:
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()

@@ -483,32 +483,9 @@ class NodeService:
             CallerError: the frame was refused (FORBIDDEN without a valid capability); nothing changed.
             PeerError(NODE_ERROR): compute failed; the session is failed and freed.
         """
-        try:
-            frame = decode_frame(body, max_bytes=self.max_frame_bytes)
-        except CallerError as exc:
-            self._refuse(exc)
-            raise
-        self.authorize(capability, frame.session)
-        try:
-            step = self._check_frame(frame)
-            session = self._lookup(frame.session)
-            rewind = session.rewinds(frame.pos0)
-            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
-        except CallerError as exc:
-            self._refuse(exc)
-            raise
-        if rewind:
-            # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
-            self.scheduler.submit(Job(JobKind.SESSION, frame.session,
-                                      fn=functools.partial(self.backend.trim_session, frame.session, frame.pos0)))
-        self.stats.frames_in[frame.kind.name] += 1
-        self.stats.bytes_in[frame.kind.name] += frame.size
-        if frame.kind is FrameKind.DECODE:
-            self.stats.last_decode_frame_bytes = frame.size
-            self.stats.last_decode_hidden_bytes = 0 if frame.hidden is None else frame.hidden.nbytes
+        frame = self._admit(body, capability)
         want = bool(frame.flags & Flag.SAMPLE)
-        job = Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), want,
-                   decode=frame.kind is FrameKind.DECODE)
+        job = self._job(frame)
         relay = self.relays.get(frame.session)
         if relay is not None:
             # Answered once the result is on its way to the next hop: the sender's request stays open
@@ -530,6 +507,63 @@ class NodeService:
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
         self._count(frame, reply, compute)
         return reply, compute
+
+    def accept_streamed(self, sid: str, body: bytes, hops: str) -> None:
+        """A chain step from a stream record, for `sid` (whose capability the stream carried): accepted and
+        queued; its result goes on through the session's relay, or its failure is reported.
+
+        Raises:
+            CallerError: refused (a session of the star takes no stream); nothing changed.
+        """
+        if sid in self.sessions and sid not in self.ended and sid not in self.relays:
+            exc = CallerError(Reason.INVALID_REQUEST, f"session {sid} is not on a chain: it takes single steps")
+            self._refuse(exc)
+            raise exc
+        frame = self._admit(body, None, stream=sid)
+        self._relay_step(frame, self._job(frame), bool(frame.flags & Flag.SAMPLE), self.relays[sid], hops)
+
+    def _admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
+        """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
+
+        `stream`: the frame came on a stream already authorized for this session, and must be of it.
+
+        Raises:
+            CallerError: refused; nothing changed.
+        """
+        try:
+            frame = decode_frame(body, max_bytes=self.max_frame_bytes)
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
+        if stream is None:
+            self.authorize(capability, frame.session)
+        elif frame.session != stream:
+            exc = CallerError(Reason.FORBIDDEN, f"a stream of session {stream} carried a frame of {frame.session}")
+            self._refuse(exc)
+            raise exc
+        try:
+            step = self._check_frame(frame)
+            session = self._lookup(frame.session)
+            rewind = session.rewinds(frame.pos0)
+            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
+        if rewind:
+            # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
+            self.scheduler.submit(Job(JobKind.SESSION, frame.session,
+                                      fn=functools.partial(self.backend.trim_session, frame.session, frame.pos0)))
+        self.stats.frames_in[frame.kind.name] += 1
+        self.stats.bytes_in[frame.kind.name] += frame.size
+        if frame.kind is FrameKind.DECODE:
+            self.stats.last_decode_frame_bytes = frame.size
+            self.stats.last_decode_hidden_bytes = 0 if frame.hidden is None else frame.hidden.nbytes
+        return frame
+
+    @staticmethod
+    def _job(frame: Frame) -> Step:
+        return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), bool(frame.flags & Flag.SAMPLE),
+                    decode=frame.kind is FrameKind.DECODE)
 
     def _relay_step(self, frame: Frame, job: Step, want: bool, relay: Relay, hops: str) -> tuple[Job, trio.Event]:
         """Queue a chain step; when computed, its result goes to the relay (or its failure is reported)."""

@@ -10,6 +10,10 @@ An `https://` URL is spoken over TLS (trio.SSLStream) with the caller's
 SSL context (dgr.security.tls decides what it trusts); the handshake is part
 of opening a connection, so it is paid once per pooled connection.
 
+A chain link's steps go as one streamed request (`ConnectionPool.open_stream`):
+the body is chunked, one chunk a step, and the server answers only when the
+stream ends or when it refuses a step; the connection then goes back to the pool.
+
 No retries on purpose: a seam step is not idempotent (the node advances its
 session when it accepts a frame), so a request that may have reached the node
 is never sent twice. A connection that broke is dropped and the caller sees
@@ -26,7 +30,7 @@ import attrs
 import h11
 import trio
 
-__all__ = ["TransportError", "HttpResponse", "ConnectionPool"]
+__all__ = ["TransportError", "HttpResponse", "ConnectionPool", "OutStream"]
 
 _READ = 256 * 1024
 _IDLE_S = 60.0  # the server keeps connections 300 s; drop ours well before
@@ -80,6 +84,77 @@ class _Conn:
         return HttpResponse(status, resp_headers, b"".join(chunks))
 
 
+_ERRORS = (OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
+
+
+@attrs.define(eq=False)
+class OutStream:
+    """One streamed request: the owner sends chunks and ends the body; one watcher reads the answer.
+
+    The server answers early only to refuse (or when it goes away), so `answer` is how the owner
+    learns of either while it is still sending; `send` and `answer` may run at once (one writer,
+    one reader).
+    """
+
+    pool: "ConnectionPool"
+    conn: _Conn
+    _released: bool = False
+    _ended: bool = False  # the body's end was sent
+    _reusable: bool = False  # answered 200 after the end: the server reads its next request on this connection
+
+    async def send(self, data: bytes) -> None:
+        """One chunk of the body. Raises TransportError."""
+        try:
+            await self.conn.stream.send_all(self.conn.h11.send(h11.Data(data=data)))
+        except _ERRORS as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def end(self) -> None:
+        """End the body (the server then answers). Raises TransportError."""
+        try:
+            data = self.conn.h11.send(h11.EndOfMessage())
+            self._ended = True
+            await self.conn.stream.send_all(data)
+        except _ERRORS as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def answer(self) -> HttpResponse:
+        """The server's whole answer, whenever it comes. Raises TransportError when the connection ends first."""
+        conn = self.conn.h11
+        status, headers, chunks = 0, {}, []
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await self.conn.stream.receive_some(_READ)
+                    if not data:
+                        raise TransportError("the server closed the connection")
+                    conn.receive_data(data)
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                    headers = {k.decode().lower(): v.decode() for k, v in event.headers}
+                    # an answer before the end cut the body short: the server closes that connection
+                    self._reusable = self._ended and status == 200
+                elif isinstance(event, h11.Data):
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return HttpResponse(status, headers, b"".join(chunks))
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise TransportError("connection closed")
+        except _ERRORS as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    async def release(self) -> None:
+        """Done with it: the connection goes back to the pool if the stream ended cleanly, else it closes."""
+        if not self._released:
+            self._released = True
+            if self._reusable:
+                await self.pool._checkin(self.conn)
+            else:
+                with trio.CancelScope(shield=True):
+                    await self.conn.stream.aclose()
+
+
 @attrs.define
 class ConnectionPool:
     """Keep-alive connections to one server."""
@@ -115,35 +190,56 @@ class ConnectionPool:
             stream = tls
         return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic())
 
-    async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None, *, sent: trio.Event | None = None) -> HttpResponse:
-        """One request on a pooled connection; `sent` is set once the whole request is written."""
+    async def _checkout(self) -> _Conn:
         now = time.monotonic()
-        conn = None
         while self._idle:
             candidate = self._idle.pop()
             if now - candidate.last_used < _IDLE_S:
-                conn = candidate
-                break
+                return candidate
             await candidate.stream.aclose()
-        if conn is None:
-            conn = await self._connect()
-        ok = False
-        try:
-            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body, sent)
-            ok = True
-        except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            if not ok:
-                with trio.CancelScope(shield=True):
-                    await conn.stream.aclose()
+        return await self._connect()
+
+    async def _checkin(self, conn: _Conn) -> None:
+        """Keep a connection whose exchange ended cleanly; close any other."""
         if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
             conn.h11.start_next_cycle()
             conn.last_used = time.monotonic()
             self._idle.append(conn)
         else:
-            await conn.stream.aclose()
+            with trio.CancelScope(shield=True):
+                await conn.stream.aclose()
+
+    @property
+    def host(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    async def open_stream(self, target: str, headers: list[tuple[str, str]]) -> OutStream:
+        """Start a POST with a chunked body on a pooled connection: its chunks go with `OutStream.send`."""
+        conn = await self._checkout()
+        try:
+            await conn.stream.send_all(conn.h11.send(h11.Request(method="POST", target=target, headers=[
+                ("Host", self.host), ("Transfer-Encoding", "chunked"), *headers])))
+        except _ERRORS as exc:
+            with trio.CancelScope(shield=True):
+                await conn.stream.aclose()
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        return OutStream(self, conn)
+
+    async def request(self, method: str, target: str, body: bytes = b"",
+                      headers: list[tuple[str, str]] | None = None, *, sent: trio.Event | None = None) -> HttpResponse:
+        """One request on a pooled connection; `sent` is set once the whole request is written."""
+        conn = await self._checkout()
+        ok = False
+        try:
+            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body, sent)
+            ok = True
+        except _ERRORS as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if not ok:
+                with trio.CancelScope(shield=True):
+                    await conn.stream.aclose()
+        await self._checkin(conn)
         return response
 
     async def aclose(self) -> None:

@@ -31,6 +31,10 @@ __all__ = [
     "ROUTE_SESSION_HEADER",
     "DELIVER_PATH",
     "STEP_PATH",
+    "STREAM_PATH",
+    "DELIVER_STREAM_PATH",
+    "RECORD_PREFIX",
+    "MAX_HOPS_BYTES",
     "KIND_OFFSET",
     "raw_header",
     "frame_kind",
@@ -46,6 +50,10 @@ HOPS_HEADER = "X-Dgr-Hops"
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
 STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
 DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
+# A chain session's steps along one link travel as one long-lived request whose chunked body is a
+# sequence of records (below): to the next node, or from the tail to the tracker. No answer per step.
+STREAM_PATH = "/v1/seam/stream"  # on a node
+DELIVER_STREAM_PATH = "/v1/seam/deliver/stream"  # on the tracker
 
 
 def raw_header(name: str) -> bytes:
@@ -116,6 +124,11 @@ class Flag(enum.IntFlag):
 
 DTYPE_SIZE: dict[DType, int] = {DType.F32: 4, DType.F16: 2}
 DTYPE_NUMPY: dict[DType, str] = {DType.F32: "<f4", DType.F16: "<f2"}
+
+# A stream record: the length of the hops text, the hops text (ASCII "node=us,..."), then one whole
+# frame (its header says how long it is).
+RECORD_PREFIX = struct.Struct("<H")
+MAX_HOPS_BYTES = 4096
 
 # TOKEN payload: token id, its log-probability, then the token's raw bytes.
 TOKEN_RESULT = struct.Struct("<if")

@@ -96,12 +96,22 @@ def render_seam() -> str:
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV. A normal close may carry "
         "`keep=K1.K2...`, the block keys of the session's KV: the node may keep those positions as a prefix "
         "instead of freeing them.",
-        f"- On a chain, a step is answered `202` once computed (so the sender sees the node die while it holds the "
-        f"step); the node sends its output on as the next "
-        f"node's input frame (same kind, seq, pos0 and SAMPLE flag), adding `node=compute_us` to the "
-        f"`{wire.HOPS_HEADER}` header, and the tail posts its TOKEN or ACK frame to the tracker's "
-        f"`{wire.DELIVER_PATH}` with the session's delivery capability. A node that cannot send on posts a JSON "
-        "failure report there instead (`route_node_lost` naming the node it could not reach, or `node_error`).",
+        f"- On a chain, each link carries a session's steps as one long-lived `POST` with a chunked body: "
+        f"`{wire.STREAM_PATH}` to the head (from the gateway) and to each next node, `{wire.DELIVER_STREAM_PATH}` "
+        f"from the tail to the tracker. The request names the session in `{wire.ROUTE_SESSION_HEADER}` and carries "
+        f"its capability for the receiver in `{wire.CAPABILITY_HEADER}`, both checked before any of the body is read. "
+        f"The body is a sequence of records: `{wire.RECORD_PREFIX.format}` (the length of the hops text, at most "
+        f"{wire.MAX_HOPS_BYTES}), the hops text (ASCII, `node=compute_us` for each hop so far, comma-separated), "
+        "then one whole frame of that session. A node sends its output on as the next node's input frame (same "
+        "kind, seq, pos0 and SAMPLE flag), adding its own `node=compute_us`; the tail sends TOKEN or ACK frames. "
+        "Nothing answers a record: the receiver answers the stream `200` when its body ends, or at the first "
+        "refusal (a 4xx OpenAI-style JSON error, after which it reads nothing more). A sender whose stream is "
+        "refused, or whose link drops while the session lives, posts a JSON failure report to "
+        f"`{wire.DELIVER_PATH}` with the session's delivery capability (`route_node_lost` naming the node it could "
+        "not reach, or `node_error` naming the node that refused). The gateway keeps at most one prefill chunk a "
+        f"node in flight. `{wire.STEP_PATH}` also takes a chain session's single step (answered `202` once "
+        "computed and sent on), and a single answer may be posted to "
+        f"`{wire.DELIVER_PATH}`.",
         "", "## What a node refuses (4xx, state unchanged)", "",
         "unknown or ended session; a step out of order or replayed (`seq`); a position that does not continue its KV "
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "
@@ -114,7 +124,8 @@ def render_seam() -> str:
         "and the tail delivers to the gateway: N + 1 one-way messages a token, so (N + 1)/2 RTT on a network "
         "where every pair sees the same RTT, against N RTT for the star. Each node keeps one ordered relay per "
         "session, since a step out of order is refused.", "",
-        "Every hop keeps long-lived HTTP/1.1 keep-alive connections.",
+        "Every hop keeps long-lived HTTP/1.1 keep-alive connections; a chain's stream goes back to its pool "
+        "when it ends cleanly.",
     ]
     return "\n".join(lines) + "\n"
 

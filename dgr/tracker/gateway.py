@@ -7,14 +7,19 @@ Theory of operation:
   4xx/5xx. Then the session's driver starts in the gateway's own nursery and
   the handler only reads its output channel.
 - The driver (`_drive`) runs prefill and decode inside the session's cancel
-  scope. Topology: the gateway relays every hop (a star). Per decoded token
-  that is N round trips for N hops, 2N messages, each carrying one position
-  (seam width x dtype + header). The reasons: one place sees every hop's
-  latency and every failure, nodes need no knowledge of their neighbours, and
-  failure handling stays here. A forwarding chain would save N-1 messages per
-  token on a WAN; the seam frame does not change for it.
-- Prefill is pipelined: one task per hop, joined by memory channels of one
-  chunk, so hop i+1 works on chunk k while hop i works on chunk k+1.
+  scope, in one of two topologies (dgr.seam.wire.Topology):
+  - chain (the default of `dgr up`): each step goes to the head on the
+    session's stream to it (dgr.seam.stream); every node sends its output
+    on to the next, and the tail's answer comes back through `deliver_frame`
+    into the session's inbox with each hop's compute. N + 1 one-way messages
+    a token. A watcher reads the head's answer to the stream: one that comes
+    while the session lives is a refusal or a lost head, and fails it.
+  - star: the gateway relays every hop, N round trips (2N messages) a token.
+  Either way one place sees every hop's latency and every failure, and
+  failure handling stays here.
+- Prefill is pipelined: hop i+1 works on chunk k while hop i works on chunk
+  k+1 (star: one task per hop, joined by channels of one chunk; chain: at
+  most one chunk a node in flight).
 - Failure: a node's transport error, a refused step, a missed per-step
   deadline, or the registry declaring a node dead (its heartbeats stopped)
   fails the session with a structured reason naming node, phase and step.
@@ -85,6 +90,7 @@ from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
+from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 
@@ -96,6 +102,8 @@ log = logging.getLogger("dgr.gateway")
 # one for the whole route, since any of its nodes may have to report.
 _GATEWAY = "gateway"
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
+_END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
+_REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
 
 
 @attrs.frozen
@@ -170,6 +178,13 @@ class LiveSession:
     prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
     keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
     fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
+    # chain: the stream of steps to the head (opened with the first step), the nursery its watcher runs
+    # in (the driver's), and whether the driver is ending it on purpose
+    head: OutStream | None = None
+    links: trio.Nursery | None = None
+    head_ending: bool = False
+    head_failure: Failure | None = None  # what the head's answer meant, once it came early
+    head_answered: trio.Event = attrs.field(factory=trio.Event)
 
     @property
     def reused(self) -> int:
@@ -606,8 +621,11 @@ class Gateway:
         try:
             with live.scope:
                 try:
-                    first = await self._prefill(live)
-                    await self._decode(live, first)
+                    async with trio.open_nursery() as links:  # a chain's watcher of its link to the head
+                        live.links = links
+                        first = await self._prefill(live)
+                        await self._decode(live, first)
+                        links.cancel_scope.cancel()
                 except (DgrError, BaseExceptionGroup) as raised:
                     exc = first_dgr_error(raised)
                     if not isinstance(exc, DgrError):
@@ -637,7 +655,9 @@ class Gateway:
                 for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
                 keep = live.kv_chain() if failure is None else None
-                await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
+                async with trio.open_nursery() as ending:
+                    ending.start_soon(self._end_head, live)
+                    await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
                 self._note_holders(live, keep)
                 self._release(live.nodes)
                 live.send.close()
@@ -819,14 +839,57 @@ class Gateway:
 
     # -- the chain: the head gets each step, the tail delivers the answer ------------------
     async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:
+        """One step to the head, on the session's stream to it (opened with the first step)."""
         hop = live.rs.route[0]
+        client = self.client(hop)
         with trio.move_on_after(self._deadline(n_tokens)) as cs:
-            await self.client(hop).send(frame, live.caps.get(hop.node_id))
+            try:
+                if live.head is None:
+                    live.head = await client.open_stream(live.rs.sid, live.caps.get(hop.node_id))
+                    live.links.start_soon(self._watch_head, live, client, live.head)
+                await client.stream_send(live.head, frame)
+            except PeerError:
+                # the head may have refused a step and hung up just before: its answer says so
+                with trio.move_on_after(_REFUSAL_S):
+                    await live.head_answered.wait()
+                if live.head_failure is not None:
+                    f = live.head_failure
+                    raise PeerError(f.reason, f.message, node=f.node, step=step, phase=live.rs.state.value) from None
+                raise
         if cs.cancelled_caught:
             raise PeerError(Reason.ROUTE_NODE_LOST,
                             f"node {hop.node_id} did not take step {step} within {self._deadline(n_tokens):.1f}s",
                             node=hop.node_id, step=step, phase=live.rs.state.value)
         self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
+
+    async def _watch_head(self, live: LiveSession, client: NodeClient, stream: OutStream) -> None:
+        """The head answers its stream early only to refuse a step, and a broken link means it is lost:
+        either fails the session through its inbox, whatever step the driver is waiting on."""
+        try:
+            answer: HttpResponse | TransportError = await stream.answer()
+        except TransportError as exc:
+            answer = exc
+        if live.head_ending:
+            live.head_answered.set()
+            return
+        live.head_failure = client.stream_failure(answer, phase=live.rs.state.value)
+        live.head_answered.set()
+        live.inbox[0].send_nowait(live.head_failure)
+
+    async def _end_head(self, live: LiveSession) -> None:
+        """End the stream to the head (it answers once it has read the end), then pool its connection."""
+        head = live.head
+        if head is None:
+            return
+        live.head_ending = True
+        if live.head_failure is None:
+            with trio.move_on_after(_END_S):
+                try:
+                    await head.end()
+                    await head.answer()
+                except TransportError:
+                    pass
+        await head.release()
 
     async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
         """The tail's answer to step `seq`: (frame, hops header).
@@ -881,8 +944,13 @@ class Gateway:
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
 
+        # At most one chunk a node in flight: enough for every node to compute at once, and no more, so
+        # a node never queues a whole prompt (a session closed mid-prefill waits for what its head holds).
+        window = trio.Semaphore(len(rs.route))
+
         async def feed() -> None:  # every chunk to the head, in order: the chain pipelines them
             for k, pos0, ids in chunks:
+                await window.acquire()
                 await self._send_head(live, self._frame(live, 0, FrameKind.PREFILL, k, pos0, ids, None, k == last),
                                       len(ids), k)
 
@@ -890,6 +958,7 @@ class Gateway:
             nursery.start_soon(feed)
             for k, pos0, ids in chunks:
                 answer, _ = await self._answer(live, k, len(ids))
+                window.release()
                 if k < last:
                     live.telemetry.publish(rs.prefill_progress(pos0 + len(ids), trio.current_time()))
         if answer.kind is not FrameKind.TOKEN:
@@ -897,7 +966,7 @@ class Gateway:
         return TokenResult.from_frame(answer)
 
     def deliver(self, body: bytes, capability: str | None, hops: str, report: bool) -> None:
-        """An answer (a seam frame) or a failure report (JSON) from a chain session's node.
+        """An answer (a seam frame) or a failure report (JSON) from a chain session's node, posted alone.
 
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
@@ -911,17 +980,39 @@ class Gateway:
                 raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
             item: Any = failure
         else:
-            frame = decode_frame(body)
-            if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
-                raise CallerError(Reason.BAD_FRAME, f"a chain delivers TOKEN or ACK frames, not {frame.kind.name}")
+            frame = self._answer_frame(body)
             sid, item = frame.session, (frame, hops)
-        live = self.sessions.get(sid) if isinstance(sid, str) else None
+        self.authorize_delivery(capability, sid if isinstance(sid, str) else "")
+        self._live(sid).inbox[0].send_nowait(item)
+
+    def authorize_delivery(self, capability: str | None, sid: str) -> None:
+        """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
         if self.authority is not None:
-            self.authority.check(capability, session=sid if isinstance(sid, str) else "", node=_GATEWAY, start=0,
-                                 stop=1, now=time.time())
+            self.authority.check(capability, session=sid, node=_GATEWAY, start=0, stop=1, now=time.time())
+
+    def deliver_frame(self, sid: str, body: bytes, hops: str) -> None:
+        """An answer from a delivery stream already authorized for `sid`.
+
+        Raises:
+            CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed.
+        """
+        frame = self._answer_frame(body)
+        if frame.session != sid:
+            raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
+        self._live(sid).inbox[0].send_nowait((frame, hops))
+
+    @staticmethod
+    def _answer_frame(body: bytes) -> Frame:
+        frame = decode_frame(body)
+        if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
+            raise CallerError(Reason.BAD_FRAME, f"a chain delivers TOKEN or ACK frames, not {frame.kind.name}")
+        return frame
+
+    def _live(self, sid: Any) -> LiveSession:
+        live = self.sessions.get(sid) if isinstance(sid, str) else None
         if live is None or live.rs.ended:
             raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {str(sid)[:64]}")
-        live.inbox[0].send_nowait(item)
+        return live
 
     def _finish(self, live: LiveSession, reason: str) -> None:
         tail = live.text.finish()

@@ -23,8 +23,9 @@ import httpx
 
 from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
 from dgr.seam.frame import Frame, decode_frame
-from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, STEP_PATH
+from dgr.seam.stream import encode_record
+from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
+from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
 
@@ -139,17 +140,31 @@ class NodeClient:
         compute = int(r.headers.get(COMPUTE_HEADER.lower(), "0")) / 1e6
         return StepReply(frame, raw, rtt, compute, len(frame_bytes))
 
-    async def send(self, frame_bytes: bytes, capability: str | None = None) -> None:
-        """A chain step to the head: answered 202 once accepted; the result comes from the tail."""
-        headers = [("Content-Type", CONTENT_TYPE)]
+    async def open_stream(self, sid: str, capability: str | None = None) -> OutStream:
+        """Open a chain session's stream of steps to this node (the head): one record a step, no answer each."""
+        headers = [("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid)]
         if capability is not None:
             headers.append((CAPABILITY_HEADER, capability))
         try:
-            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
+            return await self._seam.open_stream(STREAM_PATH, headers)
         except TransportError as exc:
             raise self._lost(exc) from None
-        if r.status != 202:
-            raise self._refused(r)
+
+    async def stream_send(self, stream: OutStream, frame_bytes: bytes) -> None:
+        """One step on an open stream. Raises PeerError(ROUTE_NODE_LOST) when the link broke."""
+        try:
+            await stream.send(encode_record("", frame_bytes))
+        except TransportError as exc:
+            raise self._lost(exc) from None
+
+    def stream_failure(self, answer: HttpResponse | TransportError, phase: str | None = None) -> Failure:
+        """What an answer to a stream that should still be open means: the link broke, or the node refused."""
+        if isinstance(answer, TransportError):
+            return self._lost(answer).failure(phase=phase)
+        if answer.status == 200:
+            return Failure(Reason.NODE_ERROR, f"{self.node_id} ended a stream of steps early", node=self.node_id,
+                           phase=phase)
+        return self._refused(answer).failure(node=self.node_id, phase=phase)
 
     async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None) -> list[int]:
         extra = {} if sid is None else {"session": sid}
