@@ -221,6 +221,30 @@ async def test_a_backend_with_a_thread_pool_never_computes_on_the_loop() -> None
     assert backend.inline_forwards == 0 and backend.violations == []
 
 
+async def test_steps_that_arrive_together_run_as_one_batch() -> None:
+    """Frames read from several connections at once reach the scheduler over a few scheduling rounds
+    (each reader hops from its socket to its handler): they join one iteration instead of the first
+    of them running alone and the rest waiting a whole iteration."""
+    backend = Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident())
+    node = NodeService(backend=backend, node_id="n")
+    sids = [uuid.UUID(int=10 + k).hex for k in range(4)]
+    async with running(node):
+        for sid in sids:
+            await node.open_session(sid, 8, SamplingParams(temperature=0.0))
+            await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        backend.batches.clear()
+
+        async def arrive(k: int, sid: str) -> None:
+            for _ in range(k + 1):  # reader k needs k + 1 rounds to hand its frame over
+                await trio.sleep(0)
+            await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))
+
+        async with trio.open_nursery() as nursery:
+            for k, sid in enumerate(sids):
+                nursery.start_soon(arrive, k, sid)
+    assert backend.batches == [4] and backend.violations == []
+
+
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n")
     a, b = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex

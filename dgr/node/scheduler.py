@@ -21,7 +21,9 @@ Contract:
   forwards as one backend call (`ShardBackend.forward_batch`). Decode steps
   go first; prefill chunks fill the rest of `token_budget`, and at least one
   prefill chunk runs whenever one waits, so a long prompt delays other
-  sessions' decoding by at most one chunk and is never starved.
+  sessions' decoding by at most one chunk and is never starved. Before an
+  iteration, every task that can run does (for at most `gather_s`), so
+  steps already read from other connections join it.
 
 Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
@@ -41,6 +43,7 @@ import attrs
 import numpy as np
 import outcome
 import trio
+import trio.testing
 
 from dgr.backends.base import ShardBackend, Step
 
@@ -141,6 +144,7 @@ class StepScheduler:
     # llama.cpp with 2 threads decoded at 44-53 tok/s from the loop against 67-72 from the worker
     # thread (SmolLM2, one node, paired runs), though the 1-thread shards gained.
     inline_below_s: float = 0.025
+    gather_s: float = 0.002  # at most this long to let steps that have already arrived join an iteration
     _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
     # Unbounded on purpose: every job was admitted by a session state machine (or is a control
     # call of one request), and a submitted job must never be lost to a full buffer.
@@ -185,6 +189,11 @@ class StepScheduler:
         while True:
             if not pending:
                 pending.append(await self._recv.receive())
+                # Steps of other sessions may have arrived with this one, still unread in their
+                # connections: let every runnable task (those readers) run first, so they join this
+                # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
+                with trio.move_on_after(self.gather_s):
+                    await trio.testing.wait_all_tasks_blocked()
             while True:
                 try:
                     pending.append(self._recv.receive_nowait())
