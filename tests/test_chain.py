@@ -7,6 +7,7 @@ that only the session's own route can make.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 
@@ -20,7 +21,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.stream import encode_record
-from dgr.seam.transport import ConnectionPool
+from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
                            ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
@@ -111,6 +112,10 @@ def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) 
             await stream.send(body)  # and never end the body: an answer must come anyway
             with trio.fail_after(10):
                 r = await stream.answer()
+            with contextlib.suppress(TransportError):  # the server may have hung up already
+                await stream.end()  # which makes both sides done: the connection must still not be pooled
+            await stream.release()
+            assert pool.idle_connections == 0  # the server closes a connection whose body it cut short
             return r.status, json.loads(r.body)["error"]["code"]
         finally:
             await stream.release()
@@ -129,5 +134,16 @@ def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) 
             403, "forbidden")
         assert await answer(chain.url, DELIVER_STREAM_PATH, chain.capability(sid, "gateway", layers=(0, 1)),
                             encode_record("", frame)) == (400, "bad_frame")  # a node's input is no answer
+        # a stream that ends cleanly is answered 200 and its connection is kept for the next one
+        pool = ConnectionPool(chain.url)
+        stream = await pool.open_stream(DELIVER_STREAM_PATH, [
+            ("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid),
+            *chain.capability(sid, "gateway", layers=(0, 1)).items()])
+        await stream.end()
+        with trio.fail_after(10):
+            r = await stream.answer()
+        await stream.release()
+        assert (r.status, json.loads(r.body)["frames"], pool.idle_connections) == (200, 0, 1)
+        await pool.aclose()
 
     trio.run(main)

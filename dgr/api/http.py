@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 from typing import Any, Callable
 
 import attrs
@@ -26,10 +27,11 @@ import trio
 from quart import Response, request
 
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
-from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, HOPS_HEADER, raw_header
+from dgr.seam.stream import RecordReader
+from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, HOPS_HEADER, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "is_loopback", "is_wildcard", "RawSeamRequest", "read_raw_seam", "respond_raw", "respond_raw_error"]
+           "is_loopback", "is_wildcard", "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -165,10 +167,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 # -- the seam's fast paths: bare ASGI in front of Quart ----------------------------------------------
-# A node's POST /v1/seam/step and the tracker's POST /v1/seam/deliver run once per token per hop, so
-# they skip the framework; these are the one reader and the one writer both use.
+# A node's POST /v1/seam/step and /v1/seam/stream and the tracker's POST /v1/seam/deliver and
+# /v1/seam/deliver/stream run once per token per hop, so they skip the framework; these are the readers
+# and the writer they use.
 
 _CAP_RAW = raw_header(CAPABILITY_HEADER)
+_SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
 _HOPS_RAW = raw_header(HOPS_HEADER)
 _HOPS_MAX = 4096  # characters of the hops header kept: a chain adds one short entry a hop
 
@@ -236,6 +241,47 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
     if refused is not None:
         raise refused
     return RawSeamRequest(b"".join(chunks), capability, hops, is_json)
+
+
+async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
+                            authorize: Callable[[str | None, str], None],
+                            apply: Callable[[str, bytes, str], None]) -> None:
+    """Serve one chain link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
+
+    The session (`X-Dgr-Route-Session`) and its capability come in the headers: `authorize(capability,
+    session)` checks them before any of the body is read. `apply(session, frame, hops)` takes each
+    record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or a ValueError
+    for a malformed frame, named `what`) answers the stream and ends it; the sender reports it. A clean
+    end of the body is answered 200 with the count of frames applied. A sender that goes away gets
+    nothing: whoever sends to it names it if it was lost.
+    """
+    sid, capability = "", None
+    for name, value in scope["headers"]:
+        if name == _CAP_RAW:
+            capability = value.decode("latin-1")
+        elif name == _SESSION_RAW:
+            sid = value.decode("latin-1")
+    reader = RecordReader(limit)
+    frames = 0
+    try:
+        if not _SESSION_ID.fullmatch(sid):
+            raise CallerError(Reason.BAD_FRAME, f"a stream names its session in {ROUTE_SESSION_HEADER}: 32 hex digits")
+        authorize(capability, sid)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            for hops, frame in reader.feed(message.get("body", b"")):
+                apply(sid, frame, hops)
+                frames += 1
+            if not message.get("more_body", False):
+                break
+        if reader.pending:
+            raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
+    except (DgrError, ValueError) as exc:
+        await respond_raw_error(send, exc, what)
+        return
+    await respond_raw(send, 200, json.dumps({"session": sid, "frames": frames}).encode())
 
 
 async def respond_raw(send, status: int, body: bytes, content_type: bytes = b"application/json", extra=()) -> None:

@@ -20,7 +20,6 @@ node's answers as its own.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -29,7 +28,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import install_error_handlers, json_response, read_json, read_raw_seam, respond_raw, respond_raw_error
+from dgr.api.http import (install_error_handlers, json_response, read_json, read_raw_seam, respond_raw,
+                          respond_raw_error, serve_seam_stream)
 from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason
@@ -39,14 +39,12 @@ from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import NextHop, RelayPlan
 from dgr.seam.frame import frame_session
-from dgr.seam.stream import RecordReader
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
     CONTENT_TYPE,
     MAX_CONTROL_BYTES,
     MAX_TOKENIZE_BYTES,
-    ROUTE_SESSION_HEADER,
     STEP_PATH,
     STREAM_PATH,
     raw_header,
@@ -56,8 +54,6 @@ __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
-_CAP_RAW = raw_header(CAPABILITY_HEADER)
-_SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 
@@ -217,39 +213,9 @@ def seam_fast_path(service: NodeService, app):
 
 
 async def _stream(service: NodeService, scope, receive, send) -> None:
-    """A chain session's steps from the previous hop, as records of one body (dgr.seam.stream).
-
-    The session and its capability come in the headers and are checked before any of the body is
-    read. Each record is applied as it completes; the first refusal answers the stream (and ends
-    it: the sender reports it to the gateway). A clean end of the body is answered 200.
-    """
-    sid, capability = "", None
-    for name, value in scope["headers"]:
-        if name == _CAP_RAW:
-            capability = value.decode("latin-1")
-        elif name == _SESSION_RAW:
-            sid = value.decode("latin-1")
-    reader = RecordReader(service.max_frame_bytes)
-    frames = 0
-    try:
-        if not _SID.fullmatch(sid):
-            raise CallerError(Reason.BAD_FRAME, f"a stream names its session in {ROUTE_SESSION_HEADER}: 32 hex digits")
-        service.authorize(capability, sid)
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the sender went away: its own sender names it, if it was lost
-            for hops, frame in reader.feed(message.get("body", b"")):
-                service.accept_streamed(sid, frame, hops)
-                frames += 1
-            if not message.get("more_body", False):
-                break
-        if reader.pending:
-            raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
-    except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, "stream")
-        return
-    await respond_raw(send, 200, json.dumps({"session": sid, "frames": frames}).encode())
+    """A chain session's steps from the previous hop, checked against this node's capability for it."""
+    await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
+                            authorize=service.authorize, apply=service.accept_streamed)
 
 
 async def _step(service: NodeService, scope, receive, send) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import attrs
 
 from dgr.errors import CallerError, Reason
-from dgr.seam.wire import HEADER_SIZE, MAGIC, MAX_FRAME_BYTES, MAX_HOPS_BYTES, RECORD_PREFIX
+from dgr.seam.wire import HEADER, HEADER_FIELDS, HEADER_SIZE, MAGIC, MAX_FRAME_BYTES, MAX_HOPS_BYTES, RECORD_PREFIX
 
 __all__ = ["encode_record", "RecordReader"]
 
-_PAYLOAD_LEN = HEADER_SIZE - 8  # offset of payload_len: the header's last two fields are payload_len and crc32
+_MAGIC_AT = [name for name, _, _ in HEADER_FIELDS].index("magic")
+_PAYLOAD_LEN_AT = [name for name, _, _ in HEADER_FIELDS].index("payload_len")
 
 
 def encode_record(hops: str, frame: bytes) -> bytes:
@@ -81,9 +82,10 @@ class RecordReader:
         start = RECORD_PREFIX.size + n_hops
         if len(buf) < start + HEADER_SIZE:
             return 0
-        if buf[start:start + len(MAGIC)] != MAGIC:
+        header = HEADER.unpack_from(buf, start)
+        if header[_MAGIC_AT] != MAGIC:
             raise CallerError(Reason.BAD_FRAME, "a stream record does not hold a seam frame (bad magic)")
-        payload = int.from_bytes(buf[start + _PAYLOAD_LEN:start + _PAYLOAD_LEN + 4], "little")
+        payload = header[_PAYLOAD_LEN_AT]
         if HEADER_SIZE + payload > self.max_frame_bytes:
             raise CallerError(Reason.FRAME_TOO_LARGE,
                               f"frame of {HEADER_SIZE + payload} bytes exceeds {self.max_frame_bytes}")

@@ -63,6 +63,11 @@ class _Conn:
         await self.stream.send_all(out)
         if sent is not None:
             sent.set()
+        return await self.response()
+
+    async def response(self) -> HttpResponse:
+        """Read the server's whole answer. Raises TransportError when the connection ends first."""
+        conn = self.h11
         status, resp_headers, chunks = 0, {}, []
         while True:
             event = conn.next_event()
@@ -99,8 +104,9 @@ class OutStream:
     pool: "ConnectionPool"
     conn: _Conn
     _released: bool = False
-    _ended: bool = False  # the body's end was sent
-    _reusable: bool = False  # answered 200 after the end: the server reads its next request on this connection
+    # answered 200, which a server does only once it has read the body's end: it then reads its next
+    # request on this connection. A refusal cut the body short, and the server closes the connection.
+    _reusable: bool = False
 
     async def send(self, data: bytes) -> None:
         """One chunk of the body. Raises TransportError."""
@@ -112,44 +118,25 @@ class OutStream:
     async def end(self) -> None:
         """End the body (the server then answers). Raises TransportError."""
         try:
-            data = self.conn.h11.send(h11.EndOfMessage())
-            self._ended = True
-            await self.conn.stream.send_all(data)
+            await self.conn.stream.send_all(self.conn.h11.send(h11.EndOfMessage()))
         except _ERRORS as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
 
     async def answer(self) -> HttpResponse:
         """The server's whole answer, whenever it comes. Raises TransportError when the connection ends first."""
-        conn = self.conn.h11
-        status, headers, chunks = 0, {}, []
         try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    data = await self.conn.stream.receive_some(_READ)
-                    if not data:
-                        raise TransportError("the server closed the connection")
-                    conn.receive_data(data)
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                    headers = {k.decode().lower(): v.decode() for k, v in event.headers}
-                    # an answer before the end cut the body short: the server closes that connection
-                    self._reusable = self._ended and status == 200
-                elif isinstance(event, h11.Data):
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return HttpResponse(status, headers, b"".join(chunks))
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise TransportError("connection closed")
+            r = await self.conn.response()
         except _ERRORS as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        self._reusable = r.status == 200
+        return r
 
     async def release(self) -> None:
         """Done with it: the connection goes back to the pool if the stream ended cleanly, else it closes."""
         if not self._released:
             self._released = True
             if self._reusable:
-                await self.pool._checkin(self.conn)
+                await self.pool._checkin(self.conn)  # which still closes it unless both sides are done
             else:
                 with trio.CancelScope(shield=True):
                     await self.conn.stream.aclose()
@@ -208,6 +195,11 @@ class ConnectionPool:
         else:
             with trio.CancelScope(shield=True):
                 await conn.stream.aclose()
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept open for the next request."""
+        return len(self._idle)
 
     @property
     def host(self) -> str:

@@ -35,14 +35,13 @@ from dgr.api.http import (
     read_body,
     read_json,
     read_raw_seam,
-    respond_raw,
     respond_raw_error,
+    serve_seam_stream,
 )
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
 from dgr.api.openapi import openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason, openai_error_body
-from dgr.seam.stream import RecordReader
-from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER, raw_header
+from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
 from dgr.security.api_keys import check_bearer
@@ -53,8 +52,6 @@ from dgr.tracker.proofs import Prover
 __all__ = ["make_tracker_app"]
 
 _REGISTRY_LIMIT = 1024 * 1024
-_CAP_RAW = raw_header(CAPABILITY_HEADER)
-_SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
 _DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
 TELEMETRY_EVERY_S = 0.25
 # Paths (and their subpaths) that need an API key when keys are configured.
@@ -321,8 +318,9 @@ def deliver_fast_path(gateway: Gateway, app):
                 and scope["path"] in (DELIVER_PATH, DELIVER_STREAM_PATH)):
             await app(scope, receive, send)
             return
-        if scope["path"] == DELIVER_STREAM_PATH:
-            await _deliver_stream(gateway, scope, receive, send)
+        if scope["path"] == DELIVER_STREAM_PATH:  # a chain tail's answers for one session
+            await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
+                                    authorize=gateway.authorize_delivery, apply=gateway.deliver_frame)
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
@@ -336,38 +334,6 @@ def deliver_fast_path(gateway: Gateway, app):
         await send({"type": "http.response.body", "body": b""})
 
     return asgi
-
-
-async def _deliver_stream(gateway: Gateway, scope, receive, send) -> None:
-    """A chain tail's answers for one session, as records of one body (dgr.seam.stream).
-
-    Authorized once, by the session's delivery capability in the headers, before any of the body
-    is read; each answer goes to its Route Session as its record completes. The first refusal
-    answers (and ends) the stream; a clean end of the body is answered 200.
-    """
-    sid, capability = "", None
-    for name, value in scope["headers"]:
-        if name == _CAP_RAW:
-            capability = value.decode("latin-1")
-        elif name == _SESSION_RAW:
-            sid = value.decode("latin-1")
-    reader = RecordReader(_DELIVER_LIMIT)
-    try:
-        gateway.authorize_delivery(capability, sid)
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            for hops, frame in reader.feed(message.get("body", b"")):
-                gateway.deliver_frame(sid, frame, hops)
-            if not message.get("more_body", False):
-                break
-        if reader.pending:
-            raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
-    except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, "delivery stream")
-        return
-    await respond_raw(send, 200, b"{}")
 
 
 async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:
