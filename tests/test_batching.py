@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from dgr.backends.base import LayerRange, Step
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import Reason
-from dgr.node.scheduler import Job, JobKind, plan_iteration
+from dgr.node.scheduler import Job, JobKind, may_gather, plan_iteration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
@@ -318,3 +318,16 @@ def test_llama_batched_decode_is_bit_identical_to_one_by_one(model_path) -> None
     finally:
         for be in (*batched, *single):
             be.close()
+
+
+def test_only_a_session_that_could_still_send_is_waited_for() -> None:
+    """The scheduler gathers (lets other readers run) only while some open session has nothing queued:
+    a lone session's step never waits for company that cannot come."""
+    def fwd(sid: str) -> Job:
+        return Job(JobKind.FORWARD, sid, step=Step(sid, 0, np.array([1], np.int32), None, True, decode=True))
+    assert not may_gather([fwd("a")], 1)
+    assert may_gather([fwd("a")], 2)
+    assert not may_gather([fwd("a"), fwd("b")], 2)
+    assert not may_gather([fwd("a"), fwd("a")], 1)
+    assert may_gather([Job(JobKind.CALL, None, fn=lambda: None)], 1)  # a control call is no session's step
+    assert not may_gather([], 0)

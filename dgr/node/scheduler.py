@@ -23,7 +23,8 @@ Contract:
   prefill chunk runs whenever one waits, so a long prompt delays other
   sessions' decoding by at most one chunk and is never starved. Before an
   iteration, every task that can run does (for at most `gather_s`), so
-  steps already read from other connections join it.
+  steps already read from other connections join it; not when every
+  session open on the backend already has a job queued (`may_gather`).
 
 Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
@@ -47,7 +48,7 @@ import trio.testing
 
 from dgr.backends.base import ShardBackend, Step
 
-__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
+__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "may_gather", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
 
 DEFAULT_TOKEN_BUDGET = 512  # positions per iteration; one llama.cpp ubatch
 
@@ -121,6 +122,12 @@ def plan_iteration(queue: Sequence[Job], token_budget: int) -> Plan:
     return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)))
 
 
+def may_gather(pending: Sequence[Job], open_sessions: int) -> bool:
+    """Whether another session's step could still join this iteration: some session open on the
+    backend has no job here yet. A lone session's step never waits for company that cannot come."""
+    return open_sessions > len({job.sid for job in pending if job.sid is not None})
+
+
 @attrs.define(eq=False)
 class StepScheduler:
     """Runs every backend call of a node, one iteration at a time, in a worker thread or (short decodes) inline."""
@@ -189,16 +196,22 @@ class StepScheduler:
         while True:
             if not pending:
                 pending.append(await self._recv.receive())
-                # Steps of other sessions may have arrived with this one, still unread in their
-                # connections: let every runnable task (those readers) run first, so they join this
-                # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
-                with trio.move_on_after(self.gather_s):
-                    await trio.testing.wait_all_tasks_blocked()
             while True:
                 try:
                     pending.append(self._recv.receive_nowait())
                 except trio.WouldBlock:
                     break
+            if may_gather(pending, self.session_count):
+                # Steps of other sessions may have arrived with these, still unread in their
+                # connections: let every runnable task (those readers) run first, so they join this
+                # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
+                with trio.move_on_after(self.gather_s):
+                    await trio.testing.wait_all_tasks_blocked()
+                while True:
+                    try:
+                        pending.append(self._recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
             plan = plan_iteration(pending, self.token_budget)
             ran = [pending[i] for i in plan.controls + plan.batch]
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
@@ -206,7 +219,6 @@ class StepScheduler:
             if self.inline or (decode_only and self.backend.n_threads == 1
                                and self._last_decode_s < self.inline_below_s):
                 compute = self._iterate(controls, batch)
-                await trio.lowlevel.checkpoint()  # the results' relays and replies go out before the next
             else:
                 compute = await trio.to_thread.run_sync(self._iterate, controls, batch)
             if decode_only:
@@ -216,6 +228,10 @@ class StepScheduler:
                 if job.on_done is not None:
                     job.on_done(job)
             pending = [pending[i] for i in plan.deferred]
+            if pending:
+                # the results' relays and replies go out before the next iteration (with nothing
+                # pending, the next `receive` yields to them anyway)
+                await trio.lowlevel.checkpoint()
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
         """One iteration (in the worker thread, or inline): controls, then the batch, then the accounting.
