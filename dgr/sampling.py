@@ -66,11 +66,11 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> tuple[int, float]:
         """Return (token, log-probability under the model's distribution). logits: [vocab]."""
         z = logits.astype(np.float32, copy=False)
-        top = float(z.max())
+        best = int(np.argmax(z))
+        top = float(z[best])
         log_norm = top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64)))
         if self.params.temperature == 0.0:
-            tok = int(np.argmax(z))
-            return tok, float(z[tok]) - log_norm
+            return best, top - log_norm
         # In float64: a float32 division takes a temperature below ~1e-45 as 0, and 0 / 0 is NaN. A tiny
         # one still overflows to -inf for every token but the best, which is right: exp(-inf) is 0.
         with np.errstate(over="ignore"):

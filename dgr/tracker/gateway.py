@@ -802,29 +802,39 @@ class Gateway:
         pos = len(live.prompt)
         seq = len(live.chunks(self.config.prefill_chunk))  # after the prefill chunks
         n_hops = len(rs.route)
-        last = None
+        last: float | None = None
+        hops: tuple[str, float] | None = None  # a chain answer's hops header and round trip, noted off the critical path
         while True:
             now = trio.current_time()
-            live.telemetry.publish(rs.token(now))
-            self.metrics.generated_tokens_total.inc()
-            if last is None:
-                self.metrics.ttft_seconds.observe(now - rs.created_at)
+            eog = token.eog and not live.request.ignore_eos
+            if not eog:
+                live.completion_tokens += 1
+                text = live.text.feed(token.piece)
+                if text:
+                    live.send.send_nowait(Delta(text, live.completion_tokens))
+            more = not eog and not live.text.stopped and live.completion_tokens < live.max_tokens
+            chain = more and self.config.topology is Topology.CHAIN
+            if more:
+                live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
+            if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
+                frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
+                t0 = time.perf_counter()
+                try:
+                    await self._send_head(live, frame, 1, seq)
+                finally:  # also when the send failed: the token came before the failure
+                    self._note_token(live, now, last)
             else:
-                self.metrics.token_latency_seconds.observe(now - last)
+                self._note_token(live, now, last)
             last = now
-            if token.eog and not live.request.ignore_eos:
-                return self._finish(live, "stop")
-            live.completion_tokens += 1
-            text = live.text.feed(token.piece)
-            if text:
-                live.send.send_nowait(Delta(text, live.completion_tokens))
-            if live.text.stopped:
-                return self._finish(live, "stop")
-            if live.completion_tokens >= live.max_tokens:
-                return self._finish(live, "length")
-            live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
-            if self.config.topology is Topology.CHAIN:
-                token = await self._decode_chain(live, token, seq, pos)
+            if hops is not None:
+                self._note_hops(live, *hops)
+            if not more:
+                return self._finish(live, "stop" if eog or live.text.stopped else "length")
+            if chain:
+                answer, header = await self._answer(live, seq, 1)
+                hops = (header, time.perf_counter() - t0)
+                self.hop_stats[rs.route[0].node_id].decode_bytes = len(frame)
+                token = TokenResult.from_frame(answer)
             else:
                 hidden: bytes | None = None
                 for i in range(n_hops):
@@ -836,6 +846,15 @@ class Gateway:
                 token = TokenResult.from_frame(reply.frame)
             pos += 1
             seq += 1
+
+    def _note_token(self, live: LiveSession, now: float, last: float | None) -> None:
+        """A token arrived at `now` (the one before at `last`): the Route Session's event and the metrics."""
+        live.telemetry.publish(live.rs.token(now))
+        self.metrics.generated_tokens_total.inc()
+        if last is None:
+            self.metrics.ttft_seconds.observe(now - live.rs.created_at)
+        else:
+            self.metrics.token_latency_seconds.observe(now - last)
 
     # -- the chain: the head gets each step, the tail delivers the answer ------------------
     async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:
@@ -930,15 +949,6 @@ class Gateway:
         live.rs.hop_latency_ms[node_id] = round(overhead_s * 1e3, 4)
         self.hop_stats[node_id].overhead_ms.append(overhead_s * 1e3)
         self.metrics.hop_latency_seconds.labels(node=node_id).observe(overhead_s)
-
-    async def _decode_chain(self, live: LiveSession, token: TokenResult, seq: int, pos: int) -> TokenResult:
-        frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
-        t0 = time.perf_counter()
-        await self._send_head(live, frame, 1, seq)
-        answer, hops = await self._answer(live, seq, 1)
-        self._note_hops(live, hops, time.perf_counter() - t0)
-        self.hop_stats[live.rs.route[0].node_id].decode_bytes = len(frame)
-        return TokenResult.from_frame(answer)
 
     async def _prefill_chain(self, live: LiveSession) -> TokenResult:
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
