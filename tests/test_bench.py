@@ -58,3 +58,25 @@ def test_the_1b_shape_is_a_1b_llama() -> None:
     per_layer = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * s.head_dim + 3 * s.hidden * s.ffn
     params = s.n_layers * per_layer + vocab * s.hidden
     assert params == pytest.approx(1.07e9, rel=0.02)
+
+
+def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
+    """A round's ratio compares setups measured seconds apart; the report's figure is their median."""
+    from dgr.bench.paired import ratios
+    from dgr.bench.report import markdown
+
+    rates = {"dgr 2-node chain": [30.0, 40.0, 35.0], "llama-server 1 thread": [40.0, 40.0, 50.0],
+             "llama-server over RPC x2": [30.0, 0.0, 35.0], "dgr 3-node chain": [20.0, 20.0, 20.0]}
+    r = ratios(rates)
+    assert r["2-node chain / llama-server 1 thread"]["per_round"] == [0.75, 1.0, 0.7]
+    assert r["2-node chain / llama-server 1 thread"]["median"] == 0.75
+    assert r["2-node chain / llama-server 1 thread"]["target"] == 0.95
+    assert r["2-node chain / llama-server over RPC x2"]["per_round"] == [1.0, 1.0]  # a failed round is left out
+    assert "1 `llama` node / llama-server, same threads" not in r  # neither setup ran
+    res = {"config": {"quick": True, "threads": 2, "decode_tokens": 48, "only": "paired", "peers": True},
+           "started": "s", "finished": "f", "setups": {}, "ttft": {}, "seam": {},
+           "paired": {"rounds": 3, "rates": rates, "ratios": r}}
+    text = markdown(res, [])
+    assert "| 2-node chain / llama-server 1 thread | 0.95x | 0.75x | 0.70x to 1.00x |" in text
+    assert "| dgr 2-node chain | 30.0 | 40.0 | 35.0 | 35.0 |" in text
+    assert "Made by `dgr bench --quick --only paired`." in text

@@ -18,7 +18,7 @@ def _run(args) -> int:
         print("dgr bench: --only rtt needs at least one --rtt MS", file=sys.stderr)
         return 2
     cfg = BenchConfig.make(args.quick, tuple(args.rtt or ()))
-    cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link, peers=args.peers or args.only == "peers",
+    cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link, peers=args.peers or args.only in ("peers", "paired"),
                        big=args.big)
     if args.threads:
         cfg = attrs.evolve(cfg, threads=args.threads)
@@ -40,10 +40,11 @@ def register(subparsers) -> None:
     p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
                    help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
                         "(auto: netem when the kernel has it)")
-    p.add_argument("--only", choices=("rtt", "peers", "prefix"),
+    p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired"),
                    help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
                         "prefix: a 10-turn chat's TTFT with and without prefix reuse, beside llama-server's "
-                        "cache_prompt)")
+                        "cache_prompt; paired: the single-session head-to-head with every setup up at once, "
+                        "measured in alternating rounds)")
     p.add_argument("--peers", action="store_true",
                    help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "
                         "from the llama.cpp vendored in the installed llama-cpp-python's sdist")

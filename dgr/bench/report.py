@@ -7,6 +7,7 @@ in the same run. Plots are written with matplotlib's Agg backend (no screen).
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,14 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "prefix":  # one section, whose setups and baselines it states itself
         lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
                  f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
+    if res["config"].get("only") == "paired":
+        lines = ["# dgr benchmark: paired single-session decode", "", f"Run {res['started']} to {res['finished']} on "
+                 f"one machine, SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup, "
+                 f"{res['config']['decode_tokens']} decoded tokens."]
     if setups:
         lines += ["", "## Decode and prefill", ""] + _setup_table(setups, base)
+    if res.get("paired"):
+        lines += _paired_markdown(res["paired"])
     if res.get("inprocess"):
         full = res["inprocess"].get("full model, in process", {})
         lines += ["", "## llama.cpp shards in one process (no HTTP)", "",
@@ -91,6 +98,24 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"
+
+
+def _paired_markdown(paired: dict[str, Any]) -> list[str]:
+    rounds = paired["rounds"]
+    lines = ["", "## Single-session decode, measured in alternation", "",
+             "Every setup below was up at once (idle setups take no CPU) and each round streamed one completion "
+             "from each in turn, so a slowdown of the machine hits every setup of a round alike. dgr's routes are "
+             "chains with 1 thread a node (2 threads for one `llama` node). A ratio is the median over rounds of "
+             "that round's ratio; the range is its lowest and highest round.", "",
+             "| setup | " + " | ".join(f"round {r + 1} tok/s" for r in range(rounds)) + " | median tok/s |",
+             "|---|" + "---|" * (rounds + 1)]
+    for label, rates in paired["rates"].items():
+        lines.append(f"| {label} | " + " | ".join(_f(v) for v in rates) + f" | {_f(statistics.median(rates))} |")
+    lines += ["", "| ratio | target | median | range over rounds |", "|---|---|---|---|"]
+    for name, r in paired["ratios"].items():
+        lines.append(f"| {name} | {r['target']:.2f}x | {r['median']:.2f}x "
+                     f"| {min(r['per_round']):.2f}x to {max(r['per_round']):.2f}x |")
+    return lines
 
 
 def _setup_table(setups: dict[str, Any], base: dict[str, Any], vs: str = "vs direct") -> list[str]:
@@ -197,7 +222,7 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
 def _command(cfg: dict[str, Any]) -> str:
     """The command line that makes this report."""
     parts = ["dgr bench"] + (["--quick"] if cfg["quick"] else [])
-    parts += (["--peers"] if cfg.get("peers") and cfg.get("only") != "peers" else []) + (["--big"] if cfg.get("big") else [])
+    parts += (["--peers"] if cfg.get("peers") and cfg.get("only") not in ("peers", "paired") else []) + (["--big"] if cfg.get("big") else [])
     parts += [f"--rtt {r:g}" for r in cfg.get("rtts_ms") or ()]
     if cfg.get("rtt_link", "auto") != "auto":
         parts.append(f"--rtt-link {cfg['rtt_link']}")

@@ -38,7 +38,8 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 4, 8)
     rtts_ms: tuple[float, ...] = ()
     only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers;
-    # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix)
+    # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix); "paired": just the
+    # single-session head-to-head measured in alternation (dgr.bench.paired)
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
@@ -89,6 +90,10 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.only in ("rtt", "prefix"):
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return results
+    if cfg.only == "paired":
+        results["paired"] = _paired(cfg, model, name, base_prompt, max_ctx)
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return results
 
     _log(f"direct llama-cpp-python, {cfg.threads} threads")
     results["setups"]["llama-cpp-python direct"] = direct_llama(model, base_prompt, cfg.decode_tokens, cfg.threads)
@@ -117,6 +122,8 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
                         route.api, name, STORY, cfg.decode_tokens // 2, c)
     if cfg.peers:
         _peers(results["setups"], results["concurrency"], results["ttft"], cfg, model, base_prompt, short, prompt)
+    if cfg.peers:
+        results["paired"] = _paired(cfg, model, name, base_prompt, max_ctx)
     if cfg.big:
         _big(results["big"], cfg, base_prompt, short)
     if cfg.only != "peers":
@@ -191,6 +198,32 @@ def _peers(setups: dict[str, Any], conc: dict[str, Any], ttft: dict[str, Any] | 
         for c in cfg.concurrency:
             conc.setdefault(label, {})[c] = concurrent(srv.api, "x", STORY, cfg.decode_tokens // 2, c,
                                                        extra=_NO_PROMPT_CACHE)
+
+
+def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int) -> dict[str, Any]:
+    """The single-session head-to-head again, every setup up at once and measured in alternating rounds."""
+    from dgr.bench.paired import PairedSetup, run_paired
+    from dgr.bench.peers import LlamaServer, RpcServer, ensure_tools
+
+    tools = ensure_tools(_log)
+
+    def start(stack) -> list[PairedSetup]:
+        out = []
+        for label, backend, nodes in (("dgr 2-node chain", "llama_shard", 2), ("dgr 3-node chain", "llama_shard", 3),
+                                      ("dgr llama, 1 node", "llama", 1)):
+            threads = max(1, cfg.threads // nodes)
+            route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", "chain")))
+            out.append(PairedSetup(label, route.api, name))
+        rpcs = [stack.enter_context(RpcServer(tools, 1)) for _ in range(2)]
+        for label, srv in (("llama-server 1 thread", LlamaServer(tools, model, 1, ctx)),
+                           ("llama-server, all threads", LlamaServer(tools, model, cfg.threads, ctx)),
+                           ("llama-server over RPC x2", LlamaServer(tools, model, 1, ctx,
+                                                                    rpc=tuple(r.endpoint for r in rpcs)))):
+            out.append(PairedSetup(label, stack.enter_context(srv).api, "x", _NO_PROMPT_CACHE))
+        return out
+
+    _log("paired: every single-session setup up at once, measured in alternating rounds")
+    return run_paired(start, prompt, cfg.decode_tokens, rounds=3 if cfg.quick else 5, log=_log)
 
 
 def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[int]) -> None:

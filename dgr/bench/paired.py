@@ -1,0 +1,75 @@
+"""Single-session decode, dgr's routes and llama.cpp's own servers measured in alternation.
+
+Why: on a shared VM the machine's speed drifts by 10 to 30% within minutes
+(steal time), so two setups measured minutes apart give a ratio that is
+partly the drift. Here every setup is started first and all of them stay
+up (idle, they take no CPU), then each round streams one completion from
+each setup in turn. A ratio is the median over rounds of that round's
+ratio, and its spread over rounds is reported beside it.
+
+The ratios are those of issue 13's single-session targets: the 2-node and
+3-node chains (1 thread a node) against llama-server with 1 thread and over
+RPC, and one `llama` node against llama-server with the same threads.
+
+Left out: starting the setups (dgr.testing.harness.LocalRoute,
+dgr.bench.peers), the report's layout (dgr.bench.report).
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import ExitStack
+from typing import Any, Callable
+
+import attrs
+
+from dgr.bench.measure import stream_once
+
+__all__ = ["PairedSetup", "RATIOS", "ratios", "run_paired"]
+
+# (name, numerator setup, denominator setup, target): the single-session must-shows
+RATIOS: tuple[tuple[str, str, str, float], ...] = (
+    ("2-node chain / llama-server 1 thread", "dgr 2-node chain", "llama-server 1 thread", 0.95),
+    ("2-node chain / llama-server over RPC x2", "dgr 2-node chain", "llama-server over RPC x2", 1.0),
+    ("3-node chain / llama-server 1 thread", "dgr 3-node chain", "llama-server 1 thread", 0.90),
+    ("1 `llama` node / llama-server, same threads", "dgr llama, 1 node", "llama-server, all threads", 0.95),
+)
+
+
+@attrs.frozen
+class PairedSetup:
+    label: str
+    api: str
+    model: str
+    extra: dict[str, Any] | None = None  # body fields for this server (llama-server: its prompt cache off)
+
+
+def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Per RATIOS entry: the per-round ratios, their median and the target. Pure.
+
+    `rates[label][r]` is setup `label`'s decode tok/s in round r; a round
+    whose setups were not both measured is left out.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, num, den, target in RATIOS:
+        if num not in rates or den not in rates:
+            continue
+        per_round = [a / b for a, b in zip(rates[num], rates[den]) if a and b]
+        if per_round:
+            out[name] = {"per_round": per_round, "median": statistics.median(per_round), "target": target}
+    return out
+
+
+def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[int], decode_tokens: int,
+               rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Start every setup (`setups(stack)` enters them), then `rounds` rounds of one stream each, in turn."""
+    with ExitStack() as stack:
+        running = setups(stack)
+        for s in running:  # warm connections and caches before the first round
+            stream_once(s.api, s.model, prompt[:16], 4, extra=s.extra)
+        rates: dict[str, list[float]] = {s.label: [] for s in running}
+        for r in range(rounds):
+            for s in running:
+                rates[s.label].append(stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra).decode_tok_s)
+            log(f"paired round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
+    return {"rounds": rounds, "rates": rates, "ratios": ratios(rates)}
