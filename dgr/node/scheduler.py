@@ -196,22 +196,14 @@ class StepScheduler:
         while True:
             if not pending:
                 pending.append(await self._recv.receive())
-            while True:
-                try:
-                    pending.append(self._recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            self._drain(pending)
             if may_gather(pending, self.session_count):
                 # Steps of other sessions may have arrived with these, still unread in their
                 # connections: let every runnable task (those readers) run first, so they join this
                 # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
                 with trio.move_on_after(self.gather_s):
                     await trio.testing.wait_all_tasks_blocked()
-                while True:
-                    try:
-                        pending.append(self._recv.receive_nowait())
-                    except trio.WouldBlock:
-                        break
+                self._drain(pending)
             plan = plan_iteration(pending, self.token_budget)
             ran = [pending[i] for i in plan.controls + plan.batch]
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
@@ -232,6 +224,14 @@ class StepScheduler:
                 # the results' relays and replies go out before the next iteration (with nothing
                 # pending, the next `receive` yields to them anyway)
                 await trio.lowlevel.checkpoint()
+
+    def _drain(self, pending: list[Job]) -> None:
+        """Every job submitted so far, onto the end of `pending`, in order."""
+        while True:
+            try:
+                pending.append(self._recv.receive_nowait())
+            except trio.WouldBlock:
+                return
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
         """One iteration (in the worker thread, or inline): controls, then the batch, then the accounting.
