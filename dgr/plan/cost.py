@@ -49,8 +49,10 @@ __all__ = [
 # RSS of a dgr node process before it loads a model: Python, numpy, trio, quart,
 # h11, httpx, cryptography (the node's Ed25519 identity) and llama.cpp's
 # libraries. 73 to 74 MiB with llama-cpp-python 0.3.36 on this machine before node
-# identities; 85.9 MiB since (tests/test_plan.py measures it), rounded up.
-LLAMA_CPU_RUNTIME_BYTES = 92 * 2**20
+# identities; 85.9 MiB since (tests/test_plan.py measures it). The same packages
+# take 83 MiB in a long-used virtualenv and 91.8 to 92.2 MiB in one made fresh by
+# `make test` (what CI runs): budgeted at the fresh figure, rounded up.
+LLAMA_CPU_RUNTIME_BYTES = 100 * 2**20
 
 
 @attrs.frozen
