@@ -23,7 +23,7 @@ from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
-                           ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind)
+                           ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
@@ -60,22 +60,47 @@ def test_chain_answers_equal_the_stub_and_the_seam_carries_one_step(chain) -> No
     chain.wait_sessions_freed(["node0", "node1", "node2"])
 
 
-def test_a_delivery_needs_the_sessions_capability(chain) -> None:
+def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on_streams(chain) -> None:
     sid = uuid.uuid4().hex
-    frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
+    report = json.dumps({"session": sid, "reporter": "node1", "code": "route_node_lost", "message": "forged",
+                         "node": "node2"}).encode()
     for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
                     chain.capability(sid, "gateway", layers=(0, 1), identity=Identity.generate()),  # not the tracker's
                     chain.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
-        r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
-                       headers={"Content-Type": CONTENT_TYPE, **headers})
+        r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=report, timeout=5,
+                       headers={"Content-Type": "application/json", **headers})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
     # the right capability for a session that is not live: refused as unknown, nothing changes
+    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=report, timeout=5,
+                   headers={"Content-Type": "application/json", **chain.capability(sid, "gateway", layers=(0, 1))})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
+    # an answer posted alone is refused, even with the capability: a chain's answers come on the delivery stream
+    frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
     r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
                    headers={"Content-Type": CONTENT_TYPE, **chain.capability(sid, "gateway", layers=(0, 1))})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
-    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=b"not a frame", timeout=5,
-                   headers={"Content-Type": CONTENT_TYPE})
-    assert r.status_code == 400
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame", r.text
+
+
+def test_a_chain_sessions_step_sent_alone_is_refused_and_the_session_goes_on(chain) -> None:
+    """A chain session's steps come on its stream: one posted to a node's single-step path is refused
+    before it touches the session, which answers as if nothing had come."""
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    want = expected_greedy([stub], stub.tokenize("a long one", add_special=True, parse_special=True), 300).text
+    node1 = chain.node("node1")["url"]
+    body = {"model": "stub", "prompt": "a long one", "max_tokens": 300, "temperature": 0, "stream": True}
+    text, refused = "", None
+    with httpx.stream("POST", f"{chain.api}/completions", json=body, timeout=30) as r:
+        sid = r.headers["x-dgr-route-session"]
+        for kind, data in sse_events(r):
+            if kind == "data" and isinstance(data, dict):
+                text += "".join(c.get("text") or "" for c in data.get("choices", []))
+            if text and refused is None:  # the session is decoding: a step of it, alone, with node1's capability
+                frame = encode_frame(FrameKind.DECODE, sid, 10_000, 0, 1, 576, hidden=np.zeros((1, 576), np.float32))
+                refused = httpx.post(f"{node1}{STEP_PATH}", content=frame, timeout=5,
+                                     headers={"Content-Type": CONTENT_TYPE, **chain.capability(sid, "node1")})
+    assert refused is not None
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request_error", refused.text
+    assert text == want
 
 
 @pytest.mark.parametrize("victim, reporter", [("node1", "node0"), ("node2", "node1")])

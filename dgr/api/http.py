@@ -28,7 +28,7 @@ from quart import Response, request
 
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.seam.stream import RecordReader
-from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, HOPS_HEADER, ROUTE_SESSION_HEADER, raw_header
+from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
            "is_loopback", "is_wildcard", "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
@@ -174,8 +174,6 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 _CAP_RAW = raw_header(CAPABILITY_HEADER)
 _SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
-_HOPS_RAW = raw_header(HOPS_HEADER)
-_HOPS_MAX = 4096  # characters of the hops header kept: a chain adds one short entry a hop
 
 
 @attrs.frozen
@@ -184,7 +182,6 @@ class RawSeamRequest:
 
     body: bytes
     capability: str | None
-    hops: str
     is_json: bool  # Content-Type application/json (a failure report, not a frame)
 
 
@@ -207,14 +204,12 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
         CallerError(FRAME_TOO_LARGE): announced or sent past `limit`.
         ValueError: a malformed Content-Length.
     """
-    capability, hops, is_json = None, "", False
+    capability, is_json = None, False
     for name, value in scope["headers"]:
         if name == b"content-length" and int(value) > limit:
             raise CallerError(Reason.FRAME_TOO_LARGE, f"{what} of {int(value)} bytes exceeds {limit}")
         if name == _CAP_RAW:
             capability = value.decode("latin-1")
-        elif name == _HOPS_RAW:
-            hops = value.decode("latin-1")[:_HOPS_MAX]
         elif name == b"content-type":
             is_json = value.split(b";")[0].strip() == b"application/json"
     chunks, size, refused = [], 0, None
@@ -240,7 +235,7 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
             break
     if refused is not None:
         raise refused
-    return RawSeamRequest(b"".join(chunks), capability, hops, is_json)
+    return RawSeamRequest(b"".join(chunks), capability, is_json)
 
 
 async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,

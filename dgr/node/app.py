@@ -224,11 +224,8 @@ async def _step(service: NodeService, scope, receive, send) -> None:
                                   on_header=lambda head, cap: service.authorize(cap, frame_session(head)))
         if req is None:
             return  # the sender went away mid-frame: nothing was applied
-        reply, compute_s = await service.step(req.body, req.capability, req.hops)
+        reply, compute_s = await service.step(req.body, req.capability)
     except (DgrError, ValueError) as exc:
         await respond_raw_error(send, exc, "request")
-        return
-    if reply is None:  # a chain step: computed; its result goes on through the session's relay
-        await respond_raw(send, 202, b"", CONTENT_TYPE.encode())
         return
     await respond_raw(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])

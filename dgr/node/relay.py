@@ -75,10 +75,7 @@ class Outgoing:
     """One computed step, ready to send on: the next hop's input frame, or the tail's answer."""
 
     frame: bytes
-    hops: str  # the hops header so far, this node included
-    # set once the frame is written to the next hop (or will never be): until then the node holds
-    # the step, so it keeps its sender's request open
-    sent: trio.Event = attrs.field(factory=trio.Event)
+    hops: str  # the hops text so far, this node included
 
 
 @attrs.frozen
@@ -109,8 +106,7 @@ class Relay:
         try:
             self._send.send_nowait(item)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            if isinstance(item, Outgoing):  # the session has ended: nothing more goes out for it
-                item.sent.set()
+            pass  # the session has ended here: nothing more goes out for it
 
     def close(self) -> None:
         self._send.close()
@@ -132,8 +128,6 @@ class Relay:
                     except TransportError as exc:
                         await self._lost(exc)
                         break
-                    finally:
-                        item.sent.set()
                 else:  # the session ended here: end the stream, and let the next hop answer it
                     self._ending = True
                     if stream is not None:
@@ -145,7 +139,6 @@ class Relay:
                                 pass
                 nursery.cancel_scope.cancel()
         finally:
-            self._release()
             self._recv.close()
             if stream is not None:
                 await stream.release()
@@ -201,16 +194,6 @@ class Relay:
             return  # nobody to tell: the gateway's step deadline fails the session
         self._failure = Failure(Reason.ROUTE_NODE_LOST, f"lost node {nxt.node}: {self.node_id} could not reach it: {exc}",
                                 node=nxt.node)
-
-    def _release(self) -> None:
-        """Nothing more will be sent: let every step still waiting to be sent answer its sender."""
-        while True:
-            try:
-                item = self._recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            if isinstance(item, Outgoing):
-                item.sent.set()
 
     async def _report(self, failure: Failure) -> None:
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()

@@ -473,28 +473,17 @@ class NodeService:
                 raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
         return step
 
-    async def step(self, body: bytes, capability: str | None = None, hops: str = "") -> tuple[bytes | None, float]:
-        """Apply one frame; return (response frame, compute seconds).
-
-        On a chain session (None, compute seconds) comes back once the step is computed, and the
-        result goes on through the session's relay, with this hop added to `hops`.
+    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
+        """Apply one frame of a star session; return (response frame, compute seconds).
 
         Raises:
-            CallerError: the frame was refused (FORBIDDEN without a valid capability); nothing changed.
+            CallerError: the frame was refused (FORBIDDEN without a valid capability; INVALID_REQUEST
+                for a chain session, whose steps come on its stream); nothing changed.
             PeerError(NODE_ERROR): compute failed; the session is failed and freed.
         """
         frame = self._admit(body, capability)
         want = bool(frame.flags & Flag.SAMPLE)
         job = self._job(frame)
-        relay = self.relays.get(frame.session)
-        if relay is not None:
-            # Answered once the result is on its way to the next hop: the sender's request stays open
-            # for exactly as long as this node holds the step, so if it dies then, the sender sees the
-            # connection drop and names it (as the gateway does on a star).
-            done, sent = self._relay_step(frame, job, want, relay, hops)
-            await done.done.wait()
-            await sent.wait()
-            return None, done.compute_s
         # the tail samples in the scheduler's thread too, with this session's own sampler
         finish = functools.partial(self._reply, frame, want, self.samplers.get(frame.session))
         try:
@@ -520,7 +509,7 @@ class NodeService:
             self._refuse(exc)
             raise exc
         frame = self._admit(body, None, stream=sid)
-        self._relay_step(frame, self._job(frame), bool(frame.flags & Flag.SAMPLE), self.relays[sid], hops)
+        self._relay_step(frame, self.relays[sid], hops)
 
     def _admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
         """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
@@ -537,6 +526,10 @@ class NodeService:
             raise
         if stream is None:
             self.authorize(capability, frame.session)
+            if frame.session in self.relays:
+                exc = CallerError(Reason.INVALID_REQUEST, f"session {frame.session} is on a chain: its steps come on its stream")
+                self._refuse(exc)
+                raise exc
         elif frame.session != stream:
             exc = CallerError(Reason.FORBIDDEN, f"a stream of session {stream} carried a frame of {frame.session}")
             self._refuse(exc)
@@ -565,10 +558,9 @@ class NodeService:
         return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), bool(frame.flags & Flag.SAMPLE),
                     decode=frame.kind is FrameKind.DECODE)
 
-    def _relay_step(self, frame: Frame, job: Step, want: bool, relay: Relay, hops: str) -> tuple[Job, trio.Event]:
+    def _relay_step(self, frame: Frame, relay: Relay, hops: str) -> None:
         """Queue a chain step; when computed, its result goes to the relay (or its failure is reported)."""
-        sampler = self.samplers.get(frame.session)
-        sent = trio.Event()  # the result is written to the next hop, or never will be
+        sampler, want = self.samplers.get(frame.session), bool(frame.flags & Flag.SAMPLE)
 
         def finish(out: np.ndarray | None) -> bytes:  # in the scheduler's thread
             if self.backend.is_tail:
@@ -585,16 +577,15 @@ class NodeService:
             except COMPUTE_ERRORS as exc:
                 why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
                 failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
-                sent.set()
                 relay.put(Report(failure))
                 if self._nursery is not None:
                     self._nursery.start_soon(self.fail_session, frame.session, failure)
                 return
             self._count(frame, out, j.compute_s)
             hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
-            relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop, sent))
+            relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
 
-        return self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=job, finish=finish, on_done=done)), sent
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done))
 
     def _count(self, frame: Frame, reply: bytes, compute: float) -> None:
         self.stats.compute_s += compute

@@ -54,15 +54,13 @@ class _Conn:
     last_used: float
 
     async def request(self, method: str, target: str, host: str, headers: list[tuple[str, str]],
-                      body: bytes, sent: trio.Event | None = None) -> HttpResponse:
+                      body: bytes) -> HttpResponse:
         conn = self.h11
         out = conn.send(h11.Request(method=method, target=target,
                                     headers=[("Host", host), ("Content-Length", str(len(body))), *headers]))
         out += conn.send(h11.Data(data=body)) if body else b""
         out += conn.send(h11.EndOfMessage())
         await self.stream.send_all(out)
-        if sent is not None:
-            sent.set()
         return await self.response()
 
     async def response(self) -> HttpResponse:
@@ -92,6 +90,11 @@ class _Conn:
 _ERRORS = (OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
 
 
+def _broken(exc: BaseException) -> "TransportError":
+    """One of _ERRORS, as the TransportError callers see."""
+    return TransportError(f"{type(exc).__name__}: {exc}")
+
+
 @attrs.define(eq=False)
 class OutStream:
     """One streamed request: the owner sends chunks and ends the body; one watcher reads the answer.
@@ -113,21 +116,21 @@ class OutStream:
         try:
             await self.conn.stream.send_all(self.conn.h11.send(h11.Data(data=data)))
         except _ERRORS as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise _broken(exc) from None
 
     async def end(self) -> None:
         """End the body (the server then answers). Raises TransportError."""
         try:
             await self.conn.stream.send_all(self.conn.h11.send(h11.EndOfMessage()))
         except _ERRORS as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise _broken(exc) from None
 
     async def answer(self) -> HttpResponse:
         """The server's whole answer, whenever it comes. Raises TransportError when the connection ends first."""
         try:
             r = await self.conn.response()
         except _ERRORS as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise _broken(exc) from None
         self._reusable = r.status == 200
         return r
 
@@ -214,19 +217,19 @@ class ConnectionPool:
         except _ERRORS as exc:
             with trio.CancelScope(shield=True):
                 await conn.stream.aclose()
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise _broken(exc) from None
         return OutStream(self, conn)
 
     async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None, *, sent: trio.Event | None = None) -> HttpResponse:
-        """One request on a pooled connection; `sent` is set once the whole request is written."""
+                      headers: list[tuple[str, str]] | None = None) -> HttpResponse:
+        """One request on a pooled connection."""
         conn = await self._checkout()
         ok = False
         try:
-            response = await conn.request(method, target, f"{self._host}:{self._port}", headers or [], body, sent)
+            response = await conn.request(method, target, self.host, headers or [], body)
             ok = True
         except _ERRORS as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise _broken(exc) from None
         finally:
             if not ok:
                 with trio.CancelScope(shield=True):

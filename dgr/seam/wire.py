@@ -27,7 +27,6 @@ __all__ = [
     "CONTENT_TYPE",
     "CAPABILITY_HEADER",
     "COMPUTE_HEADER",
-    "HOPS_HEADER",
     "ROUTE_SESSION_HEADER",
     "DELIVER_PATH",
     "STEP_PATH",
@@ -42,10 +41,9 @@ __all__ = [
 ]
 
 # HTTP headers of the seam. A step carries its Route Session capability; a node's answer says how
-# long its compute took; on a chain, each hop adds "node=microseconds" to the hops header it passes on.
+# long its compute took. (On a chain, each hop's compute rides in its stream records instead.)
 CAPABILITY_HEADER = "X-Dgr-Capability"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
-HOPS_HEADER = "X-Dgr-Hops"
 # The gateway's answer to a completion names its Route Session (clients follow its telemetry by it).
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
 STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame

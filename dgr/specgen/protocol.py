@@ -109,9 +109,8 @@ def render_seam() -> str:
         "refused, or whose link drops while the session lives, posts a JSON failure report to "
         f"`{wire.DELIVER_PATH}` with the session's delivery capability (`route_node_lost` naming the node it could "
         "not reach, or `node_error` naming the node that refused). The gateway keeps at most one prefill chunk a "
-        f"node in flight. `{wire.STEP_PATH}` also takes a chain session's single step (answered `202` once "
-        "computed and sent on), and a single answer may be posted to "
-        f"`{wire.DELIVER_PATH}`.",
+        f"node in flight. `{wire.STEP_PATH}` refuses a chain session's step (`{Reason.INVALID_REQUEST.value}`), and "
+        f"`{wire.DELIVER_PATH}` takes only failure reports (a frame there is `{Reason.BAD_FRAME.value}`).",
         "", "## What a node refuses (4xx, state unchanged)", "",
         "unknown or ended session; a step out of order or replayed (`seq`); a position that does not continue its KV "
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "

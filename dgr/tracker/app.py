@@ -307,10 +307,10 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
 
 def deliver_fast_path(gateway: Gateway, app):
-    """Wrap `app` so that a chain's answers (POST DELIVER_PATH, once per token) skip the framework.
+    """Wrap `app` so that a chain's answers (POST DELIVER_STREAM_PATH, a record per token) skip the framework.
 
-    The body is a TOKEN or ACK seam frame, or a JSON failure report; it is read up to one frame's size
-    limit and authorized by the session's delivery capability in `Gateway.deliver`.
+    Its nodes' failure reports (POST DELIVER_PATH, JSON) are served here too, read up to one frame's
+    size limit and authorized by the session's delivery capability in `Gateway.report`.
     """
 
     async def asgi(scope, receive, send):
@@ -326,7 +326,10 @@ def deliver_fast_path(gateway: Gateway, app):
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
             if req is None:
                 return
-            gateway.deliver(req.body, req.capability, req.hops, req.is_json)
+            if not req.is_json:
+                raise CallerError(Reason.BAD_FRAME, f"a chain's answers come on {DELIVER_STREAM_PATH}; "
+                                                    f"{DELIVER_PATH} takes JSON failure reports")
+            gateway.report(req.body, req.capability)
         except (DgrError, ValueError) as exc:
             await respond_raw_error(send, exc, "delivery")
             return

@@ -975,25 +975,20 @@ class Gateway:
             raise PeerError(Reason.NODE_ERROR, "the tail gave no token after prefill", node=rs.route[-1].node_id)
         return TokenResult.from_frame(answer)
 
-    def deliver(self, body: bytes, capability: str | None, hops: str, report: bool) -> None:
-        """An answer (a seam frame) or a failure report (JSON) from a chain session's node, posted alone.
+    def report(self, body: bytes, capability: str | None) -> None:
+        """A chain session's node reports a failure (JSON: session, reporter, code, message, node).
 
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
         """
-        if report:
-            data = parse_json(body)
-            sid = data.get("session")
-            try:
-                failure = Failure.from_json(data)
-            except (ValueError, KeyError, TypeError):
-                raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
-            item: Any = failure
-        else:
-            frame = self._answer_frame(body)
-            sid, item = frame.session, (frame, hops)
+        data = parse_json(body)
+        sid = data.get("session")
+        try:
+            failure = Failure.from_json(data)
+        except (ValueError, KeyError, TypeError):
+            raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
         self.authorize_delivery(capability, sid if isinstance(sid, str) else "")
-        self._live(sid).inbox[0].send_nowait(item)
+        self._live(sid).inbox[0].send_nowait(failure)
 
     def authorize_delivery(self, capability: str | None, sid: str) -> None:
         """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
