@@ -171,7 +171,7 @@ class LiveSession:
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
     unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
-    # chain: answers (frame, hops header) and failure reports the route's nodes delivered, in order;
+    # chain: answers (frame, hops text) and failure reports the route's nodes delivered, in order;
     # unbounded, since the driver takes each answer before it sends the next step
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
         factory=lambda: trio.open_memory_channel(math.inf))
@@ -803,7 +803,7 @@ class Gateway:
         seq = len(live.chunks(self.config.prefill_chunk))  # after the prefill chunks
         n_hops = len(rs.route)
         last: float | None = None
-        hops: tuple[str, float] | None = None  # a chain answer's hops header and round trip, noted off the critical path
+        hops: tuple[str, float] | None = None  # a chain answer's hops text and round trip, noted off the critical path
         while True:
             now = trio.current_time()
             eog = token.eog and not live.request.ignore_eos
@@ -911,7 +911,7 @@ class Gateway:
         await head.release()
 
     async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
-        """The tail's answer to step `seq`: (frame, hops header).
+        """The tail's answer to step `seq`: (frame, hops text).
 
         Raises:
             PeerError: a node reported a failure, or no answer came within the route's deadline.
@@ -931,7 +931,7 @@ class Gateway:
                         node=tail, step=seq, phase=live.rs.state.value)
 
     def _note_hops(self, live: LiveSession, hops: str, round_trip_s: float) -> None:
-        """Per-hop compute from the hops header; what is left of the round trip is the seam's, shared out."""
+        """Per-hop compute from the hops text; what is left of the round trip is the seam's, shared out."""
         compute: dict[str, float] = {}
         for part in hops.split(","):
             node, _, us = part.partition("=")
