@@ -8,6 +8,7 @@
 - No recompute: each shard evaluates each position once, by its own counter
   and by llama.cpp's perf counter.
 - Sessions interleaved on one shard give the tokens each gives alone.
+- A session's lane picks its sequence id; rows of consecutive ids decode as one graph.
 - Shard files: metadata and tensors as the loader needs them; cached by the
   source's sha256.
 """
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import outcome
 import pytest
 
-from dgr.backends.base import LayerRange
+from dgr.backends.base import LayerRange, Step
 from dgr.backends.llama import LlamaBackend
-from dgr.backends.llama_engine import read_gguf_header
+from dgr.backends.llama_engine import LlamaEngine, read_gguf_header
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.backends.shardfile import file_sha256, shard_path
 from dgr.errors import CallerError, Reason
@@ -151,6 +153,41 @@ def test_interleaved_sessions(full):
     finally:
         for s in stages:
             s.close()
+
+
+def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt, monkeypatch):
+    """Phase groups (dgr.tracker.phases) rest on two facts: a session opened on a free lane gets that
+    sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph (the head shard
+    captures one piece of hidden states per graph) but rows of spread ids one graph each."""
+    head, = shards([15], max_sessions=6)
+    pieces: list[int] = []
+    take = LlamaEngine._take_hidden
+    monkeypatch.setattr(LlamaEngine, "_take_hidden",
+                        lambda self, m: (pieces.append(len(self._capture.captured)), take(self, m))[1])
+    try:
+        for lane in (5, 1, 2, 0, 4):
+            head.open_session(f"s{lane}", 64, lane=lane)
+        head.open_session("taken", 64, lane=1)  # lane 1 is in use: the lowest free id instead
+        assert {sid: head._seq(sid) for sid in head._sessions} == {"s5": 5, "s1": 1, "s2": 2, "s0": 0, "s4": 4,
+                                                                  "taken": 3}
+        ids = np.array(prompt[:8], np.int32)
+        for sid in head._sessions:
+            head.forward(sid, 0, ids, None, False)
+        pieces.clear()
+        pos = dict.fromkeys(head._sessions, len(ids))
+
+        def decode(sids):
+            steps = [Step(sid, pos[sid], ids[:1], None, False, decode=True) for sid in sids]
+            outs = head.forward_batch(steps)
+            assert all(isinstance(o, outcome.Value) for o in outs), outs
+            for sid in sids:
+                pos[sid] += 1
+            return pieces.pop()
+
+        assert decode(["s0", "s1", "s2", "taken"]) == 1  # sequence ids 0-3: one graph
+        assert decode(["s0", "s2", "s4", "s5"]) == 3  # ids 0, 2 and 4-5: three
+    finally:
+        head.close()
 
 
 def test_capture_recovers_when_the_node_moves(prompt, full):

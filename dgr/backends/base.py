@@ -106,8 +106,12 @@ class ShardBackend(abc.ABC):
 
     # -- sessions -----------------------------------------------------------
     @abc.abstractmethod
-    def open_session(self, sid: str, max_positions: int) -> None:
-        """Reserve Hot KV State for up to max_positions positions."""
+    def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
+        """Reserve Hot KV State for up to max_positions positions.
+
+        `lane`: the numbered slot to give the session if it is free, for a backend that has them
+        (llama.cpp's sequence ids: dgr.tracker.phases says why); the others ignore it.
+        """
 
     @abc.abstractmethod
     def close_session(self, sid: str) -> None:

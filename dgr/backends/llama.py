@@ -142,8 +142,8 @@ class LlamaCppBackend(ShardBackend):
         )
 
     # -- sessions -----------------------------------------------------------
-    def open_session(self, sid: str, max_positions: int) -> None:
-        """Give `sid` a free seq_id.
+    def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
+        """Give `sid` a free seq_id: `lane` if it is one.
 
         Raises:
             CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)
@@ -155,18 +155,20 @@ class LlamaCppBackend(ShardBackend):
                 Reason.CONTEXT_LENGTH_EXCEEDED,
                 f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session",
             )
-        free = self._free_seq()
+        free = self._free_seq(lane)
         self.engine.seq_rm(free)  # a seq_id comes back clean whatever happened before
         self._sessions[sid] = free
         self._limits[sid] = max_positions
 
-    def _free_seq(self) -> int:
-        """A seq_id neither a session nor a kept prefix holds.
+    def _free_seq(self, prefer: int | None = None) -> int:
+        """A seq_id neither a session nor a kept prefix holds: `prefer` if it is one, else the lowest.
 
         Raises:
             CallerError(NODE_AT_CAPACITY)
         """
         used = set(self._sessions.values()) | set(self._kept.values())
+        if prefer is not None and 0 <= prefer < self.engine.n_seq_max and prefer not in used:
+            return prefer
         free = next((s for s in range(self.engine.n_seq_max) if s not in used), None)
         if free is None:
             raise CallerError(Reason.NODE_AT_CAPACITY, f"all {self.engine.n_seq_max} sessions are in use")

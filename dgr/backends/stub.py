@@ -135,7 +135,7 @@ class StubBackend(ShardBackend):
         self._unembed = (glob.standard_normal((w, v)) / np.sqrt(w)).astype(np.float32)
 
     # -- sessions -------------------------------------------------------------
-    def open_session(self, sid: str, max_positions: int) -> None:
+    def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
         if sid in self._sessions:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
         if max_positions > self.max_positions():

@@ -78,7 +78,7 @@ class TorchBackend(ShardBackend):
         )
 
     # -- sessions -------------------------------------------------------------
-    def open_session(self, sid: str, max_positions: int) -> None:
+    def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
         """Raises: CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY)."""
         if sid in self._sessions:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")

@@ -56,6 +56,7 @@ _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
+_MAX_LANE = 1 << 16  # a phase lane (dgr.tracker.phases) is a small sequence slot number
 
 
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
@@ -94,8 +95,11 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         prefix = body.get("prefix") or []
         if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
             raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
+        lane = body.get("lane")
+        if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
+            raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
         reused = await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")),
-                                            prefix=prefix)
+                                            prefix=prefix, lane=lane)
         return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")

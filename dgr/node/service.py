@@ -257,11 +257,13 @@ class NodeService:
 
     # -- session lifecycle ----------------------------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
-                           relay: RelayPlan | None = None, prefix: list[str] | None = None) -> int:
+                           relay: RelayPlan | None = None, prefix: list[str] | None = None,
+                           lane: int | None = None) -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
 
         With `prefix` (a block hash chain, dgr.node.prefix), the session starts from the longest kept
-        prefix matching it; returns the positions it holds from there (0: none reused).
+        prefix matching it; returns the positions it holds from there (0: none reused). `lane` is the
+        sequence slot to give it while that is free (dgr.tracker.phases).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -285,7 +287,7 @@ class NodeService:
             self.samplers[sid] = Sampler(sampling)
         try:
             reused = await self.scheduler.session_call(sid, functools.partial(self._open_kv, sid, max_positions,
-                                                                              prefix or []))
+                                                                              prefix or [], lane))
         except DgrError:
             self.sessions.pop(sid, None)
             self.samplers.pop(sid, None)
@@ -300,7 +302,7 @@ class NodeService:
             session.positions = reused  # before any step: the gateway waits for this answer to send one
         return reused
 
-    def _open_kv(self, sid: str, max_positions: int, chain: list[str]) -> int:
+    def _open_kv(self, sid: str, max_positions: int, chain: list[str], lane: int | None = None) -> int:
         """In the scheduler's thread: open `sid` on the longest kept prefix of `chain`, or empty; its positions.
 
         A prompt that extends the whole kept prefix (the same conversation's next turn) takes the
@@ -326,7 +328,7 @@ class NodeService:
                 return blocks * BLOCK_TOKENS
             while cache is not None and backend.free_slots() <= 0 and cache.entries:
                 backend.drop_prefix(cache.evict())
-            backend.open_session(sid, max_positions)
+            backend.open_session(sid, max_positions, lane=lane)
             return reused
         finally:
             self.prefix_bytes = backend.prefix_bytes()

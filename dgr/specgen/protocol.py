@@ -93,6 +93,9 @@ def render_seam() -> str:
         "kept prefix of them and answers `prefix_positions`, the positions the session then holds; the gateway "
         "starts prefill at the smallest answer on the route, and a node's first step may start before what it "
         "holds (it drops the rest first).",
+        "- On a chain, `POST /v1/seam/sessions` also carries `lane`: the session's phase lane on its route "
+        "(dgr.tracker.phases). A node with numbered sequence slots gives the session that slot while it is free, "
+        "so sessions of consecutive lanes that arrive together decode as one graph.",
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV. A normal close may carry "
         "`keep=K1.K2...`, the block keys of the session's KV: the node may keep those positions as a prefix "
         "instead of freeing them.",

@@ -88,6 +88,7 @@ from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
+from dgr.tracker.phases import RoutePhases
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
@@ -103,6 +104,7 @@ log = logging.getLogger("dgr.gateway")
 _GATEWAY = "gateway"
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
+_FIRST_HOLD_S = 0.25  # how long a session's first decode step may wait for its phase group
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
 
 
@@ -185,6 +187,9 @@ class LiveSession:
     head_ending: bool = False
     head_failure: Failure | None = None  # what the head's answer meant, once it came early
     head_answered: trio.Event = attrs.field(factory=trio.Event)
+    # chain: the board of the route's phase groups (dgr.tracker.phases), and what wakes this session there
+    phases: RoutePhases | None = None
+    go: trio.Event = attrs.field(factory=trio.Event)
 
     @property
     def reused(self) -> int:
@@ -262,6 +267,9 @@ class Gateway:
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
     # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
     holders: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    # chain: each route's (node ids') phase groups, and the sessions waiting on them
+    phases: dict[tuple[str, ...], RoutePhases] = attrs.field(factory=dict)
+    waiting: dict[str, LiveSession] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -449,6 +457,7 @@ class Gateway:
         caps: dict[str, str] = {}
         cfg = self.config
         attempted: list[str] = []
+        board: RoutePhases | None = None
         try:
             choice = await self._admit(req.model)
             for n in choice.nodes:  # held from now, so concurrent opens cannot overfill a node
@@ -507,6 +516,8 @@ class Gateway:
                 choice, reserved = better, better.nodes
                 caps = self._capabilities(rs.sid, choice.hops)
             relays = self._relays(rs.sid, choice.hops, caps)
+            board = self._board(choice.hops)
+            lane = None if board is None else board.join(rs.sid)
             held: dict[str, int] = {}
 
             async def _open(hop: Hop) -> None:
@@ -514,7 +525,7 @@ class Gateway:
                 attempted.append(hop.node_id)
                 try:
                     held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
-                                                     relay=relays.get(hop.node_id), prefix=offer)
+                                                     relay=relays.get(hop.node_id), prefix=offer, lane=lane)
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -531,6 +542,8 @@ class Gateway:
             with trio.CancelScope(shield=True):
                 await self._close_nodes(rs.sid, opened, failure, caps)
             self._release(reserved)
+            if board is not None:
+                self._leave_phases(board, rs.sid)
             confirmed = {c.node_id for c in opened}
             for node_id in attempted:
                 if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
@@ -549,6 +562,7 @@ class Gateway:
             rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
             send=send, recv=recv, caps=caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
+            phases=board,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([len(offer) * BLOCK_TOKENS, *held.values()]) if offer else 0
@@ -645,6 +659,8 @@ class Gateway:
                 # cancelled from outside: a node died (registry) or the client went away
                 failure = live.pending_failure or Failure(Reason.CANCELLED, "cancelled", phase=rs.state.value)
         finally:
+            if live.phases is not None:  # its group must not wait for it while its nodes close
+                self._wake(live.phases.stop(rs.sid))
             with trio.CancelScope(shield=True):
                 if failure is None and not rs.ended:
                     failure = Failure(Reason.INTERNAL, "driver ended without finishing", phase=rs.state.value)
@@ -659,6 +675,8 @@ class Gateway:
                     ending.start_soon(self._end_head, live)
                     await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
                 self._note_holders(live, keep)
+                if live.phases is not None:
+                    self._leave_phases(live.phases, rs.sid)
                 self._release(live.nodes)
                 live.send.close()
                 live.telemetry.close()
@@ -818,6 +836,8 @@ class Gateway:
                 live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
                 frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
+                if live.phases is not None:
+                    await self._in_phase(live, hold_s=2.0 * (now - last) if last is not None else _FIRST_HOLD_S)
                 t0 = time.perf_counter()
                 try:
                     await self._send_head(live, frame, 1, seq)
@@ -855,6 +875,47 @@ class Gateway:
             self.metrics.ttft_seconds.observe(now - live.rs.created_at)
         else:
             self.metrics.token_latency_seconds.observe(now - last)
+
+    # -- the chain: phase groups -----------------------------------------------------------
+    def _board(self, hops: tuple[Hop, ...]) -> RoutePhases | None:
+        """The phase board of a chain route through `hops` (made on first use); None on a star."""
+        if self.config.topology is not Topology.CHAIN:
+            return None
+        key = tuple(h.node_id for h in hops)
+        board = self.phases.get(key)
+        if board is None:
+            board = self.phases[key] = RoutePhases(len(hops))
+        return board
+
+    def _leave_phases(self, board: RoutePhases, sid: str) -> None:
+        """`sid`'s node sessions are closed: its lane is free, and a board with no lanes goes."""
+        self._wake(board.leave(sid))
+        if not board.lanes:
+            self.phases = {k: b for k, b in self.phases.items() if b is not board}
+
+    def _wake(self, sids: list[str]) -> None:
+        for sid in sids:
+            live = self.waiting.pop(sid, None)
+            if live is not None:
+                live.go.set()
+
+    async def _in_phase(self, live: LiveSession, hold_s: float) -> None:
+        """Wait (at most `hold_s`) until every decoding session of `live`'s phase group has its token."""
+        board, sid = live.phases, live.rs.sid
+        released = board.arrive(sid)
+        if sid in released:
+            self._wake([s for s in released if s != sid])
+            return
+        live.go = trio.Event()
+        self.waiting[sid] = live
+        try:
+            with trio.move_on_after(hold_s):
+                await live.go.wait()
+        finally:
+            alone = self.waiting.pop(sid, None) is not None  # not released: it goes alone
+            if alone:
+                board.withdraw(sid)
+            self.metrics.phase_waits_total.labels(outcome="alone" if alone else "released").inc()
 
     # -- the chain: the head gets each step, the tail delivers the answer ------------------
     async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:

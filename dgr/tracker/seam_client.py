@@ -92,17 +92,21 @@ class NodeClient:
             raise self._lost(exc) from None
 
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
-                   relay: dict[str, Any] | None = None, prefix: list[str] | None = None) -> int:
+                   relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
+                   lane: int | None = None) -> int:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
         With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
-        returns the positions it holds from there.
+        returns the positions it holds from there. `lane` (a chain's phase lane, dgr.tracker.phases) is
+        the sequence slot the node gives the session while it is free.
         """
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
             body["relay"] = relay
         if prefix:
             body["prefix"] = prefix
+        if lane is not None:
+            body["lane"] = lane
         r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability), json=body)
         if r.status_code != 201:
             raise self._refused(r)

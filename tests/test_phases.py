@@ -1,0 +1,83 @@
+"""Phase groups of a chain route (dgr.tracker.phases): pure rules, no I/O."""
+
+from __future__ import annotations
+
+from dgr.tracker.phases import RoutePhases
+
+
+def _board(n_nodes: int, n: int) -> tuple[RoutePhases, list[str]]:
+    board = RoutePhases(n_nodes)
+    sids = [f"s{i}" for i in range(n)]
+    assert [board.join(s) for s in sids] == list(range(n))
+    return board, sids
+
+
+def test_lanes_are_the_lowest_free_and_come_back_when_a_session_leaves() -> None:
+    board, sids = _board(2, 4)
+    board.leave("s1")
+    assert board.join("new") == 1
+    assert board.join("newer") == 4
+
+
+def test_a_lone_session_and_one_per_node_never_wait() -> None:
+    board, _ = _board(2, 1)
+    assert board.arrive("s0") == ["s0"]
+    board, _ = _board(2, 2)  # two sessions on two nodes: a group each
+    assert board.arrive("s1") == ["s1"]
+    assert board.arrive("s0") == ["s0"]
+
+
+def test_eight_sessions_on_two_nodes_go_in_two_groups_of_consecutive_lanes() -> None:
+    board, sids = _board(2, 8)
+    for s in sids:  # every session decoding: the first arrivals wait for their group
+        board.decoding.add(s)
+    assert board.groups() == [sids[:4], sids[4:]]
+    assert board.arrive("s5") == [] and board.arrive("s0") == []
+    assert board.arrive("s1") == [] and board.arrive("s2") == []
+    assert sorted(board.arrive("s3")) == sids[:4]  # the last of lanes 0-3 releases them together
+    assert board.waiting == {"s5"}
+    for s in ("s4", "s6"):
+        assert board.arrive(s) == []
+    assert sorted(board.arrive("s7")) == sids[4:]
+    assert board.waiting == set()
+
+
+def test_groups_follow_the_number_of_nodes_and_decoding_sessions() -> None:
+    board, sids = _board(3, 8)
+    board.decoding.update(sids)
+    assert board.groups() == [sids[:3], sids[3:6], sids[6:]]
+    board.decoding -= {"s0", "s1"}  # still in prefill, or ended: not waited for
+    assert board.groups() == [sids[2:4], sids[4:6], sids[6:]]
+
+
+def test_a_session_that_leaves_releases_the_group_that_waited_for_it() -> None:
+    board, sids = _board(2, 4)
+    board.decoding.update(sids)
+    assert board.arrive("s0") == []
+    assert board.leave("s1") == []  # 3 decoding: groups s0 s2 | s3, and s2 has no token yet
+    assert board.groups() == [["s0", "s2"], ["s3"]]
+    assert board.arrive("s3") == ["s3"]
+    assert board.leave("s2") == ["s0"]  # s0's group is now s0 alone, and it is waiting
+
+
+def test_a_session_that_stops_decoding_is_not_waited_for_and_keeps_its_lane() -> None:
+    board, sids = _board(2, 4)
+    board.decoding.update(sids)
+    assert board.arrive("s1") == []  # waits for s0
+    assert board.stop("s0") == []  # 3 decoding: groups s1 s2 | s3, and s2 has no token yet
+    assert sorted(board.arrive("s2")) == ["s1", "s2"]
+    assert board.join("new") == 4  # lane 0 is still held until s0's nodes close
+
+
+def test_a_session_that_withdrew_is_waited_for_again_next_time() -> None:
+    board, sids = _board(2, 4)
+    board.decoding.update(sids)
+    assert board.arrive("s0") == []
+    board.withdraw("s0")  # its wait timed out: it went alone
+    assert board.arrive("s1") == []  # s0 is in flight again, and s1 waits for it
+    assert sorted(board.arrive("s0")) == ["s0", "s1"]
+
+
+def test_a_session_not_on_the_board_never_waits() -> None:
+    board, _ = _board(2, 4)
+    assert board.arrive("stranger") == ["stranger"]
