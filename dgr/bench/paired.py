@@ -1,15 +1,18 @@
-"""Single-session decode, dgr's routes and llama.cpp's own servers measured in alternation.
+"""Decode of one session and of 8 at once, dgr's routes and llama.cpp's own servers measured in alternation.
 
 Why: on a shared VM the machine's speed drifts by 10 to 30% within minutes
 (steal time), so two setups measured minutes apart give a ratio that is
 partly the drift. Here every setup is started first and all of them stay
-up (idle, they take no CPU), then each round streams one completion from
-each setup in turn. A ratio is the median over rounds of that round's
-ratio, and its spread over rounds is reported beside it.
+up (idle, they take no CPU), then each round measures each setup in turn:
+one streamed completion, or (a setup with `sessions` > 1) that many streams
+at once, for their aggregate tok/s. A ratio is the median over rounds of
+that round's ratio, and its spread over rounds is reported beside it.
 
-The ratios are those of issue 13's single-session targets: the 2-node and
-3-node chains (1 thread a node) against llama-server with 1 thread and over
-RPC, and one `llama` node against llama-server with the same threads.
+The ratios are those of issue 13's decode targets: the 2-node and 3-node
+chains (1 thread a node) against llama-server with 1 thread and over RPC,
+one `llama` node against llama-server with the same threads, and the 2-node
+chain's 8 sessions against llama-server -np 8 with all threads and against
+the chain's own single session.
 
 Left out: starting the setups (dgr.testing.harness.LocalRoute,
 dgr.bench.peers), the report's layout (dgr.bench.report).
@@ -23,16 +26,21 @@ from typing import Any, Callable
 
 import attrs
 
-from dgr.bench.measure import stream_once
+from dgr.bench.measure import concurrent, stream_once
 
-__all__ = ["PairedSetup", "RATIOS", "ratios", "run_paired"]
+__all__ = ["PairedSetup", "RATIOS", "SESSIONS", "ratios", "run_paired"]
 
-# (name, numerator setup, denominator setup, target): the single-session must-shows
+SESSIONS = 8  # the concurrent setups' streams: the issue's 8-session figure, quick or not
+
+# (name, numerator setup, denominator setup, target): the decode must-shows
 RATIOS: tuple[tuple[str, str, str, float], ...] = (
     ("2-node chain / llama-server 1 thread", "dgr 2-node chain", "llama-server 1 thread", 0.95),
     ("2-node chain / llama-server over RPC x2", "dgr 2-node chain", "llama-server over RPC x2", 1.0),
     ("3-node chain / llama-server 1 thread", "dgr 3-node chain", "llama-server 1 thread", 0.90),
     ("1 `llama` node / llama-server, same threads", "dgr llama, 1 node", "llama-server, all threads", 0.95),
+    ("2-node chain, 8 sessions / llama-server -np 8", "dgr 2-node chain, 8 sessions",
+     "llama-server -np 8, all threads, 8 sessions", 0.8),
+    ("2-node chain, 8 sessions / its single session", "dgr 2-node chain, 8 sessions", "dgr 2-node chain", 2.5),
 )
 
 
@@ -42,6 +50,7 @@ class PairedSetup:
     api: str
     model: str
     extra: dict[str, Any] | None = None  # body fields for this server (llama-server: its prompt cache off)
+    sessions: int = 1  # more: that many streams at once (on `story`, half the tokens), rated by aggregate tok/s
 
 
 def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
@@ -61,8 +70,21 @@ def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
 
 
 def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[int], decode_tokens: int,
-               rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Start every setup (`setups(stack)` enters them), then `rounds` rounds of one stream each, in turn."""
+               rounds: int, log: Callable[[str], None], story: str = "") -> dict[str, Any]:
+    """Start every setup (`setups(stack)` enters them), then `rounds` rounds measuring each, in turn.
+
+    A round's rate is 0 where streams failed (its ratios leave that round out).
+    """
+
+    def rate(s: PairedSetup) -> float:
+        if s.sessions == 1:
+            return stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra).decode_tok_s
+        r = concurrent(s.api, s.model, story, decode_tokens // 2, s.sessions, extra=s.extra)
+        if r["errors"]:
+            log(f"{s.label}: {r['errors']} of {s.sessions} streams failed")
+            return 0.0
+        return r["aggregate_tok_s"]
+
     with ExitStack() as stack:
         running = setups(stack)
         for s in running:  # warm connections and caches before the first round
@@ -70,6 +92,6 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
         rates: dict[str, list[float]] = {s.label: [] for s in running}
         for r in range(rounds):
             for s in running:
-                rates[s.label].append(stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra).decode_tok_s)
+                rates[s.label].append(rate(s))
             log(f"paired round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
     return {"rounds": rounds, "rates": rates, "ratios": ratios(rates)}

@@ -40,7 +40,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
                  f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
     if res["config"].get("only") == "paired":
-        lines = ["# dgr benchmark: paired single-session decode", "", f"Run {res['started']} to {res['finished']} on "
+        lines = ["# dgr benchmark: paired decode", "", f"Run {res['started']} to {res['finished']} on "
                  f"one machine, SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup, "
                  f"{res['config']['decode_tokens']} decoded tokens."]
     if setups:
@@ -102,11 +102,13 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
 
 def _paired_markdown(paired: dict[str, Any]) -> list[str]:
     rounds = paired["rounds"]
-    lines = ["", "## Single-session decode, measured in alternation", "",
-             "Every setup below was up at once (idle setups take no CPU) and each round streamed one completion "
-             "from each in turn, so a slowdown of the machine hits every setup of a round alike. dgr's routes are "
-             "chains with 1 thread a node (2 threads for one `llama` node). A ratio is the median over rounds of "
-             "that round's ratio; the range is its lowest and highest round.", "",
+    lines = ["", "## Decode, measured in alternation", "",
+             "Every setup below was up at once (idle setups take no CPU) and each round measured each in turn "
+             "(one streamed completion; a setup named with N sessions: N streams at once on the bench's story "
+             "prompt with half the tokens, rated by their aggregate tok/s), so a slowdown of the machine hits "
+             "every setup of a round alike. dgr's routes are chains with 1 thread a node (2 threads for one "
+             "`llama` node). A ratio is the median over rounds of that round's ratio; the range is its lowest "
+             "and highest round.", "",
              "| setup | " + " | ".join(f"round {r + 1} tok/s" for r in range(rounds)) + " | median tok/s |",
              "|---|" + "---|" * (rounds + 1)]
     for label, rates in paired["rates"].items():

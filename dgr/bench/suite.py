@@ -201,8 +201,8 @@ def _peers(setups: dict[str, Any], conc: dict[str, Any], ttft: dict[str, Any] | 
 
 
 def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int) -> dict[str, Any]:
-    """The single-session head-to-head again, every setup up at once and measured in alternating rounds."""
-    from dgr.bench.paired import PairedSetup, run_paired
+    """The single-session and 8-session head-to-heads again, every setup up at once, in alternating rounds."""
+    from dgr.bench.paired import SESSIONS as slots, PairedSetup, run_paired
     from dgr.bench.peers import LlamaServer, RpcServer, ensure_tools
 
     tools = ensure_tools(_log)
@@ -214,16 +214,21 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
             threads = max(1, cfg.threads // nodes)
             route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", "chain")))
             out.append(PairedSetup(label, route.api, name))
+            if nodes == 2:
+                out.append(PairedSetup(f"{label}, {slots} sessions", route.api, name, sessions=slots))
         rpcs = [stack.enter_context(RpcServer(tools, 1)) for _ in range(2)]
         for label, srv in (("llama-server 1 thread", LlamaServer(tools, model, 1, ctx)),
                            ("llama-server, all threads", LlamaServer(tools, model, cfg.threads, ctx)),
                            ("llama-server over RPC x2", LlamaServer(tools, model, 1, ctx,
                                                                     rpc=tuple(r.endpoint for r in rpcs)))):
             out.append(PairedSetup(label, stack.enter_context(srv).api, "x", _NO_PROMPT_CACHE))
+        srv = stack.enter_context(LlamaServer(tools, model, cfg.threads, ctx, parallel=slots))
+        out.append(PairedSetup(f"llama-server -np {slots}, all threads, {slots} sessions", srv.api, "x",
+                               _NO_PROMPT_CACHE, sessions=slots))
         return out
 
-    _log("paired: every single-session setup up at once, measured in alternating rounds")
-    return run_paired(start, prompt, cfg.decode_tokens, rounds=3 if cfg.quick else 5, log=_log)
+    _log("paired: every setup up at once, measured in alternating rounds")
+    return run_paired(start, prompt, cfg.decode_tokens, rounds=3 if cfg.quick else 5, log=_log, story=STORY)
 
 
 def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[int]) -> None:
