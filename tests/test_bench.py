@@ -67,7 +67,7 @@ def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
 
     rates = {"dgr 2-node chain": [30.0, 40.0, 35.0], "llama-server 1 thread": [40.0, 40.0, 50.0],
              "llama-server over RPC x2": [30.0, 0.0, 35.0], "dgr 3-node chain": [20.0, 20.0, 20.0],
-             "dgr 2-node chain, 8 sessions": [60.0, 80.0, 70.0],
+             "dgr 2-node chain, 8 sessions": [60.0, 80.0, 70.0], "dgr 2-node chain, 1 session": [30.0, 40.0, 35.0],
              "llama-server -np 8, all threads, 8 sessions": [100.0, 80.0, 0.0]}
     r = ratios(rates)
     assert r["2-node chain / llama-server 1 thread"]["per_round"] == [0.75, 1.0, 0.7]
@@ -77,7 +77,7 @@ def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
     assert "1 `llama` node / llama-server, same threads" not in r  # neither setup ran
     assert r["2-node chain, 8 sessions / llama-server -np 8"]["per_round"] == [0.6, 1.0]
     assert r["2-node chain, 8 sessions / llama-server -np 8"]["target"] == 0.8
-    assert r["2-node chain, 8 sessions / its single session"]["per_round"] == [2.0, 2.0, 2.0]
+    assert r["2-node chain, 8 sessions / 1 session"]["per_round"] == [2.0, 2.0, 2.0]
     res = {"config": {"quick": True, "threads": 2, "decode_tokens": 48, "only": "paired", "peers": True},
            "started": "s", "finished": "f", "setups": {}, "ttft": {}, "seam": {},
            "paired": {"rounds": 3, "rates": rates, "ratios": r}}

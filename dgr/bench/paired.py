@@ -4,15 +4,16 @@ Why: on a shared VM the machine's speed drifts by 10 to 30% within minutes
 (steal time), so two setups measured minutes apart give a ratio that is
 partly the drift. Here every setup is started first and all of them stay
 up (idle, they take no CPU), then each round measures each setup in turn:
-one streamed completion, or (a setup with `sessions` > 1) that many streams
-at once, for their aggregate tok/s. A ratio is the median over rounds of
+one streamed completion for its decode tok/s, or (a setup with `sessions`)
+that many streams at once for their aggregate tok/s (TTFT included, as in the
+suite's concurrency rows). A ratio is the median over rounds of
 that round's ratio, and its spread over rounds is reported beside it.
 
 The ratios are those of issue 13's decode targets: the 2-node and 3-node
 chains (1 thread a node) against llama-server with 1 thread and over RPC,
 one `llama` node against llama-server with the same threads, and the 2-node
 chain's 8 sessions against llama-server -np 8 with all threads and against
-the chain's own single session.
+one session on the chain, measured the same way.
 
 Left out: starting the setups (dgr.testing.harness.LocalRoute,
 dgr.bench.peers), the report's layout (dgr.bench.report).
@@ -40,7 +41,7 @@ RATIOS: tuple[tuple[str, str, str, float], ...] = (
     ("1 `llama` node / llama-server, same threads", "dgr llama, 1 node", "llama-server, all threads", 0.95),
     ("2-node chain, 8 sessions / llama-server -np 8", "dgr 2-node chain, 8 sessions",
      "llama-server -np 8, all threads, 8 sessions", 0.8),
-    ("2-node chain, 8 sessions / its single session", "dgr 2-node chain, 8 sessions", "dgr 2-node chain", 2.5),
+    ("2-node chain, 8 sessions / 1 session", "dgr 2-node chain, 8 sessions", "dgr 2-node chain, 1 session", 2.5),
 )
 
 
@@ -50,7 +51,7 @@ class PairedSetup:
     api: str
     model: str
     extra: dict[str, Any] | None = None  # body fields for this server (llama-server: its prompt cache off)
-    sessions: int = 1  # more: that many streams at once (on `story`, half the tokens), rated by aggregate tok/s
+    sessions: int | None = None  # that many streams at once (on `story`, half the tokens), rated by aggregate tok/s
 
 
 def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
@@ -77,7 +78,7 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
     """
 
     def rate(s: PairedSetup) -> float:
-        if s.sessions == 1:
+        if s.sessions is None:
             return stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra).decode_tok_s
         r = concurrent(s.api, s.model, story, decode_tokens // 2, s.sessions, extra=s.extra)
         if r["errors"]:

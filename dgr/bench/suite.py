@@ -215,7 +215,8 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
             route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", "chain")))
             out.append(PairedSetup(label, route.api, name))
             if nodes == 2:
-                out.append(PairedSetup(f"{label}, {slots} sessions", route.api, name, sessions=slots))
+                out += [PairedSetup(f"{label}, {n} session{'s' * (n > 1)}", route.api, name, sessions=n)
+                        for n in (1, slots)]
         rpcs = [stack.enter_context(RpcServer(tools, 1)) for _ in range(2)]
         for label, srv in (("llama-server 1 thread", LlamaServer(tools, model, 1, ctx)),
                            ("llama-server, all threads", LlamaServer(tools, model, cfg.threads, ctx)),
