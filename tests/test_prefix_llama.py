@@ -64,7 +64,8 @@ def test_a_copied_prefix_answers_as_a_full_prefill(stages) -> None:
         assert s.session_count() == 0 and s.kv_bytes() == 0 and s.prefix_bytes() > 0
     turn2 = fed + stages[0].tokenize(" And at night?", add_special=False, parse_special=False)
     for s in stages:
-        s.open_from_prefix("t2", 1024, "k", blocks * BLOCK_TOKENS, take=False)
+        s.open_from_prefix("t2", 1024, "k", blocks * BLOCK_TOKENS, take=False, lane=2)
+        assert s._seq("t2") == 2  # the copy lands in its phase lane's slot (dgr.tracker.phases)
     p.open("ref", 1024)
     got, got_logits = _greedy(p, "t2", turn2, blocks * BLOCK_TOKENS)
     want, want_logits = _greedy(p, "ref", turn2, 0)

@@ -174,8 +174,10 @@ class ShardBackend(abc.ABC):
         """
         raise NotImplementedError
 
-    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
-        """Open `sid` holding a copy of the first `positions` positions of `key`'s KV.
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
+                         lane: int | None = None) -> None:
+        """Open `sid` holding a copy of the first `positions` positions of `key`'s KV (in `lane`'s slot
+        if it is free, as `open_session`).
 
         With `take`, the kept KV itself becomes the session's and `key` is gone (no copy, no new slot).
         """

@@ -187,7 +187,8 @@ class LlamaCppBackend(ShardBackend):
         self._kept[key] = seq
         return positions * self.engine.kv_bytes_per_position()
 
-    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
+                         lane: int | None = None) -> None:
         if sid in self._sessions:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} is already open")
         if max_positions > self.engine.n_ctx_seq:
@@ -199,7 +200,7 @@ class LlamaCppBackend(ShardBackend):
         if take:
             seq = self._kept.pop(key)
         else:
-            seq = self._free_seq()
+            seq = self._free_seq(lane)
             self.engine.seq_copy(src, seq)
         self.engine.truncate(seq, positions)
         self.engine.reset_evaluated(seq)

@@ -158,7 +158,8 @@ class StubBackend(ShardBackend):
         self._kept[key] = _trimmed(s, positions)
         return positions * s.kv_sum.nbytes
 
-    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
+                         lane: int | None = None) -> None:
         if sid in self._sessions:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
         if self.free_slots() <= 0 and not take:

@@ -109,13 +109,14 @@ class TorchBackend(ShardBackend):
         self._kept[key] = s
         return positions * self.kv_bytes_per_position()
 
-    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool) -> None:
+    def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
+                         lane: int | None = None) -> None:
         src = self._kept.get(key)
         if src is None or src.cache is None or positions > src.positions:
             raise CallerError(Reason.INVALID_REQUEST, f"no kept prefix {key} of {positions} positions")
         if take:
             del self._kept[key]  # its slot goes to the new session
-        self.open_session(sid, max_positions)
+        self.open_session(sid, max_positions, lane)
         cache = self._sessions[sid].cache
         cache.k[:, :, :positions] = src.cache.k[:, :, :positions]  # [layers, kv_heads, positions, head_dim]
         cache.v[:, :, :positions] = src.cache.v[:, :, :positions]

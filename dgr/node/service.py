@@ -320,7 +320,7 @@ class NodeService:
                 if take:
                     cache.remove(kept.id)
                 try:
-                    backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take)
+                    backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take, lane)
                 except BaseException:
                     if take:
                         backend.drop_prefix(kept.id)  # the cache forgot it: its slot must not stay taken
