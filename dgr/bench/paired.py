@@ -57,7 +57,8 @@ class PairedSetup:
 def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
     """Per RATIOS entry: the per-round ratios, their median and the target. Pure.
 
-    `rates[label][r]` is setup `label`'s decode tok/s in round r; a round
+    `rates[label][r]` is setup `label`'s tok/s in round r (decode, or aggregate with
+    `sessions`); a round
     whose setups were not both measured is left out.
     """
     out: dict[str, dict[str, Any]] = {}
@@ -71,7 +72,7 @@ def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
 
 
 def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[int], decode_tokens: int,
-               rounds: int, log: Callable[[str], None], story: str = "") -> dict[str, Any]:
+               rounds: int, log: Callable[[str], None], story: str) -> dict[str, Any]:
     """Start every setup (`setups(stack)` enters them), then `rounds` rounds measuring each, in turn.
 
     A round's rate is 0 where streams failed (its ratios leave that round out).

@@ -39,7 +39,7 @@ class BenchConfig:
     rtts_ms: tuple[float, ...] = ()
     only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers;
     # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix); "paired": just the
-    # single-session head-to-head measured in alternation (dgr.bench.paired)
+    # single- and 8-session head-to-heads measured in alternation (dgr.bench.paired)
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
@@ -122,7 +122,6 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
                         route.api, name, STORY, cfg.decode_tokens // 2, c)
     if cfg.peers:
         _peers(results["setups"], results["concurrency"], results["ttft"], cfg, model, base_prompt, short, prompt)
-    if cfg.peers:
         results["paired"] = _paired(cfg, model, name, base_prompt, max_ctx)
     if cfg.big:
         _big(results["big"], cfg, base_prompt, short)

@@ -267,9 +267,8 @@ class Gateway:
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
     # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
     holders: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
-    # chain: each route's (node ids') phase groups, and the sessions waiting on them
+    # chain: each route's (node ids') phase groups
     phases: dict[tuple[str, ...], RoutePhases] = attrs.field(factory=dict)
-    waiting: dict[str, LiveSession] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -894,8 +893,9 @@ class Gateway:
             self.phases = {k: b for k, b in self.phases.items() if b is not board}
 
     def _wake(self, sids: list[str]) -> None:
+        """Release sessions waiting for their phase group (the board only releases waiting ones)."""
         for sid in sids:
-            live = self.waiting.pop(sid, None)
+            live = self.sessions.get(sid)
             if live is not None:
                 live.go.set()
 
@@ -907,15 +907,12 @@ class Gateway:
             self._wake([s for s in released if s != sid])
             return
         live.go = trio.Event()
-        self.waiting[sid] = live
-        try:
-            with trio.move_on_after(hold_s):
-                await live.go.wait()
-        finally:
-            alone = self.waiting.pop(sid, None) is not None  # not released: it goes alone
-            if alone:
-                board.withdraw(sid)
-            self.metrics.phase_waits_total.labels(outcome="alone" if alone else "released").inc()
+        with trio.move_on_after(hold_s):
+            await live.go.wait()
+        alone = not live.go.is_set()  # (a session cancelled while waiting stops in the driver's `finally`)
+        if alone:
+            board.withdraw(sid)
+        self.metrics.phase_waits_total.labels(outcome="alone" if alone else "released").inc()
 
     # -- the chain: the head gets each step, the tail delivers the answer ------------------
     async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:
