@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -203,7 +204,23 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="a request that finds every route full waits this long for a slot before its 429")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The tools' subcommands, each registered by its own module. Only the one being run is imported (all of
+# them for help or a mistyped command): together they cost about 0.5 s of CPU, which every tracker, node
+# and `dgr up` process paid at its start.
+_TOOLS = {"artifact": "dgr.artifact.cli", "plan": "dgr.plan.cli", "bench": "dgr.bench.cli", "soak": "dgr.bench.soak"}
+_CORE = ("tracker", "node", "up")
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand `argv` runs, when it is a known one (the only top-level option, -v, takes no value)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in _CORE or arg in _TOOLS else None
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or, given `command`, the core commands and that one tool."""
     from dgr.node.assign import MEMORY_SHARE
 
     parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
@@ -281,20 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_model_args(p)
     p.set_defaults(func=cmd_up)
 
-    from dgr.bench import soak
-    from dgr.artifact import cli as artifact_cli
-    from dgr.plan import cli as plan_cli
-    from dgr.bench import cli as bench_cli
-
-    artifact_cli.register(sub)
-    plan_cli.register(sub)
-    bench_cli.register(sub)
-    soak.register(sub)
+    for name, module in _TOOLS.items():
+        if command in (None, name):
+            importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command(argv)).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -16,7 +16,6 @@ tell what such a server read.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import re
@@ -31,7 +30,7 @@ from dgr.seam.stream import RecordReader
 from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "is_loopback", "is_wildcard", "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
+           "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -105,24 +104,6 @@ def install_error_handlers(app) -> None:
     async def _other(exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(Failure(Reason.INTERNAL, f"internal error: {type(exc).__name__}"))
-
-
-def is_wildcard(host: str) -> bool:
-    """True for the unspecified addresses (0.0.0.0, ::), which a server binds to listen on every interface."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False
-
-
-def is_loopback(host: str) -> bool:
-    """True for 'localhost' and loopback addresses; any name that must be resolved counts as exposed."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 async def read_body(max_bytes: int) -> bytes:

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
-from dgr.api.http import is_loopback, is_wildcard
+from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService

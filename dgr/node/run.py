@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from dgr.api.http import is_loopback
+from dgr.api.hosts import is_loopback
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app

@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from dgr.api.http import is_loopback, is_wildcard
+from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus

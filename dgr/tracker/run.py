@@ -15,7 +15,7 @@ import functools
 
 import trio
 
-from dgr.api.http import is_loopback
+from dgr.api.hosts import is_loopback
 from dgr.errors import CallerError, Reason
 from dgr.security.auth import Admission, CapabilityAuthority
 from dgr.security.identity import Identity
