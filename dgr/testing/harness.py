@@ -105,6 +105,18 @@ class LocalRoute:
     guest: Identity = attrs.field(factory=Identity.generate)  # a key of the harness's own, for test registrations
     api_key: str | None = None  # when set, the tracker requires it (DGR_API_KEYS) and the harness sends it
     _threads: list[threading.Thread] = attrs.field(factory=list)
+    _http: httpx.Client | None = attrs.field(default=None, init=False)
+
+    @property
+    def http(self) -> httpx.Client:
+        """A keep-alive client for the calls of this route's test (main thread; a watcher thread makes its own).
+
+        `httpx.get` makes a new client per call, which loads the system's CA certificates: about 60 ms of CPU,
+        so a poll every 50 ms kept a core busy that the route under test needed.
+        """
+        if self._http is None:
+            self._http = httpx.Client(timeout=120)
+        return self._http
 
     @property
     def url(self) -> str:
@@ -190,10 +202,13 @@ class LocalRoute:
         if self.keys is not None:
             shutil.rmtree(self.keys, ignore_errors=True)
             self.keys = None
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     # -- registry ---------------------------------------------------------------
     def node_table(self) -> list[dict[str, Any]]:
-        return httpx.get(f"{self.url}/v1/nodes", timeout=5, headers=self.headers).json()["nodes"]
+        return self.http.get(f"{self.url}/v1/nodes", timeout=5, headers=self.headers).json()["nodes"]
 
     def node(self, name: str) -> dict[str, Any]:
         for n in self.node_table():
@@ -208,7 +223,7 @@ class LocalRoute:
             return []
 
     def node_status(self, name: str) -> dict[str, Any]:
-        return httpx.get(f"{self.node(name)['url']}/v1/node/status", timeout=5).json()
+        return self.http.get(f"{self.node(name)['url']}/v1/node/status", timeout=5).json()
 
     def wait_nodes_alive(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -301,7 +316,7 @@ class LocalRoute:
             time.sleep(0.05)
 
     def session(self, sid: str) -> dict[str, Any]:
-        return httpx.get(f"{self.api}/route-sessions/{sid}", timeout=5, headers=self.headers).json()
+        return self.http.get(f"{self.api}/route-sessions/{sid}", timeout=5, headers=self.headers).json()
 
     def wait_session_ended(self, sid: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """The Route Session's telemetry once it is done or failed (its nodes may be freed a moment before)."""
