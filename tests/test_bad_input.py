@@ -20,7 +20,7 @@ def route():
 
 
 def _ok(route: LocalRoute) -> None:
-    r = httpx.post(f"{route.api}/chat/completions", timeout=30,
+    r = route.http.post(f"{route.api}/chat/completions", timeout=30,
                    json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert r.status_code == 200, r.text
 
@@ -59,7 +59,7 @@ MSG = [{"role": "user", "content": "hi"}]
 )
 def test_bad_requests_get_openai_errors(route, path, body, status, code, param) -> None:
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{route.api}{path}", timeout=30, headers={"Content-Type": "application/json"}, **kw)
+    r = route.http.post(f"{route.api}{path}", timeout=30, headers={"Content-Type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and isinstance(err["message"], str) and err["message"]

@@ -48,7 +48,7 @@ def single_answers(single) -> dict[str, str]:
 
 
 def _client(route: LocalRoute) -> openai.OpenAI:
-    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120, http_client=route.http)
 
 
 def _direct_greedy(direct, prompt: str, n: int) -> tuple[list[int], str]:
@@ -188,7 +188,7 @@ def test_eight_concurrent_sessions_on_a_sharded_route_equal_sequential() -> None
             t.start()
         deadline = time.monotonic() + 120
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            peak.append(len(httpx.get(f"{route.api}/route-sessions").json()["active"]))
+            peak.append(len(route.http.get(f"{route.api}/route-sessions").json()["active"]))
             time.sleep(0.02)
         for t in threads:
             t.join(120)

@@ -154,7 +154,7 @@ def test_sessions_are_freed_after_each_request(route) -> None:
     client = openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0)
 
     def decodes() -> dict[str, int]:
-        return {n["node"]: httpx.get(f"{n['url']}/v1/node/status").json()["seam"]["frames_in"].get("DECODE", 0)
+        return {n["node"]: route.http.get(f"{n['url']}/v1/node/status").json()["seam"]["frames_in"].get("DECODE", 0)
                 for n in route.node_table()}
 
     for stream in (False, True):

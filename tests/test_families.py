@@ -223,7 +223,7 @@ def test_plan_prices_local_and_global_layers(models):
 
 
 def _client(route: LocalRoute) -> openai.OpenAI:
-    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0, timeout=120, http_client=route.http)
 
 
 def _route(model: str, backend: str, nodes: int) -> LocalRoute:

@@ -16,11 +16,11 @@ LONG = {"max_tokens": 6000, "ignore_eos": True, "temperature": 0}
 
 
 def _post(route: LocalRoute, body: dict, timeout: float = 30) -> httpx.Response:
-    return httpx.post(f"{route.api}/completions", json={"model": "stub", **body}, timeout=timeout)
+    return route.http.post(f"{route.api}/completions", json={"model": "stub", **body}, timeout=timeout)
 
 
 def _sessions(route: LocalRoute) -> dict:
-    return httpx.get(f"{route.api}/route-sessions", timeout=5).json()
+    return route.http.get(f"{route.api}/route-sessions", timeout=5).json()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_full_node_answers_429_and_idle_sessions_are_freed(limited) -> None:
     assert r.json()["error"]["code"] == "node_at_capacity" and r.headers["retry-after"] == "1"
     # idle for over --idle-timeout (1 s; the node looks every second): its KV is freed
     deadline = time.monotonic() + 30  # bounds the wait for the event; not a timing claim
-    while httpx.get(f"{url}/v1/node/status").json()["sessions"]:
+    while limited.http.get(f"{url}/v1/node/status").json()["sessions"]:
         assert time.monotonic() < deadline, "the idle session was never freed"
         time.sleep(0.1)
     r = httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=cap)

@@ -49,8 +49,8 @@ def _frame(sid: str, seq: int, pos0: int, n: int) -> bytes:
 
 def _state(route: LocalRoute, url: str, sid: str) -> tuple[int, int, int, int]:
     """(sessions, kv_bytes, positions, next_seq) on a node, read with a valid capability."""
-    status = httpx.get(f"{url}/v1/node/status", timeout=5).json()
-    s = httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1"), timeout=5).json()
+    status = route.http.get(f"{url}/v1/node/status", timeout=5).json()
+    s = route.http.get(f"{url}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1"), timeout=5).json()
     return status["sessions"], status["kv_bytes"], s["positions"], s["next_seq"]
 
 
