@@ -33,6 +33,7 @@ from dgr.errors import CallerError, Reason
 from dgr.procs import dgr_command, run_child
 from dgr.progress import terminal_progress
 from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
+from dgr.security.tls import httpx_default_trust
 
 __all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
@@ -65,7 +66,7 @@ async def _print_example(url: str) -> None:
     if keys:
         headers["Authorization"] = f"Bearer {keys}"
     try:
-        async with httpx.AsyncClient(timeout=5) as client:
+        async with httpx.AsyncClient(timeout=5, verify=httpx_default_trust()) as client:
             models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError):
         return

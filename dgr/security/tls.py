@@ -17,6 +17,7 @@ capabilities, not by TLS) and certificate reloading.
 
 from __future__ import annotations
 
+import functools
 import ssl
 from pathlib import Path
 
@@ -87,6 +88,18 @@ class TlsTrust:
         ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
         return ctx
 
-    def httpx_verify(self, url: str, pinned_pem: str | None = None) -> ssl.SSLContext | bool:
-        """What to give httpx as `verify` for `url`: a context for https, True (unused) for http."""
-        return self.context(pinned_pem) if url.startswith("https://") else True
+    def httpx_verify(self, url: str, pinned_pem: str | None = None) -> ssl.SSLContext:
+        """What to give httpx as `verify` for `url`: a context for https, httpx's default (unused) for http."""
+        return self.context(pinned_pem) if url.startswith("https://") else httpx_default_trust()
+
+
+@functools.cache
+def httpx_default_trust() -> ssl.SSLContext:
+    """httpx's own default (`verify=True`: certifi's CAs), built once per process.
+
+    httpx builds it for every client, even one that only calls http:// URLs, and loading the CAs costs
+    about 60 ms of CPU: a tracker makes a client per node.
+    """
+    import httpx
+
+    return httpx.create_ssl_context()

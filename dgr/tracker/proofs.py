@@ -57,7 +57,7 @@ from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.fsm.proof import ProofEvent, ProofState
 from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, sign_json, verify_json
 from dgr.security.identity import Identity
-from dgr.security.tls import TlsTrust
+from dgr.security.tls import TlsTrust, httpx_default_trust
 from dgr.tracker.registry import NodeEntry
 
 __all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges",
@@ -144,7 +144,7 @@ class Prover:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Own the challenge tasks and their HTTP client until cancelled."""
-        async with httpx.AsyncClient(timeout=self.deadline_s) as client:
+        async with httpx.AsyncClient(timeout=self.deadline_s, verify=httpx_default_trust()) as client:
             try:
                 async with trio.open_nursery() as nursery:
                     self._client, self._nursery = client, nursery

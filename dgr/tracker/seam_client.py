@@ -26,6 +26,7 @@ from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
 from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH
+from dgr.security.tls import httpx_default_trust
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
 
@@ -57,7 +58,7 @@ class NodeClient:
             base_url=self.url,
             timeout=httpx.Timeout(None),  # deadlines are cancel scopes at the call site
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=300),
-            verify=self.ssl_context if self.ssl_context is not None else True,
+            verify=self.ssl_context if self.ssl_context is not None else httpx_default_trust(),
         )
         self._seam = ConnectionPool(self.url, self.ssl_context)
 
