@@ -1,4 +1,4 @@
-"""The command line: a service process imports only what its own command needs."""
+"""The command line: a service process imports only what its own command needs, and never pytest."""
 
 from __future__ import annotations
 
@@ -31,3 +31,14 @@ def test_help_and_a_tool_command_still_see_every_command(capsys):
         build_parser(_command(["frob"])).parse_args(["frob"])
     told = capsys.readouterr().err
     assert all(f"'{name}'" in told for name in _TOOLS)
+
+
+def test_service_processes_never_import_the_test_framework():
+    # the scheduler takes trio.testing's wait_all_tasks_blocked from trio._core, where trio defines it
+    import trio._core
+    import trio.testing
+
+    assert trio._core.wait_all_tasks_blocked is trio.testing.wait_all_tasks_blocked
+    probe = "import sys, dgr.node.run, dgr.tracker.run, dgr.up; print('pytest' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
