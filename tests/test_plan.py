@@ -22,6 +22,8 @@ from pathlib import Path
 
 import gguf
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.backends.base import LayerRange
@@ -186,6 +188,71 @@ def test_split_maximises_smallest_headroom(smol, k):
         _headroom_of(smol, params, nodes, [0, *cuts, 30]) for cuts in itertools.combinations(range(1, 30), k - 1)
     )
     assert got == best
+
+
+@settings(max_examples=100)
+@given(st.data())
+def test_the_vectorised_split_search_equals_the_scalar_scan(data):
+    """_max_min_split scans each node's ranges with numpy; the plain dynamic programme it replaced (every
+    (a, b) by a call of `score`, strict gains kept) must give the same value and the same cuts, ties and
+    ranges that may not be a shard (-inf) included."""
+    import math
+
+    import numpy as np
+
+    from dgr.plan.search import _max_min_split
+
+    n = data.draw(st.integers(2, 7))
+    k = data.draw(st.integers(2, n))
+    values = st.sampled_from([0, 1, 2, -math.inf])  # narrow: many ties
+    s = {(j, a, b): data.draw(values) for j in range(k) for a in range(n) for b in range(a + 1, n + 1)}
+
+    def score(j, a, b):
+        return s[(j, a, b)]
+
+    def table(j):
+        t = np.full((n + 1, n + 1), -math.inf)
+        for (jj, a, b), v in s.items():
+            if jj == j:
+                t[a, b] = v
+        return t
+
+    neg = -math.inf
+    best = [[neg] * (n + 1) for _ in range(k)]
+    arg = [[0] * (n + 1) for _ in range(k)]
+    for b in range(1, n - k + 2):
+        best[0][b] = score(0, 0, b)
+    for j in range(1, k):
+        for b in range(j + 1, n - (k - j - 1) + 1):
+            for a in range(j, b):
+                v = min(best[j - 1][a], score(j, a, b))
+                if v > best[j][b]:
+                    best[j][b], arg[j][b] = v, a
+    cuts = [n]
+    for j in range(k - 1, 0, -1):
+        cuts.append(arg[j][cuts[-1]])
+    cuts.append(0)
+    assert _max_min_split(n, k, score, table) == (best[k - 1][n], cuts[::-1])
+
+
+def test_the_range_tables_hold_need_and_valid_of_every_range(smol, dsv4):
+    """The split search reads need and validity from tables built at once; they must be need() and valid()
+    for every range, on layouts with required kinds (DeepSeek-V4), allowed starts (GLM-5.2) and a whole-only
+    rule (a layout marked so)."""
+    import attrs
+
+    from dgr.plan.search import _Pricer
+
+    glm = load_layout(ROOT / "tests" / "fixtures" / "glm-5.2.layout.json")
+    assert glm.shard_starts and dsv4.shard_needs
+    for layout in (smol, dsv4, glm, attrs.evolve(smol, whole_only="its tensors are not split by layer")):
+        pricer = _Pricer(layout, PlanParams(context=4096, sessions=2))
+        n = layout.n_layers
+        for a in range(n + 1):
+            for b in range(n + 1):
+                assert bool(pricer.valid_table[a, b]) == (a < b and pricer.valid(a, b)), (layout.name, a, b)
+                if a < b:
+                    assert pricer.need_table[a, b] == pricer.need(a, b)
 
 
 def test_plan_even_minimises_the_slowest_decode_step(smol, dsv4):

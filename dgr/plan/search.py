@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
@@ -144,6 +145,10 @@ class _Pricer:
             for h in (False, True)
             for t in (False, True)
         }
+        # need and valid for every range at once, [a, b] (a < b), for the split search
+        sums = np.asarray(self.pre.weights, dtype=np.int64) + np.asarray(self.pre.kv, dtype=np.int64)
+        self.need_table = _range_costs(sums, self.fixed)
+        self.valid_table = _valid_table(self)
 
     def need(self, a: int, b: int) -> int:
         p = self.pre
@@ -162,6 +167,10 @@ class _Pricer:
             return False
         return all(c[b] > c[a] for c in self.kind_counts)
 
+    def score_table(self, node: Node) -> np.ndarray:
+        """score(node, a, b) for every range at once: float64[a, b], -inf where [a, b) may not be a shard."""
+        return np.where(self.valid_table, node.memory_bytes - self.need_table, -math.inf)
+
     @property
     def constrained(self) -> bool:
         return bool(self.kind_counts) or self.starts is not None or bool(self.whole_only)
@@ -171,7 +180,8 @@ class _Pricer:
 
     def best_split(self, nodes: Sequence[Node]) -> tuple[float, list[int]]:
         """The split of every layer over `nodes` with the largest smallest headroom."""
-        return _max_min_split(self.n, len(nodes), lambda j, a, b: self.score(nodes[j], a, b))
+        return _max_min_split(self.n, len(nodes), lambda j, a, b: self.score(nodes[j], a, b),
+                              lambda j: self.score_table(nodes[j]))
 
     def fits(self, nodes: Sequence[Node]) -> bool:
         """Whether `nodes`, in order, can hold the model (greedy, then the DP when kinds are required)."""
@@ -198,19 +208,54 @@ def _fits_greedy(pricer: _Pricer, nodes: Sequence[Node]) -> bool:
     return False
 
 
-def _max_min_split(n: int, k: int, score: Callable[[int, int, int], float]) -> tuple[float, list[int]]:
-    """Boundaries 0 = c0 < c1 < ... < ck = n maximising min_j score(j, c_j, c_j+1)."""
+def _range_costs(prefix: Sequence[int], ends: dict[tuple[bool, bool], int]) -> np.ndarray:
+    """int64[a, b]: prefix[b] - prefix[a] + ends[(a == 0, b == n)], the cost of each range [a, b)."""
+    p = np.asarray(prefix, dtype=np.int64)
+    n = len(p) - 1
+    table = p[None, :] - p[:, None] + ends[(False, False)]
+    table[0, :] += ends[(True, False)] - ends[(False, False)]
+    table[:, n] += ends[(False, True)] - ends[(False, False)]
+    table[0, n] += ends[(True, True)] - ends[(True, False)] - ends[(False, True)] + ends[(False, False)]
+    return table
+
+
+def _valid_table(pricer: _Pricer) -> np.ndarray:
+    """bool[a, b]: pricer.valid(a, b), False where a >= b."""
+    n = pricer.n
+    a = np.arange(n + 1)
+    ok = a[:, None] < a[None, :]
+    if pricer.whole_only:
+        ok &= (a[:, None] == 0) & (a[None, :] == n)
+    if pricer.starts is not None:
+        ok &= np.array([i == 0 or i in pricer.starts for i in a])[:, None]
+    for c in pricer.kind_counts:
+        c = np.asarray(c, dtype=np.int64)
+        ok &= c[None, :] > c[:, None]
+    return ok
+
+
+def _max_min_split(n: int, k: int, score: Callable[[int, int, int], float],
+                   table: Callable[[int], np.ndarray]) -> tuple[float, list[int]]:
+    """Boundaries 0 = c0 < c1 < ... < ck = n maximising min_j score(j, c_j, c_j+1); ties: the earliest cuts.
+
+    `table(j)` is score(j, a, b) for every range as float64[a, b] (exact below 2**53; -inf for no shard,
+    and where a >= b). The dynamic programme takes each node's step over every range in a few numpy
+    calls: GLM-5.2's 78 layers planned on up to 78 nodes were 1.1e7 calls of `score`, 15 s for its audit.
+    `score` gives the values it keeps exactly.
+    """
     neg = -math.inf
     best = [[neg] * (n + 1) for _ in range(k)]
     arg = [[0] * (n + 1) for _ in range(k)]
     for b in range(1, n - k + 2):
         best[0][b] = score(0, 0, b)
     for j in range(1, k):
+        # [a, b]: the first j nodes end at a, node j holds [a, b); best[j - 1][a] is -inf for a < j
+        steps = np.minimum(np.asarray(best[j - 1], dtype=np.float64)[:, None], table(j))
+        pick = np.argmax(steps, axis=0)  # the first a of the largest value, as a scan keeping strict gains would
         for b in range(j + 1, n - (k - j - 1) + 1):
-            for a in range(j, b):
-                v = min(best[j - 1][a], score(j, a, b))
-                if v > best[j][b]:
-                    best[j][b], arg[j][b] = v, a
+            a = int(pick[b])
+            if steps[a, b] > neg:
+                best[j][b], arg[j][b] = min(best[j - 1][a], score(j, a, b)), a
     cuts = [n]
     for j in range(k - 1, 0, -1):
         cuts.append(arg[j][cuts[-1]])
@@ -366,11 +411,14 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
         read.append(read[-1] + layer.active_bytes + LAYER_OVERHEAD_BYTES)
     ends = {(h, t): shard_global_bytes(layout, params, is_head=h, is_tail=t)[1]
             for h in (False, True) for t in (False, True)}
+    costs = np.where(pricer.valid_table, -_range_costs(read, ends), -math.inf)
 
     def step_cost(a: int, b: int) -> int:
         return read[b] - read[a] + ends[(a == 0, b == n)]
 
-    best, cuts = _max_min_split(n, n_nodes, lambda j, a, b: -step_cost(a, b) if pricer.valid(a, b) else -math.inf)
+    best, cuts = _max_min_split(
+        n, n_nodes, lambda j, a, b: -step_cost(a, b) if pricer.valid(a, b) else -math.inf,
+        lambda j: costs)
     if best == -math.inf:
         raise CallerError(
             Reason.INVALID_REQUEST,
