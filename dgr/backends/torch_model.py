@@ -247,7 +247,10 @@ class ShardModel(nn.Module):
         super().__init__()
         self.args, self.span = args, layers
         self.is_head, self.is_tail = layers.start == 0, layers.stop == args.n_layers
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.is_head else None
+        # given its weight, Embedding skips its random init: torch's normal_ costs about 1.8 s on first use,
+        # even on the meta device, and load_shard replaces every weight anyway
+        self.tok_embeddings = (nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
+                               if self.is_head else None)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(len(layers)))
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.is_tail else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if self.is_tail else None
