@@ -224,3 +224,12 @@ def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(mani
     entry = {n["node"]: n for n in table["nodes"]}["sized"]
     assert entry["url"].startswith("https://") and entry["layers"] == str(want)
     assert entry["proof"]["state"] == "passed" and entry["proof"]["challenges"] == 8
+
+
+def test_http_clients_share_one_default_trust_and_https_gets_its_own() -> None:
+    """httpx builds its CA bundle for every client (about 60 ms of CPU), even one that only calls http://."""
+    from dgr.security.tls import TlsTrust, httpx_default_trust
+
+    trust = TlsTrust()
+    assert trust.httpx_verify("http://a:1") is trust.httpx_verify("http://b:2") is httpx_default_trust()
+    assert trust.httpx_verify("https://a:1") is not httpx_default_trust()

@@ -115,7 +115,7 @@ class LocalRoute:
         so a poll every 50 ms kept a core busy that the route under test needed.
         """
         if self._http is None:
-            self._http = httpx.Client(timeout=120)
+            self._http = httpx.Client()  # httpx's default timeout (5 s), as httpx.get had
         return self._http
 
     @property
