@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired"),
                    help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
                         "prefix: a 10-turn chat's TTFT with and without prefix reuse, beside llama-server's "
-                        "cache_prompt; paired: the single- and 8-session head-to-heads with every setup up at "
+                        "cache_prompt; paired: the single- and 8-session head-to-heads and the short-prompt TTFT, with every setup up at "
                         "once, measured in alternating rounds)")
     p.add_argument("--peers", action="store_true",
                    help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "

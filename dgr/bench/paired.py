@@ -1,4 +1,5 @@
-"""Decode of one session and of 8 at once, dgr's routes and llama.cpp's own servers measured in alternation.
+"""Decode of one session and of 8 at once, and short-prompt TTFT: dgr's routes and llama.cpp's own servers
+measured in alternation.
 
 Why: on a shared VM the machine's speed drifts by 10 to 30% within minutes
 (steal time), so two setups measured minutes apart give a ratio that is
@@ -13,7 +14,10 @@ The ratios are those of issue 13's decode targets: the 2-node and 3-node
 chains (1 thread a node) against llama-server with 1 thread and over RPC,
 one `llama` node against llama-server with the same threads, and the 2-node
 chain's 8 sessions against llama-server -np 8 with all threads and against
-one session on the chain, measured the same way.
+one session on the chain, measured the same way. A setup marked `ttft` also
+gets, each round, the time to first token of a short prompt that no setup
+has seen before (no prefix or prompt cache can answer it), for the
+short-prompt TTFT target; its ratio is one that must stay under its target.
 
 Left out: starting the setups (dgr.testing.harness.LocalRoute,
 dgr.bench.peers), the report's layout (dgr.bench.report).
@@ -29,7 +33,7 @@ import attrs
 
 from dgr.bench.measure import concurrent, stream_once
 
-__all__ = ["PairedSetup", "RATIOS", "SESSIONS", "ratios", "run_paired"]
+__all__ = ["PairedSetup", "RATIOS", "SESSIONS", "TTFT_RATIOS", "ratios", "run_paired"]
 
 SESSIONS = 8  # the concurrent setups' streams: the issue's 8-session figure, quick or not
 
@@ -43,6 +47,10 @@ RATIOS: tuple[tuple[str, str, str, float], ...] = (
      "llama-server -np 8, all threads, 8 sessions", 0.8),
     ("2-node chain, 8 sessions / 1 session", "dgr 2-node chain, 8 sessions", "dgr 2-node chain, 1 session", 2.5),
 )
+# (name, numerator setup, denominator setup, target): short-prompt TTFT, where the ratio must stay at most the target
+TTFT_RATIOS: tuple[tuple[str, str, str, float], ...] = (
+    ("short-prompt TTFT: 2-node chain / llama-server 1 thread", "dgr 2-node chain", "llama-server 1 thread", 1.15),
+)
 
 
 @attrs.frozen
@@ -52,31 +60,40 @@ class PairedSetup:
     model: str
     extra: dict[str, Any] | None = None  # body fields for this server (llama-server: its prompt cache off)
     sessions: int | None = None  # that many streams at once (on `story`, half the tokens), rated by aggregate tok/s
+    ttft: bool = False  # also a short prompt's TTFT each round (a prompt no setup has seen)
 
 
-def ratios(rates: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
-    """Per RATIOS entry: the per-round ratios, their median and the target. Pure.
+def ratios(rates: dict[str, list[float]], table: tuple[tuple[str, str, str, float], ...] = RATIOS,
+           at_most: bool = False) -> dict[str, dict[str, Any]]:
+    """Per `table` entry: the per-round ratios, their median and the target. Pure.
 
-    `rates[label][r]` is setup `label`'s tok/s in round r (decode, or aggregate with
-    `sessions`); a round
-    whose setups were not both measured is left out.
+    `rates[label][r]` is setup `label`'s figure in round r (tok/s of a decode, or
+    aggregate tok/s with `sessions`; TTFT seconds for TTFT_RATIOS, with
+    `at_most`: the target is a ceiling); a round whose setups were not both
+    measured is left out.
     """
     out: dict[str, dict[str, Any]] = {}
-    for name, num, den, target in RATIOS:
+    for name, num, den, target in table:
         if num not in rates or den not in rates:
             continue
         per_round = [a / b for a, b in zip(rates[num], rates[den]) if a and b]
         if per_round:
-            out[name] = {"per_round": per_round, "median": statistics.median(per_round), "target": target}
+            out[name] = {"per_round": per_round, "median": statistics.median(per_round), "target": target,
+                         "at_most": at_most}
     return out
 
 
 def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[int], decode_tokens: int,
-               rounds: int, log: Callable[[str], None], story: str) -> dict[str, Any]:
+               rounds: int, log: Callable[[str], None], story: str,
+               shorts: list[list[int]] | None = None) -> dict[str, Any]:
     """Start every setup (`setups(stack)` enters them), then `rounds` rounds measuring each, in turn.
 
     A round's rate is 0 where streams failed (its ratios leave that round out).
+    `shorts[r]` is round r's short prompt for the `ttft` setups: every setup
+    gets the same one, and no earlier round's.
     """
+    if shorts is not None and len(shorts) < rounds:
+        raise ValueError(f"{len(shorts)} short prompts for {rounds} rounds")
 
     def rate(s: PairedSetup) -> float:
         if s.sessions is None:
@@ -92,8 +109,12 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
         for s in running:  # warm connections and caches before the first round
             stream_once(s.api, s.model, prompt[:16], 4, extra=s.extra)
         rates: dict[str, list[float]] = {s.label: [] for s in running}
+        ttft: dict[str, list[float]] = {s.label: [] for s in running if s.ttft and shorts is not None}
         for r in range(rounds):
             for s in running:
                 rates[s.label].append(rate(s))
+                if s.label in ttft:
+                    ttft[s.label].append(stream_once(s.api, s.model, shorts[r], 2, extra=s.extra).ttft_s)
             log(f"paired round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
-    return {"rounds": rounds, "rates": rates, "ratios": ratios(rates)}
+    return {"rounds": rounds, "rates": rates, "ratios": ratios(rates), "ttft": ttft,
+            "ttft_ratios": ratios(ttft, TTFT_RATIOS, at_most=True)}

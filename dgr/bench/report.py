@@ -102,7 +102,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
 
 def _paired_markdown(paired: dict[str, Any]) -> list[str]:
     rounds = paired["rounds"]
-    lines = ["", "## Decode, measured in alternation", "",
+    lines = ["", "## Decode and short-prompt TTFT, measured in alternation", "",
              "Every setup below was up at once (idle setups take no CPU) and each round measured each in turn "
              "(one streamed completion; a setup named with N sessions: N streams at once on the bench's story "
              "prompt with half the tokens, rated by their aggregate tok/s), so a slowdown of the machine hits "
@@ -113,9 +113,19 @@ def _paired_markdown(paired: dict[str, Any]) -> list[str]:
              "|---|" + "---|" * (rounds + 1)]
     for label, rates in paired["rates"].items():
         lines.append(f"| {label} | " + " | ".join(_f(v) for v in rates) + f" | {_f(statistics.median(rates))} |")
+    ttft = paired.get("ttft") or {}
+    if ttft:
+        lines += ["", "Each round also timed the first token of a short prompt that no setup had seen "
+                  "(llama-server's prompt cache off) on the setups below.", "",
+                  "| setup | " + " | ".join(f"round {r + 1} TTFT ms" for r in range(rounds)) + " | median ms |",
+                  "|---|" + "---|" * (rounds + 1)]
+        for label, secs in ttft.items():
+            lines.append(f"| {label} | " + " | ".join(_f(v * 1e3) for v in secs)
+                         + f" | {_f(statistics.median(secs) * 1e3)} |")
     lines += ["", "| ratio | target | median | range over rounds |", "|---|---|---|---|"]
-    for name, r in paired["ratios"].items():
-        lines.append(f"| {name} | {r['target']:.2f}x | {r['median']:.2f}x "
+    for name, r in {**paired["ratios"], **(paired.get("ttft_ratios") or {})}.items():
+        bound = "at most" if r.get("at_most") else "at least"
+        lines.append(f"| {name} | {bound} {r['target']:.2f}x | {r['median']:.2f}x "
                      f"| {min(r['per_round']):.2f}x to {max(r['per_round']):.2f}x |")
     return lines
 
