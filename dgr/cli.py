@@ -97,7 +97,25 @@ def cmd_node(args) -> int:
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
                             advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca),
-                            prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir)
+                            prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
+                            busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3)
+
+
+# llama.cpp backends whose steps compute on one thread: their node idles while the rest of the
+# route computes, and the core it sleeps on is slow to wake (dgr.node.scheduler, busy_poll_s)
+_BUSY_POLL_BACKENDS = ("llama", "llama_shard")
+BUSY_POLL_MS = 100.0  # covers a token's trip through the rest of a 2- or 3-node SmolLM2 route
+
+
+def busy_poll_ms(given: float | None, backend: str, threads: int) -> float:
+    """`--busy-poll-ms` as given, else its default: BUSY_POLL_MS for a one-thread llama.cpp node, 0 otherwise.
+
+    With 2 threads a node's idle core was level with and without it (0.98x, paired rounds), and the
+    stub and torch backends have nothing to gain, so they sleep as before.
+    """
+    if given is not None:
+        return max(0.0, given)
+    return BUSY_POLL_MS if backend in _BUSY_POLL_BACKENDS and threads == 1 else 0.0
 
 
 def _assigned_layers(args):
@@ -155,6 +173,10 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
                         "slots live sessions leave free; 0: keep none)")
     p.add_argument("--stub-model", default="default", choices=("default", "dsv4"),
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
+    p.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",
+                   help="after computing a step, wait this long for the next one without letting the core "
+                        "sleep (it yields to any other runnable work): a sleeping core is slow to wake. "
+                        f"Default: {BUSY_POLL_MS:.0f} for a llama or llama_shard node with 1 thread, else 0")
 
 
 def _add_join_arg(p: argparse.ArgumentParser) -> None:

@@ -94,6 +94,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--snapshot-dir", str(Path(args.snapshot_dir) / name)]
     if getattr(args, "prefix_cache_mb", None) is not None:
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
+    if getattr(args, "busy_poll_ms", None) is not None:
+        cmd += ["--busy-poll-ms", str(args.busy_poll_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):

@@ -245,6 +245,53 @@ async def test_steps_that_arrive_together_run_as_one_batch() -> None:
     assert backend.batches == [4] and backend.violations == []
 
 
+class _IoWaits(trio.abc.Instrument):
+    """The timeout of each of the loop's waits for I/O: 0 while a task is runnable, more when it may sleep."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+
+async def _io_waits_during(seconds: float) -> list[float]:
+    rec = _IoWaits()
+    trio.lowlevel.add_instrument(rec)
+    try:
+        await trio.sleep(seconds)
+    finally:
+        trio.lowlevel.remove_instrument(rec)
+    return rec.timeouts
+
+
+async def test_after_a_step_the_scheduler_busy_polls_for_its_window_then_sleeps() -> None:
+    """Within `busy_poll_s` of computing a step, the loop never sleeps while a session is open (every wait
+    for I/O has no timeout), and the next step is picked up from it; past the window, or with every session
+    closed, or with busy polling off, the loop sleeps again."""
+    sid, other = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=0.4)
+    off = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="off")
+    async with running(node, off):
+        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
+        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        hot = await _io_waits_during(0.05)
+        assert len(hot) > 10 and max(hot) == 0, "polled, never slept"
+        reply, _ = await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))  # taken off the hot loop
+        assert decode_frame(reply).kind is FrameKind.TOKEN
+        await trio.sleep(0.45)  # past the window the decode opened
+        assert max(await _io_waits_during(0.05)) > 0, "slept once the window was over"
+
+        await node.step(_frames(sid, [8], 4, 2, FrameKind.DECODE))
+        await node.close_session(sid)  # a new window, but no session left to wait for
+        assert max(await _io_waits_during(0.05)) > 0
+
+        await off.open_session(other, 16, SamplingParams(temperature=0.0))
+        await off.step(_frames(other, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        assert max(await _io_waits_during(0.05)) > 0, "busy polling is off by default"
+        await off.close_session(other)
+
+
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n")
     a, b = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex

@@ -42,3 +42,20 @@ def test_service_processes_never_import_the_test_framework():
     probe = "import sys, dgr.node.run, dgr.tracker.run, dgr.up; print('pytest' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_busy_polling_is_on_by_default_only_for_one_thread_llama_nodes_and_up_passes_it_on():
+    """The measured case (one-thread llama.cpp shards, whose cores idle between a route's steps) polls;
+    a 2-thread node, the stub and torch sleep as before; a given value wins, and `dgr up` hands it on."""
+    from dgr.backends.base import LayerRange
+    from dgr.cli import BUSY_POLL_MS, busy_poll_ms
+    from dgr.up import node_args
+
+    assert busy_poll_ms(None, "llama_shard", 1) == busy_poll_ms(None, "llama", 1) == BUSY_POLL_MS > 0
+    assert busy_poll_ms(None, "llama_shard", 2) == busy_poll_ms(None, "stub", 1) == busy_poll_ms(None, "torch", 1) == 0
+    assert busy_poll_ms(0, "llama_shard", 1) == 0 and busy_poll_ms(25, "stub", 4) == 25
+    up = build_parser("up")
+    given = node_args(up.parse_args(["up", "--busy-poll-ms", "30"]), LayerRange(0, 2), "http://t", "node0", 1)
+    assert given[given.index("--busy-poll-ms") + 1] == "30.0"
+    default = node_args(up.parse_args(["up"]), LayerRange(0, 2), "http://t", "node0", 1)
+    assert "--busy-poll-ms" not in default  # the node picks its own default from its backend and threads

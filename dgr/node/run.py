@@ -71,7 +71,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    identity: Identity, idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None,
                    seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
                    tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
-                   prefix_cache_mb: float | None = None, snapshot_dir: str | None = None) -> None:
+                   prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
+                   busy_poll_s: float = 0.0) -> None:
     """Serve until cancelled.
 
     Raises:
@@ -83,7 +84,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           "check capabilities with, and anyone who reaches it could open sessions")
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
-                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact))
+                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact),
+                          busy_poll_s=busy_poll_s)
     app = make_node_app(service, artifact=artifact)
     seed_host = urlsplit(advertise).hostname if advertise else None
     if seed_host and ":" in seed_host:

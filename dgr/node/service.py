@@ -129,10 +129,11 @@ class NodeService:
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
     snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
+    busy_poll_s: float = 0.0  # --busy-poll-ms: StepScheduler.busy_poll_s
     _nursery: trio.Nursery | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.scheduler = StepScheduler(self.backend)
+        self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s)
         self.capacity = self.backend.max_sessions()
         self.max_positions = self.backend.max_positions()
         self.described = self.backend.describe()
