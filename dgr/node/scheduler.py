@@ -164,9 +164,10 @@ class StepScheduler:
     # For this long after an iteration that computed steps, while sessions are open, wait for the next job
     # without sleeping. On a route each node idles while the others compute, and on these VMs a core that
     # slept costs 0.3 to 1.5 ms to wake per link (a loopback ping after 10 ms of idle: 299 us p50 and
-    # 794 us p90, against 27 us when the receiver polls); a 2-node SmolLM2 chain decoded 1.21x faster
-    # with it and a 3-node chain 1.14x (paired rounds, 1 thread a node). Each round yields the core
-    # (sched_yield), so a busy machine's other work still runs; idle, the core stays awake. 0: off.
+    # 794 us p90, against 27 us when the receiver polls). In paired rounds (1 thread a node, a 50 ms
+    # window) a 2-node SmolLM2 chain decoded 1.21x faster with it while the VM was slow and 0.99x while
+    # it was calm, a 3-node chain 1.14x, 8 sessions 0.99x. Each round yields the core (sched_yield), so
+    # a busy machine's other work still runs; idle, the core stays awake. 0: off.
     busy_poll_s: float = 0.0
     _hot_until: float = -math.inf  # trio clock: the busy-poll window's end
     _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
