@@ -96,7 +96,8 @@ def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
 
 
 def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -> None:
-    """Each round's TTFT prompt is that round's own, the same for every setup timed, on those setups only."""
+    """Each round's TTFT prompt is that round's own, the same for every setup timed, on the setups
+    TTFT_RATIOS names only."""
     from dgr.bench import paired
 
     calls: list[tuple[str, list[int], int]] = []
@@ -106,8 +107,8 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
         return SimpleNamespace(decode_tok_s=10.0, ttft_s=0.5 if api == "dgr" else 0.4)
 
     monkeypatch.setattr(paired, "stream_once", fake_stream)
-    setups = [paired.PairedSetup("dgr 2-node chain", "dgr", "m", ttft=True),
-              paired.PairedSetup("llama-server 1 thread", "ls", "x", ttft=True),
+    setups = [paired.PairedSetup("dgr 2-node chain", "dgr", "m"),
+              paired.PairedSetup("llama-server 1 thread", "ls", "x"),
               paired.PairedSetup("dgr 3-node chain", "three", "m")]
     shorts = [[1, 10, 11], [1, 20, 21]]
     res = paired.run_paired(lambda stack: setups, [5, 6, 7], 8, rounds=2, log=lambda _m: None, story="s",

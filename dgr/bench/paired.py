@@ -14,10 +14,10 @@ The ratios are those of issue 13's decode targets: the 2-node and 3-node
 chains (1 thread a node) against llama-server with 1 thread and over RPC,
 one `llama` node against llama-server with the same threads, and the 2-node
 chain's 8 sessions against llama-server -np 8 with all threads and against
-one session on the chain, measured the same way. A setup marked `ttft` also
-gets, each round, the time to first token of a short prompt that no setup
-has seen before (no prefix or prompt cache can answer it), for the
-short-prompt TTFT target; its ratio is one that must stay under its target.
+one session on the chain, measured the same way. The setups TTFT_RATIOS
+names also get, each round, the time to first token of a short prompt that
+no setup has seen before (no prefix or prompt cache can answer it), for the
+short-prompt TTFT target; that ratio must stay under its target.
 
 Left out: starting the setups (dgr.testing.harness.LocalRoute,
 dgr.bench.peers), the report's layout (dgr.bench.report).
@@ -60,7 +60,6 @@ class PairedSetup:
     model: str
     extra: dict[str, Any] | None = None  # body fields for this server (llama-server: its prompt cache off)
     sessions: int | None = None  # that many streams at once (on `story`, half the tokens), rated by aggregate tok/s
-    ttft: bool = False  # also a short prompt's TTFT each round (a prompt no setup has seen)
 
 
 def ratios(rates: dict[str, list[float]], table: tuple[tuple[str, str, str, float], ...] = RATIOS,
@@ -89,8 +88,8 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
     """Start every setup (`setups(stack)` enters them), then `rounds` rounds measuring each, in turn.
 
     A round's rate is 0 where streams failed (its ratios leave that round out).
-    `shorts[r]` is round r's short prompt for the `ttft` setups: every setup
-    gets the same one, and no earlier round's.
+    `shorts[r]` is round r's short prompt for the setups TTFT_RATIOS names:
+    every one of them gets the same one, and no earlier round's.
     """
     if shorts is not None and len(shorts) < rounds:
         raise ValueError(f"{len(shorts)} short prompts for {rounds} rounds")
@@ -109,7 +108,8 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
         for s in running:  # warm connections and caches before the first round
             stream_once(s.api, s.model, prompt[:16], 4, extra=s.extra)
         rates: dict[str, list[float]] = {s.label: [] for s in running}
-        ttft: dict[str, list[float]] = {s.label: [] for s in running if s.ttft and shorts is not None}
+        timed = {label for _name, num, den, _target in TTFT_RATIOS for label in (num, den)}
+        ttft: dict[str, list[float]] = {s.label: [] for s in running if s.label in timed and shorts is not None}
         for r in range(rounds):
             for s in running:
                 rates[s.label].append(rate(s))

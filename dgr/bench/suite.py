@@ -212,7 +212,7 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
                                       ("dgr llama, 1 node", "llama", 1)):
             threads = max(1, cfg.threads // nodes)
             route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", "chain")))
-            out.append(PairedSetup(label, route.api, name, ttft=nodes == 2))
+            out.append(PairedSetup(label, route.api, name))
             if nodes == 2:
                 out += [PairedSetup(f"{label}, {n} session{'s' * (n > 1)}", route.api, name, sessions=n)
                         for n in (1, slots)]
@@ -221,8 +221,7 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
                            ("llama-server, all threads", LlamaServer(tools, model, cfg.threads, ctx)),
                            ("llama-server over RPC x2", LlamaServer(tools, model, 1, ctx,
                                                                     rpc=tuple(r.endpoint for r in rpcs)))):
-            out.append(PairedSetup(label, stack.enter_context(srv).api, "x", _NO_PROMPT_CACHE,
-                                   ttft=label == "llama-server 1 thread"))
+            out.append(PairedSetup(label, stack.enter_context(srv).api, "x", _NO_PROMPT_CACHE))
         srv = stack.enter_context(LlamaServer(tools, model, cfg.threads, ctx, parallel=slots))
         out.append(PairedSetup(f"llama-server -np {slots}, all threads, {slots} sessions", srv.api, "x",
                                _NO_PROMPT_CACHE, sessions=slots))
