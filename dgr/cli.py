@@ -213,10 +213,14 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     # chain by default: level with the star on loopback, faster wherever hops cost a network RTT
-    # (`dgr bench --only rtt --rtt 5` sweeps both; the committed run is docs/perf/rtt/REPORT.md)
-    p.add_argument("--topology", choices=("star", "chain"), default="chain",
+    # (`dgr bench --only rtt --rtt 5` sweeps all three; the committed run is docs/perf/rtt/REPORT.md).
+    # The ring waits on fewer RTTs a token still, but was level with the chain on loopback and its
+    # 0 ms figure in namespaces came out below the chain's, so it is not the default yet.
+    p.add_argument("--topology", choices=("star", "chain", "ring"), default="chain",
                    help="chain (default): each node forwards to the next and the tail answers the gateway "
-                        "(N + 1 messages a token); star: the gateway relays every hop (2N messages)")
+                        "(N + 1 messages a token); ring: a chain whose tail also sends each next decode step "
+                        "straight to the head (N messages a token between tokens; for routes across a "
+                        "network); star: the gateway relays every hop (2N messages)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
     p.add_argument("--share-prefixes", action="store_true",

@@ -1,4 +1,5 @@
-"""Chain topology through real processes: each node forwards to the next, the tail answers the gateway.
+"""Chain and ring topologies through real processes: each node forwards to the next, the tail answers
+the gateway (and on a ring also sends each next decode step straight to the head).
 
 The same answers as the star, one hidden state per hop on the decode seam,
 a lost node named by the neighbour that could not reach it, and deliveries
@@ -29,11 +30,18 @@ from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_tex
 from dgr.testing.reference import expected_greedy
 
 CHAIN = ("--topology", "chain")
+RING = ("--topology", "ring")
 
 
 @pytest.fixture(scope="module")
 def chain():
     with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005", *CHAIN)) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def ring():
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005", *RING)) as r:
         yield r
 
 
@@ -103,12 +111,13 @@ def test_a_chain_sessions_step_sent_alone_is_refused_and_the_session_goes_on(cha
     assert text == want
 
 
-@pytest.mark.parametrize("victim, reporter", [("node1", "node0"), ("node2", "node1")])
-def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str) -> None:
+@pytest.mark.parametrize("victim, reporter, topology", [("node1", "node0", CHAIN), ("node2", "node1", CHAIN),
+                                                       ("node0", "node2", RING)])  # the ring's tail feeds the head
+def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str, topology: tuple[str, str]) -> None:
     # Heartbeats would name the node too, after --dead-after; here the neighbour's report must do it.
     # Its request stays open while the victim computes, and a node killed between steps refuses the
     # next one, so whenever the kill lands the neighbour sees it.
-    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60", *CHAIN)) as route:
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60", *topology)) as route:
         body = {"model": "stub", "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=30) as r:
@@ -206,3 +215,93 @@ def test_concurrent_sessions_travel_in_phase_groups_and_answer_as_alone(chain) -
     after = waits()
     assert after.get("released", 0) - before.get("released", 0) > 0, (before, after)
     chain.wait_sessions_freed(["node0", "node1", "node2"])
+
+
+# -- the ring: the tail sends each next decode step to the head; the gateway only listens ----------
+def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
+    """The tail decides, as the gateway would, when no next step is due (the last token, end of
+    generation); a stop string ends the session at the gateway while the tail's next steps are on
+    their way, and those are discarded with the session everywhere."""
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    client = openai.OpenAI(base_url=ring.api, api_key="unused", max_retries=0)
+    for prompt in ("The route", "x" * 700):  # 700 positions: two prefill chunks through the ring
+        ids = stub.tokenize(prompt, add_special=True, parse_special=True)
+        for n in (1, 2, 40):
+            want = expected_greedy([stub], ids, n)
+            got = client.completions.create(model="stub", prompt=prompt, max_tokens=n, temperature=0)
+            assert (got.choices[0].text, got.usage.completion_tokens) == (want.text, want.completion_tokens)
+            assert got.choices[0].finish_reason == want.finish_reason
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="stub", prompt=prompt, max_tokens=40, temperature=0, stream=True) if c.choices)
+        assert streamed == expected_greedy([stub], ids, 40).text
+    # the head's decode steps came from the tail: one token id, no hidden state; the others get one position
+    assert ring.node_status("node0")["seam"]["last_decode_frame_bytes"] == len(
+        encode_frame(FrameKind.DECODE, uuid.uuid4().hex, 0, 0, 1, 576, token_ids=[1]))
+    for name in ("node1", "node2"):
+        assert ring.node_status(name)["seam"]["last_decode_frame_bytes"] == HEADER_SIZE + 576 * 4
+
+    ids = stub.tokenize("stop here", add_special=True, parse_special=True)
+    whole = expected_greedy([stub], ids, 300).text
+    stop = whole[len(whole) // 2:][:6]
+    want = expected_greedy([stub], ids, 300, stop=(stop,))
+    assert want.finish_reason == "stop" and 0 < want.completion_tokens < 300
+    with httpx.stream("POST", f"{ring.api}/completions", timeout=30, json={
+            "model": "stub", "prompt": "stop here", "max_tokens": 300, "temperature": 0, "stop": [stop]}) as r:
+        sid = r.headers["x-dgr-route-session"]
+        got = json.loads(r.read())
+    assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (want.text, "stop")
+    snap = ring.wait_session_ended(sid)
+    assert snap["phase"] == "done" and set(snap["hop_latency_ms"]) == {"node0", "node1", "node2"}
+    ring.wait_sessions_freed(["node0", "node1", "node2"])
+    again = client.completions.create(model="stub", prompt="stop here", max_tokens=300, temperature=0, stop=[stop])
+    assert again.choices[0].text == want.text
+
+
+def test_ring_sessions_at_once_answer_as_alone(ring) -> None:
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    prompts = [f"ring member {i}" for i in range(6)]
+    want = [expected_greedy([stub], stub.tokenize(p, add_special=True, parse_special=True), 48).text for p in prompts]
+    got: list[str | None] = [None] * len(prompts)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        r = await client.post(f"{ring.api}/completions", json={
+            "model": "stub", "prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        got[i] = r.json()["choices"][0]["text"]
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, client, i)
+
+    trio.run(main)
+    assert got == want
+    ring.wait_sessions_freed(["node0", "node1", "node2"])
+
+
+def test_a_ring_tail_sends_the_next_step_exactly_when_the_gateway_would() -> None:
+    """The gateway sends the step of token k while k < max_tokens, on a session opened on
+    len(prompt) + max_tokens positions, and none after an end of generation unless ignore_eos."""
+    from dgr.node.relay import Loop, NextHop
+    from dgr.node.service import NodeService
+    from dgr.seam.frame import decode_frame
+    from dgr.seam.wire import Flag
+
+    sid, head = uuid.uuid4().hex, NextHop("node0", "http://127.0.0.1:1", None)
+    word, eog = TokenResult(7, -0.1, b"x", False), TokenResult(2, -0.1, b"", True)
+    prompt, max_tokens = 16, 3
+    last_chunk = decode_frame(encode_frame(FrameKind.PREFILL, sid, 3, 10, 6, 576, flags=Flag.SAMPLE,
+                                           hidden=np.zeros((6, 576), np.float32)))  # positions 10 to 15
+
+    def nxt(frame, result, loop=Loop(head)):
+        step = NodeService._next_step(frame, result, loop, prompt + max_tokens)
+        return None if step is None else decode_frame(step)
+
+    first = nxt(last_chunk, word)  # token 1's step
+    assert (first.kind, first.session, first.seq, first.pos0, first.n_tokens) == (FrameKind.DECODE, sid, 4, 16, 1)
+    assert first.token_ids.tolist() == [7] and first.flags & Flag.SAMPLE and first.hidden is None
+    second = nxt(first, word)  # token 2's step
+    assert (second.seq, second.pos0) == (5, 17)
+    assert nxt(second, word) is None  # token 3 is the last: no step for it
+    assert nxt(last_chunk, eog) is None
+    assert nxt(last_chunk, eog, Loop(head, ignore_eos=True)).token_ids.tolist() == [2]

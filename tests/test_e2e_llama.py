@@ -146,10 +146,11 @@ def test_models_metadata(single) -> None:
 
 
 # -- the networked GGUF route ----------------------------------------------------
-# The gate holds both topologies and both route lengths (a middle node, forwarded); `make test-slow`
+# The gate holds every topology and both route lengths (a middle node, forwarded); `make test-slow`
 # every combination.
 @pytest.mark.parametrize("nodes, topology", [(2, "star"), pytest.param(3, "star", marks=pytest.mark.slow),
-                                             pytest.param(2, "chain", marks=pytest.mark.slow), (3, "chain")])
+                                             pytest.param(2, "chain", marks=pytest.mark.slow), (3, "chain"),
+                                             (2, "ring"), pytest.param(3, "ring", marks=pytest.mark.slow)])
 def test_sharded_route_equals_single_node(single_answers, nodes: int, topology: str) -> None:
     want = single_answers
     with LocalRoute(backend="llama_shard", nodes=nodes, ready_timeout_s=300,

@@ -67,6 +67,8 @@ def test_expected_time_per_token_adds_hops_times_rtt() -> None:
 def test_a_chain_waits_n_plus_one_one_way_trips_per_token() -> None:
     assert round_trips_per_token(3, "star") == 3
     assert round_trips_per_token(3, "chain") == 2  # gateway -> node0 -> node1 -> node2 -> gateway
+    assert round_trips_per_token(3, "ring") == 1.5  # node0 -> node1 -> node2 -> node0
+    assert ttft_round_trips(3, [1, 2, 3], 3, 512, "ring") == 1 + 2  # the prompt goes through as on a chain
     rows = expectations([{"rtt_ms": 0.0, "decode_tok_s": 50.0, "ttft_s": 0.1},
                          {"rtt_ms": 5.0, "decode_tok_s": 1e3 / 31.0, "ttft_s": 0.13}], hops=3, ttft_trips=4,
                         topology="chain")

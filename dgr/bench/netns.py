@@ -11,7 +11,8 @@ any two endpoints see the same RTT, node to node as well as tracker to node.
 So the topology's cost shows as it would across machines: a star (the
 gateway relays every hop) pays N round trips per token on an N-node route,
 a chain (each node forwards to the next, the tail answers the gateway) pays
-(N + 1) one-way trips, (N + 1)/2 round trips. The client-tracker connection
+(N + 1) one-way trips, (N + 1)/2 round trips, and a ring (the tail sends each
+next step straight to the head) N one-way trips. The client-tracker connection
 is not delayed (the client is co-located with the gateway, as `dgr up`
 users are).
 
@@ -94,7 +95,7 @@ __all__ = [
 LINK_KINDS = ("auto", "netem", "tun")
 PLACEMENT = ("one network: any two endpoints (the tracker and each node) see the same RTT, "
              "RTT/2 each way, node to node as well as tracker to node")
-TOPOLOGIES = ("star", "chain")
+TOPOLOGIES = ("star", "chain", "ring")
 _NS = re.compile(r"^dgrb-(\d+)-\w+$")
 _DEV = re.compile(r"^dgrb(\d+)[rn]\d+$")
 _NETNS_DIRS = ("/run/netns", "/var/run/netns")
@@ -497,8 +498,11 @@ class NetnsRoute:
 # -- the measurement ------------------------------------------------------------------------
 def round_trips_per_token(hops: int, topology: str = "star") -> float:
     """RTTs one decoded token waits on: the star's gateway relays each hop (N round trips); the
-    chain's step goes gateway -> node0 -> ... -> tail -> gateway (N + 1 one-way trips)."""
-    return float(hops) if topology == "star" else (hops + 1) / 2
+    chain's step goes gateway -> node0 -> ... -> tail -> gateway (N + 1 one-way trips); the ring's
+    node0 -> ... -> tail -> node0 (N one-way trips: the tail's answer to the gateway is off that path)."""
+    if topology == "star":
+        return float(hops)
+    return (hops + 1) / 2 if topology == "chain" else hops / 2
 
 
 def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: float,
@@ -537,10 +541,11 @@ def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, pre
     session at once (1), and K prefill chunks flow through the hops as a
     pipeline, the last one leaving the tail with the first token: K - 1
     trips, plus the last chunk's way through the route (hops for the star,
-    (hops + 1)/2 for the chain).
+    (hops + 1)/2 for the chain and the ring).
     """
     chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
-    return (0 if isinstance(prompt, list) else 1) + 1 + chunks - 1 + round_trips_per_token(hops, topology)
+    last = round_trips_per_token(hops, "chain" if topology == "ring" else topology)  # a ring prefills as a chain
+    return (0 if isinstance(prompt, list) else 1) + 1 + chunks - 1 + last
 
 
 def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[float, ...], prompt: str | list[int],

@@ -37,7 +37,7 @@ from dgr.node.artifact import NodeArtifact
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.node.relay import NextHop, RelayPlan
+from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
@@ -191,17 +191,24 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
     nxt, cap = data.get("next"), data.get("deliver_capability")
     if cap is not None and not isinstance(cap, str):
         raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
-    hop = None
-    if nxt is not None:
-        if not isinstance(nxt, dict) or not all(isinstance(nxt.get(k), str) for k in ("node", "url")):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http(s):// url")
-        if not nxt["url"].startswith(("http://", "https://")) or any(
-                nxt.get(k) is not None and not isinstance(nxt[k], str) for k in ("capability", "tls_cert")):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.next needs a node id and an http(s):// url")
-        hop = NextHop(nxt["node"], nxt["url"], nxt.get("capability"), nxt.get("tls_cert"))
+    hop = None if nxt is None else _next_hop(nxt, "relay.next")
     if (hop is None) != service.backend.is_tail:
         raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
-    return RelayPlan(hop, service.tracker_url, cap)
+    loop = data.get("loop")
+    if loop is not None:
+        if not service.backend.is_tail or not isinstance(loop, dict) or not isinstance(loop.get("ignore_eos", False), bool):
+            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
+        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False))
+    return RelayPlan(hop, service.tracker_url, cap, loop)
+
+
+def _next_hop(data: Any, what: str) -> NextHop:
+    """A node to send steps on to, from {node, url, capability, tls_cert}. Raises CallerError(INVALID_REQUEST)."""
+    if (not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("node", "url"))
+            or not data["url"].startswith(("http://", "https://"))
+            or any(data.get(k) is not None and not isinstance(data[k], str) for k in ("capability", "tls_cert"))):
+        raise CallerError(Reason.INVALID_REQUEST, f"{what} needs a node id and an http(s):// url")
+    return NextHop(data["node"], data["url"], data.get("capability"), data.get("tls_cert"))
 
 
 def seam_fast_path(service: NodeService, app):

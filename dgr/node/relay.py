@@ -5,6 +5,9 @@ Every node computes and hands its result to the session's relay, which sends
 it on: to the next node as that node's input frame, or, from the tail, to the
 gateway as the answer (a TOKEN frame, or an ACK for a prefill chunk). A token
 then costs N + 1 one-way messages instead of the star's 2N round-trip halves.
+On a ring (`Topology.RING`) the tail has a second relay (`Loop`): each next
+decode step goes from it straight to the head, so the gateway is off the path
+between tokens (N one-way messages a token).
 
 Rules:
 - One relay task per session keeps the session's frames in order (a node's
@@ -42,7 +45,7 @@ from dgr.seam.transport import ConnectionPool, OutStream, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
                            STREAM_PATH)
 
-__all__ = ["NextHop", "RelayPlan", "Relay", "Outgoing", "Report"]
+__all__ = ["NextHop", "Loop", "RelayPlan", "Relay", "Outgoing", "Report"]
 
 log = logging.getLogger("dgr.node")
 
@@ -62,12 +65,26 @@ class NextHop:
 
 
 @attrs.frozen
+class Loop:
+    """On a ring, the tail's second link: each next decode step goes straight to the head.
+
+    The tail decides what the gateway would: it sends the step for the token it sampled unless that
+    token ends generation (end of generation without `ignore_eos`, or the session's last position).
+    Stops only the gateway sees (stop strings, a client gone) end the session from there instead.
+    """
+
+    head: NextHop
+    ignore_eos: bool = False
+
+
+@attrs.frozen
 class RelayPlan:
     """Where a chain session's results go: the next node (None on the tail) and the gateway."""
 
     next: NextHop | None
     deliver_url: str  # the tracker's DELIVER_PATH
     deliver_capability: str | None
+    loop: Loop | None = None  # the tail of a ring only
 
 
 @attrs.frozen(eq=False)

@@ -55,7 +55,7 @@ from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
-from dgr.node.relay import Outgoing, Relay, RelayPlan, Report
+from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report
 from dgr.node.scheduler import Job, JobKind, StepScheduler
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
@@ -124,6 +124,7 @@ class NodeService:
     described: dict[str, Any] = attrs.field(init=False)
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
+    loops: dict[str, Relay] = attrs.field(factory=dict)  # a ring's tail: sid -> its relay back to the head
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
@@ -298,6 +299,10 @@ class NodeService:
                 raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
             r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool)
             self._nursery.start_soon(r.run)
+            if relay.loop is not None:
+                back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
+                r = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
+                self._nursery.start_soon(r.run)
         session = self.sessions.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one
@@ -396,9 +401,10 @@ class NodeService:
         then it still counts against capacity and in status, so `sessions` and `kv_bytes` agree.
         """
         self.samplers.pop(sid, None)
-        relay = self.relays.pop(sid, None)
-        if relay is not None:
-            relay.close()
+        for relays in (self.relays, self.loops):
+            relay = relays.pop(sid, None)
+            if relay is not None:
+                relay.close()
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
@@ -562,21 +568,29 @@ class NodeService:
                     decode=frame.kind is FrameKind.DECODE)
 
     def _relay_step(self, frame: Frame, relay: Relay, hops: str) -> None:
-        """Queue a chain step; when computed, its result goes to the relay (or its failure is reported)."""
-        sampler, want = self.samplers.get(frame.session), bool(frame.flags & Flag.SAMPLE)
+        """Queue a chain step; when computed, its result goes to the relay (or its failure is reported).
 
-        def finish(out: np.ndarray | None) -> bytes:  # in the scheduler's thread
+        On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
+        """
+        sampler, want = self.samplers.get(frame.session), bool(frame.flags & Flag.SAMPLE)
+        loop, plan = self.loops.get(frame.session), relay.plan.loop
+        session = self.sessions[frame.session]
+
+        def finish(out: np.ndarray | None) -> tuple[bytes, bytes | None]:  # in the scheduler's thread
             if self.backend.is_tail:
-                return self._reply(frame, want, sampler, out)  # the answer, for the gateway
+                if not (want and loop is not None):
+                    return self._reply(frame, want, sampler, out), None  # the answer, for the gateway
+                result = self._sample(frame, sampler, out)
+                return self._token_frame(frame, result), self._next_step(frame, result, plan, session.max_positions)
             # the next hop's input: the same step, with this shard's output as its hidden state
             return encode_frame(frame.kind, frame.session, frame.seq, frame.pos0, frame.n_tokens, frame.width,
                                 dtype=frame.dtype, flags=frame.flags & Flag.SAMPLE,
                                 token_ids=frame.token_ids if self.backend.info.needs_token_ids else None,
-                                hidden=out)
+                                hidden=out), None
 
         def done(j: Job) -> None:  # on the loop, after the iteration
             try:
-                out = j.result.unwrap()
+                out, step = j.result.unwrap()
             except COMPUTE_ERRORS as exc:
                 why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
                 failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
@@ -584,11 +598,27 @@ class NodeService:
                 if self._nursery is not None:
                     self._nursery.start_soon(self.fail_session, frame.session, failure)
                 return
-            self._count(frame, out, j.compute_s)
             hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
+            if step is not None:
+                loop.put(Outgoing(step, ""))  # first: the next token's path; the head starts a new hops text
+            self._count(frame, out, j.compute_s)
             relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
 
         self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done))
+
+    @staticmethod
+    def _next_step(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
+        """A ring tail's next decode step for the token it sampled; None where the gateway would stop.
+
+        The gateway sends a step for token k (k = 1 from the prompt's last chunk) while k < max_tokens,
+        and opened the session on len(prompt) + max_tokens positions: so the step's position must be
+        below max_positions - 1.
+        """
+        pos = frame.pos0 + frame.n_tokens
+        if (result.eog and not loop.ignore_eos) or pos >= max_positions - 1:
+            return None
+        return encode_frame(FrameKind.DECODE, frame.session, frame.seq + 1, pos, 1, frame.width, dtype=frame.dtype,
+                            flags=Flag.SAMPLE, token_ids=[result.token])
 
     def _count(self, frame: Frame, reply: bytes, compute: float) -> None:
         self.stats.compute_s += compute
@@ -607,14 +637,20 @@ class NodeService:
             )
         if not want:
             return encode_frame(FrameKind.ACK, n_tokens=0, width=frame.width, **common)
+        return self._token_frame(frame, self._sample(frame, sampler, out))
+
+    def _sample(self, frame: Frame, sampler: Sampler | None, out: np.ndarray | None) -> TokenResult:
+        """The tail's token for a step's logits, with the session's own sampler (in the scheduler's thread)."""
         if sampler is None:
             raise CallerError(Reason.UNKNOWN_SESSION, f"no sampler for session {frame.session}")
         token, logprob = sampler.sample(out)
-        eog = self.backend.is_eog(token)
-        result = TokenResult(token, logprob, self.backend.token_bytes(token), eog)
+        return TokenResult(token, logprob, self.backend.token_bytes(token), self.backend.is_eog(token))
+
+    @staticmethod
+    def _token_frame(frame: Frame, result: TokenResult) -> bytes:
         return encode_frame(
-            FrameKind.TOKEN, n_tokens=1, width=frame.width, flags=Flag.EOG if eog else Flag(0),
-            extra=result.payload(), **common,
+            FrameKind.TOKEN, frame.session, frame.seq, frame.pos0, 1, frame.width,
+            flags=Flag.EOG if result.eog else Flag(0), extra=result.payload(),
         )
 
     # -- status -----------------------------------------------------------------

@@ -61,10 +61,18 @@ def raw_header(name: str) -> bytes:
 
 class Topology(enum.Enum):
     """How a step travels a route: the gateway relays every hop (star), or each node forwards to the next
-    and the tail delivers the answer to the gateway (chain: N + 1 one-way messages a token instead of 2N)."""
+    and the tail delivers the answer to the gateway (chain: N + 1 one-way messages a token instead of 2N),
+    or a chain whose tail also sends each next decode step straight to the head (ring: N one-way messages
+    a token between the tokens; the gateway hears each token off that path)."""
 
     STAR = "star"
     CHAIN = "chain"
+    RING = "ring"
+
+    @property
+    def forwards(self) -> bool:
+        """Nodes send their results on along the route (chain and ring), instead of back to the gateway."""
+        return self is not Topology.STAR
 
 
 MAGIC = b"DGRS"

@@ -84,8 +84,9 @@ def render_seam() -> str:
         "Models whose seam needs token ids (DeepSeek-V4) add 4 bytes per position.",
         "", "## Exchanges", "",
         "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling[, relay]}`) opens a node session: "
-        "201, or 409/429. `relay` (chain topology only) is `{next: {node, url, capability} | null, "
-        "deliver_capability}`: where this node sends its results; the tail's `next` is null.",
+        "201, or 409/429. `relay` (chain and ring topologies only) is `{next: {node, url, capability} | null, "
+        "deliver_capability[, loop]}`: where this node sends its results; the tail's `next` is null. A ring's tail "
+        "also gets `loop: {head: {node, url, capability}, ignore_eos}`: where it sends each next decode step.",
         "- `POST /v1/seam/step` with a PREFILL or DECODE frame answers HIDDEN (non-tail), ACK (tail, no sample) "
         "or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style JSON error with a reason code, and changes nothing.",
         "- `POST /v1/seam/sessions` may carry `prefix`: the prompt's block keys (dgr.node.prefix, "
@@ -126,6 +127,14 @@ def render_seam() -> str:
         "and the tail delivers to the gateway: N + 1 one-way messages a token, so (N + 1)/2 RTT on a network "
         "where every pair sees the same RTT, against N RTT for the star. Each node keeps one ordered relay per "
         "session, since a step out of order is refused.", "",
+        f"`{wire.Topology.RING.value}`: a chain whose tail, after sampling a token, also sends the next DECODE step "
+        "(that token's id, `seq + 1`, the next position, SAMPLE) on a stream of its own straight to the head, "
+        "unless the token ends generation as the gateway would decide: end of generation without `ignore_eos`, "
+        "or the session's last position (`max_positions - 1`). The gateway sends only the prompt's chunks and "
+        "ends its stream to the head after them; it hears every token from the tail, off the path between "
+        "tokens: N one-way messages a token, N/2 RTT. Stops only the gateway sees (stop strings, a client gone) "
+        "end the session from there; the steps the tail sent on meanwhile are refused or discarded with it. "
+        "A lost head is reported by the tail.", "",
         "Every hop keeps long-lived HTTP/1.1 keep-alive connections; a chain's stream goes back to its pool "
         "when it ends cleanly.",
     ]

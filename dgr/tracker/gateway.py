@@ -514,7 +514,7 @@ class Gateway:
                     n.reserved += 1
                 choice, reserved = better, better.nodes
                 caps = self._capabilities(rs.sid, choice.hops)
-            relays = self._relays(rs.sid, choice.hops, caps)
+            relays = self._relays(rs.sid, choice.hops, caps, req.ignore_eos)
             board = self._board(choice.hops)
             lane = None if board is None else board.join(rs.sid)
             held: dict[str, int] = {}
@@ -637,6 +637,9 @@ class Gateway:
                     async with trio.open_nursery() as links:  # a chain's watcher of its link to the head
                         live.links = links
                         first = await self._prefill(live)
+                        if self.config.topology is Topology.RING:
+                            # the tail feeds the head from here on: a lost head is the tail's to report
+                            links.start_soon(self._end_head, live, True)
                         await self._decode(live, first)
                         links.cancel_scope.cancel()
                 except (DgrError, BaseExceptionGroup) as raised:
@@ -682,23 +685,27 @@ class Gateway:
                 self.sessions.pop(rs.sid, None)
                 self._retire(rs)
 
-    def _relays(self, sid: str, hops: tuple[Hop, ...], caps: dict[str, str]) -> dict[str, dict[str, Any]]:
-        """On a chain, each node's relay plan: the next hop (none for the tail) and the capability to deliver with."""
-        if self.config.topology is not Topology.CHAIN:
+    def _relays(self, sid: str, hops: tuple[Hop, ...], caps: dict[str, str],
+                 ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
+        """On a chain or ring, each node's relay plan: the next hop (none for the tail), the capability to
+        deliver with, and on a ring's tail the head to send each next decode step to."""
+        if not self.config.topology.forwards:
             return {}
         deliver = None
         if self.authority is not None:
             life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
             deliver = self.authority.issue(sid, _GATEWAY, 0, 1, time.time(), ttl_s=life)
+
+        def to(hop: Hop) -> dict[str, Any]:
+            return {"node": hop.node_id, "url": hop.url, "capability": caps.get(hop.node_id),
+                    "tls_cert": self._pinned(hop.node_id)}
+
         out = {}
         for i, hop in enumerate(hops):
             nxt = hops[i + 1] if i + 1 < len(hops) else None
-            out[hop.node_id] = {
-                "next": None if nxt is None else {"node": nxt.node_id, "url": nxt.url,
-                                                  "capability": caps.get(nxt.node_id),
-                                                  "tls_cert": self._pinned(nxt.node_id)},
-                "deliver_capability": deliver,
-            }
+            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver}
+        if self.config.topology is Topology.RING:
+            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
         return out
 
     def _pinned(self, node_id: str) -> str | None:
@@ -773,7 +780,7 @@ class Gateway:
         )
 
     async def _prefill(self, live: LiveSession) -> TokenResult:
-        if self.config.topology is Topology.CHAIN:
+        if self.config.topology.forwards:
             return await self._prefill_chain(live)
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
@@ -819,6 +826,8 @@ class Gateway:
         pos = len(live.prompt)
         seq = len(live.chunks(self.config.prefill_chunk))  # after the prefill chunks
         n_hops = len(rs.route)
+        topology = self.config.topology
+        t_ring = time.perf_counter()
         last: float | None = None
         hops: tuple[str, float] | None = None  # a chain answer's hops text and round trip, noted off the critical path
         while True:
@@ -830,7 +839,11 @@ class Gateway:
                 if text:
                     live.send.send_nowait(Delta(text, live.completion_tokens))
             more = not eog and not live.text.stopped and live.completion_tokens < live.max_tokens
-            chain = more and self.config.topology is Topology.CHAIN
+            chain = more and topology is Topology.CHAIN
+            # On a ring the tail has already sent this token's step to the head when `more` holds for it
+            # (it decides alike, bar stop strings: those end the session here, and the steps it sent on
+            # are only compute its close discards). The gateway waits for the next answer.
+            ring = more and topology is Topology.RING
             if more:
                 live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
@@ -853,6 +866,15 @@ class Gateway:
                 answer, header = await self._answer(live, seq, 1)
                 hops = (header, time.perf_counter() - t0)
                 self.hop_stats[rs.route[0].node_id].decode_bytes = len(frame)
+                token = TokenResult.from_frame(answer)
+            elif ring:
+                answer, header = await self._answer(live, seq, 1)
+                arrived = time.perf_counter()  # a ring token's round trip: the time since the answer before
+                hops = (header, arrived - t_ring)
+                t_ring = arrived
+                stats = self.hop_stats[rs.route[0].node_id]
+                if not stats.decode_bytes:  # the tail's step to the head, as the gateway would have built it
+                    stats.decode_bytes = len(self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True))
                 token = TokenResult.from_frame(answer)
             else:
                 hidden: bytes | None = None
@@ -878,7 +900,7 @@ class Gateway:
     # -- the chain: phase groups -----------------------------------------------------------
     def _board(self, hops: tuple[Hop, ...]) -> RoutePhases | None:
         """The phase board of a chain route through `hops` (made on first use); None on a star."""
-        if self.config.topology is not Topology.CHAIN:
+        if not self.config.topology.forwards:
             return None
         key = tuple(h.node_id for h in hops)
         board = self.phases.get(key)
@@ -953,20 +975,26 @@ class Gateway:
         live.head_answered.set()
         live.inbox[0].send_nowait(live.head_failure)
 
-    async def _end_head(self, live: LiveSession) -> None:
-        """End the stream to the head (it answers once it has read the end), then pool its connection."""
-        head = live.head
+    async def _end_head(self, live: LiveSession, watched: bool = False) -> None:
+        """End the stream to the head (it answers once it has read the end), then pool its connection.
+
+        `watched`: `_watch_head` still reads the answer (a ring ends the stream after its prefill).
+        """
+        head, live.head = live.head, None  # ended once, by whoever comes first
         if head is None:
             return
         live.head_ending = True
-        if live.head_failure is None:
-            with trio.move_on_after(_END_S):
-                try:
-                    await head.end()
-                    await head.answer()
-                except TransportError:
-                    pass
-        await head.release()
+        try:
+            if live.head_failure is None:
+                with trio.move_on_after(_END_S):
+                    try:
+                        await head.end()
+                        await (live.head_answered.wait() if watched else head.answer())
+                    except TransportError:
+                        pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await head.release()
 
     async def _answer(self, live: LiveSession, seq: int, n_tokens: int) -> tuple[Frame, str]:
         """The tail's answer to step `seq`: (frame, hops text).
@@ -996,8 +1024,10 @@ class Gateway:
             if node and us.isdigit():
                 compute[node] = int(us) / 1e6
         route = live.rs.route
-        # a token crosses N + 1 links on a chain: the gateway's to the head, N - 1 between nodes, the tail's back
-        share = max(0.0, round_trip_s - sum(compute.values())) / (len(route) + 1)
+        # a token crosses N + 1 links on a chain: the gateway's to the head, N - 1 between nodes, the tail's
+        # back; on a ring N: N - 1 between nodes and the tail's to the head
+        links = len(route) + (0 if self.config.topology is Topology.RING else 1)
+        share = max(0.0, round_trip_s - sum(compute.values())) / links
         for hop in route:
             self._note_hop(live, hop.node_id, share)
 
