@@ -197,6 +197,7 @@ def _add_identity_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    from dgr.seam.wire import DEFAULT_TOPOLOGY, Topology
     from dgr.tracker.registry import DEAD_AFTER_S
 
     p.add_argument("--api-key-file", metavar="F",
@@ -216,7 +217,7 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     # 8 sessions 0.985x), ahead wherever hops cost a network RTT (5 ms between any two machines: a token
     # adds 0.98 RTT on 2 nodes and 1.22 on 3, against the chain's 1.57 and 2.17; `dgr bench --only rtt
     # --rtt 5` sweeps all three, the committed run is docs/perf/rtt/REPORT.md)
-    p.add_argument("--topology", choices=("star", "chain", "ring"), default="ring",
+    p.add_argument("--topology", choices=[t.value for t in Topology], default=DEFAULT_TOPOLOGY.value,
                    help="ring (default): each node forwards to the next, the tail answers the gateway and "
                         "sends each next decode step straight to the head (N messages a token between tokens); "
                         "chain: the gateway sends every step to the head (N + 1); star: the gateway relays "

@@ -11,10 +11,10 @@ suite's concurrency rows). A ratio is the median over rounds of
 that round's ratio, and its spread over rounds is reported beside it.
 
 The ratios are those of issue 13's decode targets: the 2-node and 3-node
-chains (1 thread a node) against llama-server with 1 thread and over RPC,
-one `llama` node against llama-server with the same threads, and the 2-node
-chain's 8 sessions against llama-server -np 8 with all threads and against
-one session on the chain, measured the same way. The setups TTFT_RATIOS
+routes (the default topology, a ring; 1 thread a node) against llama-server
+with 1 thread and over RPC, one `llama` node against llama-server with the
+same threads, and the 2-node route's 8 sessions against llama-server -np 8
+with all threads and against one session on it, measured the same way. The setups TTFT_RATIOS
 names also get, each round, the time to first token of a short prompt that
 no setup has seen before (no prefix or prompt cache can answer it), for the
 short-prompt TTFT target; that ratio must stay under its target.
@@ -32,24 +32,26 @@ from typing import Any, Callable
 import attrs
 
 from dgr.bench.measure import concurrent, stream_once
+from dgr.seam.wire import DEFAULT_TOPOLOGY
 
 __all__ = ["PairedSetup", "RATIOS", "SESSIONS", "TTFT_RATIOS", "ratios", "run_paired"]
 
+_T = DEFAULT_TOPOLOGY.value  # the routes measured are the ones users get
 SESSIONS = 8  # the concurrent setups' streams: the issue's 8-session figure, quick or not
 
 # (name, numerator setup, denominator setup, target): the decode must-shows
 RATIOS: tuple[tuple[str, str, str, float], ...] = (
-    ("2-node chain / llama-server 1 thread", "dgr 2-node chain", "llama-server 1 thread", 0.95),
-    ("2-node chain / llama-server over RPC x2", "dgr 2-node chain", "llama-server over RPC x2", 1.0),
-    ("3-node chain / llama-server 1 thread", "dgr 3-node chain", "llama-server 1 thread", 0.90),
+    (f"2-node {_T} / llama-server 1 thread", f"dgr 2-node {_T}", "llama-server 1 thread", 0.95),
+    (f"2-node {_T} / llama-server over RPC x2", f"dgr 2-node {_T}", "llama-server over RPC x2", 1.0),
+    (f"3-node {_T} / llama-server 1 thread", f"dgr 3-node {_T}", "llama-server 1 thread", 0.90),
     ("1 `llama` node / llama-server, same threads", "dgr llama, 1 node", "llama-server, all threads", 0.95),
-    ("2-node chain, 8 sessions / llama-server -np 8", "dgr 2-node chain, 8 sessions",
+    (f"2-node {_T}, 8 sessions / llama-server -np 8", f"dgr 2-node {_T}, 8 sessions",
      "llama-server -np 8, all threads, 8 sessions", 0.8),
-    ("2-node chain, 8 sessions / 1 session", "dgr 2-node chain, 8 sessions", "dgr 2-node chain, 1 session", 2.5),
+    (f"2-node {_T}, 8 sessions / 1 session", f"dgr 2-node {_T}, 8 sessions", f"dgr 2-node {_T}, 1 session", 2.5),
 )
 # (name, numerator setup, denominator setup, target): short-prompt TTFT, where the ratio must stay at most the target
 TTFT_RATIOS: tuple[tuple[str, str, str, float], ...] = (
-    ("short-prompt TTFT: 2-node chain / llama-server 1 thread", "dgr 2-node chain", "llama-server 1 thread", 1.15),
+    (f"short-prompt TTFT: 2-node {_T} / llama-server 1 thread", f"dgr 2-node {_T}", "llama-server 1 thread", 1.15),
 )
 
 

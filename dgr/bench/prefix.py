@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import httpx
 
+from dgr.seam.wire import DEFAULT_TOPOLOGY
+
 from dgr.models import default_model_path
 from dgr.testing.harness import LocalRoute
 
@@ -101,7 +103,7 @@ def _turns(system: str, answers: list[str] | None, ask: Callable[[list[dict[str,
 def _route(threads: int, extra: tuple[str, ...] = ()) -> LocalRoute:
     return LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600,
                       extra=("--threads", str(threads), "--ctx", "4096", "--prefill-chunk", "512",
-                             "--max-sessions", "4", "--topology", "chain", *extra))
+                             "--max-sessions", "4", "--topology", DEFAULT_TOPOLOGY.value, *extra))
 
 
 def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max_tokens: int = 32,

@@ -20,7 +20,7 @@ import httpx
 from dgr.bench.direct import direct_llama
 from dgr.bench.measure import concurrent, hop_stats, short_ttft, stream_once
 from dgr.models import default_model_path
-from dgr.seam.wire import HEADER_SIZE
+from dgr.seam.wire import DEFAULT_TOPOLOGY, HEADER_SIZE
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["BenchConfig", "run_suite"]
@@ -108,14 +108,14 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
         with _route(backend, nodes, threads, ctx=max_ctx, extra=("--topology", topology)) as route:
             results["setups"][label] = _dgr_row(route, name, base_prompt, short, cfg.decode_tokens, threads)
             if nodes == 2 and topology == "star":
-                continue  # the chain's figures below cover the rest
+                continue  # the forwarding routes' figures below cover the rest
             for n, ids in prompt.items():
                 rr = stream_once(route.api, name, ids, 4)
                 results["ttft"].setdefault(label, {})[n] = rr.ttft_s
                 if nodes > 1:
                     status = route.node_status("node1")["seam"]
                     results["seam"].setdefault(label, {})[n] = status["last_decode_frame_bytes"]
-            if nodes == 2 and topology == "chain":
+            if nodes == 2 and topology == DEFAULT_TOPOLOGY.value:
                 for c in cfg.concurrency:
                     _log(f"{label}: {c} concurrent session(s)")
                     results["concurrency"].setdefault(label, {})[c] = concurrent(
@@ -138,7 +138,9 @@ _DGR_SETUPS: tuple[tuple[str, str, int, str], ...] = (
     ("dgr llama, 1 node", "llama", 1, "star"),
     ("dgr llama_shard, 2 nodes, star", "llama_shard", 2, "star"),
     ("dgr llama_shard, 2 nodes, chain", "llama_shard", 2, "chain"),
+    ("dgr llama_shard, 2 nodes, ring", "llama_shard", 2, "ring"),
     ("dgr llama_shard, 3 nodes, chain", "llama_shard", 3, "chain"),
+    ("dgr llama_shard, 3 nodes, ring", "llama_shard", 3, "ring"),
 )
 # llama-server's prompt cache would answer a repeated prompt's TTFT from memory; dgr has none yet.
 _NO_PROMPT_CACHE = {"cache_prompt": False}
@@ -208,10 +210,11 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
 
     def start(stack) -> list[PairedSetup]:
         out = []
-        for label, backend, nodes in (("dgr 2-node chain", "llama_shard", 2), ("dgr 3-node chain", "llama_shard", 3),
-                                      ("dgr llama, 1 node", "llama", 1)):
+        topology = DEFAULT_TOPOLOGY.value  # the routes users get
+        for label, backend, nodes in ((f"dgr 2-node {topology}", "llama_shard", 2),
+                                      (f"dgr 3-node {topology}", "llama_shard", 3), ("dgr llama, 1 node", "llama", 1)):
             threads = max(1, cfg.threads // nodes)
-            route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", "chain")))
+            route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", topology)))
             out.append(PairedSetup(label, route.api, name))
             if nodes == 2:
                 out += [PairedSetup(f"{label}, {n} session{'s' * (n > 1)}", route.api, name, sessions=n)
@@ -251,7 +254,7 @@ def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[i
                     extra=("--topology", topology, "--model", model)) as route:
             name = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
             out["setups"][label] = _dgr_row(route, name, prompt, short, cfg.decode_tokens, threads)
-            if nodes == 2 and topology == "chain":
+            if nodes == 2 and topology == DEFAULT_TOPOLOGY.value:
                 for c in (1, max(cfg.concurrency)):
                     out["concurrency"].setdefault(label, {})[c] = concurrent(
                         route.api, name, STORY, cfg.decode_tokens // 2, c)

@@ -75,6 +75,10 @@ class Topology(enum.Enum):
         return self is not Topology.STAR
 
 
+# `dgr tracker` and `dgr up` (in-process routes keep the star: they have no tracker app to take deliveries)
+DEFAULT_TOPOLOGY = Topology.RING
+
+
 MAGIC = b"DGRS"
 VERSION = 1
 CONTENT_TYPE = "application/x-dgr-seam"
