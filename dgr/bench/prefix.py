@@ -4,7 +4,7 @@ Every setup answers the same conversation: the messages of each turn are
 the system prompt, the earlier questions, and the answers dgr gave with
 reuse on (the first setup run), so every setup prefills the same tokens.
 TTFT is request start to the first streamed content chunk, per turn:
-- dgr, 2-node llama_shard chain route, reuse on (the default);
+- dgr, 2-node llama_shard route (the default topology), reuse on (the default);
 - the same route started with `--no-prefix-reuse`;
 - llama-server with `cache_prompt` (it keeps its one slot's prompt and
   answer, and prefills what differs), the same total threads;
@@ -112,9 +112,10 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
     system = system_prompt()
     per_node = max(1, threads // 2)
     out: dict[str, Any] = {"threads": threads, "threads_per_node": per_node, "turns": len(QUESTIONS),
+                           "topology": DEFAULT_TOPOLOGY.value,
                            "max_tokens": max_tokens, "repeats": repeats, "setups": {}}
 
-    log(f"prefix: dgr llama_shard x2 chain, reuse on ({per_node} thread(s) per node), and prefilling only "
+    log(f"prefix: dgr llama_shard x2 {DEFAULT_TOPOLOGY.value}, reuse on ({per_node} thread(s) per node), and prefilling only "
         "the new tokens right after each turn on the same route")
     from dgr.backends.gguf_text import GgufText
 
@@ -200,7 +201,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
     setups = res["setups"]
     lines = ["", "## Conversations: prefix reuse (`dgr bench --only prefix`)", "",
              (f"A {res['turns']}-turn chat with a system prompt of {res['prompt_tokens'][0]} tokens (turn 1's whole "
-              f"prompt) and answers of at most {res['max_tokens']} tokens, on a 2-node llama_shard chain route "
+              f"prompt) and answers of at most {res['max_tokens']} tokens, on a 2-node llama_shard "
+              f"{res.get('topology', 'chain')} route "  # results from before the key were all chains
               f"({res['threads_per_node']} thread(s) per node) and on llama-server ({res['threads']} threads, "
               "`cache_prompt`). Every setup gets the same messages (dgr's reuse-on answers). 'new tokens' are "
               "the prompt tokens the reuse-on turn prefilled; 'prefill only the new tokens' is the TTFT of a "

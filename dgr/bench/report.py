@@ -106,7 +106,7 @@ def _paired_markdown(paired: dict[str, Any]) -> list[str]:
              "Every setup below was up at once (idle setups take no CPU) and each round measured each in turn "
              "(one streamed completion; a setup named with N sessions: N streams at once on the bench's story "
              "prompt with half the tokens, rated by their aggregate tok/s), so a slowdown of the machine hits "
-             "every setup of a round alike. dgr's routes have the default topology (named in their label) and 1 "
+             "every setup of a round alike. dgr's routes have the topology their label names and 1 "
              "thread a node (2 threads for one "
              "`llama` node). A ratio is the median over rounds of that round's ratio; the range is its lowest "
              "and highest round.", "",

@@ -123,11 +123,11 @@ def render_seam() -> str:
         f"`{wire.Topology.STAR.value}`: the gateway relays every hop. Per decoded token and a route "
         "of N nodes: N request/response round trips (2N messages), each one position. Prefill chunks are "
         "pipelined: hop i+1 computes chunk k while hop i computes chunk k+1.", "",
-        f"`{wire.Topology.CHAIN.value}`: the gateway sends each step to the head; each node forwards to the next "
+        f"`{wire.Topology.CHAIN.value}` (the default of `dgr tracker` and `dgr up`): the gateway sends each step to the head; each node forwards to the next "
         "and the tail delivers to the gateway: N + 1 one-way messages a token, so (N + 1)/2 RTT on a network "
         "where every pair sees the same RTT, against N RTT for the star. Each node keeps one ordered relay per "
         "session, since a step out of order is refused.", "",
-        f"`{wire.Topology.RING.value}` (the default of `dgr tracker` and `dgr up`): a chain whose tail, after sampling a token, also sends the next DECODE step "
+        f"`{wire.Topology.RING.value}`: a chain whose tail, after sampling a token, also sends the next DECODE step "
         "(that token's id, `seq + 1`, the next position, SAMPLE) on a stream of its own straight to the head, "
         "unless the token ends generation as the gateway would decide: end of generation without `ignore_eos`, "
         "or the session's last position (`max_positions - 1`). The gateway sends only the prompt's chunks and "
