@@ -11,13 +11,14 @@ suite's concurrency rows). A ratio is the median over rounds of
 that round's ratio, and its spread over rounds is reported beside it.
 
 The ratios are those of issue 13's decode targets: the 2-node and 3-node
-routes (the default topology; 1 thread a node) against llama-server
-with 1 thread and over RPC, one `llama` node against llama-server with the
-same threads, and the 2-node route's 8 sessions against llama-server -np 8
-with all threads and against one session on it, measured the same way. The setups TTFT_RATIOS
-names also get, each round, the time to first token of a short prompt that
-no setup has seen before (no prefix or prompt cache can answer it), for the
-short-prompt TTFT target; that ratio must stay under its target.
+routes (the default topology; 1 thread a node) against llama-server with 1
+thread and over RPC, one `llama` node against llama-server with the same
+threads, and the 2-node route's 8 sessions against llama-server -np 8 with
+all threads and against one session on it, measured the same way. The
+setups TTFT_RATIOS names also get, each round, the time to first token of a
+short prompt that no setup has seen before (no prefix or prompt cache can
+answer it), for the short-prompt TTFT target; that ratio must stay under its
+target.
 
 Left out: starting the setups (dgr.testing.harness.LocalRoute,
 dgr.bench.peers), the report's layout (dgr.bench.report).

@@ -28,9 +28,8 @@ from typing import Any, Callable
 
 import httpx
 
-from dgr.seam.wire import DEFAULT_TOPOLOGY
-
 from dgr.models import default_model_path
+from dgr.seam.wire import DEFAULT_TOPOLOGY
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["QUESTIONS", "run_prefix", "stream_chat", "system_prompt"]
@@ -115,8 +114,8 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
                            "topology": DEFAULT_TOPOLOGY.value,
                            "max_tokens": max_tokens, "repeats": repeats, "setups": {}}
 
-    log(f"prefix: dgr llama_shard x2 {DEFAULT_TOPOLOGY.value}, reuse on ({per_node} thread(s) per node), and prefilling only "
-        "the new tokens right after each turn on the same route")
+    log(f"prefix: dgr llama_shard x2 {DEFAULT_TOPOLOGY.value}, reuse on ({per_node} thread(s) per node), and "
+        "prefilling only the new tokens right after each turn on the same route")
     from dgr.backends.gguf_text import GgufText
 
     text = GgufText.load(default_model_path())  # tokenizes as the route's head does

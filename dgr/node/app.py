@@ -196,7 +196,8 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
         raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
     loop = data.get("loop")
     if loop is not None:
-        if not service.backend.is_tail or not isinstance(loop, dict) or not isinstance(loop.get("ignore_eos", False), bool):
+        if (not service.backend.is_tail or not isinstance(loop, dict)
+                or not isinstance(loop.get("ignore_eos", False), bool)):
             raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
         loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False))
     return RelayPlan(hop, service.tracker_url, cap, loop)

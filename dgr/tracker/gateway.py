@@ -874,7 +874,8 @@ class Gateway:
                 t_ring = arrived
                 stats = self.hop_stats[rs.route[0].node_id]
                 if not stats.decode_bytes:  # the tail's step to the head, as the gateway would have built it
-                    stats.decode_bytes = len(self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True))
+                    stats.decode_bytes = len(self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None,
+                                                         True))
                 token = TokenResult.from_frame(answer)
             else:
                 hidden: bytes | None = None
