@@ -183,6 +183,27 @@ def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) 
     trio.run(main)
 
 
+def _assert_at_once_as_alone(route: LocalRoute, prompts: list[str]) -> None:
+    """Every prompt at once on `route`, 48 greedy tokens each: each answer is the one it gets alone."""
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    want = [expected_greedy([stub], stub.tokenize(p, add_special=True, parse_special=True), 48).text for p in prompts]
+    got: list[str | None] = [None] * len(prompts)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        r = await client.post(f"{route.api}/completions", json={
+            "model": "stub", "prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        got[i] = r.json()["choices"][0]["text"]
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, client, i)
+
+    trio.run(main)
+    assert got == want
+
+
 def test_concurrent_sessions_travel_in_phase_groups_and_answer_as_alone(chain) -> None:
     """Four sessions on the 3-node chain: two phase groups (dgr.tracker.phases). Steps wait for their
     group (the tracker counts them), and every answer is the one the session gets alone."""
@@ -193,25 +214,8 @@ def test_concurrent_sessions_travel_in_phase_groups_and_answer_as_alone(chain) -
         return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name == "dgr_phase_waits_total"}
 
-    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
-    prompts = [f"group member {i}" for i in range(4)]
-    want = [expected_greedy([stub], stub.tokenize(p, add_special=True, parse_special=True), 48).text for p in prompts]
     before = waits()
-    got: list[str | None] = [None] * 4
-
-    async def one(client: httpx.AsyncClient, i: int) -> None:
-        r = await client.post(f"{chain.api}/completions", json={
-            "model": "stub", "prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True})
-        got[i] = r.json()["choices"][0]["text"]
-
-    async def main() -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(one, client, i)
-
-    trio.run(main)
-    assert got == want
+    _assert_at_once_as_alone(chain, [f"group member {i}" for i in range(4)])
     after = waits()
     assert after.get("released", 0) - before.get("released", 0) > 0, (before, after)
     chain.wait_sessions_freed(["node0", "node1", "node2"])
@@ -258,24 +262,7 @@ def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
 
 
 def test_ring_sessions_at_once_answer_as_alone(ring) -> None:
-    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
-    prompts = [f"ring member {i}" for i in range(6)]
-    want = [expected_greedy([stub], stub.tokenize(p, add_special=True, parse_special=True), 48).text for p in prompts]
-    got: list[str | None] = [None] * len(prompts)
-
-    async def one(client: httpx.AsyncClient, i: int) -> None:
-        r = await client.post(f"{ring.api}/completions", json={
-            "model": "stub", "prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True})
-        got[i] = r.json()["choices"][0]["text"]
-
-    async def main() -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, client, i)
-
-    trio.run(main)
-    assert got == want
+    _assert_at_once_as_alone(ring, [f"ring member {i}" for i in range(6)])
     ring.wait_sessions_freed(["node0", "node1", "node2"])
 
 
