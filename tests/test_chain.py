@@ -261,8 +261,12 @@ def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
     assert again.choices[0].text == want.text
 
 
-def test_ring_sessions_at_once_answer_as_alone(ring) -> None:
+def test_ring_sessions_at_once_travel_in_phase_groups_and_answer_as_alone(ring) -> None:
+    """On a ring the tail holds each next step for its phase group (dgr.node.ringphases), as the
+    gateway does on a chain; it counts the steps it sent with their group."""
+    before = ring.node_status("node2")["ring_phases"]["released"]
     _assert_at_once_as_alone(ring, [f"ring member {i}" for i in range(6)])
+    assert ring.node_status("node2")["ring_phases"]["released"] > before
     ring.wait_sessions_freed(["node0", "node1", "node2"])
 
 

@@ -75,6 +75,10 @@ class Loop:
 
     head: NextHop
     ignore_eos: bool = False
+    # the route's nodes, as the gateway names them, and how many: the tail holds each step for its
+    # phase group on this route (dgr.node.ringphases); "" holds nothing
+    route: str = ""
+    nodes: int = 1
 
 
 @attrs.frozen

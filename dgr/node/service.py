@@ -56,6 +56,7 @@ from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report
+from dgr.node.ringphases import RingPhases
 from dgr.node.scheduler import Job, JobKind, StepScheduler
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
@@ -125,6 +126,7 @@ class NodeService:
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
     loops: dict[str, Relay] = attrs.field(factory=dict)  # a ring's tail: sid -> its relay back to the head
+    ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
@@ -135,6 +137,7 @@ class NodeService:
 
     def __attrs_post_init__(self) -> None:
         self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s)
+        self.ring = RingPhases(self._loop_send)
         self.capacity = self.backend.max_sessions()
         self.max_positions = self.backend.max_positions()
         self.described = self.backend.describe()
@@ -303,6 +306,8 @@ class NodeService:
                 back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
                 r = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
                 self._nursery.start_soon(r.run)
+                if relay.loop.route:
+                    self.ring.join(sid, relay.loop.route, relay.loop.nodes, lane)
         session = self.sessions.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one
@@ -405,6 +410,7 @@ class NodeService:
             relay = relays.pop(sid, None)
             if relay is not None:
                 relay.close()
+        self.ring.leave(sid)
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
@@ -599,12 +605,20 @@ class NodeService:
                     self._nursery.start_soon(self.fail_session, frame.session, failure)
                 return
             hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
-            if step is not None:
-                loop.put(Outgoing(step, ""))  # first: the next token's path; the head starts a new hops text
+            if loop is not None and want and self._nursery is not None:  # first: the next token's path
+                if step is not None:
+                    self.ring.go(frame.session, step, self._nursery)
+                else:
+                    self.ring.stop(frame.session)
             self._count(frame, out, j.compute_s)
             relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
 
         self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done))
+
+    def _loop_send(self, sid: str, step: bytes) -> None:
+        loop = self.loops.get(sid)
+        if loop is not None:
+            loop.put(Outgoing(step, ""))  # the head starts a new hops text
 
     @staticmethod
     def _next_step(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
@@ -681,5 +695,6 @@ class NodeService:
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "backend_sessions": sched.session_count},
+            "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }

@@ -76,9 +76,10 @@ class Topology(enum.Enum):
 
 
 # `dgr tracker` and `dgr up` (in-process routes keep the star: they have no tracker app to take deliveries).
-# The chain, not the ring: on one machine the two are level for one session, and the chain's phase groups
-# (dgr.tracker.phases) keep 8 sessions ahead (paired rounds: the ring at 0.924x, 0.79x to 1.01x); the
-# ring only pays where links cost an RTT.
+# The chain, not the ring, until a full bench says otherwise: on one machine the two are level for one
+# session (paired rounds: the ring at 0.993x and 1.010x of the chain), and for 8 sessions the ring was
+# at 0.924x (0.79x to 1.01x) before its tail held steps for their phase groups and at 0.977x (0.91x to
+# 1.14x) after; the ring pays where links cost an RTT.
 DEFAULT_TOPOLOGY = Topology.CHAIN
 
 

@@ -705,7 +705,8 @@ class Gateway:
             nxt = hops[i + 1] if i + 1 < len(hops) else None
             out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver}
         if self.config.topology is Topology.RING:
-            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
+            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos,
+                                             "route": ",".join(h.node_id for h in hops), "nodes": len(hops)}
         return out
 
     def _pinned(self, node_id: str) -> str | None:
