@@ -153,7 +153,8 @@ def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_
     for its group, goes alone after its bound, and a session that stops or ends frees its group."""
     from trio.testing import MockClock
 
-    from dgr.node.ringphases import FIRST_HOLD_S, RingPhases
+    from dgr.node.ringphases import RingPhases
+    from dgr.tracker.phases import FIRST_HOLD_S
 
     sent: list[tuple[str, bytes]] = []
     ring = RingPhases(lambda sid, step: sent.append((sid, step)))

@@ -23,17 +23,14 @@ Left out: what a step is (dgr.node.service builds it), sending (dgr.node.relay).
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import attrs
 import trio
 
-from dgr.tracker.phases import RoutePhases
+from dgr.tracker.phases import RoutePhases, hold_for
 
-__all__ = ["RingPhases", "FIRST_HOLD_S"]
-
-FIRST_HOLD_S = 0.25  # a session's first step may wait this long for its group (the gateway's bound on a chain)
+__all__ = ["RingPhases"]
 
 
 @attrs.define(eq=False)
@@ -72,7 +69,7 @@ class RingPhases:
             self._release(out)
             return
         self._wake[sid] = trio.Event()
-        nursery.start_soon(self._hold, sid, 2.0 * (now - last) if last is not None else FIRST_HOLD_S)
+        nursery.start_soon(self._hold, sid, hold_for(now, last))
 
     def stop(self, sid: str) -> None:
         """`sid` sends no more steps (its last token): its group may go without it."""
@@ -109,7 +106,7 @@ class RingPhases:
         wake = self._wake.get(sid)
         if wake is None:
             return
-        with trio.move_on_after(hold_s if math.isfinite(hold_s) else FIRST_HOLD_S):
+        with trio.move_on_after(hold_s):
             await wake.wait()
         if self._wake.get(sid) is not wake:
             return  # released with its group, or ended

@@ -88,7 +88,7 @@ from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
-from dgr.tracker.phases import RoutePhases
+from dgr.tracker.phases import RoutePhases, hold_for
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
@@ -104,7 +104,6 @@ log = logging.getLogger("dgr.gateway")
 _GATEWAY = "gateway"
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
-_FIRST_HOLD_S = 0.25  # how long a session's first decode step may wait for its phase group
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
 
 
@@ -850,7 +849,7 @@ class Gateway:
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
                 frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
                 if live.phases is not None:
-                    await self._in_phase(live, hold_s=2.0 * (now - last) if last is not None else _FIRST_HOLD_S)
+                    await self._in_phase(live, hold_s=hold_for(now, last))
                 t0 = time.perf_counter()
                 try:
                     await self._send_head(live, frame, 1, seq)

@@ -27,7 +27,15 @@ import math
 
 import attrs
 
-__all__ = ["RoutePhases"]
+__all__ = ["RoutePhases", "FIRST_HOLD_S", "hold_for"]
+
+FIRST_HOLD_S = 0.25  # how long a session's first decode step may wait for its phase group
+
+
+def hold_for(now: float, last: float | None) -> float:
+    """How long a session's step may wait for its group: twice the time since its last step (its token
+    interval), or FIRST_HOLD_S for its first. The gateway (chain) and a ring's tail hold by this rule."""
+    return 2.0 * (now - last) if last is not None else FIRST_HOLD_S
 
 
 @attrs.define
