@@ -1,3 +1,3 @@
-from dgr.cli import main
+from dgr.cli import run
 
-raise SystemExit(main())
+run()

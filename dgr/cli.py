@@ -58,7 +58,6 @@ def cmd_tracker(args) -> int:
 
 
 def cmd_node(args) -> int:
-    from dgr.backends.base import LayerRange
     from dgr.backends.factory import make_backend, resolve_model
     from dgr.node.run import run_node
     from dgr.node.run import advertised_url
@@ -71,7 +70,7 @@ def cmd_node(args) -> int:
     tls_files = check_server_files(args.tls_cert, args.tls_key)
     advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
     identity = claim_identity(args.identity, "node")
-    layers = LayerRange.parse(args.layers) if args.layers else None
+    layers = args.layers
     if layers is None and (args.memory or (args.tracker and args.manifest)):
         layers = _assigned_layers(args)
     artifact = None
@@ -155,6 +154,16 @@ def cmd_up(args) -> int:
     from dgr.up import run_up
 
     return run_until_signal(run_up, args)
+
+
+def layers_arg(text: str):
+    """argparse type of an A:B layer range: a bad one is a usage error (exit 2), not a traceback."""
+    from dgr.backends.base import LayerRange
+
+    try:
+        return LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_node_model_args(p: argparse.ArgumentParser) -> None:
@@ -274,7 +283,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("node", help="serve one Shard (a layer range)")
     p.add_argument("--tracker", help="tracker URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--layers", help="A:B, layers [A, B) (default: with --tracker and --manifest, what the tracker "
+    p.add_argument("--layers", type=layers_arg,
+                   help="A:B, layers [A, B) (default: with --tracker and --manifest, what the tracker "
                                     "assigns; otherwise all the layers of --model)")
     p.add_argument("--memory", metavar="SIZE",
                    help="with --tracker and --manifest and no --layers: memory this node may use, e.g. 24GiB; the "
@@ -327,6 +337,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if command in (None, name):
             importlib.import_module(module).register(sub)
     return parser
+
+
+def run() -> None:
+    """The `dgr` command (python -m dgr, the console script): main(), then, for a service, exit at once.
+
+    A tracker or node holds about 870 modules and everything it made while serving, and the
+    interpreter's teardown frees them one by one, mostly in the garbage collector: SIGTERM to exit
+    took 0.64 to 0.80 s for a 2-node stub `dgr up`, and 0.04 to 0.11 s without it. By then the
+    service has closed everything it holds (its `with` and `finally` blocks ran inside main:
+    sockets, the backend, child processes, key folders), and dgr registers no atexit work. The
+    tools exit the usual way, and so does an exception out of main.
+    """
+    argv = sys.argv[1:]
+    code = main(argv)
+    if _command(argv) not in _CORE:
+        raise SystemExit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

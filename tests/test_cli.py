@@ -59,3 +59,42 @@ def test_busy_polling_is_on_by_default_only_for_one_thread_llama_nodes_and_up_pa
     assert given[given.index("--busy-poll-ms") + 1] == "30.0"
     default = node_args(up.parse_args(["up"]), LayerRange(0, 2), "http://t", "node0", 1)
     assert "--busy-poll-ms" not in default  # the node picks its own default from its backend and threads
+
+
+def _dgr_with_atexit(*argv: str, stop_when_ready: bool = False) -> subprocess.CompletedProcess:
+    """`python -m dgr ARGV` with an atexit hook that prints 'teardown' (SIGTERM once it prints its ready line)."""
+    import signal
+
+    code = ("import atexit, runpy, sys; atexit.register(lambda: print('teardown', flush=True)); "
+            f"sys.argv = ['dgr', *{list(argv)!r}]; runpy.run_module('dgr', run_name='__main__', alter_sys=True)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if stop_when_ready:
+            line = p.stdout.readline()
+            assert line.startswith("dgr-ready "), line
+            p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, (line if stop_when_ready else "") + out, err)
+
+
+def test_a_service_leaves_without_the_interpreters_teardown_and_keeps_its_output_and_exit_code():
+    """A stopped node exits 0 with nothing of the interpreter's teardown run (dgr.cli.run says why); its
+    output and a refusal's message and code still arrive; a tool exits the usual way."""
+    served = _dgr_with_atexit("node", "--backend", "stub", "--port", "0", stop_when_ready=True)
+    assert served.returncode == 0 and "teardown" not in served.stdout
+    refused = _dgr_with_atexit("node", "--backend", "stub", "--port", "0", "--advertise", "ftp://x")
+    assert refused.returncode == 2 and "dgr: error: --advertise must look like" in refused.stderr
+    assert "teardown" not in refused.stdout
+    tool = _dgr_with_atexit("plan", "--help")
+    assert tool.returncode == 0 and tool.stdout.rstrip().endswith("teardown")
+
+
+def test_a_bad_layer_range_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "dgr", "node", "--backend", "stub", "--layers", "5:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "argument --layers: bad layer range 5:1" in out.stderr
+    assert "Traceback" not in out.stderr

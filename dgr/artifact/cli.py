@@ -15,7 +15,7 @@ from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.progress import terminal_progress
-from dgr.backends.base import LayerRange
+from dgr.cli import layers_arg
 from dgr.errors import CallerError, DgrError, Reason
 
 __all__ = ["register"]
@@ -25,11 +25,6 @@ EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
-def _layers(text: str) -> LayerRange:
-    try:
-        return LayerRange.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Any) -> None:
@@ -47,13 +42,13 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("verify", help="check a GGUF, or only some layers, against a manifest")
     p.add_argument("model", type=Path)
     p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--layers", type=_layers, default=None, help="A:B, only layers [A, B) plus header and globals")
+    p.add_argument("--layers", type=layers_arg, default=None, help="A:B, only layers [A, B) plus header and globals")
     p.add_argument("--globals", choices=[g.value for g in GlobalNeed], default=GlobalNeed.COMPUTE.value)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("shard", help="verify layers A:B, then write a shard GGUF of them")
     p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--layers", type=_layers, required=True)
+    p.add_argument("--layers", type=layers_arg, required=True)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("-o", "--out", type=Path, default=None, help="default: MODEL.layersA-B.gguf")
     p.set_defaults(func=_cmd_shard)
@@ -68,7 +63,7 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("fetch", help="download only the pieces layers A:B need, from given peers")
     p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--layers", type=_layers, required=True)
+    p.add_argument("--layers", type=layers_arg, required=True)
     p.add_argument("--peer", action="append", required=True, help="HOST:PORT of a seeder; repeatable")
     p.add_argument("--out", type=Path, required=True, help="the (sparse) GGUF to write")
     p.add_argument("--listen", default="127.0.0.1", help="listen address (default 127.0.0.1)")
