@@ -153,19 +153,24 @@ def test_models_metadata(single) -> None:
                                              (2, "ring"), pytest.param(3, "ring", marks=pytest.mark.slow)])
 def test_sharded_route_equals_single_node(single_answers, nodes: int, topology: str) -> None:
     want = single_answers
+    # prompt chunks of 64 positions: PROMPTS fit one chunk each, as on the single node's 512, and a
+    # prompt of a few hundred tokens already crosses several chunks without minutes of prefill
     with LocalRoute(backend="llama_shard", nodes=nodes, ready_timeout_s=300,
-                    extra=("--ctx", "2048", "--prefill-chunk", "512", "--topology", topology)) as route:
+                    extra=("--ctx", "2048", "--prefill-chunk", "64", "--topology", topology)) as route:
         client = _client(route)
         for p in PROMPTS:
-            assert client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0).choices[0].text == want[p]
+            got = client.completions.create(model=MODEL, prompt=p, max_tokens=48, temperature=0)
+            assert got.choices[0].text == want[p]
+            assert got.usage.prompt_tokens <= 64
         # streamed equals whole on the single node (above); here once per route, for the sharded stream path
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=MODEL, prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True) if c.choices)
         assert streamed == want[PROMPTS[0]]
         # the decode seam is one hidden state per hop, whatever the prompt length
         sizes = []
-        for words in (50, 600):  # 600 tokens: two prefill chunks of 512
-            client.completions.create(model=MODEL, prompt="go " * words, max_tokens=3, temperature=0)
+        for words, chunks in ((40, 1), (200, 4)):
+            got = client.completions.create(model=MODEL, prompt="go " * words, max_tokens=3, temperature=0)
+            assert -(-got.usage.prompt_tokens // 64) == chunks
             sizes.append([route.node_status(f"node{i}")["seam"]["last_decode_frame_bytes"] for i in range(1, nodes)])
         assert sizes[0] == sizes[1] == [HEADER_SIZE + 576 * 4] * (nodes - 1)
 
