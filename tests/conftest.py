@@ -50,8 +50,9 @@ def pytest_collection_modifyitems(config, items):
     # than one core (llama.cpp or torch routes of several nodes, concurrent sessions) or the machine's
     # network namespaces form one group, run one at a time on one worker: two of them at once would
     # oversubscribe 2 cores, and the namespace tests check that none is left behind. In-process compute
-    # on one thread is not serial. Every llama.cpp or torch process a test starts has 1 thread, so tests
-    # side by side never oversubscribe a spinning thread pool.
+    # on one thread is not serial. Every llama.cpp or torch process a test starts has 1 thread, and so
+    # does every llama-cpp-python Llama a test makes (n_threads_batch=1 too: its prompt threads default
+    # to every core), so tests side by side never oversubscribe a spinning thread pool.
     for item in items:
         if "serial" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("serial"))

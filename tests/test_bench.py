@@ -42,7 +42,7 @@ def test_a_shaped_random_model_runs_with_the_default_tokenizer(tmp_path, monkeyp
     meta = read_header(path).fields  # gguf-py's GGUFReader takes seconds on the 49k-token vocabulary
     assert meta["llama.block_count"] == 2 and meta["llama.embedding_length"] == 256
     text = b"The lighthouse keeper kept a log"
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False)
     ref = llama_cpp.Llama(str(default_model_path()), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
     try:
         assert llm.tokenize(text) == ref.tokenize(text)

@@ -29,8 +29,8 @@ def direct():
     """llama-cpp-python's own high-level API on the same file: the reference."""
     from dgr.models import default_model_path
 
-    return llama_cpp.Llama(str(default_model_path()), n_ctx=2048, n_threads=1, n_batch=512, verbose=False,
-                           seed=0)
+    return llama_cpp.Llama(str(default_model_path()), n_ctx=2048, n_threads=1, n_threads_batch=1, n_batch=512,
+                           verbose=False, seed=0)
 
 
 @pytest.fixture(scope="module")

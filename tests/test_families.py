@@ -235,7 +235,7 @@ def _create_completion(path: str) -> dict:
     """llama-cpp-python's own greedy completion of the tiny prompt: the reference."""
     from llama_cpp import Llama
 
-    direct = Llama(path, n_ctx=256, n_threads=1, n_batch=512, verbose=False, seed=0)
+    direct = Llama(path, n_ctx=256, n_threads=1, n_threads_batch=1, n_batch=512, verbose=False, seed=0)
     try:
         return direct.create_completion(tiny_prompt(), max_tokens=N_NEW, temperature=0.0, top_k=1)
     finally:
@@ -284,8 +284,8 @@ def test_torch_reference_follows_llama_cpp(arch, models, reference, tmp_path):
     params.allow_requantize = True
     assert llama_cpp.llama_model_quantize(models[arch].encode(), str(f32).encode(), ctypes.byref(params)) == 0
     f32_kv = int(gguf.GGMLQuantizationType.F32)
-    llm = llama_cpp.Llama(str(f32), n_ctx=256, n_batch=512, logits_all=True, n_threads=1, verbose=False,
-                          type_k=f32_kv, type_v=f32_kv)
+    llm = llama_cpp.Llama(str(f32), n_ctx=256, n_batch=512, logits_all=True, n_threads=1, n_threads_batch=1,
+                          verbose=False, type_k=f32_kv, type_v=f32_kv)
     try:
         llm.eval(prompt)
         ref = np.array(llm.scores[: len(prompt)])  # [n, vocab]

@@ -89,7 +89,8 @@ def _whole_model_answers() -> dict[str, tuple[str, int]]:
     """
     import llama_cpp
 
-    whole = llama_cpp.Llama(str(default_model_path()), n_ctx=512, n_threads=1, n_batch=512, verbose=False, seed=0)
+    whole = llama_cpp.Llama(str(default_model_path()), n_ctx=512, n_threads=1, n_threads_batch=1, n_batch=512,
+                            verbose=False, seed=0)
     try:
         outs = {p: whole.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0, top_k=1) for p in PROMPTS}
     finally:

@@ -53,7 +53,7 @@ def test_greedy_equals_llama_cpp_python(backend, prompt):
     from llama_cpp import Llama
 
     ours = Pipeline([backend]).generate_greedy(prompt, N_NEW).tokens
-    ref_model = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=1, verbose=False)
+    ref_model = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=1, n_threads_batch=1, verbose=False)
     try:
         ref = []
         for tok in ref_model.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):

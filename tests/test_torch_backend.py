@@ -302,7 +302,8 @@ def torch_logits(path, english) -> np.ndarray:
 
 def llama_logits(llama_cpp, model_path, tokens: list[int], **kw) -> np.ndarray:
     llm = llama_cpp.Llama(
-        model_path=str(model_path), n_ctx=1024, n_batch=512, logits_all=True, n_threads=1, verbose=False, **kw
+        model_path=str(model_path), n_ctx=1024, n_batch=512, logits_all=True, n_threads=1, n_threads_batch=1,
+        verbose=False, **kw
     )
     llm.eval(tokens)
     return np.array(llm.scores[: len(tokens)])  # [n, vocab]
