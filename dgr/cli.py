@@ -222,13 +222,12 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
-    # the chain by default (dgr.seam.wire.DEFAULT_TOPOLOGY says why); the ring for routes whose machines
-    # are milliseconds apart (`dgr bench --only rtt --rtt 5` sweeps all three: docs/perf/rtt/REPORT.md)
+    # the ring by default (dgr.seam.wire.DEFAULT_TOPOLOGY says why; `dgr bench --only rtt --rtt 5` sweeps
+    # all three: docs/perf/rtt/REPORT.md)
     p.add_argument("--topology", choices=[t.value for t in Topology], default=DEFAULT_TOPOLOGY.value,
-                   help="chain (default): each node forwards to the next and the tail answers the gateway "
-                        "(N + 1 messages a token); ring: the tail also sends each next decode step straight to "
-                        "the head (N messages a token: for machines milliseconds apart); star: the gateway "
-                        "relays every hop (2N)")
+                   help="ring (default): each node forwards to the next, and the tail answers the gateway "
+                        "and sends each next decode step straight to the head (N messages a token); chain: the "
+                        "gateway sends every step to the head (N + 1); star: the gateway relays every hop (2N)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
     p.add_argument("--share-prefixes", action="store_true",

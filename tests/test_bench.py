@@ -14,6 +14,7 @@ from dgr.bench import peers, shapes
 from dgr.bench.shapes import LlamaShape, random_llama_gguf
 from dgr.gguf_meta import read_header
 from dgr.models import default_model_path
+from dgr.seam.wire import DEFAULT_TOPOLOGY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,35 +64,36 @@ def test_the_1b_shape_is_a_1b_llama() -> None:
 
 def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
     """A round's ratio compares setups measured seconds apart; the report's figure is their median."""
+    T = DEFAULT_TOPOLOGY.value  # the bench names its routes by the topology users get
     from dgr.bench.paired import TTFT_RATIOS, ratios
     from dgr.bench.report import markdown
 
-    rates = {"dgr 2-node chain": [30.0, 40.0, 35.0], "llama-server 1 thread": [40.0, 40.0, 50.0],
-             "llama-server over RPC x2": [30.0, 0.0, 35.0], "dgr 3-node chain": [20.0, 20.0, 20.0],
-             "dgr 2-node chain, 8 sessions": [60.0, 80.0, 70.0], "dgr 2-node chain, 1 session": [30.0, 40.0, 35.0],
+    rates = {f"dgr 2-node {T}": [30.0, 40.0, 35.0], "llama-server 1 thread": [40.0, 40.0, 50.0],
+             "llama-server over RPC x2": [30.0, 0.0, 35.0], f"dgr 3-node {T}": [20.0, 20.0, 20.0],
+             f"dgr 2-node {T}, 8 sessions": [60.0, 80.0, 70.0], f"dgr 2-node {T}, 1 session": [30.0, 40.0, 35.0],
              "llama-server -np 8, all threads, 8 sessions": [100.0, 80.0, 0.0]}
     r = ratios(rates)
-    assert r["2-node chain / llama-server 1 thread"]["per_round"] == [0.75, 1.0, 0.7]
-    assert r["2-node chain / llama-server 1 thread"]["median"] == 0.75
-    assert r["2-node chain / llama-server 1 thread"]["target"] == 0.95
-    assert r["2-node chain / llama-server over RPC x2"]["per_round"] == [1.0, 1.0]  # a failed round is left out
+    assert r[f"2-node {T} / llama-server 1 thread"]["per_round"] == [0.75, 1.0, 0.7]
+    assert r[f"2-node {T} / llama-server 1 thread"]["median"] == 0.75
+    assert r[f"2-node {T} / llama-server 1 thread"]["target"] == 0.95
+    assert r[f"2-node {T} / llama-server over RPC x2"]["per_round"] == [1.0, 1.0]  # a failed round is left out
     assert "1 `llama` node / llama-server, same threads" not in r  # neither setup ran
-    assert r["2-node chain, 8 sessions / llama-server -np 8"]["per_round"] == [0.6, 1.0]
-    assert r["2-node chain, 8 sessions / llama-server -np 8"]["target"] == 0.8
-    assert r["2-node chain, 8 sessions / 1 session"]["per_round"] == [2.0, 2.0, 2.0]
-    ttft = {"dgr 2-node chain": [0.8, 0.6, 0.7], "llama-server 1 thread": [0.5, 0.6, 0.0]}
+    assert r[f"2-node {T}, 8 sessions / llama-server -np 8"]["per_round"] == [0.6, 1.0]
+    assert r[f"2-node {T}, 8 sessions / llama-server -np 8"]["target"] == 0.8
+    assert r[f"2-node {T}, 8 sessions / 1 session"]["per_round"] == [2.0, 2.0, 2.0]
+    ttft = {f"dgr 2-node {T}": [0.8, 0.6, 0.7], "llama-server 1 thread": [0.5, 0.6, 0.0]}
     t = ratios(ttft, TTFT_RATIOS, at_most=True)
-    name = "short-prompt TTFT: 2-node chain / llama-server 1 thread"
+    name = f"short-prompt TTFT: 2-node {T} / llama-server 1 thread"
     assert t[name]["per_round"] == [1.6, 1.0] and t[name]["median"] == 1.3 and t[name]["at_most"]
     assert t[name]["target"] == 1.15
     res = {"config": {"quick": True, "threads": 2, "decode_tokens": 48, "only": "paired", "peers": True},
            "started": "s", "finished": "f", "setups": {}, "ttft": {}, "seam": {},
            "paired": {"rounds": 3, "rates": rates, "ratios": r, "ttft": ttft, "ttft_ratios": t}}
     text = markdown(res, [])
-    assert "| 2-node chain / llama-server 1 thread | at least 0.95x | 0.75x | 0.70x to 1.00x |" in text
+    assert f"| 2-node {T} / llama-server 1 thread | at least 0.95x | 0.75x | 0.70x to 1.00x |" in text
     assert f"| {name} | at most 1.15x | 1.30x | 1.00x to 1.60x |" in text
-    assert "| dgr 2-node chain | 800.0 | 600.0 | 700.0 | 700.0 |" in text
-    assert "| dgr 2-node chain | 30.0 | 40.0 | 35.0 | 35.0 |" in text
+    assert f"| dgr 2-node {T} | 800.0 | 600.0 | 700.0 | 700.0 |" in text
+    assert f"| dgr 2-node {T} | 30.0 | 40.0 | 35.0 | 35.0 |" in text
     assert "Made by `dgr bench --quick --only paired`." in text
 
 
@@ -100,6 +102,7 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
     TTFT_RATIOS names only."""
     from dgr.bench import paired
 
+    T = DEFAULT_TOPOLOGY.value
     calls: list[tuple[str, list[int], int]] = []
 
     def fake_stream(api, model, prompt, n, extra=None):
@@ -107,15 +110,15 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
         return SimpleNamespace(decode_tok_s=10.0, ttft_s=0.5 if api == "dgr" else 0.4)
 
     monkeypatch.setattr(paired, "stream_once", fake_stream)
-    setups = [paired.PairedSetup("dgr 2-node chain", "dgr", "m"),
+    setups = [paired.PairedSetup(f"dgr 2-node {T}", "dgr", "m"),
               paired.PairedSetup("llama-server 1 thread", "ls", "x"),
-              paired.PairedSetup("dgr 3-node chain", "three", "m")]
+              paired.PairedSetup(f"dgr 3-node {T}", "three", "m")]
     shorts = [[1, 10, 11], [1, 20, 21]]
     res = paired.run_paired(lambda stack: setups, [5, 6, 7], 8, rounds=2, log=lambda _m: None, story="s",
                             shorts=shorts)
     timed = [(api, p) for api, p, n in calls if n == 2]
     assert timed == [("dgr", shorts[0]), ("ls", shorts[0]), ("dgr", shorts[1]), ("ls", shorts[1])]
-    assert res["ttft"] == {"dgr 2-node chain": [0.5, 0.5], "llama-server 1 thread": [0.4, 0.4]}
-    assert res["ttft_ratios"]["short-prompt TTFT: 2-node chain / llama-server 1 thread"]["median"] == 1.25
+    assert res["ttft"] == {f"dgr 2-node {T}": [0.5, 0.5], "llama-server 1 thread": [0.4, 0.4]}
+    assert res["ttft_ratios"][f"short-prompt TTFT: 2-node {T} / llama-server 1 thread"]["median"] == 1.25
     with pytest.raises(ValueError):
         paired.run_paired(lambda stack: setups, [5], 8, rounds=3, log=lambda _m: None, story="s", shorts=shorts)

@@ -76,11 +76,13 @@ class Topology(enum.Enum):
 
 
 # `dgr tracker` and `dgr up` (in-process routes keep the star: they have no tracker app to take deliveries).
-# The chain, not the ring, until a full bench says otherwise: on one machine the two are level for one
-# session (paired rounds: the ring at 0.993x and 1.010x of the chain), and for 8 sessions the ring was
-# at 0.924x (0.79x to 1.01x) before its tail held steps for their phase groups and at 0.977x (0.91x to
-# 1.14x) after; the ring pays where links cost an RTT.
-DEFAULT_TOPOLOGY = Topology.CHAIN
+# The ring: where links cost an RTT it waits on fewer of them (5 ms between any two machines: a token adds
+# 0.98 RTT on 2 nodes and 1.22 on 3, against the chain's 1.57 and 2.17; docs/perf/rtt), and on one machine
+# it is level with the chain. Paired rounds, ring / chain: one session 0.993x and 1.010x, 8 sessions 0.977x
+# once its tail held steps for their phase groups (0.924x before); `dgr bench --only paired` back to back
+# (docs/perf/paired, docs/perf/paired-chain): 2-node 28.7 and 28.0 tok/s, 8 sessions 43.8 and 41.0, 3-node
+# 23.5 and 26.7.
+DEFAULT_TOPOLOGY = Topology.RING
 
 
 MAGIC = b"DGRS"

@@ -7,15 +7,20 @@ Theory of operation:
   4xx/5xx. Then the session's driver starts in the gateway's own nursery and
   the handler only reads its output channel.
 - The driver (`_drive`) runs prefill and decode inside the session's cancel
-  scope, in one of two topologies (dgr.seam.wire.Topology):
-  - chain (the default of `dgr up`): each step goes to the head on the
+  scope, in one of three topologies (dgr.seam.wire.Topology):
+  - chain: each step goes to the head on the
     session's stream to it (dgr.seam.stream); every node sends its output
     on to the next, and the tail's answer comes back through `deliver_frame`
     into the session's inbox with each hop's compute. N + 1 one-way messages
     a token. A watcher reads the head's answer to the stream: one that comes
     while the session lives is a refusal or a lost head, and fails it.
+  - ring (the default of `dgr tracker` and `dgr up`): a chain whose tail
+    also sends each next decode step straight to the head
+    (dgr.node.relay.Loop); the driver sends only the prompt's chunks, ends
+    its stream to the head, and waits for the tokens. N one-way messages a
+    token; a lost head is reported by the tail.
   - star: the gateway relays every hop, N round trips (2N messages) a token.
-  Either way one place sees every hop's latency and every failure, and
+  Every way, one place sees every hop's latency and every failure, and
   failure handling stays here.
 - Prefill is pipelined: hop i+1 works on chunk k while hop i works on chunk
   k+1 (star: one task per hop, joined by channels of one chunk; chain: at
@@ -123,7 +128,7 @@ class GatewayConfig:
     # A request that finds every route full waits this long for a slot before its 429: a client that
     # hangs up and asks again at once must not be refused the slot its last session is giving back.
     admission_wait_s: float = 10.0
-    # How steps travel a route (dgr.seam.wire.Topology). `dgr tracker` and `dgr up` default to chain;
+    # How steps travel a route (dgr.seam.wire.Topology). `dgr tracker` and `dgr up` default to the ring;
     # in-process routes (dgr.testing.inproc) have no tracker app to take chain deliveries, so star here.
     topology: Topology = Topology.STAR
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
