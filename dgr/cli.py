@@ -6,9 +6,10 @@ import argparse
 import importlib
 import logging
 import os
+import socket
 import sys
 
-from dgr.errors import DgrError, first_dgr_error
+from dgr.errors import CallerError, DgrError, Reason, first_dgr_error
 from dgr.procs import run_until_signal
 
 __all__ = ["main"]
@@ -52,9 +53,17 @@ def cmd_tracker(args) -> int:
     for m in manifests:
         print(f"dgr tracker: checking layer proofs against manifest {m.id[:12]} ({m.file.name})", file=sys.stderr)
     prover = Prover.from_manifests(manifests, challenges=args.proof_challenges, deadline_s=args.proof_deadline)
-    return run_until_signal(run_tracker, host=args.host, port=args.port, config=config, dead_after_s=args.dead_after,
+    listening, host = None, args.host
+    if args.listen_fd is not None:
+        try:
+            listening = socket.socket(fileno=args.listen_fd)
+            host = listening.getsockname()[0]  # the exposure rule judges the address really bound
+        except OSError as exc:
+            raise CallerError(Reason.INVALID_REQUEST, f"--listen-fd {args.listen_fd} is not an open socket: "
+                                                      f"{exc.strerror or exc}") from None
+    return run_until_signal(run_tracker, host=host, port=args.port, config=config, dead_after_s=args.dead_after,
                             prover=prover, require_proof=args.require_proof, identity=identity, admission=admission,
-                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca))
+                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca), listening=listening)
 
 
 def cmd_node(args) -> int:
@@ -263,6 +272,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("tracker", help="the Tracker Node and Gateway (OpenAI API)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--listen-fd", type=int, metavar="FD",
+                   help="serve on this inherited socket, already bound and listening, instead of --host and --port "
+                        "(how dgr up starts its nodes while the tracker starts)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))

@@ -142,8 +142,9 @@ async def _lines(stream):
 
 
 async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = None, fatal: bool = True,
-                    grace_s: float = 5.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Start `cmd`, report `Child` once it prints its ready line, stop it when cancelled.
+                    grace_s: float = 5.0, pass_fds: tuple[int, ...] = (), task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Start `cmd` (it inherits the file descriptors `pass_fds`), report `Child` once it prints its ready
+    line, stop it when cancelled.
 
     A child that is not `fatal` may exit after it was ready (a node lost on
     purpose, say): that is reported on stderr and the others keep running.
@@ -153,7 +154,8 @@ async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = N
     """
     # no PR_SET_PDEATHSIG here: trio forks from a worker thread, and the signal
     # fires when that *thread* exits, which kills healthy children after ~10 s
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, env={**os.environ, **(env or {})},
+                                            pass_fds=pass_fds)
     started = False
     try:
         async for line in _lines(proc.stdout):

@@ -8,6 +8,7 @@ dgr.api.server's lean one (why not hypercorn: see there).
 
 from __future__ import annotations
 
+import socket
 import ssl
 
 import trio
@@ -31,10 +32,12 @@ def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
 
 
 async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `app` on host:port (https with `tls_files`, a (cert, key) pair); started with its URL."""
+                    listening: socket.socket | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on host:port, or on the `listening` socket given (https with `tls_files`, a (cert, key)
+    pair); started with its URL."""
     ctx = server_ssl_context(*tls_files) if tls_files is not None else None
-    await serve_asgi(app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, task_status=task_status)
+    await serve_asgi(app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, listening=listening,
+                     task_status=task_status)
 
 
 def print_ready(info: dict) -> None:

@@ -6,6 +6,11 @@ cores / nodes threads so llama.cpp's spinning threads never oversubscribe
 the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
 
+`dgr up` binds the tracker's socket and hands it to the tracker process
+(`--listen-fd`), so the tracker's address is known before it runs and the
+nodes start at the same time as the tracker, not after it: a start is mostly
+imports and model loads, which then overlap on a machine with cores to spare.
+
 Every local route is a closed cluster with no flags: `dgr up` makes a key
 per process (tracker.key, node0.key, ... in `--identity-dir`, by default a
 fresh temporary folder removed on exit) and uses the join token it is given
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import trio
 
+from dgr.api.server import listening_socket
 from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
@@ -38,6 +44,7 @@ from dgr.security.tls import httpx_default_trust
 __all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 900.0  # first start of a llama_shard route builds shard files
+TRACKER_HOST = "127.0.0.1"
 
 
 def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerRange]:
@@ -105,9 +112,11 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
     return cmd
 
 
-def tracker_args(args, identity: Path | None = None) -> list[str]:
+def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
     cmd = dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
                       "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype)
+    if listen_fd is not None:
+        cmd += ["--listen-fd", str(listen_fd)]
     if identity is not None:
         cmd += ["--identity", str(identity)]
     if getattr(args, "manifest", None):
@@ -149,15 +158,24 @@ async def _run_up(args, env: dict[str, str], keys: Path) -> None:
     if args.backend == "llama_shard":
         check_shard_ranges(model, splits)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    try:
+        listening = listening_socket(TRACKER_HOST, args.port)
+    except OSError as exc:
+        raise CallerError(Reason.INVALID_REQUEST, f"dgr up cannot listen on {TRACKER_HOST}:{args.port}: "
+                                                  f"{exc.strerror or exc}") from None
+    url = f"http://{TRACKER_HOST}:{listening.getsockname()[1]}"
+    print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
+          + ", ".join(str(s) for s in splits), file=sys.stderr)
     async with trio.open_nursery() as nursery:
-        with trio.fail_after(READY_TIMEOUT_S):
-            tracker = await nursery.start(functools.partial(run_child, env=env), "tracker",
-                                          tracker_args(args, keys / "tracker.key"))
-            url = tracker.ready["url"]
-            print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
-                  + ", ".join(str(s) for s in splits), file=sys.stderr)
-
+        # The tracker's socket is bound here and handed over, so its address is known before it runs:
+        # the nodes start at the same time (their imports and model loads are most of a start), and a
+        # registration that comes before the tracker serves waits in the socket's backlog.
+        with listening, trio.fail_after(READY_TIMEOUT_S):
             ready: list[LayerRange] = []
+
+            async def start_tracker() -> None:
+                await nursery.start(functools.partial(run_child, env=env, pass_fds=(listening.fileno(),)), "tracker",
+                                    tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))
 
             async def start(i: int, layers: LayerRange) -> None:
                 child = await nursery.start(
@@ -174,6 +192,7 @@ async def _run_up(args, env: dict[str, str], keys: Path) -> None:
             with terminal_progress() as progress:
                 progress.start(f"nodes ready 0/{len(splits)}, layers covered 0/{n_layers}", n_layers)
                 async with trio.open_nursery() as starting:
+                    starting.start_soon(start_tracker)
                     for i, layers in enumerate(splits):
                         starting.start_soon(start, i, layers)
         print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -97,4 +98,23 @@ def test_a_bad_layer_range_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "dgr", "node", "--backend", "stub", "--layers", "5:1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "argument --layers: bad layer range 5:1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_up_on_a_taken_port_says_so_before_starting_anything():
+    """`dgr up` binds the tracker's socket itself (and hands it over): a taken port is its own error, at once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "dgr", "up", "--backend", "stub", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"dgr up cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "starting" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tracker_given_a_listen_fd_that_is_no_socket_says_so():
+    out = subprocess.run([sys.executable, "-m", "dgr", "tracker", "--listen-fd", "0"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--listen-fd 0 is not an open socket" in out.stderr
     assert "Traceback" not in out.stderr

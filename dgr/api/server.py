@@ -46,7 +46,7 @@ import trio
 
 from dgr.errors import Failure, Reason, openai_error_body
 
-__all__ = ["serve_asgi", "MAX_HEAD_BYTES"]
+__all__ = ["serve_asgi", "listening_socket", "MAX_HEAD_BYTES"]
 
 log = logging.getLogger("dgr.http")
 
@@ -367,20 +367,38 @@ def _address(stream: trio.abc.Stream, peer: bool) -> tuple[str, int] | None:
     return (name[0], name[1])
 
 
-async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
-                     keep_alive_s: float = 300.0, head_timeout_s: float = 30.0,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `app` on host:port until cancelled; started with the bound URL (port 0 picks a free one)."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0 picks a free one).
+
+    Made apart from `serve_asgi` so that a parent can bind before its child
+    server has started, hand it the socket, and give the address out at once:
+    connections made meanwhile wait in the backlog (`dgr up`).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = trio.socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        await sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
     except OSError:
         sock.close()
         raise
-    sock.listen(128)
-    bound = sock.getsockname()[1]
+    return sock
+
+
+async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
+                     keep_alive_s: float = 300.0, head_timeout_s: float = 30.0, listening: socket.socket | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on host:port until cancelled; started with the bound URL (port 0 picks a free one).
+
+    Given `listening` (a bound, listening socket), serve on it instead, and ignore host and port.
+    """
+    if listening is None:
+        listening = listening_socket(host, port)
+    else:
+        host = listening.getsockname()[0]
+    bound = listening.getsockname()[1]
+    sock = trio.socket.from_stdlib_socket(listening)
     listener: trio.abc.Listener = trio.SocketListener(sock)
     scheme = "http"
     if ssl_context is not None:

@@ -62,6 +62,11 @@ __all__ = ["HEARTBEAT_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "regi
 
 log = logging.getLogger("dgr.node")
 HEARTBEAT_S = 0.25
+HEARTBEAT_TIMEOUT_S = 2.0
+# A registration may reach a tracker that is still starting: `dgr up` starts nodes and tracker at once, and
+# a registration made before the tracker serves waits in its socket's backlog. Waiting that out beats
+# giving up after 2 s and sending it again, which the tracker would then read twice.
+REGISTER_TIMEOUT_S = 15.0
 RETRY_MIN_S = 1.0  # first wait after the tracker refused this node's credentials
 RETRY_MAX_S = 30.0
 
@@ -116,7 +121,7 @@ def _decided(artifact: NodeArtifact | None) -> bool:
 
 
 async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict[str, Any],
-                join_token: bytes | None = None) -> tuple[httpx.Response, str]:
+                join_token: bytes | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> tuple[httpx.Response, str]:
     """POST `data` as JSON, signed over the exact bytes sent; the response and the signature sent.
 
     Raises:
@@ -126,7 +131,7 @@ async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict
     headers = {"Content-Type": "application/json", **signer.headers("POST", path, body, time.time())}
     if join_token is not None:
         headers[JOIN_HEADER] = join_proof(join_token, signer.identity.public, headers["X-Dgr-Signature"])
-    r = await client.post(path, content=body, headers=headers)
+    r = await client.post(path, content=body, headers=headers, timeout=timeout_s)
     if r.status_code in (401, 409):
         code, message = parse_error_body(r.content)
         try:
@@ -196,13 +201,14 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     signer = Signer(service.identity)
     backoff = RETRY_MIN_S
     verify = tls.httpx_verify(tracker)
-    async with httpx.AsyncClient(base_url=tracker, timeout=2.0, transport=transport, verify=verify) as client:
+    async with httpx.AsyncClient(base_url=tracker, timeout=HEARTBEAT_TIMEOUT_S, transport=transport, verify=verify) as client:
         registered = False
         while True:
             try:
                 if not registered:
                     r, signature = await _post(client, signer, "/v1/nodes/register",
-                                               registration(service, url, artifact, tls_cert), join_token)
+                                               registration(service, url, artifact, tls_cert), join_token,
+                                               timeout_s=REGISTER_TIMEOUT_S)
                     r.raise_for_status()
                     reply = r.json()
                     _pin(service, reply, signature, join_token)

@@ -12,6 +12,7 @@ capability and challenge; nodes pin its public half when they join.
 from __future__ import annotations
 
 import functools
+import socket
 
 import trio
 
@@ -33,8 +34,11 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                       dead_after_s: float = DEAD_AFTER_S, prover: Prover | None = None, require_proof: bool = False,
                       admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
                       max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
-                      tls: TlsTrust = TlsTrust()) -> None:
+                      tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None) -> None:
     """Serve until cancelled. `prover` holds the manifests layer proofs are checked against.
+
+    `listening` is a socket already bound and listening (`dgr up` hands one over): the tracker serves
+    on it, and host is then only checked against the exposure rule.
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without an admission rule and API keys.
@@ -56,7 +60,8 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.run)
         await nursery.start(prover.run)
-        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
+        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files,
+                                                     listening=listening))
         print_ready({"role": "tracker", "url": url, "api": f"{url}/v1", "key": identity.public_text,
                      "join_token": admission.token is not None, "allowed_nodes": len(admission.allowed),
                      "api_keys": len(api_keys)})
