@@ -5,6 +5,7 @@ Each test here was written against the code before its fix and failed there.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -14,7 +15,7 @@ import trio.testing
 
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
-from dgr.node.membership import RETRY_MIN_S, stay_registered
+from dgr.node.membership import HEARTBEAT_RANGE_S, HEARTBEAT_S, RETRY_MIN_S, stay_registered
 from dgr.sampling import SamplingParams
 from dgr.security.identity import Identity
 from dgr.testing.inproc import InProcRoute, http_scope, receive_once
@@ -295,6 +296,53 @@ async def test_a_refused_node_retries_with_backoff_and_says_why(autojump_clock, 
     assert gaps[0] >= RETRY_MIN_S and gaps[0] < gaps[1] < gaps[2]
     said = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
     assert len(said) == 3 and "refused this node (unauthenticated): bad signature" in said[0]
+
+
+# -- the tracker sets the heartbeat period -------------------------------------------------------------------
+
+
+async def test_the_tracker_tells_its_nodes_how_often_to_beat() -> None:
+    """A tracker that declares nodes dead after 3 s asks for a beat every 0.5 s; after 1 s, every 1/6 s."""
+    from dgr.node.membership import registration
+    from dgr.testing.inproc import asgi_client
+
+    for dead_after, period in ((3.0, 0.5), (1.0, 1 / 6)):
+        route = InProcRoute.stub()
+        route.registry.dead_after_s = dead_after
+        app = make_tracker_app(route.gateway)
+        body, headers = route.signed(0, "/v1/nodes/register", registration(route.services[0], route.urls[0]))
+        async with asgi_client(app, "http://tracker.test") as http:
+            r = await http.post("/v1/nodes/register", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["heartbeat_s"] == pytest.approx(period)
+
+
+@pytest.mark.parametrize("said, period", [(0.5, 0.5), (2, 2.0), (1e-9, HEARTBEAT_RANGE_S[0]), (1e9, HEARTBEAT_RANGE_S[1]),
+                                          (float("nan"), HEARTBEAT_S), ("0.5", HEARTBEAT_S), (True, HEARTBEAT_S),
+                                          (None, HEARTBEAT_S)])
+async def test_a_node_beats_at_the_period_its_tracker_asks_for_within_bounds(autojump_clock, nursery, said,
+                                                                              period) -> None:
+    route = InProcRoute.stub()
+    beats: list[float] = []
+    reply = {"node": "n0", "registered": True, "proof": {"state": "none"},
+             "tracker_key": Identity.generate().public_text}
+    if said is not None:
+        reply["heartbeat_s"] = said
+
+    def tracker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/nodes/register":  # json.dumps writes NaN, as a tracker's JSON might
+            return httpx.Response(200, content=json.dumps(reply), headers={"Content-Type": "application/json"})
+        beats.append(trio.current_time())
+        return httpx.Response(200, json={"ok": True, "proof": {"state": "none"}})
+
+    with trio.fail_after(120):  # trio's clock (autojump): a node that never registers fails, it does not spin
+        await nursery.start(lambda task_status: stay_registered(
+            route.services[0], "http://tracker.test", route.urls[0], transport=httpx.MockTransport(tracker),
+            task_status=task_status))
+        while len(beats) < 4:
+            await trio.sleep(0.01)
+    gaps = [b - a for a, b in zip(beats, beats[1:])]
+    assert gaps == pytest.approx([period] * 3)
+    nursery.cancel_scope.cancel()
 
 
 # -- membership input never makes a 5xx ---------------------------------------------------------------------

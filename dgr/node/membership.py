@@ -3,7 +3,10 @@
 A heartbeat the tracker does not recognise (it restarted, or declared us
 dead) is answered 404, and the node registers again. A tracker that cannot
 be reached is retried at the heartbeat period; the node keeps serving its
-open sessions meanwhile.
+open sessions meanwhile. The period is the tracker's to set: its
+registration reply says `heartbeat_s`, a fraction of its death threshold
+(--dead-after), so a tracker that declares nodes dead sooner hears from them
+more often.
 
 A node with a Model Artifact adds its claim (manifest id, seed address) to
 each registration; the tracker answers with the proof's state, and every
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -58,10 +62,11 @@ from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proo
 from dgr.security.identity import key_from_text
 from dgr.security.tls import TlsTrust
 
-__all__ = ["HEARTBEAT_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_RANGE_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
 
 log = logging.getLogger("dgr.node")
-HEARTBEAT_S = 0.25
+HEARTBEAT_S = 0.25  # until the tracker's registration reply says its own period (`heartbeat_s`)
+HEARTBEAT_RANGE_S = (0.05, 10.0)  # a period a tracker may ask for
 HEARTBEAT_TIMEOUT_S = 2.0
 # A registration may reach a tracker that is still starting: `dgr up` starts nodes and tracker at once, and
 # a registration made before the tracker serves waits in its socket's backlog. Waiting that out beats
@@ -169,6 +174,14 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
     service.join(key)
 
 
+def _heartbeat_period(reply: Any) -> float:
+    """The period the tracker asks for (within HEARTBEAT_RANGE_S), else HEARTBEAT_S."""
+    period = reply.get("heartbeat_s") if isinstance(reply, dict) else None
+    if isinstance(period, (int, float)) and not isinstance(period, bool) and math.isfinite(period):
+        return min(max(float(period), HEARTBEAT_RANGE_S[0]), HEARTBEAT_RANGE_S[1])
+    return HEARTBEAT_S
+
+
 def _note_address(service: NodeService, reply: Any, url: str) -> None:
     """Say where the tracker recorded us, when that is not where we bound (a wildcard address); warn when that is
     loopback, where no other machine reaches us."""
@@ -200,6 +213,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
         raise CallerError(Reason.INVALID_REQUEST, "a node joins a tracker with its own key: it has no identity")
     signer = Signer(service.identity)
     backoff = RETRY_MIN_S
+    period = HEARTBEAT_S
     verify = tls.httpx_verify(tracker)
     async with httpx.AsyncClient(base_url=tracker, timeout=HEARTBEAT_TIMEOUT_S, transport=transport, verify=verify) as client:
         registered = False
@@ -214,6 +228,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     _pin(service, reply, signature, join_token)
                     _note_address(service, reply, url)
                     _note_proof(artifact, reply)
+                    period = _heartbeat_period(reply)
                     registered = True
                     log.info("registered with %s as %s", tracker, service.node_id)
                     if not started and _decided(artifact):
@@ -239,4 +254,4 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
                 registered = False
                 log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
-            await trio.sleep(HEARTBEAT_S)
+            await trio.sleep(period)

@@ -115,7 +115,8 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         entry = registry.register(data, trio.current_time(), key=key, seen=seen)
         (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
         reply: dict[str, Any] = {"node": entry.node_id, "registered": True, "proof": entry.proof.to_json(),
-                                 "url": entry.url, "seed": entry.seed, "seen": seen}
+                                 "url": entry.url, "seed": entry.seed, "seen": seen,
+                                 "heartbeat_s": registry.heartbeat_s}
         if identity is not None:
             reply["tracker_key"] = identity.public_text
             if admission.token is not None:
