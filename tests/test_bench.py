@@ -122,3 +122,23 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
     assert res["ttft_ratios"][f"short-prompt TTFT: 2-node {T} / llama-server 1 thread"]["median"] == 1.25
     with pytest.raises(ValueError):
         paired.run_paired(lambda stack: setups, [5], 8, rounds=3, log=lambda _m: None, story="s", shorts=shorts)
+
+
+def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> None:
+    """`dgr bench --only cpu` reads the right processes (the tracker and both nodes, each charged CPU for a
+    stream), measures a floor for each node's layers, and reports both."""
+    from dgr.backends.base import LayerRange
+    from dgr.bench import cpu
+    from dgr.testing.harness import LocalRoute
+
+    with LocalRoute(backend="stub", nodes=2) as route:
+        procs = cpu._processes(route)
+        assert list(procs) == ["tracker", "node0", "node1"] and len(set(procs.values())) == 3
+        run = cpu._measure(route, "stub", 1)
+    assert run["errors"] == 0 and run["tokens"] == cpu.TOKENS
+    assert all(run["cpu_ms_per_token"][name] > 0 for name in ("tracker", "node0", "node1"))
+    floor = cpu._floor("stub", [LayerRange(0, 15), LayerRange(15, 30)], None, 1)
+    assert set(floor) == {"node0", "node1"} and all(v > 0 for v in floor.values())
+    text = "\n".join(cpu.markdown({"topology": DEFAULT_TOPOLOGY.value, "tokens": cpu.TOKENS,
+                                   "setups": {"stub": {"runs": [run]}}, "floor": {"stub": {1: floor}}}))
+    assert f"| stub | 1 | {run['tok_s']:.1f} |" in text

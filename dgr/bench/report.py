@@ -39,6 +39,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "prefix":  # one section, whose setups and baselines it states itself
         lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
                  f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
+    if res["config"].get("only") == "cpu":
+        lines = ["# dgr benchmark: where a route's CPU goes", "", f"Run {res['started']} to {res['finished']} on "
+                 "one machine, SmolLM2-135M-Instruct Q4_1 (and the stub backend)."]
     if res["config"].get("only") == "paired":
         lines = ["# dgr benchmark: paired decode", "", f"Run {res['started']} to {res['finished']} on "
                  f"one machine, SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup, "
@@ -95,6 +98,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         from dgr.bench.prefix import markdown as prefix_markdown
 
         lines += prefix_markdown(res["prefix"])
+    if res.get("cpu"):
+        from dgr.bench.cpu import markdown as cpu_markdown
+
+        lines += cpu_markdown(res["cpu"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"

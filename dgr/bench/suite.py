@@ -39,7 +39,8 @@ class BenchConfig:
     rtts_ms: tuple[float, ...] = ()
     only: str | None = None  # "rtt": just the namespaced RTT routes; "peers": dgr against llama.cpp's servers;
     # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix); "paired": just the
-    # single- and 8-session head-to-heads measured in alternation (dgr.bench.paired)
+    # single- and 8-session head-to-heads measured in alternation (dgr.bench.paired); "cpu": each route
+    # process's CPU per token beside its shards' compute alone (dgr.bench.cpu)
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
@@ -81,6 +82,12 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     base_prompt = prompt[cfg.prompt_lengths[0]]
     max_ctx = max(cfg.prompt_lengths) + cfg.decode_tokens + 64
 
+    if cfg.only == "cpu":
+        from dgr.bench.cpu import run_cpu
+
+        results["cpu"] = run_cpu(_log)
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return results
     if cfg.rtts_ms:
         results["rtt"] = _rtt(cfg, base_prompt, max_ctx)
     if cfg.only == "prefix" or (cfg.only is None and not cfg.quick):
