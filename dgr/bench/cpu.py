@@ -8,11 +8,13 @@ divides by the tokens the clients received. The bench process itself is the
 client (httpx streams), so its CPU is the client's.
 
 The floor beside each node is the same layer range computed in this process
-with no route around it: the backend's own `forward_batch` on one session,
-or on a batch of 8, token after token. What a node spends above its floor is
-the runtime's: seam I/O, framing, scheduling, sampling, telemetry, and a
-busy-polling node's spinning (and, with 8 sessions, batches smaller than 8:
-a route batches the steps that are ready together). The tracker and the client have no floor: all
+with no route around it: the backend's own `forward_batch`, token after
+token, on the batch a node of the route computes at best. A pipeline of N
+nodes keeps the sessions in N phase groups, one computing on each node
+(dgr.tracker.phases), so 8 sessions on 2 nodes are batches of 4. What a node
+spends above its floor is the runtime's: seam I/O, framing, scheduling,
+sampling, telemetry, a busy-polling node's spinning, and batches smaller
+than the floor's. The tracker and the client have no floor: all
 of theirs is overhead.
 
 Linux only (procfs).
@@ -44,7 +46,7 @@ SETUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("llama_shard, 1 thread a node, busy polling", "llama_shard", ("--threads", "1")),
     ("llama_shard, 1 thread a node, no busy polling", "llama_shard", ("--threads", "1", "--busy-poll-ms", "0")),
 )
-SESSIONS = (1, 8)
+SESSIONS = (1, 8)  # concurrent streams; each node's batch is a phase group of them
 
 
 def _cpu_s(pid: int) -> float:
@@ -80,7 +82,8 @@ def _measure(route: LocalRoute, model: str, sessions: int) -> dict[str, Any]:
 
 
 def _floor(backend: str, splits: list[LayerRange], model: Path | None, sessions: int) -> dict[str, float]:
-    """CPU ms per token of each layer range computed here, `sessions` at a time, with no route around it."""
+    """CPU ms per token of each layer range computed here, a batch of `sessions` at a time, with no route
+    around it."""
     from dgr.backends.factory import make_backend
 
     stages = [make_backend(backend, r, model, threads=1, n_ctx=1024, max_sessions=8) for r in splits]
@@ -131,7 +134,8 @@ def run_cpu(log: Callable[[str], None]) -> dict[str, Any]:
                                     "runs": [_measure(route, name, n) for n in SESSIONS]}
         if backend not in out["floor"]:
             log(f"cpu: {backend} shards {', '.join(map(str, splits))} in this process")
-            out["floor"][backend] = {n: _floor(backend, splits, model, n) for n in SESSIONS}
+            # a pipeline of N nodes keeps 1/N of the sessions on each node (dgr.tracker.phases): its batches
+            out["floor"][backend] = {n: _floor(backend, splits, model, -(-n // len(splits))) for n in SESSIONS}
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return out
 
@@ -140,11 +144,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines = ["", "## Where a route's CPU goes", "",
              f"2-node {res['topology']} routes, {res['tokens']} tokens a session. CPU ms per decoded token of each "
              "process (its utime + stime over the tokens all sessions received); the floor is the node's layers "
-             "computed in the bench process with no route around them, as many sessions at a time. A node's "
+             "computed in the bench process with no route around them. A node's "
              "excess over its floor is the runtime's cost (for a busy-polling node, its spinning too); the "
-             "tracker's and the client's are all overhead. With 8 sessions the floor computes full batches of "
-             "8 every step; a route's batches are whatever steps are ready together, often fewer, so part of "
-             "its excess there is the compute of smaller batches.", "",
+             "tracker's and the client's are all overhead. The floor computes the batches a node computes at "
+             "best: a pipeline keeps one phase group of the sessions on each node, so 8 sessions on 2 nodes are "
+             "batches of 4.", "",
              "| setup | sessions | tok/s | tracker | node0 (floor) | node1 (floor) | client | cores busy |",
              "|---|---|---|---|---|---|---|---|"]
     for label, setup in res["setups"].items():
