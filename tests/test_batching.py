@@ -11,6 +11,7 @@ import threading
 import uuid
 
 import attrs
+import pytest
 import numpy as np
 import outcome
 import trio
@@ -233,6 +234,7 @@ async def test_steps_that_arrive_together_run_as_one_batch() -> None:
             await node.open_session(sid, 8, SamplingParams(temperature=0.0))
             await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         backend.batches.clear()
+        busy, summed = node.scheduler.busy_s, node.stats.compute_s
 
         async def arrive(k: int, sid: str) -> None:
             for _ in range(k + 1):  # reader k needs k + 1 rounds to hand its frame over
@@ -243,6 +245,10 @@ async def test_steps_that_arrive_together_run_as_one_batch() -> None:
             for k, sid in enumerate(sids):
                 nursery.start_soon(arrive, k, sid)
     assert backend.batches == [4] and backend.violations == []
+    # the batch's one call is the node's busy time once, and each of its 4 steps' compute
+    batch_s = node.scheduler.busy_s - busy
+    assert batch_s > 0 and node.stats.compute_s - summed == pytest.approx(4 * batch_s)
+    assert node.status()["scheduler"]["busy_s"] == round(node.scheduler.busy_s, 6)
 
 
 class _IoWaits(trio.abc.Instrument):

@@ -137,6 +137,7 @@ def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> No
         run = cpu._measure(route, "stub", 1)
     assert run["errors"] == 0 and run["tokens"] == cpu.TOKENS
     assert all(run["cpu_ms_per_token"][name] > 0 for name in ("tracker", "node0", "node1"))
+    assert set(run["computing"]) == {"node0", "node1"} and all(0 < v < 1 for v in run["computing"].values())
     floor = cpu._floor("stub", [LayerRange(0, 15), LayerRange(15, 30)], None, 1)
     assert set(floor) == {"node0", "node1"} and all(v > 0 for v in floor.values())
     text = "\n".join(cpu.markdown({"topology": DEFAULT_TOPOLOGY.value, "tokens": cpu.TOKENS,

@@ -69,15 +69,20 @@ def _processes(route: LocalRoute) -> dict[str, int]:
 
 def _measure(route: LocalRoute, model: str, sessions: int) -> dict[str, Any]:
     procs = _processes(route)
+    nodes = [name for name in procs if name != "tracker"]
     before = {name: _cpu_s(pid) for name, pid in procs.items()}
+    computing = {name: route.node_status(name)["scheduler"]["busy_s"] for name in nodes}
     client = sum(os.times()[:2])
     got = concurrent(route.api, model, PROMPT, TOKENS, sessions)
     client = sum(os.times()[:2]) - client
     tokens = got["aggregate_tok_s"] * got["wall_s"]
     per_token = {name: (_cpu_s(pid) - before[name]) / tokens * 1e3 for name, pid in procs.items()}
     per_token["client"] = client / tokens * 1e3
+    # the share of the run each node spent in its backend's forward calls (each batch once)
+    computing = {name: (route.node_status(name)["scheduler"]["busy_s"] - computing[name]) / got["wall_s"]
+                 for name in nodes}
     return {"sessions": sessions, "tokens": round(tokens), "tok_s": got["aggregate_tok_s"],
-            "errors": got["errors"], "cpu_ms_per_token": per_token,
+            "errors": got["errors"], "cpu_ms_per_token": per_token, "computing": computing,
             "cores_busy": sum(per_token.values()) * got["aggregate_tok_s"] / 1e3}
 
 
@@ -148,9 +153,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "excess over its floor is the runtime's cost (for a busy-polling node, its spinning too); the "
              "tracker's and the client's are all overhead. The floor computes the batches a node computes at "
              "best: a pipeline keeps one phase group of the sessions on each node, so 8 sessions on 2 nodes are "
-             "batches of 4.", "",
-             "| setup | sessions | tok/s | tracker | node0 (floor) | node1 (floor) | client | cores busy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "batches of 4. \"Computing\" is the share of the run each node spent in its backend's forward "
+             "calls.", "",
+             "| setup | sessions | tok/s | tracker | node0 (floor) | node1 (floor) | client | cores busy "
+             "| computing node0, node1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, setup in res["setups"].items():
         backend = "stub" if label.startswith("stub") else "llama_shard"
         for run in setup["runs"]:
@@ -159,5 +166,6 @@ def markdown(res: dict[str, Any]) -> list[str]:
                 str(run["sessions"]), {}))
             nodes = " | ".join(f"{cpu[n]:.2f} ({floor.get(n, float('nan')):.2f})" for n in ("node0", "node1"))
             lines.append(f"| {label} | {run['sessions']} | {run['tok_s']:.1f} | {cpu.get('tracker', 0):.2f} | {nodes} "
-                         f"| {cpu['client']:.2f} | {run['cores_busy']:.2f} |")
+                         f"| {cpu['client']:.2f} | {run['cores_busy']:.2f} "
+                         f"| {', '.join(f'{v:.0%}' for v in run.get('computing', {}).values())} |")
     return lines

@@ -149,6 +149,9 @@ class StepScheduler:
     session_count: int = 0
     iterations: int = 0
     batched_steps: int = 0  # forwards that ran in a batch of two or more
+    # Seconds in forward calls, each batch once: how busy the node's compute is. (A step's compute_s is
+    # its whole batch's call, so a sum over steps counts a batch of 4 four times.)
+    busy_s: float = 0.0
     # Run iterations on the loop instead of a worker thread: only for trio-level tests on a MockClock,
     # where a thread would count as blocked and let the clock jump past every deadline.
     inline: bool = False
@@ -276,6 +279,7 @@ class StepScheduler:
             t0 = time.perf_counter()
             outs = self.backend.forward_batch([job.step for job in batch])
             compute = time.perf_counter() - t0
+            self.busy_s += compute
             for job, out in zip(batch, outs):
                 job.compute_s = compute
                 job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())

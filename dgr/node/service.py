@@ -85,7 +85,7 @@ class SeamStats:
     last_decode_frame_bytes: int = 0
     last_decode_hidden_bytes: int = 0
     refused: collections.Counter = attrs.field(factory=collections.Counter)
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # summed over steps, each counted with its whole batch's call (the busy time: scheduler.busy_s)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -694,7 +694,7 @@ class NodeService:
             "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
-                          "backend_sessions": sched.session_count},
+                          "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
