@@ -3,7 +3,8 @@
 Hashing a large GGUF or fetching its layers takes minutes, so the CLI shows
 a bar. It uses `rich` when it is installed and stderr is a terminal, and is
 silent otherwise, so that logs, pipes and tests get no control characters.
-Library functions take a `Progress` (or None) instead of printing.
+Library functions take a `Progress` (or None) instead of printing; a
+service's one-line status messages go through `say`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-__all__ = ["LineProgress", "Progress", "NullProgress", "terminal_progress"]
+__all__ = ["LineProgress", "Progress", "NullProgress", "terminal_progress", "say"]
+
+
+def say(message: str, who: str = "dgr node") -> None:
+    """One status line on stderr, for the operator."""
+    print(f"{who}: {message}", file=sys.stderr, flush=True)
 
 
 class Progress(Protocol):

@@ -21,7 +21,7 @@ node's answers as its own.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Response, request
@@ -33,7 +33,6 @@ from dgr.api.http import (install_error_handlers, json_response, read_json, read
 from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.node.artifact import NodeArtifact
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
@@ -49,6 +48,9 @@ from dgr.seam.wire import (
     STREAM_PATH,
     raw_header,
 )
+
+if TYPE_CHECKING:
+    from dgr.node.artifact import NodeArtifact
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 

@@ -46,7 +46,7 @@ from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange, ShardBackend
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.procs import run_until_signal
-from dgr.progress import LineProgress, Progress, terminal_progress
+from dgr.progress import LineProgress, Progress, say, terminal_progress
 
 __all__ = [
     "NodeArtifact",
@@ -61,11 +61,6 @@ __all__ = [
 ]
 
 PEERS_POLL_S = 0.5
-
-
-def say(message: str) -> None:
-    """One status line on stderr, for the operator."""
-    print(f"dgr node: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -56,11 +56,14 @@ import trio
 
 from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason, parse_error_body
-from dgr.node.artifact import NodeArtifact, say
 from dgr.node.service import NodeService
+from dgr.progress import say
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
 from dgr.security.identity import key_from_text
 from dgr.security.tls import TlsTrust
+
+if TYPE_CHECKING:  # the artifact plane loads only for a node that serves one (cli: prepare_node_artifact)
+    from dgr.node.artifact import NodeArtifact
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_RANGE_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import trio
@@ -30,7 +31,6 @@ from dgr.api.hosts import is_loopback
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
-from dgr.node.artifact import NodeArtifact, seed_artifact
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
 from dgr.node.service import NodeService
@@ -38,6 +38,9 @@ from dgr.node.snapshot import SnapshotDir
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, cert_pem
 from dgr.serve import print_ready, serve_app
+
+if TYPE_CHECKING:
+    from dgr.node.artifact import NodeArtifact
 
 __all__ = ["run_node", "advertised_url"]
 
@@ -93,6 +96,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
     try:
         async with trio.open_nursery() as nursery:
             if artifact is not None:
+                from dgr.node.artifact import seed_artifact
+
                 await nursery.start(seed_artifact, artifact, host, seed_port)
                 if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
                     artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
