@@ -18,9 +18,9 @@ from typing import Any, Protocol
 __all__ = ["LineProgress", "Progress", "NullProgress", "terminal_progress", "say"]
 
 
-def say(message: str, who: str = "dgr node") -> None:
-    """One status line on stderr, for the operator."""
-    print(f"{who}: {message}", file=sys.stderr, flush=True)
+def say(message: str) -> None:
+    """One status line of a node on stderr, for its operator."""
+    print(f"dgr node: {message}", file=sys.stderr, flush=True)
 
 
 class Progress(Protocol):

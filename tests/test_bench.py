@@ -141,5 +141,6 @@ def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> No
     floor = cpu._floor("stub", [LayerRange(0, 15), LayerRange(15, 30)], None, 1)
     assert set(floor) == {"node0", "node1"} and all(v > 0 for v in floor.values())
     text = "\n".join(cpu.markdown({"topology": DEFAULT_TOPOLOGY.value, "tokens": cpu.TOKENS,
-                                   "setups": {"stub": {"runs": [run]}}, "floor": {"stub": {1: floor}}}))
+                                   "setups": {"stub": {"backend": "stub", "runs": [run]}},
+                                   "floor": {"stub": {"1": floor}}}))
     assert f"| stub | 1 | {run['tok_s']:.1f} |" in text

@@ -25,8 +25,6 @@ EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
-
-
 def register(subparsers: Any) -> None:
     """Add `artifact` and its subcommands to a dgr argparse subparsers object."""
     art = subparsers.add_parser("artifact", help="Model Artifact manifests, verification, shards and transfer")

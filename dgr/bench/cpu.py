@@ -63,8 +63,8 @@ def _processes(route: LocalRoute) -> dict[str, int]:
     # each thread lists the children it forked (trio starts them from worker threads)
     children = [int(c) for task in Path(f"/proc/{route.proc.pid}/task").iterdir()
                 for c in (task / "children").read_text().split()]
-    others = [c for c in children if c not in nodes.values()]
-    return {**{"tracker": p for p in others[:1]}, **dict(sorted(nodes.items()))}
+    tracker = [c for c in children if c not in nodes.values()]
+    return {"tracker": tracker[0], **dict(sorted(nodes.items()))}
 
 
 def _measure(route: LocalRoute, model: str, sessions: int) -> dict[str, Any]:
@@ -135,12 +135,13 @@ def run_cpu(log: Callable[[str], None]) -> dict[str, Any]:
             warm = concurrent(route.api, name, PROMPT, 8, 1)  # first requests load what they load
             if warm["errors"]:
                 raise RuntimeError(f"{label}: the route failed its first request")
-            out["setups"][label] = {"splits": [str(s) for s in splits],
+            out["setups"][label] = {"backend": backend, "splits": [str(s) for s in splits],
                                     "runs": [_measure(route, name, n) for n in SESSIONS]}
         if backend not in out["floor"]:
             log(f"cpu: {backend} shards {', '.join(map(str, splits))} in this process")
             # a pipeline of N nodes keeps 1/N of the sessions on each node (dgr.tracker.phases): its batches
-            out["floor"][backend] = {n: _floor(backend, splits, model, -(-n // len(splits))) for n in SESSIONS}
+            # (keys as JSON writes them: the report reads results.json too)
+            out["floor"][backend] = {str(n): _floor(backend, splits, model, -(-n // len(splits))) for n in SESSIONS}
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return out
 
@@ -159,13 +160,10 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "| computing node0, node1 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, setup in res["setups"].items():
-        backend = "stub" if label.startswith("stub") else "llama_shard"
         for run in setup["runs"]:
-            cpu = run["cpu_ms_per_token"]
-            floor = res["floor"].get(backend, {}).get(run["sessions"], res["floor"].get(backend, {}).get(
-                str(run["sessions"]), {}))
-            nodes = " | ".join(f"{cpu[n]:.2f} ({floor.get(n, float('nan')):.2f})" for n in ("node0", "node1"))
-            lines.append(f"| {label} | {run['sessions']} | {run['tok_s']:.1f} | {cpu.get('tracker', 0):.2f} | {nodes} "
+            cpu, floor = run["cpu_ms_per_token"], res["floor"][setup["backend"]][str(run["sessions"])]
+            nodes = " | ".join(f"{cpu[n]:.2f} ({floor[n]:.2f})" for n in ("node0", "node1"))
+            lines.append(f"| {label} | {run['sessions']} | {run['tok_s']:.1f} | {cpu['tracker']:.2f} | {nodes} "
                          f"| {cpu['client']:.2f} | {run['cores_busy']:.2f} "
-                         f"| {', '.join(f'{v:.0%}' for v in run.get('computing', {}).values())} |")
+                         f"| {', '.join(f'{v:.0%}' for v in run['computing'].values())} |")
     return lines

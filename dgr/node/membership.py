@@ -218,7 +218,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     backoff = RETRY_MIN_S
     period = HEARTBEAT_S
     verify = tls.httpx_verify(tracker)
-    async with httpx.AsyncClient(base_url=tracker, timeout=HEARTBEAT_TIMEOUT_S, transport=transport, verify=verify) as client:
+    async with httpx.AsyncClient(base_url=tracker, transport=transport, verify=verify) as client:  # _post times each
         registered = False
         while True:
             try:
