@@ -53,7 +53,9 @@ PROMPTS = [
     "The three primary colors are",
     "Paris is the capital of France. Berlin is the capital of",
 ]
-NODE_ARGS = ("--backend", "llama_shard", "--threads", "1", "--ctx", "2048", "--max-sessions", "2")
+# no busy polling beside another test (dgr.testing.harness.LocalRoute.busy_poll_ms)
+NODE_ARGS = ("--backend", "llama_shard", "--threads", "1", "--busy-poll-ms", "0", "--ctx", "2048",
+             "--max-sessions", "2")
 
 
 # -- processes ----------------------------------------------------------------------

@@ -162,7 +162,8 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
 
     def node(host: str, *source: str) -> WatchedChild:
         return spawn(host, "node", "--tracker", url, "--manifest", str(m), "--memory", str(budget), *source,
-                     "--backend", "llama_shard", "--threads", "1", "--host", "0.0.0.0", "--port", str(NODE_PORT),
+                     "--backend", "llama_shard", "--threads", "1", "--busy-poll-ms", "0",  # as LocalRoute.busy_poll_ms
+                     "--host", "0.0.0.0", "--port", str(NODE_PORT),
                      "--join-token-file", str(token), "--identity", str(tmp_path / f"{host}.key"))
 
     def joined(host: str) -> dict[str, Any]:

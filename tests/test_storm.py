@@ -73,7 +73,7 @@ def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock)
 
 
 def _storm(seconds: float | None, rounds: int) -> None:
-    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
+    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300, busy_poll_ms=None,  # as `dgr up` runs
                     extra=("--ctx", "2048", "--prefill-chunk", str(PREFILL_CHUNK),
                            "--max-sessions", str(CLIENTS))) as route:
         before = _greedy(route)

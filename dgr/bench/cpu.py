@@ -130,7 +130,7 @@ def run_cpu(log: Callable[[str], None]) -> dict[str, Any]:
         splits = route_splits(model, model_layer_count(backend, model, "default"), 2)
         name = "stub" if backend == "stub" else "SmolLM2-135M-Instruct.Q4_1"
         log(f"cpu: {label}")
-        with LocalRoute(backend=backend, nodes=2, ready_timeout_s=600,
+        with LocalRoute(backend=backend, nodes=2, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
                         extra=("--ctx", "1024", "--max-sessions", "8", *extra)) as route:
             warm = concurrent(route.api, name, PROMPT, 8, 1)  # first requests load what they load
             if warm["errors"]:

@@ -100,7 +100,7 @@ def _turns(system: str, answers: list[str] | None, ask: Callable[[list[dict[str,
 
 
 def _route(threads: int, extra: tuple[str, ...] = ()) -> LocalRoute:
-    return LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600,
+    return LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
                       extra=("--threads", str(threads), "--ctx", "4096", "--prefill-chunk", "512",
                              "--max-sessions", "4", "--topology", DEFAULT_TOPOLOGY.value, *extra))
 

@@ -414,7 +414,7 @@ def run_soak(cfg: SoakConfig, *, extra: tuple[str, ...] = ()) -> SoakReport:
         extra = ("--stub-delay", str(cfg.stub_delay), *extra)
     else:
         extra = ("--ctx", "2048", "--max-sessions", str(max(8, cfg.concurrency)), *extra)
-    with LocalRoute(backend=cfg.backend, nodes=2, extra=extra, ready_timeout_s=600) as route:
+    with LocalRoute(backend=cfg.backend, nodes=2, extra=extra, ready_timeout_s=600, busy_poll_ms=None) as route:
         return trio.run(_run, route, cfg)
 
 

@@ -67,7 +67,7 @@ def _prompt_tokens(n: int) -> list[int]:
 
 
 def _route(backend: str, nodes: int, threads: int, ctx: int = 4096, extra: tuple[str, ...] = ()) -> LocalRoute:
-    return LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=600,
+    return LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
                       extra=("--threads", str(threads), "--ctx", str(ctx), "--prefill-chunk", "512",
                              "--max-sessions", "8", *extra))
 
