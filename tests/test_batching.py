@@ -277,6 +277,7 @@ async def test_after_a_step_the_scheduler_busy_polls_for_its_window_then_sleeps(
     closed, or with busy polling off, the loop sleeps again."""
     sid, other = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=0.4)
+    node.scheduler.yield_core = lambda: 0.0  # an idle machine: every yield comes straight back
     off = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="off")
     async with running(node, off):
         await node.open_session(sid, 16, SamplingParams(temperature=0.0))
@@ -296,6 +297,28 @@ async def test_after_a_step_the_scheduler_busy_polls_for_its_window_then_sleeps(
         await off.step(_frames(other, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         assert max(await _io_waits_during(0.05)) > 0, "busy polling is off by default"
         await off.close_session(other)
+
+
+async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_batch() -> None:
+    """A yield that kept the loop off its core for longer than `contended_s` ends the window: the loop
+    sleeps at once instead of polling on, and the next computed step opens a new window."""
+    sid = uuid.UUID(int=1).hex
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=10.0)
+    away = [0.0] * 5 + [0.003]  # five yields come straight back, then another process holds the core 3 ms
+    node.scheduler.yield_core = lambda: away.pop(0) if away else 0.0
+    async with running(node):
+        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
+        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        assert max(await _io_waits_during(0.05)) > 0, "slept after the long yield, well inside the window"
+        assert not away and node.scheduler.polls_given_up == 1
+        assert node.status()["scheduler"]["polls_given_up"] == 1
+
+        reply, _ = await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))
+        assert decode_frame(reply).kind is FrameKind.TOKEN
+        hot = await _io_waits_during(0.05)
+        assert len(hot) > 10 and max(hot) == 0, "a computed step opened a new window"
+        assert node.scheduler.polls_given_up == 1
+        await node.close_session(sid)
 
 
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:

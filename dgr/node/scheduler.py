@@ -28,7 +28,9 @@ Contract:
 - Busy polling (`busy_poll_s`): after an iteration that computed steps,
   while sessions are open, the driver waits for the next job on a hot loop
   (trio polls the sockets without sleeping) and gives the core to any other
-  runnable thread each round, instead of letting the core sleep.
+  runnable thread each round, instead of letting the core sleep. When one
+  such round gives the core away for longer than `contended_s`, another
+  process wants it: the driver sleeps until its next computed batch.
 
 Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
@@ -58,8 +60,17 @@ from dgr.backends.base import ShardBackend, Step
 __all__ = ["JobKind", "Job", "Plan", "plan_iteration", "may_gather", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
 
 DEFAULT_TOKEN_BUDGET = 512  # positions per iteration; one llama.cpp ubatch
-# Let another runnable thread have this core (Linux's sched_yield); a no-op where there is none.
-_yield_core: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+
+def _timed_yield() -> float:
+    """Let another runnable thread have this core (Linux's sched_yield; nothing where there is none).
+
+    Returns the seconds until this thread ran again: how long something else held the core.
+    """
+    t = time.perf_counter()
+    _sched_yield()
+    return time.perf_counter() - t
 
 
 class JobKind(enum.Enum):
@@ -172,6 +183,18 @@ class StepScheduler:
     # it was calm, a 3-node chain 1.14x, 8 sessions 0.99x. Each round yields the core (sched_yield), so
     # a busy machine's other work still runs; idle, the core stays awake. 0: off.
     busy_poll_s: float = 0.0
+    # A yield that kept this thread off its core for longer than this says another process wants the
+    # core for more than a moment (other work on the machine, a second test beside the route): the
+    # loop stops polling and sleeps until a computed batch opens the next window. Yielding alone did
+    # not give the core back: beside one CPU-bound process, the sharded llama route tests ran 12 to
+    # 15% slower with polling than without, and the other process 10 to 15% slower too. With this
+    # rule, beside that process (2-node route, 1 thread a node, two paired rounds), one session
+    # decoded at 34.7 and 28.5 tok/s against 28.1 and 25.5 with plain polling (and 39.9 and 37.0
+    # with none); 8 sessions were level. On an idle machine the rule ended 5 to 65 windows a node in
+    # a 27 s run, and the rates stayed within the VM's noise of plain polling (five pairs).
+    contended_s: float = 0.002
+    yield_core: Callable[[], float] = _timed_yield  # seconds the core was given away (tests pass their own)
+    polls_given_up: int = 0  # busy-poll windows ended early because the core was wanted
     _hot_until: float = -math.inf  # trio clock: the busy-poll window's end
     _last_decode_s: float = math.inf  # seconds the last decode-only iteration's backend call took
     # Unbounded on purpose: every job was admitted by a session state machine (or is a control
@@ -256,7 +279,9 @@ class StepScheduler:
             except trio.WouldBlock:
                 pass
             await trio.lowlevel.checkpoint()  # one round of the loop: sockets polled with no timeout, readers run
-            _yield_core()
+            if self.yield_core() > self.contended_s:
+                self._hot_until = -math.inf
+                self.polls_given_up += 1
         return await self._recv.receive()
 
     def _drain(self, pending: list[Job]) -> None:

@@ -694,7 +694,8 @@ class NodeService:
             "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
-                          "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count},
+                          "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
+                          "polls_given_up": sched.polls_given_up},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
