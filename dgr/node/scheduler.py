@@ -188,10 +188,12 @@ class StepScheduler:
     # loop stops polling and sleeps until a computed batch opens the next window. Yielding alone did
     # not give the core back: beside one CPU-bound process, the sharded llama route tests ran 12 to
     # 15% slower with polling than without, and the other process 10 to 15% slower too. With this
-    # rule, beside that process (2-node route, 1 thread a node, two paired rounds), one session
-    # decoded at 34.7 and 28.5 tok/s against 28.1 and 25.5 with plain polling (and 39.9 and 37.0
-    # with none); 8 sessions were level. On an idle machine the rule ended 5 to 65 windows a node in
-    # a 27 s run, and the rates stayed within the VM's noise of plain polling (five pairs).
+    # rule, beside that process (2-node route, 1 thread a node, five paired rounds), one session
+    # decoded at 31.1 tok/s on average against 26.7 with plain polling (ahead in all five; 35.6 with
+    # none), but 8 sessions at 38.5 against 41.0 (ahead in two), and the other process ran about as
+    # fast as beside plain polling (3% faster; 17% faster beside no polling). On an idle machine the rule ended 5 to 65 windows a node in a 27 s run, and
+    # the rates stayed within the VM's noise of plain polling (five pairs). Sleeping after a given-up
+    # window for one window's length as well was no better (three rounds).
     contended_s: float = 0.002
     yield_core: Callable[[], float] = _timed_yield  # seconds the core was given away (tests pass their own)
     polls_given_up: int = 0  # busy-poll windows ended early because the core was wanted
