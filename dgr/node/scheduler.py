@@ -187,7 +187,7 @@ class StepScheduler:
     # core for more than a moment (other work on the machine, a second test beside the route): the
     # loop stops polling and sleeps until a computed batch opens the next window. Yielding alone did
     # not give the core back: beside one CPU-bound process, the sharded llama route tests ran 12 to
-    # 15% slower with polling than without, and the other process 10 to 15% slower too. With this
+    # 15% slower with polling than without, and the other process 9 to 13% slower too. With this
     # rule, beside that process (2-node route, 1 thread a node, five paired rounds), one session
     # decoded at 31.1 tok/s on average against 26.7 with plain polling (ahead in all five; 35.6 with
     # none), but 8 sessions at 38.5 against 41.0 (ahead in two), and the other process ran about as

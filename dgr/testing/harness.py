@@ -107,7 +107,7 @@ class LocalRoute:
     # Each node's --busy-poll-ms; None: the product's default (dgr.cli.busy_poll_ms). 0 by default here, because
     # `make test` runs a second test beside every route: a node polling while the other computes takes a core that
     # test wants. In three paired rounds of the sharded llama_shard tests beside one CPU-bound process, the tests
-    # took 62 to 65 s without polling and 71 to 76 s with it, and the other process ran 10 to 15% slower too.
+    # took 62 to 65 s without polling and 71 to 76 s with it, and the other process ran 9 to 13% slower too.
     busy_poll_ms: float | None = 0.0
     _threads: list[threading.Thread] = attrs.field(factory=list)
     _http: httpx.Client | None = attrs.field(default=None, init=False)
