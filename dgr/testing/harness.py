@@ -286,7 +286,8 @@ class LocalRoute:
         return ["--busy-poll-ms", str(self.busy_poll_ms)]
 
     def _node_extra(self) -> list[str]:
-        keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions", "--idle-timeout", "--busy-poll-ms"}
+        keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions", "--idle-timeout",
+                "--busy-poll-ms"}
         out, it = [], iter(self.extra)
         for a in it:
             if a in keep:
