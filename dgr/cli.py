@@ -162,7 +162,7 @@ def _assigned_layers(args):
 def cmd_up(args) -> int:
     from dgr.up import run_up
 
-    return run_until_signal(run_up, args)
+    return run_up(args)
 
 
 def layers_arg(text: str):

@@ -1,17 +1,17 @@
 """Child processes that announce readiness with one `dgr-ready {json}` line.
 
-The one home of "start a child, wait for its ready line, stop it": `run_child`
-for trio code (`dgr up`), `WatchedChild` for blocking code (the test harness,
-tests, `dgr bench`), where a thread reads the child's stdout. A child is
-stopped with SIGTERM, then SIGKILL after a grace period. `die_with_parent` is
-for children forked from a main thread (the test harness).
+The one home of "wait for a child's ready line, stop it": `run_child` for trio
+code (`dgr up`, whose children are forked by dgr.forks), `WatchedChild` for
+blocking code (the test harness, tests, `dgr bench`), which starts a command
+and reads its stdout from a thread. A child is stopped with SIGTERM, then
+SIGKILL after a grace period. `die_with_parent` is for children forked from a
+main thread (the test harness).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from dgr.errors import PeerError, Reason
+from dgr.forks import ForkedProcess
 from dgr.serve import READY_PREFIX
 
 __all__ = ["Child", "WatchedChild", "run_child", "dgr_command", "die_with_parent", "ready_info", "run_until_signal"]
@@ -122,7 +123,7 @@ class WatchedChild:
 @attrs.define
 class Child:
     name: str
-    process: trio.Process
+    process: ForkedProcess
     ready: dict[str, Any]
 
     @property
@@ -141,10 +142,10 @@ async def _lines(stream):
         yield buf.decode(errors="replace")
 
 
-async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = None, fatal: bool = True,
-                    grace_s: float = 5.0, pass_fds: tuple[int, ...] = (), task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Start `cmd` (it inherits the file descriptors `pass_fds`), report `Child` once it prints its ready
-    line, stop it when cancelled.
+async def run_child(name: str, proc: ForkedProcess, *, fatal: bool = True, grace_s: float = 5.0,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Supervise a forked child (dgr.forks): report `Child` once it prints its ready line, stop it when
+    cancelled.
 
     A child that is not `fatal` may exit after it was ready (a node lost on
     purpose, say): that is reported on stderr and the others keep running.
@@ -152,19 +153,16 @@ async def run_child(name: str, cmd: list[str], *, env: dict[str, str] | None = N
     Raises:
         PeerError(NODE_ERROR): the child exited before it was ready, or a fatal one exited.
     """
-    # no PR_SET_PDEATHSIG here: trio forks from a worker thread, and the signal
-    # fires when that *thread* exits, which kills healthy children after ~10 s
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, env={**os.environ, **(env or {})},
-                                            pass_fds=pass_fds)
     started = False
     try:
-        async for line in _lines(proc.stdout):
-            info = None if started else ready_info(line)
-            if info is not None:
-                started = True
-                task_status.started(Child(name, proc, info))
-            elif line:
-                print(f"[{name}] {line}", file=sys.stderr)
+        async with proc.open_stdout() as stdout:
+            async for line in _lines(stdout):
+                info = None if started else ready_info(line)
+                if info is not None:
+                    started = True
+                    task_status.started(Child(name, proc, info))
+                elif line:
+                    print(f"[{name}] {line}", file=sys.stderr)
         code = await proc.wait()
         if trio.current_effective_deadline() == -float("inf"):
             return  # we are being cancelled (dgr up is stopping): an exit is expected

@@ -36,7 +36,8 @@ from dgr.api.server import listening_socket
 from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
-from dgr.procs import dgr_command, run_child
+from dgr.forks import ForkedProcess, fork_dgr, preload
+from dgr.procs import run_child, run_until_signal
 from dgr.progress import terminal_progress
 from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
 from dgr.security.tls import httpx_default_trust
@@ -91,12 +92,13 @@ async def _print_example(url: str) -> None:
 
 
 def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None) -> list[str]:
-    cmd = dgr_command(
+    """The arguments of `dgr` (after the command itself) that start one node of the route."""
+    cmd = [
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
         "--max-sessions", str(args.max_sessions), "--stub-delay", str(args.stub_delay),
         "--stub-model", args.stub_model, "--idle-timeout", str(getattr(args, "idle_timeout", 120.0)),
-    )
+    ]
     if getattr(args, "snapshot_dir", None):
         cmd += ["--snapshot-dir", str(Path(args.snapshot_dir) / name)]
     if getattr(args, "prefix_cache_mb", None) is not None:
@@ -113,8 +115,9 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
 
 
 def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
-    cmd = dgr_command("tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-                      "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype)
+    """The arguments of `dgr` (after the command itself) that start the route's tracker."""
+    cmd = ["tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
+           "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
     if identity is not None:
@@ -134,17 +137,18 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
     return cmd
 
 
-async def run_up(args) -> None:
+def run_up(args) -> None:
+    """`dgr up`: start the route's processes, serve until SIGINT or SIGTERM or a fatal child exit, stop them."""
     given = load_join_token(getattr(args, "join_token_file", None))
     env = {JOIN_ENV: given.decode() if given is not None else new_secret()}
     with contextlib.ExitStack() as stack:
         keys = getattr(args, "identity_dir", None)
         if keys is None:
             keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="dgr-up-keys-"))
-        await _run_up(args, env, Path(keys))
+        _run_up(args, env, Path(keys))
 
 
-async def _run_up(args, env: dict[str, str], keys: Path) -> None:
+def _run_up(args, env: dict[str, str], keys: Path) -> None:
     """`run_up` once the route's join token and key folder are settled."""
     model = resolve_model(args.backend, args.model)
     n_layers = model_layer_count(args.backend, model, args.stub_model)
@@ -166,35 +170,51 @@ async def _run_up(args, env: dict[str, str], keys: Path) -> None:
     url = f"http://{TRACKER_HOST}:{listening.getsockname()[1]}"
     print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
           + ", ".join(str(s) for s in splits), file=sys.stderr)
+    # The tracker's socket is bound here and handed over, so its address is known before it runs:
+    # the nodes start at the same time (their model loads are most of a start once the imports are
+    # done, dgr.forks), and a registration that comes before the tracker serves waits in the
+    # socket's backlog.
+    preload(args.backend)
+    children: list[tuple[str, ForkedProcess]] = []
+    try:
+        with listening:
+            roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))]
+            roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key"))
+                      for i, layers in enumerate(splits)]
+            for name, argv in roles:
+                held = [fd for _, child in children for fd in child.fds()]
+                children.append((name, fork_dgr(name, argv, env=env, close_fds=held, detach=[listening],
+                                                keep=listening if name == "tracker" else None)))
+        run_until_signal(_serve, args, url, children, splits, n_layers)
+    finally:
+        for _, child in children:
+            child.stop_now()  # a child trio did not stop already (the parent failed before supervising it)
+
+
+async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], splits: list[LayerRange],
+                 n_layers: int) -> None:
+    """Supervise the forked children: report progress as they get ready, serve until cancelled."""
     async with trio.open_nursery() as nursery:
-        # The tracker's socket is bound here and handed over, so its address is known before it runs:
-        # the nodes start at the same time (their imports and model loads are most of a start), and a
-        # registration that comes before the tracker serves waits in the socket's backlog.
-        with listening, trio.fail_after(READY_TIMEOUT_S):
+        with trio.fail_after(READY_TIMEOUT_S):
             ready: list[LayerRange] = []
+            layers_of = {f"node{i}": layers for i, layers in enumerate(splits)}
 
-            async def start_tracker() -> None:
-                await nursery.start(functools.partial(run_child, env=env, pass_fds=(listening.fileno(),)), "tracker",
-                                    tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))
-
-            async def start(i: int, layers: LayerRange) -> None:
-                child = await nursery.start(
-                    functools.partial(run_child, fatal=False, env=env), f"node{i}",
-                    node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key"),
-                )
-                ready.append(layers)
+            async def start(name: str, child: ForkedProcess) -> None:
+                await nursery.start(functools.partial(run_child, fatal=name == "tracker"), name, child)
+                if name not in layers_of:
+                    return
+                ready.append(layers_of[name])
                 covered = sum(len(r) for r in ready)
                 progress.update(covered, description=f"nodes ready {len(ready)}/{len(splits)}, "
                                                      f"layers covered {covered}/{n_layers}")
-                print(f"dgr up: node{i} ready, layers {layers}, pid {child.pid}", file=sys.stderr)
+                print(f"dgr up: {name} ready, layers {layers_of[name]}, pid {child.pid}", file=sys.stderr)
 
             # a bar on a terminal (quiet otherwise): which nodes are up, how many layers are covered
             with terminal_progress() as progress:
                 progress.start(f"nodes ready 0/{len(splits)}, layers covered 0/{n_layers}", n_layers)
                 async with trio.open_nursery() as starting:
-                    starting.start_soon(start_tracker)
-                    for i, layers in enumerate(splits):
-                        starting.start_soon(start, i, layers)
+                    for name, child in children:
+                        starting.start_soon(start, name, child)
         print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)
         await _print_example(url)
         # children run until a signal cancels us, or one of them exits and fails the nursery

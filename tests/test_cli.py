@@ -118,3 +118,84 @@ def test_a_tracker_given_a_listen_fd_that_is_no_socket_says_so():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--listen-fd 0 is not an open socket" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The children of `pid`, by process name (comm)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        pids = [int(p) for p in f.read().split()]
+    out = {}
+    for child in pids:
+        with open(f"/proc/{child}/comm") as f:
+            out[f.read().strip()] = child
+    return out
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    import os
+
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[len("socket:["):-1])
+    return out
+
+
+def _listening_inode(port: int) -> str:
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+                return fields[9]
+    raise LookupError(port)
+
+
+def test_dgr_up_forks_named_children_which_hold_only_their_own_descriptors_and_die_with_it():
+    """`dgr up` forks its tracker and nodes (dgr.forks): each is named, only the tracker holds the
+    listening socket, and a SIGKILLed `dgr up` takes its children with it."""
+    import os
+    import signal
+    import time
+
+    from dgr.testing.harness import LocalRoute
+
+    with LocalRoute(backend="stub", nodes=2) as route:
+        up = route.proc.pid
+        children = _children(up)
+        assert set(children) == {"dgr-tracker", "dgr-node0", "dgr-node1"}
+        assert {children[f"dgr-node{i}"] for i in range(2)} == {route.node(f"node{i}")["pid"] for i in range(2)}
+        listening = _listening_inode(route.port)
+        assert listening in _socket_inodes(children["dgr-tracker"])
+        assert listening not in _socket_inodes(up)  # handed over: the parent closed its copy
+        for i in range(2):
+            assert listening not in _socket_inodes(children[f"dgr-node{i}"])
+        assert httpx_post_chat(route)["choices"][0]["finish_reason"] == "length"
+        os.kill(up, signal.SIGKILL)
+        route.proc.wait(10)
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in children.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [name for name, pid in children.items() if os.path.exists(f"/proc/{pid}")]
+        assert alive == []
+
+
+def httpx_post_chat(route) -> dict:
+    import httpx
+
+    body = {"model": "stub", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{route.api}/chat/completions", json=body, timeout=30).json()
+
+
+def test_dgr_up_whose_node_fails_to_start_says_which_and_stops_the_others(tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "node1.key").write_text("not a key\n")
+    p = subprocess.run([sys.executable, "-m", "dgr", "up", "--backend", "stub", "--nodes", "2", "--port", "0",
+                        "--identity-dir", str(keys)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "node1 exited with code 2" in p.stderr and "dgr: error:" in p.stderr
+    assert p.stdout == ""

@@ -71,7 +71,7 @@ import httpx
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
-from dgr.procs import WatchedChild, ready_info
+from dgr.procs import WatchedChild, dgr_command, ready_info
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 
 __all__ = [
@@ -436,7 +436,7 @@ class NetnsRoute:
 
         targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
                                       topology=self.topology)
-        tracker = _Child.spawn("tracker", [*tracker_args(targs), "--host", self.tracker_link.addr],
+        tracker = _Child.spawn("tracker", [*dgr_command(*tracker_args(targs)), "--host", self.tracker_link.addr],
                                clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
@@ -445,7 +445,7 @@ class NetnsRoute:
                                       model=None, manifest=None)
         for ln, layers in zip(self.links, splits):
             cmd = ["ip", "netns", "exec", ln.ns,
-                   *node_args(nargs, layers, self.url, f"node{ln.index}", self.threads), "--host", ln.addr]
+                   *dgr_command(*node_args(nargs, layers, self.url, f"node{ln.index}", self.threads)), "--host", ln.addr]
             self._children.append(_Child.spawn(f"node{ln.index}", cmd, clean_env(**{JOIN_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)
