@@ -90,10 +90,9 @@ class ForkedProcess:
         return self.stdout
 
     async def wait(self) -> int:
-        if self.returncode is None:
+        while self.returncode is None:
             await trio.lowlevel.wait_readable(self._pidfd)
             self._reap(0)
-        assert self.returncode is not None
         return self.returncode
 
     def poll(self) -> int | None:

@@ -45,6 +45,9 @@ def _config_home(tmp_path_factory):
         os.environ["XDG_CONFIG_HOME"] = old
 
 
+# tryfirst: pytest-xdist reads the xdist_group marks in its own pytest_collection_modifyitems (it appends
+# "@serial" to each node id, and --dist loadgroup keeps one suffix on one worker), so they are set before.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # `make test` runs two xdist workers (--dist loadgroup). Tests whose processes together want more
     # than one core (llama.cpp or torch routes of several nodes, concurrent sessions) or the machine's
@@ -62,3 +65,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # A worker of --dist loadgroup whose serial tests lack the group suffix would run them two at a time
+    # without a word (pytest 9.2 with pytest-xdist 3.8: pyproject.toml): refuse the run instead.
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    loose = [item.nodeid for item in session.items if "serial" in item.keywords and not item.nodeid.endswith("@serial")]
+    if loose:
+        raise pytest.UsageError(f"{len(loose)} serial tests would not run one at a time under --dist loadgroup "
+                                f"(pytest-xdist cannot group them with this pytest), {loose[0]} first")
