@@ -364,6 +364,11 @@ def run() -> None:
     code = main(argv)
     if _command(argv) not in _CORE:
         raise SystemExit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Leave the process with `code` once logs and stdio are flushed, without the interpreter's teardown."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

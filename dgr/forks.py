@@ -32,18 +32,17 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import logging
 import os
 import signal
 import socket
 import sys
 import traceback
-from typing import Iterable
+from typing import Iterable, NoReturn
 
 import attrs
 import trio
 
-__all__ = ["ForkedProcess", "fork_dgr", "preload"]
+__all__ = ["ForkedProcess", "fork_dgr", "preload", "run_forked"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -142,8 +141,7 @@ def fork_dgr(name: str, argv: list[str], *, env: dict[str, str], close_fds: Iter
 
 
 def _child(name: str, argv: list[str], env: dict[str, str], parent: int, read_fd: int, write_fd: int,
-           close_fds: list[int], detach: list[socket.socket], keep: socket.socket | None) -> None:
-    code = 1
+           close_fds: list[int], detach: list[socket.socket], keep: socket.socket | None) -> NoReturn:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -160,19 +158,25 @@ def _child(name: str, argv: list[str], env: dict[str, str], parent: int, read_fd
             if sock is not keep:
                 os.close(fd)
         os.environ.update(env)
-        sys.argv = [sys.argv[0], *argv]
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    run_forked(argv)
+
+
+def run_forked(argv: list[str]) -> NoReturn:
+    """In a forked child: `dgr <argv>` as `python -m dgr` would run it, then leave the process."""
+    code = 1
+    try:
         from dgr.cli import main
 
+        sys.argv = [sys.argv[0], *argv]
         code = main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from dgr.cli import exit_now
+
+        exit_now(code)

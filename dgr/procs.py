@@ -73,6 +73,11 @@ class WatchedChild:
         """Start `cmd` (it dies with this process) and the thread that reads its stdout."""
         popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
                                  stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, preexec_fn=die_with_parent)
+        return cls.watch(name, popen, **kw)
+
+    @classmethod
+    def watch(cls, name: str, popen: Any, **kw: Any) -> Any:
+        """Watch a started process whose stdout is a text pipe (a Popen, or what answers like one)."""
         child = cls(name, popen, time.monotonic(), **kw)
         threading.Thread(target=child._pump, daemon=True, name=f"stdout of {name}").start()
         return child

@@ -60,7 +60,7 @@ def _processes(route: LocalRoute) -> dict[str, int]:
     if route.proc is None:
         raise RuntimeError("the route has not started")
     nodes = {n["node"]: n["pid"] for n in route.node_table()}
-    # each thread lists the children it forked (trio starts them from worker threads)
+    # each thread lists the children it forked: dgr up forks them from its main thread (dgr.forks)
     children = [int(c) for task in Path(f"/proc/{route.proc.pid}/task").iterdir()
                 for c in (task / "children").read_text().split()]
     tracker = [c for c in children if c not in nodes.values()]

@@ -1,7 +1,8 @@
 """Fault-injection harness: real `dgr up` routes on loopback, and ways to break them.
 
 `LocalRoute` starts `dgr up` as a real process (a tracker and N node
-processes), learns each node's pid and URL from the tracker's registry, and
+processes; forked by the test process's launcher, dgr.testing.launcher, with
+its imports already done), learns each node's pid and URL from the tracker's registry, and
 can then, at a chosen phase and step of a Route Session:
 - kill a node (SIGKILL), stop it (SIGSTOP) or slow it (a SIGSTOP/SIGCONT
   duty cycle), and restart it as a new process;
@@ -38,11 +39,12 @@ import attrs
 import httpx
 
 from dgr.errors import PeerError
-from dgr.procs import WatchedChild, dgr_command, die_with_parent
+from dgr.procs import WatchedChild, dgr_command
 from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_proof
 from dgr.security.identity import Identity
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, STEP_PATH
+from dgr.testing.launcher import LaunchedProcess, launch
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
 
@@ -97,9 +99,9 @@ class LocalRoute:
     extra: tuple[str, ...] = ()
     ready_timeout_s: float = 120.0
     port: int = 0  # 0: the tracker binds an ephemeral port, learned from `dgr up`'s ready line
-    proc: subprocess.Popen | None = None
+    proc: LaunchedProcess | None = None
     log_lines: list[str] = attrs.field(factory=list)
-    restarted: list[subprocess.Popen] = attrs.field(factory=list)
+    restarted: list[LaunchedProcess] = attrs.field(factory=list)
     join_token: str = attrs.field(factory=new_secret)  # admits the route's nodes (and the harness's guest key)
     keys: Path | None = None  # the route's key folder (tracker.key, nodeN.key); made by `start`
     guest: Identity = attrs.field(factory=Identity.generate)  # a key of the harness's own, for test registrations
@@ -188,7 +190,8 @@ class LocalRoute:
             self.keys = Path(tempfile.mkdtemp(prefix="dgr-route-keys-"))
         cmd = dgr_command("up", "--backend", self.backend, "--nodes", str(self.nodes), "--port", str(self.port),
                           "--identity-dir", str(self.keys), *self.extra, *self._busy_poll())
-        child = WatchedChild.spawn("dgr up", cmd, env=self.env(), is_ready=_serving_port)
+        up = launch(cmd, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        child = WatchedChild.watch("dgr up", up, is_ready=_serving_port)
         self.proc, self.log_lines = child.popen, child.lines  # the reader keeps filling log_lines
         try:
             self.port = child.wait_ready(self.ready_timeout_s)["port"]
@@ -260,14 +263,13 @@ class LocalRoute:
         return slowdown
 
     def restart_node(self, name: str, layers: str, timeout_s: float = 120.0,
-                     extra: tuple[str, ...] = ()) -> subprocess.Popen:
+                     extra: tuple[str, ...] = ()) -> LaunchedProcess:
         """Start a fresh `dgr node` with the same name and layers (and `extra` options); wait until it is alive."""
         cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
                           "--name", name, "--threads", "1", "--port", "0", *self._node_extra(), *self._busy_poll(),
                           *extra,
                           *(["--identity", str(self.keys / f"{name}.key")] if self.keys is not None else []))
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                             env=self.env())
+        p = launch(cmd, env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         self.restarted.append(p)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -376,7 +378,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _stop(p: subprocess.Popen) -> None:
+def _stop(p: LaunchedProcess) -> None:
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
         try:
