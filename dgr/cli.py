@@ -165,6 +165,18 @@ def cmd_up(args) -> int:
     return run_up(args)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count that must be at least 1 (a context, sessions, threads, nodes, a chunk): a bad
+    one is a usage error at once, not a node that its tracker refuses again and again."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
 def layers_arg(text: str):
     """argparse type of an A:B layer range: a bad one is a usage error (exit 2), not a traceback."""
     from dgr.backends.base import LayerRange
@@ -180,8 +192,8 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--backend", default="stub", choices=BACKENDS)
     p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--ctx", type=int, default=4096, help="context positions per session")
-    p.add_argument("--max-sessions", type=int, default=8, help="Route Sessions a node holds at once")
+    p.add_argument("--ctx", type=positive_int, default=4096, help="context positions per session")
+    p.add_argument("--max-sessions", type=positive_int, default=8, help="Route Sessions a node holds at once")
     p.add_argument("--stub-delay", type=float, default=0.0, help="stub: seconds of fake compute per position")
     p.add_argument("--snapshot-dir", metavar="DIR",
                    help="write kept prefixes' KV here as verifiable Prefix Snapshots, and reload matching ones at "
@@ -275,7 +287,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--listen-fd", type=int, metavar="FD",
                    help="serve on this inherited socket, already bound and listening, instead of --host and --port "
                         "(how dgr up starts its nodes while the tracker starts)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
@@ -305,7 +317,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", help="node id (default: derived from the node's public key); the first key to "
                                   "register a name owns it on that tracker")
-    p.add_argument("--threads", type=int, default=_threads_default())
+    p.add_argument("--threads", type=positive_int, default=_threads_default())
     p.add_argument("--idle-timeout", type=float, default=120.0, help="free a session's KV after this idle time")
     p.add_argument("--manifest", metavar="M",
                    help="Model Artifact manifest: verify the served layers against it, seed the file, and prove "
@@ -326,10 +338,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="a tracker and N nodes on 127.0.0.1, each its own process")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads", type=int, help="threads per node (default: cores / nodes)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512)
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", metavar="M",

@@ -199,3 +199,13 @@ def test_dgr_up_whose_node_fails_to_start_says_which_and_stops_the_others(tmp_pa
     assert p.returncode == 2, p.stderr
     assert "node1 exited with code 2" in p.stderr and "dgr: error:" in p.stderr
     assert p.stdout == ""
+
+
+@pytest.mark.parametrize("argv, said", [(["up", "--nodes", "0"], "argument --nodes: 0 is below 1"),
+                                        (["node", "--ctx", "-5"], "argument --ctx: -5 is below 1"),
+                                        (["node", "--max-sessions", "x"], "argument --max-sessions: 'x' is not a whole number")])
+def test_a_count_below_one_is_a_usage_error(argv, said, capsys):
+    """Not a node that starts, registers, and is refused by its tracker again and again, as `--ctx -5` was."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser(_command(argv)).parse_args(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
