@@ -260,15 +260,15 @@ def _report_exits(sock: socket.socket) -> None:
 
 
 def _child(argv: list[str], env: dict[str, str], fds: list[int], ours: tuple[int, ...]) -> None:
-    import ctypes
     import traceback
 
     from dgr.forks import run_forked
+    from dgr.procs import die_with_parent
 
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        die_with_parent()  # the launcher forks from its only thread: the signal follows the process
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in {*fds, *ours} - {0, 1, 2}:
