@@ -47,7 +47,7 @@ __all__ = ["ForkedProcess", "fork_dgr", "preload", "run_forked"]
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _BACKEND_MODULES = {"stub": ("dgr.backends.stub",), "llama": ("dgr.backends.llama",),
-                    "llama_shard": ("dgr.backends.llama", "dgr.backends.llama_shard")}
+                    "llama_shard": ("dgr.backends.llama_shard",)}  # which imports dgr.backends.llama
 
 
 def preload(backend: str) -> None:
@@ -56,7 +56,7 @@ def preload(backend: str) -> None:
     torch is not preloaded: a torch node imports it itself, as it does any backend not named here.
     """
     # the parser and commands, the node (server, scheduler, seam), the gateway, and the backend
-    for module in ("dgr.cli", "dgr.node.run", "dgr.tracker.run", "dgr.tracker.proofs", "dgr.backends.factory",
+    for module in ("dgr.cli", "dgr.node.run", "dgr.tracker.run", "dgr.backends.factory",
                    *_BACKEND_MODULES.get(backend, ())):
         importlib.import_module(module)
     if backend in ("llama", "llama_shard"):

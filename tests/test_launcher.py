@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from dgr.procs import WatchedChild, dgr_command
+from dgr.testing import launcher
 from dgr.testing.launcher import launch
 
 
@@ -30,6 +31,8 @@ def test_a_service_runs_in_the_environment_it_was_given_and_stops_on_sigterm(tmp
     try:
         assert child.wait_ready(60)["url"].startswith("http://127.0.0.1:")
         assert (tmp_path / "dgr" / "node.key").exists()
+        with open(f"/proc/{p.pid}/stat") as f:  # forked by the launcher's server, not started by this process
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == launcher._LAUNCHER.server.pid != os.getpid()
         assert p.poll() is None
         with pytest.raises(subprocess.TimeoutExpired):
             p.wait(0.05)
