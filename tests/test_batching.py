@@ -321,6 +321,33 @@ async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_ba
         await node.close_session(sid)
 
 
+async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_to_run() -> None:
+    """While other tasks of the loop can run (a relay woken by the last results, a reader), the busy poll
+    never yields the core: another process could then hold it for a time slice before they sent anything."""
+    sid = uuid.UUID(int=1).hex
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=10.0)
+    loop_busy = False
+    offered: list[bool] = []  # at each yield: did the loop still have work?
+
+    def yield_core() -> float:
+        offered.append(loop_busy)
+        return 0.0
+
+    node.scheduler.yield_core = yield_core
+    async with running(node):
+        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
+        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))  # opens the window
+        offered.clear()
+        loop_busy = True
+        for _ in range(50):  # work of this loop, runnable at every round
+            await trio.lowlevel.checkpoint()
+        loop_busy = False
+        await trio.sleep(0.01)
+        assert offered, "the hot loop went on polling"
+        assert not any(offered), f"yielded the core {sum(offered)} times while this loop had work"
+        await node.close_session(sid)
+
+
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n")
     a, b = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
