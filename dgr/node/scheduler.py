@@ -298,7 +298,7 @@ class StepScheduler:
                 return
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
-        """One iteration (in the worker thread, or inline): controls, then the batch (then, after controls, the accounting).
+        """One iteration (in the worker thread, or inline): controls, the batch, and after controls the accounting.
 
         Returns the seconds the batch's backend call took (0 without a batch).
         """
