@@ -42,6 +42,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "cpu":
         lines = ["# dgr benchmark: where a route's CPU goes", "", f"Run {res['started']} to {res['finished']} on "
                  "one machine, SmolLM2-135M-Instruct Q4_1 (and the stub backend)."]
+    if res["config"].get("only") == "steps":
+        lines = ["# dgr benchmark: where a decoded token's time goes", "", f"Run {res['started']} to "
+                 f"{res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1."]
     if res["config"].get("only") == "paired":
         lines = ["# dgr benchmark: paired decode", "", f"Run {res['started']} to {res['finished']} on "
                  f"one machine, SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup, "
@@ -102,6 +105,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         from dgr.bench.cpu import markdown as cpu_markdown
 
         lines += cpu_markdown(res["cpu"])
+    if res.get("steps"):
+        from dgr.bench.steps import markdown as steps_markdown
+
+        lines += steps_markdown(res["steps"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ import attrs
 import trio
 
 from dgr.errors import Failure, Reason, parse_error_body
+from dgr.node import steptrace
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, OutStream, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
@@ -141,11 +142,17 @@ class Relay:
                     if isinstance(item, Report):
                         self._failure = self._failure or item.failure
                         break
+                    role = "answer" if self.plan.next is None else "on"
+                    if steptrace.ON:
+                        steptrace.mark_frame(f"woken:{role}", self.sid, item.frame)
                     try:
                         if stream is None:
                             stream = await self._open()
                             nursery.start_soon(self._watch, stream, nursery.cancel_scope)
-                        await stream.send(encode_record(item.hops, item.frame))
+                        record = encode_record(item.hops, item.frame)
+                        if steptrace.ON:
+                            steptrace.mark_frame(f"send:{role}", self.sid, item.frame)
+                        await stream.send(record)
                     except TransportError as exc:
                         await self._lost(exc)
                         break

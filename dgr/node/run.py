@@ -33,6 +33,7 @@ from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
+from dgr.node import steptrace
 from dgr.node.service import NodeService
 from dgr.node.snapshot import SnapshotDir
 from dgr.security.identity import Identity
@@ -90,6 +91,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact),
                           busy_poll_s=busy_poll_s)
     app = make_node_app(service, artifact=artifact)
+    steptrace.start_from_env()
     seed_host = urlsplit(advertise).hostname if advertise else None
     if seed_host and ":" in seed_host:
         seed_host = f"[{seed_host}]"  # an IPv6 literal in HOST:PORT
@@ -112,6 +114,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
             print_ready({"role": "node", "node": node_id, "url": service.advertised or url, "bound": bound,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:
+        steptrace.dump(node_id)
         backend.close()
 
 

@@ -57,6 +57,7 @@ import trio
 from trio._core import wait_all_tasks_blocked
 
 from dgr.backends.base import ShardBackend, Step
+from dgr.node import steptrace
 
 __all__ = ["JobKind", "Job", "Plan", "plan_iteration", "may_gather", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
 
@@ -72,6 +73,11 @@ def _timed_yield() -> float:
     t = time.perf_counter()
     _sched_yield()
     return time.perf_counter() - t
+
+
+def _mark(stage: str, batch: list[Job]) -> None:
+    for job in batch:
+        steptrace.mark(stage, job.step.sid, job.step.pos0)
 
 
 class JobKind(enum.Enum):
@@ -302,17 +308,26 @@ class StepScheduler:
 
         Returns the seconds the batch's backend call took (0 without a batch).
         """
+        trace = steptrace.ON and bool(batch)
+        if trace:
+            _mark("iterate", batch)
         for job in controls:
             job.result = outcome.capture(job.fn)
         compute = 0.0
         if batch:
+            if trace:
+                _mark("compute", batch)
             t0 = time.perf_counter()
             outs = self.backend.forward_batch([job.step for job in batch])
             compute = time.perf_counter() - t0
+            if trace:
+                _mark("computed", batch)
             self.busy_s += compute
             for job, out in zip(batch, outs):
                 job.compute_s = compute
                 job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())
+            if trace:
+                _mark("finished", batch)
             self.batched_steps += len(batch) if len(batch) > 1 else 0
         self.iterations += 1
         if controls:

@@ -58,6 +58,7 @@ from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report
 from dgr.node.ringphases import RingPhases
 from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node import steptrace
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
@@ -523,7 +524,11 @@ class NodeService:
             exc = CallerError(Reason.INVALID_REQUEST, f"session {sid} is not on a chain: it takes single steps")
             self._refuse(exc)
             raise exc
+        if steptrace.ON:
+            steptrace.mark_frame("read", sid, body)
         frame = self._admit(body, None, stream=sid)
+        if steptrace.ON:
+            steptrace.mark("admitted", sid, frame.pos0)
         self._relay_step(frame, self.relays[sid], hops)
 
     def _admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
@@ -595,6 +600,8 @@ class NodeService:
                                 hidden=out), None
 
         def done(j: Job) -> None:  # on the loop, after the iteration
+            if steptrace.ON:
+                steptrace.mark("done", frame.session, frame.pos0)
             try:
                 out, step = j.result.unwrap()
             except COMPUTE_ERRORS as exc:
