@@ -13,16 +13,18 @@ import json
 import uuid
 
 import httpx
+import attrs
 import numpy as np
 import openai
 import pytest
 import trio
+import trio.testing
 
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, encode_frame
 from dgr.seam.stream import encode_record
-from dgr.seam.transport import ConnectionPool, TransportError
+from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
                            ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
@@ -296,3 +298,60 @@ def test_a_ring_tail_sends_the_next_step_exactly_when_the_gateway_would() -> Non
     assert nxt(second, word) is None  # token 3 is the last: no step for it
     assert nxt(last_chunk, eog) is None
     assert nxt(last_chunk, eog, Loop(head, ignore_eos=True)).token_ids.tolist() == [2]
+
+
+async def test_a_ring_tails_next_step_goes_out_before_its_answer() -> None:
+    """A tail's next step and its answer to the gateway are put together; whichever relay trio runs first,
+    the step is written first (the head waits on it; only the gateway waits on the answer)."""
+    from dgr.node.relay import NextHop, Outgoing, Relay, RelayPlan
+
+    events: list[str] = []
+
+    @attrs.define
+    class _Stream:
+        name: str
+        ended: trio.Event = attrs.field(factory=trio.Event)
+
+        async def send(self, data: bytes) -> None:
+            events.append(self.name)
+
+        async def answer(self) -> HttpResponse:
+            await self.ended.wait()
+            return HttpResponse(200, {}, b"")
+
+        async def end(self) -> None:
+            self.ended.set()
+
+        async def release(self) -> None:
+            pass
+
+    @attrs.define
+    class _Pool:
+        name: str
+
+        async def open_stream(self, target, headers):
+            return _Stream(self.name)
+
+    step = encode_frame(FrameKind.DECODE, uuid.uuid4().hex, 5, 17, 1, 576, token_ids=[7])
+    answer = encode_frame(FrameKind.TOKEN, uuid.uuid4().hex, 4, 16, 1, 576,
+                          extra=TokenResult(7, -0.5, b"x", False).payload())
+    head = NextHop("node0", "http://head", None)
+    for answer_first in (True, False):
+        events.clear()
+        answers = Relay("s", "node1", RelayPlan(None, "http://tracker", None), lambda *a: _Pool("answer"), defer=True)
+        loop = Relay("s", "node1", RelayPlan(head, "http://tracker", None), lambda *a: _Pool("step"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answers.run)
+            nursery.start_soon(loop.run)
+            for _ in range(20):  # trio runs the woken relays in either order, at random
+                await trio.testing.wait_all_tasks_blocked()
+                if answer_first:
+                    answers.put(Outgoing(answer, "node1=1"))
+                    loop.put(Outgoing(step, ""))
+                else:
+                    loop.put(Outgoing(step, ""))
+                    answers.put(Outgoing(answer, "node1=1"))
+            await trio.testing.wait_all_tasks_blocked()
+            answers.close()
+            loop.close()
+        assert events == ["step", "answer"] * 20

@@ -113,6 +113,10 @@ class Relay:
     node_id: str
     plan: RelayPlan
     pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
+    # Let every task woken with an item run before the item is sent. A ring tail's next step and its
+    # answer to the gateway are woken together, in either order (trio's), and the answer's send wakes a
+    # tracker that sleeps: sent first, it held up the step the head waits on.
+    defer: bool = False
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _recv: trio.MemoryReceiveChannel = attrs.field(init=False)
     _ending: bool = False  # the session ended here: the stream is being closed on purpose
@@ -149,6 +153,8 @@ class Relay:
                         if stream is None:
                             stream = await self._open()
                             nursery.start_soon(self._watch, stream, nursery.cancel_scope)
+                        if self.defer:
+                            await trio.lowlevel.checkpoint()
                         record = encode_record(item.hops, item.frame)
                         if steptrace.ON:
                             steptrace.mark_frame(f"send:{role}", self.sid, item.frame)

@@ -301,7 +301,7 @@ class NodeService:
         if relay is not None and sid in self.sessions:
             if self._nursery is None:
                 raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
-            r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool)
+            r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None)
             self._nursery.start_soon(r.run)
             if relay.loop is not None:
                 back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
