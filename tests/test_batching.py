@@ -322,20 +322,21 @@ async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_ba
 
 
 async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_to_run() -> None:
-    """While other tasks of the loop can run (a relay woken by the last results, a reader), the busy poll
-    never yields the core: another process could then hold it for a time slice before they sent anything."""
+    """While other tasks of the loop can run (a relay woken by the last results, a reader), or a step is
+    waiting for it, the busy poll never yields the core: another process could then hold it for a time
+    slice before the step was computed or its results sent."""
     sid = uuid.UUID(int=1).hex
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=10.0)
     loop_busy = False
     offered: list[bool] = []  # at each yield: did the loop still have work?
 
     def yield_core() -> float:
-        offered.append(loop_busy)
+        offered.append(loop_busy or node.scheduler.queued > 0)
         return 0.0
 
     node.scheduler.yield_core = yield_core
     async with running(node):
-        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
+        await node.open_session(sid, 32, SamplingParams(temperature=0.0))
         await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))  # opens the window
         offered.clear()
         loop_busy = True
@@ -345,6 +346,9 @@ async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_t
         await trio.sleep(0.01)
         assert offered, "the hot loop went on polling"
         assert not any(offered), f"yielded the core {sum(offered)} times while this loop had work"
+        for k in range(20):  # steps arriving while the loop polls
+            await node.step(_frames(sid, [7 + k], 3 + k, 1 + k, FrameKind.DECODE))
+        assert not any(offered), f"yielded the core {sum(offered)} times with a step waiting"
         await node.close_session(sid)
 
 

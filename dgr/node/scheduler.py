@@ -210,6 +210,11 @@ class StepScheduler:
     def __attrs_post_init__(self) -> None:
         self._send, self._recv = trio.open_memory_channel(math.inf)
 
+    @property
+    def queued(self) -> int:
+        """Jobs submitted and not yet taken by the driver."""
+        return self._recv.statistics().current_buffer_used
+
     # -- submitting ---------------------------------------------------------------
     def submit(self, job: Job) -> Job:
         """Queue `job` now; it will run, in order after the jobs of its session queued before it."""
@@ -280,16 +285,20 @@ class StepScheduler:
 
     async def _next_job(self) -> Job:
         """The next submitted job; inside the busy-poll window, waited for without sleeping."""
+        try:
+            return self._recv.receive_nowait()
+        except trio.WouldBlock:
+            pass
         while self.session_count and trio.current_time() < self._hot_until:
-            try:
-                return self._recv.receive_nowait()
-            except trio.WouldBlock:
-                pass
             # A round of the loop (sockets polled with no timeout, readers run) that ends only once every
             # other task is blocked: the core is offered to other processes only when this loop has
             # nothing left to do. After a plain checkpoint, a relay woken by the last results could
             # wait a whole time slice of another process before it sent them on.
             await wait_all_tasks_blocked()
+            try:
+                return self._recv.receive_nowait()  # a step that round's readers brought: before any yield
+            except trio.WouldBlock:
+                pass
             if self.yield_core() > self.contended_s:
                 self._hot_until = -math.inf
                 self.polls_given_up += 1
