@@ -67,13 +67,17 @@ def test_a_stub_ring_traced_end_to_end_lines_up_every_stage(monkeypatch) -> None
     its send, and the runtime's share of a token is what is left of its period after compute."""
     monkeypatch.setattr(steps, "TOKENS", 64)
     monkeypatch.setattr(steps, "ROUNDS", 2)
+    monkeypatch.setattr(steps, "SESSIONS", (1, 4))
     res = steps.run_steps(lambda _: None, backend="stub")
-    assert res["steps"] >= 2 * 60 and len(res["tok_s"]) == 2
-    for node, want in (("node0", "to the next node"), ("node1", "to the head")):
-        rows = {g["gap"]: g for g in res["node_gaps"][node]}
-        assert {"read and admitted", "waiting for the scheduler", "compute", "result encoded",
-                f"relay woken, {want}", f"record encoded, {want}"} <= set(rows)
-        # every decode step lined up, bar each stream's last on the ring's way back (it has no next step)
-        assert all(g["p10"] >= 0 and g["n"] >= res["steps"] - 3 for g in rows.values()), rows
-    assert all(link["p10"] > 0 and link["n"] >= res["steps"] - 3 for link in res["links"]), res["links"]
-    assert 0 < res["compute"]["p50"] < res["period"]["p50"] and res["runtime"] > 0
+    assert [run["sessions"] for run in res["runs"]] == [1, 4]
+    for run in res["runs"]:
+        streams = 2 * run["sessions"]
+        assert run["steps"] >= streams * 60 and len(run["tok_s"]) == 2
+        for node, want in (("node0", "to the next node"), ("node1", "to the head")):
+            rows = {g["gap"]: g for g in run["node_gaps"][node]}
+            assert {"read and admitted", "waiting for the scheduler", "compute", "result encoded",
+                    f"relay woken, {want}", f"record encoded, {want}"} <= set(rows)
+            # every decode step lined up, bar each stream's last on the ring's way back (it has no next step)
+            assert all(g["p10"] >= 0 and g["n"] >= run["steps"] - streams for g in rows.values()), rows
+        assert all(link["p10"] > 0 and link["n"] >= run["steps"] - streams for link in run["links"]), run["links"]
+        assert 0 < run["compute"]["p50"] < run["period"]["p50"]

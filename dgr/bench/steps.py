@@ -2,10 +2,12 @@
 
 `dgr bench --only steps` starts a 2-node llama_shard ring of the product's defaults (1 thread a node,
 busy polling on) with DGR_STEP_TRACE set, so every node keeps the stage timestamps of its chain steps
-(dgr.node.steptrace) and writes them when it stops. It streams one session at a time, then lines the
-stages of each decode step up across the nodes: what each node spends between a step's arrival and
-its departure, what each link takes from one node's send call to the next node's read, and the token's
-period at the head. A token's runtime cost is its period less the nodes' compute.
+(dgr.node.steptrace) and writes them when it stops. It streams one session at a time, then 8 at once,
+and lines the stages of each decode step up across the nodes: what each node spends between a step's
+arrival and its departure, what each link takes from one node's send call to the next node's read,
+and a session's token period at the head. Alone, a token's runtime cost is its period less the nodes'
+compute; with 8 sessions the period also holds the other phase group's turn on each node. The bench
+process shares the nodes' clock, so it tells the two runs' marks apart by when it ran them.
 
 Linux only (one CLOCK_MONOTONIC for every process of the machine).
 """
@@ -21,16 +23,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dgr.bench.measure import stream_once
+from dgr.bench.measure import concurrent, stream_once
 from dgr.node import steptrace
 from dgr.testing.harness import LocalRoute
 
-__all__ = ["run_steps", "analyse", "markdown"]
+__all__ = ["run_steps", "analyse", "markdown", "SESSIONS"]
 
 PROMPT = "The lighthouse keeper wrote down every ship that passed the point"
 TOKENS = 256  # per stream
 ROUNDS = 3
 NODES = 2
+SESSIONS = (1, 8)  # streams at once in each run
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # the stages of one node, in order, and the name of the gap that ends at each
 _STAGES = (("read", None), ("admitted", "read and admitted"), ("iterate", "waiting for the scheduler"),
@@ -49,7 +52,14 @@ def run_steps(log: Callable[[str], None], backend: str = "llama_shard") -> dict[
                         extra=("--ctx", "1024", "--threads", "1")) as route:
             model = MODEL if backend != "stub" else "stub"
             stream_once(route.api, model, PROMPT, 8)  # first requests load what they load
-            rates = [stream_once(route.api, model, PROMPT, TOKENS).decode_tok_s for _ in range(ROUNDS)]
+            runs = []
+            for n in SESSIONS:
+                t0 = time.monotonic_ns()
+                if n == 1:
+                    rates = [stream_once(route.api, model, PROMPT, TOKENS).decode_tok_s for _ in range(ROUNDS)]
+                else:
+                    rates = [concurrent(route.api, model, PROMPT, TOKENS, n)["aggregate_tok_s"] for _ in range(ROUNDS)]
+                runs.append({"sessions": n, "window": (t0, time.monotonic_ns()), "tok_s": [round(r, 1) for r in rates]})
             order = [n["node"] for n in sorted(route.node_table(), key=lambda n: int(n["layers"].split(":")[0]))]
     finally:
         if old is None:
@@ -57,10 +67,11 @@ def run_steps(log: Callable[[str], None], backend: str = "llama_shard") -> dict[
         else:
             os.environ[steptrace.ENV] = old
     marks = {node: steptrace.read_marks(folder / f"{node}.tsv") for node in order}
-    out = analyse(marks, order)
-    out.update(backend=backend, nodes=order, tokens=TOKENS, rounds=ROUNDS, tok_s=[round(r, 1) for r in rates],
-               finished=time.strftime("%Y-%m-%d %H:%M:%S"))
-    return out
+    for run in runs:
+        a, b = run.pop("window")
+        run.update(analyse({node: [m for m in rows if a <= m[3] <= b] for node, rows in marks.items()}, order))
+    return {"backend": backend, "nodes": order, "tokens": TOKENS, "rounds": ROUNDS, "runs": runs,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -118,18 +129,29 @@ def analyse(marks: dict[str, list[tuple[str, str, int, int]]], order: list[str])
 def markdown(res: dict[str, Any]) -> list[str]:
     lines = ["", "## Where a decoded token's time goes", "",
              f"A {len(res['nodes'])}-node {res['backend']} ring with the product's defaults (1 thread a node, busy "
-             f"polling), {res['rounds']} streams of {res['tokens']} tokens, one at a time "
-             f"({', '.join(map(str, res['tok_s']))} tok/s). Every node kept the stage timestamps of its steps "
-             f"(DGR_STEP_TRACE, dgr/node/steptrace.py); {res['steps']} decode steps lined up across the nodes. "
-             "Microseconds, p50 (p10 to p90).", "",
-             "| where | gap | p50 us | p10 to p90 us |", "|---|---|---|---|"]
-    for node, gaps in res["node_gaps"].items():
-        for g in gaps:
-            lines.append(f"| {node} | {g['gap']} | {g['p50']:.0f} | {g['p10']:.0f} to {g['p90']:.0f} |")
-    for link in res["links"]:
-        lines.append(f"| link | {link['link']} | {link['p50']:.0f} | {link['p10']:.0f} to {link['p90']:.0f} |")
-    p, c = res["period"], res["compute"]
-    lines += ["", f"A token's period at the head: {p['p50']:.0f} us p50 ({p['p10']:.0f} to {p['p90']:.0f}); the "
-              f"nodes' compute for it: {c['p50']:.0f} us p50. The rest, about {res['runtime']:.0f} us a token, is the "
-              "runtime's: the gaps above, bar compute. A link runs from its sender's send call to the next node's read of the record."]
+             f"polling), {res['rounds']} rounds of streams of {res['tokens']} tokens: one stream at a time, then "
+             f"{', '.join(str(r['sessions']) for r in res['runs'][1:])} at once. Every node kept the stage "
+             "timestamps of its steps (DGR_STEP_TRACE, dgr/node/steptrace.py), lined up here across the nodes "
+             "step by step. Microseconds, p50 (p10 to p90). A link runs from its sender's send call to the next "
+             "node's read of the record."]
+    for run in res["runs"]:
+        n = run["sessions"]
+        rate = "tok/s" if n == 1 else "aggregate tok/s"
+        lines += ["", f"### {n} session{'s' if n > 1 else ''} ({', '.join(map(str, run['tok_s']))} {rate}; "
+                  f"{run['steps']} decode steps)", "", "| where | gap | p50 us | p10 to p90 us |", "|---|---|---|---|"]
+        for node, gaps in run["node_gaps"].items():
+            for g in gaps:
+                lines.append(f"| {node} | {g['gap']} | {g['p50']:.0f} | {g['p10']:.0f} to {g['p90']:.0f} |")
+        for link in run["links"]:
+            lines.append(f"| link | {link['link']} | {link['p50']:.0f} | {link['p10']:.0f} to {link['p90']:.0f} |")
+        p, c = run["period"], run["compute"]
+        lines += ["", f"A session's token period at the head: {p['p50']:.0f} us p50 ({p['p10']:.0f} to "
+                  f"{p['p90']:.0f}); the nodes' compute for its step: {c['p50']:.0f} us p50 (for a batched step, "
+                  "its batch's)."]
+        if n == 1:
+            lines[-1] += (f" The rest, about {run['runtime']:.0f} us a token, is the runtime's: the gaps above, "
+                          "bar compute.")
+        else:
+            lines[-1] += (" The rest is the other phase group's turn on each node, the phase holds (in the tail's "
+                          "relay to the head), and the gaps above.")
     return lines
