@@ -122,8 +122,9 @@ def analyse(marks: dict[str, list[tuple[str, str, int, int]]], order: list[str])
     period = [head[(s, p + 1)]["read"] - head[(s, p)]["read"] for s, p in steps if "read" in head.get((s, p + 1), {})]
     compute = [sum(at[n][k]["computed"] - at[n][k]["compute"] for n in order) for k in steps
                if all("computed" in at[n].get(k, {}) and "compute" in at[n].get(k, {}) for n in order)]
-    return {"steps": len(steps), "node_gaps": nodes, "links": links, "period": _stats(period),
-            "compute": _stats(compute), "runtime": round(_stats(period)["p50"] - _stats(compute)["p50"], 1)}
+    period_us, compute_us = _stats(period), _stats(compute)
+    return {"steps": len(steps), "node_gaps": nodes, "links": links, "period": period_us, "compute": compute_us,
+            "runtime": round(period_us["p50"] - compute_us["p50"], 1)}
 
 
 def markdown(res: dict[str, Any]) -> list[str]:

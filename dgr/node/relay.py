@@ -140,13 +140,13 @@ class Relay:
     async def run(self) -> None:
         """Send every item in order, on one stream, until the session closes the relay or the link fails."""
         stream: OutStream | None = None
+        role = "answer" if self.plan.next is None else "on"  # its name in step traces
         try:
             async with trio.open_nursery() as nursery:
                 async for item in self._recv:
                     if isinstance(item, Report):
                         self._failure = self._failure or item.failure
                         break
-                    role = "answer" if self.plan.next is None else "on"
                     if steptrace.ON:
                         steptrace.mark_frame(f"woken:{role}", self.sid, item.frame)
                     try:

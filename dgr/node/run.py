@@ -30,10 +30,10 @@ import trio
 from dgr.api.hosts import is_loopback
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
+from dgr.node import steptrace
 from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
-from dgr.node import steptrace
 from dgr.node.service import NodeService
 from dgr.node.snapshot import SnapshotDir
 from dgr.security.identity import Identity

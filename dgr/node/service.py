@@ -54,11 +54,11 @@ from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
+from dgr.node import steptrace
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report
 from dgr.node.ringphases import RingPhases
 from dgr.node.scheduler import Job, JobKind, StepScheduler
-from dgr.node import steptrace
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
