@@ -8,6 +8,7 @@ overlap; and llama.cpp's batched decode against one-by-one decode, bit for bit.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import attrs
@@ -105,6 +106,7 @@ class Watched(StubBackend):
     inline_forwards: int = 0  # decode forwards that ran on the loop (StepScheduler.inline_below_s)
     violations: list[str] = attrs.Factory(list)
     batches: list[int] = attrs.Factory(list)
+    threads: set[int] = attrs.Factory(set)  # the threads other than the loop's that made calls
     _busy: threading.Lock = attrs.Factory(threading.Lock)
 
     def _enter(self, name: str, *args) -> None:
@@ -115,6 +117,8 @@ class Watched(StubBackend):
             if not self._may_run_inline(name, *args):
                 self.violations.append(f"{name} ran on the trio thread")
             self.inline_forwards += name == "forward"
+        else:
+            self.threads.add(threading.get_ident())
         self.calls += 1
 
     @staticmethod
@@ -212,14 +216,34 @@ async def test_a_slow_decode_goes_back_to_the_worker_thread() -> None:
 
 
 async def test_a_backend_with_a_thread_pool_never_computes_on_the_loop() -> None:
-    """llama.cpp with 2 threads decoded slower when called from the loop (44-53 against 67-72 tok/s), so
-    only one-thread backends inline their decodes."""
+    """llama.cpp with 2 threads decoded slower when called from the loop (44-53 against 67-72 tok/s):
+    decodes on the loop and prefill chunks in a thread make two OpenMP teams (dgr.node.backend_thread),
+    so only one-thread backends inline their decodes."""
     backend = Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident())
     backend.n_threads = 2
     node = NodeService(backend=backend, node_id="n")
     async with running(node):
         await _generate(node, uuid.UUID(int=1).hex, [3, 14, 15], 8)
     assert backend.inline_forwards == 0 and backend.violations == []
+
+
+async def test_every_call_off_the_loop_comes_from_one_thread_whatever_else_uses_threads() -> None:
+    """llama.cpp's OpenMP keeps a team of threads per calling thread, and a second team halved a
+    2-thread node's decode (dgr.node.backend_thread). trio's thread cache hands a call to whichever
+    worker is idle, so other `to_thread` calls on the node must not move the backend's."""
+    backend = Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident())
+    backend.n_threads = 2  # nothing inline: every iteration leaves the loop
+    backend.delay_s = 0.002
+    node = NodeService(backend=backend, node_id="n")
+    async with running(node):
+        async with trio.open_nursery() as nursery:
+            for k in range(4):  # trio's cached workers come and go around the node's iterations
+                nursery.start_soon(trio.to_thread.run_sync, time.sleep, 0.003 * (k + 1))
+            await _generate(node, uuid.UUID(int=1).hex, [3, 14, 15], 12)
+            nursery.start_soon(trio.to_thread.run_sync, time.sleep, 0.003)
+            await _generate(node, uuid.UUID(int=2).hex, [3, 14, 15], 12)
+    assert backend.violations == [] and backend.inline_forwards == 0
+    assert len(backend.threads) == 1, f"backend calls came from {len(backend.threads)} threads"
 
 
 async def test_steps_that_arrive_together_run_as_one_batch() -> None:

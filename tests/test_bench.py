@@ -144,3 +144,10 @@ def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> No
                                    "setups": {"stub": {"backend": "stub", "runs": [run]}},
                                    "floor": {"stub": {"1": floor}}}))
     assert f"| stub | 1 | {run['tok_s']:.1f} |" in text
+
+
+def test_the_threads_bench_decodes_in_each_of_its_cases(model_path) -> None:
+    from dgr.bench.threads import CASES, _case
+
+    rows = {label: rates for case in CASES for label, rates in _case(case, 1, 2, 1).items()}
+    assert len(rows) == 4 and all(len(r) == 1 and r[0] > 0 for r in rows.values())

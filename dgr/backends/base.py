@@ -2,8 +2,9 @@
 
 A backend computes layers [start, stop) of one model for many Route Sessions
 at once, each with its own Hot KV State. It is synchronous and blocking: the
-node's trio driver calls it through `trio.to_thread.run_sync` with a limiter
-of one, so a backend never sees two calls at once.
+node's step scheduler (dgr.node.scheduler) makes every call, one at a time,
+from one thread (or, for short decodes of a one-thread backend, from the
+loop), so a backend never sees two calls at once.
 
 Shapes at the boundary (W = ModelInfo.seam_width):
 - head shard (start == 0): token ids in, int32 [n]

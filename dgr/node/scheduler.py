@@ -3,8 +3,9 @@
 Contract:
 - Every backend call (open, close, forward, KV accounting, tokenizing,
   chat-template rendering, status) is a job run by this scheduler's single
-  task, one iteration at a time: in a worker thread, or on the loop for a
-  short decode-only iteration of a one-thread backend (`inline_below_s`).
+  task, one iteration at a time: in the node's one backend thread
+  (dgr.node.backend_thread), or on the loop for a short decode-only
+  iteration of a one-thread backend (`inline_below_s`).
   Nothing else on the node touches the backend, so llama.cpp's contexts
   (not thread-safe) never see two calls at once, and the trio loop never
   blocks on a long one.
@@ -58,6 +59,7 @@ from trio._core import wait_all_tasks_blocked
 
 from dgr.backends.base import ShardBackend, Step
 from dgr.node import steptrace
+from dgr.node.backend_thread import BackendThread
 
 __all__ = ["JobKind", "Job", "Plan", "plan_iteration", "may_gather", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
 
@@ -90,7 +92,7 @@ class JobKind(enum.Enum):
 class Job:
     kind: JobKind
     sid: str | None
-    fn: Callable[[], Any] | None = None  # CALL and SESSION: runs in the worker thread
+    fn: Callable[[], Any] | None = None  # CALL and SESSION: runs in the backend thread
     step: Step | None = None  # FORWARD
     finish: Callable[[np.ndarray | None], Any] | None = None  # FORWARD: turns the output into the reply, in the thread
     result: outcome.Outcome | None = None
@@ -157,7 +159,7 @@ def may_gather(pending: Sequence[Job], open_sessions: int) -> bool:
 
 @attrs.define(eq=False)
 class StepScheduler:
-    """Runs every backend call of a node, one iteration at a time, in a worker thread or (short decodes) inline."""
+    """Runs every backend call of a node, one iteration at a time, in its backend thread or (short decodes) inline."""
 
     backend: ShardBackend
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -170,16 +172,17 @@ class StepScheduler:
     # Seconds in forward calls, each batch once: how busy the node's compute is. (A step's compute_s is
     # its whole batch's call, so a sum over steps counts a batch of 4 four times.)
     busy_s: float = 0.0
-    # Run iterations on the loop instead of a worker thread: only for trio-level tests on a MockClock,
+    # Run iterations on the loop instead of the backend thread: only for trio-level tests on a MockClock,
     # where a thread would count as blocked and let the clock jump past every deadline.
     inline: bool = False
     # A decode-only iteration of a one-thread backend runs on the loop while the last one took less
-    # than this: handing a step to a worker thread and back costs 0.1 to 0.4 ms on these VMs (a
+    # than this: handing a step to the backend thread and back costs 0.1 to 0.4 ms on these VMs (a
     # sleeping core must wake), and a short block of the loop delays nothing that would not wait for
     # this iteration anyway. Prefill chunks, control calls and slow decodes stay in the thread, so the
     # loop never stalls for long (heartbeats, status, new frames). So do backends with a thread pool:
     # llama.cpp with 2 threads decoded at 44-53 tok/s from the loop against 67-72 from the worker
-    # thread (SmolLM2, one node, paired runs), though the 1-thread shards gained.
+    # thread (SmolLM2, one node, paired runs), though the 1-thread shards gained: its decodes on the
+    # loop and its prefill in a thread made two OpenMP teams (dgr.node.backend_thread).
     inline_below_s: float = 0.025
     gather_s: float = 0.002  # at most this long to let steps that have already arrived join an iteration
     # For this long after an iteration that computed steps, while sessions are open, wait for the next job
@@ -244,8 +247,16 @@ class StepScheduler:
 
     # -- the driver ---------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Own the backend until cancelled. A cancel waits for the iteration in its thread to end."""
-        task_status.started()
+        """Own the backend until cancelled. A cancel waits for the iteration in its thread to end.
+
+        Every iteration that leaves the loop runs in one thread for the driver's life
+        (dgr.node.backend_thread says why it is always the same one).
+        """
+        with BackendThread() as thread:
+            task_status.started()
+            await self._loop(thread)
+
+    async def _loop(self, thread: BackendThread) -> None:
         pending: list[Job] = []
         while True:
             if not pending:
@@ -266,7 +277,7 @@ class StepScheduler:
                                and self._last_decode_s < self.inline_below_s):
                 compute = self._iterate(controls, batch)
             else:
-                compute = await trio.to_thread.run_sync(self._iterate, controls, batch)
+                compute = await thread.run_sync(self._iterate, controls, batch)
             if decode_only:
                 self._last_decode_s = compute
             if batch and self.busy_poll_s > 0:
@@ -313,7 +324,7 @@ class StepScheduler:
                 return
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
-        """One iteration (in the worker thread, or inline): controls, the batch, and after controls the accounting.
+        """One iteration (in the backend thread, or inline): controls, the batch, and after controls the accounting.
 
         Returns the seconds the batch's backend call took (0 without a batch).
         """
