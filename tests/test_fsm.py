@@ -116,6 +116,8 @@ def _apply_route(rs: RouteSession, event: RouteEvent) -> None:
         rs.token(now)
     elif event is RouteEvent.FINISH:
         rs.finish("stop", now)
+    elif event is RouteEvent.ABORT:
+        rs.abort(Failure(Reason.SLOW_CLIENT, "slow"), now)
     else:
         rs.fail(Failure(Reason.ROUTE_NODE_LOST, "lost", node="b"), now)
 
@@ -143,6 +145,24 @@ def test_route_failure_records_phase_and_is_sticky() -> None:
     for event in RouteEvent:
         with pytest.raises(CallerError):
             _apply_route(rs, event)
+
+
+def test_route_keeps_the_first_abort_and_every_lost_node_and_bills_only_completion_tokens() -> None:
+    rs = _route_in(RouteState.DECODE)
+    rs.token(2.0)
+    rs.token(3.0, completion=False)  # the end-of-generation token: counted, not billed
+    assert (rs.generated, rs.completion_tokens) == (3, 2)
+    rs.abort(Failure(Reason.ROUTE_NODE_LOST, "lost a", node="a"), 4.0)
+    rs.abort(Failure(Reason.SLOW_CLIENT, "slow"), 4.5)
+    rs.abort(Failure(Reason.ROUTE_NODE_LOST, "lost c", node="c"), 5.0)
+    assert rs.state is RouteState.DECODE and not rs.ended
+    assert rs.pending == Failure(Reason.ROUTE_NODE_LOST, "lost a", node="a", phase="decode")
+    assert rs.lost == {"a", "c"}
+    rs.fail(Failure(Reason.ROUTE_NODE_LOST, "lost b", node="b"), 6.0)
+    assert rs.lost == {"a", "b", "c"} and rs.failure.node == "b"
+    with pytest.raises(CallerError):
+        rs.abort(Failure(Reason.CANCELLED, "late"), 7.0)
+    assert rs.pending.node == "a"
 
 
 def test_every_state_appears_in_its_table() -> None:
@@ -261,6 +281,9 @@ class RouteSessionMachine(RuleBasedStateMachine):
         self.rs = RouteSession(sid="r", model="m", created_at=0.0)
         self.state = "created"
         self.tokens = 0
+        self.billed = 0
+        self.pending: str | None = None  # the first abort's reason code
+        self.lost: set[str] = set()
         self.prompt = 0
         self.done = 0
         self.phase: str | None = None
@@ -296,13 +319,23 @@ class RouteSessionMachine(RuleBasedStateMachine):
         if self._expect(ok, lambda now: self.rs.prefill_progress(done, now)):
             self.done = done
 
-    @rule()
-    def token(self) -> None:
-        if self._expect(self.state in ("prefill", "decode"), self.rs.token):
+    @rule(completion=st.booleans())
+    def token(self, completion: bool) -> None:
+        if self._expect(self.state in ("prefill", "decode"), lambda now: self.rs.token(now, completion)):
             if self.state == "prefill":
                 self.done = self.prompt  # the first token means the whole prompt went through
             self.state = "decode"
             self.tokens += 1
+            self.billed += completion
+
+    @rule(node=st.sampled_from([None, "a", "b"]))
+    def abort(self, node: str | None) -> None:
+        failure = (Failure(Reason.CANCELLED, "gone") if node is None
+                   else Failure(Reason.ROUTE_NODE_LOST, "lost", node=node))
+        if self._expect(self.state in self.LIVE, lambda now: self.rs.abort(failure, now)):
+            self.pending = self.pending or failure.reason.value
+            if node is not None:
+                self.lost.add(node)
 
     @rule()
     def finish(self) -> None:
@@ -314,11 +347,15 @@ class RouteSessionMachine(RuleBasedStateMachine):
         failure = Failure(Reason.ROUTE_NODE_LOST, "lost", node="b")
         if self._expect(self.state in self.LIVE, lambda now: self.rs.fail(failure, now)):
             self.phase, self.state = self.state, "failed"
+            self.lost.add("b")
 
     @invariant()
     def agrees(self) -> None:
         assert self.rs.state.value == self.state
         assert self.rs.generated == self.tokens
+        assert self.rs.completion_tokens == self.billed
+        assert (self.rs.pending and self.rs.pending.reason.value) == self.pending
+        assert self.rs.lost == self.lost
         assert self.rs.prefill_done == self.done
         assert self.rs.ended == (self.state in ("done", "failed"))
         assert (self.rs.failure is not None) == (self.state == "failed")

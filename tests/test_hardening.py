@@ -67,7 +67,7 @@ async def test_context_is_the_smallest_ctx_on_the_route(nursery) -> None:
     await nursery.start(route.run)
     live = await route.gateway.open(_req(max_tokens=1000, ignore_eos=True))
     await _drain(live)
-    assert live.rs.finish_reason == "length" and live.completion_tokens == 48 - len("hello")
+    assert live.rs.finish_reason == "length" and live.rs.completion_tokens == 48 - len("hello")
     # and the prompt limit defaults to the same context
     with pytest.raises(CallerError) as err:
         await route.gateway.open(_req("x" * 48))
@@ -204,7 +204,7 @@ async def test_a_stream_nobody_starts_reading_is_cancelled(nursery) -> None:
     with trio.fail_after(30):  # a guard: before the fix it ran on towards max_tokens
         await _drain(live)
     assert live.rs.failure.reason is Reason.CANCELLED and "before its stream started" in live.rs.failure.message
-    assert live.completion_tokens < 100_000
+    assert live.rs.completion_tokens < 100_000
     assert not route.services[0].sessions and not route.services[1].sessions
 
 

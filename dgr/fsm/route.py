@@ -10,6 +10,13 @@ Contract:
   session to decode. Each further token is a decode step.
 - Every transition returns a telemetry snapshot, so a driver can publish one
   event per change with no extra bookkeeping.
+- The lifecycle facts a driver acts on are recorded here, by events, not
+  kept beside the machine: `completion_tokens` (the TOKEN events that do not
+  end generation: what the client is billed), `pending` (the first failure
+  asked for from outside the driver by ABORT: a client gone, a timeout, a
+  node declared dead; the driver then fails the session with it) and `lost`
+  (every node a ROUTE_NODE_LOST failure named, by ABORT or FAIL: the nodes
+  not to close now, whose close is owed).
 
 Theory: the trio driver (dgr.tracker.gateway) feeds events with the current
 time passed in; this module holds no clock and does no I/O. Rolling tokens/s
@@ -50,6 +57,7 @@ class RouteEvent(enum.Enum):
     PREFILL_PROGRESS = "prefill_progress"
     TOKEN = "token"
     FINISH = "finish"
+    ABORT = "abort"
     FAIL = "fail"
 
 
@@ -67,6 +75,8 @@ ROUTE_TABLE: TransitionTable[RouteState, RouteEvent] = TransitionTable(
         Transition(RouteState.PREFILL, RouteEvent.TOKEN, RouteState.DECODE, "first token sampled"),
         Transition(RouteState.DECODE, RouteEvent.TOKEN, RouteState.DECODE, "one more token"),
         Transition(RouteState.DECODE, RouteEvent.FINISH, RouteState.DONE, "stop, EOS or max_tokens"),
+        *(Transition(s, RouteEvent.ABORT, s, "a failure asked for from outside the driver (the first is kept)")
+          for s in _LIVE),
         *(Transition(s, RouteEvent.FAIL, RouteState.FAILED, "structured failure") for s in _LIVE),
     ),
 )
@@ -98,6 +108,9 @@ class RouteSession:
     prefix_reused: int = 0  # prompt positions whose KV came from a kept prefix on every node (not prefilled)
     prefill_done: int = 0
     generated: int = 0
+    completion_tokens: int = 0  # TOKEN events that did not end generation
+    pending: Failure | None = None  # the first ABORT's failure: the one the driver fails the session with
+    lost: frozenset[str] = frozenset()  # nodes named by a ROUTE_NODE_LOST failure (ABORT or FAIL)
     first_token_at: float | None = None
     ended_at: float | None = None
     finish_reason: str | None = None
@@ -147,13 +160,16 @@ class RouteSession:
         self.prefill_done = done
         return self.snapshot(now)
 
-    def token(self, now: float) -> dict[str, Any]:
+    def token(self, now: float, completion: bool = True) -> dict[str, Any]:
+        """A token came back from the tail; `completion`: it is part of the answer (not the one that
+        ends generation)."""
         previous = self.state
         self._move(RouteEvent.TOKEN, now)
         if previous is RouteState.PREFILL:
             self.prefill_done = self.prompt_tokens
             self.first_token_at = now
         self.generated += 1
+        self.completion_tokens += completion
         self._token_times.append(now)
         return self.snapshot(now)
 
@@ -163,12 +179,26 @@ class RouteSession:
         self.ended_at = now
         return self.snapshot(now)
 
+    def abort(self, failure: Failure, now: float) -> dict[str, Any]:
+        """Someone other than the driver wants the session failed; the first such failure is kept."""
+        phase = self.state.value
+        self._move(RouteEvent.ABORT, now)
+        if self.pending is None:
+            self.pending = failure if failure.phase else attrs.evolve(failure, phase=phase)
+        self._note_lost(failure)
+        return self.snapshot(now)
+
     def fail(self, failure: Failure, now: float) -> dict[str, Any]:
         phase = self.state.value
         self._move(RouteEvent.FAIL, now)
         self.failure = failure if failure.phase else attrs.evolve(failure, phase=phase)
         self.ended_at = now
+        self._note_lost(failure)
         return self.snapshot(now)
+
+    def _note_lost(self, failure: Failure) -> None:
+        if failure.reason is Reason.ROUTE_NODE_LOST and failure.node:
+            self.lost = self.lost | {failure.node}
 
     # -- telemetry ------------------------------------------------------------
     def tokens_per_second(self) -> float:

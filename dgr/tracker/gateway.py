@@ -170,10 +170,7 @@ class LiveSession:
     send: trio.MemorySendChannel
     recv: trio.MemoryReceiveChannel
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    pending_failure: Failure | None = None
-    completion_tokens: int = 0
     text: TextAssembler = attrs.field(init=False)
-    lost: set[str] = attrs.field(factory=set)
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
     unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
@@ -222,12 +219,12 @@ class LiveSession:
         self.text = TextAssembler(stop=self.request.stop)
 
     def usage(self) -> dict[str, Any]:
-        return usage_body(self.rs.prompt_tokens, self.completion_tokens, self.rs.prefix_reused)
+        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)
 
     def abort(self, failure: Failure) -> None:
-        """Fail from outside the driver (node death, client gone). First reason wins."""
-        if self.pending_failure is None:
-            self.pending_failure = failure
+        """Fail from outside the driver (node death, client gone): the FSM keeps the first reason."""
+        if not self.rs.ended:  # a session that is closing has its outcome already
+            self.rs.abort(failure, trio.current_time())
         self.scope.cancel()
 
 
@@ -406,7 +403,6 @@ class Gateway:
         self.registry.mark_dead(node_id, trio.current_time())
         for live in list(self.sessions.values()):
             if any(h.node_id == node_id for h in live.rs.route):
-                live.lost.add(node_id)
                 live.abort(Failure(Reason.ROUTE_NODE_LOST, f"lost node {node_id}: {why}", node=node_id,
                                    phase=live.rs.state.value))
 
@@ -656,14 +652,13 @@ class Gateway:
                     else:
                         failure = exc.failure(phase=exc.details.get("phase") or rs.state.value)
                         if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
-                            live.lost.add(exc.details["node"])
                             self.node_lost(exc.details["node"], exc.message)
                 except Exception as exc:
                     log.exception("route session %s crashed", rs.sid)
                     failure = Failure(Reason.INTERNAL, f"gateway error: {exc!r}"[:300], phase=rs.state.value)
             if failure is None and live.scope.cancelled_caught:
                 # cancelled from outside: a node died (registry) or the client went away
-                failure = live.pending_failure or Failure(Reason.CANCELLED, "cancelled", phase=rs.state.value)
+                failure = rs.pending or Failure(Reason.CANCELLED, "cancelled", phase=rs.state.value)
         finally:
             if live.phases is not None:  # its group must not wait for it while its nodes close
                 self._wake(live.phases.stop(rs.sid))
@@ -673,8 +668,8 @@ class Gateway:
                 if failure is not None:
                     live.telemetry.publish(rs.fail(failure, trio.current_time()))
                 self._count_end(rs)
-                survivors = [self.client(h) for h in rs.route if h.node_id not in live.lost]
-                for node_id in live.lost:  # it may only have been slow: closed once it heartbeats again
+                survivors = [self.client(h) for h in rs.route if h.node_id not in rs.lost]
+                for node_id in rs.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
                 keep = live.kv_chain() if failure is None else None
                 async with trio.open_nursery() as ending:
@@ -838,12 +833,12 @@ class Gateway:
         while True:
             now = trio.current_time()
             eog = token.eog and not live.request.ignore_eos
+            event = rs.token(now, completion=not eog)  # published below, off the next step's path
             if not eog:
-                live.completion_tokens += 1
                 text = live.text.feed(token.piece)
                 if text:
-                    live.send.send_nowait(Delta(text, live.completion_tokens))
-            more = not eog and not live.text.stopped and live.completion_tokens < live.max_tokens
+                    live.send.send_nowait(Delta(text, rs.completion_tokens))
+            more = not eog and not live.text.stopped and rs.completion_tokens < live.max_tokens
             chain = more and topology is Topology.CHAIN
             # On a ring the tail has already sent this token's step to the head when `more` holds for it
             # (it decides alike, bar stop strings: those end the session here, and the steps it sent on
@@ -859,9 +854,9 @@ class Gateway:
                 try:
                     await self._send_head(live, frame, 1, seq)
                 finally:  # also when the send failed: the token came before the failure
-                    self._note_token(live, now, last)
+                    self._note_token(live, event, now, last)
             else:
-                self._note_token(live, now, last)
+                self._note_token(live, event, now, last)
             last = now
             if hops is not None:
                 self._note_hops(live, *hops)
@@ -894,9 +889,9 @@ class Gateway:
             pos += 1
             seq += 1
 
-    def _note_token(self, live: LiveSession, now: float, last: float | None) -> None:
+    def _note_token(self, live: LiveSession, event: dict[str, Any], now: float, last: float | None) -> None:
         """A token arrived at `now` (the one before at `last`): the Route Session's event and the metrics."""
-        live.telemetry.publish(live.rs.token(now))
+        live.telemetry.publish(event)
         self.metrics.generated_tokens_total.inc()
         if last is None:
             self.metrics.ttft_seconds.observe(now - live.rs.created_at)
@@ -1116,7 +1111,7 @@ class Gateway:
     def _finish(self, live: LiveSession, reason: str) -> None:
         tail = live.text.finish()
         if tail:
-            live.send.send_nowait(Delta(tail, live.completion_tokens))
+            live.send.send_nowait(Delta(tail, live.rs.completion_tokens))
         live.telemetry.publish(live.rs.finish(reason, trio.current_time()))
 
     # -- views --------------------------------------------------------------------
