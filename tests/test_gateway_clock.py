@@ -9,12 +9,18 @@ takes no mock time and every second that passes is one the test chose.
 
 from __future__ import annotations
 
+import uuid
+
 import trio
 import trio.testing
 
 from dgr.api.openai import parse_request
 from dgr.errors import Reason
+from dgr.sampling import SamplingParams
+from dgr.seam.frame import encode_frame
+from dgr.seam.wire import Flag, FrameKind
 from dgr.testing.inproc import InProcRoute, http_scope, receive_once
+from dgr.testing.nodes import settled
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import GatewayConfig
 
@@ -149,3 +155,30 @@ async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojum
     assert failure.reason is Reason.SLOW_CLIENT and "for over 2s" in failure.message
     assert 2.0 <= trio.current_time() - stalled_at <= 2.2
     assert not route.services[0].sessions and not route.services[1].sessions
+
+
+async def test_a_node_session_left_idle_is_failed_and_its_kv_freed_on_the_trio_clock(autojump_clock, nursery) -> None:
+    """A node frees a session nobody steps for `idle_timeout_s` (its gateway gone, say) on its own, within a
+    second of the timeout: sessions are stamped and checked on trio's clock."""
+    route = InProcRoute.stub(splits=((0, 30),), inline=True)
+    node = route.services[0]
+    node.idle_timeout_s = 30.0
+    idle, busy = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
+    await nursery.start(route.run)
+    for sid in (idle, busy):
+        await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+    await settled(node)
+    opened = trio.current_time()
+    await trio.sleep(29.0)
+    assert set(node.sessions) == {idle, busy}
+    width = node.backend.info.seam_width
+    await node.step(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15], flags=Flag.SAMPLE))
+    await trio.sleep(2.1)
+    await settled(node)
+    assert idle not in node.sessions and node.ended[idle].reason is Reason.SESSION_TIMEOUT
+    assert busy in node.sessions, "a session stepped within the timeout stays"
+    assert 30.0 < trio.current_time() - opened <= 31.1
+    assert node.scheduler.kv_bytes > 0
+    await node.close_session(busy)
+    await settled(node)
+    assert node.scheduler.session_count == 0 and node.scheduler.kv_bytes == 0

@@ -21,7 +21,6 @@ tracker pins.
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -44,12 +43,6 @@ if TYPE_CHECKING:
     from dgr.node.artifact import NodeArtifact
 
 __all__ = ["run_node", "advertised_url"]
-
-
-async def _expire(service: NodeService) -> None:
-    while True:
-        await trio.sleep(1.0)
-        await service.expire_idle(time.monotonic())
 
 
 def advertised_url(bound: str, advertise: str | None) -> str:
@@ -106,7 +99,6 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
             bound = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
             url = advertised_url(bound, advertise)
-            nursery.start_soon(_expire, service)
             if tracker:
                 cert = cert_pem(tls_files[0]) if tls_files else None
                 await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact,

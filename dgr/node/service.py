@@ -156,6 +156,7 @@ class NodeService:
                 await nursery.start(self.scheduler.run)
                 if self.snapshots is not None:
                     await self.scheduler.call(self._load_snapshots)  # before any session can want them
+                nursery.start_soon(self._expire_idle_forever)
                 task_status.started()
         finally:
             self._nursery = None
@@ -288,7 +289,7 @@ class NodeService:
             )
         # Registered first, so a second open of the same id is refused while this one is queued,
         # and a step for it queues behind the open.
-        self.sessions[sid] = NodeSession(sid=sid, max_positions=max_positions, created_at=time.monotonic())
+        self.sessions[sid] = NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time())
         if self.backend.is_tail:
             self.samplers[sid] = Sampler(sampling)
         try:
@@ -435,6 +436,12 @@ class NodeService:
         session.fail(failure)
         await self._forget(sid, failure)
 
+    async def _expire_idle_forever(self) -> None:
+        """Every second, fail the sessions idle for over `idle_timeout_s` (on trio's clock, as they are stamped)."""
+        while True:
+            await trio.sleep(1.0)
+            await self.expire_idle(trio.current_time())
+
     async def expire_idle(self, now: float) -> list[str]:
         expired = [sid for sid, s in self.sessions.items()
                    if sid not in self.ended and s.idle_for(now) > self.idle_timeout_s]
@@ -558,7 +565,7 @@ class NodeService:
             step = self._check_frame(frame)
             session = self._lookup(frame.session)
             rewind = session.rewinds(frame.pos0)
-            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=time.monotonic())
+            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
         except CallerError as exc:
             self._refuse(exc)
             raise
