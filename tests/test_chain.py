@@ -22,7 +22,7 @@ import trio.testing
 
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
-from dgr.seam.frame import TokenResult, encode_frame
+from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
@@ -355,3 +355,81 @@ async def test_a_ring_tails_next_step_goes_out_before_its_answer() -> None:
             answers.close()
             loop.close()
         assert events == ["step", "answer"] * 20
+
+
+async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports_a_refusal() -> None:
+    """On a ring of one node the tail is the head: each next step is admitted on the node itself (no
+    socket, no relay task), the answers are those of the model, and a step it refuses is reported to
+    the gateway as a refused step naming the node, as a head's refusal on a network loop would be."""
+    from dgr.node.relay import Loop, NextHop, Outgoing, RelayPlan, SelfLoop
+    from dgr.node.service import NodeService
+    from dgr.pipeline import Pipeline
+    from dgr.sampling import SamplingParams
+    from dgr.seam.stream import RecordReader
+    from dgr.seam.wire import Flag
+    from dgr.testing.nodes import running
+
+    answers: list[bytes] = []
+    reports: list[dict] = []
+    reader = RecordReader(1 << 20)
+
+    @attrs.define
+    class _Stream:
+        ended: trio.Event = attrs.field(factory=trio.Event)
+
+        async def send(self, data: bytes) -> None:
+            answers.extend(frame for _, frame in reader.feed(data))
+
+        async def answer(self) -> HttpResponse:
+            await self.ended.wait()
+            return HttpResponse(200, {}, b"")
+
+        async def end(self) -> None:
+            self.ended.set()
+
+        async def release(self) -> None:
+            pass
+
+    class _Gateway:
+        async def open_stream(self, target, headers):
+            assert target == DELIVER_STREAM_PATH
+            return _Stream()
+
+        async def request(self, method, target, body, headers):
+            assert target == DELIVER_PATH
+            reports.append(json.loads(body))
+            return HttpResponse(200, {}, b"{}")
+
+        async def aclose(self) -> None:
+            pass
+
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    node = NodeService(backend=stub, node_id="solo")
+    node.pools["http://gateway"] = _Gateway()  # the node's pooled connections to the gateway
+    prompt, max_tokens = [3, 14, 15, 92], 12
+    sid = uuid.uuid4().hex
+    plan = RelayPlan(None, "http://gateway", None, Loop(NextHop("solo", "http://solo", None), ignore_eos=True))
+    async with running(node):
+        await node.open_session(sid, len(prompt) + max_tokens, SamplingParams(temperature=0.0), relay=plan)
+        assert isinstance(node.loops[sid], SelfLoop)
+        node.accept_streamed(sid, encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576, token_ids=prompt,
+                                               flags=Flag.SAMPLE), "")
+        want = Pipeline([StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))]).generate_greedy(
+            prompt, max_tokens, sid="0" * 32).tokens
+        with trio.fail_after(10):
+            while len(answers) < max_tokens:
+                await trio.sleep(0.001)
+        assert [TokenResult.from_frame(decode_frame(a)).token for a in answers] == want
+        assert set(node.pools) == {"http://gateway"}, "the node opened no connection to itself"
+
+        other = uuid.uuid4().hex
+        await node.open_session(other, 64, SamplingParams(temperature=0.0), relay=plan)
+        node.loops[other].put(Outgoing(encode_frame(FrameKind.DECODE, other, 3, 9, 1, 576, token_ids=[7],
+                                                    flags=Flag.SAMPLE), ""))  # out of order: refused
+        node.loops[other].put(Outgoing(b"never admitted", ""))
+        with trio.fail_after(10):
+            while not reports:
+                await trio.sleep(0.001)
+    assert len(reports) == 1
+    assert reports[0]["session"] == other and reports[0]["code"] == "node_error" and reports[0]["node"] == "solo"
+    assert "solo refused its own next step" in reports[0]["message"]

@@ -115,10 +115,12 @@ def analyse(marks: dict[str, list[tuple[str, str, int, int]]], order: list[str])
     for a, b in zip(order, order[1:]):
         v = [at[b][k]["read"] - at[a][k]["send:on"] for k in steps
              if "send:on" in at[a].get(k, {}) and "read" in at[b].get(k, {})]
-        links.append({"link": f"{a} sends, {b} has read", **_stats(v)})
+        if v:
+            links.append({"link": f"{a} sends, {b} has read", **_stats(v)})
     v = [head[(s, p + 1)]["read"] - tail[(s, p + 1)]["send:on"] for s, p in steps
          if "send:on" in tail.get((s, p + 1), {}) and "read" in head.get((s, p + 1), {})]
-    links.append({"link": f"{order[-1]} sends, {order[0]} has read (the ring)", **_stats(v)})
+    if v:  # a ring of one node admits its next step in process (dgr.node.relay.SelfLoop): no link
+        links.append({"link": f"{order[-1]} sends, {order[0]} has read (the ring)", **_stats(v)})
     period = [head[(s, p + 1)]["read"] - head[(s, p)]["read"] for s, p in steps if "read" in head.get((s, p + 1), {})]
     compute = [sum(at[n][k]["computed"] - at[n][k]["compute"] for n in order) for k in steps
                if all("computed" in at[n].get(k, {}) and "compute" in at[n].get(k, {}) for n in order)]

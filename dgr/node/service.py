@@ -56,7 +56,7 @@ from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node import steptrace
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
-from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report
+from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report, SelfLoop
 from dgr.node.ringphases import RingPhases
 from dgr.node.scheduler import Job, JobKind, StepScheduler
 from dgr.node.snapshot import SnapshotDir
@@ -126,7 +126,7 @@ class NodeService:
     described: dict[str, Any] = attrs.field(init=False)
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
-    loops: dict[str, Relay] = attrs.field(factory=dict)  # a ring's tail: sid -> its relay back to the head
+    loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
@@ -305,9 +305,12 @@ class NodeService:
             r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None)
             self._nursery.start_soon(r.run)
             if relay.loop is not None:
-                back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
-                r = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
-                self._nursery.start_soon(r.run)
+                if relay.loop.head.node == self.node_id:  # a ring of this node alone: no link to itself
+                    self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
+                else:
+                    back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
+                    loop = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
+                    self._nursery.start_soon(loop.run)
                 if relay.loop.route:
                     self.ring.join(sid, relay.loop.route, relay.loop.nodes, lane)
         session = self.sessions.get(sid)
