@@ -4,7 +4,7 @@
 
 Each case runs in a fresh process, on the default model whole (`LlamaBackend` with `--threads`
 llama.cpp threads), `--reps` runs of `--tokens` decodes:
-- plain: from thread A; then one token from thread B; then from A again.
+- plain: from thread A; then one token from thread B, which lives on; then from A again.
 - to_thread: each decode through `trio.to_thread.run_sync` (how a node called its backend before
   dgr.node.backend_thread), each run begun beside another `to_thread` call that holds trio's idle
   worker, as an artifact piece or a name lookup on a node would.
@@ -75,13 +75,20 @@ def _plain(backend: LlamaBackend, tokens: int, reps: int) -> dict[str, list[floa
     for _ in range(reps):
         calls.put(tokens)
         runs.append(done.get())
-    b = threading.Thread(target=_decode, args=(backend, pos), daemon=True)
-    b.start()
-    b.join()
+    decoded, finish = threading.Event(), threading.Event()
+
+    def thread_b() -> None:  # decodes once, then lives on (a thread's OpenMP team goes with it)
+        _decode(backend, pos)
+        decoded.set()
+        finish.wait()
+
+    threading.Thread(target=thread_b, daemon=True).start()
+    decoded.wait()
     for _ in range(reps):
         calls.put(tokens)
         runs.append(done.get())
     calls.put(None)
+    finish.set()
     return {"thread A alone": runs[:reps], "thread A after B decoded 1 token": runs[reps:]}
 
 
