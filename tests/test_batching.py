@@ -27,7 +27,7 @@ from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import Flag, FrameKind
-from dgr.testing.nodes import running
+from dgr.testing.nodes import running, settled
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width
@@ -35,18 +35,19 @@ W = SPEC.seam_width
 
 # -- the planner ------------------------------------------------------------------------------------
 
-def _job(kind: str, sid: str | None, n: int = 1) -> Job:
+def _job(kind: str, sid: str | None, n: int = 1, max_rows: int | None = None) -> Job:
     if kind == "call":
         return Job(JobKind.CALL, None, fn=lambda: None)
     if kind == "session":
         return Job(JobKind.SESSION, sid, fn=lambda: None)
     step = Step(sid, 0, np.zeros(n, np.int32), None, False, decode=kind == "decode")
-    return Job(JobKind.FORWARD, sid, step=step)
+    return Job(JobKind.FORWARD, sid, step=step, max_rows=max_rows)
 
 
 jobs = st.lists(st.tuples(st.sampled_from(["call", "session", "decode", "prefill"]), st.sampled_from("abcdef"),
-                          st.integers(1, 300)), max_size=30).map(
-    lambda specs: [_job(k, None if k == "call" else sid, 1 if k == "decode" else n) for k, sid, n in specs])
+                          st.integers(1, 300), st.sampled_from([None, None, 1, 2, 3])), max_size=30).map(
+    lambda specs: [_job(k, None if k == "call" else sid, 1 if k == "decode" else n, rows)
+                   for k, sid, n, rows in specs])
 
 
 @settings(max_examples=300, deadline=None)
@@ -65,13 +66,27 @@ def test_plan_makes_progress_keeps_each_sessions_order_and_fills_the_budget(queu
     first = {}
     for i, job in enumerate(queue):
         first.setdefault(job.sid, i)
-    eligible_decodes = {i for i, j in enumerate(queue) if j.is_decode and (j.sid is None or first[j.sid] == i)}
-    assert eligible_decodes <= set(plan.batch), "decode steps always go first"
+    eligible_decodes = [i for i, j in enumerate(queue) if j.is_decode and (j.sid is None or first[j.sid] == i)]
+    taken: list[int] = []  # decode steps go first, in queue order, each into a batch smaller than its max_rows
+    for i in eligible_decodes:
+        if queue[i].max_rows is None or len(taken) < queue[i].max_rows:
+            taken.append(i)
+    assert [i for i in plan.batch if queue[i].is_decode] == taken
     prefills = [i for i in plan.batch if not queue[i].is_decode]
     if len(prefills) > 1:  # beyond the first chunk, prefill stays inside the budget
         assert sum(queue[i].n_tokens for i in plan.batch) <= budget
     decodes_in = [k for k, i in enumerate(plan.batch) if queue[i].is_decode]
     assert decodes_in == list(range(len(decodes_in))), "decodes lead the batch"
+
+
+def test_two_phase_groups_that_reach_a_node_together_run_as_two_batches() -> None:
+    """On a 2-node route 8 sessions decode in 2 groups of 4 (max_rows 4): released together by the
+    ring's tail, they still go through each node as two batches, so the nodes compute at once."""
+    queue = [_job("decode", f"s{k}", max_rows=4) for k in range(8)] + [_job("prefill", "p", 40)]
+    first = plan_iteration(queue, 512)
+    assert [queue[i].sid for i in first.batch] == ["s0", "s1", "s2", "s3", "p"]
+    rest = [queue[i] for i in first.deferred]
+    assert [rest[i].sid for i in plan_iteration(rest, 512).batch] == ["s4", "s5", "s6", "s7"]
 
 
 def test_a_long_prompt_delays_decoding_by_one_chunk_at_most() -> None:
@@ -462,3 +477,53 @@ def test_only_a_session_that_could_still_send_is_waited_for() -> None:
     assert not may_gather([fwd("a"), fwd("a")], 1)
     assert may_gather([Job(JobKind.CALL, None, fn=lambda: None)], 1)  # a control call is no session's step
     assert not may_gather([], 0)
+
+
+async def test_a_chain_node_computes_one_phase_group_of_its_route_at_a_time() -> None:
+    """8 sessions of a 2-node route open on a node: decode steps of all 8 that arrive together (two
+    groups released at once) run as two batches of 4, not one of 8 that would leave the next node idle."""
+    from dgr.node.relay import NextHop, RelayPlan
+    from dgr.seam.transport import HttpResponse
+
+    @attrs.define
+    class _Stream:
+        ended: trio.Event = attrs.field(factory=trio.Event)
+
+        async def send(self, data: bytes) -> None:
+            pass
+
+        async def answer(self) -> HttpResponse:
+            await self.ended.wait()
+            return HttpResponse(200, {}, b"")
+
+        async def end(self) -> None:
+            self.ended.set()
+
+        async def release(self) -> None:
+            pass
+
+    class _NextNode:
+        async def open_stream(self, target, headers):
+            return _Stream()
+
+        async def aclose(self) -> None:
+            pass
+
+    backend = Watched(spec=SPEC, layers=LayerRange(0, 3), trio_thread=threading.get_ident())
+    node = NodeService(backend=backend, node_id="n0")
+    node.pools["http://n1"] = _NextNode()
+    plan = RelayPlan(NextHop("n1", "http://n1", None), "http://gateway", None, route="n0,n1", nodes=2)
+    sids = [uuid.UUID(int=40 + k).hex for k in range(8)]
+    async with running(node):
+        for lane, sid in enumerate(sids):
+            await node.open_session(sid, 16, SamplingParams(temperature=0.0), relay=plan, lane=lane)
+            node.accept_streamed(sid, encode_frame(FrameKind.PREFILL, sid, 0, 0, 3, W, token_ids=[3, 14, 15]), "")
+        await settled(node)
+        backend.batches.clear()
+        for sid in sids:  # both groups at once
+            node.accept_streamed(sid, encode_frame(FrameKind.DECODE, sid, 1, 3, 1, W, token_ids=[7]), "")
+        await settled(node)
+        assert backend.batches == [4, 4] and backend.violations == []
+        for sid in sids:
+            await node.close_session(sid)
+    assert not node.on_route

@@ -433,3 +433,20 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     assert len(reports) == 1
     assert reports[0]["session"] == other and reports[0]["code"] == "node_error" and reports[0]["node"] == "solo"
     assert "solo refused its own next step" in reports[0]["message"]
+
+
+def test_a_relay_plan_names_its_route_and_node_count_or_is_refused() -> None:
+    from dgr.errors import CallerError, Reason
+    from dgr.node.app import _relay_plan
+    from dgr.node.service import NodeService
+
+    node = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 15)), node_id="n0",
+                       tracker_url="http://gateway")
+    nxt = {"node": "n1", "url": "http://n1"}
+    plan = _relay_plan(node, {"next": nxt, "route": "n0,n1", "nodes": 2})
+    assert (plan.route, plan.nodes, plan.next.node) == ("n0,n1", 2, "n1")
+    assert (_relay_plan(node, {"next": nxt}).route, _relay_plan(node, {"next": nxt}).nodes) == ("", 1)
+    for bad in ({"nodes": 0}, {"nodes": True}, {"nodes": "2"}, {"route": 5}, {"route": "x" * 10_000}):
+        with pytest.raises(CallerError) as refused:
+            _relay_plan(node, {"next": nxt, **bad})
+        assert refused.value.reason is Reason.INVALID_REQUEST

@@ -195,6 +195,10 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
     if cap is not None and not isinstance(cap, str):
         raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
     hop = None if nxt is None else _next_hop(nxt, "relay.next")
+    route, nodes = data.get("route", ""), data.get("nodes", 1)
+    if (not isinstance(route, str) or len(route) > _MAX_ROUTE
+            or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
+        raise CallerError(Reason.INVALID_REQUEST, "relay.route is the route's node ids, relay.nodes their count")
     if (hop is None) != service.backend.is_tail:
         raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
     loop = data.get("loop")
@@ -207,7 +211,7 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
                 or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
             raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos, route, nodes}")
         loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False), route, nodes)
-    return RelayPlan(hop, service.tracker_url, cap, loop)
+    return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
 
 
 def _next_hop(data: Any, what: str) -> NextHop:

@@ -92,6 +92,10 @@ class RelayPlan:
     deliver_url: str  # the tracker's DELIVER_PATH
     deliver_capability: str | None
     loop: Loop | None = None  # the tail of a ring only
+    # the route's nodes, as the gateway names them, and how many: a node batches the decode steps of
+    # one phase group of the route at a time (dgr.node.service); "" and 1: no groups
+    route: str = ""
+    nodes: int = 1
 
 
 @attrs.frozen(eq=False)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import time
 from typing import Any
 
@@ -127,6 +128,7 @@ class NodeService:
     tracker_url: str | None = None  # where a chain session's answers and failure reports go
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
     loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
+    on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its chain sessions open here
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
@@ -304,6 +306,7 @@ class NodeService:
                 raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
             r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None)
             self._nursery.start_soon(r.run)
+            self.on_route[relay.route] += 1
             if relay.loop is not None:
                 if relay.loop.head.node == self.node_id:  # a ring of this node alone: no link to itself
                     self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
@@ -411,6 +414,11 @@ class NodeService:
         then it still counts against capacity and in status, so `sessions` and `kv_bytes` agree.
         """
         self.samplers.pop(sid, None)
+        chain = self.relays.get(sid)
+        if chain is not None:
+            self.on_route[chain.plan.route] -= 1
+            if self.on_route[chain.plan.route] <= 0:
+                del self.on_route[chain.plan.route]
         for relays in (self.relays, self.loops):
             relay = relays.pop(sid, None)
             if relay is not None:
@@ -630,7 +638,15 @@ class NodeService:
             self._count(frame, out, j.compute_s)
             relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
 
-        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done))
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done,
+                                  max_rows=self._group_rows(relay.plan)))
+
+    def _group_rows(self, plan: RelayPlan) -> int | None:
+        """The decode steps of one phase group of `plan`'s route: its sessions open here, cut into one group
+        per node as the gateway and a ring's tail cut them (dgr.tracker.phases). None on a one-node route."""
+        if plan.nodes < 2:
+            return None
+        return max(1, math.ceil(self.on_route[plan.route] / plan.nodes))
 
     def _loop_send(self, sid: str, step: bytes) -> None:
         loop = self.loops.get(sid)

@@ -700,12 +700,15 @@ class Gateway:
                     "tls_cert": self._pinned(hop.node_id)}
 
         out = {}
+        route = ",".join(h.node_id for h in hops)
         for i, hop in enumerate(hops):
             nxt = hops[i + 1] if i + 1 < len(hops) else None
-            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver}
+            # route and nodes: each node keeps a batch of decode steps to one phase group of the route
+            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
+                                "route": route, "nodes": len(hops)}
         if self.config.topology is Topology.RING:
             out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos,
-                                             "route": ",".join(h.node_id for h in hops), "nodes": len(hops)}
+                                             "route": route, "nodes": len(hops)}
         return out
 
     def _pinned(self, node_id: str) -> str | None:
