@@ -203,14 +203,10 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
         raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
     loop = data.get("loop")
     if loop is not None:
-        fields = loop if isinstance(loop, dict) else {}
-        route, nodes = fields.get("route", ""), fields.get("nodes", 1)
         if (not service.backend.is_tail or not isinstance(loop, dict)
-                or not isinstance(loop.get("ignore_eos", False), bool)
-                or not isinstance(route, str) or len(route) > _MAX_ROUTE
-                or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos, route, nodes}")
-        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False), route, nodes)
+                or not isinstance(loop.get("ignore_eos", False), bool)):
+            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
+        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False))
     return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
 
 

@@ -78,10 +78,6 @@ class Loop:
 
     head: NextHop
     ignore_eos: bool = False
-    # the route's nodes, as the gateway names them, and how many: the tail holds each step for its
-    # phase group on this route (dgr.node.ringphases); "" holds nothing
-    route: str = ""
-    nodes: int = 1
 
 
 @attrs.frozen
@@ -93,7 +89,8 @@ class RelayPlan:
     deliver_capability: str | None
     loop: Loop | None = None  # the tail of a ring only
     # the route's nodes, as the gateway names them, and how many: a node batches the decode steps of
-    # one phase group of the route at a time (dgr.node.service); "" and 1: no groups
+    # one phase group of the route at a time (dgr.node.service), and a ring's tail holds each step for
+    # its group (dgr.node.ringphases); "" and 1: no groups
     route: str = ""
     nodes: int = 1
 

@@ -8,7 +8,7 @@ hold, 8 sessions on a 2-node SmolLM2 ring decoded at 0.924x the chain's rate
 (paired rounds, 0.79x to 1.01x); with it, at 0.977x (0.91x to 1.14x). So the
 tail holds them instead, by the same rules and the same pure board
 (`RoutePhases`, from the tracker's module: it is pure and shared), keyed by
-the route the gateway names in the session's `Loop`; lanes are the ones the
+the route the gateway names in the session's relay plan; lanes are the ones the
 gateway gave at open.
 
 Rules:

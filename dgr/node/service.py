@@ -314,8 +314,8 @@ class NodeService:
                     back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
                     loop = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
                     self._nursery.start_soon(loop.run)
-                if relay.loop.route:
-                    self.ring.join(sid, relay.loop.route, relay.loop.nodes, lane)
+                if relay.route:
+                    self.ring.join(sid, relay.route, relay.nodes, lane)
         session = self.sessions.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one

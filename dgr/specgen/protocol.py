@@ -89,10 +89,11 @@ def render_seam() -> str:
         "", "## Exchanges", "",
         "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling[, relay]}`) opens a node session: "
         "201, or 409/429. `relay` (chain and ring topologies only) is `{next: {node, url, capability} | null, "
-        "deliver_capability[, loop]}`: where this node sends its results; the tail's `next` is null. A ring's tail "
-        "also gets `loop: {head: {node, url, capability}, ignore_eos, route, nodes}`: where it sends each next "
-        "decode step, and the route (its node ids, comma-separated) and its length, for which the tail holds "
-        "each step until its phase group has its tokens, as the gateway does on a chain.",
+        "deliver_capability, route, nodes[, loop]}`: where this node sends its results (the tail's `next` is "
+        "null), and the route (its node ids, comma-separated) and its length, for which the node batches the "
+        "decode steps of one phase group at a time. A ring's tail also gets `loop: {head: {node, url, "
+        "capability}, ignore_eos}`: where it sends each next decode step; it holds each one until its phase "
+        "group has its tokens, as the gateway does on a chain.",
         "- `POST /v1/seam/step` with a PREFILL or DECODE frame answers HIDDEN (non-tail), ACK (tail, no sample) "
         "or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style JSON error with a reason code, and changes nothing.",
         "- `POST /v1/seam/sessions` may carry `prefix`: the prompt's block keys (dgr.node.prefix, "

@@ -703,12 +703,12 @@ class Gateway:
         route = ",".join(h.node_id for h in hops)
         for i, hop in enumerate(hops):
             nxt = hops[i + 1] if i + 1 < len(hops) else None
-            # route and nodes: each node keeps a batch of decode steps to one phase group of the route
+            # route and nodes: each node batches one phase group of the route at a time, and a ring's
+            # tail holds each next step for its group
             out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
                                 "route": route, "nodes": len(hops)}
         if self.config.topology is Topology.RING:
-            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos,
-                                             "route": route, "nodes": len(hops)}
+            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
         return out
 
     def _pinned(self, node_id: str) -> str | None:
