@@ -483,35 +483,11 @@ async def test_a_chain_node_computes_one_phase_group_of_its_route_at_a_time() ->
     """8 sessions of a 2-node route open on a node: decode steps of all 8 that arrive together (two
     groups released at once) run as two batches of 4, not one of 8 that would leave the next node idle."""
     from dgr.node.relay import NextHop, RelayPlan
-    from dgr.seam.transport import HttpResponse
-
-    @attrs.define
-    class _Stream:
-        ended: trio.Event = attrs.field(factory=trio.Event)
-
-        async def send(self, data: bytes) -> None:
-            pass
-
-        async def answer(self) -> HttpResponse:
-            await self.ended.wait()
-            return HttpResponse(200, {}, b"")
-
-        async def end(self) -> None:
-            self.ended.set()
-
-        async def release(self) -> None:
-            pass
-
-    class _NextNode:
-        async def open_stream(self, target, headers):
-            return _Stream()
-
-        async def aclose(self) -> None:
-            pass
+    from dgr.testing.streams import FakePool
 
     backend = Watched(spec=SPEC, layers=LayerRange(0, 3), trio_thread=threading.get_ident())
     node = NodeService(backend=backend, node_id="n0")
-    node.pools["http://n1"] = _NextNode()
+    node.pools["http://n1"] = FakePool()  # the next node, which takes every step
     plan = RelayPlan(NextHop("n1", "http://n1", None), "http://gateway", None, route="n0,n1", nodes=2)
     sids = [uuid.UUID(int=40 + k).hex for k in range(8)]
     async with running(node):

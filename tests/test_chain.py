@@ -13,7 +13,6 @@ import json
 import uuid
 
 import httpx
-import attrs
 import numpy as np
 import openai
 import pytest
@@ -24,7 +23,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.stream import encode_record
-from dgr.seam.transport import ConnectionPool, HttpResponse, TransportError
+from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
                            ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
@@ -304,33 +303,10 @@ async def test_a_ring_tails_next_step_goes_out_before_its_answer() -> None:
     """A tail's next step and its answer to the gateway are put together; whichever relay trio runs first,
     the step is written first (the head waits on it; only the gateway waits on the answer)."""
     from dgr.node.relay import NextHop, Outgoing, Relay, RelayPlan
+    from dgr.testing.streams import FakePool
 
     events: list[str] = []
-
-    @attrs.define
-    class _Stream:
-        name: str
-        ended: trio.Event = attrs.field(factory=trio.Event)
-
-        async def send(self, data: bytes) -> None:
-            events.append(self.name)
-
-        async def answer(self) -> HttpResponse:
-            await self.ended.wait()
-            return HttpResponse(200, {}, b"")
-
-        async def end(self) -> None:
-            self.ended.set()
-
-        async def release(self) -> None:
-            pass
-
-    @attrs.define
-    class _Pool:
-        name: str
-
-        async def open_stream(self, target, headers):
-            return _Stream(self.name)
+    pools = {name: FakePool(on_send=lambda data, name=name: events.append(name)) for name in ("answer", "step")}
 
     step = encode_frame(FrameKind.DECODE, uuid.uuid4().hex, 5, 17, 1, 576, token_ids=[7])
     answer = encode_frame(FrameKind.TOKEN, uuid.uuid4().hex, 4, 16, 1, 576,
@@ -338,8 +314,8 @@ async def test_a_ring_tails_next_step_goes_out_before_its_answer() -> None:
     head = NextHop("node0", "http://head", None)
     for answer_first in (True, False):
         events.clear()
-        answers = Relay("s", "node1", RelayPlan(None, "http://tracker", None), lambda *a: _Pool("answer"), defer=True)
-        loop = Relay("s", "node1", RelayPlan(head, "http://tracker", None), lambda *a: _Pool("step"))
+        answers = Relay("s", "node1", RelayPlan(None, "http://tracker", None), lambda *a: pools["answer"], defer=True)
+        loop = Relay("s", "node1", RelayPlan(head, "http://tracker", None), lambda *a: pools["step"])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answers.run)
             nursery.start_soon(loop.run)
@@ -368,44 +344,17 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     from dgr.seam.stream import RecordReader
     from dgr.seam.wire import Flag
     from dgr.testing.nodes import running
+    from dgr.testing.streams import FakePool
 
     answers: list[bytes] = []
-    reports: list[dict] = []
+    reports: list[tuple[str, dict]] = []
     reader = RecordReader(1 << 20)
-
-    @attrs.define
-    class _Stream:
-        ended: trio.Event = attrs.field(factory=trio.Event)
-
-        async def send(self, data: bytes) -> None:
-            answers.extend(frame for _, frame in reader.feed(data))
-
-        async def answer(self) -> HttpResponse:
-            await self.ended.wait()
-            return HttpResponse(200, {}, b"")
-
-        async def end(self) -> None:
-            self.ended.set()
-
-        async def release(self) -> None:
-            pass
-
-    class _Gateway:
-        async def open_stream(self, target, headers):
-            assert target == DELIVER_STREAM_PATH
-            return _Stream()
-
-        async def request(self, method, target, body, headers):
-            assert target == DELIVER_PATH
-            reports.append(json.loads(body))
-            return HttpResponse(200, {}, b"{}")
-
-        async def aclose(self) -> None:
-            pass
+    gateway = FakePool(on_send=lambda data: answers.extend(frame for _, frame in reader.feed(data)),
+                       on_request=lambda target, body: reports.append((target, json.loads(body))))
 
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
     node = NodeService(backend=stub, node_id="solo")
-    node.pools["http://gateway"] = _Gateway()  # the node's pooled connections to the gateway
+    node.pools["http://gateway"] = gateway  # the node's pooled connections to the gateway
     prompt, max_tokens = [3, 14, 15, 92], 12
     sid = uuid.uuid4().hex
     plan = RelayPlan(None, "http://gateway", None, Loop(NextHop("solo", "http://solo", None), ignore_eos=True))
@@ -430,9 +379,12 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
         with trio.fail_after(10):
             while not reports:
                 await trio.sleep(0.001)
+    assert gateway.opened == [DELIVER_STREAM_PATH]  # the first session's answers; the second had none to send
     assert len(reports) == 1
-    assert reports[0]["session"] == other and reports[0]["code"] == "node_error" and reports[0]["node"] == "solo"
-    assert "solo refused its own next step" in reports[0]["message"]
+    target, report = reports[0]
+    assert target == DELIVER_PATH
+    assert report["session"] == other and report["code"] == "node_error" and report["node"] == "solo"
+    assert "solo refused its own next step" in report["message"]
 
 
 def test_a_relay_plan_names_its_route_and_node_count_or_is_refused() -> None:
