@@ -53,3 +53,31 @@ async def test_a_caller_cancelled_before_the_call_makes_none() -> None:
             scope.cancel()
             await thread.run_sync(lambda: ran.append(1))
         assert await thread.run_sync(lambda: len(ran)) == 0
+
+
+async def test_the_loop_goes_on_only_once_the_thread_has_taken_the_call() -> None:
+    """Both threads need the GIL, and a thread woken while the loop runs Python waits for it: so the loop
+    blocks until the thread has taken the call, and the first task it runs after the hand-off finds it
+    taken. (A generous `start_wait_s`: the default gives up after 2 ms, which a loaded machine can pass.)"""
+    release = threading.Event()
+    seen: list[int] = []
+
+    def call() -> None:
+        release.wait(5)  # without the GIL, as llama.cpp computes
+
+    with BackendThread(start_wait_s=5.0) as thread:
+        calling = trio.Event()
+
+        async def hand_off() -> None:
+            calling.set()  # wakes `look`, which runs at this task's first yield: inside run_sync
+            await thread.run_sync(call)
+
+        async def look() -> None:
+            await calling.wait()
+            seen.append(thread.queued)
+            release.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            nursery.start_soon(hand_off)
+    assert seen == [0]

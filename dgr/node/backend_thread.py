@@ -68,6 +68,11 @@ class BackendThread:
         self._thread.join()
 
     @property
+    def queued(self) -> int:
+        """Calls made and not yet taken by the thread."""
+        return self._calls.qsize()
+
+    @property
     def ident(self) -> int | None:
         """The thread's id once it has started."""
         return None if self._thread is None else self._thread.ident

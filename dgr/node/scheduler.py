@@ -288,8 +288,7 @@ class StepScheduler:
             ran = [pending[i] for i in plan.controls + plan.batch]
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
             decode_only = bool(batch) and not controls and all(job.is_decode for job in batch)
-            if self.inline or (decode_only and self.backend.n_threads == 1
-                               and self._last_decode_s < self.inline_below_s):
+            if self.inline or (decode_only and self._may_inline and self._last_decode_s < self.inline_below_s):
                 compute = self._iterate(controls, batch)
             else:
                 compute = await thread.run_sync(self._iterate, controls, batch)
@@ -309,10 +308,16 @@ class StepScheduler:
             # iterations always leave the loop has its next one (a step its results queued here: a ring
             # of this node alone) start first, and the relays run while it computes: waiting for them
             # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
-            if self.inline or self.backend.n_threads == 1:
+            if self.inline or self._may_inline:
                 await trio.lowlevel.checkpoint()
             if not controls:
                 self._account()
+
+    @property
+    def _may_inline(self) -> bool:
+        """Whether a short decode-only iteration may run on the loop: only a one-thread backend's (a thread
+        pool called from two threads makes two OpenMP teams, dgr.node.backend_thread)."""
+        return self.backend.n_threads == 1
 
     async def _next_job(self) -> Job:
         """The next submitted job; inside the busy-poll window, waited for without sleeping."""
