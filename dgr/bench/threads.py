@@ -1,6 +1,6 @@
 """Why a node calls its backend from one thread: decode speed once a second thread has decoded too.
 
-    python -m dgr.bench.threads [--threads 2] [--tokens 64] [--reps 3]
+    python -m dgr.bench.threads [--threads 2] [--tokens 64] [--reps 3] [--out FILE]
 
 Each case runs in a fresh process, on the default model whole (`LlamaBackend` with `--threads`
 llama.cpp threads), `--reps` runs of `--tokens` decodes:
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import trio
@@ -131,18 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="also write the figures to this file")
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process
     args = ap.parse_args(argv)
     if args.case:
         print(json.dumps(_case(args.case, args.threads, args.tokens, args.reps)))
         return 0
-    print(f"{default_model_path().name}, {args.threads} llama.cpp threads, {args.tokens} decodes a run, tok/s:")
+    lines = [f"python -m dgr.bench.threads, {time.strftime('%Y-%m-%d %H:%M:%S')}",
+             f"{default_model_path().name}, {args.threads} llama.cpp threads, {args.tokens} decodes a run, tok/s:"]
+    print("\n".join(lines), flush=True)
     for case in CASES:
         out = subprocess.run([sys.executable, "-m", "dgr.bench.threads", "--case", case, "--threads",
                               str(args.threads), "--tokens", str(args.tokens), "--reps", str(args.reps)],
                              check=True, capture_output=True, text=True).stdout
         for label, rates in json.loads(out.strip().splitlines()[-1]).items():
-            print(f"  {label}: {', '.join(f'{r:.1f}' for r in rates)}")
+            lines.append(f"  {label}: {', '.join(f'{r:.1f}' for r in rates)}")
+            print(lines[-1], flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 
