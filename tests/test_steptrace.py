@@ -44,6 +44,9 @@ def test_analyse_reads_every_gap_link_and_the_period_off_the_marks() -> None:
     # the head's first step has no step before it, so 19 of the 20 are decode steps
     assert res["steps"] == 19 and res["period"]["p50"] == 17100 and res["compute"]["p50"] == 15000
     assert res["runtime"] == 2100
+    # a ring of one node admits its next step in process (dgr.node.relay.SelfLoop): no link to line up
+    alone = [m for m in _synthetic(5)["node0"] if not m[0].endswith(":on")]
+    assert steps.analyse({"node0": alone}, ["node0"])["links"] == []
 
 
 def test_off_unless_the_variable_names_a_folder(tmp_path: Path, monkeypatch) -> None:

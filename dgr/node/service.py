@@ -304,11 +304,14 @@ class NodeService:
         if relay is not None and sid in self.sessions:
             if self._nursery is None:
                 raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
-            r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None)
+            # a ring of this node alone has no link to itself, and its answers give way to no step
+            alone = relay.loop is not None and relay.loop.head.node == self.node_id
+            r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool,
+                                         defer=relay.loop is not None and not alone)
             self._nursery.start_soon(r.run)
             self.on_route[relay.route] += 1
             if relay.loop is not None:
-                if relay.loop.head.node == self.node_id:  # a ring of this node alone: no link to itself
+                if alone:
                     self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
                 else:
                     back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
