@@ -44,7 +44,7 @@ from dgr.security.tls import httpx_default_trust
 
 __all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
-READY_TIMEOUT_S = 900.0  # first start of a llama_shard route builds shard files
+READY_TIMEOUT_S = 900.0  # a node's first start on a large model hashes its file (dgr.digest)
 TRACKER_HOST = "127.0.0.1"
 
 

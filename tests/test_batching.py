@@ -460,7 +460,6 @@ def test_llama_batched_decode_is_bit_identical_to_one_by_one(model_path) -> None
                 worst = max(worst, float(np.max(np.abs(g.unwrap() - want))))
                 token[s], pos[s] = int(np.argmax(want)), pos[s] + 1
         assert worst == 0.0
-        assert batched[0].engine.capture_misses() == 0
     finally:
         for be in (*batched, *single):
             be.close()

@@ -161,7 +161,7 @@ def test_shard_refuses_unproven_architecture(tmp_path):
     with pytest.raises(CallerError) as e:
         LlamaShardBackend(path, LayerRange(0, 1))
     assert e.value.reason is Reason.MODEL_LOAD_FAILED
-    assert "'starcoder2'" in e.value.message and "proven for ranges" in e.value.message
+    assert "'starcoder2'" in e.value.message and "certified for ranges" in e.value.message
 
 
 def test_refuses_bad_files(tmp_path):

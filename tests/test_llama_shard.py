@@ -9,8 +9,9 @@
   and by llama.cpp's perf counter.
 - Sessions interleaved on one shard give the tokens each gives alone.
 - A session's lane picks its sequence id; rows of consecutive ids decode as one graph.
-- Shard files: metadata and tensors as the loader needs them; cached by the
-  source's sha256.
+- A range is loaded from the unmodified file: a middle range holds only its
+  layers' tensors (llama.cpp's own size), the head and tail what their stage
+  needs; nothing is written.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import pytest
 
 from dgr.backends.base import LayerRange, Step
 from dgr.backends.llama import LlamaBackend
-from dgr.backends.llama_engine import LlamaEngine, read_gguf_header
+import ctypes
+
+from dgr.backends.gguf_text import llama_lib
+from dgr.backends.llama_engine import LlamaEngine, ggml_lib
 from dgr.gguf_meta import read_header
 from dgr.backends.llama_shard import LlamaShardBackend
-from dgr.backends.shardfile import file_sha256, shard_path
+from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
@@ -92,7 +96,7 @@ def test_split_equals_single_node(split, prompt, reference):
 
 def test_seam_chunks_and_no_recompute(prompt):
     # n_batch 64 and prefill chunks of 100: each chunk is split 64 + 36 inside the
-    # engine, and the captured rows must be put back in order to stay bit-identical.
+    # engine, and the hidden rows must be put back in order to stay bit-identical.
     full = LlamaBackend(default_model_path(), n_threads=1, n_ctx=512, max_sessions=1, n_batch=64)
     stages = shards([10, 10, 10], max_sessions=1, n_batch=64)
     p, ref = Pipeline(stages), Pipeline([full])
@@ -114,7 +118,6 @@ def test_seam_chunks_and_no_recompute(prompt):
         for s in stages:
             assert s.positions_computed("s") == pos
             assert s.engine.tokens_evaluated_total() == pos  # llama.cpp's own count, fresh context
-            assert s.engine.capture_misses() == 0
         p.close("s")
         assert all(s.kv_bytes() == 0 and s.session_count() == 0 for s in stages)
     finally:
@@ -157,13 +160,38 @@ def test_interleaved_sessions(full):
 
 def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt, monkeypatch):
     """Phase groups (dgr.tracker.phases) rest on two facts: a session opened on a free lane gets that
-    sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph (the head shard
-    captures one piece of hidden states per graph) but rows of spread ids one graph each."""
+    sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph but rows of spread
+    ids one graph each. The graphs are counted by an eval callback that watches the range's output node."""
+    graphs = [0]
+    g = ggml_lib()
+    g.ggml_get_name.argtypes, g.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_void_p
+    name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
+
+    @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+    def count(t, ask, _user):
+        if ctypes.string_at(t + name_off, 6) == b"h_out\0":
+            graphs[0] += 0 if ask else 1
+            return True
+        return False
+
+    load = LlamaEngine.load.__func__
+
+    def load_counting(cls, path, **kw):
+        real = llama_lib().llama_context_default_params
+
+        def params():
+            p = real()
+            p.cb_eval = count
+            return p
+
+        monkeypatch.setattr(llama_lib(), "llama_context_default_params", params)
+        try:
+            return load(cls, path, **kw)
+        finally:
+            monkeypatch.setattr(llama_lib(), "llama_context_default_params", real)
+
+    monkeypatch.setattr(LlamaEngine, "load", classmethod(load_counting))
     head, = shards([15], max_sessions=6)
-    pieces: list[int] = []
-    take = LlamaEngine._take_hidden
-    monkeypatch.setattr(LlamaEngine, "_take_hidden",
-                        lambda self, m: (pieces.append(len(self._capture.captured)), take(self, m))[1])
     try:
         for lane in (5, 1, 2, 0, 4):
             head.open_session(f"s{lane}", 64, lane=lane)
@@ -173,16 +201,16 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
         ids = np.array(prompt[:8], np.int32)
         for sid in head._sessions:
             head.forward(sid, 0, ids, None, False)
-        pieces.clear()
         pos = dict.fromkeys(head._sessions, len(ids))
 
         def decode(sids):
             steps = [Step(sid, pos[sid], ids[:1], None, False, decode=True) for sid in sids]
+            graphs[0] = 0
             outs = head.forward_batch(steps)
             assert all(isinstance(o, outcome.Value) for o in outs), outs
             for sid in sids:
                 pos[sid] += 1
-            return pieces.pop()
+            return graphs[0]
 
         assert decode(["s0", "s1", "s2", "taken"]) == 1  # sequence ids 0-3: one graph
         assert decode(["s0", "s2", "s4", "s5"]) == 3  # ids 0, 2 and 4-5: three
@@ -190,33 +218,30 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
         head.close()
 
 
-def test_capture_recovers_when_the_node_moves(prompt, full):
-    head, tail = shards([15, 15], max_sessions=1)
-    try:
-        ref = Pipeline([full]).generate_greedy(prompt[:40], 4).tokens
-        p = Pipeline([head, tail])
-        head.engine._capture.known[0] = 1  # an address no graph node has: the capture misses once
-        assert p.generate_greedy(prompt[:40], 4).tokens == ref
-        assert head.engine.capture_misses() == 1
-    finally:
-        head.close()
-        tail.close()
-
-
-def test_shard_file(cache_dir):
+def test_a_range_loads_only_what_its_stage_needs(cache_dir):
+    """Straight from the unmodified file: the middle range 10:20 holds blk.10-19 and nothing else (no
+    token_embd, no output norm), the head adds token_embd, the tail the output norm and the tied output
+    (token_embd); llama.cpp reports its own size. Nothing is written to the cache."""
     src = default_model_path()
-    path = shard_path(src, LayerRange(10, 20))
-    assert path.parent == cache_dir and file_sha256(src) in path.name
-    assert shard_path(src, LayerRange(10, 20)) == path  # cached, not rebuilt
-    r = read_header(path)  # test_gguf_meta holds it to gguf-py's reader, which takes seconds on the vocabulary
-    assert r.fields["llama.block_count"] == 10
-    assert r.fields["dgr.shard.layer_start"] == 10
-    names = {t.name for t in r.tensors}
-    assert {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.9.ffn_down.weight"} <= names
-    assert not any(n.startswith("blk.10.") for n in names)
-    # tensor bytes copied verbatim: a third of the layers' bytes, all of token_embd
-    whole, part = read_gguf_header(src).tensor_types, read_gguf_header(path).tensor_types
-    assert part["q4_1"] * 3 == whole["q4_1"] and part["q8_0"] == whole["q8_0"]
+    sizes = {t.name: int(t.n_bytes) for t in read_header(src).tensors}
+
+    def layers(a, b):
+        return sum(n for name, n in sizes.items() if name.startswith("blk.") and a <= int(name.split(".")[1]) < b)
+
+    want = {
+        (10, 20): layers(10, 20),
+        (0, 10): layers(0, 10) + sizes["token_embd.weight"],
+        (20, 30): layers(20, 30) + sizes["output_norm.weight"] + sizes["token_embd.weight"],
+    }
+    for (a, b), n_bytes in want.items():
+        shard = LlamaShardBackend(src, LayerRange(a, b), n_threads=1, n_ctx=256, max_sessions=1)
+        try:
+            assert llama_lib().llama_model_size(shard.engine._model) == n_bytes, (a, b)
+            assert shard.engine.n_layer == b - a and shard.engine.hidden_out == (b < 30)
+            assert shard.engine.kv_bytes_per_position() == (b - a) * 3 * (64 + 64) * 2  # only its layers' KV
+        finally:
+            shard.close()
+    assert not any(p.is_file() and p.suffix == ".gguf" for p in cache_dir.rglob("*"))
     with pytest.raises(CallerError) as e:
         LlamaShardBackend(src, LayerRange(20, 31))
     assert e.value.reason is Reason.MODEL_LOAD_FAILED

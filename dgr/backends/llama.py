@@ -9,8 +9,8 @@ llama.cpp loads, whole: it runs the file as llama-cpp-python would, with no
 layer tricks, and llama.cpp's own refusal (an unknown architecture, a broken
 file) becomes CallerError(MODEL_LOAD_FAILED). A layer range
 (`LlamaShardBackend`) runs only the architectures proven for ranges, each with
-its rule (dgr.backends.llama_arch: the layer-output node, input scaling,
-per-layer sliding-window pattern); any other is refused at node start.
+through the layer-range API of dgr's patched libllama (dgr.backends.llama_range);
+dgr.backends.llama_arch refuses, at node start, what the API cannot split.
 
 Sessions: a Route Session id maps to one llama.cpp seq_id of the engine's
 context; `max_sessions` seq_ids exist, each with `n_ctx` KV cells, all
@@ -29,14 +29,13 @@ import outcome
 from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
 from dgr.seam.types import ModelInfo
 from dgr.backends.gguf_text import GgufText, llama_lib
-from dgr.backends.llama_arch import ShardRule
 from dgr.backends.llama_engine import (
     DEFAULT_N_BATCH,
     GgufHeader,
     LlamaEngine,
     read_gguf_header,
 )
-from dgr.backends.shardfile import file_sha256
+from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 
@@ -88,16 +87,14 @@ class LlamaCppBackend(ShardBackend):
         source: Path,
         header: GgufHeader,
         layers: LayerRange,
-        engine_file: Path,
         *,
         n_threads: int,
         n_ctx: int,
         max_sessions: int,
         n_batch: int,
         name: str | None,
-        rule: ShardRule | None = None,
     ) -> None:
-        """Load `engine_file` for `layers` of `source`; `rule` is the range's (None: the whole model)."""
+        """Load `layers` of `source`: the whole model through llama.cpp's own loader, a range through the range API."""
         self.source = source
         self.header = header
         self.layers = layers
@@ -114,14 +111,12 @@ class LlamaCppBackend(ShardBackend):
             raise _naming_architecture(exc, header) from None
         try:
             self.engine = LlamaEngine.load(
-                engine_file,
-                hidden_out=not is_tail,
+                source,
+                layers=None if layers == LayerRange(0, header.n_layer) else (layers.start, layers.stop),
                 n_threads=n_threads,
                 n_seq_max=max_sessions,
                 n_ctx_seq=n_ctx,
                 n_batch=n_batch,
-                layer_output=rule.layer_output if rule else "l_out",
-                input_node=rule.input_node if (rule and layers.start > 0) else None,
             )
         except BaseException as exc:
             if self.text is not None:
@@ -293,8 +288,6 @@ class LlamaCppBackend(ShardBackend):
         Each row's answer is bit-identical to `forward` alone: llama.cpp keeps one KV stream per
         sequence here, and a row's matmuls do not depend on the other rows (tests/test_batching.py).
         """
-        if self.engine.injects_input:
-            return super().forward_batch(steps)  # the input overwrite feeds one chunk per llama_decode
         out: list[outcome.Outcome | None] = [None] * len(steps)
         rows: list[tuple[int, tuple[int, int, int | None, np.ndarray | None, bool]]] = []
         for i, s in enumerate(steps):
@@ -383,8 +376,7 @@ class LlamaCppBackend(ShardBackend):
             "file": str(self.source),
             "file_size": self.source.stat().st_size,
             "sha256": self.info.digest,
-            "engine_file": str(self.engine.path),
-            "engine_file_size": self.engine.path.stat().st_size,
+            "layers_loaded": [self.engine.layer_start, self.engine.layer_start + self.engine.n_layer],
             "threads": self.n_threads,
             "n_batch": self.engine.n_batch,
             "n_ctx_per_session": self.engine.n_ctx_seq,
@@ -432,7 +424,6 @@ class LlamaBackend(LlamaCppBackend):
             source,
             header,
             LayerRange(0, header.n_layer),
-            source,
             n_threads=n_threads or default_threads(),
             n_ctx=n_ctx,
             max_sessions=max_sessions,

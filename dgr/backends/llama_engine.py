@@ -1,36 +1,34 @@
 """The low-level llama.cpp engine: one GGUF, one context, many sessions.
 
-llama.cpp has no public layer-range API (spec/llama-layer-boundary.md), so a
-shard is a GGUF holding only its layers (dgr.backends.shardfile) and this
-engine drives it through llama-cpp-python's ctypes module:
-- input is token ids (head) or float32 hidden states via `batch.embd`;
+A shard is layers [a, b) of the user's unmodified GGUF, loaded through the
+layer-range API that dgr's patch series adds to libllama
+(`llama_model_load_range_from_file`, llama/patches/, spec/llama-layer-boundary.md),
+and driven through llama-cpp-python's ctypes module:
+- input is token ids (head, a == 0) or float32 hidden states via `batch.embd`
+  (any later range), the residual stream entering layer a, taken as is;
 - positions are explicit and continue across chunks and decode steps;
-- on a non-tail shard (`hidden_out`), a `cb_eval` callback captures
-  `l_out-{n_layer-1}`, the residual stream after the file's last layer, and
-  returns False in its data phase, which stops the graph before the output
-  norm and LM head; every row is marked as output, because llama.cpp keeps
-  only output rows in the last layer (`inp_out_ids`);
-- on the tail, the logits of the last position are returned;
-- on a non-head shard of an architecture whose builder transforms
-  `batch.embd` (Gemma and Gemma 2 scale it by sqrt(n_embd)), the same
-  callback writes the hidden states over that node (`input_node`) once it is
-  computed, so the first layer sees them exactly as sent.
-A chunk of n_batch positions is one llama_decode call and one ubatch; longer
-inputs are split into chunks whose captured rows are concatenated in order.
+- a range that stops before the last layer (`hidden_out`) outputs the residual
+  stream after layer b-1 for every row (`llama_get_hidden`), with no output
+  norm, no LM head and no logits buffer;
+- the range that holds the last layer returns the logits of the last position.
+The engine knows no architecture: llama.cpp's builders compute the range with
+the file's layer numbering, so sliding-window patterns, dense-first layers
+and input scaling stay right without any rule here.
+A chunk of n_batch positions is one llama_decode call and one ubatch.
 
 Sessions: one llama_context with `n_seq_max` sequences, a seq_id per Route
 Session, each with its own KV stream of `n_ctx_seq` cells (kv_unified off).
-The KV is allocated once, up front, for all sequences:
+The KV is allocated once, up front, for the loaded layers of all sequences:
     n_seq_max * n_ctx_seq * n_layer * (n_embd_k_gqa + n_embd_v_gqa) * 2 bytes (f16)
-`kv_bytes_per_position` gives the last three factors; for SmolLM2-135M it is
-30 * (192 + 192) * 2 = 23,040 bytes, so 2,048 positions cost 45 MiB a session.
+`kv_bytes_per_position` gives the last three factors; for SmolLM2-135M whole it
+is 30 * (192 + 192) * 2 = 23,040 bytes, so 2,048 positions cost 45 MiB a session.
 
 Blocking calls only, never two at once: the node's trio driver calls them in
-a thread with a limiter of one. The ctypes callback object is kept on the
-engine, because llama.cpp holds a raw pointer to it.
+one thread.
 
-Left out: sampling, tokenization (dgr.backends.gguf_text), layer slicing
-(dgr.backends.shardfile), architecture policy (the backends).
+Left out: sampling, tokenization (dgr.backends.gguf_text), which
+architectures may run a range (dgr.backends.llama_arch), the ctypes
+declarations of the range API (dgr.backends.llama_range).
 """
 
 from __future__ import annotations
@@ -44,13 +42,13 @@ import attrs
 import numpy as np
 
 from dgr.backends.gguf_text import llama_lib, llama_log_tail
+from dgr.backends.llama_range import model_layer_range, range_api
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
 from dgr.models import check_gguf_file
 
 __all__ = ["DEFAULT_N_BATCH", "GgufHeader", "LlamaEngine", "ggml_lib", "read_gguf_header"]
 
-_GGML_TYPE_F32 = 0
 _GGUF_TYPE_STRING = 8
 # gguf_type -> ctypes integer type, for the integer keys read here
 _GGUF_INTS = {
@@ -74,10 +72,6 @@ def ggml_lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     vp, c64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
     for name, args, res in [
-        ("ggml_get_name", [vp], vp),  # a pointer, not bytes: used to find the name's offset
-        ("ggml_nbytes", [vp], sz),
-        ("ggml_backend_tensor_get", [vp, vp, sz, sz], None),
-        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
         ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
         ("gguf_init_from_file", [ctypes.c_char_p, _GgufInitParams], vp),
         ("gguf_free", [vp], None),
@@ -157,104 +151,30 @@ def _int_key(ctx: int, key: str) -> int:
     return int(ctype.from_address(g.gguf_get_val_data(ctx, kid)).value)
 
 
-_EvalCallback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
 # Positions per llama_decode call (and per ubatch). Every stage of a route, and the
 # single-node model it is compared with, must use the same value: a different
 # split of a prefill changes the float sums, so the logits stop being bit-identical.
-# On a non-tail shard it also sizes the logits buffer llama.cpp reserves and copies
-# (uncomputed) because every row is an output: n_batch x n_vocab x 4 bytes.
 DEFAULT_N_BATCH = 512
 
 
 @attrs.define(eq=False)
-class _Capture:
-    """cb_eval for a shard: capture one named tensor then stop the graph, and/or inject the input.
-
-    Capture (non-tail): the node `target` (the layer output of the file's
-    last layer) is copied out and the graph stops there.
-    Inject (non-head, architectures whose builder transforms batch.embd,
-    dgr.backends.llama_arch): once the node `inject` has been computed, the
-    chunk's hidden states are written over it, so the first layer sees them
-    exactly as the previous shard produced them.
-
-    The ask phase runs for every graph node, in order, before any of them is
-    computed (ggml-backend.cpp, ggml_backend_sched_compute_splits), about 31
-    times per layer, so it must be cheap. Reading a node's name from Python
-    costs about 0.5 us, so the address of each node is learned by name once
-    and then compared as an int; llama.cpp builds each graph the same way into
-    the same memory, so it stays put. If it ever moves, the data phase sees a
-    wrong name and goes on by name, or nothing is captured (or injected) and
-    the engine recomputes that chunk by name (`misses` counts it).
-    """
-
-    target: bytes | None  # b"l_out-{il}\0": with the NUL, l_out-2 never matches l_out-29
-    inject: bytes | None = None  # b"inp_scaled\0"
-    captured: list[np.ndarray] = attrs.field(factory=list)  # float32 [rows * n_embd] per ubatch
-    known: list[int] = attrs.field(factory=lambda: [0, 0])  # addresses of [target, inject] nodes, 0 = unknown
-    feed: list[Any] = attrs.field(factory=lambda: [None])  # [float32 [m, n_embd] of this chunk] while injecting
-    injected: list[int] = attrs.field(factory=lambda: [0])  # chunks whose input was written; -1: wrong size
-    misses: int = 0
-    cfunc: Any = None  # the ctypes callback object: llama.cpp keeps a raw pointer to it
-
-    def __attrs_post_init__(self) -> None:
-        g = ggml_lib()
-        name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
-        target, inject = self.target or b"", self.inject or b""
-        n, ni = len(target), len(inject)
-        known, captured, feed, injected = self.known, self.captured, self.feed, self.injected
-        string_at, nbytes = ctypes.string_at, g.ggml_nbytes
-        tensor_get, tensor_set = g.ggml_backend_tensor_get, g.ggml_backend_tensor_set
-
-        def cb(t: int, ask: bool, _user: int) -> bool:
-            if ask:
-                if t == known[0] or t == known[1]:
-                    return True
-                if n and not known[0] and string_at(t + name_off, n) == target:
-                    return True
-                return bool(ni and not known[1] and feed[0] is not None and string_at(t + name_off, ni) == inject)
-            if ni and feed[0] is not None and string_at(t + name_off, ni) == inject:
-                known[1] = t
-                rows = feed[0]
-                if ctypes.c_int.from_address(t).value != _GGML_TYPE_F32 or nbytes(t) != rows.nbytes:
-                    injected[0] = -1  # the engine reports it
-                    return False
-                tensor_set(t, rows.ctypes.data, 0, rows.nbytes)
-                injected[0] += 1
-                return True
-            if not n or string_at(t + name_off, n) != target:
-                known[0] = known[1] = 0  # another node lives there now: keep computing, look by name
-                return True
-            known[0] = t
-            if ctypes.c_int.from_address(t).value != _GGML_TYPE_F32:
-                captured.append(np.zeros(0, np.int8))  # the engine reports the wrong type
-                return False
-            size = nbytes(t)
-            rows = np.empty(size // 4, np.float32)  # [ubatch rows * n_embd]
-            tensor_get(t, rows.ctypes.data, 0, size)
-            captured.append(rows)
-            return False  # stop: the output norm and the LM head are not this shard's work
-
-        self.cfunc = _EvalCallback(cb)
-
-
-@attrs.define(eq=False)
 class LlamaEngine:
-    """A loaded GGUF and one llama_context with `n_seq_max` sequences."""
+    """A loaded GGUF layer range and one llama_context with `n_seq_max` sequences."""
 
     path: Path
-    hidden_out: bool  # non-tail: return hidden states of l_out-{n_layer-1}, skip the head
+    layer_start: int  # first layer held, in the file's numbering
+    hidden_out: bool  # the range stops before the last layer: hidden states out, no head
     n_threads: int
     n_seq_max: int
     n_ctx_seq: int  # KV cells per sequence (llama.cpp pads to 256)
     n_batch: int  # positions per llama_decode call (= n_ubatch)
-    n_layer: int  # layers in this file
-    n_embd: int
+    n_layer: int  # layers this engine holds
+    n_embd: int  # width of the hidden states in and out
     n_vocab: int
     n_ctx_train: int
     _model: int | None = attrs.field(repr=False)  # llama_model *
     _ctx: int | None = attrs.field(repr=False)  # llama_context *
     _mem: int | None = attrs.field(repr=False)  # llama_memory_t
-    _capture: _Capture | None = attrs.field(repr=False)
     _n_pos: dict[int, int] = attrs.field(factory=dict)  # seq -> positions in KV
     _evaluated: dict[int, int] = attrs.field(factory=dict)  # seq -> positions evaluated since freed
     _batch: dict[str, np.ndarray] = attrs.field(factory=dict, repr=False)
@@ -265,36 +185,31 @@ class LlamaEngine:
         cls,
         path: str | Path,
         *,
-        hidden_out: bool,
+        layers: tuple[int, int] | None = None,
         n_threads: int,
         n_seq_max: int,
         n_ctx_seq: int,
         n_batch: int = DEFAULT_N_BATCH,
-        layer_output: str = "l_out",
-        input_node: str | None = None,
     ) -> LlamaEngine:
-        """Load the GGUF at `path` and make its context.
-
-        `layer_output` names the node a non-tail shard captures
-        (`{layer_output}-{n_layer-1}`); `input_node`, for a non-head shard
-        whose builder transforms batch.embd, the node its hidden states are
-        written over (dgr.backends.llama_arch).
+        """Load layers [start, stop) of the GGUF at `path` (None: all of them) and make its context.
 
         Raises:
-            CallerError(MODEL_LOAD_FAILED): llama.cpp refused the file.
+            CallerError(MODEL_LOAD_FAILED): llama.cpp refused the file or the
+            range, or the installed libllama lacks the layer-range API.
         """
         p = check_gguf_file(path)
         lib = llama_lib()
         mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = 0  # CPU only: the early stop ends only the current graph split
-        model = lib.llama_model_load_from_file(str(p).encode(), mparams)
+        mparams.n_gpu_layers = 0
+        if layers is None:
+            model = lib.llama_model_load_from_file(str(p).encode(), mparams)
+        else:
+            model = range_api().llama_model_load_range_from_file(str(p).encode(), mparams, layers[0], layers[1])
         if not model:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
-        n_layer = lib.llama_model_n_layer(model)
+        start, stop = (0, lib.llama_model_n_layer(model)) if layers is None else model_layer_range(model)
+        hidden_out = stop < lib.llama_model_n_layer(model)
         n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
-        target = f"{layer_output}-{n_layer - 1}".encode() + b"\0" if hidden_out else None
-        inject = input_node.encode() + b"\0" if input_node else None
-        capture = _Capture(target, inject) if (target or inject) else None
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx_seq * n_seq_max
         cparams.n_seq_max = n_seq_max
@@ -305,27 +220,26 @@ class LlamaEngine:
         # llama-cpp-python's Llama() turns flash attention off; AUTO turns it on for CPU and rounds
         # differently, so the same prompt would decode differently here and there
         cparams.flash_attn_type = llama_lib().LLAMA_FLASH_ATTN_TYPE_DISABLED
-        if capture is not None:
-            cparams.cb_eval = capture.cfunc
         ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
             lib.llama_model_free(model)
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot make a context for {p}: {llama_log_tail()}")
         self = cls(
             path=p,
+            layer_start=start,
             hidden_out=hidden_out,
             n_threads=n_threads,
             n_seq_max=n_seq_max,
             n_ctx_seq=lib.llama_n_ctx_seq(ctx),
             n_batch=lib.llama_n_batch(ctx),
-            n_layer=n_layer,
-            n_embd=lib.llama_model_n_embd_inp(model),
+            n_layer=stop - start,
+            # a range after layer 0 takes the residual stream; the head, the model's own input width
+            n_embd=lib.llama_model_n_embd(model) if start > 0 else lib.llama_model_n_embd_inp(model),
             n_vocab=n_vocab,
             n_ctx_train=lib.llama_model_n_ctx_train(model),
             model=model,
             ctx=ctx,
             mem=lib.llama_get_memory(ctx),
-            capture=capture,
         )
         self._make_batch()
         return self
@@ -417,17 +331,12 @@ class LlamaEngine:
                 b["token"][:m] = tokens[i : i + m]
             b["pos"][:m] = np.arange(pos0 + i, pos0 + i + m, dtype=np.int32)
             b["seq"][:m] = seq
-            # hidden_out: every row must be an output, else the last layer drops it (inp_out_ids)
-            b["logits"][:m] = 1 if self.hidden_out else 0
+            b["logits"][:m] = 0  # a hidden_out context outputs every row whatever these say
             if i + m == n and want_logits and not self.hidden_out:
                 b["logits"][m - 1] = 1
-            batch = self._llama_batch(m, None if embd is None else embd[i : i + m])
-            if self._capture is not None:
-                rows = self._capture_chunk(seq, pos0 + i, m, batch, None if embd is None else embd[i : i + m])
-                if rows is not None:
-                    parts.append(rows)
-            else:
-                self._decode(seq, pos0 + i, m, batch)
+            self._decode(seq, pos0 + i, m, self._llama_batch(m, None if embd is None else embd[i : i + m]))
+            if self.hidden_out:
+                parts.append(self._take_hidden(m))
             self._n_pos[seq] = pos0 + i + m
             self._evaluated[seq] = self._evaluated.get(seq, 0) + m
         if self.hidden_out:
@@ -452,17 +361,15 @@ class LlamaEngine:
         Rows are laid out by ascending seq id: with one KV stream per sequence
         llama.cpp splits a batch into ubatches of consecutive seq ids
         (llama_batch_allocr::split_equal, sequential), each computed as one
-        graph, and the captured layer output arrives ubatch by ubatch in that
-        order. Every sequence attends only to its own stream, so each row's
-        answer is the one `eval` gives for it alone.
+        graph; outputs come back in batch order. Every sequence attends only
+        to its own stream, so each row's answer is the one `eval` gives for it
+        alone.
 
         Raises:
             CallerError(INVALID_REQUEST | POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH)
             PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed; no row was applied.
         """
         m = len(rows)
-        if self.injects_input:
-            raise CallerError(Reason.INVALID_REQUEST, "an engine that overwrites its input evaluates one sequence at a time")
         if m == 0 or m > self.n_batch:
             raise CallerError(Reason.INVALID_REQUEST, f"{m} rows: a batch holds 1 to {self.n_batch}")
         order = sorted(range(m), key=lambda i: rows[i][0])
@@ -495,21 +402,10 @@ class LlamaEngine:
                 embd[j] = np.reshape(row, -1)
             b["pos"][j] = pos
             b["seq"][j] = seq
-            b["logits"][j] = 1 if (self.hidden_out or want) else 0
+            b["logits"][j] = 1 if want else 0
         batch = self._llama_batch(m, embd)
         self._decode_rows(seqs, [rows[i][1] for i in order], batch)
-        hidden = None
-        if self.hidden_out:
-            hidden = self._take_hidden(m)
-            if hidden is None:  # the target node moved: undo every row, look by name
-                self._capture.misses += 1
-                self._capture.known[0] = 0
-                for j, seq in enumerate(seqs):
-                    llama_lib().llama_memory_seq_rm(self._mem, seq, int(b["pos"][j]), -1)
-                self._decode_rows(seqs, [rows[i][1] for i in order], batch)
-                hidden = self._take_hidden(m)
-            if hidden is None:
-                raise PeerError(Reason.INTERNAL, f"l_out-{self.n_layer - 1} was not captured")
+        hidden = self._take_hidden(m) if self.hidden_out else None
         out: list[np.ndarray | None] = [None] * m
         for j, i in enumerate(order):
             seq = seqs[j]
@@ -521,11 +417,6 @@ class LlamaEngine:
                 ptr = llama_lib().llama_get_logits_ith(self._ctx, j)
                 out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
         return out
-
-    @property
-    def injects_input(self) -> bool:
-        """Whether hidden-state input is written over a graph node (gemma, gemma2): one chunk per call."""
-        return self._capture is not None and self._capture.inject is not None
 
     def _decode_rows(self, seqs: list[int], positions: list[int], batch: Any) -> None:
         lib = llama_lib()
@@ -548,52 +439,12 @@ class LlamaEngine:
             reason = Reason.NODE_AT_CAPACITY if rc == 1 else Reason.INTERNAL
             raise PeerError(reason, f"llama_decode failed ({rc}) on seq {seq}: {llama_log_tail()}")
 
-    def _capture_chunk(self, seq: int, pos: int, m: int, batch: Any, feed: np.ndarray | None) -> np.ndarray | None:
-        """llama_decode one chunk with the callback: hidden rows out (non-tail), input injected (if set).
-
-        Returns float32 [m, n_embd] on a non-tail shard, else None.
-        """
-        cap = self._capture
-        inject = cap.inject is not None and feed is not None
-        cap.feed[0] = feed
-        try:
-            for attempt in range(2):
-                cap.injected[0] = 0
-                self._decode(seq, pos, m, batch)
-                if cap.injected[0] < 0:
-                    raise PeerError(Reason.INTERNAL, f"{cap.inject!r} is not float32 [{m}, {self.n_embd}]")
-                rows = self._take_hidden(m) if self.hidden_out else None
-                if (rows is not None or not self.hidden_out) and (cap.injected[0] == 1 or not inject):
-                    return rows
-                # a node moved: undo this chunk, look by name
-                cap.misses += 1
-                cap.known[0] = cap.known[1] = 0
-                cap.captured.clear()
-                llama_lib().llama_memory_seq_rm(self._mem, seq, pos, -1)
-            what = f"l_out-{self.n_layer - 1} was not captured" if self.hidden_out else "the input was not injected"
-            raise PeerError(Reason.INTERNAL, what)
-        finally:
-            cap.feed[0] = None
-
-    def _take_hidden(self, m: int) -> np.ndarray | None:
-        """The rows captured by one llama_decode, one piece per ubatch, in order: float32 [m, n_embd].
-
-        None when nothing was captured (the graph ran to its end).
-        """
-        if self._capture is None:
-            raise PeerError(Reason.INTERNAL, "this engine returns logits, not hidden states")
-        pieces = self._capture.captured
-        if not pieces:
-            return None
-        got = sum(p.size for p in pieces)
-        bad = any(p.dtype != np.float32 for p in pieces)
-        out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        pieces.clear()
-        if bad or got != m * self.n_embd:
-            raise PeerError(
-                Reason.INTERNAL, f"captured {got} values of l_out-{self.n_layer - 1}, expected {m} x {self.n_embd} f32"
-            )
-        return out.reshape(m, self.n_embd)
+    def _take_hidden(self, m: int) -> np.ndarray:
+        """The hidden states of the last llama_decode, one row per batch row: float32 [m, n_embd]."""
+        ptr = range_api().llama_get_hidden(self._ctx)
+        if not ptr:
+            raise PeerError(Reason.INTERNAL, f"llama_get_hidden gave nothing: {llama_log_tail()}")
+        return np.ctypeslib.as_array(ptr, shape=(m, self.n_embd)).copy()
 
     # -- sessions ---------------------------------------------------------------
     def seq_rm(self, seq: int) -> None:
@@ -670,10 +521,6 @@ class LlamaEngine:
     def evaluated(self, seq: int) -> int:
         """Positions evaluated for `seq` since it was last freed."""
         return self._evaluated.get(seq, 0)
-
-    def capture_misses(self) -> int:
-        """Chunks recomputed because the captured node moved (expected 0)."""
-        return self._capture.misses if self._capture is not None else 0
 
     def tokens_evaluated_total(self) -> int:
         """llama.cpp's own count of tokens it evaluated in this context (perf counters).

@@ -27,7 +27,7 @@ import torch
 
 from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
 from dgr.seam.types import ModelInfo
-from dgr.backends.shardfile import file_sha256
+from dgr.digest import file_sha256
 from dgr.backends.torch_model import KVCache, ShardModel, load_shard
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file

@@ -1,0 +1,70 @@
+"""The layer-range API of dgr's patched libllama, as ctypes declarations.
+
+dgr carries one patch series for llama.cpp (llama/patches/, written to be
+sent upstream; spec/llama-layer-boundary.md). It adds:
+- `llama_model_load_range_from_file(path, params, il_start, il_end)`: load
+  only layers [il_start, il_end) of the unmodified GGUF, with the token
+  embedding only where the range needs it and the output head only on the
+  range that ends at the last layer;
+- `llama_model_layer_range(model, &start, &end)`: what a model holds;
+- `llama_get_hidden(ctx)`: the residual stream after the last loaded layer,
+  for every row of the last batch, when the range stops early.
+
+llama-cpp-python's own ctypes module does not declare them, so they are
+declared here on its library handle. A stock llama-cpp-python build lacks the
+symbols, and `range_api` refuses it with the way to get the patched build.
+
+Left out: driving the API (dgr.backends.llama_engine).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from dgr.errors import CallerError, Reason
+
+__all__ = ["PATCHED_BUILD_HINT", "model_layer_range", "range_api"]
+
+PATCHED_BUILD_HINT = (
+    "this llama-cpp-python was built without dgr's layer-range patches (llama/patches/ in the dgr tree); "
+    "run `make install` in the dgr checkout, which builds llama-cpp-python from its sdist with the patches "
+    "applied (or reinstall it with `pip uninstall llama-cpp-python` first, then `make install`)"
+)
+_API: dict[str, Any] = {}
+
+
+def range_api() -> Any:
+    """libllama's CDLL with the layer-range functions declared.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): the installed libllama has no
+        layer-range API (a stock build); the message says how to get it.
+    """
+    lib = _API.get("lib")
+    if lib is not None:
+        return lib
+    import llama_cpp.llama_cpp as llama
+
+    lib = llama._lib
+    if not hasattr(lib, "llama_model_load_range_from_file"):
+        raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
+    vp, i32 = ctypes.c_void_p, ctypes.c_int32
+    fp = ctypes.POINTER(ctypes.c_float)
+    for name, args, res in [
+        ("llama_model_load_range_from_file", [ctypes.c_char_p, llama.llama_model_params, i32, i32], vp),
+        ("llama_model_layer_range", [vp, ctypes.POINTER(i32), ctypes.POINTER(i32)], None),
+        ("llama_get_hidden", [vp], fp),
+        ("llama_get_hidden_ith", [vp, i32], fp),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _API["lib"] = lib
+    return lib
+
+
+def model_layer_range(model: int) -> tuple[int, int]:
+    """The layers [start, stop) a loaded llama_model holds, in the file's numbering."""
+    start, stop = ctypes.c_int32(), ctypes.c_int32()
+    range_api().llama_model_layer_range(model, ctypes.byref(start), ctypes.byref(stop))
+    return start.value, stop.value
