@@ -60,6 +60,28 @@ def test_the_uncovered_layers_that_fit_are_assigned(tiny: Manifest) -> None:
     assert err.value.reason is Reason.INVALID_REQUEST
 
 
+def test_ranges_start_where_the_coverage_changes(manifest: Manifest) -> None:
+    """A range that skips the head's token_embd fits more layers (the layer-range API loads only the
+    globals a range computes with), yet the first node takes the head and a replica lines up with a
+    running node: without the boundary rule they take 1:N."""
+    layout = layout_from_manifest(manifest.to_json())
+    params = PlanParams(context=4096, sessions=8)
+    budget = 390 * 2**20
+    first = assign_layers(layout, params, budget, [0] * 30).layers
+    cheaper = next(r for r, _ in sorted(_fitting(layout, params, budget), key=lambda rh: -len(rh[0])) if r.start > 0)
+    assert first.start == 0 and len(cheaper) > len(first)  # the rule chose against the bigger range
+    rest = assign_layers(layout, params, budget, [1] * first.stop + [0] * (30 - first.stop)).layers
+    assert rest.start == first.stop
+    replica = assign_layers(layout, params, budget, [1] * 30).layers
+    assert replica == first  # all layers served once: the only boundary is layer 0
+
+
+def _fitting(layout, params, budget):
+    from dgr.plan import fitting_ranges
+
+    return list(fitting_ranges(layout, params, Node("x", budget)))
+
+
 def test_coverage_counts_live_claims_that_have_not_failed(tiny: Manifest) -> None:
     registry = Registry()
     _claim(registry, tiny, LayerRange(0, 2), "a")

@@ -99,10 +99,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--globals",
-        default=GlobalNeed.LOADER.value,
+        default=GlobalNeed.COMPUTE.value,
         choices=[g.value for g in GlobalNeed],
-        help="loader: every shard loads every global tensor, as llama.cpp needs today (default); "
-        "compute: only where they are computed with",
+        help="compute: each global tensor only where it is computed with, as the layer-range API loads "
+        "them (default); loader: every shard holds every global, as a derived shard file did",
     )
     p.add_argument("--runtime", help="per-node runtime memory (default: the measured llama.cpp CPU node, 80MiB)")
     p.add_argument("--seam-width", type=int, help="floats per position on the seam (default: the model's)")

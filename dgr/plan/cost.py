@@ -5,11 +5,12 @@ it must load, its Hot KV State at the given context and session count (per
 layer kind, see dgr.plan.layout), the llama.cpp compute and output buffers,
 and the runtime. What is left of the node's memory is its headroom.
 
-Globals: with `GlobalNeed.LOADER` (the default, what dgr's llama_shard
-backend does today) every shard loads every global tensor, because
-llama.cpp's loader requires token_embd, output_norm and output in each
-shard file (dgr.backends.shardfile). `GlobalNeed.COMPUTE` charges each
-global only where it is computed with (the upstream layer-range API's case).
+Globals: with `GlobalNeed.COMPUTE` (the default) each global is charged
+only where it is computed with, which is what the layer-range API creates
+when dgr's llama_shard backend loads a range straight from the full file
+(dgr.backends.llama_engine): token_embd on the head, output_norm and output
+on the tail, shared ones everywhere. `GlobalNeed.LOADER` charges every shard
+for every global, as a derived shard GGUF held them before that API.
 
 The seam: `seam_hops` prices the frames that cross each boundary, with the
 model's seam width (DeepSeek-V4: 4 x hidden_size, its hyper-connection
@@ -66,7 +67,7 @@ class PlanParams:
     # llama.cpp's default keeps sliding-window caches at full context; DeepSeek-V4 needs it off
     # (llama_context_params.swa_full = false), or every layer's 128-token window costs a full cache.
     swa_full: bool = False
-    globals_need: GlobalNeed = attrs.field(default=GlobalNeed.LOADER, converter=GlobalNeed)
+    globals_need: GlobalNeed = attrs.field(default=GlobalNeed.COMPUTE, converter=GlobalNeed)
     runtime_bytes: int = LLAMA_CPU_RUNTIME_BYTES
     seam_width: int | None = None  # None: the model's own
     seam_dtype: str = "f32"
@@ -96,7 +97,7 @@ class ShardCost:
     weight_bytes: int  # the layers' tensors
     global_bytes: int  # global tensors this shard loads
     kv_bytes: int  # Hot KV State for all sessions at full context
-    compute_bytes: int  # llama.cpp compute buffer (+ the output buffer of a non-tail shard)
+    compute_bytes: int  # llama.cpp compute and output buffers (shard_compute_bytes)
     runtime_bytes: int
     kv_by_kind: dict[str, int]  # layer kind -> KV bytes, so per-kind rates show
     active_bytes: int  # weight bytes one decode token reads on this shard
@@ -169,14 +170,18 @@ def shard_global_bytes(layout: ModelLayout, params: PlanParams, *, is_head: bool
 
 
 def shard_compute_bytes(layout: ModelLayout, params: PlanParams, *, is_tail: bool) -> int:
-    """llama.cpp's compute buffer, plus the logits buffer of a non-tail shard.
+    """llama.cpp's compute buffer and output buffer for one shard.
 
-    dgr's llama_shard backend marks every row of a non-tail shard as an output
-    (llama.cpp keeps only output rows in the last layer), so llama.cpp sizes
-    its output buffer for ubatch x vocab f32 logits it never computes.
+    The shard that holds the last layer computes logits: the model's rule as
+    fitted (dgr.plan.rules.gguf_compute_rule). A range that stops before the
+    last layer has no LM head (the layer-range API ends its graph at the
+    residual stream): its activations hold no ubatch x vocab logits, and its
+    output buffer is ubatch x seam width f32 hidden states.
     """
-    out = 0 if is_tail else params.ubatch * layout.vocab_size * 4
-    return layout.compute.nbytes(params.context) + out
+    base = layout.compute.nbytes(params.context)
+    if is_tail:
+        return base
+    return max(0, base - params.ubatch * layout.vocab_size) + params.ubatch * layout.seam_width * 4
 
 
 def shard_cost(layout: ModelLayout, params: PlanParams, node: Node, layers: LayerRange) -> ShardCost:

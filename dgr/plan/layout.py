@@ -225,8 +225,8 @@ class ModelLayout:
     # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
     # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).
     shard_starts: frozenset[int] | None = None
-    # Non-empty: why this model runs only whole (llama.cpp switches a hparam by block count,
-    # dgr.backends.llama_arch.check_split: Gemma 2/3 27B).
+    # Non-empty: why this model runs only whole (nothing sets it from a file today: the layer-range
+    # API keeps every hparam of the whole model in each range).
     whole_only: str = ""
 
     @property

@@ -43,7 +43,6 @@ __all__ = [
     "kv_terms_for_layer",
     "meta_int",
     "shard_needs",
-    "whole_only",
 ]
 
 
@@ -130,8 +129,8 @@ def kv_terms_for_layer(
     token each, as wide as the layer's attn_k / attn_v output (which is
     head_count_kv x key/value_length), or from the metadata when the layer
     has no separate attn_k / attn_v (fused QKV). Gemma 2 and 3 layers that
-    llama.cpp makes sliding-window (dgr.backends.llama_arch.swa_layers: the
-    same per-layer pattern a shard file carries) are kind "swa", their K and V
+    llama.cpp makes sliding-window (`_swa_layers`, as llama.cpp's
+    load_swa_pattern derives them from the file) are kind "swa", their K and V
     a window of `attention.sliding_window` rows.
     """
     p = f"{arch}."
@@ -195,23 +194,45 @@ def kv_terms_for_layer(
     return kind, (KvTerm("k", n_kv * k_len, **rows), KvTerm("v", n_kv * v_len, **rows))
 
 
+# the architectures whose loader makes layers sliding-window by a period, and that period's
+# (default length, dense_first), as llama.cpp's load_swa_pattern applies it (src/models/gemma2.cpp:4-6,
+# gemma3.cpp:4-9)
+_SWA_PERIODS = {"gemma2": (2, False), "gemma3": (6, False)}
+
+
+def _swa_layers(arch: str, n_layer: int, pattern: object) -> list[bool] | None:
+    """Each layer's sliding-window flag, as llama.cpp's load_swa_pattern derives it; None without a period.
+
+    `pattern` is the file's `{arch}.attention.sliding_window_pattern`: an array (one flag per layer),
+    an integer period, or None (the architecture's default period).
+    """
+    if arch not in _SWA_PERIODS:
+        return None
+    if isinstance(pattern, (list, tuple)):
+        return [bool(x) for x in pattern]
+    n_pattern, dense_first = _SWA_PERIODS[arch]
+    if pattern is not None:
+        n_pattern = int(pattern)
+    # src/llama-hparams.cpp, set_swa_pattern
+    if dense_first:
+        return [n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer)]
+    return [n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer)]
+
+
 def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
     """Layer il's sliding window as llama.cpp sets it (0: full attention).
 
     gemma2: always SWA, window 4096 unless the file says (src/models/gemma2.cpp:4-12);
     gemma3: SWA only with attention.sliding_window > 0 (src/models/gemma3.cpp:4-12).
     """
-    from dgr.backends.llama_arch import SHARD_RULES, swa_layers
-
-    rule = SHARD_RULES.get(arch)
-    if rule is None or rule.swa_pattern is None:
+    if arch not in _SWA_PERIODS:
         return 0
     p = f"{arch}."
     window = int(meta.get(p + "attention.sliding_window", 4096 if arch == "gemma2" else 0))
     if window <= 0:
         return 0
     n_layer = meta_int(meta, p + "block_count")
-    flags = swa_layers(rule, n_layer, meta.get(p + "attention.sliding_window_pattern"))
+    flags = _swa_layers(arch, n_layer, meta.get(p + "attention.sliding_window_pattern"))
     return window if flags and flags[il] else 0
 
 
@@ -230,22 +251,6 @@ def shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
     if arch in RECURRENT_HYBRID_ARCHS:
         return frozenset({"attn"} & kinds)
     return frozenset()
-
-
-def whole_only(arch: str, meta: Mapping[str, Any], n_layer: int, n_embd: int) -> str:
-    """Why a split of this model would compute wrongly in llama.cpp, or "" (see check_split)."""
-    from dgr.backends.llama_arch import SHARD_RULES, check_split
-
-    rule = SHARD_RULES.get(arch)
-    n_head = meta.get(f"{arch}.attention.head_count")
-    if rule is None or not isinstance(n_head, int) or n_head <= 0 or n_layer < 2:
-        return ""
-    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
-    try:
-        check_split(rule, n_layer, 0, 1, n_embd=n_embd, n_head=n_head, head_dim=head_dim)
-    except CallerError as exc:
-        return exc.message
-    return ""
 
 
 # -- llama.cpp CPU compute buffer for GGUF files ---------------------------------

@@ -41,7 +41,6 @@ from dgr.plan.rules import (
     kv_terms_for_layer,
     meta_int,
     shard_needs,
-    whole_only,
 )
 
 __all__ = [
@@ -151,7 +150,6 @@ def build_layout(
         shard_starts=frozenset(layer.index for layer in layers if layer.kind == "full")
         if arch == "glm-dsa"
         else None,
-        whole_only=whole_only(arch, meta, n_trunk, n_embd),
     )
 
 

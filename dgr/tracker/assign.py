@@ -7,10 +7,17 @@ prices every contiguous range with the planner's cost model (dgr.plan:
 weights, the globals a shard loads, Hot KV State at the node's context and
 session count, llama.cpp's buffers, the runtime) and answers with the range
 that fits the node's memory and most improves coverage:
-1. the most layers that nobody serves yet;
-2. then the largest sum of 1 / (1 + servers) over its layers (thinly served
+1. a range that starts at a boundary of the coverage: layer 0, or a layer
+   served by another number of nodes than the one before it. Coverage then
+   grows from where routes end, and a replica lines up with the nodes it can
+   stand in for. (A range loads only the globals it computes with, so a range
+   that skips the head's token_embd fits a few more layers: without this rule
+   the first node would take 1:N and leave layer 0 to a later node, and a
+   replica would take a range no running node can hand over to);
+2. then the most layers that nobody serves yet;
+3. then the largest sum of 1 / (1 + servers) over its layers (thinly served
    layers count more than well served ones);
-3. then the earliest start.
+4. then the earliest start.
 
 Pure functions over values; the tracker's app does the I/O. Left out: a
 node's speed (every node is priced by memory alone), and reassigning nodes
@@ -60,10 +67,11 @@ def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, co
         CallerError(INVALID_REQUEST): not even one layer fits the memory.
     """
     node = Node("joining", memory_bytes)
-    best: tuple[tuple[int, float, int], LayerRange, int] | None = None
+    best: tuple[tuple[bool, int, float, int], LayerRange, int] | None = None
     for layers, headroom in fitting_ranges(layout, params, node):
         held = counts[layers.start:layers.stop]
-        key = (sum(c == 0 for c in held), sum(1.0 / (1 + c) for c in held), -layers.start)
+        boundary = layers.start == 0 or counts[layers.start] != counts[layers.start - 1]
+        key = (boundary, sum(c == 0 for c in held), sum(1.0 / (1 + c) for c in held), -layers.start)
         if best is None or key > best[0]:
             best = (key, layers, headroom)
     if best is None:
@@ -73,4 +81,4 @@ def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, co
                           f"{format_size(memory_bytes)} holds no layer of {layout.name} at context {params.context} "
                           f"x {params.sessions} sessions: the smallest shard needs {format_size(smallest)}")
     key, layers, headroom = best
-    return Assignment(layers, key[0], headroom)
+    return Assignment(layers, key[1], headroom)
