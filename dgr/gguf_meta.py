@@ -1,12 +1,13 @@
 """GGUF facts dgr relies on, in one place: tensor naming, tensor roles, metadata fields.
 
-The manifest (dgr.artifact.manifest), the planner (dgr.plan), the shard-file
-writer (dgr.backends.shardfile), the torch model (dgr.backends.torch_model) and
-the llama engine (dgr.backends.llama_engine) all read GGUF files. Each used to
-carry its own `blk.N.` pattern, its own field reader and, for global tensors,
-its own role rule; two of those rules disagreed (DeepSeek-V4's `output_hc_*`
-was a tail tensor to the planner and a shared one to the manifest). This
-module is the one answer they all ask.
+The manifest (dgr.artifact.manifest), the planner (dgr.plan), the torch
+model (dgr.backends.torch_model) and the llama engine
+(dgr.backends.llama_engine, which loads a layer range straight from the
+full file) all read GGUF files. Each used to carry its own `blk.N.`
+pattern, its own field reader and, for global tensors, its own role rule;
+two of those rules disagreed (DeepSeek-V4's `output_hc_*` was a tail
+tensor to the planner and a shared one to the manifest). This module is
+the one answer they all ask.
 
 Rules:
 - Headers (metadata and the tensor table: what the manifest and the planner
@@ -14,9 +15,9 @@ Rules:
   each value once. gguf-py's `GGUFReader` builds numpy views for every part
   of every field: 2.2 s on SmolLM2's 49k-token vocabulary, paid by every
   `dgr up` and manifest build; the walk takes a tenth of that. The torch
-  model and the shard-file writer read tensors through `tensor_data`, views
-  into a memory map laid out as gguf-py lays them out; the header keeps
-  each value's GGUF type, so the writer copies metadata as it was written.
+  model reads tensors through `tensor_data`, views into a memory map laid
+  out as gguf-py lays them out; the header keeps each value's GGUF type, so
+  a writer (dgr.bench.shapes) copies metadata as it was written.
   No dgr code parses a GGUF with gguf-py's reader: it is the oracle the
   walk and the views are tested against. The llama engine reads headers
   with ggml's own C parser, but asks this module what the names and keys

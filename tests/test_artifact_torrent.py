@@ -17,6 +17,7 @@ from pathlib import Path
 
 import attrs
 import libtorrent as lt
+import numpy as np
 import pytest
 import trio
 from fixtures.artifact_helpers import run_artifact_cli as _cli
@@ -39,7 +40,6 @@ from dgr.artifact.torrent import (
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import read_header
 
 LAYERS = LayerRange(10, 20)
 
@@ -376,8 +376,14 @@ async def test_fetch_refuses_bad_input(manifest: Manifest, tmp_path: Path) -> No
     assert err.value.reason is Reason.INVALID_REQUEST
 
 
-def test_cli_seed_fetch_shard(manifest: Manifest, model_path: Path, tmp_path: Path) -> None:
-    """`artifact seed` in another process, `artifact fetch` then `artifact shard` here."""
+@pytest.mark.llama
+def test_cli_seed_fetch_then_the_fetched_range_loads_and_computes(
+    manifest: Manifest, model_path: Path, tmp_path: Path
+) -> None:
+    """`artifact seed` in another process, `artifact fetch` here, then layers 10:20 load from the partial file."""
+    from dgr.backends.llama_shard import LlamaShardBackend
+    from dgr.digest import remember_sha256
+
     root = Path(__file__).resolve().parents[1]
     m_path = tmp_path / "m.json"
     manifest.save(m_path)
@@ -406,10 +412,24 @@ def test_cli_seed_fetch_shard(manifest: Manifest, model_path: Path, tmp_path: Pa
         proc.terminate()
         proc.wait(10)
         killer.cancel()
-    # The default --globals loader fetched every global, so the shard can be written.
-    shard = tmp_path / "shard.gguf"
-    argv = ["artifact", "shard", "--manifest", str(m_path), "--model", str(part), "-o", str(shard)]
+    # The default --globals loader fetched every global; the layers and globals verify, others do not.
+    argv = ["artifact", "verify", str(part), "--manifest", str(m_path), "--globals", GlobalNeed.LOADER.value]
     assert _cli(*argv, "--layers", "10:20") == 0
-    assert read_header(shard).fields["llama.block_count"] == 10
-    # Layers the node never fetched are refused, naming them.
-    assert _cli(*argv, "--layers", "0:5") == 1
+    assert _cli(*argv, "--layers", "0:5") == 1  # layers the node never fetched are refused, naming them
+    # The range loads straight from the sparse partial file through the layer-range API, as a node
+    # does (the manifest's digest recorded for it), and computes what the full file's range does.
+    remember_sha256(part, manifest.file.sha256)
+    out = []
+    for path in (part, model_path):
+        backend = LlamaShardBackend(path, LAYERS, n_threads=1, n_ctx=256, max_sessions=1)
+        try:
+            assert backend.info.digest == manifest.file.sha256
+            width = backend.info.seam_width
+            hidden = np.random.default_rng(0).standard_normal((4, width)).astype(np.float32)
+            backend.open_session("s", 256)
+            got = backend.forward("s", 0, None, hidden, False)  # not the head: hidden states in
+            assert got is not None and got.shape == (4, width) and np.isfinite(got).all()  # not the tail
+            out.append(got)
+        finally:
+            backend.close()
+    np.testing.assert_array_equal(out[0], out[1])

@@ -1,4 +1,7 @@
-"""`dgr artifact ...`: manifest, verify, shard, seed and fetch Model Artifacts.
+"""`dgr artifact ...`: manifest, verify, seed and fetch Model Artifacts.
+
+A node loads its layer range straight from the (possibly sparse, partially
+fetched) full GGUF through the layer-range API, so no shard file is written.
 
 Thin: every subcommand parses its arguments, calls the library function and
 turns typed errors into exit codes. Exit 0 is success, 1 a file that does not
@@ -27,7 +30,7 @@ EXIT_ERROR = 2
 
 def register(subparsers: Any) -> None:
     """Add `artifact` and its subcommands to a dgr argparse subparsers object."""
-    art = subparsers.add_parser("artifact", help="Model Artifact manifests, verification, shards and transfer")
+    art = subparsers.add_parser("artifact", help="Model Artifact manifests, verification and transfer")
     sub = art.add_subparsers(dest="artifact_command", required=True)
 
     p = sub.add_parser("manifest", help="hash a GGUF and write its manifest (JSON)")
@@ -43,13 +46,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layers", type=layers_arg, default=None, help="A:B, only layers [A, B) plus header and globals")
     p.add_argument("--globals", choices=[g.value for g in GlobalNeed], default=GlobalNeed.COMPUTE.value)
     p.set_defaults(func=_cmd_verify)
-
-    p = sub.add_parser("shard", help="verify layers A:B, then write a shard GGUF of them")
-    p.add_argument("--manifest", type=Path, required=True)
-    p.add_argument("--layers", type=layers_arg, required=True)
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("-o", "--out", type=Path, default=None, help="default: MODEL.layersA-B.gguf")
-    p.set_defaults(func=_cmd_shard)
 
     p = sub.add_parser("seed", help="serve a GGUF (whole or partial) to fetchers until interrupted")
     p.add_argument("--manifest", type=Path, required=True)
@@ -69,7 +65,7 @@ def register(subparsers: Any) -> None:
         "--globals",
         choices=[g.value for g in GlobalNeed],
         default=GlobalNeed.LOADER.value,
-        help="loader (default): every global tensor, which `artifact shard` needs; "
+        help="loader (default): every global tensor, so llama.cpp's loader finds any it asks for; "
         "compute: only those the layers compute with",
     )
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
@@ -122,37 +118,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         report.raise_for_mismatch()
     except CallerError as exc:
         return _fail(exc)
-    return EXIT_OK
-
-
-def _cmd_shard(args: argparse.Namespace) -> int:
-    from dgr.artifact.manifest import Manifest
-    from dgr.artifact.verify import verify_file
-
-    try:
-        m = Manifest.load(args.manifest)
-        # The shard file keeps every global tensor (llama.cpp's loader wants
-        # them), so every global is checked along with the layers.
-        with terminal_progress() as progress:
-            report = verify_file(args.model, m, args.layers, need=GlobalNeed.LOADER, progress=progress)
-        report.raise_for_mismatch()
-    except DgrError as exc:
-        return _fail(exc)
-    try:
-        from dgr.backends.shardfile import write_shard
-    except ImportError as exc:
-        print(
-            f"error: verified layers {args.layers}, but dgr.backends.shardfile.write_shard is not available "
-            f"yet ({exc}); cannot write the shard",
-            file=sys.stderr,
-        )
-        return EXIT_ERROR
-    out = args.out or args.model.with_name(f"{args.model.stem}.layers{args.layers.start}-{args.layers.stop}.gguf")
-    try:
-        write_shard(args.model, args.layers, out)
-    except DgrError as exc:
-        return _fail(exc)
-    print(f"verified layers {args.layers} of {m.file.name} and wrote {out}", file=sys.stderr)
     return EXIT_OK
 
 

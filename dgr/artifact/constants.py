@@ -65,7 +65,8 @@ class GlobalNeed(enum.Enum):
     # Only the globals the layers compute with: token_embd for the head,
     # output_norm/output for the tail, shared ones (rope_freqs) for all.
     COMPUTE = "compute"
-    # Every global: today's llama.cpp loader needs token_embd and output_norm
-    # in every shard file (see /work/shared/LLAMACPP.md), so a node that will
-    # write a shard GGUF must hold them all.
+    # Every global, whatever the range: what a derived shard GGUF held before
+    # libllama had a layer-range API. Nodes now fetch and verify COMPUTE (the
+    # range API loads only those); this stays for `artifact verify/fetch
+    # --globals loader`, to hold or check a whole set of globals.
     LOADER = "loader"

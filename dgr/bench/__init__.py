@@ -5,7 +5,7 @@
     plan_overhead   the planner's prediction against the RSS of real llama.cpp shards
     dsv4_tiny       DeepSeek-V4 KV terms and shard rules against a tiny random model in llama.cpp
     audit_tiny      the same for the GLM-5.2 and Ornith (Qwen3.5) audits
-    layer_boundary  what splitting llama.cpp at a layer boundary costs
+    ranges          what a node serving a layer range costs to start and hold, and 2-node decode before/after
     torch_route     the torch backend through a route
     artifact        manifest, verify, proof and fetch timings
 """

@@ -9,9 +9,10 @@ llama-cpp-python:
 1. the fixture's tensor list loads (llama.cpp refuses a missing, misshapen
    or extra tensor) and computes finite logits;
 2. the cache sizes llama.cpp logs equal dgr.plan.rules's KV terms;
-3. a head shard's residual after its last layer (`l_out`) is captured at
-   hidden_size width; and whether a middle shard loads and runs (glm-dsa:
-   one that starts at a full-indexer layer; qwen35moe: ones of
+3. a head range, loaded from the full file through the layer-range API,
+   outputs its residual after its last layer at hidden_size width; and
+   whether a range of one layer kind loads from the full file and runs
+   (glm-dsa: one that starts at a full-indexer layer; qwen35moe: ones of
    gated-delta-net layers only), each in a child process, because
    llama.cpp may kill it.
 
@@ -83,7 +84,6 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
     from dgr.backends import gguf_text
     from dgr.backends.base import LayerRange
     from dgr.backends.llama_engine import LlamaEngine
-    from dgr.backends.shardfile import write_shard
     from dgr.errors import DgrError
 
     failures = 0
@@ -94,7 +94,7 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
     print(f"tiny {data['architecture']} GGUF: {layout.n_layers} layers, kinds {sorted(layout.kinds())}, {n_tensors} tensors")
     gguf_text._LOG.clear()
     try:
-        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
+        e = LlamaEngine.load(path, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
     except DgrError as exc:
         why = re.search(r"error loading model: (.*)", exc.message)
         print(f"1. llama.cpp loads the fixture's tensor list: NO ({why.group(1) if why else exc.message[-300:]})")
@@ -119,29 +119,30 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
     e.close()
     starts = sorted(layout.shard_starts) if layout.shard_starts is not None else list(range(layout.n_layers))
     cut = next(s for s in starts if s >= 4)
-    head = tmp / f"{name}.0-{cut}.gguf"
-    write_shard(path, LayerRange(0, cut), head)
+    head = LayerRange(0, cut)
+    what = f"3. head range {head} of the full file, residual output after its last layer"
     try:
-        h = LlamaEngine.load(head, hidden_out=True, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        h = LlamaEngine.load(path, layers=(head.start, head.stop), n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
         out = h.eval(0, 0, np.arange(4, dtype=np.int32), None)
         shape = None if out is None else out.shape
-        print(f"3. head shard 0:{cut}, residual captured after its last layer: {shape}")
+        print(f"{what}: {shape}")
         failures += shape != (4, layout.hidden_size)
         h.close()
     except DgrError as exc:
-        print(f"3. head shard 0:{cut}, residual captured after its last layer: no ({exc.reason.value}: {exc.message[-200:]})")
+        print(f"{what}: no ({exc.reason.value}: {exc.message[-200:]})")
         failures += 1
-    # Shards of one layer kind only, each in a child: llama.cpp may kill the process.
+    # Ranges of one layer kind only, each in a child: llama.cpp may kill the process.
     for a, b in _ONE_KIND[data["architecture"]]:
-        shard = tmp / f"{name}.{a}-{b}.gguf"
-        write_shard(path, LayerRange(a, b), shard)
         child = subprocess.run(
-            [sys.executable, "-m", "dgr.bench.audit_tiny", "--load", str(shard)], check=False, capture_output=True, text=True
+            [sys.executable, "-m", "dgr.bench.audit_tiny", "--load", str(path), str(a), str(b)],
+            check=False,
+            capture_output=True,
+            text=True,
         )
         kinds = sorted({layout.layers[i].kind for i in range(a, b)})
         why = re.findall(r"error loading model: (.*)", child.stderr)
         print(
-            f"   a shard GGUF of layers {a}:{b} (kinds {kinds}): "
+            f"   layers {a}:{b} of the full file (kinds {kinds}): "
             + (
                 "loads and runs"
                 if child.returncode == 0
@@ -153,23 +154,27 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
     return failures
 
 
-# glm-dsa: a middle shard that starts at a full-indexer layer (what dgr's planner cuts), to see what
-# dgr's shard writer still gets wrong (spec/glm-5.2.md task 2). qwen35moe: shards of gated-delta-net
+# glm-dsa: a middle range that starts at a full-indexer layer (what dgr's planner cuts), to see
+# whether the layer-range API runs it (spec/glm-5.2.md task 2). qwen35moe: ranges of gated-delta-net
 # layers only, which a planner without a constraint would produce.
 _ONE_KIND = {"glm-dsa": [(6, 10)], "qwen35moe": [(0, 3), (4, 7)]}
 
 
-def _load_and_run(path: Path) -> None:
+def _load_and_run(path: Path, a: int, b: int) -> None:
+    """Load layers [a, b) of the full GGUF at `path` through the layer-range API and run four positions."""
     from dgr.backends.llama_engine import LlamaEngine
 
-    e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
-    e.eval(0, 0, np.arange(4, dtype=np.int32), None)
+    e = LlamaEngine.load(path, layers=(a, b), n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+    if e.layer_start == 0:
+        e.eval(0, 0, np.arange(4, dtype=np.int32), None)
+    else:  # a later range takes the residual stream entering layer a
+        e.eval(0, 0, None, np.zeros((4, e.n_embd), np.float32))
     e.close()
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--load"]:
-        _load_and_run(Path(sys.argv[2]))
+    if sys.argv[1:2] == ["--load"]:  # --load PATH A B
+        _load_and_run(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
         return 0
     from dgr.backends import gguf_text
 

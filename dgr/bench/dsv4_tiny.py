@@ -10,12 +10,13 @@ llama-cpp-python ships checks, on this machine:
    its deepseek4 loader creates;
 2. KV per layer kind: the cache sizes llama.cpp logs against
    dgr.plan.rules's KV terms for the same model;
-3. what breaks for a layer-range shard (see spec/deepseek-v4-flash.md):
-   the width llama.cpp takes as embeddings input vs the width of the
-   residual stream between layers; a shard GGUF starting after the
-   hash-routed layers; capturing the residual after a shard's last layer;
-   and shards that lack a CSA or an HCA layer (each run in a child
-   process, because llama.cpp kills the process).
+3. what breaks for a layer range, loaded from the full file through the
+   layer-range API (see spec/deepseek-v4-flash.md; dgr.backends.llama_arch
+   refuses deepseek4 ranges): the width llama.cpp takes as embeddings input
+   vs the width of the residual stream between layers; a range starting
+   after the hash-routed layers; the residual a range outputs after its
+   last layer; and ranges that lack a CSA or an HCA layer (each run in a
+   child process, because llama.cpp kills the process).
 
     python -m dgr.bench.dsv4_tiny
 
@@ -83,9 +84,7 @@ def write_gguf(d: mk.Dims, path: Path) -> dict:
 
 def main() -> int:
     from dgr.backends import gguf_text
-    from dgr.backends.base import LayerRange
     from dgr.backends.llama_engine import LlamaEngine
-    from dgr.backends.shardfile import write_shard
     from dgr.errors import DgrError
 
     lib = gguf_text.llama_lib()
@@ -100,7 +99,7 @@ def main() -> int:
 
         # 1. names and shapes: llama.cpp loads exactly this tensor list, and computes with it.
         gguf_text._LOG.clear()
-        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
+        e = LlamaEngine.load(path, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
         log = "".join(gguf_text._LOG)
         logits = e.eval(0, 0, np.arange(40, dtype=np.int32) % TINY.vocab, None)
         ok = logits is not None and bool(np.isfinite(logits).all()) and float(np.ptp(logits)) > 0
@@ -125,43 +124,26 @@ def main() -> int:
         print(f"3. embeddings input width {n_in}, residual width between layers {n_out} (= {n_out // n_in} x {n_in})")
         failures += n_out != TINY.hc * TINY.hidden
         e.close()
-        shard = Path(tmp) / "dsv4-tiny.3-6.gguf"
-        write_shard(path, LayerRange(3, 6), shard)
-        try:
-            LlamaEngine.load(shard, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX).close()
-            print("   shard GGUF of layers 3:6 (after the hash-routed layers): loads (unexpected)")
-            failures += 1
-        except DgrError as exc:
-            why = re.search(r"error loading model: (.*)", exc.message)
-            print(
-                f"   shard GGUF of layers 3:6 (after the hash-routed layers): refused by llama.cpp: "
-                f"{why.group(1) if why else exc.message[:200]}"
-            )
-        # Without hash layers a middle shard loads; it takes n_embd-wide input only.
-        flat = Path(tmp) / "dsv4-tiny-nohash.gguf"
-        write_gguf(attrs.evolve(TINY, hash_layers=0), flat)
-        middle = Path(tmp) / "dsv4-tiny-nohash.2-4.gguf"
-        write_shard(flat, LayerRange(2, 4), middle)
-        m = LlamaEngine.load(middle, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
-        try:
-            m.eval(0, 0, None, np.zeros((2, n_out), np.float32))
-            print(f"   middle shard 2:4 given the {n_out}-wide residual: accepted (unexpected)")
-            failures += 1
-        except DgrError as exc:
-            print(f"   middle shard 2:4 given the {n_out}-wide residual: refused ({exc.reason.value}: {exc.message})")
-        m.eval(0, 0, None, np.zeros((2, n_in), np.float32))
-        print(f"   middle shard 2:4 given {n_in} values per position: runs (on 4 copies of one stream)")
-        m.close()
-        head = Path(tmp) / "dsv4-tiny.0-4.gguf"
-        write_shard(path, LayerRange(0, 4), head)
-        h = LlamaEngine.load(head, hidden_out=True, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
-        try:
-            out = h.eval(0, 0, np.arange(4, dtype=np.int32), None)
-            print(f"   head shard 0:4, residual captured after its last layer: {None if out is None else out.shape}")
-        except DgrError as exc:
-            print(f"   head shard 0:4, residual captured after its last layer: no ({exc.reason.value}: {exc.message})")
-        h.close()
-    # Shards that lack a CSA or an HCA layer, each run in a child: llama.cpp may kill the process.
+    # Ranges of the full file, each in a child: deepseek4's builder is not range-aware in dgr's
+    # patch series, and llama.cpp may kill the process.
+    for hash_layers, a, b, what in (
+        (TINY.hash_layers, 3, 6, "layers 3:6 of the full file (after the hash-routed layers)"),
+        (0, 2, 4, "middle range 2:4 of a model without hash layers"),
+        (TINY.hash_layers, 0, 4, "head range 0:4"),
+    ):
+        child = subprocess.run(
+            [sys.executable, "-m", "dgr.bench.dsv4_tiny", "--range", str(hash_layers), str(a), str(b)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        said = child.stdout.strip().splitlines()
+        if child.returncode in (0, _UNEXPECTED):
+            print(f"   {what}: " + "; ".join(said))
+        else:
+            print(f"   {what}: " + "".join(f"{x}; " for x in said) + f"the process dies (exit {child.returncode})")
+        failures += child.returncode == _UNEXPECTED
+    # Ranges that lack a CSA or an HCA layer, each run in a child: llama.cpp may kill the process.
     for layers, a, b, what in (
         (2, 0, 2, "window-only layers 0:2"),
         (3, 0, 3, "layers 0:3, no HCA"),
@@ -175,7 +157,7 @@ def main() -> int:
             text=True,
         )
         print(
-            f"   a deepseek4 model/shard of {what}: "
+            f"   a deepseek4 model/range of {what}: "
             + ("loads and runs" if child.returncode == 0 else f"the process dies (exit {child.returncode})")
         )
     print("all checks passed" if not failures else f"{failures} check(s) failed")
@@ -220,20 +202,67 @@ def _mib_all(log: str, pattern: str) -> list[float]:
     return [float(x) for x in re.findall(pattern, log)]
 
 
-def kinds_probe(layers: int, a: int, b: int) -> int:
-    """Load layers [a, b) of a tiny model with no hash layers and run four positions through them."""
-    from dgr.backends.base import LayerRange
+_UNEXPECTED = 3  # range_probe's exit status when a step succeeded that should not
+
+
+def range_probe(hash_layers: int, a: int, b: int) -> int:
+    """Load layers [a, b) of the tiny model from the full file through the layer-range API and feed them.
+
+    Prints what happened, a line per step (flushed: llama.cpp may kill the process). Returns
+    `_UNEXPECTED` if a step succeeded that should not (a range after the hash-routed layers loads,
+    or a later range takes the residual at its full hyper-connection width), else 0.
+    """
+    from dgr.backends.gguf_text import llama_lib
     from dgr.backends.llama_engine import LlamaEngine
-    from dgr.backends.shardfile import write_shard
+    from dgr.errors import DgrError
+
+    lib = llama_lib()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "dsv4-tiny.gguf"
+        write_gguf(attrs.evolve(TINY, hash_layers=hash_layers), path)
+        try:
+            e = LlamaEngine.load(path, layers=(a, b), n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        except DgrError as exc:
+            why = re.search(r"error loading model: (.*)", exc.message)
+            print(f"refused by llama.cpp: {why.group(1) if why else exc.message[:200]}", flush=True)
+            return 0
+        bad = 0
+        if a == 0:
+            try:
+                out = e.eval(0, 0, np.arange(4, dtype=np.int32), None)
+                print(f"residual output after its last layer: {None if out is None else out.shape}", flush=True)
+            except DgrError as exc:
+                print(f"residual output after its last layer: no ({exc.reason.value}: {exc.message})", flush=True)
+        elif hash_layers:  # llama.cpp refused a shard after the hash-routed layers: not expected to load
+            print("loads (unexpected)", flush=True)
+            bad = _UNEXPECTED
+        else:
+            n_in, n_out = lib.llama_model_n_embd_inp(e._model), lib.llama_model_n_embd_out(e._model)
+            pos = 0
+            try:
+                e.eval(0, pos, None, np.zeros((2, n_out), np.float32))
+                print(f"given the {n_out}-wide residual: accepted (unexpected)", flush=True)
+                bad, pos = _UNEXPECTED, 2
+            except DgrError as exc:
+                print(f"given the {n_out}-wide residual: refused ({exc.reason.value}: {exc.message})", flush=True)
+            e.eval(0, pos, None, np.zeros((2, n_in), np.float32))
+            print(f"given {n_in} values per position: runs (on {n_out // n_in} copies of one stream)", flush=True)
+        e.close()
+    return bad
+
+
+def kinds_probe(layers: int, a: int, b: int) -> int:
+    """Load layers [a, b) of a tiny model with no hash layers and run four positions through them.
+
+    The range comes from the full file through the layer-range API; [0, layers) is the whole model.
+    """
+    from dgr.backends.llama_engine import LlamaEngine
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "dsv4-tiny.gguf"
         write_gguf(attrs.evolve(TINY, layers=layers, hash_layers=0), path)
-        if (a, b) != (0, layers):
-            shard = Path(tmp) / "shard.gguf"
-            write_shard(path, LayerRange(a, b), shard)
-            path = shard
-        e = LlamaEngine.load(path, hidden_out=False, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
+        rng = None if (a, b) == (0, layers) else (a, b)
+        e = LlamaEngine.load(path, layers=rng, n_threads=1, n_seq_max=1, n_ctx_seq=CTX)
         if a == 0:
             e.eval(0, 0, np.arange(4, dtype=np.int32), None)
         else:
@@ -245,4 +274,6 @@ def kinds_probe(layers: int, a: int, b: int) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--kinds"]:
         sys.exit(kinds_probe(*map(int, sys.argv[2:5])))
+    if sys.argv[1:2] == ["--range"]:  # --range HASH_LAYERS A B
+        sys.exit(range_probe(*map(int, sys.argv[2:5])))
     sys.exit(main())

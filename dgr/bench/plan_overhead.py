@@ -2,8 +2,9 @@
 
 For the default model split into 1, 2 and 3 shards, each shard runs in a
 fresh process the way a dgr llama_shard node holds it: dgr's node stack
-imported, the shard GGUF (dgr.backends.shardfile) loaded by
-dgr.backends.llama_engine with one sequence per session, a full-ubatch
+imported, the shard's layer range loaded straight from the full GGUF through
+the layer-range API (dgr.backends.llama_engine, the whole model through
+llama.cpp's own loader) with one sequence per session, a full-ubatch
 prefill and a few decode steps per session. The process's VmRSS is then
 compared with the planner's total for the same node (dgr.plan.shard_cost).
 
@@ -52,8 +53,12 @@ from dgr.backends import gguf_text
 from dgr.backends.llama_engine import LlamaEngine
 gguf_text.llama_lib()
 base = rss()
-path, is_head, is_tail, ctx, sessions = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
-e = LlamaEngine.load(path, hidden_out=not is_tail, n_threads=1, n_seq_max=sessions, n_ctx_seq=ctx)
+path, a, b, n_layers, ctx, sessions = sys.argv[1], *map(int, sys.argv[2:7])
+is_head = a == 0
+layers = None if (a, b) == (0, n_layers) else (a, b)  # the whole model through llama.cpp's own loader
+e = LlamaEngine.load(path, layers=layers, n_threads=1, n_seq_max=sessions, n_ctx_seq=ctx)
+if e.hidden_out != (b < n_layers):
+    raise SystemExit(f'hidden_out {e.hidden_out} for layers {a}:{b} of {n_layers}')
 rng = np.random.default_rng(0)
 def feed(seq, pos, n):
     if is_head:
@@ -70,8 +75,9 @@ print(json.dumps({"base": base, "rss": rss(), "compute_log": lines[-1] if lines 
 
 
 def run_shard(path: Path, layers: LayerRange, n_layers: int, ctx: int, sessions: int) -> dict:
+    """Load `layers` of the full GGUF at `path` in a fresh node-like process; its RSS and compute-buffer log line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [str(path), str(int(layers.start == 0)), str(int(layers.stop == n_layers)), str(ctx), str(sessions)]
+    args = [str(path), str(layers.start), str(layers.stop), str(n_layers), str(ctx), str(sessions)]
     out = subprocess.run([sys.executable, "-c", CHILD, *args], check=False, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"shard {layers} failed:\n{out.stderr[-2000:]}")
@@ -85,8 +91,6 @@ def main() -> int:
     ap.add_argument("--shards", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
 
-    from dgr.backends.shardfile import shard_path
-
     model = default_model_path()
     layout = layout_from_gguf(model)
     params = PlanParams(context=args.context, sessions=args.sessions)
@@ -95,8 +99,7 @@ def main() -> int:
     bases, ratios = [], []
     for k in args.shards:
         for r in plan_even(layout, k):
-            path = model if k == 1 else shard_path(model, r)  # built here, so the child only loads
-            got = run_shard(path, r, layout.n_layers, args.context, args.sessions)
+            got = run_shard(model, r, layout.n_layers, args.context, args.sessions)  # r from the full file
             want = shard_cost(layout, params, Node("n", 0), r).total_bytes
             bases.append(got["base"])
             ratios.append(got["rss"] / want)

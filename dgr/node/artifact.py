@@ -2,16 +2,18 @@
 
 `dgr node --manifest M` serves only what it verified against M:
 - With a local file (--model, or the default model): the header, the served
-  layers and every global tensor (GlobalNeed.LOADER: the llama.cpp shard
-  keeps them all) are hashed and compared with M before anything is loaded
-  or advertised. A mismatch refuses to start, naming the layers.
+  layers and the global tensors the range loads (GlobalNeed.COMPUTE:
+  token_embd on the head, the output tensors on the tail, shared ones
+  everywhere) are hashed and compared with M before anything is loaded or
+  advertised. A mismatch refuses to start, naming the layers.
 - With --fetch: the node asks the tracker for peers that proved layers of M
   (GET /v1/artifacts/{id}/peers), downloads from all of them only the pieces
-  holding the header, its layers and the globals (dgr.artifact.torrent.fetch)
+  holding the header, its layers and the globals its range loads (dgr.artifact.torrent.fetch)
   into MODEL_DIR/<file name> as a sparse file with resume data, and fetch
   verifies them. The manifest's sha256 is then recorded as that file's
-  digest (shardfile.remember_sha256): the holes would hash to something else,
-  and the shard GGUF is derived from the layers it keeps and the globals only.
+  digest (dgr.digest.remember_sha256): the holes would hash to something else.
+  The node then loads its range straight from that partial file through the
+  layer-range API, which reads only the range's tensors, never the holes.
 - While serving: the file is seeded on HOST:seed_port (a whole file lazily,
   libtorrent hashing each piece the first time it sends it; a partial one
   with the pieces its resume data lists), the claim {manifest_id, seed} goes
@@ -74,8 +76,8 @@ def node_progress() -> Iterator[Progress]:
 
 
 def default_model_dir(manifest: Manifest) -> Path:
-    """Where --fetch puts the file without --model-dir: beside the shard cache, one folder per manifest."""
-    from dgr.backends.shardfile import cache_dir
+    """Where --fetch puts the file without --model-dir: beside the digest cache, one folder per manifest."""
+    from dgr.digest import cache_dir
 
     return cache_dir().parent / "artifacts" / manifest.id[:16]
 
@@ -160,12 +162,12 @@ def verify_local(manifest: Manifest, path: Path, layers: LayerRange) -> NodeArti
     started = time.perf_counter()
     say(f"verifying layers {layers} of {path.name} against manifest {manifest.id[:12]}")
     with node_progress() as progress:
-        report = verify_file(path, manifest, layers, need=GlobalNeed.LOADER, progress=progress)
+        report = verify_file(path, manifest, layers, need=GlobalNeed.COMPUTE, progress=progress)
     report.raise_for_mismatch()
     seconds = time.perf_counter() - started
     partial = resume_path_for(path).is_file()
     if partial:
-        from dgr.backends.shardfile import remember_sha256
+        from dgr.digest import remember_sha256
 
         remember_sha256(path, manifest.file.sha256)
     say(f"verified layers {layers}: {report.bytes_checked / 1e6:.1f} MB in {seconds:.2f} s")
@@ -224,11 +226,11 @@ async def fetch_layers(
         PeerError(NODE_ERROR): no peer, or not every needed piece, within timeout_s.
     """
     from dgr.artifact.torrent import TransferStatus, fetch
-    from dgr.backends.shardfile import remember_sha256
+    from dgr.digest import remember_sha256
 
     manifest.check_layers(layers)
     dest = model_dir / manifest.file.name
-    wanted = manifest.needed_pieces(layers, GlobalNeed.LOADER)
+    wanted = manifest.needed_pieces(layers, GlobalNeed.COMPUTE)
     plen = manifest.torrent.piece_length
     started = time.perf_counter()
     peers_seen = 0
@@ -250,7 +252,7 @@ async def fetch_layers(
 
             result = await fetch(
                 manifest, layers, dest, [p["seed"] for p in peers],
-                need=GlobalNeed.LOADER, listen=f"{listen_host}:0", on_status=show,
+                need=GlobalNeed.COMPUTE, listen=f"{listen_host}:0", on_status=show,
             )
     if scope.cancelled_caught:
         raise PeerError(
@@ -341,7 +343,7 @@ def prepare_node_artifact(
 
     `layers` None means every layer of the manifest. With `fetch`, the layers
     come from `tracker`'s proven peers into `model_dir` (default: beside the
-    shard cache), listening on `listen_host`; otherwise `model` (or the
+    digest cache), listening on `listen_host`; otherwise `model` (or the
     backend's default model) is verified in place.
 
     Raises:
@@ -373,6 +375,6 @@ def prepare_node_artifact(
         art = verify_local(manifest, resolve_model(backend, model), layers)
     art.started_at = started
     art.prepared_at = time.monotonic()
-    how = " (the shard GGUF is derived from the verified layers and globals)" if backend == "llama_shard" else ""
+    how = " (the range loads straight from the file)" if backend == "llama_shard" else ""
     say(f"loading {backend} layers {layers} from {art.path.name}{how}")
     return art
