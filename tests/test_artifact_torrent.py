@@ -412,12 +412,15 @@ def test_cli_seed_fetch_then_the_fetched_range_loads_and_computes(
         proc.terminate()
         proc.wait(10)
         killer.cancel()
-    # The default --globals loader fetched every global; the layers and globals verify, others do not.
-    argv = ["artifact", "verify", str(part), "--manifest", str(m_path), "--globals", GlobalNeed.LOADER.value]
-    assert _cli(*argv, "--layers", "10:20") == 0
-    assert _cli(*argv, "--layers", "0:5") == 1  # layers the node never fetched are refused, naming them
-    # The range loads straight from the sparse partial file through the layer-range API, as a node
-    # does (the manifest's digest recorded for it), and computes what the full file's range does.
+    # The default --globals compute fetched what the middle range loads: its layers, and no token_embd
+    # or output norm; those verify, the head's globals and layers the node never fetched do not.
+    argv = ["artifact", "verify", str(part), "--manifest", str(m_path), "--globals"]
+    assert _cli(*argv, GlobalNeed.COMPUTE.value, "--layers", "10:20") == 0
+    assert _cli(*argv, GlobalNeed.LOADER.value, "--layers", "10:20") == 1  # token_embd was never fetched
+    assert _cli(*argv, GlobalNeed.COMPUTE.value, "--layers", "0:5") == 1  # layers never fetched are refused
+    # The range loads straight from the sparse partial file, holes where token_embd and the other layers
+    # are, through the layer-range API, as a node does (the manifest's digest recorded for it), and
+    # computes what the full file's range does.
     remember_sha256(part, manifest.file.sha256)
     out = []
     for path in (part, model_path):

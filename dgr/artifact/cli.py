@@ -64,9 +64,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--globals",
         choices=[g.value for g in GlobalNeed],
-        default=GlobalNeed.LOADER.value,
-        help="loader (default): every global tensor, so llama.cpp's loader finds any it asks for; "
-        "compute: only those the layers compute with",
+        default=GlobalNeed.COMPUTE.value,
+        help="compute (default): only the global tensors the range loads (the layer-range API: token_embd on "
+        "the head, the output tensors on the tail); loader: every global tensor",
     )
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.set_defaults(func=_cmd_fetch)

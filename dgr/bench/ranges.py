@@ -19,7 +19,7 @@ cache folder, the way `dgr node` starts, and reports:
 The script uses only the backend's constructor and `forward`, so the same
 file measures a checkout from before the layer-range API: run it by path with
 that checkout on PYTHONPATH (and its llama-cpp-python's libraries on
-LLAMA_CPP_LIB_PATH) to get the "before" figures.
+LLAMA_CPP_LIB_PATH) to get the "before" figures: `--checkout DIR --lib-path DIR`.
 
     python -m dgr.bench.ranges --paired-decode CHECKOUT [--lib-path DIR] [--rounds 10]
 
@@ -68,12 +68,15 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
         from dgr.backends.shardfile import file_sha256
 
     file_sha256(model)  # a node start reads the digest from its cache: not part of ready_s
+    import collections
+
+    gguf_text._LOG = collections.deque(maxlen=1 << 20)  # keep the whole load log: the buffer sizes are in it
     t0 = time.perf_counter()
     shard = LlamaShardBackend(model, LayerRange(start, stop), n_threads=1, n_ctx=256, max_sessions=1)
     ready = time.perf_counter() - t0
     loaded = _status()
     log = "".join(gguf_text._LOG)
-    buffers = [float(m) for m in re.findall(r"model buffer size =\s*([\d.]+) MiB", log)]
+    buffers = {name: float(mib) for name, mib in re.findall(r"(\S+) model buffer size =\s*([\d.]+) MiB", log)}
     shard.open_session("s", 128)
     n_embd = shard.info.hidden_size
     if start == 0:
@@ -120,19 +123,22 @@ def measure(model: str, start: int, stop: int, *, python: str = sys.executable, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _route(env: dict[str, str], model: str | None) -> tuple[subprocess.Popen, str]:
+def _route(env: dict[str, str], model: str | None, cwd: str | None = None) -> tuple[subprocess.Popen, str]:
     """`dgr up --backend llama_shard --nodes 2 --threads 1` on an ephemeral port: the process and its API URL."""
     cmd = [sys.executable, "-m", "dgr", "up", "--backend", "llama_shard", "--nodes", "2", "--threads", "1",
            "--port", "0", "--ctx", "1024", *(("--model", model) if model else ())]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # `python -m` imports from the working directory first: run each tree's dgr from its own
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
+    seen = []
     for line in proc.stdout or ():
         if line.startswith("dgr up: serving the OpenAI API at "):
             return proc, line.split(" at ", 1)[1].split()[0]
+        seen.append(line)
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise RuntimeError(f"dgr up did not become ready: {cmd}")
+    raise RuntimeError(f"dgr up did not become ready: {cmd}: {''.join(seen[-20:])}")
 
 
 def paired_decode(checkout: str, lib_path: str | None, model: str | None, rounds: int) -> dict:
@@ -151,8 +157,8 @@ def paired_decode(checkout: str, lib_path: str | None, model: str | None, rounds
     procs = []
     try:
         urls = {}
-        for name, env in (("after", here), ("before", there)):
-            proc, api = _route(env, model)
+        for name, env, cwd in (("after", here, None), ("before", there, checkout)):
+            proc, api = _route(env, model, cwd)
             procs.append(proc)
             urls[name] = (api, httpx.get(f"{api}/models", timeout=10).json()["data"][0]["id"])
         for name, (api, mid) in urls.items():
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, help="also write the figures here (JSON)")
     ap.add_argument("--paired-decode", metavar="CHECKOUT", help="2-node decode of this tree against CHECKOUT's")
-    ap.add_argument("--lib-path", help="CHECKOUT's llama-cpp-python libraries (LLAMA_CPP_LIB_PATH)")
+    ap.add_argument("--checkout", help="measure the start of this checkout's dgr instead (its 'before' figures)")
+    ap.add_argument("--lib-path", help="the checkout's llama-cpp-python libraries (LLAMA_CPP_LIB_PATH)")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args(argv)
     if args.paired_decode:
@@ -209,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {t.name: int(t.n_bytes) for t in read_header(args.model).tensors}
     layer_bytes = sum(n for name, n in sizes.items()
                       if name.startswith("blk.") and start <= int(name.split(".")[1]) < stop)
-    runs = [{**measure(args.model, start, stop), "layer_bytes_mib": round(layer_bytes / 2**20, 1)}
+    env = None
+    if args.checkout:
+        env = {**os.environ, "PYTHONPATH": args.checkout, **({"LLAMA_CPP_LIB_PATH": args.lib_path} if args.lib_path else {})}
+    runs = [{**measure(args.model, start, stop, env=env), "layer_bytes_mib": round(layer_bytes / 2**20, 1)}
             for _ in range(args.repeat)]
     for r in runs:
         print(json.dumps(r))

@@ -238,7 +238,7 @@ async def fetch_layers(
         peers = await _wait_for_peers(tracker, manifest, tls)
         peers_at = time.perf_counter()
         say(
-            f"fetching layers {layers} of {manifest.file.name} (header, {len(layers)} layers, every global: "
+            f"fetching layers {layers} of {manifest.file.name} (header, {len(layers)} layers, the globals the range loads: "
             f"{len(wanted)} of {manifest.torrent.piece_count} pieces, <= {len(wanted) * plen / 1e6:.1f} MB) "
             f"from {len(peers)} peers: {', '.join(p['node'] + '@' + p['seed'] for p in peers)}"
         )

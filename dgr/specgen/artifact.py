@@ -69,8 +69,10 @@ def render_tables() -> str:
     lines += ["", "### Global needs", "", "| need | globals included |", "|---|---|"]
     lines += [
         f"| `{GlobalNeed.COMPUTE.value}` | roles `shared`, plus `head`/`head+tail` if the range starts at 0, "
-        "plus `tail`/`head+tail` if it ends at block_count |",
-        f"| `{GlobalNeed.LOADER.value}` | every global tensor (today's llama.cpp shard loader needs them all) |",
+        "plus `tail`/`head+tail` if it ends at block_count: the globals the layer-range API loads; "
+        "the default, what nodes verify and fetch |",
+        f"| `{GlobalNeed.LOADER.value}` | every global tensor, whatever the range: what a derived shard GGUF held "
+        "before the layer-range API; kept for `--globals loader` |",
     ]
     lines += ["", "### Proof verdicts", "", "| verdict | meaning |", "|---|---|"]
     lines += [f"| `{v.value}` | {_VERDICT_DOC[v]} |" for v in Verdict]
