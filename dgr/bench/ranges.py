@@ -5,8 +5,9 @@
 
 One child process per run builds `LlamaShardBackend(model, A:B)` with a fresh
 cache folder, the way `dgr node` starts, and reports:
-- ready_s: from the constructor's call until it returns (a cold start: a
-  cached digest, no cached derived file);
+- ready_s: from the constructor's call until it returns (a first start: a
+  cached digest, no cached derived file; with --cold, from an empty page
+  cache as well, so the model is read from disk);
 - written_mib: what the start wrote to the cache folder (a derived shard file,
   before the layer-range API);
 - model_buffer_mib: llama.cpp's own model buffer sizes, from its load log;
@@ -111,9 +112,18 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
     }
 
 
-def measure(model: str, start: int, stop: int, *, python: str = sys.executable, env: dict | None = None) -> dict:
-    """One fresh child process: build the range, load, compute; its figures."""
+def _drop_page_cache() -> None:
+    """Empty Linux's page cache (root only), so the next start reads the model from disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def measure(model: str, start: int, stop: int, *, python: str = sys.executable, env: dict | None = None,
+            cold: bool = False) -> dict:
+    """One fresh child process: build the range, load, compute; its figures. `cold`: from an empty page cache."""
     with tempfile.TemporaryDirectory(prefix="dgr-ranges-") as cache:
+        if cold:
+            _drop_page_cache()
         out = subprocess.run(
             [python, str(Path(__file__).resolve()), "--child", model, str(start), str(stop), cache],
             capture_output=True, text=True, timeout=900, env=env, check=False,
@@ -193,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="GGUF file (default: the 1B-shape random llama of dgr bench --big)")
     ap.add_argument("--layers", default="5:10", help="A:B, the range to start (default: the 1B shape's middle third)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="empty the page cache before each start (root only)")
     ap.add_argument("--out", type=Path, help="also write the figures here (JSON)")
     ap.add_argument("--paired-decode", metavar="CHECKOUT", help="2-node decode of this tree against CHECKOUT's")
     ap.add_argument("--checkout", help="measure the start of this checkout's dgr instead (its 'before' figures)")
@@ -219,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     env = None
     if args.checkout:
         env = {**os.environ, "PYTHONPATH": args.checkout, **({"LLAMA_CPP_LIB_PATH": args.lib_path} if args.lib_path else {})}
-    runs = [{**measure(args.model, start, stop, env=env), "layer_bytes_mib": round(layer_bytes / 2**20, 1)}
+    runs = [{**measure(args.model, start, stop, env=env, cold=args.cold), "cold": args.cold,
+             "layer_bytes_mib": round(layer_bytes / 2**20, 1)}
             for _ in range(args.repeat)]
     for r in runs:
         print(json.dumps(r))
