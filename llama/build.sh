@@ -41,7 +41,7 @@ if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         echo "applying $(basename "$p")"
         patch -s -p1 -d "$src/vendor/llama.cpp" < "$p"
     done
-    echo "building llama-cpp-python $VERSION with the layer-range patches (about 8 minutes on 2 cores)"
+    echo "building llama-cpp-python $VERSION with the layer-range patches (3 to 8 minutes on 2 cores)"
     mkdir -p "$wheels.tmp"
     CMAKE_ARGS="$CMAKE_ARGS_IN" "$PY" -m pip wheel -q --no-deps "$src" -w "$wheels.tmp"
     rm -rf "$wheels"
