@@ -155,6 +155,9 @@ def _int_key(ctx: int, key: str) -> int:
 # single-node model it is compared with, must use the same value: a different
 # split of a prefill changes the float sums, so the logits stop being bit-identical.
 DEFAULT_N_BATCH = 512
+# llama_rope_type values whose rotary embedding has GGML_MROPE_SECTIONS position sections (llama.h)
+_MROPE_TYPES = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE
+_MROPE_SECTIONS = 4
 
 
 @attrs.define(eq=False)
@@ -172,6 +175,9 @@ class LlamaEngine:
     n_embd: int  # width of the hidden states in and out
     n_vocab: int
     n_ctx_train: int
+    # positions llama.cpp reads per row of a hidden-state batch: 4 (one per M-RoPE section) for
+    # M-RoPE models (qwen2vl, qwen35, ...), else 1; a token batch gives one and llama.cpp repeats it
+    n_pos_per_row: int = attrs.field(default=1, kw_only=True)
     _model: int | None = attrs.field(repr=False)  # llama_model *
     _ctx: int | None = attrs.field(repr=False)  # llama_context *
     _mem: int | None = attrs.field(repr=False)  # llama_memory_t
@@ -237,6 +243,7 @@ class LlamaEngine:
             n_embd=lib.llama_model_n_embd(model) if start > 0 else lib.llama_model_n_embd_inp(model),
             n_vocab=n_vocab,
             n_ctx_train=lib.llama_model_n_ctx_train(model),
+            n_pos_per_row=_MROPE_SECTIONS if lib.llama_model_rope_type(model) in _MROPE_TYPES else 1,
             model=model,
             ctx=ctx,
             mem=lib.llama_get_memory(ctx),
@@ -250,6 +257,7 @@ class LlamaEngine:
         b = self._batch
         b["token"] = np.zeros(cap, np.int32)
         b["pos"] = np.zeros(cap, np.int32)
+        b["pos_sections"] = np.zeros(cap * self.n_pos_per_row, np.int32)  # section-major, for hidden-state rows
         b["n_seq_id"] = np.ones(cap, np.int32)
         b["seq"] = np.zeros(cap, np.int32)
         b["logits"] = np.zeros(cap, np.int8)
@@ -258,6 +266,7 @@ class LlamaEngine:
         self._ptrs = {
             "token": b["token"].ctypes.data_as(i32),
             "pos": b["pos"].ctypes.data_as(i32),
+            "pos_sections": b["pos_sections"].ctypes.data_as(i32),
             "n_seq_id": b["n_seq_id"].ctypes.data_as(i32),
             "seq_id": b["seq_ptr"].ctypes.data_as(ctypes.POINTER(i32)),
             "logits": b["logits"].ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
@@ -268,11 +277,18 @@ class LlamaEngine:
         batch = llama_lib().llama_batch()
         ptrs = self._ptrs
         batch.n_tokens = n
+        batch.pos = ptrs["pos"]
         if embd is None:
             batch.token = ptrs["token"]
         else:
             batch.embd = embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        batch.pos = ptrs["pos"]
+            if self.n_pos_per_row > 1:
+                # llama.cpp reads an embedding row's M-RoPE positions section-major (n rows per section);
+                # text rows sit at the same position in every section, as token rows are broadcast
+                sections = self._batch["pos_sections"]
+                for k in range(self.n_pos_per_row):
+                    sections[k * n : (k + 1) * n] = self._batch["pos"][:n]
+                batch.pos = ptrs["pos_sections"]
         batch.n_seq_id = ptrs["n_seq_id"]
         batch.seq_id = ptrs["seq_id"]
         batch.logits = ptrs["logits"]
