@@ -163,8 +163,9 @@ def _tiny_header_only(path, arch: str, **ints) -> None:
     [
         ("deepseek4", "several streams"),
         ("gemma3n", "per-layer token embeddings"),
-        ("phimoe", "does not loop over the layer range"),
-        ("starcoder2", "no test compares its splits"),
+        ("glm4moe", "aborts on hidden-state input"),
+        ("qwen3next", "does not check a range's layer kinds"),
+        ("rwkv6qwen2", "no test compares its splits"),
     ],
 )
 def test_uncertified_architectures_are_refused_at_node_start(tmp_path, arch, says):
@@ -276,12 +277,12 @@ def test_dgr_up_refuses_unproven_architecture_before_any_process(tmp_path):
 
     from dgr.procs import dgr_command
 
-    path = tmp_path / "starcoder2.gguf"
-    _tiny_header_only(path, "starcoder2")
+    path = tmp_path / "rwkv6qwen2.gguf"
+    _tiny_header_only(path, "rwkv6qwen2")
     out = subprocess.run(dgr_command("up", "--backend", "llama_shard", "--nodes", "2", "--model", str(path)),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
-    assert "'starcoder2' cannot be split into layer ranges" in out.stderr
+    assert "'rwkv6qwen2' cannot be split into layer ranges" in out.stderr
     assert "tracker at" not in out.stderr  # nothing started
 
 

@@ -8,15 +8,21 @@ runs only on the range that starts at layer 0, and a range that stops early
 returns the residual stream before the output norm. So no rule here says how
 to split an architecture; this module only says which ones may be split:
 
-- `CERTIFIED`: architectures whose splits tests/test_families.py (and the
-  default model's tests) check against the whole model, token for token and
-  with logits max |diff| 0.0;
-- `REFUSED`: architectures the API cannot split today, each with its reason:
-  the seam between their layers is more than one row of n_embd floats
-  (several residual streams, per-layer token inputs, a second stream), or
-  their builder is not range-aware in the patch series;
-- any other architecture is refused as not yet certified: the API may well
-  run it, but no test has compared its splits with the whole model.
+- `CERTIFIED`: the families checked on real files or hand-made tiny models
+  (tests/test_llama_shard.py, tests/test_families.py,
+  tests/test_gemma3_270m.py);
+- `TINY_CERTIFIED`: architectures whose tiny random model, made by libllama
+  itself from one metadata table (dgr.testing.arch_models), splits at every
+  boundary of its table bit for bit like the whole model
+  (tests/test_certify.py runs them all; dgr.bench.certify reports every
+  architecture, docs/perf/certify/);
+- `REFUSED`: architectures that do not split today, each with its reason,
+  as dgr.bench.certify found it;
+- `EVERY_KIND`: certified hybrids whose stages must each hold every layer
+  kind (a stage of recurrent layers only, or without its architecture's
+  special layers, dies in llama.cpp); node start does not check a range's
+  kinds yet, so they are refused for ranges with that reason;
+- any other architecture is refused as not yet certified.
 
 `shard_rule` is called by `dgr up` before it starts any process and by each
 node at start, so a refusal is a clear error, never a crash in llama.cpp.
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["CERTIFIED", "REFUSED", "shard_rule"]
+__all__ = ["CERTIFIED", "EVERY_KIND", "REFUSED", "TINY_CERTIFIED", "shard_rule"]
 
 # architecture -> what its certification covers (tests/test_families.py builds a tiny model of each)
 CERTIFIED: dict[str, str] = {
@@ -42,53 +48,83 @@ CERTIFIED: dict[str, str] = {
     "gemma3": "sliding-window layers by global index (period 6) with their own RoPE base; gemma-3-270m",
 }
 
+# every variant (dense, MoE) of the table's tiny model split bit for bit at each boundary (tests/test_certify.py)
+TINY_CERTIFIED: frozenset[str] = frozenset({
+    "afmoe", "apertus", "arcee", "arctic", "baichuan", "bailingmoe", "bailingmoe2", "bloom", "chatglm",
+    "codeshell", "cohere2", "cohere2moe", "command-r", "dbrx", "deci", "deepseek", "deepseek2", "deepseek32",
+    "dots1", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma",
+    "gemma2", "gemma3", "glm-dsa", "gpt-oss", "gptneox", "granite", "granite_swa", "granitemoe", "grok",
+    "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais", "jais2", "laguna",
+    "llama", "maincoder", "mamba", "mamba2", "mellum", "mimo2", "minicpm", "minicpm3", "minimax-m2",
+    "minimax-m3", "mistral3", "mistral4", "mpt", "muse-glimmer", "nanbeige", "nemotron", "olmo", "olmo2",
+    "olmoe", "openelm", "orion", "paddleocr", "pangu-embedded", "phi2", "phi3", "phimoe", "plamo", "plamo3",
+    "plm", "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3vlmoe", "refact", "seed_oss",
+    "smollm3", "spark2_5", "stablelm", "starcoder2", "step35", "xverse",
+})
+
+# certified at the table's boundaries, where every stage holds every layer kind; other stages die in llama.cpp
+EVERY_KIND: frozenset[str] = frozenset({
+    "bailingmoe3", "dots3note", "granitehybrid", "kimi-linear", "lfm2", "lfm2moe", "llama4", "maple",
+    "minimax-01", "nemotron_h", "nemotron_h_moe", "plamo2", "qwen35", "qwen35moe", "qwen3next", "smallthinker",
+})
+
 _STREAMS = "the residual stream between its layers is several streams (hyper-connections), not one row of n_embd"
 _PER_LAYER = "its layers read per-layer token embeddings computed from the token ids before the first layer"
-_NOT_RANGED = "its graph builder does not loop over the layer range in the patch series (llama/patches/)"
+_MISCOUNT = "its loader decides a layer's tensors from another tensor of that layer, so ranges miscount the file"
 REFUSED: dict[str, str] = {
     "deepseek4": _STREAMS + " (hc_mult x n_embd), and hash-routed layers need the token ids",
     "glm5-next": _STREAMS,
     "hy_v4": _STREAMS,
     "qwen4exp": _STREAMS,
-    "gemma3n": _PER_LAYER + ", and its layers carry several AltUp streams",
+    "gemma3n": _PER_LAYER + ", and its layers share KV across the model",
     "gemma4": _PER_LAYER,
     "talkie": "every layer reads the input embedding again (embd_skip): a second stream",
     "rwkv7": "every layer reads the first layer's value (v_first): a second stream",
     "arwkv7": "every layer reads the first layer's value (v_first): a second stream",
+    "glm4": "its builder aborts on hidden-state input, taking it for multimodal embeddings (glm4.cpp)",
+    "glm4moe": "its builder aborts on hidden-state input, taking it for multimodal embeddings (glm4-moe.cpp)",
+    "gpt2": "a range after layer 0 dies in llama.cpp (its unused position input has no buffer)",
+    "starcoder": "a range after layer 0 dies in llama.cpp (its unused position input has no buffer)",
+    "qwen3vl": "its builder reads the token embedding's shape on every range (qwen3vl.cpp)",
+    "bitnet": "its output head reads the token embedding directly (bitnet.cpp)",
+    "jamba": _MISCOUNT + " (its MoE layers)",
+    "kimi-k3": _MISCOUNT,
+    "rwkv6": "its loader asserts on optional tensors of layers outside the range",
+    "cogvlm": "its builder picks the text or vision expert by whether the batch holds tokens",
+    "hrm_text": "its caches alias layers across the model's cycles",
     "graniteswitch": "its input path picks adapter tokens before the first layer",
     "dflash": "a draft model fed by its target's hidden states",
     "eagle3": "a draft model fed by its target's hidden states",
     "t5": "an encoder-decoder: the decoder's layers read the encoder's output",
     "t5encoder": "an encoder",
     "bert": "an encoder",
-    "hrm_text": _NOT_RANGED + " (hierarchical cycles over the layers)",
-    "phimoe": _NOT_RANGED,
-    "granitemoe": _NOT_RANGED,
-    "lfm2moe": _NOT_RANGED,
-    "minicpm": _NOT_RANGED,
-    "mamba": _NOT_RANGED,
-    "mamba2": _NOT_RANGED,
-    "rwkv6": _NOT_RANGED,
 }
+_EVERY_KIND_WHY = (
+    "a stage that lacks one of its layer kinds (recurrent or attention, or its special layers) dies in llama.cpp, "
+    "and node start does not check a range's layer kinds yet (certified where every stage holds every kind: "
+    "dgr.bench.certify)"
+)
 
 
 def shard_rule(arch: str, *, nextn_layers: int = 0) -> str:
-    """What a layer range of `arch` is certified for (a line of `CERTIFIED`).
+    """What a layer range of `arch` is certified by.
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): `arch` is refused (the message gives
         the reason) or not certified yet; `--backend llama` serves it whole.
     """
     del nextn_layers  # multi-token-prediction layers load with the range that ends at the last layer
-    certified = ", ".join(sorted(CERTIFIED))
     if arch in CERTIFIED:
         return CERTIFIED[arch]
-    why = REFUSED.get(
+    if arch in TINY_CERTIFIED:
+        return "its tiny model splits bit for bit at every tested boundary (tests/test_certify.py)"
+    why = _EVERY_KIND_WHY if arch in EVERY_KIND else REFUSED.get(
         arch,
-        "no test compares its splits with the whole model yet (tests/test_families.py certifies each family)",
+        "no test compares its splits with the whole model yet (tests/test_certify.py certifies each family)",
     )
+    n = len(CERTIFIED.keys() | TINY_CERTIFIED)
     raise CallerError(
         Reason.MODEL_LOAD_FAILED,
-        f"architecture {arch!r} cannot be split into layer ranges: {why} (certified for ranges: {certified}; "
-        "--backend llama serves it whole)",
+        f"architecture {arch!r} cannot be split into layer ranges: {why} ({n} architectures are certified for "
+        "ranges, see spec/layer-ranges.md; --backend llama serves it whole)",
     )

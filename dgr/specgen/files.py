@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dgr.specgen import artifact, audit_layouts, audits, dsv4_layout, protocol
+from dgr.specgen import artifact, audit_layouts, audits, dsv4_layout, protocol, ranges
 
 __all__ = ["GENERATED", "ROOT", "expected"]
 
@@ -28,6 +28,7 @@ GENERATED: dict[str, Callable[[str], str]] = {
     **{_rel(p): (lambda _text, p=p: audit_layouts.render(p)) for p in audit_layouts.OUTPUTS},
     **{rel: (lambda _text, r=render: r()) for rel, render in protocol.DOCUMENTS.items()},
     _rel(artifact.SPEC_PATH): artifact.splice,
+    _rel(ranges.OUT): lambda _text: ranges.render(),
     **{_rel(a.spec): (lambda text, a=a: audits.render(text, a)) for a in audits.AUDITS.values()},
 }
 

@@ -1,0 +1,58 @@
+"""Every architecture certified for layer ranges splits bit for bit, on a tiny model libllama makes itself.
+
+For each architecture in dgr.backends.llama_arch.TINY_CERTIFIED and EVERY_KIND,
+and each variant of its tiny model (dense, MoE) in dgr.testing.arch_models:
+the model is written from the one metadata table, decoded whole (8 greedy
+tokens after 24 prompt ids), then cut at every boundary of its table (one
+inside any layer-pattern period, one next to a change of layer kind) and
+chained through the layer-range API; tokens and every step's logits must
+equal the whole model's exactly. One child process runs them all in process
+(dgr.bench.certify.certify_here), so a crash fails this test, not the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dgr.backends import llama_arch
+from dgr.bench.certify import cases
+
+pytestmark = [pytest.mark.llama]
+
+_SCRIPT = """
+import json, sys, tempfile
+from pathlib import Path
+from dgr.bench.certify import cases, certify_here
+names = set(sys.argv[1:])
+for case in cases():
+    if case.arch in names:
+        with tempfile.TemporaryDirectory() as folder:
+            got = certify_here(case, Path(folder))
+        print("CASE " + json.dumps({"case": case.name, **got}), flush=True)
+"""
+
+
+def test_at_least_seventy_architectures_are_certified():
+    assert len(llama_arch.CERTIFIED.keys() | llama_arch.TINY_CERTIFIED) >= 70
+    assert not llama_arch.TINY_CERTIFIED & llama_arch.EVERY_KIND
+    assert not (llama_arch.TINY_CERTIFIED | llama_arch.EVERY_KIND) & llama_arch.REFUSED.keys()
+
+
+def test_every_certified_architecture_splits_bit_for_bit():
+    names = sorted(llama_arch.TINY_CERTIFIED | llama_arch.EVERY_KIND)
+    want = [c.name for c in cases() if c.arch in names]
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, *names], capture_output=True, text=True, timeout=300,
+                         check=False)
+    got = {r["case"]: r for r in (json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("CASE "))}
+    assert out.returncode == 0, f"died after {list(got)[-1:]}: {out.stderr[-1500:]}"
+    assert sorted(got) == sorted(want)
+    bad = {name: [(s["split"], s["result"], s.get("max_diff")) for s in r["per_split"] if s["result"] != "certified"]
+           or r["whole"] for name, r in got.items()
+           if r["whole"]["result"] != "ok" or any(s["result"] != "certified" for s in r["per_split"])}
+    print(f"{len(got)} cases of {len(names)} architectures split bit for bit at every boundary")
+    assert bad == {}
+    assert all(len(r["per_split"]) >= 2 for r in got.values())
