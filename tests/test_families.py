@@ -1,18 +1,20 @@
 """Every certified model family, on tiny random-weight GGUFs written here (no download).
 
 For each family in dgr.backends.llama_arch.CERTIFIED (llama, qwen2, qwen3,
-phi3, gemma, gemma2, gemma3), and a Mixtral-like llama with 4 experts:
+qwen3moe, phi3, gemma, gemma2, gemma3), and a Mixtral-like llama with 4
+experts:
 - in process, 2- and 3-way layer splits loaded straight from the file through
   the layer-range API give the single node's greedy tokens and bit-identical
   logits (max |diff| 0.0), with a prompt longer than the sliding window of
   gemma2/gemma3; the splits cut inside their local/global period, and the
   gemmas' input scaling runs only on the head;
-- a control: one ulp of difference in the seam changes the tail's logits, so
-  the 0.0 above is a real check;
+- a control: one ulp of difference in the seam's last row changes the tail's
+  logits, so the 0.0 above is a real check;
 - through real `dgr up --backend llama` processes, greedy text equals
   llama-cpp-python's own `create_completion` on the same file;
 - a real 2-node `dgr up --backend llama_shard` on gemma3 picks a split inside
-  its period and answers as llama-cpp-python does;
+  its period and answers as llama-cpp-python does, and a 3-node one on
+  qwen3moe answers through the OpenAI client as one `llama` node does;
 - the torch reference, split in llama.cpp's numbering, matches llama.cpp on
   f32 weights for llama, qwen2 and qwen3;
 - refusals: architectures refused or not certified for ranges are refused at
@@ -124,7 +126,8 @@ def test_one_ulp_in_the_seam_changes_the_answer(models, reference):
         seam = head.forward("a", 0, np.array(prompt, np.int32), None, False)  # float32 [n, 64]
         assert np.array_equal(seam, head.forward("b", 0, np.array(prompt, np.int32), None, False))
         nudged = seam.copy()
-        nudged[-1, 0] = np.nextafter(nudged[-1, 0], np.float32(np.inf))
+        # one ulp up in every value of the last position (one value alone may round away in the next norm)
+        nudged[-1] = np.nextafter(nudged[-1], np.float32(np.inf))
         want, got = tail.forward("a", 0, None, seam, True), tail.forward("b", 0, None, nudged, True)
         assert not np.array_equal(want, got)
     finally:
@@ -237,6 +240,25 @@ def test_dgr_up_two_nodes_on_gemma3(models):
     assert layers == ["0:3", "3:6"]  # inside the period: each range keeps the file's layer numbering
     assert got.choices[0].text == out["choices"][0]["text"]
     assert got.usage.prompt_tokens > 4 * WINDOW
+
+
+def test_dgr_up_three_nodes_on_qwen3moe_answers_as_one_node(models):
+    """A mixture of experts through the OpenAI client: 3 llama_shard nodes answer as 1 llama node."""
+    question = [{"role": "user", "content": tiny_prompt()}]
+
+    def ask(backend: str, nodes: int) -> tuple[str, list[str], int]:
+        with _route(models["qwen3moe"], backend, nodes) as r:
+            layers = sorted(n["layers"] for n in r.node_table())
+            client = _client(r)
+            resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=question,
+                                                  max_tokens=N_NEW, temperature=0)
+            return resp.choices[0].message.content, layers, resp.usage.completion_tokens
+
+    split, layers, n_split = ask("llama_shard", 3)
+    whole, _, n_whole = ask("llama", 1)
+    print(f"dgr up --nodes 3 on tiny qwen3moe {layers}: {split!r}")
+    assert len(layers) == 3
+    assert (split, n_split) == (whole, n_whole) and n_whole == N_NEW
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -42,6 +42,7 @@ CERTIFIED: dict[str, str] = {
     "llama": "Llama 2/3, Mistral, SmolLM (the default model), Mixtral-style experts; tied output",
     "qwen2": "optional Q/K/V biases",
     "qwen3": "per-head Q/K norms",
+    "qwen3moe": "qwen3's layers with a routed mixture of experts; a 3-node dgr up answers as one node",
     "phi3": "fused QKV and gate+up; long/short RoPE factors",
     "gemma": "sqrt(n_embd) input scaling on the head only",
     "gemma2": "sliding-window layers by global index (period 2); input scaling on the head only",

@@ -25,7 +25,7 @@ import numpy as np
 
 __all__ = ["FAMILIES", "TinySpec", "tiny_prompt", "write_layout_gguf", "write_tiny_gguf"]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3")
 
 _WORDS = (
     "the", "a", "of", "and", "to", "in", "is", "it", "that", "ship", "wind", "bird", "keeper", "wrote",
@@ -50,7 +50,7 @@ class TinySpec:
     head_dim: int = 0
     context: int = 512
     sliding_window: int = 8  # gemma2 / gemma3 only
-    n_expert: int = 0  # llama only: a Mixtral-like mixture of experts, 2 used per token
+    n_expert: int = 0  # llama: a Mixtral-like mixture of experts, 2 used per token; qwen3moe: 4 unless given
     gain: float = 3.0  # scale of each layer's output weights: layers, not the token's own embedding, decide
     swa_period: int | None = None  # gemma2 / gemma3: write this period (default: the loader's own)
     seed: int = 0
@@ -84,6 +84,8 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     spec = TinySpec(arch, **kw)
     if arch not in FAMILIES:
         raise ValueError(f"no tiny model for {arch!r}; families: {FAMILIES}")
+    if arch == "qwen3moe" and not spec.n_expert:
+        spec = attrs.evolve(spec, n_expert=4)  # qwen3's layers with a routed mixture of experts
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, scores, types = _vocab()
@@ -103,10 +105,12 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     w.add_rope_freq_base(1_000_000.0 if arch == "gemma3" else 10000.0)  # gemma3: its global layers
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     if spec.n_expert:
-        if arch != "llama":
-            raise ValueError("tiny mixtures of experts are written for llama only")
+        if arch not in ("llama", "qwen3moe"):
+            raise ValueError("tiny mixtures of experts are written for llama and qwen3moe only")
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(2)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(spec.n_ff)  # else n_ff / n_expert_used (src/models/qwen3moe.cpp:50)
     if arch.startswith("gemma") or spec.head_dim:
         w.add_key_length(hd)
         w.add_value_length(hd)
@@ -152,7 +156,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
     rows = np.where(np.array(types) == int(gguf.TokenType.NORMAL), 1.0, 0.05)
     f32("token_embd.weight", (n_vocab, d), embd_scale, rows)
     norm("output_norm.weight", d)
-    if arch in ("llama", "qwen2", "qwen3", "phi3"):  # the others tie the output to token_embd
+    if arch in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3"):  # the others tie the output to token_embd
         f32("output.weight", (n_vocab, d), 1.0 / np.sqrt(d), rows)
     s_in, s_ff = 1.0 / np.sqrt(d), 1.0 / np.sqrt(spec.n_ff)
     for i in range(spec.n_layer):
@@ -168,7 +172,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
             f32(b + "attn_q.bias", (q_dim,), 0.1)
             f32(b + "attn_k.bias", (kv_dim,), 0.1)
             f32(b + "attn_v.bias", (kv_dim,), 0.1)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(b + "attn_q_norm.weight", hd)
             norm(b + "attn_k_norm.weight", hd)
         f32(b + "attn_output.weight", (d, q_dim), spec.gain / np.sqrt(q_dim))
@@ -176,7 +180,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
             w.add_tensor(b + "post_attention_norm.weight", (spec.gain * (1 + 0.1 * rng.standard_normal(d))).astype(np.float32))
             w.add_tensor(b + "post_ffw_norm.weight", (spec.gain * (1 + 0.1 * rng.standard_normal(d))).astype(np.float32))
         norm(b + "ffn_norm.weight", d)
-        if spec.n_expert:  # llama.cpp's src/models/llama.cpp:79-82
+        if spec.n_expert:  # llama.cpp's src/models/llama.cpp:79-82 and src/models/qwen3moe.cpp:40-54
             f32(b + "ffn_gate_inp.weight", (spec.n_expert, d), s_in)
             q8(b + "ffn_gate_exps.weight", (spec.n_expert, spec.n_ff, d), s_in)
             q8(b + "ffn_up_exps.weight", (spec.n_expert, spec.n_ff, d), s_in)
