@@ -42,6 +42,23 @@ def test_at_least_seventy_architectures_are_certified():
     assert not (llama_arch.TINY_CERTIFIED | llama_arch.EVERY_KIND) & llama_arch.REFUSED.keys()
 
 
+def test_a_hybrid_range_must_hold_every_layer_kind(tmp_path):
+    """qwen35 (gated delta-net layers, attention every third here): node start runs a range that holds both
+    kinds, and refuses one that lacks either, naming it, where llama.cpp would die."""
+    from dgr.backends.base import LayerRange
+    from dgr.backends.llama_shard import LlamaShardBackend
+    from dgr.errors import CallerError, Reason
+    from dgr.testing.arch_models import write_arch_gguf
+
+    path = write_arch_gguf("qwen35", tmp_path / "qwen35.gguf")  # layers 2, 5, 8 attention, the rest delta
+    LlamaShardBackend(path, LayerRange(3, 6), n_threads=1, n_ctx=64, max_sessions=1).close()
+    for layers, missing in ((LayerRange(0, 2), "attn"), (LayerRange(5, 6), "delta")):
+        with pytest.raises(CallerError) as e:
+            LlamaShardBackend(path, layers, n_threads=1, n_ctx=64, max_sessions=1)
+        assert e.value.reason is Reason.MODEL_LOAD_FAILED
+        assert f"hold no {missing} layer" in e.value.message, e.value.message
+
+
 def test_every_certified_architecture_splits_bit_for_bit():
     names = sorted(llama_arch.TINY_CERTIFIED | llama_arch.EVERY_KIND)
     want = [c.name for c in cases() if c.arch in names]

@@ -167,7 +167,7 @@ def _tiny_header_only(path, arch: str, **ints) -> None:
         ("deepseek4", "several streams"),
         ("gemma3n", "per-layer token embeddings"),
         ("glm4moe", "aborts on hidden-state input"),
-        ("qwen3next", "does not check a range's layer kinds"),
+        ("nemotron_h", "cannot check a range's kinds"),
         ("rwkv6qwen2", "no test compares its splits"),
     ],
 )

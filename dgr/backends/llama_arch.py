@@ -20,8 +20,10 @@ to split an architecture; this module only says which ones may be split:
   as dgr.bench.certify found it;
 - `EVERY_KIND`: certified hybrids whose stages must each hold every layer
   kind (a stage of recurrent layers only, or without its architecture's
-  special layers, dies in llama.cpp); node start does not check a range's
-  kinds yet, so they are refused for ranges with that reason;
+  special layers, dies in llama.cpp). Those whose layer kinds dgr reads from
+  the file (`KIND_CHECKED`: gated delta-net and attention, dgr.plan) run
+  where every range holds every kind (`check_every_kind`, at node start);
+  the others are refused for ranges with that reason;
 - any other architecture is refused as not yet certified.
 
 `shard_rule` is called by `dgr up` before it starts any process and by each
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["CERTIFIED", "EVERY_KIND", "REFUSED", "TINY_CERTIFIED", "shard_rule"]
+__all__ = ["CERTIFIED", "EVERY_KIND", "KIND_CHECKED", "REFUSED", "TINY_CERTIFIED", "check_every_kind", "shard_rule"]
 
 # architecture -> what its certification covers (tests/test_families.py builds a tiny model of each)
 CERTIFIED: dict[str, str] = {
@@ -68,6 +70,9 @@ EVERY_KIND: frozenset[str] = frozenset({
     "bailingmoe3", "dots3note", "granitehybrid", "kimi-linear", "lfm2", "lfm2moe", "llama4", "maple",
     "minimax-01", "nemotron_h", "nemotron_h_moe", "plamo2", "qwen35", "qwen35moe", "qwen3next", "smallthinker",
 })
+
+# the EVERY_KIND hybrids whose layer kinds dgr reads from the file (dgr.plan.rules: "delta" and "attn")
+KIND_CHECKED: frozenset[str] = frozenset({"qwen35", "qwen35moe", "qwen3next"})
 
 _STREAMS = "the residual stream between its layers is several streams (hyper-connections), not one row of n_embd"
 _PER_LAYER = "its layers read per-layer token embeddings computed from the token ids before the first layer"
@@ -102,8 +107,8 @@ REFUSED: dict[str, str] = {
 }
 _EVERY_KIND_WHY = (
     "a stage that lacks one of its layer kinds (recurrent or attention, or its special layers) dies in llama.cpp, "
-    "and node start does not check a range's layer kinds yet (certified where every stage holds every kind: "
-    "dgr.bench.certify)"
+    "and dgr does not read this hybrid's layer kinds from the file yet, so node start cannot check a range's kinds "
+    "(certified where every stage holds every kind: dgr.bench.certify)"
 )
 
 
@@ -119,13 +124,37 @@ def shard_rule(arch: str, *, nextn_layers: int = 0) -> str:
         return CERTIFIED[arch]
     if arch in TINY_CERTIFIED:
         return "its tiny model splits bit for bit at every tested boundary (tests/test_certify.py)"
+    if arch in KIND_CHECKED:
+        return "its tiny model splits bit for bit where every stage holds every layer kind (check_every_kind)"
     why = _EVERY_KIND_WHY if arch in EVERY_KIND else REFUSED.get(
         arch,
         "no test compares its splits with the whole model yet (tests/test_certify.py certifies each family)",
     )
-    n = len(CERTIFIED.keys() | TINY_CERTIFIED)
+    n = len(CERTIFIED.keys() | TINY_CERTIFIED | KIND_CHECKED)
     raise CallerError(
         Reason.MODEL_LOAD_FAILED,
         f"architecture {arch!r} cannot be split into layer ranges: {why} ({n} architectures are certified for "
         "ranges, see spec/layer-ranges.md; --backend llama serves it whole)",
     )
+
+
+def check_every_kind(arch: str, kinds: list[str], ranges: list[tuple[int, int]]) -> None:
+    """Refuse a range of a KIND_CHECKED hybrid that lacks one of the model's layer kinds.
+
+    `kinds` is each layer's kind, as dgr.plan reads them from the file. A
+    stage without recurrent layers, or without attention layers, dies in
+    llama.cpp (its memory of that kind has no buffer: GGML_ASSERT(buffer)).
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): a range lacks a kind, naming it.
+    """
+    every = sorted(set(kinds))
+    for start, stop in ranges:
+        missing = sorted(set(every) - set(kinds[start:stop]))
+        if missing:
+            raise CallerError(
+                Reason.MODEL_LOAD_FAILED,
+                f"architecture {arch!r}: layers {start}:{stop} hold no {' or '.join(missing)} layer; every range of "
+                f"this hybrid must hold each of its layer kinds ({', '.join(every)}), or llama.cpp dies creating "
+                "its memory",
+            )

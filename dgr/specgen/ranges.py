@@ -35,6 +35,7 @@ def render() -> str:
 
     accepted = sorted(llama_arch.CERTIFIED.keys() | llama_arch.TINY_CERTIFIED)
     every_kind = sorted(llama_arch.EVERY_KIND)
+    checked = sorted(llama_arch.KIND_CHECKED)
     runs: dict[str, list[dict]] = {}
     for case in json.loads(RESULTS.read_text())["cases"]:
         runs.setdefault(case["arch"], []).append(case)
@@ -53,9 +54,11 @@ def render() -> str:
         "position; M-RoPE models also give llama.cpp each row's position once per rope section",
         "(4 per row), which dgr's engine does for hidden-state rows.",
         "",
-        f"**{len(accepted)} architectures** are accepted for ranges at node start; {len(every_kind)} more split",
-        "bit for bit at their boundaries but are refused until node start checks that each stage holds every",
-        "layer kind; the others are refused with the reason below. `--backend llama` serves any of them whole.",
+        f"**{len(accepted) + len(checked)} architectures** are accepted for ranges at node start: {len(accepted)} at any",
+        f"boundary, and {len(checked)} hybrids ({', '.join(checked)}) where every range holds each of their layer",
+        f"kinds, which node start checks. {len(every_kind) - len(checked)} more hybrids split bit for bit at their",
+        "boundaries but are refused until dgr can read their layer kinds; the others are refused with the",
+        "reason below. `--backend llama` serves any of them whole.",
         "",
         "## Accepted",
         "",
@@ -69,17 +72,19 @@ def render() -> str:
         lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {_cell(spec.why or '-')} ({variants}) | {also} |")
     lines += [
         "",
-        "## Refused until node start checks layer kinds",
+        "## Hybrids: every stage must hold every layer kind",
         "",
         "Every stage at the boundaries below holds every layer kind, and they split bit for bit; the probes,",
         "stages that lack a kind, die in llama.cpp.",
         "",
-        "| architecture | layers | certified boundaries | probes that die | what the boundaries cut |",
-        "| --- | ---: | --- | --- | --- |",
+        "| architecture | layers | certified boundaries | probes that die | at node start | what the boundaries cut |",
+        "| --- | ---: | --- | --- | --- | --- |",
     ]
     for arch in every_kind:
         spec = ARCHS[arch]
-        lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {_bounds(spec.probes)} | {_cell(spec.why or '-')} |")
+        start = "accepted where every range holds each kind" if arch in checked else "refused"
+        lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {_bounds(spec.probes)} | {start} | "
+                     f"{_cell(spec.why or '-')} |")
     lines += [
         "",
         "## Refused",
