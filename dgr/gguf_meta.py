@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCHITECTURE_KEY",
+    "RECURRENT_HYBRID_ARCHS",
     "GLOBAL_ROLES",
     "LAYER_PREFIX",
     "NAME_KEY",
@@ -61,6 +62,7 @@ __all__ = [
     "GgufHeader",
     "HeaderTensor",
     "read_header",
+    "is_recurrent_layer",
     "global_role",
     "is_tied",
     "layer_of",
@@ -102,6 +104,24 @@ GLOBAL_ROLES: dict[str, Role] = {
 }
 
 _LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)$")
+
+
+# Architectures whose linear-attention layers keep recurrent state (gated delta net) and whose
+# every `full_attention_interval`-th layer is full attention (llama.cpp src/models/qwen35moe.cpp).
+RECURRENT_HYBRID_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
+
+
+def is_recurrent_layer(arch: str, meta: Mapping[str, Any], il: int) -> bool:
+    """Whether layer il of a RECURRENT_HYBRID_ARCHS model is gated delta net (else full attention).
+
+    An explicit per-layer array, `{arch}.attention.recurrent_layers`, else full attention every
+    `{arch}.full_attention_interval`-th layer (default 4), as llama.cpp's loader decides.
+    """
+    flags = meta.get(arch_key(arch, "attention.recurrent_layers"))
+    if flags is not None:
+        return bool(flags[il] if isinstance(flags, (list, tuple)) else flags)
+    interval = int(meta.get(arch_key(arch, "full_attention_interval"), 4) or 4)
+    return (il + 1) % interval != 0
 
 
 def arch_key(arch: str, key: str) -> str:

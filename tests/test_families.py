@@ -37,6 +37,7 @@ from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.pipeline import Pipeline
 from dgr.testing.harness import LocalRoute
+from dgr.testing.reference import split_greedy
 from dgr.testing.tiny_gguf import FAMILIES, tiny_prompt, write_tiny_gguf
 
 pytestmark = [pytest.mark.llama, pytest.mark.serial]
@@ -70,14 +71,6 @@ def models(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _stages(path: str, sizes: list[int]) -> list[LlamaShardBackend]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(LlamaShardBackend(path, LayerRange(at, at + n), n_threads=1, n_ctx=256, max_sessions=1))
-        at += n
-    return out
-
-
 def _greedy(stages, prompt):
     try:
         return Pipeline(stages).generate_greedy(prompt, N_NEW, keep_logits=True)
@@ -107,7 +100,7 @@ def test_splits_equal_single_node(arch, models, reference):
     assert len(prompt) > 4 * WINDOW  # past every sliding window of the tiny gemmas
     assert len(set(ref.tokens)) > 2  # a real continuation, not one token repeated
     for sizes in SPLITS:
-        got = _greedy(_stages(models[arch], sizes), prompt)
+        got = split_greedy(models[arch], sizes, prompt, N_NEW, n_threads=1, n_ctx=256, max_sessions=1)
         diff = float(np.max(np.abs(got.logits - ref.logits)))
         print(f"{arch} split {sizes}: max |diff| over {N_NEW} steps: {diff}")
         assert got.tokens == ref.tokens, sizes
@@ -137,7 +130,7 @@ def test_one_ulp_in_the_seam_changes_the_answer(models, reference):
 
 def test_kv_bytes_follow_the_head_width(models, reference):
     prompt, _ = reference["gemma3"]
-    (tail,) = _stages(models["gemma3"], [N_LAYER])
+    tail = LlamaShardBackend(models["gemma3"], LayerRange(0, N_LAYER), n_threads=1, n_ctx=256, max_sessions=1)
     try:
         tail.open_session("s", len(prompt))
         tail.forward("s", 0, np.array(prompt, np.int32), None, True)

@@ -19,11 +19,10 @@ import numpy as np
 import openai
 import pytest
 
-from dgr.backends.base import LayerRange
 from dgr.backends.llama import LlamaBackend
-from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.pipeline import Pipeline
 from dgr.testing.harness import LocalRoute
+from dgr.testing.reference import split_greedy
 
 pytestmark = [pytest.mark.llama, pytest.mark.serial]
 
@@ -63,15 +62,7 @@ def reference(model, prompt):
 
 @pytest.mark.parametrize("split", SPLITS)
 def test_split_equals_single_node(split, model, prompt, reference):
-    stages, at = [], 0
-    for n in SPLITS[split]:
-        stages.append(LlamaShardBackend(model, LayerRange(at, at + n), n_threads=1, n_ctx=N_CTX, max_sessions=1))
-        at += n
-    try:
-        got = Pipeline(stages).generate_greedy(prompt, N_NEW, keep_logits=True)
-    finally:
-        for s in stages:
-            s.close()
+    got = split_greedy(model, SPLITS[split], prompt, N_NEW, n_threads=1, n_ctx=N_CTX, max_sessions=1)
     diff = float(np.max(np.abs(got.logits - reference.logits)))
     print(f"gemma-3-270m split {split}: max |logit diff| over {N_NEW} steps after {len(prompt)} positions: {diff}")
     assert got.tokens == reference.tokens

@@ -32,6 +32,7 @@ from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
 from dgr.pipeline import Pipeline
+from dgr.testing.reference import split_greedy
 
 pytestmark = pytest.mark.llama  # in process, one thread: not serial (tests/conftest.py)
 
@@ -80,18 +81,11 @@ def reference(full, prompt):
 # a second even-ish two-way split adds little to 15:15 and 1:29: under `make test-slow`
 @pytest.mark.parametrize("split", [pytest.param(s, marks=pytest.mark.slow) if s == "10:20" else s for s in SPLITS])
 def test_split_equals_single_node(split, prompt, reference):
-    stages = shards(SPLITS[split], max_sessions=1)
-    try:
-        got = Pipeline(stages).generate_greedy(prompt, N_NEW, keep_logits=True)
-    finally:
-        for s in stages:
-            s.close()
+    got = split_greedy(default_model_path(), SPLITS[split], prompt, N_NEW, n_threads=1, n_ctx=512, max_sessions=1)
     diff = float(np.max(np.abs(got.logits - reference.logits)))
     print(f"split {split}: max abs logit difference over {N_NEW} steps: {diff}")
     assert got.tokens == reference.tokens
     assert diff == 0.0
-    assert all(s.info == stages[0].info for s in stages)
-    assert stages[0].info.digest == file_sha256(default_model_path())
 
 
 def test_seam_chunks_and_no_recompute(prompt):
@@ -233,14 +227,18 @@ def test_a_range_loads_only_what_its_stage_needs(cache_dir):
         (0, 10): layers(0, 10) + sizes["token_embd.weight"],
         (20, 30): layers(20, 30) + sizes["output_norm.weight"] + sizes["token_embd.weight"],
     }
+    infos = []
     for (a, b), n_bytes in want.items():
         shard = LlamaShardBackend(src, LayerRange(a, b), n_threads=1, n_ctx=256, max_sessions=1)
         try:
+            infos.append(shard.info)
             assert llama_lib().llama_model_size(shard.engine._model) == n_bytes, (a, b)
             assert shard.engine.n_layer == b - a and shard.engine.hidden_out == (b < 30)
             assert shard.engine.kv_bytes_per_position() == (b - a) * 3 * (64 + 64) * 2  # only its layers' KV
         finally:
             shard.close()
+    # every range reports the source model's identity, as the whole model does
+    assert all(info == infos[0] for info in infos) and infos[0].digest == file_sha256(src)
     assert not any(p.is_file() and p.suffix == ".gguf" for p in cache_dir.rglob("*"))
     with pytest.raises(CallerError) as e:
         LlamaShardBackend(src, LayerRange(20, 31))

@@ -21,7 +21,7 @@ to split an architecture; this module only says which ones may be split:
 - `EVERY_KIND`: certified hybrids whose stages must each hold every layer
   kind (a stage of recurrent layers only, or without its architecture's
   special layers, dies in llama.cpp). Those whose layer kinds dgr reads from
-  the file (`KIND_CHECKED`: gated delta-net and attention, dgr.plan) run
+  the file (`KIND_CHECKED`: gated delta-net and attention, dgr.gguf_meta) run
   where every range holds every kind (`check_every_kind`, at node start);
   the others are refused for ranges with that reason;
 - any other architecture is refused as not yet certified.
@@ -36,6 +36,7 @@ pricing (dgr.plan.rules).
 from __future__ import annotations
 
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import RECURRENT_HYBRID_ARCHS
 
 __all__ = ["CERTIFIED", "EVERY_KIND", "KIND_CHECKED", "REFUSED", "TINY_CERTIFIED", "check_every_kind", "shard_rule"]
 
@@ -71,8 +72,8 @@ EVERY_KIND: frozenset[str] = frozenset({
     "minimax-01", "nemotron_h", "nemotron_h_moe", "plamo2", "qwen35", "qwen35moe", "qwen3next", "smallthinker",
 })
 
-# the EVERY_KIND hybrids whose layer kinds dgr reads from the file (dgr.plan.rules: "delta" and "attn")
-KIND_CHECKED: frozenset[str] = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+# the EVERY_KIND hybrids whose layer kinds dgr reads from the file (dgr.gguf_meta.is_recurrent_layer)
+KIND_CHECKED: frozenset[str] = frozenset(RECURRENT_HYBRID_ARCHS)
 
 _STREAMS = "the residual stream between its layers is several streams (hyper-connections), not one row of n_embd"
 _PER_LAYER = "its layers read per-layer token embeddings computed from the token ids before the first layer"
@@ -112,14 +113,13 @@ _EVERY_KIND_WHY = (
 )
 
 
-def shard_rule(arch: str, *, nextn_layers: int = 0) -> str:
+def shard_rule(arch: str) -> str:
     """What a layer range of `arch` is certified by.
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): `arch` is refused (the message gives
         the reason) or not certified yet; `--backend llama` serves it whole.
     """
-    del nextn_layers  # multi-token-prediction layers load with the range that ends at the last layer
     if arch in CERTIFIED:
         return CERTIFIED[arch]
     if arch in TINY_CERTIFIED:
@@ -141,7 +141,7 @@ def shard_rule(arch: str, *, nextn_layers: int = 0) -> str:
 def check_every_kind(arch: str, kinds: list[str], ranges: list[tuple[int, int]]) -> None:
     """Refuse a range of a KIND_CHECKED hybrid that lacks one of the model's layer kinds.
 
-    `kinds` is each layer's kind, as dgr.plan reads them from the file. A
+    `kinds` is each layer's kind, as dgr.gguf_meta reads them from the file. A
     stage without recurrent layers, or without attention layers, dies in
     llama.cpp (its memory of that kind has no buffer: GGML_ASSERT(buffer)).
 

@@ -98,9 +98,6 @@ class GgufHeader:
     n_embd: int  # {arch}.embedding_length; 0 when absent
     context_length: int  # {arch}.context_length (training context); 0 when absent
     tensor_types: dict[str, int]  # ggml type name -> bytes of tensor data
-    n_head: int = 0  # {arch}.attention.head_count when a scalar; 0 when absent or per layer
-    head_dim: int = 0  # {arch}.attention.key_length; else n_embd / n_head; 0 when unknown
-    nextn_layers: int = 0  # {arch}.nextn_predict_layers: multi-token-prediction layers at the end
 
 
 def read_gguf_header(path: str | Path) -> GgufHeader:
@@ -125,17 +122,12 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
         types: Counter[str] = Counter()
         for i in range(g.gguf_get_n_tensors(ctx)):
             types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
-        n_embd = _int_key(ctx, arch_key(arch, "embedding_length"))
-        n_head = _int_key(ctx, arch_key(arch, "attention.head_count"))
         return GgufHeader(
             architecture=arch,
             n_layer=_int_key(ctx, arch_key(arch, "block_count")),
-            n_embd=n_embd,
+            n_embd=_int_key(ctx, arch_key(arch, "embedding_length")),
             context_length=_int_key(ctx, arch_key(arch, "context_length")),
             tensor_types=dict(types),
-            n_head=n_head,
-            head_dim=_int_key(ctx, arch_key(arch, "attention.key_length")) or (n_embd // n_head if n_head else 0),
-            nextn_layers=_int_key(ctx, arch_key(arch, "nextn_predict_layers")),
         )
     finally:
         g.gguf_free(ctx)

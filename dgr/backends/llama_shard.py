@@ -30,6 +30,7 @@ from dgr.backends.llama_arch import KIND_CHECKED, check_every_kind, shard_rule
 from dgr.backends.llama_engine import DEFAULT_N_BATCH, GgufHeader
 from dgr.backends.llama_range import range_api
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import is_recurrent_layer, metadata, read_header
 from dgr.models import check_gguf_file
 
 __all__ = ["LlamaShardBackend", "check_shard_ranges"]
@@ -48,20 +49,20 @@ def check_shard_ranges(model: str | Path, ranges: list[LayerRange]) -> GgufHeade
     """
     source = check_gguf_file(model)
     header = check_header(source)
-    shard_rule(header.architecture, nextn_layers=header.nextn_layers)
+    shard_rule(header.architecture)
     for layers in ranges:
         if layers.stop > header.n_layer:
             raise CallerError(
                 Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
             )
     split = [(r.start, r.stop) for r in ranges if r != LayerRange(0, header.n_layer)]
-    if split and header.architecture in KIND_CHECKED:
-        from dgr.plan import layout_from_gguf
-
-        kinds = [layer.kind for layer in layout_from_gguf(source).layers]
+    if not split:
+        return header
+    range_api()  # refuses a stock llama-cpp-python build, saying how to get the patched one
+    if header.architecture in KIND_CHECKED:
+        meta = metadata(read_header(source))
+        kinds = ["delta" if is_recurrent_layer(header.architecture, meta, il) else "attn" for il in range(header.n_layer)]
         check_every_kind(header.architecture, kinds, split)
-    if any(r != LayerRange(0, header.n_layer) for r in ranges):
-        range_api()  # refuses a stock llama-cpp-python build, saying how to get the patched one
     return header
 
 

@@ -91,11 +91,7 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
             h = shard.forward("s", pos, None, np.zeros((1, n_embd), np.float32), False)
     used = _status()
     written = sum(p.stat().st_size for p in Path(cache).rglob("*.gguf"))
-    size_fn = getattr(__import__("llama_cpp").llama_cpp, "llama_model_size")
-    try:
-        model_size = int(size_fn(shard.engine._model)) / 2**20
-    except Exception:  # a library without the symbol's declaration: leave it out
-        model_size = None
+    model_size = gguf_text.llama_lib().llama_model_size(shard.engine._model) / 2**20  # stock and patched alike
     shard.close()
     return {
         "dgr": str(Path(dgr.__file__).parent),
@@ -103,7 +99,7 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
         "ready_s": round(ready, 3),
         "written_mib": round(written / 2**20, 1),
         "model_buffer_mib": buffers,
-        "llama_model_size_mib": None if model_size is None else round(model_size, 1),
+        "llama_model_size_mib": round(model_size, 1),
         "rss_mib_loaded": round(loaded["VmRSS"], 1),
         "rss_mib": round(used["VmRSS"], 1),
         "rss_file_mib": round(used["RssFile"], 1),

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import RECURRENT_HYBRID_ARCHS, is_recurrent_layer
 from dgr.plan.layout import DEFAULT_UBATCH, ComputeRule, KvTerm, TensorInfo
 
 __all__ = [
@@ -35,7 +36,6 @@ __all__ = [
     "DSV4_COMPUTE_SOURCE",
     "GLM52_CONTEXT",
     "LLAMA_VOCAB_RESIDENT",
-    "RECURRENT_HYBRID_ARCHS",
     "compute_rule_from_anchors",
     "gguf_compute_rule",
     "glm52_indexer_full",
@@ -64,9 +64,6 @@ def meta_int(meta: Mapping[str, Any], key: str, default: int | None = None) -> i
     return default
 
 
-# Architectures whose linear-attention layers keep recurrent state (gated delta net) and whose
-# every `full_attention_interval`-th layer is full attention (llama.cpp src/models/qwen35moe.cpp).
-RECURRENT_HYBRID_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
 
 # GLM-5.2's indexer roles when a GGUF does not carry glm-dsa.attention.indexer.types: layers 0 to 2
 # and every 4th after layer 2 run the indexer ("full"), the rest reuse its top-k (llama.cpp
@@ -88,15 +85,6 @@ def glm_dsa_indexer_full(meta: Mapping[str, Any], il: int) -> bool:
     if int(meta.get("glm-dsa.context_length", 0) or 0) < GLM52_CONTEXT:
         return True
     return glm52_indexer_full(il)
-
-
-def _qwen35_is_recurrent(meta: Mapping[str, Any], p: str, il: int) -> bool:
-    """Qwen3.5's layer kinds: an explicit per-layer array, else full attention every interval-th layer."""
-    flags = meta.get(p + "attention.recurrent_layers")
-    if flags is not None:
-        return bool(_per_layer(flags, il))
-    interval = int(meta.get(p + "full_attention_interval", 4) or 4)
-    return (il + 1) % interval != 0
 
 
 def kv_terms_for_layer(
@@ -164,7 +152,7 @@ def kv_terms_for_layer(
             return "share", tuple(terms)
         terms.append(KvTerm("indexer_k", meta_int(meta, p + "attention.indexer.key_length"), every=1))
         return "full", tuple(terms)
-    if arch in RECURRENT_HYBRID_ARCHS and _qwen35_is_recurrent(meta, p, il):
+    if arch in RECURRENT_HYBRID_ARCHS and is_recurrent_layer(arch, meta, il):
         d_conv = meta_int(meta, p + "ssm.conv_kernel")
         d_inner = meta_int(meta, p + "ssm.inner_size")  # value heads x head size
         d_state = meta_int(meta, p + "ssm.state_size")

@@ -23,7 +23,17 @@ from typing import Any
 
 from dgr.artifact.constants import MANIFEST_KIND
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import ARCHITECTURE_KEY, NAME_KEY, Role, global_role, is_tied, layer_of, metadata, read_header
+from dgr.gguf_meta import (
+    ARCHITECTURE_KEY,
+    NAME_KEY,
+    RECURRENT_HYBRID_ARCHS,
+    Role,
+    global_role,
+    is_tied,
+    layer_of,
+    metadata,
+    read_header,
+)
 from dgr.plan.layout import (
     LAYOUT_FORMAT,
     ComputeRule,
@@ -35,7 +45,6 @@ from dgr.plan.layout import (
     tensor_nbytes,
 )
 from dgr.plan.rules import (
-    RECURRENT_HYBRID_ARCHS,
     compute_rule_from_anchors,
     gguf_compute_rule,
     kv_terms_for_layer,

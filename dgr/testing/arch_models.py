@@ -251,6 +251,15 @@ _HYBRID = ("ARR x3: 5 inside a period (R|R), 3|6 recurrent->attention, 4 attenti
            "probes: 1 (an attention-only head), 4|6 (a recurrent-only middle stage)")  # fmt: skip
 _HYB_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6)), probes=((1,), (4, 6)))
 _MLA_SIZE = dict(n_embd=128, n_head=1, n_ff=192)
+# nemotron_h's MFA cycle: M mamba (no heads, no FFN), F FFN only, A attention only
+_AMF_KEYS = {
+    "attention.head_count": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
+    "attention.head_count_kv": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
+    "feed_forward_length": _per_layer(lambda s, il: s.n_ff if "AMF"[il % 3] == "F" else 0),
+}
+_AMF_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6)), probes=((1,), (4, 5)))
+_AMF_WHY = ("AMF x3 (attention, mamba, {ffn}): 4 attention->mamba, 5 mamba->{ffn}, 3|6 {ffn}->attention; "
+            "probes: an attention-only head, a mamba-only middle stage")
 _RWKV7 = {  # not in test-llama-archs, which skips RWKV
     "attention.decay_lora_rank": 64,
     "attention.iclr_lora_rank": 64,
@@ -472,32 +481,8 @@ ARCHS: dict[str, ArchSpec] = {
         why=_HYBRID + "; dense layer 0",
         **_HYB_SPLITS,
     ),
-    "nemotron_h": _a(
-        keys={
-            # MFA cycled: M mamba (no heads, no FFN), F FFN only, A attention only
-            "attention.head_count": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
-            "attention.head_count_kv": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
-            "feed_forward_length": _per_layer(lambda s, il: s.n_ff if "AMF"[il % 3] == "F" else 0),
-        },
-        n_layer=9,
-        splits=((4,), (5,), (3, 6)),
-        probes=((1,), (4, 5)),
-        why="AMF x3 (attention, mamba, FFN): 4 attention->mamba, 5 mamba->FFN, 3|6 FFN->attention; "
-        "probes: an attention-only head, a mamba-only middle stage",
-    ),
-    "nemotron_h_moe": _a(
-        moe="only",
-        keys={
-            "attention.head_count": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
-            "attention.head_count_kv": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
-            "feed_forward_length": _per_layer(lambda s, il: s.n_ff if "AMF"[il % 3] == "F" else 0),
-        },
-        n_layer=9,
-        splits=((4,), (5,), (3, 6)),
-        probes=((1,), (4, 5)),
-        why="AMF x3 (F: MoE): 4 attention->mamba, 5 mamba->MoE, 3|6 MoE->attention; "
-        "probes: an attention-only head, a mamba-only middle stage",
-    ),
+    "nemotron_h": _a(keys=_AMF_KEYS, why=_AMF_WHY.format(ffn="FFN"), **_AMF_SPLITS),
+    "nemotron_h_moe": _a(moe="only", keys=_AMF_KEYS, why=_AMF_WHY.format(ffn="MoE"), **_AMF_SPLITS),
     "qwen3next": _a(moe="only", keys={"ssm.inner_size": 256}, why=_RRA, **_RRA_SPLITS),
     "qwen35": _a(keys={"ssm.inner_size": 256}, why=_RRA, **_RRA_SPLITS),
     "qwen35moe": _a(moe="only", keys={"ssm.inner_size": 256}, why=_RRA, **_RRA_SPLITS),

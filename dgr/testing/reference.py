@@ -2,18 +2,21 @@
 
 The distributed route is checked against this: the same prompt tokens, the
 same greedy sampling and the same text assembly (stop strings, EOS), with no
-network in between.
+network in between. `split_greedy` is the other side of the layer-range
+checks: a model cut into llama_shard stages, chained in process.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from dgr.api.textstream import TextAssembler
-from dgr.backends.base import ShardBackend
-from dgr.pipeline import Pipeline
+from dgr.backends.base import LayerRange, ShardBackend
+from dgr.pipeline import Greedy, Pipeline
 
-__all__ = ["Expected", "expected_greedy"]
+__all__ = ["Expected", "expected_greedy", "split_greedy"]
 
 
 @attrs.frozen
@@ -43,3 +46,22 @@ def expected_greedy(stages: list[ShardBackend], prompt: list[int], max_tokens: i
             break
     out.append(text.finish())
     return Expected(tokens=used, text="".join(out), finish_reason=reason, completion_tokens=len(used))
+
+
+def split_greedy(model: str | Path, sizes: list[int], prompt: list[int], n_new: int, **backend_kw) -> Greedy:
+    """`n_new` greedy tokens, with each step's logits, of `model` cut into llama_shard stages of `sizes` layers.
+
+    `backend_kw` go to each LlamaShardBackend (n_threads, n_ctx, max_sessions, ...); the stages are
+    closed before this returns.
+    """
+    from dgr.backends.llama_shard import LlamaShardBackend
+
+    stages, at = [], 0
+    try:
+        for n in sizes:
+            stages.append(LlamaShardBackend(model, LayerRange(at, at + n), **backend_kw))
+            at += n
+        return Pipeline(stages).generate_greedy(prompt, n_new, keep_logits=True)
+    finally:
+        for s in stages:
+            s.close()
