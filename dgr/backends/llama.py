@@ -129,7 +129,8 @@ class LlamaCppBackend(ShardBackend):
             architecture=header.architecture,
             n_layers=header.n_layer,
             hidden_size=header.n_embd,
-            seam_width=self.engine.n_embd,
+            seam_width=self.engine.n_embd_out,
+            needs_token_ids=self.engine.seam_tokens,
             vocab_size=self.engine.n_vocab,
             context_length=header.context_length or self.engine.n_ctx_train,
             digest=digest,
@@ -276,6 +277,10 @@ class LlamaCppBackend(ShardBackend):
                 raise CallerError(Reason.INVALID_REQUEST, "a non-head shard takes hidden states")
             n = int(hidden.shape[0])
             tokens, embd = None, hidden
+            if self.engine.takes_tokens:  # its layers read them (DeepSeek-V4's hash-routed experts)
+                if token_ids is None or int(np.size(token_ids)) != n:
+                    raise CallerError(Reason.INVALID_REQUEST, f"layers {self.layers} take a token id beside each hidden state")
+                tokens = token_ids
         if pos0 + n > self._limits[sid]:
             raise CallerError(
                 Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {pos0 + n} positions exceed {self._limits[sid]}"

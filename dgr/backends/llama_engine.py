@@ -6,6 +6,9 @@ layer-range API that dgr's patch series adds to libllama
 and driven through llama-cpp-python's ctypes module:
 - input is token ids (head, a == 0) or float32 hidden states via `batch.embd`
   (any later range), the residual stream entering layer a, taken as is;
+  that stream is `n_embd_seam` wide (DeepSeek-V4: its hc_mult streams), and
+  where the model's layers read token ids (`seam_tokens`: DeepSeek-V4's
+  hash-routed experts) a later range takes them too, in `batch.token`;
 - positions are explicit and continue across chunks and decode steps;
 - a range that stops before the last layer (`hidden_out`) outputs the residual
   stream after layer b-1 for every row (`llama_get_hidden`), with no output
@@ -42,7 +45,7 @@ import attrs
 import numpy as np
 
 from dgr.backends.gguf_text import llama_lib, llama_log_tail
-from dgr.backends.llama_range import model_layer_range, range_api
+from dgr.backends.llama_range import model_layer_range, model_seam, range_api
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
 from dgr.models import check_gguf_file
@@ -94,7 +97,7 @@ class GgufHeader:
     """What is known of a GGUF before loading it."""
 
     architecture: str
-    n_layer: int  # {arch}.block_count; 0 when absent
+    n_layer: int  # the trunk: {arch}.block_count less nextn_predict_layers (as llama_model_n_layer); 0 when absent
     n_embd: int  # {arch}.embedding_length; 0 when absent
     context_length: int  # {arch}.context_length (training context); 0 when absent
     tensor_types: dict[str, int]  # ggml type name -> bytes of tensor data
@@ -124,7 +127,8 @@ def read_gguf_header(path: str | Path) -> GgufHeader:
             types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
         return GgufHeader(
             architecture=arch,
-            n_layer=_int_key(ctx, arch_key(arch, "block_count")),
+            # next-token-prediction layers follow the trunk and load with its last layer (llama.cpp's n_layer())
+            n_layer=_int_key(ctx, arch_key(arch, "block_count")) - _int_key(ctx, arch_key(arch, "nextn_predict_layers")),
             n_embd=_int_key(ctx, arch_key(arch, "embedding_length")),
             context_length=_int_key(ctx, arch_key(arch, "context_length")),
             tensor_types=dict(types),
@@ -164,7 +168,9 @@ class LlamaEngine:
     n_ctx_seq: int  # KV cells per sequence (llama.cpp pads to 256)
     n_batch: int  # positions per llama_decode call (= n_ubatch)
     n_layer: int  # layers this engine holds
-    n_embd: int  # width of the hidden states in and out
+    n_embd: int  # width of the hidden states in: the seam after layer 0, the model's input width on the head
+    n_embd_out: int  # width of the hidden states out (hidden_out): the seam
+    seam_tokens: bool  # the model's layers past layer 0 read token ids: every frame of a route carries them
     n_vocab: int
     n_ctx_train: int
     # positions llama.cpp reads per row of a hidden-state batch: 4 (one per M-RoPE section) for
@@ -199,6 +205,9 @@ class LlamaEngine:
         lib = llama_lib()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        # next-token-prediction layers (DeepSeek-V4, GLM-4.5 MTP) load where the last layer is, for drafting;
+        # plain decoding never reads them, and a range that stops earlier skips them
+        mparams.load_mtp = True
         if layers is None:
             model = lib.llama_model_load_from_file(str(p).encode(), mparams)
         else:
@@ -207,6 +216,7 @@ class LlamaEngine:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
         start, stop = (0, lib.llama_model_n_layer(model)) if layers is None else model_layer_range(model)
         hidden_out = stop < lib.llama_model_n_layer(model)
+        seam, seam_tokens = model_seam(model)
         n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx_seq * n_seq_max
@@ -232,7 +242,9 @@ class LlamaEngine:
             n_batch=lib.llama_n_batch(ctx),
             n_layer=stop - start,
             # a range after layer 0 takes the residual stream; the head, the model's own input width
-            n_embd=lib.llama_model_n_embd(model) if start > 0 else lib.llama_model_n_embd_inp(model),
+            n_embd=seam if start > 0 else lib.llama_model_n_embd_inp(model),
+            n_embd_out=seam,
+            seam_tokens=seam_tokens,
             n_vocab=n_vocab,
             n_ctx_train=lib.llama_model_n_ctx_train(model),
             n_pos_per_row=_MROPE_SECTIONS if lib.llama_model_rope_type(model) in _MROPE_TYPES else 1,
@@ -242,6 +254,11 @@ class LlamaEngine:
         )
         self._make_batch()
         return self
+
+    @property
+    def takes_tokens(self) -> bool:
+        """A range after layer 0 whose layers read token ids: it takes them beside the hidden states."""
+        return self.layer_start > 0 and self.seam_tokens
 
     # -- batch: numpy arrays that a llama_batch points into ------------------
     def _make_batch(self) -> None:
@@ -265,16 +282,20 @@ class LlamaEngine:
         }
 
     def _llama_batch(self, n: int, embd: np.ndarray | None) -> Any:
-        """A llama_batch over the engine's arrays; embd (float32 [n, n_embd], C order) is used in place."""
+        """A llama_batch over the engine's arrays; embd (float32 [n, n_embd], C order) is used in place.
+
+        Its token ids are the engine's token array where embd is None, or where the range takes
+        them beside the hidden states (`takes_tokens`).
+        """
         batch = llama_lib().llama_batch()
         ptrs = self._ptrs
         batch.n_tokens = n
         batch.pos = ptrs["pos"]
-        if embd is None:
+        if embd is None or self.takes_tokens:
             batch.token = ptrs["token"]
-        else:
+        if embd is not None:
             batch.embd = embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            if self.n_pos_per_row > 1:
+            if self.n_pos_per_row > 1 and not self.takes_tokens:
                 # llama.cpp reads an embedding row's M-RoPE positions section-major (n rows per section);
                 # text rows sit at the same position in every section, as token rows are broadcast
                 sections = self._batch["pos_sections"]
@@ -297,28 +318,34 @@ class LlamaEngine:
     ) -> np.ndarray | None:
         """Run positions [pos0, pos0 + n) of sequence `seq`, appending to its KV.
 
-        Returns float32 [n, n_embd] when hidden_out, else float32 [n_vocab]
+        Returns float32 [n, n_embd_out] when hidden_out, else float32 [n_vocab]
         logits of the last position when want_logits, else None.
 
         Raises:
-            CallerError(POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH | INVALID_REQUEST)
+            CallerError(POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH | WRONG_SIZE |
+            INVALID_REQUEST)
             PeerError(NODE_AT_CAPACITY | INTERNAL): llama_decode failed.
         """
         if not (0 <= seq < self.n_seq_max):
             raise CallerError(Reason.INVALID_REQUEST, f"seq {seq} outside 0..{self.n_seq_max - 1}")
-        if (tokens is None) == (embd is None):
+        if self.takes_tokens:
+            if tokens is None or embd is None:
+                raise CallerError(Reason.INVALID_REQUEST, self._needs_tokens())
+        elif (tokens is None) == (embd is None):
             raise CallerError(Reason.INVALID_REQUEST, "give exactly one of token ids or hidden states")
         if tokens is not None:
             tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
             n = tokens.shape[0]
             if n and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
                 raise CallerError(Reason.INVALID_REQUEST, f"token ids must lie in [0, {self.n_vocab})")
-        else:
+        if embd is not None:
             embd = np.ascontiguousarray(embd, dtype=np.float32)
             if embd.ndim != 2 or embd.shape[1] != self.n_embd:
                 raise CallerError(
                     Reason.WRONG_WIDTH, f"hidden states must be [n, {self.n_embd}], got {list(embd.shape)}"
                 )
+            if tokens is not None and tokens.shape[0] != embd.shape[0]:
+                raise CallerError(Reason.WRONG_SIZE, f"{tokens.shape[0]} token ids for {embd.shape[0]} hidden rows")
             n = embd.shape[0]
         have = self._n_pos.get(seq, 0)
         if pos0 != have:
@@ -332,7 +359,7 @@ class LlamaEngine:
                 Reason.CONTEXT_LENGTH_EXCEEDED, f"seq {seq}: {have + n} positions exceed {self.n_ctx_seq}"
             )
         b = self._batch
-        parts: list[np.ndarray] = []  # hidden_out: float32 [m, n_embd] per chunk
+        parts: list[np.ndarray] = []  # hidden_out: float32 [m, n_embd_out] per chunk
         for i in range(0, n, self.n_batch):
             m = min(self.n_batch, n - i)
             if tokens is not None:
@@ -348,7 +375,7 @@ class LlamaEngine:
             self._n_pos[seq] = pos0 + i + m
             self._evaluated[seq] = self._evaluated.get(seq, 0) + m
         if self.hidden_out:
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)  # float32 [n, n_embd]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)  # float32 [n, n_embd_out]
         if not want_logits:
             return None
         ptr = llama_lib().llama_get_logits_ith(self._ctx, -1)
@@ -384,14 +411,16 @@ class LlamaEngine:
         seqs = [rows[i][0] for i in order]
         if len(set(seqs)) != m:
             raise CallerError(Reason.INVALID_REQUEST, "one row per sequence in a batch")
-        by_token = rows[0][2] is not None
+        by_token = rows[0][3] is None  # else by hidden state (and token id, where the range takes both)
         b = self._batch
         embd = None if by_token else np.empty((m, self.n_embd), np.float32)  # float32 [m, n_embd]
         for j, i in enumerate(order):
             seq, pos, token, row, want = rows[i]
             if not (0 <= seq < self.n_seq_max):
                 raise CallerError(Reason.INVALID_REQUEST, f"seq {seq} outside 0..{self.n_seq_max - 1}")
-            if (token is not None) != by_token or (row is None) != by_token:
+            if self.takes_tokens and (token is None or row is None):
+                raise CallerError(Reason.INVALID_REQUEST, self._needs_tokens())
+            if (row is None) != by_token or (token is not None) != (by_token or self.takes_tokens):
                 raise CallerError(Reason.INVALID_REQUEST, "every row gives a token id, or every row a hidden state")
             have = self._n_pos.get(seq, 0)
             if pos != have:
@@ -400,11 +429,11 @@ class LlamaEngine:
                 )
             if have + 1 > self.n_ctx_seq:
                 raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"seq {seq}: {have + 1} positions exceed {self.n_ctx_seq}")
-            if by_token:
+            if token is not None:
                 if not 0 <= token < self.n_vocab:
                     raise CallerError(Reason.INVALID_REQUEST, f"token ids must lie in [0, {self.n_vocab})")
                 b["token"][j] = token
-            else:
+            if not by_token:
                 if np.shape(row) not in ((self.n_embd,), (1, self.n_embd)):
                     raise CallerError(Reason.WRONG_WIDTH, f"hidden states must be [{self.n_embd}], got {list(np.shape(row))}")
                 embd[j] = np.reshape(row, -1)
@@ -420,7 +449,7 @@ class LlamaEngine:
             self._n_pos[seq] = rows[i][1] + 1
             self._evaluated[seq] = self._evaluated.get(seq, 0) + 1
             if hidden is not None:
-                out[i] = hidden[j : j + 1].copy()  # float32 [1, n_embd]
+                out[i] = hidden[j : j + 1].copy()  # float32 [1, n_embd_out]
             elif rows[i][4]:
                 ptr = llama_lib().llama_get_logits_ith(self._ctx, j)
                 out[i] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
@@ -448,11 +477,15 @@ class LlamaEngine:
             raise PeerError(reason, f"llama_decode failed ({rc}) on seq {seq}: {llama_log_tail()}")
 
     def _take_hidden(self, m: int) -> np.ndarray:
-        """The hidden states of the last llama_decode, one row per batch row: float32 [m, n_embd]."""
+        """The hidden states of the last llama_decode, one row per batch row: float32 [m, n_embd_out]."""
         ptr = range_api().llama_get_hidden(self._ctx)
         if not ptr:
             raise PeerError(Reason.INTERNAL, f"llama_get_hidden gave nothing: {llama_log_tail()}")
-        return np.ctypeslib.as_array(ptr, shape=(m, self.n_embd)).copy()
+        return np.ctypeslib.as_array(ptr, shape=(m, self.n_embd_out)).copy()
+
+    def _needs_tokens(self) -> str:
+        return (f"layers {self.layer_start}.. of this model read token ids: every row takes its token id "
+                "beside its hidden state")
 
     # -- sessions ---------------------------------------------------------------
     def seq_rm(self, seq: int) -> None:

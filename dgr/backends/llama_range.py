@@ -8,7 +8,12 @@ sent upstream; spec/llama-layer-boundary.md). It adds:
   range that ends at the last layer;
 - `llama_model_layer_range(model, &start, &end)`: what a model holds;
 - `llama_get_hidden(ctx)`: the residual stream after the last loaded layer,
-  for every row of the last batch, when the range stops early.
+  for every row of the last batch, when the range stops early;
+- `llama_model_n_embd_seam(model)`: that stream's width, `n_embd` for most
+  models and hc_mult x n_embd for DeepSeek-V4's hyper-connection streams;
+- `llama_model_seam_tokens(model)`: whether layers past layer 0 read token
+  ids (DeepSeek-V4's hash-routed experts), so that a range starting after
+  layer 0 takes them beside its hidden states.
 
 llama-cpp-python's own ctypes module does not declare them, so they are
 declared here on its library handle. A stock llama-cpp-python build lacks the
@@ -24,7 +29,7 @@ from typing import Any
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["PATCHED_BUILD_HINT", "model_layer_range", "range_api"]
+__all__ = ["PATCHED_BUILD_HINT", "model_layer_range", "model_seam", "range_api"]
 
 PATCHED_BUILD_HINT = (
     "this llama-cpp-python was built without dgr's layer-range patches (llama/patches/ in the dgr tree); "
@@ -47,7 +52,7 @@ def range_api() -> Any:
     import llama_cpp.llama_cpp as llama
 
     lib = llama._lib
-    if not hasattr(lib, "llama_model_load_range_from_file"):
+    if not hasattr(lib, "llama_model_seam_tokens"):
         raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
     vp, i32 = ctypes.c_void_p, ctypes.c_int32
     fp = ctypes.POINTER(ctypes.c_float)
@@ -56,6 +61,8 @@ def range_api() -> Any:
         ("llama_model_layer_range", [vp, ctypes.POINTER(i32), ctypes.POINTER(i32)], None),
         ("llama_get_hidden", [vp], fp),
         ("llama_get_hidden_ith", [vp, i32], fp),
+        ("llama_model_n_embd_seam", [vp], i32),
+        ("llama_model_seam_tokens", [vp], ctypes.c_bool),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -68,3 +75,16 @@ def model_layer_range(model: int) -> tuple[int, int]:
     start, stop = ctypes.c_int32(), ctypes.c_int32()
     range_api().llama_model_layer_range(model, ctypes.byref(start), ctypes.byref(stop))
     return start.value, stop.value
+
+
+def model_seam(model: int) -> tuple[int, bool]:
+    """(width of the residual stream between two layers, whether ranges after layer 0 take token ids beside it).
+
+    A stock libllama loads whole models only: their seam is n_embd and nothing crosses it.
+    """
+    import llama_cpp.llama_cpp as llama
+
+    if not hasattr(llama._lib, "llama_model_seam_tokens"):
+        return llama._lib.llama_model_n_embd(model), False
+    lib = range_api()
+    return lib.llama_model_n_embd_seam(model), bool(lib.llama_model_seam_tokens(model))
