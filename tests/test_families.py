@@ -157,7 +157,7 @@ def _tiny_header_only(path, arch: str, **ints) -> None:
 @pytest.mark.parametrize(
     ("arch", "says"),
     [
-        ("deepseek4", "several streams"),
+        ("glm5-next", "several streams"),
         ("gemma3n", "per-layer token embeddings"),
         ("glm4moe", "aborts on hidden-state input"),
         ("nemotron_h", "cannot check a range's kinds"),

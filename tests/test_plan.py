@@ -239,15 +239,16 @@ def test_the_vectorised_split_search_equals_the_scalar_scan(data):
 
 def test_the_range_tables_hold_need_and_valid_of_every_range(smol, dsv4):
     """The split search reads need and validity from tables built at once; they must be need() and valid()
-    for every range, on layouts with required kinds (DeepSeek-V4), allowed starts (GLM-5.2) and a whole-only
-    rule (a layout marked so)."""
+    for every range, on layouts with required kinds (DeepSeek-V4 given the CSA+HCA rule it had before llama.cpp
+    patch 0003), allowed starts (GLM-5.2) and a whole-only rule (a layout marked so)."""
     import attrs
 
     from dgr.plan.search import _Pricer
 
     glm = load_layout(ROOT / "tests" / "fixtures" / "glm-5.2.layout.json")
-    assert glm.shard_starts and dsv4.shard_needs
-    for layout in (smol, dsv4, glm, attrs.evolve(smol, whole_only="its tensors are not split by layer")):
+    needs = attrs.evolve(dsv4, shard_needs=frozenset({"csa", "hca"}))
+    assert glm.shard_starts and not dsv4.shard_needs
+    for layout in (smol, dsv4, needs, glm, attrs.evolve(smol, whole_only="its tensors are not split by layer")):
         pricer = _Pricer(layout, PlanParams(context=4096, sessions=2))
         n = layout.n_layers
         for a in range(n + 1):
@@ -433,23 +434,21 @@ def test_seam_is_four_streams_wide(dsv4):
     assert dsv4.seam_width == 4 * 4096 and dsv4.hidden_size == 4096 and dsv4.needs_token_ids
     p = plan(dsv4, [Node(f"n{i}", 64 * GIB) for i in range(5)], PlanParams(context=32768))
     assert p.seam_width == 16384 and len(p.shards) == 3
+    # Every hop carries the token ids beside the 4 streams: a deepseek4 range takes them wherever it starts.
     for hop in p.hops:
-        assert hop.decode_bytes == HEADER_SIZE + 16384 * 4 and not hop.token_ids
-        assert hop.max_chunk == (MAX_FRAME_BYTES - HEADER_SIZE) // (16384 * 4) == 1023
-    # A shard holding a hash-routed layer without being the head needs the token ids too.
+        assert hop.decode_bytes == HEADER_SIZE + 4 + 16384 * 4 and hop.token_ids
+        assert hop.max_chunk == (MAX_FRAME_BYTES - HEADER_SIZE) // (4 + 16384 * 4) == 1023
     hop = seam_hops(dsv4, PlanParams(seam_dtype="f16"), [LayerRange(0, 2), LayerRange(2, 43)])[0]
     assert hop.token_ids and hop.decode_bytes == HEADER_SIZE + 4 + 16384 * 2
 
 
-def test_every_dsv4_shard_holds_both_compressed_kinds(dsv4):
-    p = plan(dsv4, [Node(f"n{i}", 24 * GIB) for i in range(43)], PlanParams(context=32768))
-    for s in p.shards:
-        kinds = {dsv4.layers[i].kind for i in range(s.layers.start, s.layers.stop)}
-        assert {"csa", "hca"} <= kinds
-    # The head needs layers 0:4; the 39 after it make at most 19 CSA+HCA pairs: 20 shards at most.
-    assert len(plan_even(dsv4, 20)) == 20
+def test_dsv4_shards_of_one_layer_are_planned(dsv4):
+    """Any range of DeepSeek-V4 runs (llama.cpp patch 0003; tests/test_dsv4_route.py), so one node a layer
+    is a plan; a 44th node has no layer to hold."""
+    assert not dsv4.shard_needs
+    assert [s.stop - s.start for s in plan_even(dsv4, 43)] == [1] * 43
     with pytest.raises(CallerError):
-        plan_even(dsv4, 21)
+        plan_even(dsv4, 44)
 
 
 def test_node_counts_follow_size_and_bits():

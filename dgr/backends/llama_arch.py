@@ -10,7 +10,7 @@ to split an architecture; this module only says which ones may be split:
 
 - `CERTIFIED`: the families checked on real files or hand-made tiny models
   (tests/test_llama_shard.py, tests/test_families.py,
-  tests/test_gemma3_270m.py);
+  tests/test_gemma3_270m.py, tests/test_dsv4_route.py);
 - `TINY_CERTIFIED`: architectures whose tiny random model, made by libllama
   itself from one metadata table (dgr.testing.arch_models), splits at every
   boundary of its table bit for bit like the whole model
@@ -50,20 +50,24 @@ CERTIFIED: dict[str, str] = {
     "gemma": "sqrt(n_embd) input scaling on the head only",
     "gemma2": "sliding-window layers by global index (period 2); input scaling on the head only",
     "gemma3": "sliding-window layers by global index (period 6) with their own RoPE base; gemma-3-270m",
+    "deepseek4": "DeepSeek-V4's real tensor layout: a 4 x n_embd seam (mHC), hash-routed layers fed the token ids "
+    "beside the hidden states, window/CSA/HCA layers, MTP on the tail; split at every boundary, and a 3-node dgr up "
+    "answers as one node (tests/test_dsv4_route.py)",
 }
 
 # every variant (dense, MoE) of the table's tiny model split bit for bit at each boundary (tests/test_certify.py)
 TINY_CERTIFIED: frozenset[str] = frozenset({
     "afmoe", "apertus", "arcee", "arctic", "baichuan", "bailingmoe", "bailingmoe2", "bloom", "chatglm",
     "codeshell", "cohere2", "cohere2moe", "command-r", "dbrx", "deci", "deepseek", "deepseek2", "deepseek32",
-    "dots1", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma",
-    "gemma2", "gemma3", "glm-dsa", "gpt-oss", "gptneox", "granite", "granite_swa", "granitemoe", "grok",
-    "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais", "jais2", "laguna",
-    "llama", "maincoder", "mamba", "mamba2", "mellum", "mimo2", "minicpm", "minicpm3", "minimax-m2",
-    "minimax-m3", "mistral3", "mistral4", "mpt", "muse-glimmer", "nanbeige", "nemotron", "olmo", "olmo2",
-    "olmoe", "openelm", "orion", "paddleocr", "pangu-embedded", "phi2", "phi3", "phimoe", "plamo", "plamo3",
-    "plm", "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe", "qwen3vlmoe", "refact", "seed_oss",
-    "smollm3", "spark2_5", "stablelm", "starcoder2", "step35", "xverse",
+    "deepseek4", "dots1", "ernie4_5", "ernie4_5-moe", "exaone", "exaone-moe", "exaone4", "falcon", "falcon-h1",
+    "gemma", "gemma2", "gemma3", "glm-dsa", "glm4", "glm4moe", "gpt-oss", "gpt2", "gptneox", "granite",
+    "granite_swa", "granitemoe", "grok", "grovemoe", "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3",
+    "internlm2", "jais", "jais2", "laguna", "llama", "maincoder", "mamba", "mamba2", "mellum", "mimo2",
+    "minicpm", "minicpm3", "minimax-m2", "minimax-m3", "mistral3", "mistral4", "mpt", "muse-glimmer",
+    "nanbeige", "nemotron", "olmo", "olmo2", "olmoe", "openelm", "orion", "paddleocr", "pangu-embedded", "phi2",
+    "phi3", "phimoe", "plamo", "plamo3", "plm", "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen3moe",
+    "qwen3vlmoe", "refact", "seed_oss", "smollm3", "spark2_5", "stablelm", "starcoder", "starcoder2", "step35",
+    "xverse",
 })
 
 # certified at the table's boundaries, where every stage holds every layer kind; other stages die in llama.cpp
@@ -79,7 +83,6 @@ _STREAMS = "the residual stream between its layers is several streams (hyper-con
 _PER_LAYER = "its layers read per-layer token embeddings computed from the token ids before the first layer"
 _MISCOUNT = "its loader decides a layer's tensors from another tensor of that layer, so ranges miscount the file"
 REFUSED: dict[str, str] = {
-    "deepseek4": _STREAMS + " (hc_mult x n_embd), and hash-routed layers need the token ids",
     "glm5-next": _STREAMS,
     "hy_v4": _STREAMS,
     "qwen4exp": _STREAMS,
@@ -88,10 +91,6 @@ REFUSED: dict[str, str] = {
     "talkie": "every layer reads the input embedding again (embd_skip): a second stream",
     "rwkv7": "every layer reads the first layer's value (v_first): a second stream",
     "arwkv7": "every layer reads the first layer's value (v_first): a second stream",
-    "glm4": "its builder aborts on hidden-state input, taking it for multimodal embeddings (glm4.cpp)",
-    "glm4moe": "its builder aborts on hidden-state input, taking it for multimodal embeddings (glm4-moe.cpp)",
-    "gpt2": "a range after layer 0 dies in llama.cpp (its unused position input has no buffer)",
-    "starcoder": "a range after layer 0 dies in llama.cpp (its unused position input has no buffer)",
     "qwen3vl": "its builder reads the token embedding's shape on every range (qwen3vl.cpp)",
     "bitnet": "its output head reads the token embedding directly (bitnet.cpp)",
     "jamba": _MISCOUNT + " (its MoE layers)",

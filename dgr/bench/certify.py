@@ -106,7 +106,8 @@ def _greedy(engines: list[Any], prompt: np.ndarray) -> tuple[list[int], np.ndarr
         for i, e in enumerate(engines):
             if len(engines) > 1:
                 _stage(f"decode {e.layer_start}:{e.layer_start + e.n_layer} at position {pos}")
-            x = e.eval(0, pos, tokens if i == 0 else None, None if i == 0 else x)
+            # a later stage takes the token ids too where the model's layers read them (DeepSeek-V4)
+            x = e.eval(0, pos, tokens if i == 0 or e.takes_tokens else None, None if i == 0 else x)
         return x  # float32 [n_vocab]
 
     logits = step(prompt, 0)

@@ -146,7 +146,7 @@ class SeamHop:
     """The frames crossing one boundary between consecutive shards."""
 
     boundary: int  # the first layer of the receiving shard
-    token_ids: bool  # the receiving shard holds a hash-routed layer, so the frame carries token ids
+    token_ids: bool  # the model's layers read token ids (hash routing), so every frame carries them
     decode_bytes: int  # one decode step, header included
     prefill_bytes: int  # one prefill chunk of `prefill_chunk` positions
     max_chunk: int  # most positions one frame may carry (MAX_FRAME_BYTES)
@@ -214,7 +214,9 @@ def seam_hops(layout: ModelLayout, params: PlanParams, ranges: Sequence[LayerRan
     value = DTYPE_SIZE[DType[params.seam_dtype.upper()]]
     hops = []
     for r in ranges[1:]:
-        ids = r.start < layout.hash_layers
+        # a range of DeepSeek-V4 takes the token ids beside the streams wherever it starts (llama.cpp's
+        # deepseek4 range refuses a batch without them: they also tell text rows from media rows)
+        ids = layout.needs_token_ids
         per_pos = width * value + (4 if ids else 0)
         hops.append(
             SeamHop(

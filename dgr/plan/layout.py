@@ -218,9 +218,8 @@ class ModelLayout:
     compute: ComputeRule
     source: str
     recipe: str | None = None
-    # Layer kinds every shard must hold (_shard_needs). deepseek4: a shard with a CSA layer and no
-    # HCA layer kills llama.cpp (SIGFPE at context creation; dgr/bench/dsv4_tiny.py), so each needs
-    # both; qwen35moe: a shard without a full-attention layer aborts (dgr/bench/audit_tiny.py).
+    # Layer kinds every shard must hold (rules.shard_needs). qwen35moe: a shard without a
+    # full-attention layer aborts (dgr/bench/audit_tiny.py).
     shard_needs: frozenset[str] = frozenset()
     # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
     # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).

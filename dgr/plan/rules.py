@@ -13,8 +13,9 @@ Besides deepseek4, the KV rules know two more kinds of layer:
   matrix), and every `full_attention_interval`-th layer is full attention.
 
 A layout also says which layer kinds every shard must hold
-(`shard_needs`): llama.cpp cannot run a DeepSeek-V4 shard without a CSA
-and an HCA layer, nor a Qwen3.5 shard without a full-attention layer; and
+(`shard_needs`): llama.cpp cannot run a Qwen3.5 shard without a
+full-attention layer (a DeepSeek-V4 range of any layers runs since dgr's
+third llama.cpp patch: tests/test_dsv4_route.py); and
 at which layers a shard may start (`shard_starts`): a GLM-5.2 ("glm-dsa")
 layer with a shared indexer reuses the top-k of the last full-indexer layer
 before it, so a shard must start at a full one.
@@ -230,12 +231,10 @@ def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
 def shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
     """Layer kinds every shard must hold, or llama.cpp dies creating its context.
 
-    deepseek4: a CSA and an HCA layer (SIGFPE; dgr/bench/dsv4_tiny.py). qwen35moe and kin: a
-    full-attention layer (a shard of gated-delta-net layers only aborts on its empty KV
-    buffer, GGML_ASSERT(buffer); dgr/bench/audit_tiny.py).
+    qwen35moe and kin: a full-attention layer (a shard of gated-delta-net layers only aborts on its
+    empty KV buffer, GGML_ASSERT(buffer); dgr/bench/audit_tiny.py). deepseek4 needs none: a range
+    without an indexed layer divided by zero in llama.cpp (SIGFPE) until dgr's patch 0003.
     """
-    if arch == "deepseek4":
-        return frozenset({"csa", "hca"} & kinds)
     if arch in RECURRENT_HYBRID_ARCHS:
         return frozenset({"attn"} & kinds)
     return frozenset()

@@ -13,7 +13,7 @@ The rule, in order:
    for which a contiguous split fits. A greedy pass (each node takes as many
    layers as fit) decides it exactly, because giving a node more layers
    never makes a later node's job harder; where a model requires layer
-   kinds in every shard (ModelLayout.shard_needs, DeepSeek-V4) or lets
+   kinds in every shard (ModelLayout.shard_needs, Qwen3.5) or lets
    shards start only at some layers (ModelLayout.shard_starts, GLM-5.2's
    full-indexer layers), that pass is only a quick necessary test and the
    dynamic program below decides.

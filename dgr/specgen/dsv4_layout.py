@@ -57,6 +57,9 @@ class Dims:
     hc: int = 4
     hash_layers: int = 3
     context: int = 1048576
+    # next-token-prediction layers after the trunk: 0 here, as the base model's MTP layer ships as a
+    # separate GGUF (antirez: 3.6 GiB); a file that carries it has 1
+    mtp: int = 0
 
     @property
     def ratios(self) -> list[int]:
@@ -69,7 +72,7 @@ def metadata(d: Dims) -> dict[str, Any]:
     return {
         "general.architecture": "deepseek4",
         "general.name": "DeepSeek-V4-Flash",
-        "deepseek4.block_count": d.layers,
+        "deepseek4.block_count": d.layers + d.mtp,
         "deepseek4.context_length": d.context,
         "deepseek4.embedding_length": d.hidden,
         "deepseek4.vocab_size": d.vocab,
@@ -82,7 +85,7 @@ def metadata(d: Dims) -> dict[str, Any]:
         "deepseek4.attention.output_lora_rank": d.o_lora,
         "deepseek4.attention.output_group_count": d.o_groups,
         "deepseek4.attention.sliding_window": d.window,
-        "deepseek4.attention.compress_ratios": d.ratios,
+        "deepseek4.attention.compress_ratios": d.ratios + [0] * d.mtp,  # the MTP layer: window only
         "deepseek4.attention.indexer.head_count": d.idx_heads,
         "deepseek4.attention.indexer.key_length": d.idx_dim,
         "deepseek4.attention.indexer.top_k": d.idx_topk,
@@ -92,8 +95,7 @@ def metadata(d: Dims) -> dict[str, Any]:
         "deepseek4.expert_feed_forward_length": d.ff_exp,
         "deepseek4.hash_layer_count": d.hash_layers,
         "deepseek4.hyper_connection.count": d.hc,
-        # The MTP layer ships as a separate GGUF (antirez: 3.6 GiB); this layout is the trunk.
-        "deepseek4.nextn_predict_layers": 0,
+        "deepseek4.nextn_predict_layers": d.mtp,
     }
 
 
@@ -164,7 +166,16 @@ def tensor_groups(d: Dims) -> list[dict[str, Any]]:
             "layers": list(range(d.hash_layers)),
             "tensors": [blk("ffn_gate_tid2eid.weight", [d.experts_used, V], "hash")],
         },
-        {"layers": list(range(d.hash_layers, d.layers)), "tensors": [blk("exp_probs_b.bias", [d.experts], "bias")]},
+        {"layers": list(range(d.hash_layers, d.layers + d.mtp)), "tensors": [blk("exp_probs_b.bias", [d.experts], "bias")]},
+        # MTP: a whole layer more (every "all" tensor), fed the final streams and the next token's embedding
+        *([{
+            "layers": list(range(d.layers, d.layers + d.mtp)),
+            "tensors": [
+                blk("nextn.eh_proj.weight", [2 * D, D], "attn"),
+                blk("nextn.enorm.weight", [D], "norm"),
+                blk("nextn.hnorm.weight", [D], "norm"),
+            ],
+        }] if d.mtp else []),
         # CSA: the compressor's rows are 2 x head wide (overlapping windows), plus the lightning indexer.
         {
             "layers": csa,

@@ -557,7 +557,7 @@ ARCHS: dict[str, ArchSpec] = {
         expect="per-layer token inputs: expected to fail or differ",
     ),
     "deepseek4": _a(
-        n_layer=4,
+        n_layer=6,
         n_embd=512,
         n_head=8,
         n_ff=1024,
@@ -570,7 +570,7 @@ ARCHS: dict[str, ArchSpec] = {
             "attention.q_lora_rank": 64,
             "attention.output_group_count": 8,
             "attention.output_lora_rank": 32,
-            "attention.compress_ratios": [0, 0, 4, 128],
+            "attention.compress_ratios": [0, 0, 4, 128, 4, 128],
             "attention.compress_rope_freq_base": 160000.0,
             "hyper_connection.count": 4,
             "hyper_connection.sinkhorn_iterations": 2,
@@ -581,9 +581,9 @@ ARCHS: dict[str, ArchSpec] = {
             "expert_weights_norm": True,
             "expert_gating_func": 4,
         },
-        splits=((1,), (2,), (3,)),
-        why="compress ratios 0 0 4 128: every boundary next to a change",
-        expect="hyper-connection streams (seam wider than n_embd): expected to fail",
+        splits=((1,), (2,), (3,), (1, 4)),
+        why="compress ratios 0 0 4 128 4 128: every boundary next to a change (window, CSA, HCA); a seam of "
+        "4 x n_embd (hash-routed layers: tests/test_dsv4_route.py)",
     ),
     "hy_v4": _a(
         moe="only",

@@ -23,7 +23,7 @@ import attrs
 import gguf
 import numpy as np
 
-__all__ = ["FAMILIES", "TinySpec", "tiny_prompt", "write_layout_gguf", "write_tiny_gguf"]
+__all__ = ["FAMILIES", "TinySpec", "tiny_prompt", "vocab_size", "word_rows", "write_layout_gguf", "write_tiny_gguf"]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma", "gemma2", "gemma3")
 
@@ -73,6 +73,33 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def vocab_size() -> int:
+    """The number of tokens of the tiny models' vocabulary."""
+    return len(_vocab()[0])
+
+
+def word_rows() -> np.ndarray:
+    """A scale per token, 1 for word pieces and 0.05 for control and byte pieces: output rows so scaled make
+    greedy text words, valid UTF-8 that every detokenizer agrees on, with no early end of generation."""
+    return np.where(np.array(_vocab()[2]) == int(gguf.TokenType.NORMAL), 1.0, 0.05)
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> None:
+    """The tiny SentencePiece vocabulary and chat template, as GGUF tokenizer metadata."""
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(_TEMPLATE)
+
+
 def tiny_prompt(n_words: int = 60) -> str:
     """A prompt of about 1.5 tokens a word: longer than any sliding window of a tiny model."""
     words = [_WORDS[(i * 7) % len(_WORDS)] for i in range(n_words)]
@@ -88,8 +115,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
         spec = attrs.evolve(spec, n_expert=4)  # qwen3's layers with a routed mixture of experts
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
-    tokens, scores, types = _vocab()
-    n_vocab, d, hd = len(tokens), spec.n_embd, spec.head_dim or spec.n_embd // spec.n_head
+    n_vocab, d, hd = vocab_size(), spec.n_embd, spec.head_dim or spec.n_embd // spec.n_head
     q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -123,17 +149,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
         w.add_final_logit_softcapping(30.0)
     if arch == "gemma3":
         w.add_rope_freq_base_swa(10_000.0)  # its local layers
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(_TEMPLATE)
+    _add_vocab(w)
 
     def f32(name: str, shape: tuple[int, ...], scale: float, rows: np.ndarray | None = None) -> None:
         data = rng.standard_normal(shape) * scale
@@ -151,9 +167,7 @@ def write_tiny_gguf(path: str | Path, arch: str, **kw) -> Path:
 
     # numpy shapes are [rows, cols] = ggml's {cols, rows}: a weight of ggml {n_in, n_out} is [n_out, n_in]
     embd_scale = 1.0 / np.sqrt(d) if arch.startswith("gemma") else 1.0  # gemma scales the lookup by sqrt(n_embd)
-    # control and byte pieces get small output rows, so greedy text is words: valid UTF-8 that
-    # every detokenizer agrees on, and no early end of generation
-    rows = np.where(np.array(types) == int(gguf.TokenType.NORMAL), 1.0, 0.05)
+    rows = word_rows()
     f32("token_embd.weight", (n_vocab, d), embd_scale, rows)
     norm("output_norm.weight", d)
     if arch in ("llama", "qwen2", "qwen3", "qwen3moe", "phi3"):  # the others tie the output to token_embd
@@ -212,6 +226,7 @@ def write_layout_gguf(
     extra: Mapping[str, Any] | None = None,
     types: Mapping[str, str] | None = None,
     value: Callable[[str, str, list[int], np.random.Generator], np.ndarray] = _random_value,
+    vocab: bool = False,
 ) -> dict[str, Any]:
     """A layout JSON (dgr-layout/1) at its own sizes, as a GGUF of random tensors, for llama.cpp to load.
 
@@ -219,7 +234,9 @@ def write_layout_gguf(
     carry; `value(name, role, numpy shape, rng)` makes each tensor (default:
     ones for norms, small normal noise otherwise). Returns the layout with its
     one recipe, "f32" (every role F32 unless `types` says otherwise), so
-    `layout_from_json(returned, recipe="f32")` prices this very file.
+    `layout_from_json(returned, recipe="f32")` prices this very file. With
+    `vocab`, the file gets the tiny models' tokenizer and chat template (its
+    layout's vocab_size must be `vocab_size()`), so that dgr can serve it.
     """
     arch = data["architecture"]
     types = dict(types or {role: "F32" for recipe in data["recipes"].values() for role in recipe["types"]})
@@ -239,7 +256,10 @@ def write_layout_gguf(
             w.add_float32(key, v)
         else:
             w.add_uint32(key, v)
-    w.add_string("tokenizer.ggml.model", "no_vocab")
+    if vocab:
+        _add_vocab(w)
+    else:
+        w.add_string("tokenizer.ggml.model", "no_vocab")
     n_all = meta[f"{arch}.block_count"]
     rng = np.random.default_rng(0)
     for group in data["tensor_groups"]:
