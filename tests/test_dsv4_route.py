@@ -100,7 +100,8 @@ def _route(model: str, backend: str, nodes: int) -> LocalRoute:
 
 def test_dgr_up_three_nodes_answer_as_one_with_a_flat_seam(model):
     """Through the OpenAI client: 3 llama_shard nodes and 1 llama node give the same text for a short and a
-    long prompt; each hop's decode frame is the header, one token id and 4 x 64 float32, at any context."""
+    long prompt and two chat turns; each hop's decode frame is the header, one token id and 4 x 64 float32,
+    at any context."""
     prompts = ["The keeper wrote: what", tiny_prompt(60)]
 
     def ask(backend: str, nodes: int) -> tuple[list[str], list[str], list[list[int]]]:
@@ -113,6 +114,13 @@ def test_dgr_up_three_nodes_answer_as_one_with_a_flat_seam(model):
                 assert resp.usage.completion_tokens == N_NEW
                 texts.append(resp.choices[0].text)
                 frames.append([r.node_status(f"node{i}")["seam"]["last_decode_frame_bytes"] for i in range(1, nodes)])
+            # a conversation: the second turn repeats the first, which no node can reuse (the compressor
+            # state cannot drop the first answer's positions), so each node computes it again
+            chat = [{"role": "user", "content": prompts[1]}]
+            for _ in range(2):
+                resp = client.chat.completions.create(model=name, messages=chat, max_tokens=N_NEW, temperature=0)
+                texts.append(resp.choices[0].message.content)
+                chat += [{"role": "assistant", "content": texts[-1]}, {"role": "user", "content": "and then?"}]
             return texts, sorted(n["layers"] for n in r.node_table()), frames
 
     split, layers, frames = ask("llama_shard", 3)

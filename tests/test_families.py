@@ -91,7 +91,8 @@ def reference(models):
 
 
 def test_families_are_the_certified_list():
-    assert set(FAMILIES) == set(llama_arch.CERTIFIED)
+    # deepseek4's tiny model, with the real tensor layout, is dgr.testing.dsv4_model (tests/test_dsv4_route.py)
+    assert set(FAMILIES) | {"deepseek4"} == set(llama_arch.CERTIFIED)
 
 
 @pytest.mark.parametrize("arch", [*FAMILIES, "llama+moe"])
@@ -159,8 +160,8 @@ def _tiny_header_only(path, arch: str, **ints) -> None:
     [
         ("glm5-next", "several streams"),
         ("gemma3n", "per-layer token embeddings"),
-        ("glm4moe", "aborts on hidden-state input"),
-        ("nemotron_h", "cannot check a range's kinds"),
+        ("talkie", "a second stream"),
+        ("kimi-k3", "attention residuals"),
         ("rwkv6qwen2", "no test compares its splits"),
     ],
 )

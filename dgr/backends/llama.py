@@ -177,9 +177,9 @@ class LlamaCppBackend(ShardBackend):
         seq = self._seq(sid)
         if not (0 < positions <= self.engine.positions(seq)):
             raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {self.engine.positions(seq)} positions")
+        self.engine.truncate(seq, positions)  # first: where it cannot, the session stays open, to be closed
         del self._sessions[sid]
         self._limits.pop(sid, None)
-        self.engine.truncate(seq, positions)
         self._kept[key] = seq
         return positions * self.engine.kv_bytes_per_position()
 

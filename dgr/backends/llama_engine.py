@@ -547,12 +547,19 @@ class LlamaEngine:
         self.reset_evaluated(seq)
 
     def truncate(self, seq: int, positions: int) -> None:
-        """Keep only positions [0, positions) of `seq`'s KV."""
+        """Keep only positions [0, positions) of `seq`'s KV.
+
+        Raises:
+            CallerError(POSITION_DISCONTINUITY): more positions than `seq` holds.
+            CallerError(INVALID_REQUEST): llama.cpp cannot drop the later positions of this model's memory
+            (a recurrent state, or DeepSeek-V4's compressor state, keeps no earlier copy); `seq` is unchanged.
+        """
         have = self._n_pos.get(seq, 0)
         if not (0 <= positions <= have):
             raise CallerError(Reason.POSITION_DISCONTINUITY, f"seq {seq}: cannot keep {positions} of {have} positions")
-        if positions < have:
-            llama_lib().llama_memory_seq_rm(self._mem, seq, positions, -1)
+        if positions < have and not llama_lib().llama_memory_seq_rm(self._mem, seq, positions, -1):
+            raise CallerError(Reason.INVALID_REQUEST,
+                              f"seq {seq}: this model's memory cannot drop positions {positions}..{have - 1}")
         self._n_pos[seq] = positions
 
     def positions(self, seq: int) -> int:

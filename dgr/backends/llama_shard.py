@@ -26,11 +26,10 @@ from dgr.backends.llama import (
     check_header,
     default_threads,
 )
-from dgr.backends.llama_arch import KIND_CHECKED, check_every_kind, shard_rule
+from dgr.backends.llama_arch import shard_rule
 from dgr.backends.llama_engine import DEFAULT_N_BATCH, GgufHeader
 from dgr.backends.llama_range import range_api
 from dgr.errors import CallerError, Reason
-from dgr.gguf_meta import is_recurrent_layer, metadata, read_header
 from dgr.models import check_gguf_file
 
 __all__ = ["LlamaShardBackend", "check_shard_ranges"]
@@ -44,8 +43,7 @@ def check_shard_ranges(model: str | Path, ranges: list[LayerRange]) -> GgufHeade
     Raises:
         CallerError(MODEL_LOAD_FAILED): unreadable file, an architecture
         refused or not certified for ranges (the message names it and why), a
-        range past the last layer, a range of a hybrid that lacks one of its
-        layer kinds, or a libllama without the layer-range API.
+        range past the last layer, or a libllama without the layer-range API.
     """
     source = check_gguf_file(model)
     header = check_header(source)
@@ -55,14 +53,8 @@ def check_shard_ranges(model: str | Path, ranges: list[LayerRange]) -> GgufHeade
             raise CallerError(
                 Reason.MODEL_LOAD_FAILED, f"layer range {layers} does not fit the {header.n_layer} layers of {source}"
             )
-    split = [(r.start, r.stop) for r in ranges if r != LayerRange(0, header.n_layer)]
-    if not split:
-        return header
-    range_api()  # refuses a stock llama-cpp-python build, saying how to get the patched one
-    if header.architecture in KIND_CHECKED:
-        meta = metadata(read_header(source))
-        kinds = ["delta" if is_recurrent_layer(header.architecture, meta, il) else "attn" for il in range(header.n_layer)]
-        check_every_kind(header.architecture, kinds, split)
+    if any(r != LayerRange(0, header.n_layer) for r in ranges):
+        range_api()  # refuses a stock llama-cpp-python build, saying how to get the patched one
     return header
 
 

@@ -12,9 +12,9 @@ of those where it is optional, named ARCH+moe), in a temporary folder:
    layer-range API, chains them (token ids into the first stage, each later
    stage takes the hidden states the previous one returned) and decodes the
    same way; its tokens and logits must equal the whole model's exactly;
-3. the probes of ARCHS[arch].probes run the same way and are reported, but
-   decide nothing: ranges a planner must not make (a hybrid's stage of one
-   layer kind), kept to see what llama.cpp does with them.
+   a later stage also takes the token ids where the model's layers read
+   them (DeepSeek-V4). The whole model's seam is recorded: its width, the
+   token-id sideband, and positions per hidden-state row (M-RoPE: 4).
 
 Every load and decode runs in a child, one at a time, each bounded by a
 timeout, because llama.cpp may abort. Per case the result is:
@@ -28,7 +28,7 @@ timeout, because llama.cpp may abort. Per case the result is:
 - unbuildable: llama.cpp could not make the model from the metadata;
 - nonfinite: splits equal the whole, but its logits are not finite, so the
   check means little.
-Prints a table (each split and probe as BOUNDS:ok|diff|fail|crash|timeout)
+Prints a table (each split as BOUNDS:ok|diff|fail|crash|timeout)
 and writes every detail as JSON to --out.
 
 --tile-mrope-positions is a diagnostic for M-RoPE models (qwen2vl, qwen3vl,
@@ -142,6 +142,7 @@ def _child_whole(arch: str, moe: bool, folder: Path) -> None:
 
 def _whole(arch: str, moe: bool, folder: Path) -> dict[str, Any]:
     """Build the tiny model and decode it whole: writes ref.npz next to the GGUF."""
+    from dgr.backends.gguf_text import llama_lib
     from dgr.errors import DgrError
     from dgr.testing.arch_models import write_arch_gguf
 
@@ -156,6 +157,9 @@ def _whole(arch: str, moe: bool, folder: Path) -> dict[str, Any]:
         e = _load(path, None)
         try:
             tokens, logits = _greedy([e], _prompt(e.n_vocab))
+            # what crosses a boundary of this model: floats per position, token ids, positions per row
+            seam = {"width": e.n_embd_out, "n_embd": llama_lib().llama_model_n_embd(e._model),
+                    "token_ids": e.seam_tokens, "positions": e.n_pos_per_row}
         finally:
             e.close()
     except DgrError as exc:
@@ -164,6 +168,7 @@ def _whole(arch: str, moe: bool, folder: Path) -> dict[str, Any]:
     return {
         "result": "ok",
         "tokens": tokens,
+        "seam": seam,
         "finite": bool(np.isfinite(logits).all()),
         "spread": float(np.nanmax(logits) - np.nanmin(logits)) if np.isfinite(logits).any() else 0.0,
     }  # fmt: skip
@@ -313,7 +318,7 @@ def _run_case(case: Case, root: Path, timeout: float, tile: bool) -> dict[str, A
     folder.mkdir(parents=True, exist_ok=True)
     rec: dict[str, Any] = {
         "case": case.name, "arch": case.arch, "moe": case.moe, "n_layer": spec.n_layer,
-        "splits": [list(s) for s in spec.splits], "probes": [list(s) for s in spec.probes],
+        "splits": [list(s) for s in spec.splits],
         "why": spec.why, "expect": spec.expect, "tiled_positions": tile,
     }  # fmt: skip
     whole = _run_child(["--child-whole", case.arch, "1" if case.moe else "0", str(folder)], timeout)
@@ -327,12 +332,11 @@ def _run_case(case: Case, root: Path, timeout: float, tile: bool) -> dict[str, A
         rec.update(result=res, max_diff=None, detail=f"{how}: {whole.get('detail', '')}".strip())
         return rec
     per: list[dict[str, Any]] = []
-    for bounds in (*spec.splits, *spec.probes):
+    for bounds in spec.splits:
         got = _run_child(["--child-split", str(folder), ",".join(map(str, bounds))], timeout, tile)
         got["split"] = list(bounds)
         per.append(got)
-    rec["per_split"], rec["per_probe"] = per[: len(spec.splits)], per[len(spec.splits) :]
-    per = rec["per_split"]
+    rec["per_split"] = per
     worst = max(per, key=lambda p: _SEVERITY.index(p["result"]))
     res = worst["result"]
     if res == "certified" and not whole.get("finite", True):
@@ -367,15 +371,15 @@ def _marks(runs: list[dict[str, Any]] | None, bounds: list[list[int]]) -> str:
 
 
 def _table(records: list[dict[str, Any]]) -> str:
-    rows = [("case", "layers", "splits", "probes", "result", "max |diff|", "detail")]
+    rows = [("case", "layers", "splits", "result", "max |diff|", "detail")]
     for r in records:
         diff = "" if r.get("max_diff") is None else f"{r['max_diff']:.3g}"
-        splits, probes = _marks(r.get("per_split"), r["splits"]), _marks(r.get("per_probe"), r["probes"])
-        rows.append((r["case"], str(r["n_layer"]), splits, probes, r["result"], diff, r.get("detail", "")[:160]))
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        splits = _marks(r.get("per_split"), r["splits"])
+        rows.append((r["case"], str(r["n_layer"]), splits, r["result"], diff, r.get("detail", "")[:160]))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = []
     for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:6], widths)) + "  " + row[6])
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5])
     return "\n".join(lines)
 
 

@@ -341,13 +341,20 @@ class NodeService:
                 take = blocks == len(kept.chain) or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
+                opened = False
                 try:
                     backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take, lane)
-                except BaseException:
-                    if take:
+                    opened = True
+                except CallerError as exc:
+                    if exc.reason is not Reason.INVALID_REQUEST:
+                        raise
+                    # the memory cannot drop the kept positions past the shared blocks: open empty instead
+                    log.debug("session %s: prefix not reused: %s", sid, exc.message)
+                finally:
+                    if take and not opened:
                         backend.drop_prefix(kept.id)  # the cache forgot it: its slot must not stay taken
-                    raise
-                return blocks * BLOCK_TOKENS
+                if opened:
+                    return blocks * BLOCK_TOKENS
             while cache is not None and backend.free_slots() <= 0 and cache.entries:
                 backend.drop_prefix(cache.evict())
             backend.open_session(sid, max_positions, lane=lane)
@@ -387,7 +394,11 @@ class NodeService:
             return
         try:
             key = cache.new_id()
-            nbytes = backend.keep_prefix(sid, key, blocks * BLOCK_TOKENS)
+            try:
+                nbytes = backend.keep_prefix(sid, key, blocks * BLOCK_TOKENS)
+            except CallerError as exc:  # a memory that cannot drop positions (recurrent, DeepSeek-V4): keep nothing
+                log.debug("session %s: no prefix kept: %s", sid, exc.message)
+                return
             dropped = cache.add(Kept(key, tuple(keep[:blocks]), nbytes))
             for d in dropped:
                 backend.drop_prefix(d)

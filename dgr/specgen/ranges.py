@@ -29,13 +29,25 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _seam(case: dict) -> str:
+    """What crosses a boundary, per position, from the certification run's whole model."""
+    seam = case.get("whole", {}).get("seam")
+    if not seam:
+        return "-"
+    width, n_embd = seam["width"], seam["n_embd"]
+    out = "n_embd" if width == n_embd else f"{width // n_embd} x n_embd" if width % n_embd == 0 else f"{width} floats"
+    if seam["token_ids"]:
+        out += " + token ids"
+    if seam["positions"] > 1:
+        out += f", {seam['positions']} positions"
+    return out
+
+
 def render() -> str:
     from dgr.backends import llama_arch
     from dgr.testing.arch_models import ARCHS
 
     accepted = sorted(llama_arch.CERTIFIED.keys() | llama_arch.TINY_CERTIFIED)
-    every_kind = sorted(llama_arch.EVERY_KIND)
-    checked = sorted(llama_arch.KIND_CHECKED)
     runs: dict[str, list[dict]] = {}
     for case in json.loads(RESULTS.read_text())["cases"]:
         runs.setdefault(case["arch"], []).append(case)
@@ -50,41 +62,29 @@ def render() -> str:
         "libllama itself makes from one metadata table (dgr/testing/arch_models.py), cut at every boundary",
         "below and chained stage to stage, decodes the same 8 greedy tokens with the same logits bit for bit",
         "as the whole model (tests/test_certify.py, in `make test`). A split `(2, 4)` has three stages:",
-        "[0, 2) [2, 4) [4, n). The seam of every certified architecture is one row of `n_embd` float32 per",
-        "position; M-RoPE models also give llama.cpp each row's position once per rope section",
-        "(4 per row), which dgr's engine does for hidden-state rows.",
+        "[0, 2) [2, 4) [4, n). Hybrids are also cut into stages of one layer kind.",
         "",
-        f"**{len(accepted) + len(checked)} architectures** are accepted for ranges at node start: {len(accepted)} at any",
-        f"boundary, and {len(checked)} hybrids ({', '.join(checked)}) where every range holds each of their layer",
-        f"kinds, which node start checks. {len(every_kind) - len(checked)} more hybrids split bit for bit at their",
-        "boundaries but are refused until dgr can read their layer kinds; the others are refused with the",
-        "reason below. `--backend llama` serves any of them whole.",
+        "The seam column is what crosses each boundary per position, as llama.cpp reports it for the",
+        "model (`llama_model_n_embd_seam`, `llama_model_seam_tokens`, the rope type): `n_embd` float32 for",
+        "most; DeepSeek-V4 carries its 4 hyper-connection streams and the token ids; M-RoPE models give",
+        "llama.cpp each hidden-state row's position once per rope section (4 positions), which dgr's engine",
+        "does.",
+        "",
+        f"**{len(accepted)} architectures** are accepted for ranges at node start. The others are refused with",
+        "the reason below; `--backend llama` serves any of them whole.",
         "",
         "## Accepted",
         "",
-        "| architecture | layers | certified boundaries | what the boundaries cut | also |",
-        "| --- | ---: | --- | --- | --- |",
+        "| architecture | layers | certified boundaries | seam | what the boundaries cut | also |",
+        "| --- | ---: | --- | --- | --- | --- |",
     ]
     for arch in accepted:
         spec = ARCHS[arch]
         variants = {"no": "dense", "only": "MoE", "optional": "dense and MoE"}[spec.moe]
         also = llama_arch.CERTIFIED.get(arch, "")
-        lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {_cell(spec.why or '-')} ({variants}) | {also} |")
-    lines += [
-        "",
-        "## Hybrids: every stage must hold every layer kind",
-        "",
-        "Every stage at the boundaries below holds every layer kind, and they split bit for bit; the probes,",
-        "stages that lack a kind, die in llama.cpp.",
-        "",
-        "| architecture | layers | certified boundaries | probes that die | at node start | what the boundaries cut |",
-        "| --- | ---: | --- | --- | --- | --- |",
-    ]
-    for arch in every_kind:
-        spec = ARCHS[arch]
-        start = "accepted where every range holds each kind" if arch in checked else "refused"
-        lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {_bounds(spec.probes)} | {start} | "
-                     f"{_cell(spec.why or '-')} |")
+        seam = _seam(runs[arch][0]) if arch in runs else "-"
+        lines.append(f"| {arch} | {spec.n_layer} | {_bounds(spec.splits)} | {seam} | {_cell(spec.why or '-')} "
+                     f"({variants}) | {_cell(also)} |")
     lines += [
         "",
         "## Refused",

@@ -24,8 +24,7 @@ to cut inside each layer-pattern period and next to each change of layer kind
 (the boundaries are kept in the table, `ArchSpec.splits`, for
 dgr.bench.certify), and a sliding window of 8 positions, shorter than a test
 prompt, so that a range which shifted a local/global pattern would change the
-answer. Where a probe is worth keeping, `ArchSpec.probes` lists splits that a
-planner must not make (a hybrid's stage of one layer kind). The values are
+answer; hybrids' splits include stages of one layer kind. The values are
 deterministic: a normal(0, stdev) draw seeded by the tensor's name and `seed`,
 negative for Mamba's `ssm_a` (state decay).
 
@@ -209,9 +208,6 @@ class ArchSpec:
     moe: "no" (dense only), "optional" (both), "only" (a mixture of experts only).
     splits: each a tuple of boundaries, one layer range per stage: (2, 4) is
     [0, 2) [2, 4) [4, n_layer).
-    probes: splits run and reported, but not part of the certification: ranges
-    a planner must not make (a hybrid's stage of one layer kind only), kept to
-    see whether llama.cpp still refuses or kills them.
     why: what the boundaries cut (pattern periods, changes of layer kind).
     saver: llama_model_save_to_file supports the architecture (llama_model_saver_supports_arch);
     where it does not, the file is written from the metadata and the created tensors here.
@@ -225,7 +221,6 @@ class ArchSpec:
     moe: str = "no"
     keys: Mapping[str, Value] = attrs.field(factory=dict)
     splits: tuple[tuple[int, ...], ...] = DEFAULT_SPLITS
-    probes: tuple[tuple[int, ...], ...] = ()
     why: str = ""
     saver: bool = True
     own_scales: bool = False  # the architecture's own loader asks for per-weight ".scale" tensors (bitnet)
@@ -239,17 +234,18 @@ def _a(**kw: Any) -> ArchSpec:
 _SWA4 = "period 4 (3 sliding, 1 full: layer 3): 1, 2 inside it, 3 sliding->full, 4 full->sliding"
 _DENSE_FIRST = "leading dense layer 0 then MoE: 1 dense->MoE; 3 and 2|4 inside"
 _PLAIN = "uniform layers: 1, 3 and a 3-stage 2|4"
-# Hybrids over 9 layers (R recurrent, A attention), every stage of a split holding both kinds (llama.cpp's
-# hybrid memory needs both: a stage of one kind dies, see the probes). Where the loader makes the pattern
+# Hybrids over 9 layers (R recurrent, A attention), cut inside periods, next to each change of kind, and into
+# stages of one kind (which died in llama.cpp, on an input no layer of theirs read, until patch 0002 kept every
+# input of a range in its graph). Where the loader makes the pattern
 # (full_attention_interval 3): RRA x3. Where per-layer head counts make it (0: recurrent), as in
 # test-llama-archs with layer 0 attention: ARR x3.
 _RRA = ("RRA x3: 4 inside a period (R|R), 5 recurrent->attention, 3|6 attention->recurrent; "
-        "probes: 2 (a recurrent-only head), 5|6 (an attention-only middle stage)")  # fmt: skip
-_RRA_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6)), probes=((2,), (5, 6)))
+        "2 (a recurrent-only head), 5|6 (an attention-only middle stage)")  # fmt: skip
+_RRA_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6), (2,), (5, 6)))
 _HYB = "ARR"
 _HYBRID = ("ARR x3: 5 inside a period (R|R), 3|6 recurrent->attention, 4 attention->recurrent; "
-           "probes: 1 (an attention-only head), 4|6 (a recurrent-only middle stage)")  # fmt: skip
-_HYB_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6)), probes=((1,), (4, 6)))
+           "1 (an attention-only head), 4|6 (a recurrent-only middle stage)")  # fmt: skip
+_HYB_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6), (1,), (4, 6)))
 _MLA_SIZE = dict(n_embd=128, n_head=1, n_ff=192)
 # nemotron_h's MFA cycle: M mamba (no heads, no FFN), F FFN only, A attention only
 _AMF_KEYS = {
@@ -257,9 +253,9 @@ _AMF_KEYS = {
     "attention.head_count_kv": _per_layer(lambda s, il: 0 if "AMF"[il % 3] == "M" else s.n_head),
     "feed_forward_length": _per_layer(lambda s, il: s.n_ff if "AMF"[il % 3] == "F" else 0),
 }
-_AMF_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6)), probes=((1,), (4, 5)))
+_AMF_SPLITS = dict(n_layer=9, splits=((4,), (5,), (3, 6), (1,), (4, 5)))
 _AMF_WHY = ("AMF x3 (attention, mamba, {ffn}): 4 attention->mamba, 5 mamba->{ffn}, 3|6 {ffn}->attention; "
-            "probes: an attention-only head, a mamba-only middle stage")
+            "1 an attention-only head, 4|5 a mamba-only middle stage")
 _RWKV7 = {  # not in test-llama-archs, which skips RWKV
     "attention.decay_lora_rank": 64,
     "attention.iclr_lora_rank": 64,
@@ -353,19 +349,17 @@ ARCHS: dict[str, ArchSpec] = {
     "afmoe": _a(n_head=4, n_head_kv=2, moe="only", why=_DENSE_FIRST + "; sliding period 4; input scaling on the head"),
     "smallthinker": _a(
         moe="only",
-        splits=((3,), (4,), (2, 4)),
-        probes=((1,),),
-        why="sliding period 4, full first (0, 4 full): 3 inside, 4 sliding->full, 2|4; probe: a full-only head",
+        splits=((3,), (4,), (2, 4), (1,)),
+        why="sliding period 4, full first (0, 4 full): 3 inside, 4 sliding->full, 2|4; 1: a full-only head",
     ),
     "laguna": _a(n_embd=160, moe="only", why=_DENSE_FIRST + "; sliding period 4 with layer 0 full"),
     # -- mixtures of experts -----------------------------------------------------------------------
     "llama4": _a(
         n_layer=12,
         moe="only",
-        splits=((4,), (5,), (4, 8)),
-        probes=((1,), (2, 4)),
+        splits=((4,), (5,), (4, 8), (1,), (2, 4)),
         why="MoE on odd layers, NoPE + chunked-attention period 4 (NoPE 3, 7, 11): 4 NoPE->RoPE, 5 inside a period "
-        "and dense->MoE; every stage holds a NoPE layer; probes: stages without one",
+        "and dense->MoE; 1 and 2|4: stages without a NoPE layer",
     ),
     "grok": _a(moe="only", why=_PLAIN),
     "qwen2moe": _a(moe="only", why=_PLAIN),
@@ -422,9 +416,8 @@ ARCHS: dict[str, ArchSpec] = {
     "maple": _a(
         moe="only",
         keys={"attention.sliding_window_pattern": _flags("FSS", on="S"), "swiglu_clamp_exp": 7.0},
-        splits=((2,), (3,), (2, 4)),
-        probes=((1,),),
-        why="sliding pattern FSS: 2 inside, 3 sliding->full, 2|4; probe: a full-only head",
+        splits=((2,), (3,), (2, 4), (1,)),
+        why="sliding pattern FSS: 2 inside, 3 sliding->full, 2|4; 1: a full-only head",
     ),
     "dots3note": _a(
         moe="only",
@@ -439,10 +432,9 @@ ARCHS: dict[str, ArchSpec] = {
             "attention.sliding_window_pattern": _per_layer(lambda s, il: il % 2),
             "attention.indexer.types": _per_layer(lambda s, il: 0 if il % 2 else 1),
         },
-        splits=((2,), (3,), (2, 4)),
-        probes=((1,),),
+        splits=((2,), (3,), (2, 4), (1,)),
         why="dense layer 0, MLA, sliding period 2 (full, sliding) with an indexer on full layers: 3 inside a period, "
-        "2 sliding->full, 2|4; probe: a full-only head",
+        "2 sliding->full, 2|4; 1: a full-only head",
         **_MLA_SIZE,
     ),
     # -- recurrent and hybrid ----------------------------------------------------------------------
