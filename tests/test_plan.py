@@ -239,16 +239,14 @@ def test_the_vectorised_split_search_equals_the_scalar_scan(data):
 
 def test_the_range_tables_hold_need_and_valid_of_every_range(smol, dsv4):
     """The split search reads need and validity from tables built at once; they must be need() and valid()
-    for every range, on layouts with required kinds (DeepSeek-V4 given the CSA+HCA rule it had before llama.cpp
-    patch 0003), allowed starts (GLM-5.2) and a whole-only rule (a layout marked so)."""
+    for every range, on layouts with allowed starts (GLM-5.2) and a whole-only rule (a layout marked so)."""
     import attrs
 
     from dgr.plan.search import _Pricer
 
     glm = load_layout(ROOT / "tests" / "fixtures" / "glm-5.2.layout.json")
-    needs = attrs.evolve(dsv4, shard_needs=frozenset({"csa", "hca"}))
-    assert glm.shard_starts and not dsv4.shard_needs
-    for layout in (smol, dsv4, needs, glm, attrs.evolve(smol, whole_only="its tensors are not split by layer")):
+    assert glm.shard_starts
+    for layout in (smol, dsv4, glm, attrs.evolve(smol, whole_only="its tensors are not split by layer")):
         pricer = _Pricer(layout, PlanParams(context=4096, sessions=2))
         n = layout.n_layers
         for a in range(n + 1):
@@ -445,7 +443,6 @@ def test_seam_is_four_streams_wide(dsv4):
 def test_dsv4_shards_of_one_layer_are_planned(dsv4):
     """Any range of DeepSeek-V4 runs (llama.cpp patch 0003; tests/test_dsv4_route.py), so one node a layer
     is a plan; a 44th node has no layer to hold."""
-    assert not dsv4.shard_needs
     assert [s.stop - s.start for s in plan_even(dsv4, 43)] == [1] * 43
     with pytest.raises(CallerError):
         plan_even(dsv4, 44)

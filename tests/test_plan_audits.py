@@ -142,12 +142,11 @@ def test_ornith_kinds_and_state(ornith, ornith_data):
     assert kv_terms_for_layer("qwen35moe", meta, 1, ())[0] == "delta"
 
 
-def test_ornith_seam_is_hidden_wide_and_every_shard_holds_full_attention(ornith):
+def test_ornith_seam_is_hidden_wide_and_any_split_is_planned(ornith):
+    """A range of gated-delta-net layers only runs since llama.cpp patch 0002 keeps every input of a range
+    (qwen35moe's stages of one layer kind split bit for bit: tests/test_certify.py), so no shard needs a
+    full-attention layer: 11 nodes and more are plans."""
     assert ornith.seam_width == ornith.hidden_size == 2048 and not ornith.needs_token_ids
-    # llama.cpp aborts on a shard of gated-delta-net layers only (dgr/bench/audit_tiny.py).
-    assert ornith.shard_starts is None and ornith.shard_needs == {"attn"}
-    for k in (2, 4, 8, 10):
-        for r in plan_even(ornith, k):
-            assert any(ornith.layers[i].kind == "attn" for i in range(r.start, r.stop))
-    with pytest.raises(CallerError, match="every shard must hold layers of kinds"):
-        plan_even(ornith, 11)  # 10 full-attention layers
+    assert ornith.shard_starts is None
+    for k in (2, 11, 20):
+        assert len(plan_even(ornith, k)) == k

@@ -218,9 +218,6 @@ class ModelLayout:
     compute: ComputeRule
     source: str
     recipe: str | None = None
-    # Layer kinds every shard must hold (rules.shard_needs). qwen35moe: a shard without a
-    # full-attention layer aborts (dgr/bench/audit_tiny.py).
-    shard_needs: frozenset[str] = frozenset()
     # Layers a shard may start at (0 always may); None: any. glm-dsa: the full-indexer layers,
     # since a shared-indexer layer reuses the top-k of the full one before it (glm-dsa.cpp).
     shard_starts: frozenset[int] | None = None
@@ -237,8 +234,6 @@ class ModelLayout:
         if self.whole_only:
             return self.whole_only
         rules = []
-        if self.shard_needs:
-            rules.append(f"every shard must hold layers of kinds {sorted(self.shard_needs)}")
         if self.shard_starts is not None:
             rules.append(f"shards may start only at layers {sorted(self.shard_starts)}")
         return "; ".join(rules) or "one layer per shard at least"

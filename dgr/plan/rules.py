@@ -1,4 +1,4 @@
-"""llama.cpp's rules for a layout: KV per layer kind, where shards may be cut, compute buffers.
+"""llama.cpp's rules for a layout: KV per layer kind, compute buffers.
 
 Each rule here is read off llama.cpp's sources (cited per function) and
 checked against what llama.cpp itself logs by the audits in dgr.bench
@@ -12,13 +12,9 @@ Besides deepseek4, the KV rules know two more kinds of layer:
   layer keeps fixed f32 recurrent state (a conv window and the delta-rule
   matrix), and every `full_attention_interval`-th layer is full attention.
 
-A layout also says which layer kinds every shard must hold
-(`shard_needs`): llama.cpp cannot run a Qwen3.5 shard without a
-full-attention layer (a DeepSeek-V4 range of any layers runs since dgr's
-third llama.cpp patch: tests/test_dsv4_route.py); and
-at which layers a shard may start (`shard_starts`): a GLM-5.2 ("glm-dsa")
-layer with a shared indexer reuses the top-k of the last full-indexer layer
-before it, so a shard must start at a full one.
+A layout also says at which layers a shard may start (`shard_starts`): a
+GLM-5.2 ("glm-dsa") layer with a shared indexer reuses the top-k of the last
+full-indexer layer before it, so a shard must start at a full one.
 
 Left out: reading files (dgr.plan.sources), the layout types (dgr.plan.layout).
 """
@@ -43,7 +39,6 @@ __all__ = [
     "glm_dsa_indexer_full",
     "kv_terms_for_layer",
     "meta_int",
-    "shard_needs",
 ]
 
 
@@ -223,21 +218,6 @@ def _swa_window(arch: str, meta: Mapping[str, Any], il: int) -> int:
     n_layer = meta_int(meta, p + "block_count")
     flags = _swa_layers(arch, n_layer, meta.get(p + "attention.sliding_window_pattern"))
     return window if flags and flags[il] else 0
-
-
-# -- where shards may be cut ----------------------------------------------------
-
-
-def shard_needs(arch: str, kinds: set[str]) -> frozenset[str]:
-    """Layer kinds every shard must hold, or llama.cpp dies creating its context.
-
-    qwen35moe and kin: a full-attention layer (a shard of gated-delta-net layers only aborts on its
-    empty KV buffer, GGML_ASSERT(buffer); dgr/bench/audit_tiny.py). deepseek4 needs none: a range
-    without an indexed layer divided by zero in llama.cpp (SIGFPE) until dgr's patch 0003.
-    """
-    if arch in RECURRENT_HYBRID_ARCHS:
-        return frozenset({"attn"} & kinds)
-    return frozenset()
 
 
 # -- llama.cpp CPU compute buffer for GGUF files ---------------------------------

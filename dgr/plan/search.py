@@ -12,11 +12,10 @@ The rule, in order:
    (ties: the order given), kept in the order given, and takes the first k
    for which a contiguous split fits. A greedy pass (each node takes as many
    layers as fit) decides it exactly, because giving a node more layers
-   never makes a later node's job harder; where a model requires layer
-   kinds in every shard (ModelLayout.shard_needs, Qwen3.5) or lets
-   shards start only at some layers (ModelLayout.shard_starts, GLM-5.2's
-   full-indexer layers), that pass is only a quick necessary test and the
-   dynamic program below decides.
+   never makes a later node's job harder; where a model lets shards start
+   only at some layers (ModelLayout.shard_starts, GLM-5.2's full-indexer
+   layers), that pass is only a quick necessary test and the dynamic
+   program below decides.
 2. Balance. Among the splits over those k nodes, it takes one that
    maximises the smallest headroom (a dynamic program over (node, layer);
    ties go to the earliest boundary). Balance is in bytes, not layers: a
@@ -130,13 +129,6 @@ class _Pricer:
         self.n = layout.n_layers
         self.whole_only = layout.whole_only
         self.pre = _Prefix.of(layout, params)
-        # Per required kind, how many layers of it precede each index.
-        self.kind_counts = []
-        for kind in sorted(layout.shard_needs):
-            c = [0]
-            for layer in layout.layers:
-                c.append(c[-1] + (layer.kind == kind))
-            self.kind_counts.append(c)
         self.starts = layout.shard_starts
         self.fixed = {
             (h, t): shard_global_bytes(layout, params, is_head=h, is_tail=t)[0]
@@ -158,14 +150,11 @@ class _Pricer:
         return node.memory_bytes - self.need(a, b)
 
     def valid(self, a: int, b: int) -> bool:
-        """Whether [a, b) may be a shard: it holds every layer kind a shard must have
-        (ModelLayout.shard_needs), starts where a shard may (ModelLayout.shard_starts), and is
-        the whole model where it runs only whole (ModelLayout.whole_only)."""
+        """Whether [a, b) may be a shard: it starts where a shard may (ModelLayout.shard_starts),
+        and is the whole model where it runs only whole (ModelLayout.whole_only)."""
         if self.whole_only and (a, b) != (0, self.n):
             return False
-        if self.starts is not None and a != 0 and a not in self.starts:
-            return False
-        return all(c[b] > c[a] for c in self.kind_counts)
+        return self.starts is None or a == 0 or a in self.starts
 
     def score_table(self, node: Node) -> np.ndarray:
         """score(node, a, b) for every range at once: float64[a, b], -inf where [a, b) may not be a shard."""
@@ -173,7 +162,7 @@ class _Pricer:
 
     @property
     def constrained(self) -> bool:
-        return bool(self.kind_counts) or self.starts is not None or bool(self.whole_only)
+        return self.starts is not None or bool(self.whole_only)
 
     def score(self, node: Node, a: int, b: int) -> float:
         return self.headroom(node, a, b) if self.valid(a, b) else -math.inf
@@ -228,9 +217,6 @@ def _valid_table(pricer: _Pricer) -> np.ndarray:
         ok &= (a[:, None] == 0) & (a[None, :] == n)
     if pricer.starts is not None:
         ok &= np.array([i == 0 or i in pricer.starts for i in a])[:, None]
-    for c in pricer.kind_counts:
-        c = np.asarray(c, dtype=np.int64)
-        ok &= c[None, :] > c[:, None]
     return ok
 
 
@@ -399,7 +385,7 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
 
     Raises:
         CallerError(INVALID_REQUEST): fewer than 1 node, more nodes than layers, or
-            more than the model's split rules allow (ModelLayout.shard_needs, shard_starts).
+            more than the model's split rules allow (ModelLayout.shard_starts, whole_only).
     """
     if not 1 <= n_nodes <= layout.n_layers:
         raise CallerError(Reason.INVALID_REQUEST, f"cannot split {layout.n_layers} layers over {n_nodes} nodes")

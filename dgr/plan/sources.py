@@ -49,7 +49,6 @@ from dgr.plan.rules import (
     gguf_compute_rule,
     kv_terms_for_layer,
     meta_int,
-    shard_needs,
 )
 
 __all__ = [
@@ -155,7 +154,6 @@ def build_layout(
         compute=compute,
         source=source,
         recipe=recipe,
-        shard_needs=shard_needs(arch, {layer.kind for layer in layers}),
         shard_starts=frozenset(layer.index for layer in layers if layer.kind == "full")
         if arch == "glm-dsa"
         else None,
