@@ -90,17 +90,26 @@ class Role(enum.Enum):
     SHARED = "shared"  # every shard computes with it (rope_freqs)
 
 
-# Global tensor name prefix (before the first '.', a shell pattern) -> role. Anything
-# else that is not blk.N.* is SHARED. token_embd becomes HEAD_TAIL when the file has
-# no output.weight (tied embeddings). output_hc_* (DeepSeek-V4's hc_head: output_hc_fn,
-# _base, _scale) collapses the 4 hyper-connection streams after the last layer, before
-# output_norm (llama.cpp src/models/deepseek4.cpp), so only the tail computes with it.
+# Global tensor name prefix (before the first '.', a shell pattern) -> role, as llama.cpp's
+# LLM_TENSOR_INFOS gives each tensor's layer kind (input or output). Anything else that is
+# not blk.N.* is SHARED. token_embd becomes HEAD_TAIL when the file has no output.weight
+# (tied embeddings). output_hc_* (DeepSeek-V4's hc_head: output_hc_fn, _base, _scale)
+# collapses the 4 hyper-connection streams after the last layer, before output_norm (llama.cpp
+# src/models/deepseek4.cpp), so only the tail computes with it; cls* is a classifier head.
 GLOBAL_ROLES: dict[str, Role] = {
     "token_embd": Role.HEAD,
     "token_embd_norm": Role.HEAD,
+    "position_embd": Role.HEAD,
     "output_norm": Role.TAIL,
     "output": Role.TAIL,
     "output_hc_*": Role.TAIL,
+    "cls": Role.TAIL,
+}
+# Architectures whose loader gives a GLOBAL_ROLES name another role: LFM2 names its final norm
+# token_embd_norm (LLM_TENSOR_OUTPUT_NORM_LFM2, src/models/lfm2.cpp).
+ARCH_ROLES: dict[str, dict[str, Role]] = {
+    "lfm2": {"token_embd_norm": Role.TAIL},
+    "lfm2moe": {"token_embd_norm": Role.TAIL},
 }
 
 _LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)$")
@@ -112,15 +121,17 @@ RECURRENT_HYBRID_ARCHS = ("qwen35moe", "qwen35", "qwen3next")
 
 
 def is_recurrent_layer(arch: str, meta: Mapping[str, Any], il: int) -> bool:
-    """Whether layer il of a RECURRENT_HYBRID_ARCHS model is gated delta net (else full attention).
+    """Whether layer il of a RECURRENT_HYBRID_ARCHS model is gated delta net, or of minimax-01 lightning
+    attention (else full attention).
 
     An explicit per-layer array, `{arch}.attention.recurrent_layers`, else full attention every
-    `{arch}.full_attention_interval`-th layer (default 4), as llama.cpp's loader decides.
+    `{arch}.full_attention_interval`-th layer (default 4, minimax-01 8), as llama.cpp's loader decides.
     """
     flags = meta.get(arch_key(arch, "attention.recurrent_layers"))
     if flags is not None:
         return bool(flags[il] if isinstance(flags, (list, tuple)) else flags)
-    interval = int(meta.get(arch_key(arch, "full_attention_interval"), 4) or 4)
+    default = 8 if arch == "minimax-01" else 4
+    interval = int(meta.get(arch_key(arch, "full_attention_interval"), default) or default)
     return (il + 1) % interval != 0
 
 
@@ -154,7 +165,7 @@ def is_tied(names: Iterable[str]) -> bool:
     return not any(n == "output.weight" for n in names)
 
 
-def global_role(name: str, *, tied: bool) -> Role:
+def global_role(name: str, *, tied: bool, arch: str = "") -> Role:
     """Which shards compute with the global (non-layer) tensor `name`.
 
     The prefix before the first '.' is looked up in GLOBAL_ROLES (shell
@@ -164,15 +175,17 @@ def global_role(name: str, *, tied: bool) -> Role:
     head too.
     """
     prefix = name.split(".", 1)[0]
-    role = next((r for pat, r in GLOBAL_ROLES.items() if fnmatch.fnmatchcase(prefix, pat)), Role.SHARED)
+    role = ARCH_ROLES.get(arch, {}).get(prefix) or next(
+        (r for pat, r in GLOBAL_ROLES.items() if fnmatch.fnmatchcase(prefix, pat)), Role.SHARED
+    )
     if role is Role.HEAD and tied and prefix == "token_embd":
         return Role.HEAD_TAIL
     return role
 
 
-def tensor_role(name: str, *, tied: bool) -> Role:
+def tensor_role(name: str, *, tied: bool, arch: str = "") -> Role:
     """LAYER for `blk.N.*`, else `global_role`."""
-    return Role.LAYER if layer_of(name) is not None else global_role(name, tied=tied)
+    return Role.LAYER if layer_of(name) is not None else global_role(name, tied=tied, arch=arch)
 
 
 # -- reading -------------------------------------------------------------------------

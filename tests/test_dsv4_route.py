@@ -1,6 +1,6 @@
 """DeepSeek-V4 as a route: a tiny random deepseek4 GGUF with the real tensor layout, split across nodes.
 
-The model (dgr.testing.dsv4_model): mHC (4 residual streams between layers), hash-routed layers 0 to 2,
+The model (dgr.bench.dsv4_tiny): mHC (4 residual streams between layers), hash-routed layers 0 to 2,
 window-only, CSA and HCA layers, routed and shared experts, and one MTP layer. Through dgr's third
 llama.cpp patch a range of it takes the 4 x 64 streams and the token ids, and every split, down to a
 node a layer, answers exactly as the whole model:
@@ -24,7 +24,7 @@ from dgr.plan import PlanParams, shard_cost
 from dgr.plan.sizes import Node
 from dgr.plan.sources import layout_from_json
 from dgr.seam.wire import HEADER_SIZE
-from dgr.testing.dsv4_model import TINY, write_dsv4_gguf
+from dgr.bench.dsv4_tiny import TINY, write_dsv4_gguf
 from dgr.testing.harness import LocalRoute
 from dgr.testing.reference import split_greedy
 from dgr.testing.tiny_gguf import tiny_prompt
@@ -91,6 +91,29 @@ def test_llama_cpp_holds_what_the_planner_charges(model):
             node.close()
         cost = shard_cost(layout, params, Node("n", 0), LayerRange(a, b))
         assert held == cost.weight_bytes + cost.global_bytes, (a, b)
+
+
+def test_window_caches_are_window_sized_as_planned(model):
+    """A deepseek4 node sizes its 128-token-window caches to the window and a batch (swa_full off), as dgr plan
+    prices them, not to the whole context: llama.cpp's logged caches and states equal the plan's."""
+    import collections
+
+    from dgr.backends import gguf_text
+    from dgr.bench.costs import _logged_state
+
+    path, data = model
+    layout = layout_from_json(data, recipe="f32")
+    gguf_text._LOG = collections.deque(maxlen=100_000)
+    node = LlamaShardBackend(path, LayerRange(2, 6), n_threads=1, n_ctx=1024, max_sessions=2)
+    try:
+        logged, lines = _logged_state("".join(gguf_text._LOG))
+        n_batch = node.engine.n_batch
+    finally:
+        node.close()
+    planned = shard_cost(layout, PlanParams(context=1024, sessions=2, ubatch=n_batch), Node("n", 0), LayerRange(2, 6))
+    full = shard_cost(layout, PlanParams(context=1024, sessions=2, ubatch=n_batch, swa_full=True), Node("n", 0),
+                      LayerRange(2, 6))
+    assert abs(logged - planned.kv_bytes) <= lines * 0.005 * 2**20 < full.kv_bytes - planned.kv_bytes
 
 
 def _route(model: str, backend: str, nodes: int) -> LocalRoute:

@@ -91,7 +91,7 @@ def reference(models):
 
 
 def test_families_are_the_certified_list():
-    # deepseek4's tiny model, with the real tensor layout, is dgr.testing.dsv4_model (tests/test_dsv4_route.py)
+    # deepseek4's tiny model, with the real tensor layout, is dgr.bench.dsv4_tiny's (tests/test_dsv4_route.py)
     assert set(FAMILIES) | {"deepseek4"} == set(llama_arch.CERTIFIED)
 
 

@@ -205,7 +205,7 @@ def build_manifest(path: str | Path, *, piece_length: int | None = None, progres
         TensorEntry(
             name=t.name,
             layer=layer_of(t.name),
-            role=tensor_role(t.name, tied=tied),
+            role=tensor_role(t.name, tied=tied, arch=layout.model.architecture),
             type=t.type,
             shape=t.shape,
             offset=t.offset,

@@ -44,12 +44,18 @@ __all__ = [
     "DEFAULT_N_CTX",
     "LlamaBackend",
     "LlamaCppBackend",
+    "WINDOW_SIZED",
     "check_header",
     "default_threads",
 ]
 
 DEFAULT_N_CTX = 2048
 DEFAULT_MAX_SESSIONS = 4
+# Architectures whose sliding-window caches are window-sized (llama_context_params.swa_full off), as dgr plan
+# prices them. DeepSeek-V4: every layer has a 128-token window, so a full-size cache would cost 1 KiB a token
+# a layer (43 GiB a session at 1M context), and its compressor state cannot drop positions anyway, so no prefix
+# of it is ever kept or rolled back.
+WINDOW_SIZED: frozenset[str] = frozenset({"deepseek4"})
 
 
 def check_header(path: str | Path) -> GgufHeader:
@@ -117,6 +123,7 @@ class LlamaCppBackend(ShardBackend):
                 n_seq_max=max_sessions,
                 n_ctx_seq=n_ctx,
                 n_batch=n_batch,
+                swa_full=header.architecture not in WINDOW_SIZED,
             )
         except BaseException as exc:
             if self.text is not None:

@@ -194,6 +194,7 @@ class LlamaEngine:
         n_seq_max: int,
         n_ctx_seq: int,
         n_batch: int = DEFAULT_N_BATCH,
+        swa_full: bool = True,
     ) -> LlamaEngine:
         """Load layers [start, stop) of the GGUF at `path` (None: all of them) and make its context.
 
@@ -225,6 +226,9 @@ class LlamaEngine:
         cparams.n_threads = cparams.n_threads_batch = n_threads
         cparams.no_perf = False  # llama_perf_context counts evaluated tokens: an independent check
         cparams.kv_unified = False  # each sequence has its own n_ctx_seq cells
+        # llama.cpp's default keeps sliding-window caches full-size, so that a sequence can drop positions
+        # anywhere (prefix reuse); False sizes them to the window plus a batch
+        cparams.swa_full = swa_full
         # llama-cpp-python's Llama() turns flash attention off; AUTO turns it on for CPU and rounds
         # differently, so the same prompt would decode differently here and there
         cparams.flash_attn_type = llama_lib().LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -1,9 +1,13 @@
 """Check the DeepSeek-V4 layout against llama.cpp itself, on a tiny random deepseek4 GGUF.
 
-No DeepSeek-V4 weights are needed: dgr.testing.dsv4_model writes the
-planner's fixture layout (dgr.specgen.dsv4_layout) at toy sizes, with one
-MTP layer, as a GGUF of random tensors. Loading it in dgr's llama.cpp
-checks, on this machine:
+No DeepSeek-V4 weights are needed: `write_dsv4_gguf` writes the planner's
+fixture layout (dgr.specgen.dsv4_layout) at toy sizes as a GGUF of random
+tensors that dgr's llama.cpp loads and runs. `TINY` keeps what makes the
+model hard to split: 4 residual streams across every layer boundary (mHC),
+hash routing by token id in layers 0 to 2, window-only, CSA and HCA layers,
+routed and shared experts, and one MTP layer after the trunk; it carries the
+tiny models' tokenizer and chat template, so dgr serves it
+(tests/test_dsv4_route.py). Loading it checks, on this machine:
 
 1. names and shapes: llama.cpp refuses a file with a missing, misshapen or
    extra tensor, so a clean load means the fixture's tensor list is the one
@@ -32,16 +36,65 @@ import numpy as np
 
 import gguf
 
+from typing import Any
+
 from dgr.backends.base import LayerRange
 from dgr.plan import PlanParams, shard_cost
 from dgr.plan.sizes import Node
 from dgr.plan.sources import layout_from_json
-from dgr.testing.dsv4_model import TINY, write_dsv4_gguf
+from dgr.specgen import dsv4_layout as mk
 from dgr.testing.reference import split_greedy
+from dgr.testing.tiny_gguf import vocab_size, word_rows, write_layout_gguf
 
-__all__ = ["main"]
+__all__ = ["EXTRA", "TINY", "main", "write_dsv4_gguf"]
 
 CTX, SEQS = 1024, 2
+
+# The tiny model, which tests/test_dsv4_route.py splits across nodes:
+TINY = mk.Dims(
+    hidden=64, vocab=vocab_size(), layers=6, heads=4, head_dim=128, rope_dim=16, q_lora=32, o_lora=16, o_groups=2,
+    experts=4, experts_used=2, experts_shared=1, ff_exp=32, idx_heads=2, idx_dim=128, idx_topk=8,
+    window=16, hc=4, hash_layers=3, context=4096, mtp=1,
+)  # fmt: skip
+
+# What llama.cpp's deepseek4 loader reads beyond the layout's metadata.
+EXTRA = {
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "rope.freq_base": 10000.0,
+    "attention.compress_rope_freq_base": 160000.0,
+    "hyper_connection.epsilon": 1e-6,
+    "hyper_connection.sinkhorn_iterations": 20,
+    "expert_weights_scale": 1.5,
+    "expert_weights_norm": True,
+    "expert_gating_func": 4,  # sqrtsoftplus
+    "swiglu_clamp_exp": 10.0,
+    "leading_dense_block_count": 0,
+}
+
+# Everything f32 but the hash table; the planner is checked on structure, not on quant types.
+TYPES = {role: "F32" for role in mk.RECIPES["q8_0"]["types"]} | {"hash": "I32"}
+
+
+def write_dsv4_gguf(path: str | Path, d: mk.Dims = TINY) -> dict[str, Any]:
+    """The layout at dims `d`, as a random GGUF; returns the layout priced as written (recipe "f32").
+
+    With the tiny vocabulary (d.vocab == vocab_size()) the file gets its tokenizer, and the output
+    rows of control and byte pieces are scaled down, so that greedy text is words.
+    """
+    vocab = d.vocab == vocab_size()
+    rows = word_rows()[:, None] if vocab else 1.0  # numpy [vocab, 1]
+
+    def value(name: str, role: str, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+        if role == "hash":
+            return rng.integers(0, d.experts, shape, dtype=np.int32)
+        if name.endswith("norm.weight"):
+            return np.ones(shape, np.float32)
+        data = rng.standard_normal(shape) * 0.2  # large enough that every layer moves the greedy tokens
+        if name == "output.weight":
+            data = data * rows
+        return data.astype(np.float32)
+
+    return write_layout_gguf(mk.layout(d), path, extra=EXTRA, types=TYPES, value=value, vocab=vocab)
 
 
 def main() -> int:

@@ -109,13 +109,20 @@ def kv_terms_for_layer(
     state_size wide) and the delta rule's state_size x inner_size matrix.
     The other layers ("attn") are full attention, priced as below.
 
-    Every other architecture is priced as attention: K and V, one row per
-    token each, as wide as the layer's attn_k / attn_v output (which is
-    head_count_kv x key/value_length), or from the metadata when the layer
-    has no separate attn_k / attn_v (fused QKV). Gemma 2 and 3 layers that
-    llama.cpp makes sliding-window (`_swa_layers`, as llama.cpp's
-    load_swa_pattern derives them from the file) are kind "swa", their K and V
-    a window of `attention.sliding_window` rows.
+    Every other architecture is priced by what each layer's tensors compute:
+    - a recurrent layer (Mamba-style SSM, RWKV, LFM2 short convolution) keeps
+      fixed f32 state per sequence (`_recurrent_terms`), kind "ssm", "rwkv"
+      or "conv";
+    - an attention layer caches K and V, one row per token each, as wide as
+      its attn_k / attn_v output (which is head_count_kv x key/value_length),
+      or from the metadata when it has no separate attn_k / attn_v (fused
+      QKV); an MLA layer (key_length_mla set) one K-only latent row, kind
+      "mla", with the indexer's keys where the model has an indexer. Gemma 2
+      and 3 layers that llama.cpp makes sliding-window (`_swa_layers`, as
+      llama.cpp's load_swa_pattern derives them from the file) are kind
+      "swa", their K and V a window of `attention.sliding_window` rows;
+    - a layer with both (falcon-h1) keeps both, kind "ssm+attn"; one with
+      neither (nemotron_h's FFN-only layers) nothing, kind "ffn".
     """
     p = f"{arch}."
     if arch == "deepseek4":
@@ -158,20 +165,106 @@ def kv_terms_for_layer(
             KvTerm("conv_state", conv_dim, dtype="f32", fixed=d_conv - 1, pad=1),
             KvTerm("delta_state", d_state * d_inner, dtype="f32", fixed=1, pad=1),
         )
+    if arch == "minimax-01" and is_recurrent_layer(arch, meta, il):
+        # lightning attention: a key_length x key_length f32 state per head (llama.cpp's n_embd_s, n_embd_head_la)
+        head, n_head = meta_int(meta, p + "attention.key_length"), _per_layer(meta[p + "attention.head_count"], 0)
+        return "lightning", (KvTerm("la_state", head * head * n_head, dtype="f32", fixed=1, pad=1),)
+    names = {t.name.split(".", 2)[2] for t in tensors}
+    state = _recurrent_terms(p, meta, names)
+    # attention where the layer has its tensors (or, without a tensor list, unless nothing says otherwise),
+    # and never where the file gives the layer no KV heads (jamba, nemotron_h, granitehybrid, lfm2)
+    attn = any(n.startswith(_ATTN_TENSORS) for n in names) if names else not state
+    if _per_layer(meta.get(p + "attention.head_count_kv", 1), il) == 0:
+        attn = False
+    if not attn:
+        return (_recurrent_kind(names) if state else "ffn"), state
+    kind, kv = _attention_terms(arch, meta, il, tensors)
+    return (kind if not state else f"{_recurrent_kind(names)}+{kind}"), state + kv
+
+
+# A layer that has one of these computes attention, and caches K (and V) per token.
+_ATTN_TENSORS = ("attn_k", "attn_v", "attn_qkv", "attn_kv_a_mqa", "attn_q.")
+
+
+def _recurrent_kind(names: set[str]) -> str:
+    if "ssm_conv1d.weight" in names:
+        return "ssm"
+    if "ssm_conv1d_q.weight" in names:
+        return "kda"
+    if "shortconv.conv.weight" in names:
+        return "conv"
+    return "rwkv"
+
+
+def _recurrent_terms(p: str, meta: Mapping[str, Any], names: set[str]) -> tuple[KvTerm, ...]:
+    """The fixed f32 state of a recurrent layer, per sequence, as llama.cpp's recurrent memory holds it
+    (llama_hparams::n_embd_r and n_embd_s); () for a layer without one.
+
+    - Mamba-style SSM layers (ssm_conv1d: mamba, mamba2, jamba, falcon-h1, granitehybrid, nemotron_h, plamo2):
+      the convolution's last conv_kernel - 1 inputs, inner_size + 2 x group_count x state_size wide, and the
+      state_size x inner_size SSM state;
+    - RWKV layers (time_mix_*): token_shift_count x n_embd of token shift and n_embd x wkv.head_size of WKV state;
+    - Kimi delta attention (ssm_conv1d_q/k/v: kimi-linear, bailingmoe3): the three convolutions' last
+      conv_kernel - 1 inputs and a kda.head_dim x kda.head_dim state per head (llama.cpp's n_head(), layer 0's);
+    - LFM2 short convolutions (shortconv.conv): the last l_cache - 1 inputs, n_embd wide.
+    """
+    if "ssm_conv1d.weight" in names:
+        d_inner, d_state = meta_int(meta, p + "ssm.inner_size"), meta_int(meta, p + "ssm.state_size")
+        conv = (meta_int(meta, p + "ssm.conv_kernel") - 1) * (d_inner + 2 * int(meta.get(p + "ssm.group_count", 0) or 0) * d_state)
+        return (KvTerm("conv_state", conv, dtype="f32", fixed=1, pad=1),
+                KvTerm("ssm_state", d_state * d_inner, dtype="f32", fixed=1, pad=1))  # fmt: skip
+    if "ssm_conv1d_q.weight" in names:
+        head, n_head = meta_int(meta, p + "kda.head_dim"), _per_layer(meta[p + "attention.head_count"], 0)
+        conv = 3 * (meta_int(meta, p + "ssm.conv_kernel") - 1) * n_head * head
+        return (KvTerm("conv_state", conv, dtype="f32", fixed=1, pad=1),
+                KvTerm("kda_state", head * head * n_head, dtype="f32", fixed=1, pad=1))  # fmt: skip
+    n_embd = meta_int(meta, p + "embedding_length")
+    if "shortconv.conv.weight" in names:
+        return (KvTerm("conv_state", n_embd * (meta_int(meta, p + "shortconv.l_cache") - 1), dtype="f32", fixed=1, pad=1),)
+    if any(n.startswith("time_mix_") for n in names):
+        shift = int(meta.get(p + "token_shift_count", 2) or 2)
+        return (KvTerm("token_shift", shift * n_embd, dtype="f32", fixed=1, pad=1),
+                KvTerm("wkv_state", n_embd * meta_int(meta, p + "wkv.head_size"), dtype="f32", fixed=1, pad=1))  # fmt: skip
+    return ()
+
+
+def _attention_terms(
+    arch: str, meta: Mapping[str, Any], il: int, tensors: Sequence[TensorInfo]
+) -> tuple[str, tuple[KvTerm, ...]]:
+    """Attention's K and V rows of layer il (one per token, or a window), and the layer's kind."""
+    p = f"{arch}."
     kind, rows = "attn", {"every": 1}
     window = _swa_window(arch, meta, il)
     if window:
         kind, rows = "swa", {"window": window}
     shapes = {t.name.split(".", 2)[2]: t.shape for t in tensors}
+    # the layer has a sparse-attention indexer of its own (deepseek32, dots3note's full layers, minimax-m3)
+    has_indexer = any(n.startswith("indexer.") for n in shapes) if shapes else (
+        int(meta.get(p + "attention.indexer.head_count", 0) or 0) > 0)
+    if int(meta.get(p + "attention.key_length_mla", 0) or 0) > 0:
+        # MLA (deepseek2, deepseek32, mistral4, kimi-linear, dots3note): one K-only latent row per token,
+        # key_length wide (kv_lora_rank + rope), V read from it; an indexer caches its keys too
+        n_kv = _per_layer(meta.get(p + "attention.head_count_kv", 1), il)
+        terms = [KvTerm("mla_k", n_kv * meta_int(meta, p + "attention.key_length"), **rows)]
+        if has_indexer:
+            terms.append(KvTerm("indexer_k", meta_int(meta, p + "attention.indexer.key_length"), **rows))
+        return "mla", tuple(terms)
+    # an indexer beside plain attention (minimax-m3) caches its keys and values, key_length wide each
+    indexer = ()
+    if has_indexer:
+        width = meta_int(meta, p + "attention.indexer.key_length")
+        indexer = (KvTerm("indexer_k", width, **rows), KvTerm("indexer_v", width, **rows))
     k_shape, v_shape = shapes.get("attn_k.weight"), shapes.get("attn_v.weight")
     if k_shape is not None and v_shape is not None:
-        return kind, (KvTerm("k", k_shape[-1], **rows), KvTerm("v", v_shape[-1], **rows))
+        return kind, (KvTerm("k", k_shape[-1], **rows), KvTerm("v", v_shape[-1], **rows), *indexer)
     if p + "attention.head_count" not in meta:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED, f"layer {il}: no attn_k/attn_v tensors and no {p}attention.head_count"
         )
     n_head = _per_layer(meta[p + "attention.head_count"], il)
     n_kv = _per_layer(meta.get(p + "attention.head_count_kv", n_head), il)
+    if not n_head:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"layer {il}: attention tensors, but no attention heads")
     n_embd = meta_int(meta, p + "embedding_length")
     k_len = meta_int(meta, p + "attention.key_length", n_embd // n_head)
     v_len = meta_int(meta, p + "attention.value_length", n_embd // n_head)

@@ -111,7 +111,7 @@ def build_layout(
             vocab = t.shape[1] if len(t.shape) > 1 else 0
         il = layer_of(t.name)
         if il is None:
-            role = global_role(t.name, tied=tied)
+            role = global_role(t.name, tied=tied, arch=arch)
             # The head only looks up one embedding row per token; everything else is read whole
             # (tied embeddings are the tail's LM head).
             active = 0 if role is Role.HEAD else t.n_bytes
