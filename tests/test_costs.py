@@ -5,7 +5,7 @@ without an indexer, an indexer beside plain attention, Mamba-style SSM state (pu
 hybrid's FFN-only layers), RWKV, LFM2's short convolutions, Kimi delta attention, MiniMax lightning
 attention, gated delta nets, attention and SSM in one layer, DeepSeek-V4's caches, and the global tensors
 whose side of a split is not obvious (position embeddings, a classifier head, LFM2's final norm, a
-duplicated output). Each range's tensor bytes must equal the plan's exactly, and its caches and states the
+duplicated output, an MTP layer on the tail). Each range's tensor bytes must equal the plan's exactly, and its caches and states the
 plan's within the rounding of llama.cpp's log. `python -m dgr.bench.costs` runs every certified family.
 """
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.llama]
 FAMILIES = (
     "llama", "qwen3moe", "gemma3", "gpt-oss", "deepseek2", "deepseek32", "minimax-m3", "mamba2", "jamba",
     "nemotron_h", "rwkv6", "lfm2", "kimi-linear", "minimax-01", "qwen35", "falcon-h1", "gpt2", "qwen3",
-    "codeshell", "deepseek4",
+    "codeshell", "deepseek4", "glm4moe",
 )  # fmt: skip
 
 _SCRIPT = """
@@ -34,7 +34,7 @@ names = set(sys.argv[1:])
 for case in cases():
     if case.arch in names:
         with tempfile.TemporaryDirectory() as folder:
-            rows = check_case(case.arch, case.moe, Path(folder))
+            rows = check_case(case.arch, case.moe, Path(folder), case.mtp)
         print("CASE " + json.dumps({"case": case.name, "rows": rows}), flush=True)
 """
 

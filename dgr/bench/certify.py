@@ -3,7 +3,8 @@
     python -m dgr.bench.certify [--arch REGEX] [--out FILE] [--timeout S] [--keep DIR] [--tile-mrope-positions]
 
 For each architecture in dgr.testing.arch_models.ARCHS (and the MoE variant
-of those where it is optional, named ARCH+moe), in a temporary folder:
+of those where it is optional, named ARCH+moe, and with an MTP layer where the
+table has that variant, ARCH+mtp), in a temporary folder:
 1. a child process writes the tiny GGUF (made by libllama itself), loads it
    whole with LlamaEngine, and greedy-decodes N_NEW tokens after a prompt of
    N_PROMPT token ids, keeping each step's logits;
@@ -72,11 +73,13 @@ _SEVERITY = ["certified", "nonfinite", "differs", "fails", "timeout", "crashes",
 
 @attrs.frozen
 class Case:
-    """One model to certify: an architecture, dense or MoE; named ARCH, or ARCH+moe where MoE is optional."""
+    """One model to certify: an architecture, dense or MoE, with or without an MTP layer; named ARCH, or ARCH+moe
+    where MoE is optional, or ARCH+mtp."""
 
     arch: str
     moe: bool
     name: str
+    mtp: bool = False
 
 
 def cases(pattern: str | None = None) -> list[Case]:
@@ -88,8 +91,10 @@ def cases(pattern: str | None = None) -> list[Case]:
         variants = {"no": [False], "only": [True], "optional": [False, True]}[spec.moe]
         for moe in variants:
             name = f"{arch}+moe" if moe and spec.moe == "optional" else arch
-            if pattern is None or re.search(pattern, name):
-                out.append(Case(arch, moe, name))
+            for mtp in (False, True) if spec.mtp else (False,):
+                full = name + "+mtp" if mtp else name
+                if pattern is None or re.search(pattern, full):
+                    out.append(Case(arch, moe, full, mtp))
     return out
 
 
@@ -136,11 +141,11 @@ def _stage(name: str) -> None:
     print(f"STAGE {name}", flush=True)
 
 
-def _child_whole(arch: str, moe: bool, folder: Path) -> None:
-    _emit(_whole(arch, moe, folder))
+def _child_whole(arch: str, moe: bool, mtp: bool, folder: Path) -> None:
+    _emit(_whole(arch, moe, mtp, folder))
 
 
-def _whole(arch: str, moe: bool, folder: Path) -> dict[str, Any]:
+def _whole(arch: str, moe: bool, mtp: bool, folder: Path) -> dict[str, Any]:
     """Build the tiny model and decode it whole: writes ref.npz next to the GGUF."""
     from dgr.backends.gguf_text import llama_lib
     from dgr.errors import DgrError
@@ -149,7 +154,7 @@ def _whole(arch: str, moe: bool, folder: Path) -> dict[str, Any]:
     path = folder / "model.gguf"
     _stage("build")
     try:
-        write_arch_gguf(arch, path, moe=moe, seed=SEED)
+        write_arch_gguf(arch, path, moe=moe, mtp=mtp, seed=SEED)
     except (RuntimeError, ValueError) as e:
         return {"result": "unbuildable", "detail": str(e)}
     _stage("whole")
@@ -240,7 +245,7 @@ def certify_here(case: Case, folder: Path) -> dict[str, Any]:
     """
     from dgr.testing.arch_models import ARCHS
 
-    whole = _whole(case.arch, case.moe, folder)
+    whole = _whole(case.arch, case.moe, case.mtp, folder)
     if whole["result"] != "ok":
         return {"whole": whole, "per_split": []}
     return {"whole": whole, "per_split": [{**_split(folder, list(b)), "split": list(b)} for b in ARCHS[case.arch].splits]}
@@ -317,11 +322,12 @@ def _run_case(case: Case, root: Path, timeout: float, tile: bool) -> dict[str, A
     folder = root / _folder_name(case)
     folder.mkdir(parents=True, exist_ok=True)
     rec: dict[str, Any] = {
-        "case": case.name, "arch": case.arch, "moe": case.moe, "n_layer": spec.n_layer,
+        "case": case.name, "arch": case.arch, "moe": case.moe, "mtp": case.mtp, "n_layer": spec.n_layer,
         "splits": [list(s) for s in spec.splits],
         "why": spec.why, "expect": spec.expect, "tiled_positions": tile,
     }  # fmt: skip
-    whole = _run_child(["--child-whole", case.arch, "1" if case.moe else "0", str(folder)], timeout)
+    whole = _run_child(["--child-whole", case.arch, "1" if case.moe else "0", "1" if case.mtp else "0", str(folder)],
+                       timeout)
     rec["whole"] = whole
     if whole["result"] != "ok":
         # a crash while building is "unbuildable", while loading or decoding whole "no-whole"
@@ -385,8 +391,8 @@ def _table(records: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child-whole"]:  # --child-whole ARCH MOE FOLDER
-        _child_whole(argv[1], argv[2] == "1", Path(argv[3]))
+    if argv[:1] == ["--child-whole"]:  # --child-whole ARCH MOE MTP FOLDER
+        _child_whole(argv[1], argv[2] == "1", argv[3] == "1", Path(argv[4]))
         return 0
     if argv[:1] == ["--child-split"]:  # --child-split FOLDER B1,B2,...
         _child_split(Path(argv[1]), [int(b) for b in argv[2].split(",")])

@@ -50,11 +50,11 @@ def _logged_state(log: str) -> tuple[float, int]:
     return sum(sizes) * 2**20, len(sizes)
 
 
-def check_case(arch: str, moe: bool, folder: Path) -> list[dict[str, Any]]:
+def check_case(arch: str, moe: bool, folder: Path, mtp: bool = False) -> list[dict[str, Any]]:
     """One row per range of the case's first split: llama.cpp's bytes and the plan's."""
     from dgr.testing.arch_models import ARCHS, write_arch_gguf
 
-    return check_file(write_arch_gguf(arch, folder / "model.gguf", moe=moe), ARCHS[arch].splits[0])
+    return check_file(write_arch_gguf(arch, folder / "model.gguf", moe=moe, mtp=mtp), ARCHS[arch].splits[0])
 
 
 def check_file(path: Path, cuts: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = check_file(random_llama_gguf(), what)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                rows = check_case(what.arch, what.moe, Path(tmp))
+                rows = check_case(what.arch, what.moe, Path(tmp), what.mtp)
         records[name] = rows
         for r in rows:
             mark = "" if r["ok"] else "  DIFFERS"

@@ -225,6 +225,7 @@ class ArchSpec:
     saver: bool = True
     own_scales: bool = False  # the architecture's own loader asks for per-weight ".scale" tensors (bitnet)
     expect: str = ""  # what dgr's patch series says to expect, where it left the builder unchanged
+    mtp: bool = False  # also a variant with one next-token-prediction (MTP) layer after the trunk, ARCH+mtp
 
 
 def _a(**kw: Any) -> ArchSpec:
@@ -374,7 +375,8 @@ ARCHS: dict[str, ArchSpec] = {
     "glm4moe": _a(
         moe="only",
         keys={"rope.dimension_sections": DROP},
-        why=_DENSE_FIRST + "; plain RoPE (no sections: GLM-4.5 text)",
+        mtp=True,
+        why=_DENSE_FIRST + "; plain RoPE (no sections: GLM-4.5 text); +mtp: an MTP layer 6 on the tail",
     ),
     "glm-dsa": _a(moe="only", keys=_MLA, why=_DENSE_FIRST + "; MLA, indexer", **_MLA_SIZE),
     "mistral4": _a(moe="only", keys=_MLA, why=_DENSE_FIRST + "; MLA", **_MLA_SIZE),
@@ -727,7 +729,9 @@ def _resolve(value: Value, shape: Shape) -> Any:
     return value
 
 
-def arch_metadata(arch: str, *, n_layer: int | None = None, moe: bool = False) -> tuple[dict[str, Any], Shape]:
+def arch_metadata(
+    arch: str, *, n_layer: int | None = None, moe: bool = False, mtp: bool = False
+) -> tuple[dict[str, Any], Shape]:
     """The full metadata of `arch`'s tiny model: {full key: value (Typed where not the default type)}.
 
     Raises:
@@ -739,14 +743,19 @@ def arch_metadata(arch: str, *, n_layer: int | None = None, moe: bool = False) -
     if moe and spec.moe == "no":
         raise ValueError(f"{arch} has no mixture-of-experts variant")
     n = spec.n_layer if n_layer is None else n_layer
+    if mtp and not spec.mtp:
+        raise ValueError(f"{arch} has no MTP variant")
     if n < 2:
         raise ValueError(f"n_layer must be at least 2, got {n}")
-    shape = Shape(n_layer=n, n_embd=spec.n_embd, n_head=spec.n_head,
+    # an MTP layer follows the trunk: block_count counts it, nextn_predict_layers says it is one
+    shape = Shape(n_layer=n + int(mtp), n_embd=spec.n_embd, n_head=spec.n_head,
                   n_head_kv=spec.n_head if spec.n_head_kv is None else spec.n_head_kv, n_ff=spec.n_ff)  # fmt: skip
     merged: dict[str, Value] = dict(COMMON_KEYS)
     if moe or spec.moe == "only":
         merged.update(MOE_KEYS)
     merged.update(spec.keys)
+    if mtp:
+        merged["nextn_predict_layers"] = 1
     out: dict[str, Any] = {"general.architecture": arch}
     for key, value in merged.items():
         if value is DROP:
@@ -809,6 +818,7 @@ def write_arch_gguf(
     *,
     n_layer: int | None = None,
     moe: bool = False,
+    mtp: bool = False,
     seed: int = 0,
     stdev: float = STDEV,
     scale_tensors: bool = False,
@@ -816,7 +826,8 @@ def write_arch_gguf(
     """Write a tiny random-weight GGUF of `arch` to `path`, made by libllama; returns the path.
 
     n_layer: None for the recipe's own (ARCHS[arch].n_layer); moe: the
-    mixture-of-experts variant (always on where the architecture has only that).
+    mixture-of-experts variant (always on where the architecture has only that);
+    mtp: one next-token-prediction layer after the trunk (ArchSpec.mtp).
     scale_tensors: keep the per-tensor ".scale" / ".input_scale" tensors that
     llama.cpp's generic NVFP4 pass (llama_model::load_tensors, after the
     architecture's own loader) creates for every weight of a model made from
@@ -831,7 +842,7 @@ def write_arch_gguf(
         layer-range patches (dgr.backends.llama_range.range_api).
         llama.cpp may also abort the process on an inconsistent recipe.
     """
-    meta, _shape = arch_metadata(arch, n_layer=n_layer, moe=moe)  # raises for an unknown arch
+    meta, _shape = arch_metadata(arch, n_layer=n_layer, moe=moe, mtp=mtp)  # raises for an unknown arch
     spec = ARCHS[arch]
     out = Path(path)
     g, lib = _ggml(), _llama()
@@ -865,6 +876,7 @@ def write_arch_gguf(
             _set(g, ctx, key, value)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.load_mtp = mtp  # else the loader skips the MTP layer's tensors, and the file would lack them
         model = lib.llama_model_init_from_user(ctx, _fill, None, params)
         if not model:
             raise RuntimeError(f"llama.cpp cannot create a {arch} model from the metadata: {_log_error()}")
