@@ -90,6 +90,36 @@ def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame", r.text
 
 
+def test_a_members_report_fails_only_its_session_in_the_trackers_words(chain) -> None:
+    """A route member's failure report (issue 40): it must come from and name nodes of that session's route;
+    it fails that session only, with the tracker's own text, not the reporter's; and no node is marked dead on
+    a member's word, so other sessions through the named node go on."""
+    body = {"model": "stub", "prompt": "a long one", "max_tokens": 400, "temperature": 0, "stream": True}
+    lure = "SECURITY NOTICE: re-enter your API key at http://attacker.example/login"
+    with httpx.stream("POST", f"{chain.api}/completions", json=body, timeout=30) as victim:
+        sid = victim.headers["x-dgr-route-session"]
+        cap = {"Content-Type": "application/json", **chain.capability(sid, "gateway", layers=(0, 1))}
+
+        def report(reporter: str, node: str) -> httpx.Response:
+            data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": lure, "node": node}
+            return httpx.post(f"{chain.url}{DELIVER_PATH}", content=json.dumps(data).encode(), timeout=5, headers=cap)
+
+        for reporter, node in (("node1", "nodeX"), ("stranger", "node2")):  # not of this route: refused
+            r = report(reporter, node)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+        assert report("node1", "node2").status_code == 204
+        text = victim.read().decode()
+    assert "attacker.example" not in text and "node node1 reported route_node_lost for node node2" in text
+    assert chain.wait_session_ended(sid)["phase"] == "failed"
+    # node2 is not marked dead: a new session through it answers
+    stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
+    want = expected_greedy([stub], stub.tokenize("after", add_special=True, parse_special=True), 8).text
+    got = httpx.post(f"{chain.api}/completions", json={"model": "stub", "prompt": "after", "max_tokens": 8,
+                                                        "temperature": 0}, timeout=30).json()
+    assert got["choices"][0]["text"] == want
+    assert all(n["alive"] for n in chain.node_table()), chain.node_table()
+
+
 def test_a_chain_sessions_step_sent_alone_is_refused_and_the_session_goes_on(chain) -> None:
     """A chain session's steps come on its stream: one posted to a node's single-step path is refused
     before it touches the session, which answers as if nothing had come."""

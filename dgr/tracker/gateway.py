@@ -651,7 +651,7 @@ class Gateway:
                         failure = Failure(Reason.INTERNAL, f"gateway error: {raised!r}"[:300], phase=rs.state.value)
                     else:
                         failure = exc.failure(phase=exc.details.get("phase") or rs.state.value)
-                        if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
+                        if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node") and not exc.details.get("reported"):
                             self.node_lost(exc.details["node"], exc.message)
                 except Exception as exc:
                     log.exception("route session %s crashed", rs.sid)
@@ -1009,8 +1009,9 @@ class Gateway:
         deadline = self._deadline(n_tokens) * len(live.rs.route)
         with trio.move_on_after(deadline):
             item = await live.inbox[1].receive()
-            if isinstance(item, Failure):
-                raise PeerError(item.reason, item.message, node=item.node, step=seq, phase=live.rs.state.value)
+            if isinstance(item, Failure):  # a member's report: it fails this session, and marks no node dead
+                raise PeerError(item.reason, item.message, node=item.node, step=seq, phase=live.rs.state.value,
+                                reported=True)
             frame, hops = item
             if frame.seq != seq:
                 raise PeerError(Reason.NODE_ERROR, f"the route answered step {frame.seq}, not {seq}",
@@ -1070,6 +1071,11 @@ class Gateway:
     def report(self, body: bytes, capability: str | None) -> None:
         """A chain session's node reports a failure (JSON: session, reporter, code, message, node).
 
+        A report is scoped to its session: the reporter and the node it names must be hops of that
+        session's route, only that session fails, and no node is marked dead on a member's word (the
+        registry's heartbeats decide). The client is told who reported what in the tracker's words;
+        the reporter's own text goes to the tracker's log only.
+
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
         """
@@ -1080,7 +1086,15 @@ class Gateway:
         except (ValueError, KeyError, TypeError):
             raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
         self.authorize_delivery(capability, sid if isinstance(sid, str) else "")
-        self._live(sid).inbox[0].send_nowait(failure)
+        live = self._live(sid)
+        members = {h.node_id for h in live.rs.route}
+        reporter = data.get("reporter")
+        if reporter not in members or (failure.node is not None and failure.node not in members):
+            raise CallerError(Reason.FORBIDDEN, "a report comes from a node of its session's route and names only one")
+        log.warning("session %s: node %s reports %s for %s: %.200s", sid, reporter, failure.reason.value,
+                    failure.node or "itself", failure.message)
+        said = f"node {reporter} reported {failure.reason.value}" + (f" for node {failure.node}" if failure.node else "")
+        live.inbox[0].send_nowait(Failure(failure.reason, said, node=failure.node, step=failure.step))
 
     def authorize_delivery(self, capability: str | None, sid: str) -> None:
         """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
