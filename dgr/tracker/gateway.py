@@ -110,6 +110,7 @@ _GATEWAY = "gateway"
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
+PROBE_S = 2.0  # how long a node a member reported lost has to answer the tracker's own /healthz
 
 
 @attrs.frozen
@@ -264,6 +265,7 @@ class Gateway:
     unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
+    _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
     # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
@@ -1095,6 +1097,27 @@ class Gateway:
                     failure.node or "itself", failure.message)
         said = f"node {reporter} reported {failure.reason.value}" + (f" for node {failure.node}" if failure.node else "")
         live.inbox[0].send_nowait(Failure(failure.reason, said, node=failure.node, step=failure.step))
+        if failure.reason is Reason.ROUTE_NODE_LOST and failure.node is not None:
+            self._probe_soon(failure.node)
+
+    def _probe_soon(self, node_id: str) -> None:
+        """Check a node a member reported lost with the tracker's own request; only its silence marks it dead."""
+        entry = self.registry.nodes.get(node_id)
+        if entry is None or not entry.alive or self._nursery is None or node_id in self._probing:
+            return
+        self._probing.add(node_id)
+        self._nursery.start_soon(self._probe, entry)
+
+    async def _probe(self, entry: NodeEntry) -> None:
+        try:
+            with trio.move_on_after(PROBE_S) as scope:
+                await self.client(entry).alive()
+            if scope.cancelled_caught:
+                self.node_lost(entry.node_id, f"no answer to the tracker's probe within {PROBE_S:g}s")
+        except PeerError:
+            self.node_lost(entry.node_id, "the tracker's probe could not reach it")
+        finally:
+            self._probing.discard(entry.node_id)
 
     def authorize_delivery(self, capability: str | None, sid: str) -> None:
         """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""

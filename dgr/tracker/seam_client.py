@@ -184,6 +184,14 @@ class NodeClient:
             raise self._refused(r)
         return r.json()
 
+    async def alive(self) -> None:
+        """The node's /healthz answers (it is served on the node's loop, never behind compute).
+
+        Raises:
+            PeerError(ROUTE_NODE_LOST): no answer (transport failure).
+        """
+        await self._request("GET", "/healthz")
+
     async def status(self) -> dict[str, Any]:
         r = await self._request("GET", "/v1/node/status")
         if r.status_code != 200:
