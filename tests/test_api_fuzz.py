@@ -88,11 +88,11 @@ def test_answer_before_the_body_does_not_wedge_the_connection(route, method) -> 
     """The hang schemathesis found: a body that arrives after its request was answered."""
     body = b'{"model": "stub", "prompt": "x"}'
     with socket.create_connection(("127.0.0.1", route.port), timeout=5) as s:
-        s.sendall(f"{method} /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"{method} /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n".encode())
         time.sleep(0.05)  # the server can answer before the body
         s.sendall(body)
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         data = b""
         while data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}"):
             chunk = s.recv(65536)  # a wedged connection times out here

@@ -98,7 +98,7 @@ async def test_the_tracker_answers_an_assignment(tiny: Manifest) -> None:
     app = make_tracker_app(Gateway(registry=registry), prover=Prover.from_manifests([tiny]))
     layout = layout_from_manifest(tiny.to_json())
     memory = shard_cost(layout, PARAMS, Node("x", 0), LayerRange(2, 4)).total_bytes
-    async with asgi_client(app, "http://tracker.test") as http:
+    async with asgi_client(app, "http://127.0.0.1:8000") as http:
         r = await http.post("/v1/assign", json={"manifest_id": tiny.id, "memory_bytes": memory, "context": 256})
         assert r.status_code == 200, r.text
         assert r.json()["layers"] == "2:4" and r.json()["coverage"] == [1, 1, 0, 0]

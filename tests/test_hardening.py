@@ -311,7 +311,7 @@ async def test_the_tracker_tells_its_nodes_how_often_to_beat() -> None:
         route.registry.dead_after_s = dead_after
         app = make_tracker_app(route.gateway)
         body, headers = route.signed(0, "/v1/nodes/register", registration(route.services[0], route.urls[0]))
-        async with asgi_client(app, "http://tracker.test") as http:
+        async with asgi_client(app, "http://127.0.0.1:8000") as http:
             r = await http.post("/v1/nodes/register", content=body, headers=headers)
         assert r.status_code == 200 and r.json()["heartbeat_s"] == pytest.approx(period)
 
@@ -360,7 +360,7 @@ async def test_bad_heartbeats_and_registrations_are_refused_with_4xx() -> None:
         body, headers = route.signed(0, path, data)  # signed by n0's own key: past the signature check
         return await http.post(path, content=body, headers=headers)
 
-    async with asgi_client(app, "http://tracker.test") as http:
+    async with asgi_client(app, "http://127.0.0.1:8000") as http:
         assert (await post(http, "/v1/nodes/register", good)).status_code == 200
         for beat in ({"node": "n0", "sessions": "many"}, {"node": "n0", "kv_bytes": [1]},
                      {"node": "n0", "sessions": -1}, {"node": "n0", "session_ids": "all"},

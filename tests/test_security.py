@@ -331,3 +331,24 @@ def test_api_keys_guard_the_openai_and_telemetry_endpoints(keyed) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=keyed.api, api_key="sk-wrong", max_retries=0).models.list()
     assert info.value.code == "unauthenticated"
+
+
+def test_a_keyless_tracker_answers_no_web_page(route) -> None:
+    """Issue 40, browsers: a page elsewhere can POST text/plain to 127.0.0.1 without a CORS preflight, and a
+    DNS-rebinding name can point at it. A keyless (loopback) tracker refuses a foreign Host or Origin and a POST
+    that is not JSON, before the body is read; the OpenAI client, curl with a JSON body and the tracker's own
+    dashboard (a loopback Origin) are served."""
+    body = {"model": "stub", "prompt": "hi", "max_tokens": 2}
+    url = f"{route.url}/v1/completions"
+    for headers, code in (({"Host": "attacker.example"}, "forbidden"),
+                          ({"Host": "127.0.0.1.nip.io:8000"}, "forbidden"),
+                          ({"Origin": "http://attacker.example"}, "forbidden"),
+                          ({"Origin": "null"}, "forbidden")):
+        r = httpx.post(url, json=body, headers=headers, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == code, (headers, r.text)
+    r = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "text/plain"}, timeout=10)
+    assert r.status_code == 400 and "application/json" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{route.url}/v1/models", headers={"Host": "evil.example"}, timeout=10).status_code == 403
+    for headers in ({}, {"Origin": route.url}, {"Host": "localhost"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, (headers, r.text)

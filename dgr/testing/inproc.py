@@ -130,8 +130,8 @@ def http_scope(method: str, path: str, body: bytes = b"", *, headers: Iterable[t
     """
     return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
             "path": path, "raw_path": path.encode(), "query_string": query_string, "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                        *headers],
+            "headers": [(b"host", b"127.0.0.1:2"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()), *headers],
             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
 
 

@@ -45,6 +45,7 @@ from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADE
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
 from dgr.security.api_keys import check_bearer
+from dgr.security.browsers import loopback_only
 from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
 from dgr.security.identity import Identity
 from dgr.tracker.proofs import Prover
@@ -304,7 +305,9 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         page = resources.files("dgr.tracker").joinpath("dashboard.html").read_bytes()
         return Response(page, 200, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
-    return deliver_fast_path(gateway, app)
+    served = deliver_fast_path(gateway, app)
+    # without API keys (a loopback tracker), no web page may drive it: the key would be the guard otherwise
+    return served if api_keys else loopback_only(served)
 
 
 def deliver_fast_path(gateway: Gateway, app):
