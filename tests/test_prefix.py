@@ -335,3 +335,37 @@ def test_check_refuses_what_does_not_match() -> None:
         with pytest.raises(CallerError) as err:
             check(bad, data, own)
         assert err.value.reason is Reason.SNAPSHOT_MISMATCH
+
+
+def test_snapshots_are_private_and_never_follow_a_planted_link(tmp_path) -> None:
+    """Issue 40, snapshots on disk: the folder is 0700 and its files 0600; a symlink planted where the
+    temporary file goes is replaced, not written through; a folder that others can write is refused for
+    writing and loading; at start only manifests are read, the KV bytes when a snapshot is loaded."""
+    import os
+    import stat
+
+    own = {"model_digest": "d", "manifest_id": None, "backend": "stub", "layers": "0:15"}
+    chain = tuple(block_chain(list(range(B)), prefix_root("d", "")))
+    folder = tmp_path / "snaps"
+    snaps = SnapshotDir(folder, own)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    folder.mkdir(mode=0o700)
+    os.symlink(victim, folder / f"{chain[-1]}.kv.tmp")
+    snaps.write(chain, b"kv bytes")
+    assert victim.read_text() == "untouched"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for f in folder.iterdir():
+        assert stat.S_IMODE(f.lstat().st_mode) == 0o600 and not f.is_symlink(), f
+    # only manifests are read at start: a changed KV file is found when that snapshot is loaded
+    (folder / f"{chain[-1]}.kv").write_bytes(b"changed!")
+    (found,) = SnapshotDir(folder, own).scan()
+    with pytest.raises(CallerError) as err:
+        found.read()
+    assert err.value.reason is Reason.SNAPSHOT_MISMATCH
+    # a folder others can write: nothing loaded from it, nothing written to it
+    folder.chmod(0o777)
+    shared = SnapshotDir(folder, own)
+    assert shared.scan() == [] and "no one else" in shared.refused[0]["message"]
+    with pytest.raises(PermissionError):
+        shared.write(chain, b"kv bytes")

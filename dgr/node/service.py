@@ -372,7 +372,7 @@ class NodeService:
                 continue
             key = cache.new_id()
             try:
-                nbytes = backend.import_prefix(key, snap.data, snap.positions)
+                nbytes = backend.import_prefix(key, snap.read(), snap.positions)
             except CallerError as exc:
                 snaps.refused.append({"file": f"{snap.chain[-1]}.json", "code": exc.reason.value,
                                       "message": exc.message})
