@@ -352,3 +352,39 @@ def test_a_keyless_tracker_answers_no_web_page(route) -> None:
     for headers in ({}, {"Origin": route.url}, {"Host": "localhost"}):
         r = httpx.post(url, json=body, headers=headers, timeout=30)
         assert r.status_code == 200, (headers, r.text)
+
+
+def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) -> None:
+    """Issue 40, lows: a short or repetitive join token is refused at start; a signature stamped `nan` is not
+    inside the replay window (it would stay replayable forever), nor is a capability that never expires; a
+    node's non-numeric Retry-After reads as 1 s, not a 500."""
+    from dgr.errors import CallerError, Reason
+    from dgr.security.auth import CapabilityAuthority, Signer, Verifier
+    from dgr.security.secrets import load_join_token
+    from dgr.tracker.seam_client import _retry_after
+
+    for weak in ("short-token", "a" * 64, "12" * 32):
+        monkeypatch.setenv(JOIN_ENV, weak)
+        with pytest.raises(CallerError, match="random characters"):
+            load_join_token(None)
+    monkeypatch.setenv(JOIN_ENV, new_secret())
+    assert load_join_token(None)
+
+    me = Identity.generate()
+    body = b"{}"
+    for ts in ("nan", "inf", "-inf"):
+        headers = Signer(me).headers("POST", "/v1/nodes/heartbeat", body, time.time())
+        headers["X-Dgr-Timestamp"] = ts  # the signature covers it: re-sign as an attacker with its own key would
+        from dgr.security import auth
+        headers["X-Dgr-Signature"] = auth.b64e(me.sign(auth._REQUEST, auth._framed(
+            b"POST", b"/v1/nodes/heartbeat", ts.encode(), headers["X-Dgr-Nonce"].encode(), body)))
+        with pytest.raises(CallerError) as err:
+            Verifier().check("POST", "/v1/nodes/heartbeat", body, {k.lower(): v for k, v in headers.items()}, time.time())
+        assert err.value.reason is Reason.REPLAYED, ts
+
+    issuer = CapabilityAuthority.issuer(me)
+    token = issuer.issue("a" * 32, "node0", 0, 1, time.time(), ttl_s=float("nan"))
+    with pytest.raises(CallerError, match="expiry"):
+        issuer.check(token, session="a" * 32, node="node0", start=0, stop=1, now=time.time())
+
+    assert [_retry_after(v) for v in ("2", "Wed, 21 Oct 2026 07:28:00 GMT", "-1", "", None, "99999")] == [2, 1, 1, 1, 1, 3600]

@@ -37,6 +37,7 @@ import collections
 import hashlib
 import hmac
 import json
+import math
 import secrets
 from typing import Any
 
@@ -146,6 +147,8 @@ class Verifier:
         message = _framed(method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), body)
         if not verify(public, _REQUEST, message, raw):
             raise CallerError(Reason.UNAUTHENTICATED, "bad signature: not this key's, or the request was altered")
+        if not math.isfinite(when):  # nan would pass the window below, and stay replayable
+            raise CallerError(Reason.REPLAYED, f"signature timestamp {ts[:32]!r} is not a time")
         if abs(now - when) > MAX_SKEW_S:
             raise CallerError(Reason.REPLAYED, f"signature timestamp is {now - when:+.0f}s off; clocks or a replay")
         self._forget(now)
@@ -262,6 +265,8 @@ class CapabilityAuthority:
             raw = b64d(sig)
         except (ValueError, KeyError, TypeError, IndexError):
             raise CallerError(Reason.FORBIDDEN, "malformed capability") from None
+        if not math.isfinite(cap.expires):  # nan or inf would never expire
+            raise CallerError(Reason.FORBIDDEN, "malformed capability: its expiry is not a time")
         if not verify(self.public, _CAPABILITY, payload, raw):
             raise CallerError(Reason.FORBIDDEN,
                               "capability signature does not verify with the tracker's key (forged or altered)")

@@ -24,7 +24,8 @@ __all__ = ["JOIN_ENV", "API_KEYS_ENV", "load_join_token", "load_api_keys", "new_
 
 JOIN_ENV = "DGR_JOIN_TOKEN"
 API_KEYS_ENV = "DGR_API_KEYS"
-MIN_SECRET_BYTES = 16
+MIN_SECRET_BYTES = 32  # new_secret() gives 64 hex digits: 32 random bytes
+_MIN_DISTINCT = 8  # a token of fewer distinct characters (aaaa..., 1212...) is guessable whatever its length
 
 
 def new_secret() -> str:
@@ -54,8 +55,10 @@ def load_join_token(path: str | None) -> bytes | None:
     if not text:
         return None
     raw = text.encode()
-    if len(raw) < MIN_SECRET_BYTES:
-        raise CallerError(Reason.INVALID_REQUEST, f"the join token must be at least {MIN_SECRET_BYTES} bytes")
+    if len(raw) < MIN_SECRET_BYTES or len(set(raw)) < _MIN_DISTINCT:
+        raise CallerError(Reason.INVALID_REQUEST,
+                          f"the join token must be at least {MIN_SECRET_BYTES} random characters "
+                          "(python -c 'import secrets; print(secrets.token_hex(32))')")
     return raw
 
 

@@ -80,7 +80,7 @@ class NodeClient:
         code, message = parse_error_body(body)
         if code == Reason.NODE_AT_CAPACITY.value:
             return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
-                               retry_after=int(r.headers.get("retry-after", "1")))
+                               retry_after=_retry_after(r.headers.get("retry-after")))
         if code == Reason.CONTEXT_LENGTH_EXCEEDED.value:
             return CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"{self.node_id}: {message}", node=self.node_id)
         return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({status} {code}): {message}",
@@ -197,3 +197,9 @@ class NodeClient:
         if r.status_code != 200:
             raise self._refused(r)
         return r.json()
+
+
+def _retry_after(value: str | None) -> int:
+    """A node's Retry-After in whole seconds, 1 to 3600; 1 where it is not a number of seconds (an HTTP date,
+    or garbage from a faulty node, must not turn a capacity answer into a 500)."""
+    return min(3600, max(1, int(value))) if value is not None and value.strip().isdigit() else 1
