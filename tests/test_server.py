@@ -266,3 +266,22 @@ async def test_a_peer_gone_mid_response_reaches_the_app_as_disconnect() -> None:
         await stream.aclose()
         await done.wait()
         assert seen == ["http.disconnect"]
+
+
+async def test_open_files_are_lifted_to_the_hard_limit_and_accept_errors_logged_once_a_second(caplog) -> None:
+    """Issue 40, starving a node: at a soft limit of 1,024 files, 300 idle connections stopped a tracker from
+    accepting (EMFILE), and trio logged its retry every 0.1 s (3,230 lines in 25 s)."""
+    import logging
+    import resource
+
+    from dgr.api.server import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    now = raise_open_files_limit()
+    assert now >= soft and resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now
+    assert hard == resource.RLIM_INFINITY or now == hard
+    trio_log = logging.getLogger("trio.serve_listeners")
+    with caplog.at_level(logging.ERROR, logger="trio.serve_listeners"):
+        for _ in range(50):
+            trio_log.error("accept returned EMFILE (Too many open files); retrying in 0.1 seconds")
+    assert len([r for r in caplog.records if r.name == "trio.serve_listeners"]) == 1

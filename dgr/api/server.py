@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import socket
 import ssl
+import time
 from typing import Any, Callable
 from urllib.parse import unquote
 
@@ -46,9 +48,44 @@ import trio
 
 from dgr.errors import Failure, Reason, openai_error_body
 
-__all__ = ["serve_asgi", "listening_socket", "MAX_HEAD_BYTES"]
+__all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "MAX_HEAD_BYTES"]
 
 log = logging.getLogger("dgr.http")
+
+
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit; the limit now in force.
+
+    Every connection is a file: at the common soft limit of 1,024, 300 idle connections and a route's own
+    made a tracker stop accepting (EMFILE). The hard limit is what an operator allows.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # a container may refuse: keep what there is
+            return soft
+        return want
+    return soft
+
+
+class _OncePerSecond(logging.Filter):
+    """Let one record through a second: trio retries a failed accept (EMFILE) every 0.1 s, with a log line each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -1.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self._last < 1.0:
+            return False
+        self._last = now
+        return True
+
+
+logging.getLogger("trio.serve_listeners").addFilter(_OncePerSecond())
 
 MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
@@ -393,6 +430,7 @@ async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SS
 
     Given `listening` (a bound, listening socket), serve on it instead, and ignore host and port.
     """
+    raise_open_files_limit()
     if listening is None:
         listening = listening_socket(host, port)
     else:
