@@ -10,7 +10,8 @@ import socket
 import sys
 
 from dgr.errors import CallerError, DgrError, Reason, first_dgr_error
-from dgr.procs import run_until_signal
+from dgr.forks import exit_now
+from dgr.serve import run_until_signal
 
 __all__ = ["main"]
 
@@ -162,7 +163,7 @@ def _assigned_layers(args):
 def cmd_up(args) -> int:
     from dgr.up import run_up
 
-    return run_up(args)
+    return run_up(args, main)  # the entry point each forked tracker and node runs
 
 
 def positive_int(text: str) -> int:
@@ -175,16 +176,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is below 1")
     return value
-
-
-def layers_arg(text: str):
-    """argparse type of an A:B layer range: a bad one is a usage error (exit 2), not a traceback."""
-    from dgr.backends.base import LayerRange
-
-    try:
-        return LayerRange.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_node_model_args(p: argparse.ArgumentParser) -> None:
@@ -276,6 +267,7 @@ def _command(argv: list[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or, given `command`, the core commands and that one tool."""
     from dgr.node.assign import MEMORY_SHARE
+    from dgr.backends.base import layers_arg
 
     parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -377,17 +369,6 @@ def run() -> None:
     if _command(argv) not in _CORE:
         raise SystemExit(code)
     exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Leave the process with `code` once logs and stdio are flushed, without the interpreter's teardown."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
-            pass
-    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

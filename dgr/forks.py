@@ -10,7 +10,8 @@ The rules a fork without exec needs, and how this module keeps them:
   OpenBLAS runs a worker thread, and shuts it down itself before a fork (its own atfork handler),
   starting it again in each process when it is next needed.
 - Nothing of the parent's runs twice. Stdout and stderr are flushed before the fork; the child
-  never returns into the caller's code: it runs `dgr.cli.main(argv)` and leaves with `os._exit`.
+  never returns into the caller's code: it runs the entry point it is given (`dgr.cli.main`) and
+  leaves with `os._exit`.
 - No descriptor is owned twice. Each child gets a pipe on stdout (its `dgr-ready` line), shares
   stderr, and closes the descriptors the parent holds for its other children. A socket object
   the parent made (the tracker's listening socket) is detached in the child, never closed by
@@ -37,12 +38,13 @@ import signal
 import socket
 import sys
 import traceback
-from typing import Iterable, NoReturn
+import logging
+from typing import Callable, Iterable, NoReturn
 
 import attrs
 import trio
 
-__all__ = ["ForkedProcess", "fork_dgr", "preload", "run_forked"]
+__all__ = ["ForkedProcess", "exit_now", "fork_dgr", "preload", "run_forked"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -121,9 +123,11 @@ class ForkedProcess:
             os.close(self.stdout_fd)
 
 
-def fork_dgr(name: str, argv: list[str], *, env: dict[str, str], close_fds: Iterable[int] = (),
-             detach: Iterable[socket.socket] = (), keep: socket.socket | None = None) -> ForkedProcess:
-    """Fork a child that runs `dgr <argv>` with `env` added to its environment, named `dgr-<name>`.
+def fork_dgr(name: str, argv: list[str], entry: Callable[[list[str]], int], *, env: dict[str, str],
+             close_fds: Iterable[int] = (), detach: Iterable[socket.socket] = (),
+             keep: socket.socket | None = None) -> ForkedProcess:
+    """Fork a child that runs `dgr <argv>` (`entry`: dgr.cli.main) with `env` added to its environment,
+    named `dgr-<name>`.
 
     In the child, every socket object in `detach` gives up its descriptor, which is closed unless it
     is `keep`'s (the tracker's listening socket, adopted by number); the descriptors `close_fds` are
@@ -135,13 +139,14 @@ def fork_dgr(name: str, argv: list[str], *, env: dict[str, str], close_fds: Iter
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover  (the child: measured by the routes it serves)
-        _child(name, argv, env, parent, read_fd, write_fd, list(close_fds), list(detach), keep)
+        _child(name, argv, entry, env, parent, read_fd, write_fd, list(close_fds), list(detach), keep)
     os.close(write_fd)
     return ForkedProcess(pid, read_fd, os.pidfd_open(pid))
 
 
-def _child(name: str, argv: list[str], env: dict[str, str], parent: int, read_fd: int, write_fd: int,
-           close_fds: list[int], detach: list[socket.socket], keep: socket.socket | None) -> NoReturn:
+def _child(name: str, argv: list[str], entry: Callable[[list[str]], int], env: dict[str, str], parent: int,
+           read_fd: int, write_fd: int, close_fds: list[int], detach: list[socket.socket],
+           keep: socket.socket | None) -> NoReturn:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -161,22 +166,30 @@ def _child(name: str, argv: list[str], env: dict[str, str], parent: int, read_fd
     except BaseException:
         traceback.print_exc()
         os._exit(1)
-    run_forked(argv)
+    run_forked(argv, entry)
 
 
-def run_forked(argv: list[str]) -> NoReturn:
-    """In a forked child: `dgr <argv>` as `python -m dgr` would run it, then leave the process."""
+def run_forked(argv: list[str], entry: Callable[[list[str]], int]) -> NoReturn:
+    """In a forked child: `dgr <argv>` as `python -m dgr` would run it (`entry`: dgr.cli.main), then leave
+    the process."""
     code = 1
     try:
-        from dgr.cli import main
-
         sys.argv = [sys.argv[0], *argv]
-        code = main(argv)
+        code = entry(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:
-        from dgr.cli import exit_now
-
         exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process with `code` once logs and stdio are flushed, without the interpreter's teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
+            pass
+    os._exit(code)

@@ -26,7 +26,7 @@ from dgr.errors import PeerError, Reason
 from dgr.forks import ForkedProcess
 from dgr.serve import READY_PREFIX
 
-__all__ = ["Child", "WatchedChild", "run_child", "dgr_command", "die_with_parent", "ready_info", "run_until_signal"]
+__all__ = ["Child", "WatchedChild", "run_child", "dgr_command", "die_with_parent", "ready_info"]
 
 
 def dgr_command(*args: str) -> list[str]:
@@ -185,26 +185,3 @@ async def run_child(name: str, proc: ForkedProcess, *, fatal: bool = True, grace
                     proc.kill()
                     await proc.wait()
 
-
-def run_until_signal(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """trio.run(fn, ...), cancelled cleanly by SIGINT or SIGTERM.
-
-    Returns fn's result, or None when a signal stopped it first.
-    """
-    result: list[Any] = []
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(watch)
-            result.append(await fn(*args, **kwargs))
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
-    return result[0] if result else None

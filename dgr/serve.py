@@ -8,14 +8,17 @@ dgr.api.server's lean one (why not hypercorn: see there).
 
 from __future__ import annotations
 
+import signal
 import socket
 import ssl
+
+from typing import Any, Callable
 
 import trio
 
 from dgr.api.server import serve_asgi
 
-__all__ = ["serve_app", "print_ready", "server_ssl_context"]
+__all__ = ["serve_app", "print_ready", "run_until_signal", "server_ssl_context"]
 
 READY_PREFIX = "dgr-ready "
 _KEEP_ALIVE_S = 300  # seam connections stay open for a route's life
@@ -47,3 +50,27 @@ def print_ready(info: dict) -> None:
 
     sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
     sys.stdout.flush()
+
+
+def run_until_signal(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """trio.run(fn, ...), cancelled cleanly by SIGINT or SIGTERM.
+
+    Returns fn's result, or None when a signal stopped it first.
+    """
+    result: list[Any] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            result.append(await fn(*args, **kwargs))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return result[0] if result else None

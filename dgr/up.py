@@ -28,6 +28,7 @@ import functools
 import os
 import sys
 import tempfile
+from typing import Callable
 from pathlib import Path
 
 import trio
@@ -37,7 +38,8 @@ from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
 from dgr.errors import CallerError, Reason
 from dgr.forks import ForkedProcess, fork_dgr, preload
-from dgr.procs import run_child, run_until_signal
+from dgr.procs import run_child
+from dgr.serve import run_until_signal
 from dgr.progress import terminal_progress
 from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
 from dgr.security.tls import httpx_default_trust
@@ -137,18 +139,19 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
     return cmd
 
 
-def run_up(args) -> None:
-    """`dgr up`: start the route's processes, serve until SIGINT or SIGTERM or a fatal child exit, stop them."""
+def run_up(args, entry: Callable[[list[str]], int]) -> None:
+    """`dgr up`: start the route's processes (each runs `entry`, dgr.cli.main, on its own command line), serve
+    until SIGINT or SIGTERM or a fatal child exit, stop them."""
     given = load_join_token(getattr(args, "join_token_file", None))
     env = {JOIN_ENV: given.decode() if given is not None else new_secret()}
     with contextlib.ExitStack() as stack:
         keys = getattr(args, "identity_dir", None)
         if keys is None:
             keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="dgr-up-keys-"))
-        _run_up(args, env, Path(keys))
+        _run_up(args, env, Path(keys), entry)
 
 
-def _run_up(args, env: dict[str, str], keys: Path) -> None:
+def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], int]) -> None:
     """`run_up` once the route's join token and key folder are settled."""
     model = resolve_model(args.backend, args.model)
     n_layers = model_layer_count(args.backend, model, args.stub_model)
@@ -183,7 +186,7 @@ def _run_up(args, env: dict[str, str], keys: Path) -> None:
                       for i, layers in enumerate(splits)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]
-                children.append((name, fork_dgr(name, argv, env=env, close_fds=held, detach=[listening],
+                children.append((name, fork_dgr(name, argv, entry, env=env, close_fds=held, detach=[listening],
                                                 keep=listening if name == "tracker" else None)))
         run_until_signal(_serve, args, url, children, splits, n_layers)
     finally:

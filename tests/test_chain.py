@@ -236,7 +236,7 @@ def _assert_at_once_as_alone(route: LocalRoute, prompts: list[str]) -> None:
 
 
 def test_concurrent_sessions_travel_in_phase_groups_and_answer_as_alone(chain) -> None:
-    """Four sessions on the 3-node chain: two phase groups (dgr.tracker.phases). Steps wait for their
+    """Four sessions on the 3-node chain: two phase groups (dgr.fsm.phases). Steps wait for their
     group (the tracker counts them), and every answer is the one the session gets alone."""
     from prometheus_client.parser import text_string_to_metric_families
 

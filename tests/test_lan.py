@@ -39,7 +39,8 @@ import pytest
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
 from dgr.backends.base import LayerRange
-from dgr.bench.netns import clean_env, leftovers, prerequisites
+from dgr.bench.netns import clean_env, prerequisites
+from dgr.testing.namespaces import leftovers
 from dgr.models import default_model_path
 from dgr.plan import PlanParams
 from dgr.plan.sources import layout_from_manifest

@@ -153,7 +153,7 @@ def test_interleaved_sessions(full):
 
 
 def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt, monkeypatch):
-    """Phase groups (dgr.tracker.phases) rest on two facts: a session opened on a free lane gets that
+    """Phase groups (dgr.fsm.phases) rest on two facts: a session opened on a free lane gets that
     sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph but rows of spread
     ids one graph each. The graphs are counted by an eval callback that watches the range's output node."""
     graphs = [0]

@@ -18,13 +18,12 @@ import pytest
 from dgr.bench.netns import (
     NetnsRoute,
     expectations,
-    leftovers,
     prerequisites,
-    remove_stale,
     round_trips_per_token,
     rtt_sweep,
     ttft_round_trips,
 )
+from dgr.testing.namespaces import leftovers, remove_stale
 from dgr.errors import PeerError
 
 pytestmark = pytest.mark.serial  # network namespaces: one at a time under make test (tests/conftest.py)

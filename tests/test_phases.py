@@ -1,4 +1,4 @@
-"""Phase groups of a chain route (dgr.tracker.phases): the pure rules, then the gateway's wait on trio's MockClock."""
+"""Phase groups of a chain route (dgr.fsm.phases): the pure rules, then the gateway's wait on trio's MockClock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import trio
 
 from dgr.tracker.gateway import Gateway
-from dgr.tracker.phases import RoutePhases
+from dgr.fsm.phases import RoutePhases
 from dgr.tracker.registry import Registry
 
 
@@ -154,7 +154,7 @@ def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_
     from trio.testing import MockClock
 
     from dgr.node.ringphases import RingPhases
-    from dgr.tracker.phases import FIRST_HOLD_S
+    from dgr.fsm.phases import FIRST_HOLD_S
 
     sent: list[tuple[str, bytes]] = []
     ring = RingPhases(lambda sid, step: sent.append((sid, step)))

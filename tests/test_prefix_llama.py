@@ -65,7 +65,7 @@ def test_a_copied_prefix_answers_as_a_full_prefill(stages) -> None:
     turn2 = fed + stages[0].tokenize(" And at night?", add_special=False, parse_special=False)
     for s in stages:
         s.open_from_prefix("t2", 1024, "k", blocks * BLOCK_TOKENS, take=False, lane=2)
-        assert s._seq("t2") == 2  # the copy lands in its phase lane's slot (dgr.tracker.phases)
+        assert s._seq("t2") == 2  # the copy lands in its phase lane's slot (dgr.fsm.phases)
     p.open("ref", 1024)
     got, got_logits = _greedy(p, "t2", turn2, blocks * BLOCK_TOKENS)
     want, want_logits = _greedy(p, "ref", turn2, 0)

@@ -18,7 +18,7 @@ from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.progress import terminal_progress
-from dgr.cli import layers_arg
+from dgr.backends.base import layers_arg
 from dgr.errors import CallerError, DgrError, Reason
 
 __all__ = ["register"]

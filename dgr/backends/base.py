@@ -37,7 +37,7 @@ import outcome
 from dgr.errors import DgrError
 from dgr.seam.types import ModelInfo
 
-__all__ = ["LayerRange", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS"]
+__all__ = ["LayerRange", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS", "layers_arg"]
 
 # What a failed step may raise: typed errors, and what numpy, ctypes or torch raise on bad input.
 COMPUTE_ERRORS = (DgrError, ValueError, RuntimeError, IndexError, OSError)
@@ -111,7 +111,7 @@ class ShardBackend(abc.ABC):
         """Reserve Hot KV State for up to max_positions positions.
 
         `lane`: the numbered slot to give the session if it is free, for a backend that has them
-        (llama.cpp's sequence ids: dgr.tracker.phases says why); the others ignore it.
+        (llama.cpp's sequence ids: dgr.fsm.phases says why); the others ignore it.
         """
 
     @abc.abstractmethod
@@ -244,3 +244,13 @@ class ShardBackend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Backend metadata for /v1/models and node status."""
         return {"backend": self.name, "layers": str(self.layers)}
+
+
+def layers_arg(text: str) -> LayerRange:
+    """argparse type of an A:B layer range: a bad one is a usage error (exit 2), not a traceback."""
+    import argparse
+
+    try:
+        return LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

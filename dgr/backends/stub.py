@@ -32,7 +32,7 @@ import numpy as np
 from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
-from dgr.node.prefix import BLOCK_TOKENS
+from dgr.seam.wire import BLOCK_TOKENS
 
 __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
 

@@ -11,7 +11,7 @@ The floor beside each node is the same layer range computed in this process
 with no route around it: the backend's own `forward_batch`, token after
 token, on the batch a node of the route computes at best. A pipeline of N
 nodes keeps the sessions in N phase groups, one computing on each node
-(dgr.tracker.phases), so 8 sessions on 2 nodes are batches of 4. What a node
+(dgr.fsm.phases), so 8 sessions on 2 nodes are batches of 4. What a node
 spends above its floor is the runtime's: seam I/O, framing, scheduling,
 sampling, telemetry, a busy-polling node's spinning, and batches smaller
 than the floor's. The tracker and the client have no floor: all
@@ -139,7 +139,7 @@ def run_cpu(log: Callable[[str], None]) -> dict[str, Any]:
                                     "runs": [_measure(route, name, n) for n in SESSIONS]}
         if backend not in out["floor"]:
             log(f"cpu: {backend} shards {', '.join(map(str, splits))} in this process")
-            # a pipeline of N nodes keeps 1/N of the sessions on each node (dgr.tracker.phases): its batches
+            # a pipeline of N nodes keeps 1/N of the sessions on each node (dgr.fsm.phases): its batches
             # (keys as JSON writes them: the report reads results.json too)
             out["floor"][backend] = {str(n): _floor(backend, splits, model, -(-n // len(splits))) for n in SESSIONS}
     out["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -53,11 +53,9 @@ import fcntl
 import ipaddress
 import math
 import os
-import re
 import secrets
 import select
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -73,6 +71,7 @@ from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.procs import WatchedChild, dgr_command, ready_info
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
+from dgr.testing.namespaces import free_subnet, remove_stale, root_links, run_tool
 
 __all__ = [
     "LINK_KINDS",
@@ -81,14 +80,10 @@ __all__ = [
     "choose_link",
     "clean_env",
     "expectations",
-    "free_subnet",
-    "leftovers",
     "main",
     "prerequisites",
-    "remove_stale",
     "round_trips_per_token",
     "rtt_sweep",
-    "run_tool",
     "ttft_round_trips",
 ]
 
@@ -96,81 +91,11 @@ LINK_KINDS = ("auto", "netem", "tun")
 PLACEMENT = ("one network: any two endpoints (the tracker and each node) see the same RTT, "
              "RTT/2 each way, node to node as well as tracker to node")
 TOPOLOGIES = ("star", "chain", "ring")
-_NS = re.compile(r"^dgrb-(\d+)-\w+$")
-_DEV = re.compile(r"^dgrb(\d+)[rn]\d+$")
 _NETNS_DIRS = ("/run/netns", "/var/run/netns")
 _CLONE_NEWNET = 0x40000000
 _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 _PR_SET_TIMERSLACK = 29
-
-
-# -- system commands ------------------------------------------------------------------------
-def run_tool(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
-    """Run one iproute2/tc command.
-
-    Raises:
-        CallerError(INVALID_REQUEST): it failed and `check` is set (this machine cannot build the topology).
-    """
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    if check and r.returncode != 0:
-        raise CallerError(Reason.INVALID_REQUEST, f"`{' '.join(cmd)}` failed: {r.stderr.strip() or r.returncode}")
-    return r
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _netns_names() -> list[str]:
-    r = run_tool(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-
-
-def _root_links() -> list[str]:
-    r = run_tool(["ip", "-o", "link", "show"], check=False)
-    # "6: dgrb12r0@if5: <...>": the name ends at '@' (veth peer) or ':'
-    return [line.split(":")[1].strip().split("@")[0] for line in r.stdout.splitlines() if ":" in line]
-
-
-def _ours(pid: int) -> tuple[list[str], list[str]]:
-    ns = [n for n in _netns_names() if (m := _NS.match(n)) and int(m.group(1)) == pid]
-    devs = [d for d in _root_links() if (m := _DEV.match(d)) and int(m.group(1)) == pid]
-    return ns, devs
-
-
-def leftovers(pid: int | None = None) -> list[str]:
-    """Namespaces and root-namespace links this process (or `pid`) made that still exist."""
-    ns, devs = _ours(os.getpid() if pid is None else pid)
-    return ns + devs
-
-
-def remove_stale() -> list[str]:
-    """Remove the namespaces and links of runs whose process is gone; returns what was removed."""
-    removed = []
-    for name in _netns_names():
-        m = _NS.match(name)
-        if m and not _alive(int(m.group(1))):
-            # a crashed run's nodes keep its namespace alive; they are this tool's processes
-            for pid in run_tool(["ip", "netns", "pids", name], check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            run_tool(["ip", "netns", "del", name], check=False)
-            removed.append(name)
-    for dev in _root_links():
-        m = _DEV.match(dev)
-        if m and not _alive(int(m.group(1))):
-            run_tool(["ip", "link", "del", dev], check=False)
-            removed.append(dev)
-    return removed
 
 
 def prerequisites() -> str | None:
@@ -220,26 +145,6 @@ def choose_link(requested: str = "auto") -> str:
     if not os.path.exists("/dev/net/tun"):
         raise CallerError(Reason.INVALID_REQUEST, "neither a netem qdisc nor /dev/net/tun is available")
     return "tun"
-
-
-def free_subnet() -> int:
-    """S such that 10.213.S.0/24 overlaps no address or route of the root namespace."""
-    used = []
-    for cmd in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table", "all"]):
-        for line in run_tool(cmd, check=False).stdout.split("\n"):
-            for token in line.split():
-                try:
-                    net = ipaddress.ip_network(token, strict=False)
-                except ValueError:
-                    continue
-                if net.prefixlen > 0:
-                    used.append(net)
-    for i in range(256):
-        s = (os.getpid() + i) % 256
-        net = ipaddress.ip_network(f"10.213.{s}.0/24")
-        if not any(net.overlaps(u) for u in used):
-            return s
-    raise CallerError(Reason.INVALID_REQUEST, "no free 10.213.S.0/24 subnet on this machine")
 
 
 @attrs.frozen
@@ -488,7 +393,7 @@ class NetnsRoute:
         if self._delay_line is not None:
             self._delay_line.stop()  # its TUN devices go with it
             self._delay_line = None
-        if self.tracker_link is not None and self.tracker_link.dev in _root_links():
+        if self.tracker_link is not None and self.tracker_link.dev in root_links():
             run_tool(["ip", "link", "del", self.tracker_link.dev], check=False)  # a veth pair goes as a whole
         for ns in self._namespaces:
             run_tool(["ip", "netns", "del", ns], check=False)

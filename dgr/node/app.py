@@ -58,7 +58,7 @@ _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
-_MAX_LANE = 1 << 16  # a phase lane (dgr.tracker.phases) is a small sequence slot number
+_MAX_LANE = 1 << 16  # a phase lane (dgr.fsm.phases) is a small sequence slot number
 _MAX_ROUTE = 8192  # a ring's route key: its node ids, comma-separated
 
 

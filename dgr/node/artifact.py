@@ -47,7 +47,7 @@ from dgr.artifact.torrent import resume_path_for
 from dgr.artifact.verify import verify_file
 from dgr.backends.base import LayerRange, ShardBackend
 from dgr.errors import CallerError, PeerError, Reason
-from dgr.procs import run_until_signal
+from dgr.serve import run_until_signal
 from dgr.progress import LineProgress, Progress, say, terminal_progress
 
 __all__ = [

@@ -37,10 +37,10 @@ from typing import Sequence
 
 import attrs
 
+from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
+
 __all__ = ["BLOCK_TOKENS", "KEY_HEX", "Kept", "PrefixCache", "block_chain", "prefix_root", "valid_chain"]
 
-BLOCK_TOKENS = 64  # tokens per hash block: the granularity of reuse
-KEY_HEX = 32  # a key is the first 128 bits of SHA-256, in hex
 _DOMAIN = b"dgr-prefix-v1"
 
 

@@ -1,7 +1,7 @@
 """A ring tail's phase groups: its decode steps go back to the head in groups of consecutive lanes.
 
 Why: on a chain the gateway holds each session's next decode step until every
-decoding session of its phase group has its token (dgr.tracker.phases), so a
+decoding session of its phase group has its token (dgr.fsm.phases), so a
 group reaches every node as one pass over consecutive sequence ids. On a ring
 the steps never pass the gateway: the tail sends them to the head. Without a
 hold, 8 sessions on a 2-node SmolLM2 ring decoded at 0.924x the chain's rate
@@ -28,7 +28,7 @@ from typing import Callable
 import attrs
 import trio
 
-from dgr.tracker.phases import RoutePhases, hold_for
+from dgr.fsm.phases import RoutePhases, hold_for
 
 __all__ = ["RingPhases"]
 

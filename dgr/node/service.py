@@ -272,7 +272,7 @@ class NodeService:
 
         With `prefix` (a block hash chain, dgr.node.prefix), the session starts from the longest kept
         prefix matching it; returns the positions it holds from there (0: none reused). `lane` is the
-        sequence slot to give it while that is free (dgr.tracker.phases).
+        sequence slot to give it while that is free (dgr.fsm.phases).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -657,7 +657,7 @@ class NodeService:
 
     def _group_rows(self, plan: RelayPlan) -> int | None:
         """The decode steps of one phase group of `plan`'s route: its sessions open here, cut into one group
-        per node as the gateway and a ring's tail cut them (dgr.tracker.phases). None on a one-node route."""
+        per node as the gateway and a ring's tail cut them (dgr.fsm.phases). None on a one-node route."""
         if plan.nodes < 2:
             return None
         return max(1, math.ceil(self.on_route[plan.route] / plan.nodes))

@@ -38,6 +38,8 @@ __all__ = [
     "raw_header",
     "frame_kind",
     "Topology",
+    "BLOCK_TOKENS",
+    "KEY_HEX",
 ]
 
 # HTTP headers of the seam. A step carries its Route Session capability; a node's answer says how
@@ -83,6 +85,12 @@ class Topology(enum.Enum):
 # (docs/perf/paired, docs/perf/paired-chain): 2-node 28.7 and 28.0 tok/s, 8 sessions 43.8 and 41.0, 3-node
 # 23.5 and 26.7.
 DEFAULT_TOPOLOGY = Topology.RING
+
+
+# Prefix keys (dgr.node.prefix), which cross the wire in opens and closes: a hash chain over the prompt's
+# token ids in blocks of BLOCK_TOKENS, each key the first 128 bits of SHA-256 in hex.
+BLOCK_TOKENS = 64  # tokens per hash block: the granularity of reuse
+KEY_HEX = 32
 
 
 MAGIC = b"DGRS"

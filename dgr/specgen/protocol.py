@@ -12,7 +12,7 @@ from dgr.fsm.machine import TransitionTable
 from dgr.fsm.node import NODE_TABLE
 from dgr.fsm.proof import PROOF_TABLE
 from dgr.fsm.route import ROUTE_TABLE
-from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX
+from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 from dgr.seam import wire
 
 __all__ = ["render_states", "render_reasons", "render_seam", "DOCUMENTS"]
@@ -102,7 +102,7 @@ def render_seam() -> str:
         "starts prefill at the smallest answer on the route, and a node's first step may start before what it "
         "holds (it drops the rest first).",
         "- On a chain, `POST /v1/seam/sessions` also carries `lane`: the session's phase lane on its route "
-        "(dgr.tracker.phases). A node with numbered sequence slots gives the session that slot while it is free, "
+        "(dgr.fsm.phases). A node with numbered sequence slots gives the session that slot while it is free, "
         "so sessions of consecutive lanes that arrive together decode as one graph.",
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV. A normal close may carry "
         "`keep=K1.K2...`, the block keys of the session's KV: the node may keep those positions as a prefix "

@@ -12,7 +12,7 @@ Unlike `dgr.bench.netns.NetnsRoute` (a tracker and a route of nodes over
 delayable links), this only builds the network; what runs on each host is
 the caller's, started with `Lan.command(host, argv)`.
 
-Names follow dgr.bench.netns, so its `leftovers()` and `remove_stale()`
+Names follow dgr.testing.namespaces, so its `leftovers()` and `remove_stale()`
 see them: namespaces `dgrb-<pid>-lan<host>` and `dgrb-<pid>-lanhub`, the
 root link `dgrb<pid>r1`, addresses 10.213.S.0/24 with S chosen so that
 nothing routed on the machine overlaps it (`free_subnet`). The client is
@@ -31,7 +31,7 @@ import re
 
 import attrs
 
-from dgr.bench.netns import free_subnet, remove_stale, run_tool
+from dgr.testing.namespaces import free_subnet, remove_stale, run_tool
 from dgr.errors import CallerError, Reason
 
 __all__ = ["Lan"]

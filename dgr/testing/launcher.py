@@ -262,6 +262,7 @@ def _report_exits(sock: socket.socket) -> None:
 def _child(argv: list[str], env: dict[str, str], fds: list[int], ours: tuple[int, ...]) -> None:
     import traceback
 
+    from dgr.cli import main
     from dgr.forks import run_forked
     from dgr.procs import die_with_parent
 
@@ -278,7 +279,7 @@ def _child(argv: list[str], env: dict[str, str], fds: list[int], ours: tuple[int
     except BaseException:
         traceback.print_exc()
         os._exit(1)
-    run_forked(argv)
+    run_forked(argv, main)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
-from dgr.tracker.phases import RoutePhases, hold_for
+from dgr.fsm.phases import RoutePhases, hold_for
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
@@ -189,7 +189,7 @@ class LiveSession:
     head_ending: bool = False
     head_failure: Failure | None = None  # what the head's answer meant, once it came early
     head_answered: trio.Event = attrs.field(factory=trio.Event)
-    # chain: the board of the route's phase groups (dgr.tracker.phases), and what wakes this session there
+    # chain: the board of the route's phase groups (dgr.fsm.phases), and what wakes this session there
     phases: RoutePhases | None = None
     go: trio.Event = attrs.field(factory=trio.Event)
 

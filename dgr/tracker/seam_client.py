@@ -98,7 +98,7 @@ class NodeClient:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
         With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
-        returns the positions it holds from there. `lane` (a chain's phase lane, dgr.tracker.phases) is
+        returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
         the sequence slot the node gives the session while it is free.
         """
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
