@@ -99,14 +99,14 @@ def test_window_caches_are_window_sized_as_planned(model):
     import collections
 
     from dgr.backends import gguf_text
-    from dgr.bench.costs import _logged_state
+    from dgr.bench.costs import logged_state
 
     path, data = model
     layout = layout_from_json(data, recipe="f32")
     gguf_text._LOG = collections.deque(maxlen=100_000)
     node = LlamaShardBackend(path, LayerRange(2, 6), n_threads=1, n_ctx=1024, max_sessions=2)
     try:
-        logged, lines = _logged_state("".join(gguf_text._LOG))
+        logged, lines = logged_state("".join(gguf_text._LOG))
         n_batch = node.engine.n_batch
     finally:
         node.close()

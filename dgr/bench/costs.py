@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CTX", "SEQS", "check_case", "check_file", "main"]
+__all__ = ["CTX", "SEQS", "check_case", "check_file", "logged_state", "main"]
 
 CTX, SEQS = 512, 2
 # Each logged size is rounded to 0.01 MiB.
@@ -44,7 +44,7 @@ _STATE_LINES = (
 )
 
 
-def _logged_state(log: str) -> tuple[float, int]:
+def logged_state(log: str) -> tuple[float, int]:
     """Bytes of every cache and state llama.cpp logged, and how many lines (for the rounding bound)."""
     sizes = [float(x) for pattern in _STATE_LINES for x in re.findall(pattern, log)]
     return sum(sizes) * 2**20, len(sizes)
@@ -78,7 +78,7 @@ def check_file(path: Path, cuts: tuple[int, ...]) -> list[dict[str, Any]]:
             params = PlanParams(context=CTX, sessions=SEQS, swa_full=True, ubatch=e.n_batch)
         finally:
             e.close()
-        state, lines = _logged_state(log)
+        state, lines = logged_state(log)
         compute = sum(float(x) for x in re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)) * 2**20
         cost = shard_cost(layout, params, Node("n", 0), LayerRange(a, b))
         planned_w = cost.weight_bytes + cost.global_bytes

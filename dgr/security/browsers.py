@@ -43,11 +43,9 @@ def check_browser_request(method: str, headers: dict[str, str]) -> None:
     host = headers.get("host", "")
     if not is_loopback(_host_of(host)):
         raise CallerError(Reason.FORBIDDEN, f"this tracker has no API keys and answers loopback hosts only, not {host[:64]!r}")
-    origin = headers.get("origin")
-    if origin is not None and origin != "null" and not is_loopback(urlsplit(origin).hostname or ""):
+    origin = headers.get("origin")  # "null" for a sandboxed page or a file: no host, refused like a foreign one
+    if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
         raise CallerError(Reason.FORBIDDEN, f"this tracker has no API keys and answers no web page of {origin[:64]!r}")
-    if origin == "null":
-        raise CallerError(Reason.FORBIDDEN, "this tracker has no API keys and answers no sandboxed page")
     if method == "POST":
         ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if ctype not in _POST_TYPES:
