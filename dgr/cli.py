@@ -254,7 +254,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 # The tools' subcommands, each registered by its own module. Only the one being run is imported (all of
 # them for help or a mistyped command): together they cost about 0.5 s of CPU, which every tracker, node
 # and `dgr up` process paid at its start.
-_TOOLS = {"artifact": "dgr.artifact.cli", "plan": "dgr.plan.cli", "bench": "dgr.bench.cli", "soak": "dgr.bench.soak"}
+_TOOLS = {"artifact": "dgr.artifact.cli", "plan": "dgr.plan.cli", "bench": "dgr.bench.cli", "soak": "dgr.bench.soak",
+          "attack": "dgr.bench.attacker"}
 _CORE = ("tracker", "node", "up")
 
 
