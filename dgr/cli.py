@@ -350,6 +350,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "
                         "seeds and proves its layers")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="nodes free a session's KV after this idle time")
+    p.add_argument("--trusted-head", action="append", default=[], metavar="PUBKEY",
+                   help="passed to the tracker: only nodes with this public key may hold a route's first or last "
+                        "layer; repeatable (a key of --identity-dir's nodeN.key, made before `dgr up`, names a "
+                        "route node)")
     p.add_argument("--identity-dir", metavar="DIR",
                    help="where the route's keys (tracker.key, nodeN.key) are kept (default: a fresh temporary "
                         "folder, removed on exit)")

@@ -18,7 +18,9 @@ fresh temporary folder removed on exit) and uses the join token it is given
 its children in the environment, never in argv. So nodes sign their
 membership with their own keys, and the gateway signs a capability for every
 hop of every route it starts. API keys (--api-key-file or $DGR_API_KEYS)
-pass through to the tracker.
+pass through to the tracker, and so do `--trusted-head` keys: a key file already in
+the folder is used as it is, so an operator (or `dgr soak --attacker`) can make the
+nodes' keys first and name them as the route's trusted heads.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
+    for key in getattr(args, "trusted_head", None) or ():
+        cmd += ["--trusted-head", key]
     for flag in ("no_prefix_reuse", "share_prefixes"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))

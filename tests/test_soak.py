@@ -42,3 +42,48 @@ def test_short_soak() -> None:
 @pytest.mark.slow
 def test_full_soak() -> None:
     _soak(500, 50, timeout_s=1200)
+
+
+# Attacks issue 40 lists that still get through on the branch this test was written on (trust-soak), each found by
+# the attacker's tally: the test xfails, naming them, while only these are accepted, and fails for any other.
+# Remove a name once its fix is merged; the test passes when no attack gets through.
+_OPEN_FINDINGS = {"gateway_id": "the node id 'gateway' is not reserved (issue 40, lows)"}
+
+
+def test_short_soak_beside_an_attacker() -> None:
+    """`dgr soak --attacker` (issue 40, Must show, in small): honest sessions end as planned beside every attack,
+    none reaches the attacker's node, the nodes end empty, and every server's /healthz answered. The p99 bound is
+    loose here (a shared 2-core machine runs this beside other tests); the 5-minute run holds it to 100 ms."""
+    sessions = 40
+    done = subprocess.run(dgr_command("soak", "--attacker", "--sessions", str(sessions), "--time-limit", "30",
+                                      "--healthz-p99-ms", "3000", "--json"),
+                          capture_output=True, text=True, timeout=150, check=False)
+    print("\n" + done.stdout)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    planned, attack = report["planned"], report["attack"]
+    assert attack is not None, done.stderr[-3000:]
+    # the attacker ran every attack (each tallied), and no honest call ever reached its node
+    for name in ("report_none", "report_self_signed", "capture_register", "capture_heartbeat", "hijack_heartbeat",
+                 "hijack_register", "gateway_id", "replay_register", "seam_open_self_signed", "seam_step_expired",
+                 "seam_close_keep_other_session", "seam_tokenize_none", "idle_conns", "big_tokenize", "half_bodies",
+                 "browser_plain", "status_poll"):
+        assert any(k.startswith(name) for k in attack["attacks"]), (name, attack["attacks"])
+    assert attack["attacks"]["idle_conns"]["opened"] >= 900  # 300 to each of 3 servers
+    assert attack["trap_calls"] == 0
+    # honest sessions: as planned, as the client and the tracker saw them (no kills: --attacker's default)
+    assert report["sessions"] == sessions and "kill" not in planned
+    assert report["client_outcomes"] == {f"{k}:ok": n for k, n in planned.items()}
+    cancelled = planned.get("cancel", 0) + planned.get("disconnect", 0)
+    assert report["tracker_failures"] == ({"cancelled": cancelled} if cancelled else {})
+    assert report["tracker_sessions"]["done"] == planned["complete"]
+    # nothing left behind, every /healthz answered within the (loose) bound
+    assert report["sessions_after"] == {"node0": 0, "node1": 0}
+    assert report["kv_bytes_after"] == {"node0": 0, "node1": 0}
+    assert set(report["healthz_ms"]) == {"tracker", "node0", "node1"}
+    assert all(h["n"] >= 20 and h["errors"] == 0 for h in report["healthz_ms"].values()), report["healthz_ms"]
+    accepted = attack["accepted"]
+    assert set(accepted) <= set(_OPEN_FINDINGS), f"attacks accepted: {accepted}"
+    assert [p for p in report["problems"] if not p.startswith("attacks accepted")] == [], report["problems"]
+    if accepted:
+        pytest.xfail("still accepted: " + "; ".join(f"{k} {n}x: {_OPEN_FINDINGS[k]}" for k, n in accepted.items()))
+    assert report["ok"] and done.returncode == 0

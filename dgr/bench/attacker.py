@@ -248,13 +248,18 @@ class _Attacker:
             await trio.sleep(1.0)
 
     async def describe_leak(self) -> None:
-        """Does /v1/models show the attacker's `describe`?"""
+        """Does /v1/models show the attacker's `describe` (anywhere), and does it override a model's own fields?"""
+        notes = self.tally.notes
+        notes.setdefault("describe_in_models", False)
+        notes.setdefault("describe_overrides_models", False)
         while True:
             try:
-                text = (await self.client.get(self.cfg.tracker + "/v1/models", timeout=_TIMEOUT_S)).text
-                self.tally.notes["describe_in_models"] = "attacker" in text or self.tally.notes.get(
-                    "describe_in_models", False)
-            except httpx.HTTPError:
+                r = await self.client.get(self.cfg.tracker + "/v1/models", timeout=_TIMEOUT_S)
+                notes["describe_in_models"] |= "attacker" in r.text
+                for model in r.json().get("data", []):
+                    notes["describe_overrides_models"] |= any(
+                        model.get(k) == v for k, v in _HOSTILE_DESCRIBE.items() if k not in ("dgr", "digest"))
+            except (httpx.HTTPError, ValueError, AttributeError):
                 pass
             await trio.sleep(1.0)
 
