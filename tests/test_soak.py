@@ -35,6 +35,25 @@ def _soak(sessions: int, kill_every: int, timeout_s: float) -> dict:
     return report
 
 
+def test_dgr_up_forwards_trusted_heads_and_uses_the_node_keys_it_finds(tmp_path) -> None:
+    """What `dgr soak --attacker` relies on: node keys made before `dgr up` are the ones its nodes sign with, and
+    its --trusted-head keys reach the tracker, which then routes through them."""
+    from dgr.bench.soak import _trusted_keys
+    from dgr.cli import build_parser
+    from dgr.testing.harness import LocalRoute
+    from dgr.up import tracker_args
+
+    keys = _trusted_keys(tmp_path, 2)
+    cmd = tracker_args(build_parser().parse_args(["up", "--trusted-head", keys[0], "--trusted-head", keys[1]]))
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--trusted-head"] == keys
+    extra = tuple(a for k in keys for a in ("--trusted-head", k))
+    with LocalRoute(backend="stub", nodes=2, extra=extra, keys=tmp_path) as route:
+        assert sorted(n["key"] for n in route.node_table()) == sorted(keys)
+        r = route.http.post(route.api + "/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 2},
+                            timeout=30)
+        assert r.status_code == 200, r.text
+
+
 def test_short_soak() -> None:
     _soak(60, 25, timeout_s=240)
 
