@@ -26,7 +26,8 @@ the soak also checks that the attacker harmed no honest session (every outcome a
 planned, no tracker failure with another reason, no call ever reached its trap
 node), that every server's `/healthz` answered within `HEALTHZ_P99_MS` at the
 99th percentile (a fresh connection from 127.0.0.1 every `HEALTHZ_EVERY_S`, so a
-server that cannot accept shows it), and that no attack was accepted. The two
+server that cannot accept shows it), and that no attack was accepted. (The
+/healthz figures are taken without `--attacker` too, as a baseline, and not judged.) The two
 nodes' keys are made before `dgr up` and passed as `--trusted-head`, so the
 attacker, which claims every layer, can never be a route's head or tail. Kills
 are off by default with it (`--kill-every 0`): a kill's `route_node_lost` would
@@ -150,7 +151,7 @@ class SoakReport:
     elapsed_s: float = 0.0
     stopped_early: bool = False
     problems: list[str] = attrs.field(factory=list)
-    healthz_ms: dict[str, list[float]] = attrs.field(factory=dict)  # server -> latencies, with --attacker
+    healthz_ms: dict[str, list[float]] = attrs.field(factory=dict)  # server -> latencies (judged with --attacker)
     healthz_errors: Counter = attrs.field(factory=Counter)
     attack: dict[str, Any] | None = None  # the attacker's own tally (dgr.bench.attacker)
 
@@ -254,7 +255,7 @@ class SoakReport:
                      f"sessions held after {d['sessions_after']}")
         for name, h in d["healthz_ms"].items():
             lines.append(f"  /healthz {name}: n {h['n']}, p50 {h['p50']} ms, p99 {h['p99']} ms, max {h['max']} ms, "
-                         f"unanswered {h['errors']}")
+                         f"unanswered {h['errors']}" + ("" if self.config.attacker else " (not judged without --attacker)"))
         if self.attack is not None:
             a = self.attack
             lines.append(f"  attacker: {a.get('total')} attacks in {a.get('elapsed_s')} s; accepted "
@@ -486,8 +487,7 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
         before = await soak.tracker_counts()
         attacker = await _start_attacker(route, cfg, await soak._nodes()) if cfg.attacker else None
         async with trio.open_nursery() as watching:
-            if attacker is not None:
-                watching.start_soon(soak.probe_healthz)
+            watching.start_soon(soak.probe_healthz)  # judged only beside an attacker; else a baseline
             await _sessions(soak, cfg, kinds, rng, report, start)
             watching.cancel_scope.cancel()
         if attacker is not None:
