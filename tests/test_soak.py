@@ -106,3 +106,17 @@ def test_short_soak_beside_an_attacker() -> None:
     if accepted:
         pytest.xfail("still accepted: " + "; ".join(f"{k} {n}x: {_OPEN_FINDINGS[k]}" for k, n in accepted.items()))
     assert report["ok"] and done.returncode == 0
+
+
+def test_the_attacker_soak_fails_when_the_attacker_captures_sessions() -> None:
+    """The control of the test above: without --trusted-head keys the attacker, claiming every layer, takes its
+    turn at routes, and the soak must see it (calls reach its trap, honest sessions fail) and fail."""
+    done = subprocess.run(dgr_command("soak", "--attacker", "--no-trusted-heads", "--sessions", "8",
+                                      "--concurrency", "4", "--time-limit", "30", "--healthz-p99-ms", "3000", "--json"),
+                          capture_output=True, text=True, timeout=150, check=False)
+    print("\n" + done.stdout)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 1 and not report["ok"]
+    assert report["attack"]["trap_calls"] > 0
+    assert any("reached the attacker's node" in p for p in report["problems"]), report["problems"]
+    assert any("did not end as planned" in p for p in report["problems"]), report["problems"]

@@ -123,6 +123,7 @@ class _Attacker:
     trap_url: str = ""
     my_id: str = ""
     sessions: list[str] = attrs.field(factory=list)  # live session ids the tracker shows
+    seen: set[str] = attrs.field(factory=set)
     old_registration: tuple[bytes, dict[str, str]] | None = None
 
     # -- helpers -------------------------------------------------------------------------------
@@ -196,8 +197,10 @@ class _Attacker:
         while True:
             try:
                 r = await self.client.get(self.cfg.tracker + "/v1/route-sessions", timeout=_TIMEOUT_S)
-                self.sessions = [s["session"] for s in r.json().get("active", []) if isinstance(s, dict)
-                                 and isinstance(s.get("session"), str)] if r.status_code == 200 else []
+                self.sessions = [s["id"] for s in r.json().get("active", []) if isinstance(s, dict)
+                                 and isinstance(s.get("id"), str)] if r.status_code == 200 else []
+                self.seen.update(self.sessions)
+                self.tally.notes["live_sessions_seen"] = len(self.seen)
                 self.tally.note("session_list", r.status_code, refused_if_ok=False)
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 self.tally.note("session_list", _answer(exc))

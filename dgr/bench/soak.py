@@ -32,7 +32,8 @@ nodes' keys are made before `dgr up` and passed as `--trusted-head`, so the
 attacker, which claims every layer, can never be a route's head or tail. Kills
 are off by default with it (`--kill-every 0`): a kill's `route_node_lost` would
 otherwise be indistinguishable from one a forged report caused; `--kill-every N`
-still adds them.
+still adds them. `--no-trusted-heads` is the control: the attacker then takes
+its turn at routes, honest sessions reach its trap, and the soak must fail.
 
 Bounded: `--sessions` caps the count and `--time-limit` the wall time (no
 new session starts after it). `--backend llama_shard` soaks the default GGUF
@@ -94,6 +95,7 @@ class SoakConfig:
     attack_idle_conns: int = 300
     attack_half_bodies: int = 40
     healthz_p99_ms: float = HEALTHZ_P99_MS  # the bound; a looser one where the machine is shared (tests)
+    trusted_heads: bool = True  # with the attacker: False is the control run, where it can capture sessions
 
 
 def plan(cfg: SoakConfig) -> list[str]:
@@ -573,7 +575,7 @@ def run_soak(cfg: SoakConfig, *, extra: tuple[str, ...] = ()) -> SoakReport:
     else:
         extra = ("--ctx", "2048", "--max-sessions", str(max(8, cfg.concurrency)), *extra)
     keys = None
-    if cfg.attacker:
+    if cfg.attacker and cfg.trusted_heads:
         keys = Path(tempfile.mkdtemp(prefix="dgr-soak-keys-"))  # LocalRoute removes it
         extra = (*extra, *[a for key in _trusted_keys(keys, 2) for a in ("--trusted-head", key)])
     with LocalRoute(backend=cfg.backend, nodes=2, extra=extra, ready_timeout_s=600, busy_poll_ms=None,
@@ -586,7 +588,8 @@ def _main(args) -> int:
     cfg = SoakConfig(sessions=args.sessions, concurrency=args.concurrency, seed=args.seed,
                      time_limit_s=args.time_limit, kill_every=kill_every, stub_delay=args.stub_delay,
                      warmup=min(20, max(10, args.sessions // 10)), oversized_share=args.oversized_share,
-                     backend=args.backend, attacker=args.attacker, healthz_p99_ms=args.healthz_p99_ms)
+                     backend=args.backend, attacker=args.attacker, healthz_p99_ms=args.healthz_p99_ms,
+                     trusted_heads=not args.no_trusted_heads)
     report = run_soak(cfg)
     print(report.render())
     if args.json:
@@ -612,6 +615,9 @@ def register(subparsers) -> None:
     p.add_argument("--attacker", action="store_true",
                    help="run `dgr attack` (issue 40's attacks, with the join token) beside the sessions; the nodes' "
                         "keys are trusted heads; also checks /healthz p99 and that no attack got through")
+    p.add_argument("--no-trusted-heads", action="store_true",
+                   help="with --attacker, a control run: no --trusted-head keys, so the attacker's capture of "
+                        "sessions shows (and the soak fails)")
     p.add_argument("--healthz-p99-ms", type=float, default=HEALTHZ_P99_MS,
                    help="with --attacker: the bound on each server's /healthz p99, in ms")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
