@@ -372,10 +372,12 @@ class _Attacker:
 
     def _half_body(self, url: str) -> bytes:
         u = urlparse(url)
-        path = "/v1/node/tokenize" if url != self.cfg.tracker else "/v1/nodes/register"
+        # a body each server would read to its end (within its limit), never finished
+        path = "/v1/node/tokenize" if url != self.cfg.tracker else "/v1/completions"
+        size = _BIG - 1024
         head = (f"POST {path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {_BIG}\r\n\r\n").encode()
-        return head + b'{"prompt": "' + b"x" * (_BIG // 2)
+                f"Content-Length: {size}\r\n\r\n").encode()
+        return head + b'{"prompt": "' + b"x" * (size // 2)
 
     # -- browsers ------------------------------------------------------------------------------
     async def browser(self) -> None:

@@ -550,9 +550,11 @@ async def _start_attacker(route: LocalRoute, cfg: SoakConfig, nodes: list[dict[s
 async def _stop_attacker(proc: LaunchedProcess) -> dict[str, Any] | None:
     """SIGTERM it; its tally (the last line it prints)."""
     proc.send_signal(signal.SIGTERM)
-    out = await trio.to_thread.run_sync(proc.stdout.read)  # to its end of file: it has exited, or closed it
+    out = ""
+    with trio.move_on_after(60):  # to its end of file: it has exited (a hung one is killed, its tally lost)
+        out = await trio.to_thread.run_sync(proc.stdout.read, abandon_on_cancel=True)
     try:
-        await trio.to_thread.run_sync(proc.wait, 30)
+        await trio.to_thread.run_sync(proc.wait, 5)
     except subprocess.TimeoutExpired:
         proc.kill()
     lines = out.strip().splitlines()
