@@ -22,7 +22,8 @@ each as its own trio task, a bounded number of requests at a time:
 - `status_poll`: the open /v1/node/status of each node.
 
 Every attack is tallied by how it was answered: the HTTP status, `closed` (the server dropped the
-connection), `timeout`, or `refused` (connect failed). `accepted` counts the answers that mean the attack
+connection), `timeout`, or `refused` (connect failed); for held connections also how many the servers
+never closed (`held_open_at_exit`) and the longest one was let stay before being closed. `accepted` counts the answers that mean the attack
 got through (a 2xx where a refusal is due); the JSON summary is the last line on stdout at exit.
 
 Its connections leave from `--source` (127.0.0.2 by default, loopback too), so that a server's per-peer
@@ -85,6 +86,8 @@ class Tally:
     trap_calls: int = 0
     oracle: dict[str, set] = attrs.field(factory=lambda: defaultdict(set))
     notes: dict[str, Any] = attrs.field(factory=dict)
+    open_now: Counter = attrs.field(factory=Counter)  # held connections the servers have not closed
+    held_s: dict[str, float] = attrs.field(factory=dict)  # the longest a server let one stay before closing it
     started: float = attrs.field(factory=time.monotonic)
 
     def note(self, attack: str, answer: str | int, *, refused_if_ok: bool = True) -> None:
@@ -101,6 +104,8 @@ class Tally:
                 "trap_calls": self.trap_calls,
                 "id_oracle": bool(probe.get("real")) and probe.get("real") != probe.get("made_up"),
                 "id_probe_answers": probe,
+                "held_open_at_exit": dict(self.open_now),
+                "longest_held_before_close_s": {k: round(v, 1) for k, v in self.held_s.items()},
                 **self.notes}
 
 
@@ -124,6 +129,26 @@ class _Attacker:
     my_id: str = ""
     sessions: list[str] = attrs.field(factory=list)  # live session ids the tracker shows
     seen: set[str] = attrs.field(factory=set)
+    urls: dict[str, str] = attrs.field(factory=dict)  # "tracker" and each node id -> its URL now (nodes restart)
+
+    def __attrs_post_init__(self) -> None:
+        self.urls = {"tracker": self.cfg.tracker, **self.cfg.nodes}
+
+    @property
+    def nodes(self) -> dict[str, str]:
+        return {n: u for n, u in self.urls.items() if n != "tracker"}
+
+    async def follow_nodes(self) -> None:
+        """A restarted node listens on a new port: follow the route's node ids in the tracker's table."""
+        while True:
+            try:
+                table = (await self.client.get(self.cfg.tracker + "/v1/nodes", timeout=_TIMEOUT_S)).json()["nodes"]
+                for n in table:
+                    if n.get("node") in self.cfg.nodes and n.get("alive") and isinstance(n.get("url"), str):
+                        self.urls[n["node"]] = n["url"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+            await trio.sleep(1.0)
     old_registration: tuple[bytes, dict[str, str]] | None = None
 
     # -- helpers -------------------------------------------------------------------------------
@@ -268,7 +293,7 @@ class _Attacker:
 
     # -- identities ----------------------------------------------------------------------------
     async def identities(self) -> None:
-        victim = random.choice(list(self.cfg.nodes))
+        victim = random.choice(list(self.nodes))
         hb = json.dumps({"node": victim, "sessions": 0, "kv_bytes": 0, "session_ids": []}).encode()
         await self.call("hijack_heartbeat", "POST", self.cfg.tracker + "/v1/nodes/heartbeat", content=hb,
                         headers=self.signed("/v1/nodes/heartbeat", hb, join=False))
@@ -295,8 +320,7 @@ class _Attacker:
     # -- reports -------------------------------------------------------------------------------
     async def report(self) -> None:
         sid = self.sid()
-        reporter, named = random.sample(list(self.cfg.nodes), 2) if len(self.cfg.nodes) > 1 else \
-            (list(self.cfg.nodes)[0],) * 2
+        reporter, named = random.sample(list(self.nodes), 2) if len(self.nodes) > 1 else (list(self.nodes)[0],) * 2
         kind = random.choice(("none", "self_signed", "expired", "garbage"))
         data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": _LURE, "node": named}
         await self.call(f"report_{kind}", "POST", self.cfg.tracker + DELIVER_PATH, content=json.dumps(data).encode(),
@@ -304,7 +328,7 @@ class _Attacker:
 
     # -- seam calls ----------------------------------------------------------------------------
     async def seam(self) -> None:
-        node, url = random.choice(list(self.cfg.nodes.items()))
+        node, url = random.choice(list(self.nodes.items()))
         sid = secrets.token_hex(16)
         kind = random.choice(("none", "self_signed", "expired", "other_session", "garbage"))
         cap = self.forged(sid, node, kind)
@@ -328,7 +352,7 @@ class _Attacker:
 
     # -- starving ------------------------------------------------------------------------------
     async def big_tokenize(self) -> None:
-        node, url = random.choice(list(self.cfg.nodes.items()))
+        node, url = random.choice(list(self.nodes.items()))
         body = json.dumps({"prompt": "x" * (_BIG - 64)}).encode()
         await self.call("big_tokenize", "POST", url + "/v1/node/tokenize", content=body,
                         headers={"Content-Type": "application/json"})
@@ -337,11 +361,13 @@ class _Attacker:
         u = urlparse(url)
         return await trio.open_tcp_stream(u.hostname, u.port, local_address=self.cfg.source)
 
-    async def hold(self, attack: str, url: str, count: int, first: Callable[[str], bytes]) -> None:
-        """Keep `count` connections to `url` open, each having sent `first(url)`; reopen those the server closes."""
+    async def hold(self, attack: str, server: str, count: int, first: Callable[[str], bytes]) -> None:
+        """Keep `count` connections to `server` ("tracker" or a node id) open, each having sent `first(its url)`;
+        reopen those the server closes."""
 
         async def one() -> None:
             while True:
+                url = self.urls[server]
                 try:
                     stream = await self._connect(url)
                 except OSError:
@@ -349,6 +375,8 @@ class _Attacker:
                     await trio.sleep(0.5)
                     continue
                 self.tally.note(attack, "opened", refused_if_ok=False)
+                opened = trio.current_time()
+                self.tally.open_now[attack] += 1
                 async with stream:
                     try:
                         data = first(url)
@@ -362,6 +390,9 @@ class _Attacker:
                                 self.tally.note(attack, int(got[9:12]))
                     except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
                         pass
+                self.tally.open_now[attack] -= 1  # closed by the server (not when the attacker stops)
+                held = trio.current_time() - opened
+                self.tally.held_s[attack] = max(self.tally.held_s.get(attack, 0.0), held)
                 self.tally.note(attack, "closed")
                 await trio.sleep(0.05)
 
@@ -388,7 +419,7 @@ class _Attacker:
                                  "Host": "attacker.example"})
 
     async def status_poll(self) -> None:
-        for node, url in self.cfg.nodes.items():
+        for node, url in self.nodes.items():
             await self.call("status_poll", "GET", url + "/v1/node/status", refused_if_ok=False)
         await trio.sleep(0.5)
 
@@ -406,11 +437,12 @@ class _Attacker:
             nursery.start_soon(self.rounds, self.big_tokenize, 2)
             nursery.start_soon(self.rounds, self.browser, 1)
             nursery.start_soon(self.rounds, self.status_poll, 1)
-            for url in (self.cfg.tracker, *self.cfg.nodes.values()):
-                nursery.start_soon(self.hold, "idle_conns", url, self.cfg.idle_conns, lambda u: b"")
+            nursery.start_soon(self.follow_nodes)
+            servers = list(self.urls)
+            for server in servers:
+                nursery.start_soon(self.hold, "idle_conns", server, self.cfg.idle_conns, lambda u: b"")
             for i in range(self.cfg.half_bodies):
-                url = (self.cfg.tracker, *self.cfg.nodes.values())[i % (1 + len(self.cfg.nodes))]
-                nursery.start_soon(self.hold, "half_bodies", url, 1, self._half_body)
+                nursery.start_soon(self.hold, "half_bodies", servers[i % len(servers)], 1, self._half_body)
 
 
 def _raise_nofile() -> None:

@@ -263,7 +263,9 @@ class SoakReport:
             lines.append(f"  attacker: {a.get('total')} attacks in {a.get('elapsed_s')} s; accepted "
                          f"{a.get('accepted') or 'none'}; trap calls {a.get('trap_calls')}; id oracle "
                          f"{a.get('id_oracle')}; describe in /v1/models {a.get('describe_in_models')} "
-                         f"(overrides its fields: {a.get('describe_overrides_models')})")
+                         f"(overrides its fields: {a.get('describe_overrides_models')}); held connections "
+                         f"never closed {a.get('held_open_at_exit')}, longest before a close "
+                         f"{a.get('longest_held_before_close_s')} s")
             for name, answers in a.get("attacks", {}).items():
                 lines.append(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in answers.items()))
         lines.append("  result: " + ("ok" if self.ok else "FAILED: " + "; ".join(self.problems)))
@@ -299,6 +301,7 @@ class _Soak:
     client: httpx.AsyncClient
     model: str = "stub"
     procs: dict[int, _Proc] = attrs.field(factory=dict)
+    down: set[str] = attrs.field(factory=set)  # nodes killed on purpose, until restarted: not probed
 
     async def _nodes(self) -> list[dict[str, Any]]:
         """The route's own nodes (node0, node1, ...), not whatever else registered (an attacker)."""
@@ -311,7 +314,7 @@ class _Soak:
         servers = {"tracker": self.route.url}
         while True:
             try:
-                servers.update({n["node"]: n["url"] for n in await self._nodes() if n["alive"]})
+                servers.update({n["node"]: n["url"] for n in await self._nodes() if n["alive"]})  # restarts move
             except (httpx.HTTPError, ValueError):
                 pass
             async with trio.open_nursery() as nursery:
@@ -320,6 +323,8 @@ class _Soak:
                 nursery.start_soon(trio.sleep, HEALTHZ_EVERY_S)
 
     async def _healthz_once(self, name: str, url: str) -> None:
+        if name in self.down:
+            return
         u = urlparse(url)
         request = (f"GET /healthz HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nConnection: close\r\n\r\n").encode()
         t0 = time.perf_counter()
@@ -335,6 +340,8 @@ class _Soak:
                 ok = got.startswith(b"HTTP/1.1 200")
             except OSError:
                 pass
+        if name in self.down:  # killed on purpose while probed: its silence says nothing
+            return
         self.report.healthz_ms.setdefault(name, []).append(1000 * (time.perf_counter() - t0))
         if not ok:
             self.report.healthz_errors[name] += 1
@@ -352,7 +359,7 @@ class _Soak:
         for proc in self.procs.values():
             if proc.rss_base is None and proc.alive and proc.served >= self.cfg.warmup:
                 proc.rss_base = _rss_kib(proc.pid)
-            proc.sample(max(1, self.cfg.sessions // 10))
+            proc.sample(max(1, min(self.cfg.sessions // 10, 50)))
 
     def served(self) -> None:
         for proc in self.procs.values():
@@ -442,6 +449,7 @@ class _Soak:
             lines = r.aiter_lines()  # one iterator: an httpx stream is read once
             if not await self._until_text(lines):
                 return "no_text"
+            self.down.add(victim)
             await trio.to_thread.run_sync(self.route.kill, victim)
             async for line in lines:
                 if line.startswith("data: ") and '"error"' in line:
@@ -449,6 +457,7 @@ class _Soak:
                     outcome = "ok" if code == "route_node_lost" else f"error_{code}"
                     break
         await trio.to_thread.run_sync(self.route.restart_node, victim, layers)
+        self.down.discard(victim)
         return outcome
 
     async def tracker_counts(self) -> tuple[dict[str, int], dict[str, int]]:
