@@ -182,3 +182,36 @@ def test_a_genuine_open_ticket_is_used_once_and_expires(route) -> None:
     tail = route.node("node1")["url"]
     _refused(httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", "expired")
     assert route.node_status("node1")["sessions"] == 0
+
+
+def test_a_forged_or_misplaced_ticket_is_refused_from_the_headers_alone() -> None:
+    """In process: every way a ticket can be wrong is refused before the body is looked at."""
+    from dgr.errors import CallerError
+    from dgr.security.identity import Identity, b64e
+    from dgr.security.tickets import TicketBook, issue_ticket
+
+    tracker, member = Identity.generate(), Identity.generate()
+    sid, body, now = uuid.uuid4().hex, b'{"session": "x"}', time.time()
+    book = TicketBook(tracker.public)
+    good = issue_ticket(tracker, sid, "n1", 15, 30, body, now)
+    claims, _, sig = good.partition(".")
+    nan = b64e(json.dumps({"s": sid, "n": "n1", "l": [15, 30], "e": float("nan"), "b": "0" * 64}).encode())
+    for token, words in [(None, "needs the tracker's ticket"),
+                         (issue_ticket(member, sid, "n1", 15, 30, body, now), "does not verify"),  # a member's own
+                         (issue_ticket(tracker, sid, "n0", 15, 30, body, now), "another node"),
+                         (issue_ticket(tracker, sid, "n1", 0, 30, body, now), "another node or layer range"),
+                         (issue_ticket(tracker, uuid.uuid4().hex, "n1", 15, 30, body, now), "another Route Session"),
+                         (issue_ticket(tracker, sid, "n1", 15, 30, body, now, ttl_s=-1), "expired"),
+                         (nan + "." + sig, "does not verify"), ("!!." + sig, "malformed")]:
+        with pytest.raises(CallerError, match=words):
+            book.check(token, session=sid, node="n1", start=15, stop=30, now=now)
+    ticket = book.check(good, session=sid, node="n1", start=15, stop=30, now=now)
+    with pytest.raises(CallerError, match="not the one its ticket was signed for"):
+        book.redeem(ticket, body + b" ", now)
+    book.redeem(ticket, body, now)
+    with pytest.raises(CallerError, match="used once"):
+        book.check(good, session=sid, node="n1", start=15, stop=30, now=now)
+    # remembered until the ticket expires, and refused as expired after
+    with pytest.raises(CallerError, match="expired"):
+        book.check(good, session=sid, node="n1", start=15, stop=30, now=now + 121)
+    assert sid not in book.used

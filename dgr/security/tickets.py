@@ -91,6 +91,7 @@ class TicketBook:
 
         Raises: CallerError(FORBIDDEN) naming what is wrong.
         """
+        self._forget(now)
         if not token:
             raise CallerError(Reason.FORBIDDEN, "an open needs the tracker's ticket (X-Dgr-Ticket)")
         encoded, _, sig = token.partition(".")
@@ -109,27 +110,37 @@ class TicketBook:
             raise CallerError(Reason.FORBIDDEN, "open ticket is for another Route Session")
         if ticket.node != node or (ticket.start, ticket.stop) != (start, stop):
             raise CallerError(Reason.FORBIDDEN, "open ticket is for another node or layer range")
-        self._refuse_used(session, now)
+        self._refuse_used(session)
         return ticket
 
     def redeem(self, ticket: OpenTicket, body: bytes, now: float) -> None:
         """Take `ticket` for `body` (its bytes, not yet parsed): refused unless they are what was signed.
 
-        Raises: CallerError(FORBIDDEN): the body differs from the signed one, or the ticket was used meanwhile.
+        Raises: CallerError(FORBIDDEN): the body differs from the signed one, or the ticket expired or was used
+            meanwhile.
         """
         if not hmac.compare_digest(_digest(body), ticket.digest):
             raise CallerError(Reason.FORBIDDEN, "the open's body is not the one its ticket was signed for "
                                                 "(altered plan, prefix or parameters)")
-        self._refuse_used(ticket.session, now)
+        if ticket.expires < now:  # the body took that long
+            raise CallerError(Reason.FORBIDDEN, "open ticket expired while its body was being sent")
+        self._forget(now)
+        self._refuse_used(ticket.session)
         self.used[ticket.session] = ticket.expires
 
-    def _refuse_used(self, session: str, now: float) -> None:
-        self._forget(now)
+    def _refuse_used(self, session: str) -> None:
         if session in self.used:
             raise CallerError(Reason.FORBIDDEN, f"session {session} was already opened here: an open ticket is "
                                                 "used once (replay)")
 
     def _forget(self, now: float) -> None:
-        """Drop ids whose ticket has expired: such a ticket is refused as expired from now on."""
-        for sid in [s for s, until in self.used.items() if until < now]:
+        """Drop the oldest ids whose ticket has expired: such a ticket is refused as expired from now on.
+
+        One tracker stamps every expiry at issue + TICKET_TTL_S, so ids come in nearly in expiry order;
+        one that came out of order is kept a little longer, which only refuses what is expired anyway.
+        """
+        while self.used:
+            sid, until = next(iter(self.used.items()))
+            if until >= now:
+                return
             del self.used[sid]
