@@ -66,7 +66,8 @@ def victim(route: LocalRoute):
     url = route.node("node1")["url"]
     sid = uuid.uuid4().hex
     cap = route.capability(sid, "node1")
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 64}, headers=cap).status_code == 201
+    raw, headers = route.opening(sid, "node1", {"max_positions": 64})
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     first = _frame(sid, 0, 0, 4)
     assert httpx.post(f"{url}/v1/seam/step", content=first, headers=cap).status_code == 200
     yield url, sid, first
@@ -107,20 +108,21 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
         _refused(httpx.delete(f"{url}/v1/seam/sessions/{sid}", params={"reason": "cancelled"}, headers=headers),
                  403, "forbidden", words)
         assert _state(route, url, sid) == before, name
-    # opening a session needs one too, and a refused open leaves no trace: the id stays usable
+    # opening a session needs one too (and the tracker's ticket, tests/test_tickets.py), and a refused open
+    # leaves no trace: the id stays usable
     fresh = uuid.uuid4().hex
-    for headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
-                           (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
-        _refused(httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=headers),
-                 403, "forbidden", words)
+    raw, ok = route.opening(fresh, "node1", {"max_positions": 8})
+    for cap_headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
+                               (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
+        headers = {k: v for k, v in ok.items() if k != "X-Dgr-Capability"} | cap_headers
+        _refused(httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", words)
     assert _state(route, url, sid) == before
-    ok = route.capability(fresh, "node1")
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=ok).status_code == 201
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=ok).status_code == 201
     assert httpx.delete(f"{url}/v1/seam/sessions/{fresh}", headers=ok).status_code == 200
     # tokenizing at the head is work for a session, so it is guarded the same way
-    head = route.node("node0")["url"]
-    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}), 403, "forbidden", "required")
-    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}, headers=route.capability(sid, "node0"))
+    head, named = route.node("node0")["url"], {"X-Dgr-Route-Session": sid}
+    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named), 403, "forbidden", "required")
+    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named | route.capability(sid, "node0"))
     assert r.status_code == 200 and r.json()["tokens"]
     refused = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"]["forbidden"]
     assert refused - refused_before == 3 * len(attacks) + 3

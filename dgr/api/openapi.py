@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dgr.seam.wire import CAPABILITY_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, TICKET_HEADER
 
 __all__ = ["openapi_document", "node_openapi_document"]
 
@@ -133,9 +133,11 @@ _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
 
 def node_openapi_document() -> dict[str, Any]:
     """A node's control routes. A node with a tracker needs `X-Dgr-Capability`, signed by it, on every session
-    call (403)."""
+    call, with the session named in the path or `X-Dgr-Route-Session`, and an open its `X-Dgr-Ticket` (403)."""
     sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
     cap = [{"name": CAPABILITY_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
+    named = [{"name": ROUTE_SESSION_HEADER, "in": "header", "required": False, "schema": _SID}]
+    ticket = [{"name": TICKET_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
     return {
         "openapi": "3.0.3",
         "info": {"title": "dgr node", "version": "1"},
@@ -144,7 +146,7 @@ def node_openapi_document() -> dict[str, Any]:
             "/openapi.json": {"get": {"responses": {"200": _OK}}},
             "/v1/node/status": {"get": {"responses": {"200": _OK}}},
             "/v1/seam/sessions": {"post": {
-                "parameters": cap,
+                "parameters": cap + named + ticket,
                 "requestBody": _json_body({"type": "object", "required": ["session", "max_positions"], "properties": {
                     "session": _SID, "max_positions": {"type": "integer"},
                     "sampling": {"type": "object", "properties": {
@@ -162,9 +164,9 @@ def node_openapi_document() -> dict[str, Any]:
                     {"name": "keep", "in": "query", "required": False, "schema": {"type": "string"}}],
                     "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
             "/v1/node/tokenize": {"post": {
-                "parameters": cap,
+                "parameters": cap + named,
                 "requestBody": _json_body({"type": "object", "properties": {
-                    "session": _SID, "prompt": {"type": "string", "maxLength": 2000},
+                    "prompt": {"type": "string", "maxLength": 2000},
                     "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}}),
                 "responses": {"200": _OK, **_errors(400, 403, 413)}}},
             "/v1/artifact": {"get": {"responses": {"200": _OK, **_errors(404)}}},

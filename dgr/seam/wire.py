@@ -28,6 +28,7 @@ __all__ = [
     "CAPABILITY_HEADER",
     "COMPUTE_HEADER",
     "ROUTE_SESSION_HEADER",
+    "TICKET_HEADER",
     "DELIVER_PATH",
     "STEP_PATH",
     "STREAM_PATH",
@@ -46,8 +47,11 @@ __all__ = [
 # long its compute took. (On a chain, each hop's compute rides in its stream records instead.)
 CAPABILITY_HEADER = "X-Dgr-Capability"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
-# The gateway's answer to a completion names its Route Session (clients follow its telemetry by it).
+# The gateway's answer to a completion names its Route Session (clients follow its telemetry by it); a
+# node's open, tokenize and stream name theirs in it too, so it is checked before any body is read.
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
+# An open carries the tracker's single-use ticket for it (dgr.security.tickets).
+TICKET_HEADER = "X-Dgr-Ticket"
 STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
 DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
 # A chain session's steps along one link travel as one long-lived request whose chunked body is a

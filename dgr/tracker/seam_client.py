@@ -7,16 +7,20 @@ handle. Deadlines are the caller's cancel scopes.
 
 Every call for a Route Session carries that session's capability for this
 node (`X-Dgr-Capability`, issued by the gateway); `None` sends none, for a
-caller that issues none (an in-process test). An `https://` node is called
+caller that issues none (an in-process test). Opens and tokenizes name
+their session in `X-Dgr-Route-Session`, so the node checks it before
+reading the body, and an open carries the tracker's ticket for the exact
+bytes it sends (`X-Dgr-Ticket`). An `https://` node is called
 over TLS with `ssl_context` (the node's registered certificate pinned, see
 dgr.security.tls), both on the control client and on the seam's pool.
 """
 
 from __future__ import annotations
 
+import json
 import ssl
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import httpx
@@ -25,7 +29,8 @@ from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH
+from dgr.seam.wire import (CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH,
+                           TICKET_HEADER)
 from dgr.security.tls import httpx_default_trust
 
 __all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
@@ -94,13 +99,29 @@ class NodeClient:
 
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
                    relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
-                   lane: int | None = None) -> int:
+                   lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None) -> int:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
         With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
         returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
-        the sequence slot the node gives the session while it is free.
+        the sequence slot the node gives the session while it is free. `ticket(body bytes)` is the
+        tracker's ticket for exactly the body sent (dgr.security.tickets); None sends none.
         """
+        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane)
+        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
+        signed = None if ticket is None else ticket(raw)
+        if signed is not None:
+            headers[TICKET_HEADER] = signed
+        r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw)
+        if r.status_code != 201:
+            raise self._refused(r)
+        reused = r.json().get("prefix_positions", 0)
+        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
+
+    @staticmethod
+    def open_body(sid: str, max_positions: int, sampling: dict[str, Any], relay: dict[str, Any] | None = None,
+                  prefix: list[str] | None = None, lane: int | None = None) -> bytes:
+        """An open's body, as the bytes its ticket is signed over."""
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
             body["relay"] = relay
@@ -108,11 +129,7 @@ class NodeClient:
             body["prefix"] = prefix
         if lane is not None:
             body["lane"] = lane
-        r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability), json=body)
-        if r.status_code != 201:
-            raise self._refused(r)
-        reused = r.json().get("prefix_positions", 0)
-        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
+        return json.dumps(body, separators=(",", ":")).encode()
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
                     keep: list[str] | None = None) -> None:
@@ -172,8 +189,8 @@ class NodeClient:
         return self._refused(answer).failure(node=self.node_id, phase=phase)
 
     async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None) -> list[int]:
-        extra = {} if sid is None else {"session": sid}
-        r = await self._request("POST", "/v1/node/tokenize", json={**body, **extra}, headers=_cap(capability))
+        headers = _cap(capability) if sid is None else {ROUTE_SESSION_HEADER: sid, **_cap(capability)}
+        r = await self._request("POST", "/v1/node/tokenize", json=body, headers=headers)
         if r.status_code != 200:
             raise self._refused(r)
         return list(r.json()["tokens"])
