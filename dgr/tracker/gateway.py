@@ -94,7 +94,7 @@ from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_k
 from dgr.security.auth import CapabilityAuthority
 from dgr.security.tls import TlsTrust
 from dgr.fsm.phases import RoutePhases, hold_for
-from dgr.tracker.registry import NodeEntry, Registry
+from dgr.tracker.registry import GATEWAY_ID, NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
@@ -106,7 +106,7 @@ log = logging.getLogger("dgr.gateway")
 
 # The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
 # one for the whole route, since any of its nodes may have to report.
-_GATEWAY = "gateway"
+_GATEWAY = GATEWAY_ID  # a node may not register it (dgr.tracker.registry)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
