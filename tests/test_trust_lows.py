@@ -13,8 +13,10 @@ import json
 
 import httpx
 import pytest
+import trio
 
 from dgr.errors import CallerError, Reason
+from dgr.fsm.phases import FIRST_HOLD_S, MAX_HOLD_S, RoutePhases, hold_for
 from dgr.security.identity import Identity, node_id_for
 from dgr.testing.harness import LocalRoute
 from dgr.tracker.registry import Registry
@@ -99,3 +101,69 @@ def test_forgotten_ids_lose_their_owner_but_derived_ids_stay_bound() -> None:
     with pytest.raises(CallerError) as err:  # a derived id is its key's without an owner recorded
         registry.register({**data, "node": node_id_for(a.public)}, 201.0, key=b.public)
     assert err.value.reason is Reason.IDENTITY_TAKEN
+
+
+# -- phase-group holds are bounded when a member of the group stalls -----------------------------------------------
+
+def _holds(rule, steps: int, compute_s: float = 0.05) -> list[float]:
+    """The holds of a session whose group partner stalled: it arrives, waits its whole hold, goes alone.
+
+    `rule(ready, last_ready, last_sent)` is a driver's call of the hold rule; each step's token comes
+    `compute_s` after the step went out.
+    """
+    board = RoutePhases(1)
+    board.join("a"), board.join("stalled")
+    board.decoding.update(("a", "stalled"))
+    assert board.arrive("stalled") == [] and board.arrive("a") == ["a", "stalled"]  # one pass together, then
+    holds, ready, last_ready, last_sent = [], 0.0, None, None
+    for _ in range(steps):
+        assert board.arrive("a") == []  # "stalled" never has its token again
+        hold = rule(ready, last_ready, last_sent)
+        board.withdraw("a")  # waited the whole bound: goes alone
+        holds.append(hold)
+        last_ready, last_sent = ready, ready + hold
+        ready = last_sent + compute_s
+    return holds
+
+
+def test_a_stalled_group_member_makes_holds_neither_grow_nor_exceed_the_cap() -> None:
+    # before: the drivers measured from when the last step was ready, so each hold fed the next
+    doubling = _holds(lambda ready, last_ready, _: 2.0 * (ready - last_ready) if last_ready is not None else 0.25, 8)
+    assert doubling[1:4] == pytest.approx([0.6, 1.3, 2.7]) and doubling[-1] > 40  # 2^n: a minute by step 8
+    # now: from when it went out (its own round trip), so the hold stays twice its compute
+    holds = _holds(lambda ready, _, last_sent: hold_for(ready, last_sent), 50)
+    assert holds[0] == FIRST_HOLD_S and holds[1:] == pytest.approx([0.1] * 49)
+    # and however a driver measures, no hold passes the cap
+    capped = _holds(lambda ready, last_ready, _: hold_for(ready, last_ready), 50)
+    assert max(capped) == MAX_HOLD_S and capped[-1] == MAX_HOLD_S
+
+
+def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
+    """The ring tail's driver (dgr.node.ringphases) on trio's MockClock: s1 stalls, s0 steps on alone."""
+    from trio.testing import MockClock
+
+    from dgr.node.ringphases import RingPhases
+
+    went: list[float] = []
+    holds: list[float] = []
+    ring = RingPhases(lambda sid, step: went.append(trio.current_time()) if sid == "s0" else None)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ring.join("s0", "a,b", 1, lane=0), ring.join("s1", "a,b", 1, lane=1)
+            ring.boards["a,b"].decoding.update(("s0", "s1"))
+            ring.go("s1", b"1", nursery)
+            ring.go("s0", b"0", nursery)  # one pass together; s1 stalls from here
+            for _ in range(12):
+                await trio.sleep(0.05)  # s0's round trip: its next step is ready
+                ready = trio.current_time()
+                n = len(went)
+                ring.go("s0", b"0", nursery)
+                while len(went) == n:
+                    await trio.sleep(0.001)
+                holds.append(went[-1] - ready)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+    # twice its round trip (0.05 s and the poll above), each time; before: 0.1, 0.3, 0.7 ... (2^n) to 400 s
+    assert holds == pytest.approx([0.1] * 12, abs=0.01), holds

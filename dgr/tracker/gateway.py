@@ -834,6 +834,7 @@ class Gateway:
         topology = self.config.topology
         t_ring = time.perf_counter()
         last: float | None = None
+        sent: float | None = None  # when the last decode step went out, after its phase hold (dgr.fsm.phases)
         hops: tuple[str, float] | None = None  # a chain answer's hops text and round trip, noted off the critical path
         while True:
             now = trio.current_time()
@@ -854,7 +855,8 @@ class Gateway:
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
                 frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
                 if live.phases is not None:
-                    await self._in_phase(live, hold_s=hold_for(now, last))
+                    await self._in_phase(live, hold_s=hold_for(now, sent))
+                sent = trio.current_time()
                 t0 = time.perf_counter()
                 try:
                     await self._send_head(live, frame, 1, seq)
