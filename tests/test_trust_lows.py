@@ -9,6 +9,7 @@ would drive it.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -167,3 +168,181 @@ def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
     trio.run(main, clock=MockClock(autojump_threshold=0))
     # twice its round trip (0.05 s and the poll above), each time; before: 0.1, 0.3, 0.7 ... (2^n) to 400 s
     assert holds == pytest.approx([0.1] * 12, abs=0.01), holds
+
+
+# -- node replies the tracker reads are capped; the head's token ids are checked -----------------------------------
+
+_HUGE = 48 * 1024 * 1024  # what the lying node sends, unless cut first
+
+
+class _FakeNode:
+    """A real HTTP server on loopback that answers every request with `answer(path)`: (headers, body chunks)."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.sent, self.url = answer, 0, ""
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(rest) < length:
+            rest += await stream.receive_some(65536)
+        headers, chunks = self.answer(head.split(b" ")[1].decode())
+        try:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n")
+            for c in chunks:
+                await stream.send_all(c)
+                self.sent += len(c)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client cut the reply
+        finally:
+            await stream.aclose()
+
+    async def start(self, nursery: trio.Nursery) -> str:
+        [listener] = await nursery.start(functools.partial(trio.serve_tcp, self.serve, 0, host="127.0.0.1"))
+        self.url = f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+        return self.url
+
+
+def _chunked(total: int, size: int = 1 << 16):
+    """`total` bytes of JSON-ish filler as HTTP/1.1 chunks (no Content-Length to refuse up front)."""
+    piece = b"%x\r\n" % size + b" " * size + b"\r\n"
+    for _ in range(total // size):
+        yield piece
+    yield b"0\r\n\r\n"
+
+
+def _json_reply(obj) -> tuple[list[bytes], list[bytes]]:
+    body = json.dumps(obj).encode()
+    return [b"Content-Type: application/json", b"Content-Length: %d" % len(body)], [body]
+
+
+def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
+    """A node answers status, open and tokenize with 48 MiB: the tracker stops at the cap and names the node."""
+    import tracemalloc
+
+    from dgr.errors import PeerError
+    from dgr.seam.wire import MAX_CONTROL_BYTES
+    from dgr.tracker.seam_client import NodeClient
+
+    announced = [b"Content-Type: application/json", b"Content-Length: %d" % _HUGE]
+    fake = _FakeNode(lambda path: ([b"Content-Type: application/json", b"Transfer-Encoding: chunked"],
+                                   _chunked(_HUGE)) if path != "/v1/seam/sessions" else (announced, _chunked(_HUGE)))
+
+    async def main() -> list[tuple[str, str, int, int]]:
+        out = []
+        async with trio.open_nursery() as nursery:
+            client = NodeClient("liar", await fake.start(nursery))
+            calls = {"status": client.status, "tokenize": lambda: client.tokenize({"prompt": "hi"}, vocab_size=300),
+                     "open": lambda: client.open("a" * 32, 64, {})}
+            for name, call in calls.items():
+                fake.sent = 0
+                tracemalloc.start()
+                with trio.fail_after(30):
+                    try:
+                        await call()
+                        outcome = "answered"
+                    except PeerError as exc:
+                        outcome = f"{exc.reason.value}: {exc.message}"
+                    except Exception as exc:  # noqa: BLE001 -- before the cap: a JSON error after reading it all
+                        outcome = f"{type(exc).__name__}"
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+                await trio.sleep(0.05)  # the server notices the cut
+                out.append((name, outcome, peak, fake.sent))
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+        return out
+
+    for name, outcome, peak, sent in trio.run(main):
+        print(f"{name}: {outcome[:90]} peak {peak / 2**20:.1f} MiB, node sent {sent / 2**20:.1f} MiB")
+        assert outcome.startswith("node_error: liar sent a reply"), (name, outcome)
+        assert peak < 4 * MAX_CONTROL_BYTES, (name, peak)  # before: the whole 48 MiB, buffered
+        assert sent < _HUGE // 2, (name, sent)
+
+
+@pytest.mark.parametrize("tokens, words", [
+    ([1, 2, -1], "token id '-1'"),
+    ([1, 300], "token id '300'"),  # the vocabulary is 300: ids 0..299
+    ([1, "7"], "token id '7'"),
+    ([True, 1], "token id 'True'"),
+    ([1.0], "token id '1.0'"),
+    (list(range(5)) * 1000, "into 5000 tokens"),  # "hi" cannot make 5,000 tokens
+    ("1 2 3", "into str"),
+    (None, "into NoneType"),
+])
+def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None:
+    from dgr.errors import PeerError
+    from dgr.tracker.seam_client import NodeClient
+
+    fake = _FakeNode(lambda path: _json_reply({"tokens": tokens, "text": "hi"}))
+    honest = _FakeNode(lambda path: _json_reply({"tokens": [1, 299], "text": "hi"}))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            liar, ok = NodeClient("liar", await fake.start(nursery)), NodeClient("ok", await honest.start(nursery))
+            with pytest.raises(PeerError) as err:
+                await liar.tokenize({"prompt": "hi"}, "a" * 32, vocab_size=300)
+            assert err.value.reason is Reason.NODE_ERROR and err.value.details.get("node") == "liar"
+            assert err.value.message.startswith("liar ") and words in err.value.message, err.value.message
+            assert await ok.tokenize({"prompt": "hi"}, "a" * 32, vocab_size=300) == [1, 299]
+            await liar.aclose(), await ok.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_an_oversize_proof_answer_fails_the_challenge_unread() -> None:
+    """A node answers its layer-possession challenge with 48 MiB: the tracker reads 1 MiB and fails the claim."""
+    from dgr.artifact.proof import Challenge
+    from dgr.backends.base import LayerRange
+    from dgr.seam.types import ModelInfo
+    from dgr.tracker.proofs import Prover
+    from dgr.tracker.registry import NodeEntry
+
+    fake = _FakeNode(lambda path: ([b"Content-Type: application/json", b"Transfer-Encoding: chunked"],
+                                   _chunked(_HUGE)))
+    info = ModelInfo(name="m", architecture="llama", n_layers=30, hidden_size=8, seam_width=8, vocab_size=10,
+                     context_length=64, digest="d" * 64)
+
+    async def main() -> tuple[str | None, str | None]:
+        async with trio.open_nursery() as nursery:
+            url = await fake.start(nursery)
+            prover = Prover(deadline_s=20.0)
+            await nursery.start(prover.run)
+            entry = NodeEntry(node_id="liar", url=url, start=0, stop=30, backend="stub", model=info, capacity=4,
+                              describe={}, registered_at=0.0, last_seen=0.0)
+            got = await prover._ask(entry, None, Challenge("m", LayerRange(0, 30), 0, 0))  # type: ignore[arg-type]
+            nursery.cancel_scope.cancel()
+        return got
+
+    verdict, why = trio.run(main)
+    assert verdict is None and why == "liar sent a reply over 1048576 bytes", why
+    assert fake.sent < _HUGE // 2
+
+
+def test_an_oversize_seam_answer_breaks_the_connection_at_its_cap() -> None:
+    """The seam's own client (a step's answer, a stream's refusal) reads no more than `max_answer` either."""
+    from dgr.seam.transport import ConnectionPool, TransportError
+
+    fake = _FakeNode(lambda path: ([b"Content-Type: application/x-dgr-seam", b"Transfer-Encoding: chunked"],
+                                   _chunked(_HUGE)))
+
+    async def main() -> str:
+        async with trio.open_nursery() as nursery:
+            pool = ConnectionPool(await fake.start(nursery), max_answer=1 << 20)
+            with pytest.raises(TransportError) as err, trio.fail_after(30):
+                await pool.request("POST", "/v1/seam/step", b"x")
+            await pool.aclose()
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return str(err.value)
+
+    assert trio.run(main) == "the answer exceeds 1048576 bytes"
+    assert fake.sent < _HUGE // 2

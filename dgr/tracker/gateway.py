@@ -482,7 +482,8 @@ class Gateway:
                 )
             with trio.fail_after(cfg.step_deadline_s):
                 prompt = (list(req.prompt_ids) if req.prompt_ids
-                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id)))
+                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id),
+                                                   vocab_size=info.vocab_size))
             if req.prompt_ids and max(prompt) >= info.vocab_size:
                 raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
                                   f"of {info.vocab_size}", param="prompt")
