@@ -346,3 +346,44 @@ def test_an_oversize_seam_answer_breaks_the_connection_at_its_cap() -> None:
 
     assert trio.run(main) == "the answer exceeds 1048576 bytes"
     assert fake.sent < _HUGE // 2
+
+
+# -- the open node status shows aggregates only -------------------------------------------------------------------
+
+_COUNTERS = {"seam", "scheduler", "prefix", "snapshots", "ring_phases"}
+
+
+def test_the_open_node_status_does_not_time_each_request(route) -> None:
+    """Polled by anyone, the per-kind counters gave each request's prompt (prefill bytes) and output (decode
+    frames); now they need the tracker's capability for them, and the open answer is aggregates only."""
+    import uuid
+
+    from dgr.seam.wire import STATUS_SCOPE
+
+    url = route.node("node1")["url"]
+    before = route.node_status("node1")["seam"]
+    r = httpx.post(f"{route.api}/completions", json={"model": "stub", "prompt": "a" * 50, "max_tokens": 7},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    full = route.node_status("node1")  # the tracker's view (and the harness's, which holds its key)
+    assert full["seam"]["frames_in"]["DECODE"] - before["frames_in"].get("DECODE", 0) == 6  # the output, counted
+    member = route.capability(uuid.uuid4().hex, "node1")  # a route member's capability for its own session
+    forged = route.capability(STATUS_SCOPE, "node1", identity=Identity.generate())
+    for headers in ({}, member, forged):
+        seen = httpx.get(f"{url}/v1/node/status", headers=headers).json()
+        assert not _COUNTERS & set(seen), (headers, sorted(seen))
+        assert {"sessions", "capacity", "kv_bytes", "layers", "node"} <= set(seen)
+    # asking is no refused seam call: the forbidden count is what it was
+    assert route.node_status("node1")["seam"]["refused"] == full["seam"]["refused"]
+
+
+def test_a_node_without_a_tracker_shows_its_counters_on_loopback() -> None:
+    """A development node (no tracker, loopback) has no key to ask with: `dgr up`-less tools read it whole."""
+    from dgr.backends.base import LayerRange
+    from dgr.backends.stub import StubBackend, StubSpec
+    from dgr.node.service import NodeService
+
+    free = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="dev")
+    assert free.status_detail(None)
+    guarded = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0", joining=True)
+    assert not guarded.status_detail(None)
