@@ -63,7 +63,9 @@ def cmd_tracker(args) -> int:
             raise CallerError(Reason.INVALID_REQUEST, f"--listen-fd {args.listen_fd} is not an open socket: "
                                                       f"{exc.strerror or exc}") from None
     return run_until_signal(run_tracker, host=host, port=args.port, config=config, dead_after_s=args.dead_after,
-                            prover=prover, require_proof=args.require_proof, identity=identity, admission=admission,
+                            prover=prover, require_proof=bool(manifests) if args.require_proof is None else args.require_proof,
+                            trusted_ends=frozenset(parse_public_key(k) for k in args.trusted_head),
+                            max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
                             api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca), listening=listening)
 
 
@@ -267,6 +269,7 @@ def _command(argv: list[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or, given `command`, the core commands and that one tool."""
     from dgr.node.assign import MEMORY_SHARE
+    from dgr.tracker.registry import MAX_NODE_SESSIONS
     from dgr.backends.base import layers_arg
 
     parser = argparse.ArgumentParser(prog="dgr", description="dgr: the Distributed GGUF Runtime")
@@ -284,8 +287,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
                    help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
-    p.add_argument("--require-proof", action="store_true",
-                   help="route only nodes that proved their layers (nodes without --manifest are not routed)")
+    p.add_argument("--require-proof", action=argparse.BooleanOptionalAction, default=None,
+                   help="route only nodes that proved their layers (nodes without --manifest are not routed); "
+                        "on by default whenever the tracker has a --manifest")
+    p.add_argument("--trusted-head", action="append", default=[], metavar="PUBKEY",
+                   help="only nodes with this public key may hold a route's first or last layer (the head reads "
+                        "every prompt, the tail every answer); repeatable; default: any admitted node")
+    p.add_argument("--max-node-sessions", type=positive_int, default=MAX_NODE_SESSIONS, metavar="N",
+                   help="the most sessions routed to one node at once, whatever capacity it declares")
     p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
     p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
     p.add_argument("--allow-node", action="append", default=[], metavar="PUBKEY",

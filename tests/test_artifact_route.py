@@ -409,8 +409,10 @@ def test_rotten_file_is_caught_when_the_node_registers_again(swarm: Swarm, manif
 # -- proof policy, with the stub backend and in process ---------------------------------------
 
 
-def test_require_proof_leaves_nodes_without_a_manifest_unrouted(tmp_path: Path) -> None:
-    tracker = Proc.start("tracker", ["tracker", "--port", "0", "--require-proof"], tmp_path)
+@pytest.mark.parametrize("why", ["--require-proof", "a manifest (proofs are on by default then)"])
+def test_require_proof_leaves_nodes_without_a_manifest_unrouted(why: str, tmp_path: Path, request) -> None:
+    flags = [why] if why.startswith("--") else ["--manifest", str(request.getfixturevalue("manifest_path"))]
+    tracker = Proc.start("tracker", ["tracker", "--port", "0", *flags], tmp_path)
     node = None
     try:
         url = tracker.wait_ready(60)["url"]

@@ -15,6 +15,7 @@ from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix
 from dgr.node.snapshot import SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig
+from dgr.tracker.routing import choose_route
 
 QUIET = GatewayConfig(sweep_s=3600.0)
 B = BLOCK_TOKENS
@@ -245,7 +246,7 @@ async def test_a_failed_session_keeps_nothing(nursery) -> None:
 
 async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
     """Two routes of the same layers: turn 2 goes back to the route that kept turn 1, though the default
-    rule (a tie of loads, broken by node ids) would pick the other."""
+    rule (routes take turns: dgr.tracker.routing) would pick the other."""
     route = InProcRoute.stub(splits=((0, 15), (15, 30), (0, 15), (15, 30)), config=QUIET)
     route.register(2)
     route.register(3)
@@ -254,8 +255,10 @@ async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
     assert [h.node_id for h in first.rs.route] == ["n2", "n3"]
     route.register(0)
     route.register(1)
-    _, other = await _ask(route, SYSTEM + text + " next", scope="someone else")
-    assert [h.node_id for h in other.rs.route] == ["n0", "n1"] and other.rs.prefix_reused == 0
+    _, other = await _ask(route, SYSTEM + text + " next", scope="someone else")  # another scope's: no reuse
+    assert [h.node_id for h in other.rs.route] == ["n2", "n3"] and other.rs.prefix_reused == 0
+    # n2 and n3 were routed last, so the turn would go to n0 and n1 but for the prefix n2 and n3 kept
+    assert choose_route(list(route.registry.nodes.values()), "stub").hops[0].node_id == "n0"
     _, second = await _ask(route, SYSTEM + text + " next")
     assert [h.node_id for h in second.rs.route] == ["n2", "n3"] and second.rs.prefix_reused >= 4 * B
     assert all(n.reserved == 0 for n in route.registry.nodes.values())

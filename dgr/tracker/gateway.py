@@ -463,6 +463,7 @@ class Gateway:
             choice = await self._admit(req.model)
             for n in choice.nodes:  # held from now, so concurrent opens cannot overfill a node
                 n.reserved += 1
+                n.routed_at = now
             reserved = choice.nodes
             caps = self._capabilities(rs.sid, choice.hops)
             first = choice.hops[0]
@@ -515,6 +516,7 @@ class Gateway:
                 self._release(reserved)
                 for n in better.nodes:
                     n.reserved += 1
+                    n.routed_at = now
                 choice, reserved = better, better.nodes
                 caps = self._capabilities(rs.sid, choice.hops)
             relays = self._relays(rs.sid, choice.hops, caps, req.ignore_eos)
@@ -585,7 +587,7 @@ class Gateway:
         for key in reversed(offer):
             nodes = self.holders.get(key)
             if nodes is not None:
-                better = prefer_holders(self.registry.alive(), choice, nodes)
+                better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends)
                 if better is not None and min(n.max_positions for n in better.nodes) < context:
                     return None
                 return better
@@ -611,12 +613,21 @@ class Gateway:
         deadline = trio.current_time() + self.config.admission_wait_s
         while True:
             try:
-                return choose_route(self.registry.alive(), model)
+                return choose_route(self.registry.alive(), model, trusted=self.registry.trusted_ends)
             except CallerError as exc:
                 if exc.reason is not Reason.NODE_AT_CAPACITY or trio.current_time() >= deadline:
                     raise
             with trio.move_on_at(deadline):
                 await self._freed.wait()
+
+    @staticmethod
+    def _measure(nodes, rs: RouteSession, failure: Failure | None) -> None:
+        """What the session showed of its nodes' capacity (dgr.tracker.registry, `NodeEntry.limit`)."""
+        for n in nodes:
+            if n.node_id in rs.lost:
+                n.faulted()
+            elif failure is None:
+                n.served()
 
     def _release(self, nodes) -> None:
         """Give back one session's slot on each of `nodes` (its close is done) and wake waiting opens."""
@@ -681,6 +692,7 @@ class Gateway:
                 self._note_holders(live, keep)
                 if live.phases is not None:
                     self._leave_phases(live.phases, rs.sid)
+                self._measure(live.nodes, rs, failure)
                 self._release(live.nodes)
                 live.send.close()
                 live.telemetry.close()

@@ -44,6 +44,11 @@ other machines cannot reach, and the tracker logs a warning: the node means
 to serve other machines (it bound every interface) but will be routed, and
 its pieces fetched, at an address only this machine reaches.
 
+A node's declared capacity is a claim: the tracker bounds it
+(`max_node_sessions`) and routes to it at once only as many sessions as it
+has been seen to carry (`NodeEntry.limit`, see PROVEN_START), so a node
+cannot draw every session by declaring a million slots.
+
 A node may claim a Model Artifact (a manifest id and, optionally, the
 address it seeds it on). Each registration starts the claim's proof afresh:
 PENDING until the tracker's challenges (dgr.tracker.proofs) pass or fail.
@@ -66,7 +71,8 @@ from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 
-__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "reachable"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "MAX_NODE_SESSIONS", "PROVEN_START",
+           "reachable"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -78,6 +84,13 @@ DEAD_AFTER_S = 3.0
 # about 2 ms of CPU, so at 4 beats a second two idle nodes kept 7% of a core busy.
 BEATS_PER_DEAD_AFTER = 6
 MAX_HELD = 65536  # session ids one heartbeat may list
+# Sessions a tracker routes to one node at most, whatever it declares (--max-node-sessions).
+MAX_NODE_SESSIONS = 64
+# Sessions a node is trusted with at once before it has carried that many: a declared capacity is a
+# claim, so the tracker starts here and doubles it each time the node ends a session well while
+# holding that many (halves it when the node is lost mid-session). A real node's slots (llama.cpp's
+# n_seq_max, 4 by default) are usually below it, so only a claim above 16 is ever held back.
+PROVEN_START = 16
 _SID = re.compile(r"[0-9a-f]{32}")
 # The tracker's own name as a party to a session: its delivery capabilities are issued to this node id,
 # so a node registered under it would hold capabilities that pass for the gateway's.
@@ -112,8 +125,11 @@ class NodeEntry:
     dead_since: float | None = None
     key: bytes = b""  # the Ed25519 public key that signed its registration: only it may speak for the node
     tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
+    proven: int = PROVEN_START  # sessions at once the tracker has seen it carry (see PROVEN_START)
+    routed_at: float = 0.0  # when a route last took it (its registration until then): routes take turns
 
     def __attrs_post_init__(self) -> None:
+        self.routed_at = max(self.routed_at, self.registered_at)
         if self.max_positions <= 0:
             self.max_positions = self.model.context_length
 
@@ -121,11 +137,21 @@ class NodeEntry:
     def routable(self) -> bool:
         return self.alive and self.proof.routable
 
-    def load(self) -> float:
-        return self.reserved / max(self.capacity, 1)
+    def limit(self) -> int:
+        """Sessions the tracker routes to it at once: its capacity (bounded at registration), as far as proven."""
+        return min(self.capacity, self.proven)
 
     def full(self) -> bool:
-        return self.reserved >= self.capacity
+        return self.reserved >= self.limit()
+
+    def served(self) -> None:
+        """A session it carried ended well, while `reserved` sessions (this one too) were on it."""
+        if self.reserved >= self.proven:
+            self.proven = min(2 * self.proven, max(self.capacity, PROVEN_START))
+
+    def faulted(self) -> None:
+        """It was lost in the middle of a session: trust it with fewer at once."""
+        self.proven = max(PROVEN_START, self.proven // 2)
 
     def to_json(self, now: float) -> dict[str, Any]:
         return {
@@ -137,6 +163,7 @@ class NodeEntry:
             "digest": self.model.digest,
             "n_layers": self.model.n_layers,
             "capacity": self.capacity,
+            "limit": self.limit(),
             "sessions": self.sessions,
             "kv_bytes": self.kv_bytes,
             "alive": self.alive,
@@ -224,6 +251,8 @@ class Registry:
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
+    max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
+    trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
 
     # node id -> the key that first registered it, while its entry is known (pruned with it in `forget`)
     owners: dict[str, bytes] = attrs.field(factory=dict)
@@ -264,7 +293,7 @@ class Registry:
                 stop=stop,
                 backend=_str(data, "backend"),
                 model=model,
-                capacity=_int(data, "capacity"),
+                capacity=min(_int(data, "capacity"), self.max_node_sessions),
                 describe=_describe(data.get("describe")),
                 registered_at=now,
                 last_seen=now,

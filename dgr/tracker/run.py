@@ -25,13 +25,14 @@ from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.proofs import Prover
-from dgr.tracker.registry import DEAD_AFTER_S, Registry
+from dgr.tracker.registry import DEAD_AFTER_S, MAX_NODE_SESSIONS, Registry
 
 __all__ = ["run_tracker"]
 
 
 async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: Identity,
                       dead_after_s: float = DEAD_AFTER_S, prover: Prover | None = None, require_proof: bool = False,
+                      trusted_ends: frozenset[bytes] = frozenset(), max_node_sessions: int = MAX_NODE_SESSIONS,
                       admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
                       max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
                       tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None) -> None:
@@ -51,7 +52,8 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
             raise CallerError(Reason.INVALID_REQUEST,
                               f"a tracker listening on {host} needs " + " and ".join(missing)
                               + "; only a loopback tracker may run without them")
-    gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof), config=config,
+    gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
+                                                trusted_ends=trusted_ends, max_node_sessions=max_node_sessions), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls)
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls
