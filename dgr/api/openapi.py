@@ -103,11 +103,12 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
             "/v1/stats": {"get": {"responses": {"200": {"description": "stats",
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
             # signed with the node's own key instead of an API key (401 unauthenticated or replayed otherwise;
-            # 409 identity_taken for a node id that belongs to another key)
+            # 409 identity_taken for a node id that belongs to another key; a heartbeat under one is 404,
+            # as for an unknown id)
             "/v1/nodes/register": {"post": {**open_, "requestBody": _json_body(_REGISTRATION),
                                             "responses": {"200": _OK, **_errors(400, 401, 409, 413)}}},
             "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
-                                             "responses": {"200": _OK, **_errors(400, 401, 404, 409, 413)}}},
+                                             "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
             # advice for a joining node: which layers to serve (dgr.tracker.assign)
             "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),
                                     "responses": {"200": _OK, **_errors(400, 404, 413)}}},

@@ -159,7 +159,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.get("/v1/node/status")
     async def status():
-        return json_response(service.status())
+        # aggregates for anyone; the per-kind counters (which time each request) for the tracker's key only
+        return json_response(service.status(detail=service.status_detail(request.headers.get(CAPABILITY_HEADER))))
 
     @app.get("/metrics")
     async def metrics():

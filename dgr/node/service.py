@@ -69,7 +69,7 @@ from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
-from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
+from dgr.seam.wire import MAX_FRAME_BYTES, STATUS_SCOPE, Flag, FrameKind
 from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, sign_json, verify_json
 from dgr.security.tickets import OpenTicket, TicketBook
 from dgr.security.identity import Identity
@@ -771,10 +771,27 @@ class NodeService:
             "next_seq": session.next_seq,
         }
 
-    def status(self) -> dict[str, Any]:
-        """What the node holds now; backend figures as of the scheduler's last iteration."""
+    def status_detail(self, capability: str | None) -> bool:
+        """May this caller see the per-kind counters: the tracker's capability for STATUS_SCOPE, or no tracker.
+
+        Polled, the counters split each request into its prompt (prefill bytes) and output (decode
+        frames): not for anyone who can reach the port. A refusal here is no seam refusal (not counted).
+        """
+        if self.authority is None:
+            return not self.joining
+        layers = self.backend.layers
+        try:
+            self.authority.check(capability, session=STATUS_SCOPE, node=self.node_id, start=layers.start,
+                                 stop=layers.stop, now=time.time())
+        except CallerError:
+            return False
+        return True
+
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """What the node holds now; backend figures as of the scheduler's last iteration. Without `detail`,
+        only what a load balancer needs (sessions, capacity, KV bytes), not the per-kind counters."""
         sched = self.scheduler
-        return {
+        aggregate = {
             "node": self.node_id,
             "backend": self.described,
             "model": self.backend.info.to_json(),
@@ -782,6 +799,12 @@ class NodeService:
             "sessions": len(self.sessions),
             "capacity": self.capacity,
             "kv_bytes": sched.kv_bytes,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }
+        if not detail:
+            return aggregate
+        return {
+            **aggregate,
             "prefix": None if self.prefix is None else {**self.prefix.to_json(), "bytes": self.prefix_bytes},
             "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
@@ -789,5 +812,4 @@ class NodeService:
                           "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
                           "polls_given_up": sched.polls_given_up},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
         }

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_TOKENIZE_BYTES",
     "CONTENT_TYPE",
     "CAPABILITY_HEADER",
+    "STATUS_SCOPE",
     "COMPUTE_HEADER",
     "ROUTE_SESSION_HEADER",
     "TICKET_HEADER",
@@ -46,6 +47,9 @@ __all__ = [
 # HTTP headers of the seam. A step carries its Route Session capability; a node's answer says how
 # long its compute took. (On a chain, each hop's compute rides in its stream records instead.)
 CAPABILITY_HEADER = "X-Dgr-Capability"
+# The "session" a capability names to see a node's per-kind counters on /v1/node/status. Route Session
+# ids are 32 hex digits, so no capability the gateway issues for a session can pass for it.
+STATUS_SCOPE = "status"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
 # The gateway's answer to a completion names its Route Session (clients follow its telemetry by it); a
 # node's open, tokenize and stream name theirs in it too, so it is checked before any body is read.

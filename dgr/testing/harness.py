@@ -44,7 +44,7 @@ from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Scope, Signer, j
 from dgr.security.identity import Identity
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.security.tickets import TICKET_TTL_S, issue_ticket
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, TICKET_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STATUS_SCOPE, STEP_PATH, TICKET_HEADER
 from dgr.testing.launcher import LaunchedProcess, launch
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
@@ -246,7 +246,11 @@ class LocalRoute:
             return []
 
     def node_status(self, name: str) -> dict[str, Any]:
-        return self.http.get(f"{self.node(name)['url']}/v1/node/status", timeout=5).json()
+        """A node's whole status, counters included: asked with the tracker's capability for them."""
+        node = self.node(name)
+        a, b = node["layers"].split(":")
+        headers = self.capability(STATUS_SCOPE, name, layers=(int(a), int(b))) if self.keys is not None else {}
+        return self.http.get(f"{node['url']}/v1/node/status", timeout=5, headers=headers).json()
 
     def wait_nodes_alive(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -5,7 +5,8 @@ Who may call what (spec/security.md):
   (`unauthenticated` or `replayed`, 401, and the registry is untouched); a
   registration's key must be admitted (the join token's proof, or
   `--allow-node`), and a node id belongs to the first key that registered it
-  (`identity_taken`, 409). The registration's reply carries the tracker's
+  (`identity_taken`, 409; a heartbeat under it reads as an unknown id, 404,
+  so it tells no stranger which ids exist). The registration's reply carries the tracker's
   public key, which the node pins to check capabilities and challenges with;
 - with API keys, the OpenAI endpoints and the telemetry views need
   `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise);
@@ -206,8 +207,9 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                     "max_positions": min(n.max_positions for n in entries),
                     "digest": first.model.digest,
                     "metadata": first.model.metadata,
+                    # a node's own description is nested: what it declares never stands in for the tracker's fields
                     "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", "max_positions": n.max_positions,
-                               **n.describe} for n in entries],
+                               "describe": n.describe} for n in entries],
                 },
             })
         return json_response({"object": "list", "data": data})

@@ -101,7 +101,7 @@ from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
 from dgr.security.tls import TlsTrust
 from dgr.fsm.phases import RoutePhases, hold_for
-from dgr.tracker.registry import NodeEntry, Registry
+from dgr.tracker.registry import GATEWAY_ID, NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
@@ -113,7 +113,7 @@ log = logging.getLogger("dgr.gateway")
 
 # The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
 # one for the whole route, since any of its nodes may have to report.
-_GATEWAY = "gateway"
+_GATEWAY = GATEWAY_ID  # a node may not register it (dgr.tracker.registry)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
@@ -490,7 +490,8 @@ class Gateway:
                 )
             with trio.fail_after(cfg.step_deadline_s):
                 prompt = (list(req.prompt_ids) if req.prompt_ids
-                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id)))
+                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id),
+                                                   vocab_size=info.vocab_size))
             if req.prompt_ids and max(prompt) >= info.vocab_size:
                 raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
                                   f"of {info.vocab_size}", param="prompt")
@@ -870,6 +871,7 @@ class Gateway:
         topology = self.config.topology
         t_ring = time.perf_counter()
         last: float | None = None
+        sent: float | None = None  # when the last decode step went out, after its phase hold (dgr.fsm.phases)
         hops: tuple[str, float] | None = None  # a chain answer's hops text and round trip, noted off the critical path
         while True:
             now = trio.current_time()
@@ -890,7 +892,8 @@ class Gateway:
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
                 frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
                 if live.phases is not None:
-                    await self._in_phase(live, hold_s=hold_for(now, last))
+                    await self._in_phase(live, hold_s=hold_for(now, sent))
+                sent = trio.current_time()
                 t0 = time.perf_counter()
                 try:
                     await self._send_head(live, frame, 1, seq)
