@@ -109,6 +109,7 @@ def cmd_node(args) -> int:
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
                             advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca),
                             prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
+                            snapshot_max_mb=args.snapshot_max_mb,
                             busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3)
 
 
@@ -182,6 +183,7 @@ def positive_int(text: str) -> int:
 
 def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     from dgr.backends.factory import BACKENDS
+    from dgr.node.snapshot import SNAPSHOT_MAX_MB
 
     p.add_argument("--backend", default="stub", choices=BACKENDS)
     p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
@@ -191,6 +193,9 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-dir", metavar="DIR",
                    help="write kept prefixes' KV here as verifiable Prefix Snapshots, and reload matching ones at "
                         "start (dgr up: one subfolder per node)")
+    p.add_argument("--snapshot-max-mb", type=float, default=None, metavar="MB",
+                   help="with --snapshot-dir: keep its snapshots within this many MiB, deleting the least recently "
+                        f"used first; a larger snapshot is not written (default: {SNAPSHOT_MAX_MB}; dgr up: per node)")
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
                         "slots live sessions leave free; 0: keep none)")

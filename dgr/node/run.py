@@ -34,7 +34,7 @@ from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
 from dgr.node.service import NodeService
-from dgr.node.snapshot import SnapshotDir
+from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, cert_pem
 from dgr.serve import print_ready, serve_app
@@ -69,7 +69,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
                    tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
-                   busy_poll_s: float = 0.0) -> None:
+                   snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0) -> None:
     """Serve until cancelled.
 
     Raises:
@@ -81,7 +81,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                           "check capabilities with, and anyone who reaches it could open sessions")
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
-                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact),
+                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, snapshot_max_mb, backend, artifact),
                           busy_poll_s=busy_poll_s)
     app = make_node_app(service, artifact=artifact)
     steptrace.start_from_env()
@@ -117,10 +117,13 @@ def _prefix_cache(mb: float | None) -> PrefixCache | None:
     return PrefixCache(max_bytes=int(mb * 2**20)) if mb > 0 else None
 
 
-def _snapshots(folder: str | None, backend: ShardBackend, artifact: NodeArtifact | None) -> SnapshotDir | None:
-    """`--snapshot-dir`: what a snapshot there must match to be loaded is this node's file, manifest and layers."""
+def _snapshots(folder: str | None, max_mb: float | None, backend: ShardBackend,
+               artifact: NodeArtifact | None) -> SnapshotDir | None:
+    """`--snapshot-dir`: what a snapshot there must match to be loaded is this node's file, manifest and layers;
+    `--snapshot-max-mb` its disk budget (SNAPSHOT_MAX_MB when not given)."""
     if folder is None:
         return None
     own = {"model_digest": backend.info.digest, "manifest_id": artifact.manifest.id if artifact else None,
            "backend": backend.name, "layers": str(backend.layers)}
-    return SnapshotDir(folder, own, model=backend.info.name)
+    budget = int((SNAPSHOT_MAX_MB if max_mb is None else max(0.0, max_mb)) * 2**20)
+    return SnapshotDir(folder, own, model=backend.info.name, max_bytes=budget)
