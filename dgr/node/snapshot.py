@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -63,6 +64,7 @@ from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 
 __all__ = ["SNAPSHOT_SCHEMA", "SNAPSHOT_MAX_MB", "Snapshot", "SnapshotDir", "check", "check_manifest"]
 
+log = logging.getLogger("dgr.node")
 SNAPSHOT_SCHEMA = 1  # the manifest's "schema": a change to the format gets a new number
 # A node's default disk budget for its snapshots: a SmolLM2-135M prefix of 4,096 positions is about 90 MiB,
 # a 7B model's about 500 MiB at f16, so a few of the longest, or hundreds of short system prompts
@@ -157,6 +159,7 @@ class SnapshotDir:
     too_large: int = 0  # snapshots not written: larger than the whole budget
     deleted: int = 0  # snapshots refused for their bytes, and deleted
     refused: list[dict[str, str]] = attrs.field(factory=list)  # {file, code, message}
+    scanned: bool = False  # `sizes` counts what was in the folder before this process wrote to it
 
     @property
     def disk_bytes(self) -> int:
@@ -183,6 +186,8 @@ class SnapshotDir:
         Raises:
             OSError: the folder is not private (see `_private_root`), or the disk refused.
         """
+        if not self.scanned:  # what an earlier process left counts against the budget too
+            self.scan()
         self._private_root()
         name = chain[-1]
         meta = {"schema": SNAPSHOT_SCHEMA, "model": self.model, **self.own, "block_tokens": BLOCK_TOKENS,
@@ -232,7 +237,10 @@ class SnapshotDir:
         self.chains.pop(name, None)
         self.sizes.pop(name, None)
         for suffix in (".json", ".kv"):
-            (self.root / f"{name}{suffix}").unlink(missing_ok=True)
+            try:
+                (self.root / f"{name}{suffix}").unlink(missing_ok=True)
+            except OSError as exc:  # a folder in its place: nothing dgr wrote, and nothing it will read
+                log.warning("could not delete prefix snapshot file %s%s: %s", name, suffix, exc)
 
     def scan(self) -> list[Snapshot]:
         """Every snapshot in the folder whose manifest matches this node, longest first (their KV bytes are read
@@ -242,6 +250,7 @@ class SnapshotDir:
         manifest names, or whose manifest is unreadable or malformed, is deleted. Then the folder is
         trimmed to the budget, least recently used (oldest manifest) first.
         """
+        self.scanned = True
         if not self.root.is_dir():
             return []
         try:
