@@ -357,7 +357,8 @@ def test_a_keyless_tracker_answers_no_web_page(route) -> None:
 
 
 def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) -> None:
-    """Issue 40, lows: a short or repetitive join token is refused at start; a signature stamped `nan` is not
+    """Issue 40, lows and item 7: a join token of fewer than 32 random bytes (judged from its alphabet and
+    length), or a repetitive one, is refused at start; a signature stamped `nan` is not
     inside the replay window (it would stay replayable forever), nor is a capability that never expires; a
     node's non-numeric Retry-After reads as 1 s, not a 500."""
     from dgr.errors import CallerError, Reason
@@ -365,12 +366,17 @@ def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) ->
     from dgr.security.secrets import load_join_token
     from dgr.tracker.seam_client import _retry_after
 
-    for weak in ("short-token", "a" * 64, "12" * 32):
+    import secrets
+
+    # 16 random bytes in 32 hex digits, and 24 in 32 base64url characters, passed the old 32-character rule
+    for weak in ("short-token", "a" * 64, "12" * 32, secrets.token_hex(16), secrets.token_urlsafe(24),
+                 "0123456789abcdef" * 4, secrets.token_hex(8) * 4):
         monkeypatch.setenv(JOIN_ENV, weak)
-        with pytest.raises(CallerError, match="random characters"):
+        with pytest.raises(CallerError, match=r"at least 32 random bytes .*secrets.token_hex\(32\)"):
             load_join_token(None)
-    monkeypatch.setenv(JOIN_ENV, new_secret())
-    assert load_join_token(None)
+    for strong in (new_secret(), secrets.token_urlsafe(32)):  # dgr up's, and docs/deploy.md's
+        monkeypatch.setenv(JOIN_ENV, strong)
+        assert load_join_token(None) == strong.encode()
 
     me = Identity.generate()
     body = b"{}"

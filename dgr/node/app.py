@@ -62,6 +62,7 @@ from dgr.seam.wire import (
 
 if TYPE_CHECKING:
     from dgr.node.artifact import NodeArtifact
+    from dgr.security.tls import TlsTrust
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
@@ -222,7 +223,7 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
     nxt, cap = data.get("next"), data.get("deliver_capability")
     if cap is not None and not isinstance(cap, str):
         raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
-    hop = None if nxt is None else _next_hop(nxt, "relay.next")
+    hop = None if nxt is None else _next_hop(nxt, "relay.next", service.tls)
     route, nodes = data.get("route", ""), data.get("nodes", 1)
     if (not isinstance(route, str) or len(route) > _MAX_ROUTE
             or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
@@ -234,16 +235,20 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
         if (not service.backend.is_tail or not isinstance(loop, dict)
                 or not isinstance(loop.get("ignore_eos", False), bool)):
             raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
-        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False))
+        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head", service.tls), loop.get("ignore_eos", False))
     return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
 
 
-def _next_hop(data: Any, what: str) -> NextHop:
-    """A node to send steps on to, from {node, url, capability, tls_cert}. Raises CallerError(INVALID_REQUEST)."""
+def _next_hop(data: Any, what: str, tls: TlsTrust) -> NextHop:
+    """A node to send steps on to, from {node, url, capability, tls_cert}.
+
+    Raises: CallerError(INVALID_REQUEST) if malformed; (FORBIDDEN) an http:// url under --require-tls.
+    """
     if (not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("node", "url"))
             or not data["url"].startswith(("http://", "https://"))
             or any(data.get(k) is not None and not isinstance(data[k], str) for k in ("capability", "tls_cert"))):
         raise CallerError(Reason.INVALID_REQUEST, f"{what} needs a node id and an http(s):// url")
+    tls.check(data["url"], what)
     return NextHop(data["node"], data["url"], data.get("capability"), data.get("tls_cert"))
 
 

@@ -383,6 +383,8 @@ class NodeService:
         try:
             kept, blocks = cache.match(chain) if cache is not None else (None, 0)
             if kept is not None:
+                if self.snapshots is not None:
+                    self.snapshots.touch(kept.chain[-1])  # used: the last of the folder to be evicted
                 take = blocks == len(kept.chain) or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
@@ -421,10 +423,13 @@ class NodeService:
             except CallerError as exc:
                 snaps.refused.append({"file": f"{snap.chain[-1]}.json", "code": exc.reason.value,
                                       "message": exc.message})
+                if exc.reason is Reason.SNAPSHOT_MISMATCH:  # not the bytes, or positions, its manifest says
+                    snaps.discard(snap.chain[-1])
                 continue
             for d in cache.add(Kept(key, snap.chain, nbytes)):
                 backend.drop_prefix(d)
             snaps.loaded += 1
+            snaps.touch(snap.chain[-1])
         self.prefix_bytes = backend.prefix_bytes()
         for r in snaps.refused:
             log.warning("prefix snapshot %s refused (%s): %s", r["file"], r["code"], r["message"])
@@ -449,7 +454,9 @@ class NodeService:
                 backend.drop_prefix(d)
             if self.snapshots is not None and key not in dropped:
                 try:
-                    self.snapshots.write(tuple(keep[:blocks]), backend.export_prefix(key))
+                    data = backend.export_prefix(key)
+                    if not self.snapshots.write(tuple(keep[:blocks]), data):
+                        log.info("prefix snapshot of %d bytes not written: over --snapshot-max-mb", len(data))
                 except OSError as exc:  # the prefix is kept in memory all the same
                     log.warning("could not write a prefix snapshot to %s: %s", self.snapshots.root, exc)
         finally:

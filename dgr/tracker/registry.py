@@ -34,6 +34,10 @@ id were unknown (`not_found`, 404, the same words): heartbeats need no join
 token, so a different answer would let any stranger with a fresh key test
 which ids exist. The tracker logs the truth.
 
+With `require_tls` (--require-tls) a registration whose URL is not https://
+is refused (FORBIDDEN), so the tracker never hands out a plain next hop;
+the seed address may stay plain (dgr.security.tls says why).
+
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
 instead, so a node bound to every interface is reachable at the address its
@@ -250,6 +254,7 @@ class Registry:
     dead_after_s: float = DEAD_AFTER_S
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
+    require_tls: bool = False  # --require-tls: a registration whose URL is http:// is refused
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
     max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
     trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
@@ -312,6 +317,10 @@ class Registry:
                 entry.seed = reachable(str(artifact["seed"]), seen) if artifact.get("seed") else None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}"[:300]) from None
+        if self.require_tls and not entry.url.startswith("https://"):  # it would be handed out as a next hop
+            raise CallerError(Reason.FORBIDDEN, f"this tracker requires TLS (--require-tls): register an https:// "
+                                                f"URL, not {entry.url[:100]!r} (--tls-cert and --tls-key, or "
+                                                "--advertise https://...)", field="url")
         if not (0 <= entry.start < entry.stop <= model.n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {start}:{stop} outside [0, {model.n_layers})")
         if entry.manifest_id is not None:
