@@ -28,6 +28,7 @@ __all__ = [
     "CAPABILITY_HEADER",
     "COMPUTE_HEADER",
     "ROUTE_SESSION_HEADER",
+    "NODE_HEADER",
     "DELIVER_PATH",
     "STEP_PATH",
     "STREAM_PATH",
@@ -48,6 +49,9 @@ CAPABILITY_HEADER = "X-Dgr-Capability"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
 # The gateway's answer to a completion names its Route Session (clients follow its telemetry by it).
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
+# A node's heartbeat names its node id here, so that the tracker checks the signing key owns the id before it
+# parses the body (whose "node" must agree).
+NODE_HEADER = "X-Dgr-Node"
 STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
 DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
 # A chain session's steps along one link travel as one long-lived request whose chunked body is a

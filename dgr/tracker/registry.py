@@ -279,15 +279,28 @@ class Registry:
         self.nodes[entry.node_id] = entry
         return entry
 
-    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed;
-        (IDENTITY_TAKEN) signed by a key that does not own the node id."""
-        entry = self.nodes.get(data.get("node")) if isinstance(data.get("node"), str) else None
+    def beating(self, node_id: str, key: bytes) -> NodeEntry:
+        """The live entry a heartbeat for `node_id` signed by `key` would update; changes nothing.
+
+        The tracker asks this before it parses a heartbeat's body, so a key beating for an id it does not own
+        costs it no parsing.
+
+        Raises: CallerError(IDENTITY_TAKEN) the id belongs to another key; (NOT_FOUND) it must register (again).
+        """
+        entry = self.nodes.get(node_id)
         if entry is not None and entry.key != key:
             raise CallerError(Reason.IDENTITY_TAKEN,
                               f"node {entry.node_id[:100]!r} belongs to another key; its heartbeats are its own")
+        self._owned(node_id, key)
         if entry is None or not entry.alive:
-            raise CallerError(Reason.NOT_FOUND, f"node {str(data.get('node'))[:100]!r} is not registered")
+            raise CallerError(Reason.NOT_FOUND, f"node {node_id[:100]!r} is not registered")
+        return entry
+
+    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed;
+        (IDENTITY_TAKEN) signed by a key that does not own the node id."""
+        node_id = data.get("node")
+        entry = self.beating(node_id if isinstance(node_id, str) else "", key)
         try:
             sessions = _int(data, "sessions", default=0)
             kv_bytes = _int(data, "kv_bytes", default=0)
