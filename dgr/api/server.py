@@ -129,7 +129,9 @@ class Limits:
 
     keep_alive_s: float = 300.0  # an authenticated connection, idle between requests
     head_timeout_s: float = 30.0  # an authenticated connection's head, from its first byte
-    guest_s: float = 5.0  # a guest's whole head, from accept or its last response
+    # A guest's whole head, from accept or its last response. Above httpx's 5 s pool expiry, so that a client
+    # drops its idle connection before the server does, not while it is sending a request on it.
+    guest_s: float = 8.0
     body_idle_s: float = 10.0  # a guest's body, between two reads that brought bytes
     body_timeout_s: float = 30.0  # a guest's whole body, from its head
     max_connections: int = 1024
