@@ -432,3 +432,13 @@ async def test_connections_over_a_cap_are_closed_unread_and_other_peers_are_answ
             await again[0].send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             [(status, _, _)] = await read_responses(again[0], 1)
             assert status == 200
+
+
+async def test_a_peer_is_its_ipv4_address_or_its_ipv6_64() -> None:
+    """One host gets a /64 from its provider: counting IPv6 peers by address would give it 2**64 shares."""
+    from dgr.api.server import _peer
+
+    assert _peer(("10.0.0.7", 1)) == "10.0.0.7"
+    assert _peer(("2001:db8:1:2::1", 1)) == _peer(("2001:db8:1:2:ffff::9", 2)) != _peer(("2001:db8:1:3::1", 1))
+    assert _peer(("::ffff:10.0.0.7", 1)) == "10.0.0.7"  # an IPv4 peer on a dual-stack socket
+    assert _peer(None) == ""
