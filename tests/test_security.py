@@ -30,7 +30,7 @@ from dgr.serve import READY_PREFIX
 from dgr.security.identity import Identity, node_id_for
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.frame import encode_frame
-from dgr.seam.wire import FrameKind
+from dgr.seam.wire import NODE_HEADER, FrameKind
 from dgr.testing.harness import LocalRoute
 
 W = 576  # the default stub's seam width
@@ -177,7 +177,8 @@ def test_registration_needs_a_signature_and_admission(route) -> None:
     for headers, code, words in cases:
         _refused(httpx.post(f"{route.url}{path}", content=body, headers=headers), 401, code, words)
     beat = json.dumps({"node": "node0", "sessions": 99, "kv_bytes": 1}).encode()
-    _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat, headers={"Content-Type": "application/json"}),
+    _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat,
+                        headers={"Content-Type": "application/json", NODE_HEADER: "node0"}),
              401, "unauthenticated", "must be signed")
     assert _registry(route) == before
     assert route.node("node0")["sessions"] != 99
@@ -198,7 +199,8 @@ def test_a_node_id_is_never_taken_over(route) -> None:
         _refused(r, 409, "identity_taken", "belongs to another key")
     beat = json.dumps({"node": "node1", "sessions": 99, "kv_bytes": 1, "session_ids": []}).encode()
     r = httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat,
-                   headers=route.signed("/v1/nodes/heartbeat", beat, identity=intruder, join=False))
+                   headers={**route.signed("/v1/nodes/heartbeat", beat, identity=intruder, join=False),
+                            NODE_HEADER: "node1"})
     _refused(r, 404, "not_found", "is not registered")  # as for an unknown id: no oracle (tests/test_trust_lows.py)
     assert _registry(route) == before and route.node("node1")["key"] == owner
     assert route.node("node1")["sessions"] != 99

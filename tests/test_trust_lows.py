@@ -18,6 +18,7 @@ import trio
 
 from dgr.errors import CallerError, Reason
 from dgr.fsm.phases import FIRST_HOLD_S, MAX_HOLD_S, RoutePhases, hold_for
+from dgr.seam.wire import NODE_HEADER
 from dgr.security.identity import Identity, node_id_for
 from dgr.testing.harness import LocalRoute
 from dgr.tracker.registry import Registry
@@ -78,7 +79,8 @@ def test_a_heartbeat_under_another_keys_id_reads_as_an_unknown_id(route) -> None
     def beat(name: str) -> httpx.Response:
         body = json.dumps({"node": name, "sessions": 99, "kv_bytes": 1, "session_ids": []}).encode()
         return httpx.post(f"{route.url}/v1/nodes/heartbeat", content=body,
-                          headers=route.signed("/v1/nodes/heartbeat", body, identity=stranger, join=False))
+                          headers={**route.signed("/v1/nodes/heartbeat", body, identity=stranger, join=False),
+                                   NODE_HEADER: name})
 
     # "node1" is live under another key; "nodeX" was never registered: the names are as long, so are the answers
     taken, unknown = beat("node1"), beat("nodeX")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, TICKET_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, NODE_HEADER, TICKET_HEADER
 
 __all__ = ["openapi_document", "node_openapi_document"]
 
@@ -107,7 +107,10 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
             # as for an unknown id)
             "/v1/nodes/register": {"post": {**open_, "requestBody": _json_body(_REGISTRATION),
                                             "responses": {"200": _OK, **_errors(400, 401, 409, 413)}}},
-            "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
+            # the node id in X-Dgr-Node too: ownership is checked before the body is parsed
+            "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT), "parameters": [
+                                                 {"name": NODE_HEADER, "in": "header", "required": True,
+                                                  "schema": {"type": "string"}}],
                                              "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
             # advice for a joining node: which layers to serve (dgr.tracker.assign)
             "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),

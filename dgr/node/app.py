@@ -40,6 +40,7 @@ from dgr.api.http import (install_error_handlers, json_response, parse_json, rea
                           respond_raw, respond_raw_error, serve_seam_stream)
 from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
+from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 from dgr.node.service import NodeService
@@ -91,7 +92,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {limit}")
 
     def _authorize(sid: str, need: Scope = Scope.CONTROL) -> None:
-        service.authorize(request.headers.get(CAPABILITY_HEADER), sid, need)
+        _checked(service, request.scope)(request.headers.get(CAPABILITY_HEADER), sid, need)
 
     @app.post("/v1/seam/sessions")
     async def open_session():
@@ -252,6 +253,17 @@ def _next_hop(data: Any, what: str, tls: TlsTrust) -> NextHop:
     return NextHop(data["node"], data["url"], data.get("capability"), data.get("tls_cert"))
 
 
+def _checked(service: NodeService, scope):
+    """`service.authorize`, and once a capability holds, the connection leaves the server's guest limits
+    (dgr.api.server `authenticated`): the one place the node's routes mark it."""
+
+    def authorize(capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
+        service.authorize(capability, sid, need)
+        authenticated(scope)
+
+    return authorize
+
+
 def seam_fast_path(service: NodeService, app):
     """Wrap `app` so that POST /v1/seam/step and /v1/seam/stream skip the framework."""
 
@@ -267,13 +279,13 @@ def seam_fast_path(service: NodeService, app):
 async def _stream(service: NodeService, scope, receive, send) -> None:
     """A chain session's steps from the previous hop, checked against this node's capability for it."""
     await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
-                            authorize=service.authorize, apply=service.accept_streamed)
+                            authorize=_checked(service, scope), apply=service.accept_streamed)
 
 
 async def _step(service: NodeService, scope, receive, send) -> None:
     try:
         req = await read_raw_seam(scope, receive, service.max_frame_bytes, "frame",
-                                  on_header=lambda head, cap: service.authorize(cap, frame_session(head)))
+                                  on_header=lambda head, cap: _checked(service, scope)(cap, frame_session(head)))
         if req is None:
             return  # the sender went away mid-frame: nothing was applied
         reply, compute_s = await service.step(req.body, req.capability)

@@ -40,7 +40,9 @@ while, or a signature may collide with a nonce it saw. The node says why on
 its log and retries with exponential backoff (`RETRY_MIN_S` doubling to
 `RETRY_MAX_S`), serving its open sessions meanwhile.
 
-Each heartbeat lists the ids of the sessions the node holds, so the tracker
+A heartbeat names its node id in `X-Dgr-Node` as well as in its body, so
+the tracker checks our key owns the id before it parses the body. Each
+heartbeat lists the ids of the sessions the node holds, so the tracker
 can close the ones it no longer runs (a node it declared lost, an open whose
 reply it never got). Each registration advertises `max_positions`, the
 positions per session this node really allocates (`--ctx`).
@@ -66,6 +68,7 @@ from dgr.progress import say
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
 from dgr.security.identity import key_from_text
 from dgr.security.pins import TrackerPin
+from dgr.seam.wire import NODE_HEADER
 from dgr.security.tls import TlsTrust
 
 if TYPE_CHECKING:  # the artifact plane loads only for a node that serves one (cli: prepare_node_artifact)
@@ -135,15 +138,17 @@ def _decided(artifact: NodeArtifact | None) -> bool:
 
 
 async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict[str, Any],
-                join_token: bytes | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> tuple[httpx.Response, str]:
-    """POST `data` as JSON, signed over the exact bytes sent; the response and the signature sent.
+                join_token: bytes | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                extra: dict[str, str] | None = None) -> tuple[httpx.Response, str]:
+    """POST `data` as JSON, signed over the exact bytes sent (with `extra` headers); the response and the
+    signature sent.
 
     Raises:
         CallerError(UNAUTHENTICATED | REPLAYED | FORBIDDEN | IDENTITY_TAKEN): the tracker refused our key or
         signature, or our registration (an http:// URL to a tracker that requires TLS).
     """
     body = json.dumps(data).encode()
-    headers = {"Content-Type": "application/json", **signer.headers("POST", path, body, time.time())}
+    headers = {"Content-Type": "application/json", **(extra or {}), **signer.headers("POST", path, body, time.time())}
     if join_token is not None:
         headers[JOIN_HEADER] = join_proof(join_token, signer.identity.public, headers["X-Dgr-Signature"])
     r = await client.post(path, content=body, headers=headers, timeout=timeout_s)
@@ -258,7 +263,9 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     if not started and _decided(artifact):
                         started = True
                         task_status.started()
-                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service))
+                # the id in a header too: the tracker checks our key owns it before it parses the body
+                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service),
+                                   extra={NODE_HEADER: service.node_id})
                 if r.status_code == 404:
                     registered = False
                     continue

@@ -30,6 +30,7 @@ __all__ = [
     "COMPUTE_HEADER",
     "ROUTE_SESSION_HEADER",
     "TICKET_HEADER",
+    "NODE_HEADER",
     "DELIVER_PATH",
     "STEP_PATH",
     "STREAM_PATH",
@@ -56,6 +57,9 @@ COMPUTE_HEADER = "X-Dgr-Compute-Us"
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
 # An open carries the tracker's single-use ticket for it (dgr.security.tickets).
 TICKET_HEADER = "X-Dgr-Ticket"
+# A node's heartbeat names its node id here, so that the tracker checks the signing key owns the id before it
+# parses the body (whose "node" must agree).
+NODE_HEADER = "X-Dgr-Node"
 STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
 DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
 # A chain session's steps along one link travel as one long-lived request whose chunked body is a

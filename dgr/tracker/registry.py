@@ -341,17 +341,34 @@ class Registry:
         self.nodes[entry.node_id] = entry
         return entry
 
-    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again), or signed by a key that
-        does not own the node id (the same answer: see the module's rules); (INVALID_REQUEST) if malformed."""
-        entry = self.nodes.get(data.get("node")) if isinstance(data.get("node"), str) else None
-        unknown = CallerError(Reason.NOT_FOUND, f"node {str(data.get('node'))[:100]!r} is not registered")
-        if entry is not None and entry.key != key:
+    def beating(self, node_id: str, key: bytes) -> NodeEntry:
+        """The live entry a heartbeat for `node_id` signed by `key` would update; changes nothing.
+
+        The tracker asks this before it parses a heartbeat's body, so a key beating for an id it does not own
+        costs it no parsing.
+
+        Raises: CallerError(NOT_FOUND): it must register (again), or the id is another key's: the same
+        answer, so that heartbeats (which need no join token) tell no stranger which ids exist.
+        """
+        entry = self.nodes.get(node_id)
+        unknown = CallerError(Reason.NOT_FOUND, f"node {node_id[:100]!r} is not registered")
+        try:
+            self._owned(node_id, key)
+        except CallerError:
             log.warning("a heartbeat for node %s signed by another key (%s) was refused as not registered",
-                        entry.node_id, key_text(key) if key else "none")
+                        node_id[:100], key_text(key) if key else "none")
+            raise unknown from None
+        if entry is not None and entry.key != key:
             raise unknown
         if entry is None or not entry.alive:
             raise unknown
+        return entry
+
+    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again), or signed by a key that
+        does not own the node id (the same answer: see `beating`); (INVALID_REQUEST) if malformed."""
+        node_id = data.get("node")
+        entry = self.beating(node_id if isinstance(node_id, str) else "", key)
         try:
             sessions = _int(data, "sessions", default=0)
             kv_bytes = _int(data, "kv_bytes", default=0)
