@@ -66,14 +66,16 @@ def cmd_tracker(args) -> int:
                             prover=prover, require_proof=bool(manifests) if args.require_proof is None else args.require_proof,
                             trusted_ends=frozenset(parse_public_key(k) for k in args.trusted_head),
                             max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
-                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca), listening=listening)
+                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca, args.require_tls),
+                            listening=listening)
 
 
 def cmd_node(args) -> int:
     from dgr.backends.factory import make_backend, resolve_model
     from dgr.node.run import run_node
-    from dgr.node.run import advertised_url
-    from dgr.security.identity import claim_identity
+    from dgr.node.run import advertised_url, check_transport
+    from dgr.security.identity import claim_identity, parse_public_key
+    from dgr.security.pins import TrackerPin
     from dgr.security.secrets import load_join_token
     from dgr.security.tls import TlsTrust, check_server_files
 
@@ -81,7 +83,13 @@ def cmd_node(args) -> int:
     join_token = load_join_token(args.join_token_file)
     tls_files = check_server_files(args.tls_cert, args.tls_key)
     advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
+    tls = TlsTrust(args.tls_ca, args.require_tls)
+    check_transport(tls, args.tracker, tls_files, args.advertise)
     identity = claim_identity(args.identity, "node")
+    pin = None
+    if args.tracker:  # read (and a bad pin file refused) before loading a model
+        pin = TrackerPin.beside(identity.path, args.tracker, parse_public_key(args.tracker_key)
+                                if args.tracker_key else None)
     layers = args.layers
     if layers is None and (args.memory or (args.tracker and args.manifest)):
         layers = _assigned_layers(args)
@@ -107,8 +115,9 @@ def cmd_node(args) -> int:
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
                             artifact=artifact, seed_port=args.seed_port, join_token=join_token,
-                            advertise=args.advertise, tls_files=tls_files, tls=TlsTrust(args.tls_ca),
+                            advertise=args.advertise, tls_files=tls_files, tls=tls, pin=pin,
                             prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
+                            snapshot_max_mb=args.snapshot_max_mb,
                             busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3)
 
 
@@ -156,7 +165,7 @@ def _assigned_layers(args):
               f"{assign.MEMORY_SHARE:.0%} of the {format_size(available)} this machine has available",
               file=sys.stderr)
     layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
-                                       sessions=args.max_sessions, tls=TlsTrust(args.tls_ca))
+                                       sessions=args.max_sessions, tls=TlsTrust(args.tls_ca, args.require_tls))
     print(f"dgr node: the tracker assigned layers {layers} ({answer.get('newly_covered', 0)} not served before)",
           file=sys.stderr)
     return layers
@@ -182,6 +191,7 @@ def positive_int(text: str) -> int:
 
 def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     from dgr.backends.factory import BACKENDS
+    from dgr.node.snapshot import SNAPSHOT_MAX_MB
 
     p.add_argument("--backend", default="stub", choices=BACKENDS)
     p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
@@ -191,6 +201,9 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-dir", metavar="DIR",
                    help="write kept prefixes' KV here as verifiable Prefix Snapshots, and reload matching ones at "
                         "start (dgr up: one subfolder per node)")
+    p.add_argument("--snapshot-max-mb", type=float, default=None, metavar="MB",
+                   help="with --snapshot-dir: keep its snapshots within this many MiB, deleting the least recently "
+                        f"used first; a larger snapshot is not written (default: {SNAPSHOT_MAX_MB}; dgr up: per node)")
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
                         "slots live sessions leave free; 0: keep none)")
@@ -217,6 +230,18 @@ def _add_identity_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--tls-ca", metavar="PEM",
                    help="CA bundle (or a self-signed certificate) to trust for https:// peers that registered no "
                         "certificate, the tracker included; default: the system's CAs")
+    if role == "tracker":
+        p.add_argument("--require-tls", action="store_true",
+                       help="refuse node registrations whose URL is http://, so no plain next hop is ever handed "
+                            "out (seed addresses stay plain: pieces are checked against the manifest)")
+    else:
+        p.add_argument("--require-tls", action="store_true",
+                       help="refuse an http:// --tracker, an http:// URL of this node's own (give --tls-cert, or "
+                            "--advertise https://...), and sessions whose next hop or loop head is http://")
+        p.add_argument("--tracker-key", metavar="PUBKEY",
+                       help="the tracker's public key (as `dgr tracker` prints it): refuse a tracker that answers "
+                            "with another. Default: the key pinned beside --identity (ID.tracker) at the first "
+                            "registration, trust on first use")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:

@@ -105,6 +105,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
     ]
     if getattr(args, "snapshot_dir", None):
         cmd += ["--snapshot-dir", str(Path(args.snapshot_dir) / name)]
+    if getattr(args, "snapshot_max_mb", None) is not None:
+        cmd += ["--snapshot-max-mb", str(args.snapshot_max_mb)]
     if getattr(args, "prefix_cache_mb", None) is not None:
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if getattr(args, "busy_poll_ms", None) is not None:

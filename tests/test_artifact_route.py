@@ -35,6 +35,7 @@ from dgr.artifact.build import build_manifest
 from dgr.artifact.manifest import Manifest
 from dgr.backends.base import LayerRange
 from dgr.seam.types import ModelInfo
+from dgr.seam.wire import NODE_HEADER
 from dgr.errors import PeerError, Reason
 from dgr.models import default_model_path
 from dgr.procs import WatchedChild, dgr_command
@@ -289,7 +290,8 @@ def test_route_through_fetched_layers_equals_single_node(swarm: Swarm, single: L
 def _post_signed(url: str, path: str, data: dict[str, Any], identity: Identity) -> httpx.Response:
     """A membership message signed with `identity` (this loopback tracker admits any key)."""
     body = json.dumps(data).encode()
-    headers = {"Content-Type": "application/json", **Signer(identity).headers("POST", path, body, time.time())}
+    headers = {"Content-Type": "application/json", NODE_HEADER: str(data.get("node")),
+               **Signer(identity).headers("POST", path, body, time.time())}
     return httpx.post(f"{url}{path}", content=body, headers=headers, timeout=5)
 
 

@@ -78,12 +78,14 @@ def test_malformed_and_cut_frames_leave_nodes_serving(route) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session"
     r = httpx.post(f"{url}/v1/seam/step", content=b"garbage", headers=cap)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame"
-    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 10 ** 9}, headers=cap)
+    # each open carries the tracker's single-use ticket for its body: a refused one is not opened again
+    raw, headers = route.opening(uuid.uuid4().hex, "node1", {"max_positions": 10 ** 9})
+    r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100, "sampling": {"bogus": 1}},
-                   headers=cap)
-    assert r.status_code == 400
-    r = httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 100}, headers=cap)
+    raw, headers = route.opening(uuid.uuid4().hex, "node1", {"max_positions": 100, "sampling": {"bogus": 1}})
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 400
+    raw, headers = route.opening(sid, "node1", {"max_positions": 100})
+    r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers)
     assert r.status_code == 201
     for fraction in (0.1, 0.5, 0.99):
         cut_mid_frame(url, frame, fraction)

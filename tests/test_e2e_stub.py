@@ -140,13 +140,12 @@ def test_events_stream_shows_progress_until_done() -> None:
 def test_decode_seam_bytes_do_not_grow_with_the_prompt(route, n_prompt) -> None:
     client = openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0)
     client.completions.create(model="stub", prompt="ab" * (n_prompt // 2), max_tokens=5, temperature=0)
-    by_node = {n["node"]: n for n in route.node_table()}
     for name in ("node1", "node2"):
-        seam = httpx.get(f"{by_node[name]['url']}/v1/node/status").json()["seam"]
+        seam = route.node_status(name)["seam"]
         # measured on the wire: one position of 576 float32 plus the header
         assert seam["last_decode_frame_bytes"] == HEADER_SIZE + 576 * 4
         assert seam["last_decode_hidden_bytes"] == 576 * 4
-    head = httpx.get(f"{by_node['node0']['url']}/v1/node/status").json()["seam"]
+    head = route.node_status("node0")["seam"]
     assert head["last_decode_frame_bytes"] == HEADER_SIZE + 4  # the head gets one token id
 
 
@@ -154,7 +153,7 @@ def test_sessions_are_freed_after_each_request(route) -> None:
     client = openai.OpenAI(base_url=route.api, api_key="unused", max_retries=0)
 
     def decodes() -> dict[str, int]:
-        return {n["node"]: route.http.get(f"{n['url']}/v1/node/status").json()["seam"]["frames_in"].get("DECODE", 0)
+        return {n["node"]: route.node_status(n["node"])["seam"]["frames_in"].get("DECODE", 0)
                 for n in route.node_table()}
 
     for stream in (False, True):

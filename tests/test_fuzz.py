@@ -35,7 +35,7 @@ from dgr.security.identity import Identity
 from dgr.testing.inproc import http_scope, receive_once
 from dgr.testing.nodes import running
 from dgr.seam.frame import Frame, decode_frame, encode_frame
-from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, DType, Flag, FrameKind
+from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, NODE_HEADER, VERSION, DType, Flag, FrameKind
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway
 from dgr.tracker.registry import Registry
@@ -293,6 +293,8 @@ def test_membership_routes_answer_below_500(reg, beat) -> None:
     async def signed(path: str, data) -> int:
         body = json.dumps(data).encode()
         headers = Signer(NODE).headers("POST", path, body, time.time())
+        if path == "/v1/nodes/heartbeat":
+            headers[NODE_HEADER] = "n0"  # the registered id: the body's parser is what is fuzzed
         return await _asgi(app, "POST", path, body, [(k.lower().encode(), v.encode()) for k, v in headers.items()])
 
     async def run() -> list[int]:

@@ -17,6 +17,7 @@ from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import HEARTBEAT_RANGE_S, HEARTBEAT_S, RETRY_MIN_S, stay_registered
 from dgr.sampling import SamplingParams
+from dgr.seam.wire import NODE_HEADER
 from dgr.security.identity import Identity
 from dgr.testing.inproc import InProcRoute, http_scope, receive_once
 from dgr.testing.nodes import settled
@@ -358,7 +359,7 @@ async def test_bad_heartbeats_and_registrations_are_refused_with_4xx() -> None:
 
     async def post(http, path: str, data):
         body, headers = route.signed(0, path, data)  # signed by n0's own key: past the signature check
-        return await http.post(path, content=body, headers=headers)
+        return await http.post(path, content=body, headers={**headers, NODE_HEADER: "n0"})
 
     async with asgi_client(app, "http://127.0.0.1:8000") as http:
         assert (await post(http, "/v1/nodes/register", good)).status_code == 200

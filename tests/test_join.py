@@ -188,6 +188,62 @@ def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
         httpx.get(table["node1"]["url"].replace("https://", "http://") + "/healthz", timeout=5)
 
 
+def test_require_tls_and_tracker_keys_between_real_processes(tmp_path: Path, procs) -> None:
+    """Issue 40, item 7, with real processes: a --require-tls tracker refuses a node that registers an
+    http:// URL; a node given --tracker-key refuses a tracker with another key, naming both; a node that
+    joined pins the tracker's key beside its identity, and after both restart it refuses a tracker at the
+    same address that answers with another key, saying how to reset the pin."""
+    from dgr.security.identity import Identity
+
+    env = _env(**{JOIN_ENV: new_secret()})
+    t_cert, t_key = _self_signed(tmp_path, "tracker")
+    n_cert, n_key = _self_signed(tmp_path, "node")
+
+    def tracker(identity: str, port: int = 0) -> Proc:
+        p = Proc.start(["tracker", "--port", str(port), "--require-tls", "--tls-cert", str(t_cert),
+                        "--tls-key", str(t_key), "--identity", str(tmp_path / identity)], env)
+        procs.append(p)
+        p.wait_ready()
+        return p
+
+    def node(name: str, *extra: str, tls: bool = True) -> Proc:
+        args = ["node", "--tracker", url, "--backend", "stub", "--layers", "0:30", "--threads", "1", "--name", name,
+                "--tls-ca", str(t_cert), "--identity", str(tmp_path / f"{name}.key"), *extra]
+        if tls:
+            args += ["--tls-cert", str(n_cert), "--tls-key", str(n_key), "--require-tls"]
+        p = Proc.start(args, env)
+        procs.append(p)
+        return p
+
+    first = tracker("tracker.id")
+    url, key = first.ready["url"], first.ready["key"]
+    plain = node("plain", tls=False)  # serves http: the tracker must not hand it out as a next hop
+    plain.wait_for(lambda: any("this tracker requires TLS (--require-tls)" in line for line in plain.lines),
+                   "the tracker's refusal of an http:// registration")
+    other = Identity.generate().public_text
+    wary = node("wary", "--tracker-key", other)
+    wary.wait_for(lambda: any("answered with key" in line for line in wary.lines), "a tracker key refusal")
+    said = next(line for line in wary.lines if "answered with key" in line)
+    assert key in said and other in said and wary.ready is None
+    good = node("good")
+    assert good.wait_ready()["url"].startswith("https://")
+    pinned = json.loads((tmp_path / "good.tracker").read_text())
+    assert pinned == {"trackers": {url: key}} and (tmp_path / "good.tracker").stat().st_mode & 0o777 == 0o600
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(t_cert)), timeout=10) as client:
+        table = {n["node"]: n for n in client.get(f"{url}/v1/nodes").json()["nodes"]}
+    assert set(table) >= {"good"} and "plain" not in table
+    # both restart; the tracker with another key at the same address
+    for p in (good, first):
+        p.stop()
+    second = tracker("tracker2.id", port=int(url.rpartition(":")[2]))
+    assert second.ready["url"] == url and second.ready["key"] != key
+    again = node("good")
+    again.wait_for(lambda: any("answered with key" in line for line in again.lines), "a pinned key refusal")
+    said = next(line for line in again.lines if "answered with key" in line)
+    assert second.ready["key"] in said and key in said and f"delete {tmp_path / 'good.tracker'}" in said
+    assert again.ready is None
+
+
 @pytest.mark.llama
 def test_a_node_given_only_its_memory_serves_the_layers_the_tracker_assigns(manifest, tmp_path: Path,
                                                                              procs) -> None:

@@ -46,7 +46,8 @@ def test_full_node_answers_429_and_idle_sessions_are_freed(limited) -> None:
     url = limited.node("node0")["url"]
     sid = uuid.uuid4().hex
     cap = limited.capability(sid, "node0")
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 8}, headers=cap).status_code == 201
+    raw, opening = limited.opening(sid, "node0", {"max_positions": 8})  # as the gateway opens: with a ticket
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=opening).status_code == 201
     r = _post(limited, {"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "node_at_capacity" and r.headers["retry-after"] == "1"

@@ -12,7 +12,7 @@ import trio
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, Failure, Reason
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix_root, valid_chain
-from dgr.node.snapshot import SnapshotDir, check
+from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig
 from dgr.tracker.routing import choose_route
@@ -267,13 +267,14 @@ async def test_the_route_that_kept_a_prefix_is_preferred(nursery) -> None:
 # -- Prefix Snapshots ---------------------------------------------------------------------------------------
 
 
-def _with_snapshots(folder, config=QUIET) -> InProcRoute:
+def _with_snapshots(folder, config=QUIET, max_bytes: int | None = SNAPSHOT_MAX_MB * 2**20) -> InProcRoute:
     """A fresh in-process route (a restart) whose nodes keep snapshots under `folder`/n0, n1."""
     route = InProcRoute.stub(config=config)
     for s in route.services:
         b = s.backend
         s.snapshots = SnapshotDir(folder / s.node_id, {"model_digest": b.info.digest, "manifest_id": None,
-                                                      "backend": b.name, "layers": str(b.layers)})
+                                                      "backend": b.name, "layers": str(b.layers)},
+                                  max_bytes=max_bytes)
     route.register_all()
     return route
 
@@ -372,3 +373,78 @@ def test_snapshots_are_private_and_never_follow_a_planted_link(tmp_path) -> None
     assert shared.scan() == [] and "no one else" in shared.refused[0]["message"]
     with pytest.raises(PermissionError):
         shared.write(chain, b"kv bytes")
+
+
+def _disk(folder) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+async def test_the_snapshot_folder_stays_within_its_budget_least_recently_used_first(nursery, tmp_path) -> None:
+    """Issue 40, snapshots on disk: distinct conversations filled the folder without bound. With a budget,
+    the least recently used snapshots are deleted before a new one is written, the files together never
+    exceed it, a snapshot larger than the whole budget is not written, and a restart under a lower budget
+    trims the folder at once."""
+    probe = _with_snapshots(tmp_path / "probe")
+    await nursery.start(probe.run)
+    await _ask(probe, SYSTEM + " prompt 0")
+    size = _disk(tmp_path / "probe" / "n1")  # one stub snapshot, manifest and KV
+    budget = 3 * size + size // 2  # room for 3
+    route = _with_snapshots(tmp_path / "snaps", max_bytes=budget)
+    await nursery.start(route.run)
+    tail = route.services[1]
+    folder = tmp_path / "snaps" / "n1"
+    names = []
+    for i in range(6):
+        await _ask(route, SYSTEM + f" prompt {i}", scope=f"caller {i}")  # 6 conversations, no shared prefix
+        assert _disk(folder) <= budget
+        names.append(next(reversed(tail.snapshots.sizes)))
+        if i == 2:  # the first conversation again: it is used, so the second is the next to go
+            await _ask(route, SYSTEM + " prompt 0", scope="caller 0")
+        if i == 3:
+            assert (folder / f"{names[0]}.json").exists() and not (folder / f"{names[1]}.json").exists()
+    on_disk = {f.stem for f in folder.glob("*.json")}
+    assert len(on_disk) == 3 and tail.snapshots.evicted == 3
+    assert on_disk == set(names[3:]), "the three used last are kept"
+    assert len(set(names)) == 6
+    assert tail.status()["snapshots"]["disk_bytes"] == _disk(folder) <= budget
+    # too large for the whole budget: not written, nothing evicted for it
+    tiny = _with_snapshots(tmp_path / "tiny", max_bytes=size // 2)
+    await nursery.start(tiny.run)
+    await _ask(tiny, SYSTEM + " prompt 0")
+    assert tiny.services[1].snapshots.too_large == 1 and list((tmp_path / "tiny" / "n1").iterdir()) == []
+    # a restart with a budget for one: the two least recently used go before anything is loaded
+    again = _with_snapshots(tmp_path / "snaps", max_bytes=size + size // 2)
+    await nursery.start(again.run)
+    assert {f.stem for f in folder.glob("*.json")} == {names[5]} and _disk(folder) <= size + size // 2
+    assert again.services[1].snapshots.loaded == 1 and again.services[1].snapshots.evicted == 2
+
+
+async def test_a_manifest_claiming_more_positions_than_its_bytes_hold_is_refused_and_deleted(nursery,
+                                                                                         tmp_path) -> None:
+    """Issue 40, snapshots on disk: positions are checked against the data. A manifest rewritten to claim
+    one block more than its KV holds (chain, positions, name and digest all consistent) is refused and its
+    files deleted, never loaded into a slot; so is one whose KV file is not the size it names."""
+    first = _with_snapshots(tmp_path)
+    await nursery.start(first.run)
+    await _ask(first, SYSTEM)
+    await _ask(first, SYSTEM + " and something else entirely", scope="other")
+    folder = tmp_path / "n1"
+    longer, shorter = sorted(folder.glob("*.json"), key=lambda p: -len(json.loads(p.read_text())["chain"]))
+    meta = json.loads(shorter.read_text())
+    forged = "f" * len(meta["chain"][-1])
+    meta["chain"].append(forged)
+    meta["positions"] += B
+    (folder / f"{forged}.json").write_text(json.dumps(meta))
+    (folder / f"{forged}.json").chmod(0o600)
+    shorter.with_suffix(".kv").rename(folder / f"{forged}.kv")
+    shorter.unlink()
+    grown = json.loads(longer.read_text())  # the other one names a size its KV file does not have
+    longer.with_suffix(".kv").write_bytes(longer.with_suffix(".kv").read_bytes() + b"x")
+    again = _with_snapshots(tmp_path)
+    await nursery.start(again.run)
+    tail = again.services[1]
+    assert tail.snapshots.loaded == 0 and len(tail.prefix.entries) == 0 and tail.backend.prefix_bytes() == 0
+    assert tail.snapshots.deleted == 2 and list(folder.iterdir()) == []
+    said = {r["file"]: r["message"] for r in tail.snapshots.refused}
+    assert f"holds {meta['positions'] - B} positions, its manifest claims {meta['positions']}" in said[f"{forged}.json"]
+    assert f"holds {grown['bytes'] + 1} bytes" in said[longer.name]

@@ -174,6 +174,10 @@ def test_a_llama_snapshot_reloads_in_a_new_context(stages) -> None:
         with pytest.raises(CallerError) as err:  # truncated bytes do not load
             fresh[0].import_prefix("x", data[0][: len(data[0]) // 2], blocks * BLOCK_TOKENS)
         assert err.value.reason is Reason.SNAPSHOT_MISMATCH
+        for claimed in ((blocks + 1) * BLOCK_TOKENS, (blocks - 1) * BLOCK_TOKENS):  # a tampered manifest's count
+            with pytest.raises(CallerError, match=f"holds {blocks * BLOCK_TOKENS} positions") as err:
+                fresh[0].import_prefix("x", data[0], claimed)
+            assert err.value.reason is Reason.SNAPSHOT_MISMATCH and fresh[0].free_slots() == 2
     finally:
         for s in fresh:
             s.close()

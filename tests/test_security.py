@@ -30,7 +30,7 @@ from dgr.serve import READY_PREFIX
 from dgr.security.identity import Identity, node_id_for
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.frame import encode_frame
-from dgr.seam.wire import FrameKind
+from dgr.seam.wire import NODE_HEADER, FrameKind
 from dgr.testing.harness import LocalRoute
 
 W = 576  # the default stub's seam width
@@ -66,7 +66,8 @@ def victim(route: LocalRoute):
     url = route.node("node1")["url"]
     sid = uuid.uuid4().hex
     cap = route.capability(sid, "node1")
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": sid, "max_positions": 64}, headers=cap).status_code == 201
+    raw, headers = route.opening(sid, "node1", {"max_positions": 64})
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     first = _frame(sid, 0, 0, 4)
     assert httpx.post(f"{url}/v1/seam/step", content=first, headers=cap).status_code == 200
     yield url, sid, first
@@ -77,7 +78,7 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     url, sid, _ = victim
     before = _state(route, url, sid)
     assert before[2:] == (4, 1)
-    refused_before = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"].get("forbidden", 0)
+    refused_before = route.node_status("node1")["seam"]["refused"].get("forbidden", 0)
     good = route.capability(sid, "node1")["X-Dgr-Capability"]
     body, _, sig = good.partition(".")
     other_sid = uuid.uuid4().hex
@@ -107,22 +108,23 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
         _refused(httpx.delete(f"{url}/v1/seam/sessions/{sid}", params={"reason": "cancelled"}, headers=headers),
                  403, "forbidden", words)
         assert _state(route, url, sid) == before, name
-    # opening a session needs one too, and a refused open leaves no trace: the id stays usable
+    # opening a session needs one too (and the tracker's ticket, tests/test_tickets.py), and a refused open
+    # leaves no trace: the id stays usable
     fresh = uuid.uuid4().hex
-    for headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
-                           (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
-        _refused(httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=headers),
-                 403, "forbidden", words)
+    raw, ok = route.opening(fresh, "node1", {"max_positions": 8})
+    for cap_headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
+                               (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
+        headers = {k: v for k, v in ok.items() if k != "X-Dgr-Capability"} | cap_headers
+        _refused(httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", words)
     assert _state(route, url, sid) == before
-    ok = route.capability(fresh, "node1")
-    assert httpx.post(f"{url}/v1/seam/sessions", json={"session": fresh, "max_positions": 8}, headers=ok).status_code == 201
+    assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=ok).status_code == 201
     assert httpx.delete(f"{url}/v1/seam/sessions/{fresh}", headers=ok).status_code == 200
     # tokenizing at the head is work for a session, so it is guarded the same way
-    head = route.node("node0")["url"]
-    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}), 403, "forbidden", "required")
-    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x", "session": sid}, headers=route.capability(sid, "node0"))
+    head, named = route.node("node0")["url"], {"X-Dgr-Route-Session": sid}
+    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named), 403, "forbidden", "required")
+    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named | route.capability(sid, "node0"))
     assert r.status_code == 200 and r.json()["tokens"]
-    refused = httpx.get(f"{url}/v1/node/status").json()["seam"]["refused"]["forbidden"]
+    refused = route.node_status("node1")["seam"]["refused"]["forbidden"]
     assert refused - refused_before == 3 * len(attacks) + 3
     # and the session still works for its rightful holder
     assert httpx.post(f"{url}/v1/seam/step", content=nxt, headers=route.capability(sid, "node1")).status_code == 200
@@ -175,7 +177,8 @@ def test_registration_needs_a_signature_and_admission(route) -> None:
     for headers, code, words in cases:
         _refused(httpx.post(f"{route.url}{path}", content=body, headers=headers), 401, code, words)
     beat = json.dumps({"node": "node0", "sessions": 99, "kv_bytes": 1}).encode()
-    _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat, headers={"Content-Type": "application/json"}),
+    _refused(httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat,
+                        headers={"Content-Type": "application/json", NODE_HEADER: "node0"}),
              401, "unauthenticated", "must be signed")
     assert _registry(route) == before
     assert route.node("node0")["sessions"] != 99
@@ -196,8 +199,9 @@ def test_a_node_id_is_never_taken_over(route) -> None:
         _refused(r, 409, "identity_taken", "belongs to another key")
     beat = json.dumps({"node": "node1", "sessions": 99, "kv_bytes": 1, "session_ids": []}).encode()
     r = httpx.post(f"{route.url}/v1/nodes/heartbeat", content=beat,
-                   headers=route.signed("/v1/nodes/heartbeat", beat, identity=intruder, join=False))
-    _refused(r, 409, "identity_taken", "belongs to another key")
+                   headers={**route.signed("/v1/nodes/heartbeat", beat, identity=intruder, join=False),
+                            NODE_HEADER: "node1"})
+    _refused(r, 404, "not_found", "is not registered")  # as for an unknown id: no oracle (tests/test_trust_lows.py)
     assert _registry(route) == before and route.node("node1")["key"] == owner
     assert route.node("node1")["sessions"] != 99
     # the same key registering its own id is fine: that is a restart
@@ -355,7 +359,8 @@ def test_a_keyless_tracker_answers_no_web_page(route) -> None:
 
 
 def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) -> None:
-    """Issue 40, lows: a short or repetitive join token is refused at start; a signature stamped `nan` is not
+    """Issue 40, lows and item 7: a join token of fewer than 32 random bytes (judged from its alphabet and
+    length), or a repetitive one, is refused at start; a signature stamped `nan` is not
     inside the replay window (it would stay replayable forever), nor is a capability that never expires; a
     node's non-numeric Retry-After reads as 1 s, not a 500."""
     from dgr.errors import CallerError, Reason
@@ -363,12 +368,17 @@ def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) ->
     from dgr.security.secrets import load_join_token
     from dgr.tracker.seam_client import _retry_after
 
-    for weak in ("short-token", "a" * 64, "12" * 32):
+    import secrets
+
+    # 16 random bytes in 32 hex digits, and 24 in 32 base64url characters, passed the old 32-character rule
+    for weak in ("short-token", "a" * 64, "12" * 32, secrets.token_hex(16), secrets.token_urlsafe(24),
+                 "0123456789abcdef" * 4, secrets.token_hex(8) * 4):
         monkeypatch.setenv(JOIN_ENV, weak)
-        with pytest.raises(CallerError, match="random characters"):
+        with pytest.raises(CallerError, match=r"at least 32 random bytes .*secrets.token_hex\(32\)"):
             load_join_token(None)
-    monkeypatch.setenv(JOIN_ENV, new_secret())
-    assert load_join_token(None)
+    for strong in (new_secret(), secrets.token_urlsafe(32)):  # dgr up's, and docs/deploy.md's
+        monkeypatch.setenv(JOIN_ENV, strong)
+        assert load_join_token(None) == strong.encode()
 
     me = Identity.generate()
     body = b"{}"

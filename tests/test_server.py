@@ -14,8 +14,9 @@ import json
 import h11
 import pytest
 import trio
+import trio.testing
 
-from dgr.api.server import MAX_HEAD_BYTES, serve_asgi
+from dgr.api.server import MAX_HEAD_BYTES, Limits, authenticated, serve_asgi
 
 pytestmark = pytest.mark.trio
 
@@ -87,9 +88,12 @@ async def read_responses(stream: trio.SocketStream, n: int, method: bytes = b"GE
 
 
 async def closed(stream: trio.SocketStream) -> bool:
-    """Whether the server closes the connection (reads to EOF)."""
+    """Whether the server closes the connection (reads to EOF, or a reset: closed with our bytes unread)."""
     while True:
-        data = await stream.receive_some(65536)
+        try:
+            data = await stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            return True
         if not data:
             return True
 
@@ -202,7 +206,7 @@ async def test_a_connection_whose_body_was_left_unread_is_not_reused() -> None:
 
 
 async def test_idle_and_slow_connections_are_closed() -> None:
-    async with serving(keep_alive_s=0.2, head_timeout_s=0.2) as connect:
+    async with serving(keep_alive_s=0.2, head_timeout_s=0.2, limits=Limits(guest_s=0.2)) as connect:
         idle = await connect()
         await idle.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await read_responses(idle, 1)
@@ -285,3 +289,156 @@ async def test_open_files_are_lifted_to_the_hard_limit_and_accept_errors_logged_
         for _ in range(50):
             trio_log.error("accept returned EMFILE (Too many open files); retrying in 0.1 seconds")
     assert len([r for r in caplog.records if r.name == "trio.serve_listeners"]) == 1
+
+
+# -- no work before authentication (issue 40, item 4) ---------------------------------------------------------
+
+
+async def gated(scope, receive, send) -> None:
+    """Authenticates on /auth paths before reading anything (as a capability checked from the headers); reads
+    the whole body; answers its size. A cut body (http.disconnect) gets no answer."""
+    if scope["type"] != "http":
+        raise RuntimeError("no lifespan")
+    if scope["path"].startswith("/auth"):
+        authenticated(scope)
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = json.dumps({"size": size}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    """Virtual time for deadlines: it jumps once every task has waited 50 ms of real time (loopback bytes land
+    well before that, so a jump never overtakes a read)."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+@contextlib.asynccontextmanager
+async def served(app=gated, **kw):
+    """`app` on loopback; yields its port. Under the mock clock, 3,600 virtual seconds bound a test."""
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            yield await start(nursery, app, **kw)
+            nursery.cancel_scope.cancel()
+
+
+async def _closed_after(stream: trio.SocketStream) -> float:
+    """Seconds (trio's clock) until the server closes `stream`."""
+    t0 = trio.current_time()
+    assert await closed(stream)
+    return trio.current_time() - t0
+
+
+async def test_a_guest_that_sends_nothing_is_closed_at_guest_s_from_accept(clock) -> None:
+    """300 idle connections made a tracker stop answering: an idle one used to hold its file for keep_alive_s."""
+    async with served(limits=Limits(guest_s=5.0)) as port:
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        assert 5.0 <= await _closed_after(idle) < 5.5
+        # a head begun late is bounded from the accept, not from its first byte
+        slow = await trio.open_tcp_stream("127.0.0.1", port)
+        t0 = trio.current_time()
+        await trio.sleep(4.0)
+        await slow.send_all(b"GET / HTTP/1.1\r\nHost:")
+        assert await closed(slow) and 5.0 <= trio.current_time() - t0 < 5.5
+        # a guest's keep-alive is guest_s too
+        guest = await trio.open_tcp_stream("127.0.0.1", port)
+        await guest.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, _, _)] = await read_responses(guest, 1)
+        assert status == 200 and 5.0 <= await _closed_after(guest) < 5.5
+
+
+async def test_an_authenticated_connection_keeps_its_keep_alive(clock) -> None:
+    async with served(keep_alive_s=300.0, limits=Limits(guest_s=5.0)) as port:
+        member = await trio.open_tcp_stream("127.0.0.1", port)
+        await member.send_all(b"GET /auth HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, _, _)] = await read_responses(member, 1)
+        assert status == 200
+        with trio.move_on_after(200.0) as kept:
+            await closed(member)
+        assert kept.cancelled_caught  # still open long past guest_s
+        await member.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # no credential now: it proved one already
+        [(status, _, _)] = await read_responses(member, 1)
+        assert status == 200 and 300.0 <= await _closed_after(member) < 301.0
+
+
+async def test_a_guests_half_sent_body_is_cut_and_a_trickle_ends_at_its_deadline(clock) -> None:
+    """40 held, half-sent bodies added about 105 MB to a node: each buffer lived as long as its sender held on."""
+    limits = Limits(body_idle_s=10.0, body_timeout_s=30.0)
+    async with served(limits=limits) as port:
+        held = await trio.open_tcp_stream("127.0.0.1", port)
+        await held.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 500)
+        assert 10.0 <= await _closed_after(held) < 10.5
+        trickle = await trio.open_tcp_stream("127.0.0.1", port)
+        await trickle.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+
+        async def drip() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while True:
+                    await trio.sleep(5.0)
+                    await trickle.send_all(b"b")  # progress every 5 s: never idle for body_idle_s
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drip)
+            assert 30.0 <= await _closed_after(trickle) < 30.5
+            nursery.cancel_scope.cancel()
+        # an authenticated request may hold its body as long as it likes (a chain's step stream does)
+        member = await trio.open_tcp_stream("127.0.0.1", port)
+        await member.send_all(b"POST /auth HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"c" * 500)
+        await trio.sleep(100.0)
+        await member.send_all(b"c" * 500)
+        [(status, _, body)] = await read_responses(member, 1, b"POST")
+        assert status == 200 and json.loads(body) == {"size": 1000}
+
+
+async def test_connections_over_a_cap_are_closed_unread_and_other_peers_are_answered() -> None:
+    """Idle connections from one address take at most its share; past it, and past the process's cap, a
+    connection is closed at once."""
+    with trio.fail_after(10):
+        async with served(limits=Limits(max_connections=40, max_per_peer=16)) as port:
+            async def open_from(source: str, n: int) -> list[trio.SocketStream]:
+                return [await trio.open_tcp_stream("127.0.0.1", port, local_address=source) for _ in range(n)]
+
+            attacker = await open_from("127.0.0.2", 30)
+            for stream in attacker[16:]:
+                assert await closed(stream)  # refused unread
+            for stream in attacker[:16]:
+                with trio.move_on_after(0.05) as kept:
+                    await closed(stream)
+                assert kept.cancelled_caught
+            second = await open_from("127.0.0.3", 16)
+            with trio.move_on_after(0.05) as kept:
+                await closed(second[-1])
+            assert kept.cancelled_caught
+            normal = await trio.open_tcp_stream("127.0.0.1", port)
+            await normal.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(status, _, _)] = await read_responses(normal, 1)
+            assert status == 200
+            third = await open_from("127.0.0.4", 16)  # 16 + 16 + 1 open: 7 more fit under the cap of 40
+            for stream in third[7:]:
+                assert await closed(stream)
+            for stream in attacker[:16]:
+                await stream.aclose()
+            await trio.sleep(0.1)
+            # their slots are free again
+            again = await open_from("127.0.0.2", 1)
+            await again[0].send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            [(status, _, _)] = await read_responses(again[0], 1)
+            assert status == 200
+
+
+async def test_a_peer_is_its_ipv4_address_or_its_ipv6_64() -> None:
+    """One host gets a /64 from its provider: counting IPv6 peers by address would give it 2**64 shares."""
+    from dgr.api.server import _peer
+
+    assert _peer(("10.0.0.7", 1)) == "10.0.0.7"
+    assert _peer(("2001:db8:1:2::1", 1)) == _peer(("2001:db8:1:2:ffff::9", 2)) != _peer(("2001:db8:1:3::1", 1))
+    assert _peer(("::ffff:10.0.0.7", 1)) == "10.0.0.7"  # an IPv4 peer on a dual-stack socket
+    assert _peer(None) == ""

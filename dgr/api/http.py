@@ -7,7 +7,8 @@ process keeps serving.
 
 Every response, errors and Quart's automatic OPTIONS answers included, goes
 out only once the request body has been read (or, when it cannot be: too
-large, the client stalls, with `Connection: close`): a response that
+large, the client stalls, or the caller is refused as unauthenticated or
+forbidden (401, 403), whose body is never read, with `Connection: close`): a response that
 leaves while the previous body is still arriving wedged a keep-alive
 connection's next request under hypercorn (found by schemathesis: OPTIONS
 or TRACE with a body, then GET, on one connection), and a client cannot
@@ -64,7 +65,11 @@ async def _settled(response: Response) -> Response:
     """
     limit = request.max_content_length
     drained = False
-    if request.content_length is None or limit is None or request.content_length <= limit:
+    if response.status_code in (401, 403):
+        # refused for want of a key or capability: such a caller gets nothing read, not even the body it
+        # announced (a tokenize may announce 4 MiB); its connection is closed instead
+        pass
+    elif request.content_length is None or limit is None or request.content_length <= limit:
         with trio.move_on_after(_DRAIN_S):
             try:
                 await request.get_data(cache=False)

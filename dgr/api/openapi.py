@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dgr.seam.wire import CAPABILITY_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, NODE_HEADER, TICKET_HEADER
 
 __all__ = ["openapi_document", "node_openapi_document"]
 
@@ -103,11 +103,15 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
             "/v1/stats": {"get": {"responses": {"200": {"description": "stats",
                                                         "content": {"application/json": {"schema": {"type": "object"}}}}}}},
             # signed with the node's own key instead of an API key (401 unauthenticated or replayed otherwise;
-            # 409 identity_taken for a node id that belongs to another key)
+            # 409 identity_taken for a node id that belongs to another key; a heartbeat under one is 404,
+            # as for an unknown id)
             "/v1/nodes/register": {"post": {**open_, "requestBody": _json_body(_REGISTRATION),
                                             "responses": {"200": _OK, **_errors(400, 401, 409, 413)}}},
-            "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT),
-                                             "responses": {"200": _OK, **_errors(400, 401, 404, 409, 413)}}},
+            # the node id in X-Dgr-Node too: ownership is checked before the body is parsed
+            "/v1/nodes/heartbeat": {"post": {**open_, "requestBody": _json_body(_HEARTBEAT), "parameters": [
+                                                 {"name": NODE_HEADER, "in": "header", "required": True,
+                                                  "schema": {"type": "string"}}],
+                                             "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
             # advice for a joining node: which layers to serve (dgr.tracker.assign)
             "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),
                                     "responses": {"200": _OK, **_errors(400, 404, 413)}}},
@@ -133,9 +137,11 @@ _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
 
 def node_openapi_document() -> dict[str, Any]:
     """A node's control routes. A node with a tracker needs `X-Dgr-Capability`, signed by it, on every session
-    call (403)."""
+    call, with the session named in the path or `X-Dgr-Route-Session`, and an open its `X-Dgr-Ticket` (403)."""
     sid = [{"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}]
     cap = [{"name": CAPABILITY_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
+    named = [{"name": ROUTE_SESSION_HEADER, "in": "header", "required": False, "schema": _SID}]
+    ticket = [{"name": TICKET_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}]
     return {
         "openapi": "3.0.3",
         "info": {"title": "dgr node", "version": "1"},
@@ -144,7 +150,7 @@ def node_openapi_document() -> dict[str, Any]:
             "/openapi.json": {"get": {"responses": {"200": _OK}}},
             "/v1/node/status": {"get": {"responses": {"200": _OK}}},
             "/v1/seam/sessions": {"post": {
-                "parameters": cap,
+                "parameters": cap + named + ticket,
                 "requestBody": _json_body({"type": "object", "required": ["session", "max_positions"], "properties": {
                     "session": _SID, "max_positions": {"type": "integer"},
                     "sampling": {"type": "object", "properties": {
@@ -162,9 +168,9 @@ def node_openapi_document() -> dict[str, Any]:
                     {"name": "keep", "in": "query", "required": False, "schema": {"type": "string"}}],
                     "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
             "/v1/node/tokenize": {"post": {
-                "parameters": cap,
+                "parameters": cap + named,
                 "requestBody": _json_body({"type": "object", "properties": {
-                    "session": _SID, "prompt": {"type": "string", "maxLength": 2000},
+                    "prompt": {"type": "string", "maxLength": 2000},
                     "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}}),
                 "responses": {"200": _OK, **_errors(400, 403, 413)}}},
             "/v1/artifact": {"get": {"responses": {"200": _OK, **_errors(404)}}},

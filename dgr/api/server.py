@@ -26,6 +26,21 @@ What it serves:
   OpenAI's error shape, one that fails mid-response loses the connection. A
   connection whose request body the app left unread is closed after the
   response, never reused.
+- No work before authentication. A connection is a guest until the app says
+  one of its requests proved a credential (an API key, a signature, a
+  capability) by calling `authenticated(scope)`. A guest's request head must
+  be whole within `guest_s` of the connection going idle (its accept, or its
+  last response), not of its first byte, so sockets that never send are
+  closed in seconds; its request body must make progress every
+  `body_idle_s` and end within `body_timeout_s`, or the app sees
+  `http.disconnect` and the connection closes (a half-sent body held open no
+  longer pins its buffer). Once authenticated, a connection keeps
+  `keep_alive_s` and its bodies may stream for as long as they need (a
+  chain's step stream lives as long as its session).
+- Connection caps: at most `max_connections` at once, and `max_per_peer`
+  from one address (one IPv6 /64); a connection over either cap is closed at
+  once, before any of it is read. The counts are two integers and a dict
+  entry per peer, O(1) per accept.
 
 Left out: what the apps do (dgr.node.app, dgr.tracker.app), which
 certificates are served (dgr.security.tls, dgr.serve).
@@ -35,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import socket
 import ssl
@@ -48,7 +64,8 @@ import trio
 
 from dgr.errors import Failure, Reason, openai_error_body
 
-__all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "MAX_HEAD_BYTES"]
+__all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "authenticated", "Limits", "MAX_HEAD_BYTES",
+           "AUTHENTICATED"]
 
 log = logging.getLogger("dgr.http")
 
@@ -86,6 +103,81 @@ class _OncePerSecond(logging.Filter):
 
 
 logging.getLogger("trio.serve_listeners").addFilter(_OncePerSecond())
+_refusals = logging.getLogger("dgr.http.caps")
+_refusals.addFilter(_OncePerSecond())  # a flood of connections over a cap: one line a second, not one each
+
+# The ASGI scope extension an app calls, once a request has proved a credential, to end the connection's guest
+# limits (see `authenticated`).
+AUTHENTICATED = "dgr.authenticated"
+
+
+def authenticated(scope: dict[str, Any]) -> None:
+    """Tell the server that this request's connection proved a credential: it leaves the guest limits.
+
+    Call it after an API key, a signed request or a capability has been checked and held, never before:
+    the guest limits are what keep a stranger's idle or half-sent connections from costing anything.
+    A no-op under a server that does not offer the extension.
+    """
+    hook = scope.get("extensions", {}).get(AUTHENTICATED)
+    if hook is not None:
+        hook["mark"]()
+
+
+@attrs.frozen
+class Limits:
+    """How long and how many: a connection's deadlines, and the caps on connections (see the module's rules)."""
+
+    keep_alive_s: float = 300.0  # an authenticated connection, idle between requests
+    head_timeout_s: float = 30.0  # an authenticated connection's head, from its first byte
+    # A guest's whole head, from accept or its last response. Above httpx's 5 s pool expiry, so that a client
+    # drops its idle connection before the server does, not while it is sending a request on it.
+    guest_s: float = 8.0
+    body_idle_s: float = 10.0  # a guest's body, between two reads that brought bytes
+    body_timeout_s: float = 30.0  # a guest's whole body, from its head
+    max_connections: int = 1024
+    max_per_peer: int = 256
+
+
+@attrs.define
+class _Gate:
+    """Counts open connections, in all and per peer; refuses one over either cap. O(1) per accept."""
+
+    max_connections: int
+    max_per_peer: int
+    total: int = 0
+    per_peer: dict[str, int] = attrs.field(factory=dict)
+
+    def enter(self, peer: str) -> bool:
+        held = self.per_peer.get(peer, 0)
+        if self.total >= self.max_connections or held >= self.max_per_peer:
+            return False
+        self.total += 1
+        self.per_peer[peer] = held + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self.total -= 1
+        held = self.per_peer[peer] - 1
+        if held:
+            self.per_peer[peer] = held
+        else:
+            del self.per_peer[peer]  # no entry outlives its peer's connections
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    """What the per-peer cap counts by: the IPv4 address, or the IPv6 /64 (one host's usual share)."""
+    if client is None:
+        return ""
+    host = client[0]
+    if ":" not in host:
+        return host
+    try:
+        packed = socket.inet_pton(socket.AF_INET6, host.partition("%")[0])
+    except OSError:
+        return host
+    if packed[:12] == b"\0" * 10 + b"\xff\xff":  # an IPv4 peer on a dual-stack socket
+        return socket.inet_ntop(socket.AF_INET, packed[12:])
+    return packed[:8].hex()
 
 MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
@@ -107,6 +199,7 @@ class _Exchange:
     """The ASGI side of one request: what the app has read and sent so far."""
 
     head: bool  # a HEAD request: the response's body is not sent
+    body_deadline: float  # when a guest's body must have ended (trio's clock)
     body_done: bool = False
     start: tuple[int, list] | None = None  # the response's status and headers, held until the first body
     head_sent: bool = False
@@ -121,8 +214,7 @@ class _Connection:
     scheme: str
     server: tuple[str, int] | None
     client: tuple[str, int] | None
-    keep_alive_s: float
-    head_timeout_s: float
+    limits: Limits
     state: dict[str, Any]
     conn: h11.Connection = attrs.field(
         factory=lambda: h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES))
@@ -130,6 +222,10 @@ class _Connection:
     _arrived: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) after each read
     _eof: bool = False
     _watching: trio.Event | None = None  # the current exchange's `over`, once its request body is read
+    authenticated: bool = False  # set by the app through the scope's AUTHENTICATED extension
+
+    def _authenticate(self) -> None:
+        self.authenticated = True
 
     async def _read(self) -> None:
         """The reader task: reads when asked (`_feed`) or while a response is watched.
@@ -215,16 +311,22 @@ class _Connection:
                 pass
 
     async def _next_request(self) -> h11.Request | None:
-        """The next request's head; None when the connection should close (idle, closed, bad HTTP)."""
+        """The next request's head; None when the connection should close (idle, slow, closed, bad HTTP)."""
         try:
             event = self.conn.next_event()
-            if event is h11.NEED_DATA:
-                with trio.move_on_after(self.keep_alive_s) as idle:
-                    await self._feed()
-                if idle.cancelled_caught:
-                    return None
-            with trio.fail_after(self.head_timeout_s):
-                event = await self._event() if event is h11.NEED_DATA else event
+            if not self.authenticated:
+                # a guest: the whole head within guest_s of going idle, its first byte or not
+                if event is h11.NEED_DATA:
+                    with trio.fail_after(self.limits.guest_s):
+                        event = await self._event()
+            else:
+                if event is h11.NEED_DATA:
+                    with trio.move_on_after(self.limits.keep_alive_s) as idle:
+                        await self._feed()
+                    if idle.cancelled_caught:
+                        return None
+                with trio.fail_after(self.limits.head_timeout_s):
+                    event = await self._event() if event is h11.NEED_DATA else event
         except h11.RemoteProtocolError as exc:
             await self._refuse(exc)
             return None
@@ -273,11 +375,11 @@ class _Connection:
             "method": request.method.decode("ascii"), "scheme": self.scheme,
             "path": unquote(path.decode("latin-1")), "raw_path": path, "query_string": query, "root_path": "",
             "headers": list(request.headers), "client": self.client, "server": self.server,
-            "extensions": {}, "state": dict(self.state),
+            "extensions": {AUTHENTICATED: {"mark": self._authenticate}}, "state": dict(self.state),
         }
 
     async def _exchange(self, request: h11.Request) -> None:
-        ex = _Exchange(head=request.method == b"HEAD")
+        ex = _Exchange(head=request.method == b"HEAD", body_deadline=trio.current_time() + self.limits.body_timeout_s)
 
         async def receive() -> dict[str, Any]:
             if ex.body_done:
@@ -289,18 +391,25 @@ class _Connection:
                     self._demand.set()
                 await ex.over.wait()
                 return {"type": "http.disconnect"}
-            try:
-                if self.conn.they_are_waiting_for_100_continue:
-                    await self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-                event = await self._event()
-            except (_Gone, h11.RemoteProtocolError, h11.LocalProtocolError):
-                event = None
+            # A guest's body must keep coming, and end in time; an authenticated one may stream at its pace.
+            wait = (math.inf if self.authenticated
+                    else max(0.0, min(self.limits.body_idle_s, ex.body_deadline - trio.current_time())))
+            event = None
+            with trio.move_on_after(wait):
+                try:
+                    if self.conn.they_are_waiting_for_100_continue:
+                        await self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                    event = await self._event()
+                except (_Gone, h11.RemoteProtocolError, h11.LocalProtocolError):
+                    pass
             if isinstance(event, h11.Data):
                 return {"type": "http.request", "body": bytes(event.data), "more_body": True}
             ex.body_done = True
             if isinstance(event, h11.EndOfMessage):
                 return {"type": "http.request", "body": b"", "more_body": False}
-            ex.over.set()  # the peer went away mid-body (or broke its framing)
+            # the peer went away mid-body, broke its framing, or (a guest) held its body past a deadline: the
+            # connection closes after the app returns, as h11 never saw the body end
+            ex.over.set()
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
@@ -425,11 +534,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SSLContext | None = None,
                      keep_alive_s: float = 300.0, head_timeout_s: float = 30.0, listening: socket.socket | None = None,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     limits: Limits | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `app` on host:port until cancelled; started with the bound URL (port 0 picks a free one).
 
     Given `listening` (a bound, listening socket), serve on it instead, and ignore host and port.
+    `limits` sets the guest deadlines and the connection caps (`Limits()` by default); `keep_alive_s`
+    and `head_timeout_s` override its two fields of the same names.
     """
+    limits = attrs.evolve(limits or Limits(), keep_alive_s=keep_alive_s, head_timeout_s=head_timeout_s)
+    gate = _Gate(limits.max_connections, limits.max_per_peer)
     raise_open_files_limit()
     if listening is None:
         listening = listening_socket(host, port)
@@ -445,8 +558,18 @@ async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SS
     state: dict[str, Any] = {}
 
     async def handle(stream: trio.abc.Stream) -> None:
-        await _Connection(stream, app, scheme, _address(stream, False), _address(stream, True), keep_alive_s,
-                          head_timeout_s, state).serve()
+        client = _address(stream, True)
+        peer = _peer(client)
+        if not gate.enter(peer):
+            _refusals.warning("refused a connection from %s: %d open in all (cap %d), %d from it (cap %d)",
+                              peer, gate.total, limits.max_connections, gate.per_peer.get(peer, 0),
+                              limits.max_per_peer)
+            await trio.aclose_forcefully(stream)  # nothing read, nothing answered
+            return
+        try:
+            await _Connection(stream, app, scheme, _address(stream, False), client, limits, state).serve()
+        finally:
+            gate.leave(peer)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(_lifespan, app, state)

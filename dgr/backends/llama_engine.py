@@ -547,6 +547,11 @@ class LlamaEngine:
         if lib.llama_state_seq_set_data(self._ctx, buf, len(data), seq) == 0:
             self.seq_rm(seq)
             raise CallerError(Reason.SNAPSHOT_MISMATCH, f"llama.cpp refused the sequence state: {llama_log_tail()}")
+        held = lib.llama_memory_seq_pos_max(self._mem, seq) + 1  # positions [0, held) are in the loaded cells
+        if held != positions:  # a manifest that claims what the bytes do not hold: never believed
+            self.seq_rm(seq)
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"the sequence state holds {held} positions, "
+                                                        f"its manifest claims {positions}", field="positions")
         self._n_pos[seq] = positions
         self.reset_evaluated(seq)
 

@@ -195,8 +195,11 @@ class StubBackend(ShardBackend):
                 kv_sum = z["kv_sum"]
         except (OSError, ValueError, KeyError) as exc:
             raise CallerError(Reason.SNAPSHOT_MISMATCH, f"not a stub prefix: {exc}") from None
-        if kv_sum.shape != (len(self.layers), self.spec.seam_width) or positions not in marks:
-            raise CallerError(Reason.SNAPSHOT_MISMATCH, "a stub prefix of another shape or length")
+        if kv_sum.shape != (len(self.layers), self.spec.seam_width):
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, "a stub prefix of another shape")
+        if positions != max(marks, default=0):
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"the stub prefix holds {max(marks, default=0)} positions, "
+                                                        f"its manifest claims {positions}", field="positions")
         self._kept[key] = _Session(positions, kv_sum, positions, 0, marks)
         return positions * kv_sum.nbytes
 

@@ -18,6 +18,14 @@ node together, as one pass, while the other groups are on the other nodes.
 
 Theory: `RoutePhases` is pure (who may go now); the gateway's driver waits on
 it with a bound, after which a session goes alone (it only costs speed).
+
+The bound (`hold_for`) is twice the session's own round trip: the time from
+when its last step went out, after any hold, to its next token. Counting from
+when its last step was ready instead counted the hold into the next bound:
+with one member of a group stalled, every other member waited its whole hold
+each step, and each hold was twice the last (0.1 s, 0.2 s, 0.4 s ... past a
+second within 4 steps). A bound never exceeds MAX_HOLD_S either, whatever a
+driver passes in.
 Left out: star routes (every hop is a round trip from the gateway).
 """
 
@@ -27,15 +35,19 @@ import math
 
 import attrs
 
-__all__ = ["RoutePhases", "FIRST_HOLD_S", "hold_for"]
+__all__ = ["RoutePhases", "FIRST_HOLD_S", "MAX_HOLD_S", "hold_for"]
 
 FIRST_HOLD_S = 0.25  # how long a session's first decode step may wait for its phase group
+# The longest any step waits for its group. Waiting only buys speed (one pass over the weights for the
+# group), and no pass costs a second on the routes this serves; a session slower than that goes alone.
+MAX_HOLD_S = 1.0
 
 
-def hold_for(now: float, last: float | None) -> float:
-    """How long a session's step may wait for its group: twice the time since its last step (its token
-    interval), or FIRST_HOLD_S for its first. The gateway (chain) and a ring's tail hold by this rule."""
-    return 2.0 * (now - last) if last is not None else FIRST_HOLD_S
+def hold_for(now: float, sent: float | None) -> float:
+    """How long a session's step ready at `now` may wait for its group: twice its round trip since its last
+    step went out at `sent` (after that step's own hold, so a hold never lengthens the next), at most
+    MAX_HOLD_S; FIRST_HOLD_S for its first. The gateway (chain) and a ring's tail hold by this rule."""
+    return min(MAX_HOLD_S, 2.0 * max(0.0, now - sent)) if sent is not None else FIRST_HOLD_S
 
 
 @attrs.define

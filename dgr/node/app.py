@@ -9,7 +9,15 @@ bookkeeping. Everything else goes through Quart.
 Every call that names a Route Session carries its capability in
 `X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
 pinned at join (a node that has not joined refuses them; one with no
-tracker, on loopback, asks for none) before the session is touched.
+tracker, on loopback, asks for none) before the session is touched. The
+session is named in the path or in `X-Dgr-Route-Session`, never only in a
+body, so the check comes before any body byte is read: a caller without a
+capability is answered 403 having sent a head and nothing else (and its
+connection is closed, dgr.api.http). Steps take any capability for the
+session; open, close, status and tokenize take the gateway's own (CONTROL),
+and an open also the tracker's single-use ticket for its exact body
+(`X-Dgr-Ticket`, dgr.security.tickets), whose digest is checked before the
+body is parsed.
 
 Layer-possession challenges are answered only when signed by the pinned
 tracker key and addressed to this node, and each answer is signed with this
@@ -28,29 +36,34 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import (install_error_handlers, json_response, read_json, read_raw_seam, respond_raw,
-                          respond_raw_error, serve_seam_stream)
+from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
+                          respond_raw, respond_raw_error, serve_seam_stream)
 from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
+from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
+from dgr.security.auth import Scope
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
     CONTENT_TYPE,
     MAX_CONTROL_BYTES,
     MAX_TOKENIZE_BYTES,
+    ROUTE_SESSION_HEADER,
     STEP_PATH,
     STREAM_PATH,
+    TICKET_HEADER,
     raw_header,
 )
 
 if TYPE_CHECKING:
     from dgr.node.artifact import NodeArtifact
+    from dgr.security.tls import TlsTrust
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
@@ -78,31 +91,20 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         if request.content_length is not None and request.content_length > limit:
             raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {limit}")
 
-    def _authorize(sid: str) -> None:
-        service.authorize(request.headers.get(CAPABILITY_HEADER), sid)
+    def _authorize(sid: str, need: Scope = Scope.CONTROL) -> None:
+        _checked(service, request.scope)(request.headers.get(CAPABILITY_HEADER), sid, need)
 
     @app.post("/v1/seam/sessions")
     async def open_session():
-        body = await read_json(_JSON_LIMIT)
-        sid = body.get("session")
-        max_positions = body.get("max_positions")
-        sampling = body.get("sampling") or {}
-        if not isinstance(sid, str) or not _SID.fullmatch(sid):
-            raise CallerError(Reason.BAD_FRAME, "session must be 32 lowercase hex digits")
-        _authorize(sid)
-        if not isinstance(max_positions, int) or isinstance(max_positions, bool):
-            raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
-        if not isinstance(sampling, dict):
-            raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
-        params = SamplingParams.from_json(sampling)
-        prefix = body.get("prefix") or []
-        if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
-            raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
-        lane = body.get("lane")
-        if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
-            raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
-        reused = await service.open_session(sid, max_positions, params, relay=_relay_plan(service, body.get("relay")),
-                                            prefix=prefix, lane=lane)
+        headers = request.headers
+        named = headers.get(ROUTE_SESSION_HEADER)
+        ticket = service.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
+        raw = await read_body(_JSON_LIMIT)  # only now: the caller is the gateway, with the tracker's ticket
+        service.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
+        body = parse_json(raw)
+        sid, max_positions, params, prefix, lane = _open_args(service, body, named)
+        relay = _relay_plan(service, body.get("relay"))
+        reused = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane)
         return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -129,11 +131,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.post("/v1/node/tokenize")
     async def tokenize():
-        body = await read_json(MAX_TOKENIZE_BYTES)
         if service.guarded:
-            # tokenizing is work done for a Route Session: only for one the tracker opened
-            sid = body.get("session")
-            _authorize(sid if isinstance(sid, str) else "")
+            # tokenizing is work done for a Route Session: only for one the tracker opened, before the prompt is read
+            _authorize(request.headers.get(ROUTE_SESSION_HEADER, ""))
+        body = await read_json(MAX_TOKENIZE_BYTES)
         messages = list(parse_messages(body["messages"])) if "messages" in body else None
         tokens, text = await service.tokenize(messages=messages, prompt=body.get("prompt"))
         return json_response({"tokens": tokens, "text": text})
@@ -160,7 +161,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.get("/v1/node/status")
     async def status():
-        return json_response(service.status())
+        # aggregates for anyone; the per-kind counters (which time each request) for the tracker's key only
+        return json_response(service.status(detail=service.status_detail(request.headers.get(CAPABILITY_HEADER))))
 
     @app.get("/metrics")
     async def metrics():
@@ -175,6 +177,34 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         return json_response(node_openapi_document())
 
     return seam_fast_path(service, app)
+
+
+def _open_args(service: NodeService, body: dict[str, Any], named: str | None
+               ) -> tuple[str, int, SamplingParams, list[str], int | None]:
+    """An open body's (session, max_positions, sampling, prefix, lane); the session must be the one named in
+    the header, where there is one (a node without a tracker also takes an open that names it in the body only).
+
+    Raises: CallerError(BAD_FRAME | INVALID_REQUEST).
+    """
+    sid = body.get("session")
+    if named is not None and sid != named:
+        raise CallerError(Reason.INVALID_REQUEST, f"the body opens another session than {ROUTE_SESSION_HEADER} names")
+    if not isinstance(sid, str) or not _SID.fullmatch(sid):
+        raise CallerError(Reason.BAD_FRAME, "session must be 32 lowercase hex digits")
+    max_positions = body.get("max_positions")
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool):
+        raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
+    sampling = body.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
+    params = SamplingParams.from_json(sampling)
+    prefix = body.get("prefix") or []
+    if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
+        raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
+    lane = body.get("lane")
+    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
+        raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
+    return sid, max_positions, params, prefix, lane
 
 
 def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
@@ -194,7 +224,7 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
     nxt, cap = data.get("next"), data.get("deliver_capability")
     if cap is not None and not isinstance(cap, str):
         raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
-    hop = None if nxt is None else _next_hop(nxt, "relay.next")
+    hop = None if nxt is None else _next_hop(nxt, "relay.next", service.tls)
     route, nodes = data.get("route", ""), data.get("nodes", 1)
     if (not isinstance(route, str) or len(route) > _MAX_ROUTE
             or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
@@ -206,17 +236,32 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
         if (not service.backend.is_tail or not isinstance(loop, dict)
                 or not isinstance(loop.get("ignore_eos", False), bool)):
             raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
-        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head"), loop.get("ignore_eos", False))
+        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head", service.tls), loop.get("ignore_eos", False))
     return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
 
 
-def _next_hop(data: Any, what: str) -> NextHop:
-    """A node to send steps on to, from {node, url, capability, tls_cert}. Raises CallerError(INVALID_REQUEST)."""
+def _next_hop(data: Any, what: str, tls: TlsTrust) -> NextHop:
+    """A node to send steps on to, from {node, url, capability, tls_cert}.
+
+    Raises: CallerError(INVALID_REQUEST) if malformed; (FORBIDDEN) an http:// url under --require-tls.
+    """
     if (not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("node", "url"))
             or not data["url"].startswith(("http://", "https://"))
             or any(data.get(k) is not None and not isinstance(data[k], str) for k in ("capability", "tls_cert"))):
         raise CallerError(Reason.INVALID_REQUEST, f"{what} needs a node id and an http(s):// url")
+    tls.check(data["url"], what)
     return NextHop(data["node"], data["url"], data.get("capability"), data.get("tls_cert"))
+
+
+def _checked(service: NodeService, scope):
+    """`service.authorize`, and once a capability holds, the connection leaves the server's guest limits
+    (dgr.api.server `authenticated`): the one place the node's routes mark it."""
+
+    def authorize(capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
+        service.authorize(capability, sid, need)
+        authenticated(scope)
+
+    return authorize
 
 
 def seam_fast_path(service: NodeService, app):
@@ -234,13 +279,13 @@ def seam_fast_path(service: NodeService, app):
 async def _stream(service: NodeService, scope, receive, send) -> None:
     """A chain session's steps from the previous hop, checked against this node's capability for it."""
     await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
-                            authorize=service.authorize, apply=service.accept_streamed)
+                            authorize=_checked(service, scope), apply=service.accept_streamed)
 
 
 async def _step(service: NodeService, scope, receive, send) -> None:
     try:
         req = await read_raw_seam(scope, receive, service.max_frame_bytes, "frame",
-                                  on_header=lambda head, cap: service.authorize(cap, frame_session(head)))
+                                  on_header=lambda head, cap: _checked(service, scope)(cap, frame_session(head)))
         if req is None:
             return  # the sender went away mid-frame: nothing was applied
         reply, compute_s = await service.step(req.body, req.capability)

@@ -20,7 +20,11 @@ registration also carries the join token's proof (when the node has a
 token), bound to that one signature. The reply carries the tracker's public
 key, which the node pins (`NodeService.join`): from then on it accepts only
 capabilities and challenges signed with it. With a join token, the node
-pins the key only if the reply proves the tracker holds the token too.
+pins the key only if the reply proves the tracker holds the token too. The
+pin outlives the process (dgr.security.pins): it is written beside the
+node's identity, and a restarted node, or one given `--tracker-key`,
+refuses a tracker that answers with another key, naming both. With
+`--require-tls` the node refuses an http:// tracker outright.
 
 The reply also says which URL and seed address the tracker recorded: a node
 bound to a wildcard address without `--advertise` is recorded at the source
@@ -29,13 +33,16 @@ loopback address (the node reached the tracker over 127.0.0.1), the node
 warns on stderr: it bound every interface to serve other machines, which
 cannot reach it there. `dgr up`'s nodes bind 127.0.0.1 and are not warned.
 
-A refusal (401, or 409 for an id that belongs to another key) is not final:
+A refusal (401, 403, or 409 for an id that belongs to another key), or a
+reply with a key this node does not trust, is not final:
 the tracker may be restarting with a rotated token, a clock may be off for a
 while, or a signature may collide with a nonce it saw. The node says why on
 its log and retries with exponential backoff (`RETRY_MIN_S` doubling to
 `RETRY_MAX_S`), serving its open sessions meanwhile.
 
-Each heartbeat lists the ids of the sessions the node holds, so the tracker
+A heartbeat names its node id in `X-Dgr-Node` as well as in its body, so
+the tracker checks our key owns the id before it parses the body. Each
+heartbeat lists the ids of the sessions the node holds, so the tracker
 can close the ones it no longer runs (a node it declared lost, an open whose
 reply it never got). Each registration advertises `max_positions`, the
 positions per session this node really allocates (`--ctx`).
@@ -60,6 +67,8 @@ from dgr.node.service import NodeService
 from dgr.progress import say
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
 from dgr.security.identity import key_from_text
+from dgr.security.pins import TrackerPin
+from dgr.seam.wire import NODE_HEADER
 from dgr.security.tls import TlsTrust
 
 if TYPE_CHECKING:  # the artifact plane loads only for a node that serves one (cli: prepare_node_artifact)
@@ -129,18 +138,21 @@ def _decided(artifact: NodeArtifact | None) -> bool:
 
 
 async def _post(client: httpx.AsyncClient, signer: Signer, path: str, data: dict[str, Any],
-                join_token: bytes | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> tuple[httpx.Response, str]:
-    """POST `data` as JSON, signed over the exact bytes sent; the response and the signature sent.
+                join_token: bytes | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                extra: dict[str, str] | None = None) -> tuple[httpx.Response, str]:
+    """POST `data` as JSON, signed over the exact bytes sent (with `extra` headers); the response and the
+    signature sent.
 
     Raises:
-        CallerError(UNAUTHENTICATED | REPLAYED | IDENTITY_TAKEN): the tracker refused our key or signature.
+        CallerError(UNAUTHENTICATED | REPLAYED | FORBIDDEN | IDENTITY_TAKEN): the tracker refused our key or
+        signature, or our registration (an http:// URL to a tracker that requires TLS).
     """
     body = json.dumps(data).encode()
-    headers = {"Content-Type": "application/json", **signer.headers("POST", path, body, time.time())}
+    headers = {"Content-Type": "application/json", **(extra or {}), **signer.headers("POST", path, body, time.time())}
     if join_token is not None:
         headers[JOIN_HEADER] = join_proof(join_token, signer.identity.public, headers["X-Dgr-Signature"])
     r = await client.post(path, content=body, headers=headers, timeout=timeout_s)
-    if r.status_code in (401, 409):
+    if r.status_code in (401, 403, 409):
         code, message = parse_error_body(r.content)
         try:
             reason = Reason(code)
@@ -162,11 +174,12 @@ def _why(exc: BaseException) -> str:
     return "; ".join(parts) or "no detail"
 
 
-def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | None) -> None:
-    """Pin the tracker key a registration reply carries.
+def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | None, pin: TrackerPin) -> None:
+    """Pin the tracker key a registration reply carries, in memory and in the pin file.
 
     Raises:
-        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key pinned before.
+        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key this node
+        trusts (--tracker-key, the pin file, or the one pinned at join).
     """
     try:
         key = key_from_text(reply["tracker_key"])
@@ -174,7 +187,12 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
         raise CallerError(Reason.FORBIDDEN, "the tracker's reply carries no key to check capabilities with") from None
     if join_token is not None and reply.get("tracker_proof") != tracker_join_proof(join_token, key, signature):
         raise CallerError(Reason.FORBIDDEN, "the tracker did not prove it holds our join token: not pinning its key")
+    pin.check(key)
     service.join(key)
+    try:
+        pin.keep(key)
+    except OSError as exc:  # pinned in memory all the same; a restart trusts on first use again
+        log.warning("could not write the tracker pin %s: %s", pin.path, exc)
 
 
 def _heartbeat_period(reply: Any) -> float:
@@ -202,18 +220,26 @@ def _note_address(service: NodeService, reply: Any, url: str) -> None:
 
 async def stay_registered(service: NodeService, tracker: str, url: str, *, artifact: NodeArtifact | None = None,
                           join_token: bytes | None = None, tls_cert: str | None = None,
-                          tls: TlsTrust = TlsTrust(), transport: httpx.AsyncBaseTransport | None = None,
+                          tls: TlsTrust = TlsTrust(), pin: TrackerPin | None = None,
+                          transport: httpx.AsyncBaseTransport | None = None,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
     With an artifact, ready means the tracker has decided on the layer claim
     (passed or failed), so `dgr up` announces the API once nodes are routable.
     A refusal of this node's credentials (401) is logged with its reason and
-    retried with backoff; `transport` is for in-process tests.
+    retried with backoff; so is a reply with a key `pin` does not admit (in memory only when None).
+    `transport` is for in-process tests.
+
+    Raises:
+        CallerError(INVALID_REQUEST): the node has no identity. CallerError(FORBIDDEN): an http:// tracker
+        under --require-tls.
     """
     started = False
     if service.identity is None:
         raise CallerError(Reason.INVALID_REQUEST, "a node joins a tracker with its own key: it has no identity")
+    tls.check(tracker, "the tracker")
+    pin = pin if pin is not None else TrackerPin(tracker=tracker.rstrip("/"))
     signer = Signer(service.identity)
     backoff = RETRY_MIN_S
     period = HEARTBEAT_S
@@ -228,7 +254,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                                                timeout_s=REGISTER_TIMEOUT_S)
                     r.raise_for_status()
                     reply = r.json()
-                    _pin(service, reply, signature, join_token)
+                    _pin(service, reply, signature, join_token, pin)
                     _note_address(service, reply, url)
                     _note_proof(artifact, reply)
                     period = _heartbeat_period(reply)
@@ -237,7 +263,9 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     if not started and _decided(artifact):
                         started = True
                         task_status.started()
-                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service))
+                # the id in a header too: the tracker checks our key owns it before it parses the body
+                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service),
+                                   extra={NODE_HEADER: service.node_id})
                 if r.status_code == 404:
                     registered = False
                     continue
@@ -247,7 +275,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     started = True
                     task_status.started()
                 backoff = RETRY_MIN_S
-            except CallerError as exc:  # 401/409: our key or token, our clock, a replayed nonce; or an impostor
+            except CallerError as exc:  # 401/403/409: our key or token, our clock, a replayed nonce; or an impostor
                 registered = False
                 log.warning("%s; retrying in %gs (check the join token, the node's identity and the clocks)",
                             exc.message, backoff)

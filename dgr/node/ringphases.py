@@ -12,8 +12,9 @@ the route the gateway names in the session's relay plan; lanes are the ones the
 gateway gave at open.
 
 Rules:
-- A session's step waits until its group is complete, or at most `hold_s`,
-  after which it goes alone (it only costs speed); a later step waits again.
+- A session's step waits until its group is complete, or at most `hold_for`
+  its round trip since its last step went out, after which it goes alone (it
+  only costs speed); a later step waits again.
 - A session that sends no next step (its last token, end of generation), or
   that ends here, stops counting for its group, which may then go.
 - Steps go out through `send`, in the order they are released.
@@ -40,7 +41,7 @@ class RingPhases:
     route_of: dict[str, str] = attrs.field(factory=dict)  # sid -> route
     held: dict[str, bytes] = attrs.field(factory=dict)  # sid -> its step, waiting for its group
     _wake: dict[str, trio.Event] = attrs.field(factory=dict)  # sid -> what ends its hold early
-    _last: dict[str, float] = attrs.field(factory=dict)  # sid -> when its last step was ready (trio clock)
+    _last: dict[str, float] = attrs.field(factory=dict)  # sid -> when its last step went out (trio clock)
     released: int = 0  # steps sent with their group
     alone: int = 0  # steps sent alone, after their hold
 
@@ -62,7 +63,6 @@ class RingPhases:
             return
         now = trio.current_time()
         last = self._last.get(sid)
-        self._last[sid] = now
         self.held[sid] = step
         out = board.arrive(sid)
         if sid in out:
@@ -100,7 +100,7 @@ class RingPhases:
                 wake.set()
             if step is not None:
                 self.released += 1
-                self.send(s, step)
+                self._out(s, step)
 
     async def _hold(self, sid: str, hold_s: float) -> None:
         wake = self._wake.get(sid)
@@ -117,4 +117,10 @@ class RingPhases:
         step = self.held.pop(sid, None)
         if step is not None:
             self.alone += 1
-            self.send(sid, step)
+            self._out(sid, step)
+
+    def _out(self, sid: str, step: bytes) -> None:
+        """Send a held step, noting when it went: its session's next hold counts from here."""
+        if sid in self.route_of:
+            self._last[sid] = trio.current_time()
+        self.send(sid, step)

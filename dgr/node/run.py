@@ -34,15 +34,16 @@ from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
 from dgr.node.service import NodeService
-from dgr.node.snapshot import SnapshotDir
+from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir
 from dgr.security.identity import Identity
+from dgr.security.pins import TrackerPin
 from dgr.security.tls import TlsTrust, cert_pem
 from dgr.serve import print_ready, serve_app
 
 if TYPE_CHECKING:
     from dgr.node.artifact import NodeArtifact
 
-__all__ = ["run_node", "advertised_url"]
+__all__ = ["run_node", "advertised_url", "check_transport"]
 
 
 def advertised_url(bound: str, advertise: str | None) -> str:
@@ -64,24 +65,46 @@ def advertised_url(bound: str, advertise: str | None) -> str:
     return f"{parts.scheme}://{host}:{port}"
 
 
+def check_transport(tls: TlsTrust, tracker: str | None, tls_files: tuple[str, str] | None,
+                    advertise: str | None) -> None:
+    """Under --require-tls: an https:// tracker, and an https:// URL of this node's own to register.
+
+    Raises:
+        CallerError(FORBIDDEN): TLS is required and either would be plain http.
+    """
+    if not tls.required:
+        return
+    if tracker:
+        tls.check(tracker, "--tracker")
+    if advertise:
+        tls.check(advertise, "--advertise")
+    elif not tls_files:
+        raise CallerError(Reason.FORBIDDEN, "--require-tls: this node would register a plain http:// URL; give it "
+                                            "--tls-cert and --tls-key (or --advertise https://... behind a TLS "
+                                            "terminator)")
+
+
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
                    identity: Identity, idle_timeout_s: float = 120.0, artifact: NodeArtifact | None = None,
                    seed_port: int = 0, join_token: bytes | None = None, advertise: str | None = None,
                    tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
+                   pin: TrackerPin | None = None,
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
-                   busy_poll_s: float = 0.0) -> None:
+                   snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0) -> None:
     """Serve until cancelled.
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
+        CallerError(FORBIDDEN): plain http under --require-tls (see `check_transport`).
     """
+    check_transport(tls, tracker, tls_files, advertise)
     if tracker is None and not is_loopback(host):
         raise CallerError(Reason.INVALID_REQUEST,
                           f"a node listening on {host} needs a tracker (--tracker): without one it has no key to "
                           "check capabilities with, and anyone who reaches it could open sessions")
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
-                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, backend, artifact),
+                          prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, snapshot_max_mb, backend, artifact),
                           busy_poll_s=busy_poll_s)
     app = make_node_app(service, artifact=artifact)
     steptrace.start_from_env()
@@ -102,7 +125,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
             if tracker:
                 cert = cert_pem(tls_files[0]) if tls_files else None
                 await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact,
-                                                      join_token=join_token, tls_cert=cert, tls=tls))
+                                                      join_token=join_token, tls_cert=cert, tls=tls,
+                                                      pin=pin or TrackerPin.beside(identity.path, tracker)))
             print_ready({"role": "node", "node": node_id, "url": service.advertised or url, "bound": bound,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:
@@ -117,10 +141,13 @@ def _prefix_cache(mb: float | None) -> PrefixCache | None:
     return PrefixCache(max_bytes=int(mb * 2**20)) if mb > 0 else None
 
 
-def _snapshots(folder: str | None, backend: ShardBackend, artifact: NodeArtifact | None) -> SnapshotDir | None:
-    """`--snapshot-dir`: what a snapshot there must match to be loaded is this node's file, manifest and layers."""
+def _snapshots(folder: str | None, max_mb: float | None, backend: ShardBackend,
+               artifact: NodeArtifact | None) -> SnapshotDir | None:
+    """`--snapshot-dir`: what a snapshot there must match to be loaded is this node's file, manifest and layers;
+    `--snapshot-max-mb` its disk budget (SNAPSHOT_MAX_MB when not given)."""
     if folder is None:
         return None
     own = {"model_digest": backend.info.digest, "manifest_id": artifact.manifest.id if artifact else None,
            "backend": backend.name, "layers": str(backend.layers)}
-    return SnapshotDir(folder, own, model=backend.info.name)
+    budget = int((SNAPSHOT_MAX_MB if max_mb is None else max(0.0, max_mb)) * 2**20)
+    return SnapshotDir(folder, own, model=backend.info.name, max_bytes=budget)

@@ -31,11 +31,16 @@ Authorization: a node with a tracker (`joining`) pins the tracker's public
 key when it joins (`join`); from then on every call that names a session
 (open, step, close, status, tokenize) must carry the capability the tracker
 signed for that session, this node and these layers (dgr.security.auth).
-Before it has joined, such calls are refused. It is checked before anything
-else about the session is looked at, so an unauthorized caller learns
-nothing and changes nothing. A node without a tracker (loopback
-development) asks for no capability. The node holds no key that can make a
-capability: its own key signs only its messages and proof answers.
+Steps need any (a neighbour's `STEP` one will do); open, close, status and
+tokenize need the gateway's `CONTROL` one. An open also needs the
+tracker's single-use ticket for exactly its body (dgr.security.tickets):
+`admit_open` checks it from the headers, `redeem_open` the body's bytes
+before they are parsed, and each session id opens here once. Before it has
+joined, such calls are refused. It is checked before anything else about
+the session is looked at, so an unauthorized caller learns nothing and
+changes nothing. A node without a tracker (loopback development) asks for
+no capability and no ticket. The node holds no key that can make either:
+its own key signs only its messages and proof answers.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
-from dgr.seam.wire import MAX_FRAME_BYTES, Flag, FrameKind
-from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, sign_json, verify_json
+from dgr.seam.wire import MAX_FRAME_BYTES, STATUS_SCOPE, Flag, FrameKind
+from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, sign_json, verify_json
+from dgr.security.tickets import OpenTicket, TicketBook
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust
 
@@ -114,6 +120,7 @@ class NodeService:
     started_at: float = attrs.field(factory=time.monotonic)
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
     authority: CapabilityAuthority | None = None  # the pinned tracker key; None: not joined (or no tracker)
+    tickets: TicketBook | None = None  # open tickets, checked with the pinned tracker key; None: as `authority`
     joining: bool = False  # has a tracker: session calls need its capabilities, refused until joined
     identity: Identity | None = None  # this node's key: signs its membership messages and proof answers
     tracker_key: bytes | None = None  # pinned at join
@@ -148,6 +155,8 @@ class NodeService:
             self.prefix = None  # this backend holds no KV beyond a session's life
         if self.prefix is None or not self.backend.snapshot_capable:
             self.snapshots = None
+        if self.authority is not None and self.tickets is None:  # given a tracker key: its tickets too
+            self.tickets = TicketBook(self.authority.public)
         self.metrics.watch(self._gauges)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -185,6 +194,8 @@ class NodeService:
         if self.tracker_key is not None and self.tracker_key != tracker_key:
             raise CallerError(Reason.FORBIDDEN, "the tracker answered with another key than the one this node "
                                                 "pinned at join: restart the node to join a new tracker")
+        if self.tracker_key is None:
+            self.tickets = TicketBook(tracker_key)
         self.tracker_key = tracker_key
         self.authority = CapabilityAuthority.verifier(tracker_key)
         self.joined.set()
@@ -242,11 +253,12 @@ class NodeService:
         self.stats.refused[exc.reason.value] += 1
         self.metrics.refused_total.labels(reason=exc.reason.value).inc()
 
-    def authorize(self, capability: str | None, sid: str) -> None:
-        """Check the caller's capability for session `sid` on this node and these layers.
+    def authorize(self, capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
+        """Check the caller's capability for session `sid` on this node and these layers, allowing `need`.
 
         Raises:
-            CallerError(FORBIDDEN): missing, forged, expired, or for another session, node or layer range.
+            CallerError(FORBIDDEN): missing, forged, expired, for another session, node or layer range, or a
+                neighbour's (steps only) where `need` is CONTROL.
         """
         if self.authority is None:
             if self.joining:
@@ -259,7 +271,40 @@ class NodeService:
         try:
             # wall clock: the tracker that issued the token stamped its expiry with its own
             self.authority.check(capability, session=sid, node=self.node_id, start=layers.start, stop=layers.stop,
-                                 now=time.time())
+                                 now=time.time(), need=need)
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
+
+    def admit_open(self, capability: str | None, ticket: str | None, sid: str) -> OpenTicket | None:
+        """Check an open from its headers alone, before any of its body is read: the gateway's capability
+        for `sid` and the tracker's unused ticket for it. None on a node without a tracker (nothing to check).
+
+        Raises:
+            CallerError(FORBIDDEN): as `authorize` (CONTROL), or the ticket is missing, forged, expired,
+                for another open, or already used.
+        """
+        self.authorize(capability, sid, Scope.CONTROL)
+        if self.tickets is None:
+            return None
+        layers = self.backend.layers
+        try:
+            return self.tickets.check(ticket, session=sid, node=self.node_id, start=layers.start, stop=layers.stop,
+                                      now=time.time())
+        except CallerError as exc:
+            self._refuse(exc)
+            raise
+
+    def redeem_open(self, ticket: OpenTicket | None, body: bytes) -> None:
+        """Take an admitted open's ticket for its body's bytes, before they are parsed (a no-op without one).
+
+        Raises:
+            CallerError(FORBIDDEN): the body is not the one the tracker signed, or the ticket was used meanwhile.
+        """
+        if ticket is None or self.tickets is None:
+            return
+        try:
+            self.tickets.redeem(ticket, body, time.time())
         except CallerError as exc:
             self._refuse(exc)
             raise
@@ -338,6 +383,8 @@ class NodeService:
         try:
             kept, blocks = cache.match(chain) if cache is not None else (None, 0)
             if kept is not None:
+                if self.snapshots is not None:
+                    self.snapshots.touch(kept.chain[-1])  # used: the last of the folder to be evicted
                 take = blocks == len(kept.chain) or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
@@ -376,10 +423,13 @@ class NodeService:
             except CallerError as exc:
                 snaps.refused.append({"file": f"{snap.chain[-1]}.json", "code": exc.reason.value,
                                       "message": exc.message})
+                if exc.reason is Reason.SNAPSHOT_MISMATCH:  # not the bytes, or positions, its manifest says
+                    snaps.discard(snap.chain[-1])
                 continue
             for d in cache.add(Kept(key, snap.chain, nbytes)):
                 backend.drop_prefix(d)
             snaps.loaded += 1
+            snaps.touch(snap.chain[-1])
         self.prefix_bytes = backend.prefix_bytes()
         for r in snaps.refused:
             log.warning("prefix snapshot %s refused (%s): %s", r["file"], r["code"], r["message"])
@@ -404,7 +454,9 @@ class NodeService:
                 backend.drop_prefix(d)
             if self.snapshots is not None and key not in dropped:
                 try:
-                    self.snapshots.write(tuple(keep[:blocks]), backend.export_prefix(key))
+                    data = backend.export_prefix(key)
+                    if not self.snapshots.write(tuple(keep[:blocks]), data):
+                        log.info("prefix snapshot of %d bytes not written: over --snapshot-max-mb", len(data))
                 except OSError as exc:  # the prefix is kept in memory all the same
                     log.warning("could not write a prefix snapshot to %s: %s", self.snapshots.root, exc)
         finally:
@@ -726,10 +778,27 @@ class NodeService:
             "next_seq": session.next_seq,
         }
 
-    def status(self) -> dict[str, Any]:
-        """What the node holds now; backend figures as of the scheduler's last iteration."""
+    def status_detail(self, capability: str | None) -> bool:
+        """May this caller see the per-kind counters: the tracker's capability for STATUS_SCOPE, or no tracker.
+
+        Polled, the counters split each request into its prompt (prefill bytes) and output (decode
+        frames): not for anyone who can reach the port. A refusal here is no seam refusal (not counted).
+        """
+        if self.authority is None:
+            return not self.joining
+        layers = self.backend.layers
+        try:
+            self.authority.check(capability, session=STATUS_SCOPE, node=self.node_id, start=layers.start,
+                                 stop=layers.stop, now=time.time())
+        except CallerError:
+            return False
+        return True
+
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """What the node holds now; backend figures as of the scheduler's last iteration. Without `detail`,
+        only what a load balancer needs (sessions, capacity, KV bytes), not the per-kind counters."""
         sched = self.scheduler
-        return {
+        aggregate = {
             "node": self.node_id,
             "backend": self.described,
             "model": self.backend.info.to_json(),
@@ -737,6 +806,12 @@ class NodeService:
             "sessions": len(self.sessions),
             "capacity": self.capacity,
             "kv_bytes": sched.kv_bytes,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }
+        if not detail:
+            return aggregate
+        return {
+            **aggregate,
             "prefix": None if self.prefix is None else {**self.prefix.to_json(), "bytes": self.prefix_bytes},
             "snapshots": None if self.snapshots is None else self.snapshots.to_json(),
             "seam": self.stats.to_json(),
@@ -744,5 +819,4 @@ class NodeService:
                           "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
                           "polls_given_up": sched.polls_given_up},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
         }

@@ -18,6 +18,10 @@ No retries on purpose: a seam step is not idempotent (the node advances its
 session when it accepts a frame), so a request that may have reached the node
 is never sent twice. A connection that broke is dropped and the caller sees
 `TransportError`.
+
+An answer is read up to `max_answer` bytes (a frame's limit by default), as
+it arrives; a longer one breaks the connection with `TransportError`, so a
+faulty or hostile server cannot make the caller buffer without end.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from urllib.parse import urlsplit
 import attrs
 import h11
 import trio
+
+from dgr.seam.wire import MAX_FRAME_BYTES
 
 __all__ = ["TransportError", "HttpResponse", "ConnectionPool", "OutStream"]
 
@@ -52,6 +58,7 @@ class _Conn:
     stream: trio.abc.Stream
     h11: h11.Connection
     last_used: float
+    max_answer: int = MAX_FRAME_BYTES  # the most body bytes one answer may carry
 
     async def request(self, method: str, target: str, host: str, headers: list[tuple[str, str]],
                       body: bytes) -> HttpResponse:
@@ -66,7 +73,7 @@ class _Conn:
     async def response(self) -> HttpResponse:
         """Read the server's whole answer. Raises TransportError when the connection ends first."""
         conn = self.h11
-        status, resp_headers, chunks = 0, {}, []
+        status, resp_headers, chunks, size = 0, {}, [], 0
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
@@ -79,6 +86,9 @@ class _Conn:
                 status = event.status_code
                 resp_headers = {k.decode().lower(): v.decode() for k, v in event.headers}
             elif isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.max_answer:
+                    raise TransportError(f"the answer exceeds {self.max_answer} bytes")
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 break
@@ -151,6 +161,7 @@ class ConnectionPool:
 
     url: str
     ssl_context: ssl.SSLContext | None = None  # for https://; None: the system's default trust
+    max_answer: int = MAX_FRAME_BYTES  # the most body bytes an answer may carry (_Conn.response)
     _idle: list[_Conn] = attrs.field(factory=list)
     _host: str = attrs.field(init=False)
     _port: int = attrs.field(init=False)
@@ -178,7 +189,7 @@ class ConnectionPool:
                 await sock.aclose()
                 raise TransportError(f"TLS handshake with {self._host}:{self._port} failed: {exc}") from None
             stream = tls
-        return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic())
+        return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic(), self.max_answer)
 
     async def _checkout(self) -> _Conn:
         now = time.monotonic()

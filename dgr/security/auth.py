@@ -22,10 +22,16 @@ Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
    with the token knows it pinned the key of a tracker that has it too.
 
 3. Capabilities: for each Route Session the tracker issues, per hop, a token
-   binding session id, node id, layer range and expiry, signed with the
-   tracker's private key. A node checks it on every seam call with the
-   tracker key it pinned at join, against the frame's session and its own id
-   and layers. A node holds no key that can make one.
+   binding session id, node id, layer range, expiry and what it allows
+   (`Scope`), signed with the tracker's private key. A node checks it on
+   every seam call with the tracker key it pinned at join, against the
+   frame's session and its own id and layers. A node holds no key that can
+   make one. The gateway's own capability for a hop is `CONTROL` (open,
+   close with keep, status, tokenize and steps); the one a node is handed
+   for its neighbour (the next hop, a ring's head) is `STEP`: it lets the
+   holder send that session's steps there and nothing else, so a route
+   member cannot open, re-open, close or plant KV on the nodes it feeds.
+   A token that names no scope allows steps only.
 
 Signatures are domain-separated (`identity.Identity.sign`), so a signature
 made in one role is never valid in another.
@@ -34,6 +40,7 @@ made in one role is never valid in another.
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 import hmac
 import json
@@ -51,6 +58,7 @@ __all__ = [
     "Signer",
     "Verifier",
     "Admission",
+    "Scope",
     "Capability",
     "CapabilityAuthority",
     "SIG_HEADERS",
@@ -191,6 +199,16 @@ class Admission:
             raise CallerError(Reason.UNAUTHENTICATED, "bad join proof: the node's join token is not this tracker's")
 
 
+class Scope(enum.Enum):
+    """What a capability lets its holder do with its session on its node."""
+
+    STEP = "step"  # send the session's steps (a star's step, a chain's stream): what a neighbour holds
+    CONTROL = "control"  # steps, and open, close (with keep), status and tokenize: the gateway's own
+
+    def allows(self, need: Scope) -> bool:
+        return self is Scope.CONTROL or need is Scope.STEP
+
+
 @attrs.frozen
 class Capability:
     session: str
@@ -198,10 +216,11 @@ class Capability:
     start: int
     stop: int
     expires: float
+    scope: Scope = Scope.STEP
 
     def payload(self) -> bytes:
-        return json.dumps({"s": self.session, "n": self.node, "l": [self.start, self.stop], "e": self.expires},
-                          sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps({"s": self.session, "n": self.node, "l": [self.start, self.stop], "e": self.expires,
+                           "a": self.scope.value}, sort_keys=True, separators=(",", ":")).encode()
 
 
 _VERIFIED_KEPT = 4096  # verified tokens remembered per authority (a few hundred bytes each)
@@ -230,15 +249,22 @@ class CapabilityAuthority:
         return cls(public)
 
     def issue(self, session: str, node: str, start: int, stop: int, now: float,
-              ttl_s: float = CAPABILITY_TTL_S) -> str:
-        """Raises: CallerError(FORBIDDEN): this authority holds no private key (it is a node's)."""
+              ttl_s: float = CAPABILITY_TTL_S, scope: Scope = Scope.CONTROL) -> str:
+        """A capability for `session` on `node`'s layers [start, stop) allowing `scope`.
+
+        Raises: CallerError(FORBIDDEN): this authority holds no private key (it is a node's).
+        """
         if self.identity is None:
             raise CallerError(Reason.FORBIDDEN, "only the tracker can issue capabilities")
-        payload = Capability(session, node, start, stop, round(now + ttl_s, 3)).payload()
+        payload = Capability(session, node, start, stop, round(now + ttl_s, 3), scope).payload()
         return b64e(payload) + "." + b64e(self.identity.sign(_CAPABILITY, payload))
 
-    def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float) -> Capability:
-        """Raises: CallerError(FORBIDDEN) naming what does not match."""
+    def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float,
+              need: Scope = Scope.STEP) -> Capability:
+        """The capability, once it is the tracker's, unexpired, for this session, node and layers, and allows `need`.
+
+        Raises: CallerError(FORBIDDEN) naming what does not match.
+        """
         if not token:
             raise CallerError(Reason.FORBIDDEN, "a Route Session capability is required")
         cap = self._verified.get(token)
@@ -253,6 +279,10 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN, "capability is for another Route Session")
         if cap.node != node or (cap.start, cap.stop) != (start, stop):
             raise CallerError(Reason.FORBIDDEN, "capability is for another node or layer range")
+        if not cap.scope.allows(need):
+            raise CallerError(Reason.FORBIDDEN,
+                              f"this capability only lets its holder send session {session}'s steps here (a "
+                              f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
         return cap
 
     def _verify(self, token: str) -> Capability:
@@ -261,7 +291,8 @@ class CapabilityAuthority:
         try:
             payload = b64d(body)
             data: dict[str, Any] = json.loads(payload)
-            cap = Capability(str(data["s"]), str(data["n"]), int(data["l"][0]), int(data["l"][1]), float(data["e"]))
+            cap = Capability(str(data["s"]), str(data["n"]), int(data["l"][0]), int(data["l"][1]), float(data["e"]),
+                             Scope(data.get("a", Scope.STEP.value)))
             raw = b64d(sig)
         except (ValueError, KeyError, TypeError, IndexError):
             raise CallerError(Reason.FORBIDDEN, "malformed capability") from None

@@ -11,6 +11,17 @@ chain relays, artifact peers) and trust, in this order:
    as its own anchor);
 3. otherwise the system's CAs.
 
+`--require-tls` (tracker and node: `TlsTrust.required`) makes plain http a
+refusal instead of a choice. A tracker refuses a registration whose URL is
+http:// (dgr.tracker.registry), so it never hands out an http next hop; a
+node refuses to register with an http:// tracker, to advertise an http://
+URL of its own, and to open a session whose relay next hop or ring loop head
+is http:// (dgr.node.app). A seed address stays plain: BitTorrent has no
+TLS, and every piece is checked against the manifest's hashes
+(dgr.artifact), so a peer on the path can slow a fetch, not alter it. The
+tracker's own listener is its operator's to secure: `--tls-cert`, or a TLS
+terminator in front of it.
+
 Left out: client certificates (callers are authenticated by signatures and
 capabilities, not by TLS) and certificate reloading.
 """
@@ -68,6 +79,17 @@ class TlsTrust:
     """How this process's clients check the servers they call."""
 
     ca_file: str | None = None
+    required: bool = False  # --require-tls: no http:// peer at all
+
+    def check(self, url: str, what: str) -> None:
+        """Refuse an http:// `url` (`what` names it) when TLS is required.
+
+        Raises:
+            CallerError(FORBIDDEN): TLS is required and `url` is not https://.
+        """
+        if self.required and not url.startswith("https://"):
+            raise CallerError(Reason.FORBIDDEN, f"{what} {url[:200]!r} is not https://, and TLS is required here "
+                                                "(--require-tls)", field="url")
 
     def context(self, pinned_pem: str | None = None) -> ssl.SSLContext:
         """A client context: pinned to one certificate, or trusting `ca_file`, or the system's CAs.

@@ -14,6 +14,7 @@ from dgr.fsm.proof import PROOF_TABLE
 from dgr.fsm.route import ROUTE_TABLE
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 from dgr.seam import wire
+from dgr.security.tickets import TICKET_TTL_S
 
 __all__ = ["render_states", "render_reasons", "render_seam", "DOCUMENTS"]
 
@@ -107,6 +108,15 @@ def render_seam() -> str:
         "- `DELETE /v1/seam/sessions/{id}[?reason=CODE]` ends it and frees its KV. A normal close may carry "
         "`keep=K1.K2...`, the block keys of the session's KV: the node may keep those positions as a prefix "
         "instead of freeing them.",
+        f"- On a node with a tracker, every call that names a session carries its capability in "
+        f"`{wire.CAPABILITY_HEADER}`, and names the session in the path or in `{wire.ROUTE_SESSION_HEADER}` "
+        "(open, tokenize, stream), so both are checked before any of the body is read; a refused caller is "
+        "answered 403 with `Connection: close`, its body unread. A capability's scope is `control` (the "
+        "gateway's: open, close, status, tokenize and steps) or `step` (the one a relay plan hands a node for "
+        "its next hop or a ring's head, and the delivery one: steps only). An open also carries, in "
+        f"`{wire.TICKET_HEADER}`, the tracker's ticket for it (dgr.security.tickets): session, node, layers, an "
+        f"expiry {TICKET_TTL_S:g} s after issue and the SHA-256 of the exact body bytes. The node refuses a "
+        "body with another digest before parsing it, and each session id it opened while its ticket is valid.",
         f"- On a chain, each link carries a session's steps as one long-lived `POST` with a chunked body: "
         f"`{wire.STREAM_PATH}` to the head (from the gateway) and to each next node, `{wire.DELIVER_STREAM_PATH}` "
         f"from the tail to the tracker. The request names the session in `{wire.ROUTE_SESSION_HEADER}` and carries "

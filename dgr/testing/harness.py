@@ -40,10 +40,11 @@ import httpx
 
 from dgr.errors import PeerError
 from dgr.procs import WatchedChild, dgr_command
-from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_proof
+from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Scope, Signer, join_proof
 from dgr.security.identity import Identity
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, STEP_PATH
+from dgr.security.tickets import TICKET_TTL_S, issue_ticket
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STATUS_SCOPE, STEP_PATH, TICKET_HEADER
 from dgr.testing.launcher import LaunchedProcess, launch
 
 __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
@@ -155,15 +156,29 @@ class LocalRoute:
         return Identity.load(self.keys / "tracker.key", create=False)
 
     def capability(self, sid: str, name: str, *, ttl_s: float = 60.0, layers: tuple[int, int] | None = None,
-                   identity: Identity | None = None, node: str | None = None) -> dict[str, str]:
-        """The X-Dgr-Capability header for session `sid` on node `name`, signed with the tracker's key
-        (override parts, or sign with another `identity`, to forge one)."""
-        if layers is None:
-            a, b = self.node(name)["layers"].split(":")
-            layers = (int(a), int(b))
+                   identity: Identity | None = None, node: str | None = None,
+                   scope: Scope = Scope.CONTROL) -> dict[str, str]:
+        """The X-Dgr-Capability header for session `sid` on node `name`, signed with the tracker's key, as the
+        gateway's own (CONTROL; STEP: as a neighbour holds it). Override parts, or sign with another
+        `identity`, to forge one."""
+        layers = layers or self._layers(name)
         authority = CapabilityAuthority.issuer(identity or self.tracker_identity)
-        token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s)
+        token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s, scope=scope)
         return {CAPABILITY_HEADER: token}
+
+    def opening(self, sid: str, name: str, body: dict[str, Any], *, ttl_s: float = TICKET_TTL_S
+                ) -> tuple[bytes, dict[str, str]]:
+        """An open of `sid` on node `name` as the gateway sends it: the body's bytes, and headers with the
+        gateway's capability and the tracker's single-use ticket for exactly those bytes."""
+        raw = json.dumps({"session": sid, **body}).encode()
+        start, stop = self._layers(name)
+        ticket = issue_ticket(self.tracker_identity, sid, name, start, stop, raw, time.time(), ttl_s=ttl_s)
+        return raw, {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, TICKET_HEADER: ticket,
+                     **self.capability(sid, name)}
+
+    def _layers(self, name: str) -> tuple[int, int]:
+        a, b = self.node(name)["layers"].split(":")
+        return int(a), int(b)
 
     def signed(self, path: str, body: bytes, *, identity: Identity | None = None, now: float | None = None,
                join_token: str | None = None, join: bool = True) -> dict[str, str]:
@@ -231,7 +246,11 @@ class LocalRoute:
             return []
 
     def node_status(self, name: str) -> dict[str, Any]:
-        return self.http.get(f"{self.node(name)['url']}/v1/node/status", timeout=5).json()
+        """A node's whole status, counters included: asked with the tracker's capability for them."""
+        node = self.node(name)
+        a, b = node["layers"].split(":")
+        headers = self.capability(STATUS_SCOPE, name, layers=(int(a), int(b))) if self.keys is not None else {}
+        return self.http.get(f"{node['url']}/v1/node/status", timeout=5, headers=headers).json()
 
     def wait_nodes_alive(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -5,12 +5,21 @@ Who may call what (spec/security.md):
   (`unauthenticated` or `replayed`, 401, and the registry is untouched); a
   registration's key must be admitted (the join token's proof, or
   `--allow-node`), and a node id belongs to the first key that registered it
-  (`identity_taken`, 409). The registration's reply carries the tracker's
-  public key, which the node pins to check capabilities and challenges with;
+  (`identity_taken`, 409; a heartbeat under it reads as an unknown id, 404,
+  so it tells no stranger which ids exist). The registration's reply carries the tracker's
+  public key, which the node pins to check capabilities and challenges with.
+  A heartbeat names its node in `X-Dgr-Node`: its signature and that key's
+  ownership of the id are checked before its body is parsed (the body's
+  `node` must then agree);
 - with API keys, the OpenAI endpoints and the telemetry views need
   `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise);
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
   (which nodes fetching layers read) stay open.
+
+A request that passed an API key, a node's signature or a delivery
+capability marks its connection authenticated (dgr.api.server
+`authenticated`): until then the connection lives under the server's guest
+deadlines.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from dgr.api.http import (
 from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
 from dgr.api.openapi import openapi_document
 from dgr.errors import CallerError, DgrError, Failure, Reason, openai_error_body
-from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER
+from dgr.api.server import authenticated
+from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, NODE_HEADER, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
 from dgr.tracker.gateway import Delta, Gateway, LiveSession
 from dgr.security.api_keys import check_bearer
@@ -93,25 +103,28 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
             return
         if any(path == p or path.startswith(p + "/") for p in _KEYED):
             check_bearer(request.headers.get("Authorization"), api_keys)
+            authenticated(request.scope)
 
-    async def _membership_json(*, joining: bool = False) -> tuple[dict[str, Any], bytes, str]:
-        """A membership message's body, signer key and signature, once the signature holds (and, `joining`,
-        the key is admitted); nothing is parsed before.
+    async def _membership(*, joining: bool = False) -> tuple[bytes, bytes, str]:
+        """A membership message's raw body, signer key and signature, once the signature holds (and, `joining`,
+        the key is admitted); nothing is parsed.
 
         Raises:
-            CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE | INVALID_JSON | INVALID_REQUEST)
+            CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE)
         """
         raw = await read_body(_REGISTRY_LIMIT)
         headers = {h: request.headers.get(h, "") for h in SIG_HEADERS}
         key = verifier.check(request.method, request.path, raw, headers, time.time())
         if joining:
             admission.admit(key, headers["x-dgr-signature"], request.headers.get(JOIN_HEADER))
-        return parse_json(raw), key, headers["x-dgr-signature"]
+        authenticated(request.scope)
+        return raw, key, headers["x-dgr-signature"]
 
     # -- node registry ----------------------------------------------------------
     @app.post("/v1/nodes/register")
     async def register():
-        data, key, signature = await _membership_json(joining=True)
+        raw, key, signature = await _membership(joining=True)
+        data = parse_json(raw)
         seen = request.remote_addr if isinstance(request.remote_addr, str) else None
         entry = registry.register(data, trio.current_time(), key=key, seen=seen)
         (prover or Prover()).submit(entry)  # challenges run in the prover's nursery; PENDING until then
@@ -126,7 +139,14 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
     @app.post("/v1/nodes/heartbeat")
     async def heartbeat():
-        data, key, _ = await _membership_json()
+        node_id = request.headers.get(NODE_HEADER)
+        if not node_id:
+            raise CallerError(Reason.INVALID_REQUEST, f"a heartbeat names its node in {NODE_HEADER}")
+        raw, key, _ = await _membership()
+        registry.beating(node_id, key)  # that key owns that id, before a byte of the body is parsed
+        data = parse_json(raw)
+        if data.get("node") != node_id:
+            raise CallerError(Reason.INVALID_REQUEST, f"the heartbeat's node is not the one in {NODE_HEADER}")
         entry = registry.heartbeat(data, trio.current_time(), key=key)
         # The node learns its proof verdict here, to show it to its operator.
         return json_response({"ok": True, "proof": entry.proof.to_json()})
@@ -206,8 +226,9 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                     "max_positions": min(n.max_positions for n in entries),
                     "digest": first.model.digest,
                     "metadata": first.model.metadata,
+                    # a node's own description is nested: what it declares never stands in for the tracker's fields
                     "nodes": [{"node": n.node_id, "layers": f"{n.start}:{n.stop}", "max_positions": n.max_positions,
-                               **n.describe} for n in entries],
+                               "describe": n.describe} for n in entries],
                 },
             })
         return json_response({"object": "list", "data": data})
@@ -323,8 +344,13 @@ def deliver_fast_path(gateway: Gateway, app):
             await app(scope, receive, send)
             return
         if scope["path"] == DELIVER_STREAM_PATH:  # a chain tail's answers for one session
+
+            def authorize(capability: str | None, sid: str) -> None:
+                gateway.authorize_delivery(capability, sid)
+                authenticated(scope)
+
             await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
-                                    authorize=gateway.authorize_delivery, apply=gateway.deliver_frame)
+                                    authorize=authorize, apply=gateway.deliver_frame)
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
@@ -334,6 +360,7 @@ def deliver_fast_path(gateway: Gateway, app):
                 raise CallerError(Reason.BAD_FRAME, f"a chain's answers come on {DELIVER_STREAM_PATH}; "
                                                     f"{DELIVER_PATH} takes JSON failure reports")
             gateway.report(req.body, req.capability)
+            authenticated(scope)  # the report held the session's delivery capability
         except (DgrError, ValueError) as exc:
             await respond_raw_error(send, exc, "delivery")
             return

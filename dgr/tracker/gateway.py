@@ -34,7 +34,13 @@ Theory of operation:
 - Authorization: with the tracker's key (`authority`), `open` issues one
   capability per hop, binding the session, the node and its layers, and every
   call for the session (tokenize, open, step, close) carries it. Nodes refuse
-  calls without a matching one.
+  calls without a matching one. These are CONTROL capabilities and never
+  leave the gateway: the relay plans hand each node STEP capabilities for
+  its next hop and a ring tail's head (`relay_plans`), which let it send the
+  session's steps there and nothing else. Each open also carries a
+  single-use ticket the tracker signs over its exact body (`open_ticket`,
+  dgr.security.tickets), so a node runs only the plan, prefix offer and lane
+  the tracker chose, once.
 - Limits: a prompt past `max_prompt_bytes` is refused before the head
   tokenizes it (`prompt_too_large`); one past `max_prompt_tokens` before any
   node session opens. The context is the smallest `max_positions` (`--ctx`)
@@ -91,10 +97,11 @@ from dgr.node.prefix import BLOCK_TOKENS, block_chain, prefix_root
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
-from dgr.security.auth import CapabilityAuthority
+from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.security.tickets import issue_ticket
 from dgr.security.tls import TlsTrust
 from dgr.fsm.phases import RoutePhases, hold_for
-from dgr.tracker.registry import NodeEntry, Registry
+from dgr.tracker.registry import GATEWAY_ID, NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
@@ -106,7 +113,7 @@ log = logging.getLogger("dgr.gateway")
 
 # The capability a chain session's nodes deliver answers and reports with names this "node" (layers 0:1):
 # one for the whole route, since any of its nodes may have to report.
-_GATEWAY = "gateway"
+_GATEWAY = GATEWAY_ID  # a node may not register it (dgr.tracker.registry)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
@@ -346,7 +353,7 @@ class Gateway:
             cap = None
             if self.authority is not None:
                 cap = self.authority.issue(sid, entry.node_id, entry.start, entry.stop, time.time(),
-                                           ttl_s=self.config.capability_margin_s)
+                                           ttl_s=self.config.capability_margin_s, scope=Scope.CONTROL)
             failure = Failure(Reason.CANCELLED, "the tracker no longer runs this Route Session", node=entry.node_id)
             with trio.move_on_after(self.config.step_deadline_s):
                 await self.client(entry).close(sid, failure, cap)
@@ -483,7 +490,8 @@ class Gateway:
                 )
             with trio.fail_after(cfg.step_deadline_s):
                 prompt = (list(req.prompt_ids) if req.prompt_ids
-                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id)))
+                          else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id),
+                                                   vocab_size=info.vocab_size))
             if req.prompt_ids and max(prompt) >= info.vocab_size:
                 raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
                                   f"of {info.vocab_size}", param="prompt")
@@ -518,7 +526,7 @@ class Gateway:
                     n.routed_at = now
                 choice, reserved = better, better.nodes
                 caps = self._capabilities(rs.sid, choice.hops)
-            relays = self._relays(rs.sid, choice.hops, caps, req.ignore_eos)
+            relays = self.relay_plans(rs.sid, choice.hops, req.ignore_eos)
             board = self._board(choice.hops)
             lane = None if board is None else board.join(rs.sid)
             held: dict[str, int] = {}
@@ -528,7 +536,8 @@ class Gateway:
                 attempted.append(hop.node_id)
                 try:
                     held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
-                                                     relay=relays.get(hop.node_id), prefix=offer, lane=lane)
+                                                     relay=relays.get(hop.node_id), prefix=offer, lane=lane,
+                                                     ticket=self._ticketer(rs.sid, hop))
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -698,20 +707,25 @@ class Gateway:
                 self.sessions.pop(rs.sid, None)
                 self._retire(rs)
 
-    def _relays(self, sid: str, hops: tuple[Hop, ...], caps: dict[str, str],
-                 ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
+    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
         """On a chain or ring, each node's relay plan: the next hop (none for the tail), the capability to
-        deliver with, and on a ring's tail the head to send each next decode step to."""
+        deliver with, and on a ring's tail the head to send each next decode step to.
+
+        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and a
+        ring's tail to its head), never open, close or tokenize there with them.
+        """
         if not self.config.topology.forwards:
             return {}
         deliver = None
+        life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
+        now = time.time()
         if self.authority is not None:
-            life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
-            deliver = self.authority.issue(sid, _GATEWAY, 0, 1, time.time(), ttl_s=life)
+            deliver = self.authority.issue(sid, _GATEWAY, 0, 1, now, ttl_s=life, scope=Scope.STEP)
 
         def to(hop: Hop) -> dict[str, Any]:
-            return {"node": hop.node_id, "url": hop.url, "capability": caps.get(hop.node_id),
-                    "tls_cert": self._pinned(hop.node_id)}
+            cap = None if self.authority is None else self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now,
+                                                                           ttl_s=life, scope=Scope.STEP)
+            return {"node": hop.node_id, "url": hop.url, "capability": cap, "tls_cert": self._pinned(hop.node_id)}
 
         out = {}
         route = ",".join(h.node_id for h in hops)
@@ -725,6 +739,16 @@ class Gateway:
             out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
         return out
 
+    def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:
+        """The tracker's single-use ticket for opening `sid` on `hop` with exactly `body`; None without a key."""
+        if self.authority is None or self.authority.identity is None:
+            return None
+        return issue_ticket(self.authority.identity, sid, hop.node_id, hop.start, hop.stop, body, time.time())
+
+    def _ticketer(self, sid: str, hop: Hop) -> Callable[[bytes], str | None] | None:
+        """What signs an open's body for `hop` (NodeClient.open calls it with the bytes it sends)."""
+        return None if self.authority is None else lambda body: self.open_ticket(sid, hop, body)
+
     def _pinned(self, node_id: str) -> str | None:
         """The TLS certificate a node registered: a chain's previous node pins it to call this one."""
         entry = self.registry.nodes.get(node_id)
@@ -736,7 +760,8 @@ class Gateway:
             return {}
         life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
         now = time.time()  # wall clock: nodes check expiry against theirs
-        return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=life) for h in hops}
+        return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=life, scope=Scope.CONTROL)
+                for h in hops}
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
                            caps: dict[str, str], keep: list[str] | None = None) -> None:
@@ -846,6 +871,7 @@ class Gateway:
         topology = self.config.topology
         t_ring = time.perf_counter()
         last: float | None = None
+        sent: float | None = None  # when the last decode step went out, after its phase hold (dgr.fsm.phases)
         hops: tuple[str, float] | None = None  # a chain answer's hops text and round trip, noted off the critical path
         while True:
             now = trio.current_time()
@@ -866,7 +892,8 @@ class Gateway:
             if chain:  # the next step goes out first: this token's bookkeeping runs while the route computes
                 frame = self._frame(live, 0, FrameKind.DECODE, seq, pos, [token.token], None, True)
                 if live.phases is not None:
-                    await self._in_phase(live, hold_s=hold_for(now, last))
+                    await self._in_phase(live, hold_s=hold_for(now, sent))
+                sent = trio.current_time()
                 t0 = time.perf_counter()
                 try:
                     await self._send_head(live, frame, 1, seq)
@@ -1134,7 +1161,8 @@ class Gateway:
     def authorize_delivery(self, capability: str | None, sid: str) -> None:
         """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
         if self.authority is not None:
-            self.authority.check(capability, session=sid, node=_GATEWAY, start=0, stop=1, now=time.time())
+            self.authority.check(capability, session=sid, node=_GATEWAY, start=0, stop=1, now=time.time(),
+                                 need=Scope.STEP)
 
     def deliver_frame(self, sid: str, body: bytes, hops: str) -> None:
         """An answer from a delivery stream already authorized for `sid`.

@@ -24,7 +24,8 @@ signed by the key the node registered with, over the challenge (nonce
 included) and the answer: a node without the weights cannot relay its
 challenges to an honest node (it refuses them) nor pass off that node's
 signed answers as its own (the signature is the other node's). An `https://`
-node is challenged over TLS, trusting the certificate it registered.
+node is challenged over TLS, trusting the certificate it registered. An
+answer is read up to MAX_CONTROL_BYTES; a longer one fails the challenge.
 
 The verdict lands in the entry's `ProofStatus` (dgr.tracker.registry). A
 re-registration makes a new entry with a new PENDING claim and is challenged
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import random
 import secrets
@@ -53,12 +55,14 @@ import trio
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
 from dgr.backends.base import LayerRange
-from dgr.errors import CallerError, Reason, parse_error_body
+from dgr.errors import CallerError, PeerError, Reason, parse_error_body
 from dgr.fsm.proof import ProofEvent, ProofState
 from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, sign_json, verify_json
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, httpx_default_trust
+from dgr.seam.wire import MAX_CONTROL_BYTES
 from dgr.tracker.registry import NodeEntry
+from dgr.tracker.seam_client import read_capped
 
 __all__ = ["CHALLENGE_PATH", "DEFAULT_CHALLENGES", "DEFAULT_DEADLINE_S", "Prover", "plan_challenges",
            "answer_signature_problem"]
@@ -226,10 +230,12 @@ class Prover:
         url = entry.url.rstrip("/") + CHALLENGE_PATH
         body = self.challenge_body(entry, challenge)
         with trio.move_on_after(self.deadline_s) as scope:
-            try:
-                r = await client.post(url, json=body)
+            try:  # an answer is a few hashes: read no more than a control reply
+                r = await read_capped(client, "POST", url, limit=MAX_CONTROL_BYTES, node=entry.node_id, json=body)
             except httpx.HTTPError as exc:
                 return None, f"node unreachable: {type(exc).__name__}: {exc}"
+            except PeerError as exc:
+                return None, exc.message
         if scope.cancelled_caught:
             return None, f"no answer within {self.deadline_s:g} s (piece {challenge.piece} block {challenge.block})"
         if r.status_code != 200:
@@ -237,7 +243,7 @@ class Prover:
             detail = message if code is None else f"{code}: {message}"
             return None, f"the node refused the challenge (HTTP {r.status_code}, {detail})"
         try:
-            reply = r.json()
+            reply = json.loads(r.content)
             answer = Answer.from_json(reply)
         except (CallerError, ValueError) as exc:
             return None, f"malformed answer: {getattr(exc, 'message', exc)}"

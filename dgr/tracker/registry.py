@@ -21,9 +21,22 @@ Every entry belongs to the Ed25519 key that signed its registration
 (dgr.security.auth). The first key to register a node id owns it for the
 tracker's life, and an id derived from a key (`n-...`, see
 dgr.security.identity) belongs to that key from the start: a registration
-or heartbeat for an id under another key is refused with `identity_taken`
-and changes nothing. A node that restarts with its key registers again and
-replaces its entry.
+for an id under another key is refused with `identity_taken` and changes
+nothing. A node that restarts with its key registers again and replaces its
+entry. A chosen name (`node1`) is first come, first served, and is held only
+while its entry is: once the entry is forgotten, another admitted key may
+take the name. A derived id stays its key's forever, so it is the form to
+use where that matters. The id `gateway` is the tracker's own (its delivery
+capabilities name it, dgr.tracker.gateway) and no node may register it.
+
+A heartbeat under an id the signing key does not own is refused as if the
+id were unknown (`not_found`, 404, the same words): heartbeats need no join
+token, so a different answer would let any stranger with a fresh key test
+which ids exist. The tracker logs the truth.
+
+With `require_tls` (--require-tls) a registration whose URL is not https://
+is refused (FORBIDDEN), so the tracker never hands out a plain next hop;
+the seed address may stay plain (dgr.security.tls says why).
 
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
@@ -62,7 +75,8 @@ from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 
-__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "MAX_HELD", "MAX_NODE_SESSIONS", "PROVEN_START", "reachable"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "MAX_NODE_SESSIONS", "PROVEN_START",
+           "reachable"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -82,6 +96,9 @@ MAX_NODE_SESSIONS = 64
 # n_seq_max, 4 by default) are usually below it, so only a claim above 16 is ever held back.
 PROVEN_START = 16
 _SID = re.compile(r"[0-9a-f]{32}")
+# The tracker's own name as a party to a session: its delivery capabilities are issued to this node id,
+# so a node registered under it would hold capabilities that pass for the gateway's.
+GATEWAY_ID = "gateway"
 
 
 @attrs.define
@@ -197,6 +214,15 @@ def _model(data: Any) -> ModelInfo:
     )
 
 
+def _describe(value: Any) -> dict[str, Any]:
+    """A node's self-description (its backend's `describe()`): an object, shown nested, never trusted."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError("describe must be an object")
+    return value
+
+
 def _url(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("url must be a string")
@@ -228,11 +254,13 @@ class Registry:
     dead_after_s: float = DEAD_AFTER_S
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
+    require_tls: bool = False  # --require-tls: a registration whose URL is http:// is refused
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
     max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
     trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
 
-    owners: dict[str, bytes] = attrs.field(factory=dict)  # node id -> the key that first registered it
+    # node id -> the key that first registered it, while its entry is known (pruned with it in `forget`)
+    owners: dict[str, bytes] = attrs.field(factory=dict)
 
     @property
     def heartbeat_s(self) -> float:
@@ -241,6 +269,8 @@ class Registry:
 
     def _owned(self, node_id: str, key: bytes) -> None:
         """Raises: CallerError(IDENTITY_TAKEN) if `node_id` belongs to another key than `key`."""
+        if node_id == GATEWAY_ID:
+            raise CallerError(Reason.IDENTITY_TAKEN, f"node id {node_id!r} is the tracker's own: choose another")
         owner = self.owners.get(node_id)
         if is_derived_id(node_id) and owner is None:
             owner = None if node_id_for(key) == node_id else b"derived from another key"
@@ -269,7 +299,7 @@ class Registry:
                 backend=_str(data, "backend"),
                 model=model,
                 capacity=min(_int(data, "capacity"), self.max_node_sessions),
-                describe=dict(data.get("describe") or {}),
+                describe=_describe(data.get("describe")),
                 registered_at=now,
                 last_seen=now,
                 pid=_int(data, "pid") if data.get("pid") is not None else None,
@@ -287,6 +317,10 @@ class Registry:
                 entry.seed = reachable(str(artifact["seed"]), seen) if artifact.get("seed") else None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}"[:300]) from None
+        if self.require_tls and not entry.url.startswith("https://"):  # it would be handed out as a next hop
+            raise CallerError(Reason.FORBIDDEN, f"this tracker requires TLS (--require-tls): register an https:// "
+                                                f"URL, not {entry.url[:100]!r} (--tls-cert and --tls-key, or "
+                                                "--advertise https://...)", field="url")
         if not (0 <= entry.start < entry.stop <= model.n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {start}:{stop} outside [0, {model.n_layers})")
         if entry.manifest_id is not None:
@@ -307,15 +341,34 @@ class Registry:
         self.nodes[entry.node_id] = entry
         return entry
 
-    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again); (INVALID_REQUEST) if malformed;
-        (IDENTITY_TAKEN) signed by a key that does not own the node id."""
-        entry = self.nodes.get(data.get("node")) if isinstance(data.get("node"), str) else None
+    def beating(self, node_id: str, key: bytes) -> NodeEntry:
+        """The live entry a heartbeat for `node_id` signed by `key` would update; changes nothing.
+
+        The tracker asks this before it parses a heartbeat's body, so a key beating for an id it does not own
+        costs it no parsing.
+
+        Raises: CallerError(NOT_FOUND): it must register (again), or the id is another key's: the same
+        answer, so that heartbeats (which need no join token) tell no stranger which ids exist.
+        """
+        entry = self.nodes.get(node_id)
+        unknown = CallerError(Reason.NOT_FOUND, f"node {node_id[:100]!r} is not registered")
+        try:
+            self._owned(node_id, key)
+        except CallerError:
+            log.warning("a heartbeat for node %s signed by another key (%s) was refused as not registered",
+                        node_id[:100], key_text(key) if key else "none")
+            raise unknown from None
         if entry is not None and entry.key != key:
-            raise CallerError(Reason.IDENTITY_TAKEN,
-                              f"node {entry.node_id[:100]!r} belongs to another key; its heartbeats are its own")
+            raise unknown
         if entry is None or not entry.alive:
-            raise CallerError(Reason.NOT_FOUND, f"node {str(data.get('node'))[:100]!r} is not registered")
+            raise unknown
+        return entry
+
+    def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again), or signed by a key that
+        does not own the node id (the same answer: see `beating`); (INVALID_REQUEST) if malformed."""
+        node_id = data.get("node")
+        entry = self.beating(node_id if isinstance(node_id, str) else "", key)
         try:
             sessions = _int(data, "sessions", default=0)
             kv_bytes = _int(data, "kv_bytes", default=0)
@@ -348,11 +401,16 @@ class Registry:
         return died
 
     def forget(self, now: float) -> list[NodeEntry]:
-        """Drop the entries of nodes dead for over `forget_after_s`; return them."""
+        """Drop the entries of nodes dead for over `forget_after_s`, and their ids' owners; return them.
+
+        A chosen name is free again once forgotten; an id derived from a key stays that key's without an owner
+        recorded (`_owned`), so forgetting never frees it for another.
+        """
         gone = [e for e in self.nodes.values()
                 if not e.alive and now - (e.dead_since if e.dead_since is not None else e.last_seen) > self.forget_after_s]
         for e in gone:
             del self.nodes[e.node_id]
+            self.owners.pop(e.node_id, None)
         return gone
 
     def alive(self) -> list[NodeEntry]:

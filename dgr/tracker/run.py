@@ -53,7 +53,8 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                               f"a tracker listening on {host} needs " + " and ".join(missing)
                               + "; only a loopback tracker may run without them")
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
-                                                trusted_ends=trusted_ends, max_node_sessions=max_node_sessions), config=config,
+                                        trusted_ends=trusted_ends, max_node_sessions=max_node_sessions,
+                                        require_tls=tls.required), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls)
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls

@@ -7,16 +7,31 @@ handle. Deadlines are the caller's cancel scopes.
 
 Every call for a Route Session carries that session's capability for this
 node (`X-Dgr-Capability`, issued by the gateway); `None` sends none, for a
-caller that issues none (an in-process test). An `https://` node is called
+caller that issues none (an in-process test). Opens and tokenizes name
+their session in `X-Dgr-Route-Session`, so the node checks it before
+reading the body, and an open carries the tracker's ticket for the exact
+bytes it sends (`X-Dgr-Ticket`). An `https://` node is called
 over TLS with `ssl_context` (the node's registered certificate pinned, see
 dgr.security.tls), both on the control client and on the seam's pool.
+
+A node's replies are read with a cap, chunk by chunk, never more than the cap
+held (`read_capped`): MAX_CONTROL_BYTES for open, close and status, and for a
+tokenize reply what the prompt it was sent can yield (`token_bound`: one
+token per byte of the request at most, each a short JSON number, and the
+templated text back). Replies come unencoded (`Accept-Encoding: identity`),
+so no compressed reply expands past the cap. A reply over its cap, or one
+that is not the JSON it should be, is `PeerError(NODE_ERROR)` naming the
+node. The head's token ids are checked too: integers in [0, vocab_size),
+no more of them than the bound; a head that lies fails the session as a
+node error, never as the client's (`context_length_exceeded`) or a crash.
 """
 
 from __future__ import annotations
 
+import json
 import ssl
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import httpx
@@ -25,10 +40,77 @@ from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
-from dgr.seam.wire import CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH
+from dgr.seam.wire import (CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, ROUTE_SESSION_HEADER,
+                           STEP_PATH, STREAM_PATH, TICKET_HEADER)
 from dgr.security.tls import httpx_default_trust
 
-__all__ = ["NodeClient", "StepReply", "CAPABILITY_HEADER"]
+__all__ = ["NodeClient", "Reply", "StepReply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
+
+# A tokenize reply per byte of its request: a token id (at most 7 digits, a comma and a space) and the
+# templated text back (at most 6 bytes escaped); the template's own text fits the fixed part.
+_TOKENIZE_REPLY_PER_BYTE = 16
+# Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
+# message's keys and quotes): a default system prompt, the assistant's opening.
+_TEMPLATE_TOKENS = 1024
+
+
+@attrs.frozen
+class Reply:
+    """A node's whole reply, read within its cap."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+
+
+async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit: int, node: str,
+                      **kw: Any) -> Reply:
+    """One request whose reply is read up to `limit` bytes, chunk by chunk: an oversize one is cut there.
+
+    Raises:
+        PeerError(NODE_ERROR): the reply (announced or read) exceeds `limit`, or comes encoded.
+        httpx.TransportError: as the client raises it.
+    """
+    headers = {**kw.pop("headers", {}), "Accept-Encoding": "identity"}
+    async with client.stream(method, url, headers=headers, **kw) as r:
+        encoding = r.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply encoded {encoding[:40]!r}, unasked",
+                            node=node)
+        announced = r.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > limit:
+            raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply of {announced} bytes, over {limit}", node=node)
+        body, size = [], 0
+        async for chunk in r.aiter_bytes():  # as sent: an encoded reply was refused above
+            size += len(chunk)
+            if size > limit:
+                raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply over {limit} bytes", node=node)
+            body.append(chunk)
+        return Reply(r.status_code, r.headers, b"".join(body))
+
+
+def token_bound(body: dict[str, Any]) -> int:
+    """The most tokens an honest head makes of tokenize request `body`: one per byte of its JSON, and a
+    template's own."""
+    return len(json.dumps(body).encode()) + _TEMPLATE_TOKENS
+
+
+def check_tokens(tokens: Any, *, vocab_size: int | None, bound: int, node: str) -> list[int]:
+    """The head's token ids, if they can be: a list of at most `bound` integers in [0, vocab_size).
+
+    Raises:
+        PeerError(NODE_ERROR): anything else, naming the node.
+    """
+    if not isinstance(tokens, list) or len(tokens) > bound:
+        got = f"{len(tokens)} tokens" if isinstance(tokens, list) else type(tokens).__name__
+        raise PeerError(Reason.NODE_ERROR, f"{node} tokenized the prompt into {got}; at most {bound} "
+                                           "token ids can come of it", node=node)
+    top = vocab_size if vocab_size is not None else 2 ** 31
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top:
+            raise PeerError(Reason.NODE_ERROR, f"{node} sent token id {str(t)[:40]!r}, not one of its "
+                                               f"vocabulary of {top}", node=node)
+    return tokens
 
 
 
@@ -74,9 +156,9 @@ class NodeClient:
             phase=phase,
         )
 
-    def _refused(self, r: httpx.Response | HttpResponse) -> Exception:
-        body = r.content if isinstance(r, httpx.Response) else r.body
-        status = r.status_code if isinstance(r, httpx.Response) else r.status
+    def _refused(self, r: Reply | HttpResponse) -> Exception:
+        body = r.content if isinstance(r, Reply) else r.body
+        status = r.status_code if isinstance(r, Reply) else r.status
         code, message = parse_error_body(body)
         if code == Reason.NODE_AT_CAPACITY.value:
             return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
@@ -86,21 +168,49 @@ class NodeClient:
         return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({status} {code}): {message}",
                          node=self.node_id, node_code=code)
 
-    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, limit: int = MAX_CONTROL_BYTES, **kw: Any) -> Reply:
+        """One control call, its reply read up to `limit` bytes. Raises PeerError (ROUTE_NODE_LOST, NODE_ERROR)."""
         try:
-            return await self._http.request(method, path, **kw)
+            return await read_capped(self._http, method, path, limit=limit, node=self.node_id, **kw)
         except httpx.TransportError as exc:
             raise self._lost(exc) from None
 
+    def _json(self, r: Reply) -> dict[str, Any]:
+        """A reply's JSON object. Raises PeerError(NODE_ERROR) for anything else."""
+        try:
+            data = json.loads(r.content)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a reply that is not a JSON object",
+                            node=self.node_id)
+        return data
+
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
                    relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
-                   lane: int | None = None) -> int:
+                   lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None) -> int:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
         With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
         returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
-        the sequence slot the node gives the session while it is free.
+        the sequence slot the node gives the session while it is free. `ticket(body bytes)` is the
+        tracker's ticket for exactly the body sent (dgr.security.tickets); None sends none.
         """
+        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane)
+        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
+        signed = None if ticket is None else ticket(raw)
+        if signed is not None:
+            headers[TICKET_HEADER] = signed
+        r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw)
+        if r.status_code != 201:
+            raise self._refused(r)
+        reused = self._json(r).get("prefix_positions", 0)
+        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
+
+    @staticmethod
+    def open_body(sid: str, max_positions: int, sampling: dict[str, Any], relay: dict[str, Any] | None = None,
+                  prefix: list[str] | None = None, lane: int | None = None) -> bytes:
+        """An open's body, as the bytes its ticket is signed over."""
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
             body["relay"] = relay
@@ -108,11 +218,7 @@ class NodeClient:
             body["prefix"] = prefix
         if lane is not None:
             body["lane"] = lane
-        r = await self._request("POST", "/v1/seam/sessions", headers=_cap(capability), json=body)
-        if r.status_code != 201:
-            raise self._refused(r)
-        reused = r.json().get("prefix_positions", 0)
-        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
+        return json.dumps(body, separators=(",", ":")).encode()
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
                     keep: list[str] | None = None) -> None:
@@ -171,18 +277,26 @@ class NodeClient:
                            phase=phase)
         return self._refused(answer).failure(node=self.node_id, phase=phase)
 
-    async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None) -> list[int]:
-        extra = {} if sid is None else {"session": sid}
-        r = await self._request("POST", "/v1/node/tokenize", json={**body, **extra}, headers=_cap(capability))
+    async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None,
+                       vocab_size: int | None = None) -> list[int]:
+        """The head's token ids for `body` (a prompt or messages), checked (`check_tokens`) against `vocab_size`.
+
+        Raises:
+            PeerError(NODE_ERROR): a reply too large, malformed, or with token ids that cannot be.
+        """
+        headers = _cap(capability) if sid is None else {ROUTE_SESSION_HEADER: sid, **_cap(capability)}
+        bound = token_bound(body)
+        r = await self._request("POST", "/v1/node/tokenize", limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * bound,
+                                json=body, headers=headers)
         if r.status_code != 200:
             raise self._refused(r)
-        return list(r.json()["tokens"])
+        return check_tokens(self._json(r).get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id)
 
     async def session_status(self, sid: str, capability: str | None = None) -> dict[str, Any]:
         r = await self._request("GET", f"/v1/seam/sessions/{sid}", headers=_cap(capability))
         if r.status_code != 200:
             raise self._refused(r)
-        return r.json()
+        return self._json(r)
 
     async def alive(self) -> None:
         """The node's /healthz answers (it is served on the node's loop, never behind compute).
@@ -196,7 +310,7 @@ class NodeClient:
         r = await self._request("GET", "/v1/node/status")
         if r.status_code != 200:
             raise self._refused(r)
-        return r.json()
+        return self._json(r)
 
 
 def _retry_after(value: str | None) -> int:
