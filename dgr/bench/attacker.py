@@ -54,7 +54,7 @@ from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_pro
 from dgr.security.identity import Identity
 from dgr.security.secrets import JOIN_ENV
 from dgr.seam.frame import FrameKind, encode_frame
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, STEP_PATH
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, NODE_HEADER, STEP_PATH
 
 __all__ = ["AttackConfig", "Tally", "run_attacker", "register", "main"]
 
@@ -271,8 +271,8 @@ class _Attacker:
                 await trio.sleep(0.25)
                 hb = json.dumps({"node": self.my_id, "sessions": 0, "kv_bytes": 0, "session_ids": []}).encode()
                 answer = await self.call("capture_heartbeat", "POST", self.cfg.tracker + "/v1/nodes/heartbeat",
-                                         content=hb, headers=self.signed("/v1/nodes/heartbeat", hb, join=False),
-                                         refused_if_ok=False)
+                                         content=hb, headers={**self.signed("/v1/nodes/heartbeat", hb, join=False),
+                                                              NODE_HEADER: self.my_id}, refused_if_ok=False)
             await trio.sleep(1.0)
 
     async def describe_leak(self) -> None:
@@ -296,7 +296,7 @@ class _Attacker:
         victim = random.choice(list(self.nodes))
         hb = json.dumps({"node": victim, "sessions": 0, "kv_bytes": 0, "session_ids": []}).encode()
         await self.call("hijack_heartbeat", "POST", self.cfg.tracker + "/v1/nodes/heartbeat", content=hb,
-                        headers=self.signed("/v1/nodes/heartbeat", hb, join=False))
+                        headers={**self.signed("/v1/nodes/heartbeat", hb, join=False), NODE_HEADER: victim})
         body = json.dumps(self.registration(victim, capacity=8)).encode()
         await self.call("hijack_register", "POST", self.cfg.tracker + "/v1/nodes/register", content=body,
                         headers=self.signed("/v1/nodes/register", body))
@@ -307,7 +307,7 @@ class _Attacker:
             other = Identity.generate()  # a fresh key: what the answer says is about the id alone
             hb = json.dumps({"node": node, "sessions": 0}).encode()
             signer = Signer(other)
-            headers = {"Content-Type": "application/json",
+            headers = {"Content-Type": "application/json", NODE_HEADER: node,
                        **signer.headers("POST", "/v1/nodes/heartbeat", hb, time.time())}
             answer = await self.call(f"id_probe_{kind}", "POST", self.cfg.tracker + "/v1/nodes/heartbeat",
                                      content=hb, headers=headers)
