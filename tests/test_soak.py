@@ -63,10 +63,10 @@ def test_full_soak() -> None:
     _soak(500, 50, timeout_s=1200)
 
 
-# Attacks issue 40 lists that still get through on the branch this test was written on (trust-soak), each found by
-# the attacker's tally: the test xfails, naming them, while only these are accepted, and fails for any other.
-# Remove a name once its fix is merged; the test passes when no attack gets through.
-_OPEN_FINDINGS = {"gateway_id": "the node id 'gateway' is not reserved (issue 40, lows)"}
+# Attacks issue 40 lists that still get through, each by its name in the attacker's tally, with why: the test
+# xfails naming them while only these are accepted, and fails for any other. Empty since trust-soak merged main
+# (the id 'gateway' was the last one accepted on the branch before: trust-lows reserved it).
+_OPEN_FINDINGS: dict[str, str] = {}
 
 
 def test_short_soak_beside_an_attacker() -> None:
@@ -75,6 +75,7 @@ def test_short_soak_beside_an_attacker() -> None:
     loose here (a shared 2-core machine runs this beside other tests); the 5-minute run holds it to 100 ms."""
     sessions = 40
     done = subprocess.run(dgr_command("soak", "--attacker", "--sessions", str(sessions), "--time-limit", "30",
+                                      "--stub-delay", "0.001",
                                       "--healthz-p99-ms", "3000", "--json"),
                           capture_output=True, text=True, timeout=150, check=False)
     print("\n" + done.stdout)

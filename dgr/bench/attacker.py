@@ -27,7 +27,8 @@ never closed (`held_open_at_exit`) and the longest one was let stay before being
 got through (a 2xx where a refusal is due); the JSON summary is the last line on stdout at exit.
 
 Its connections leave from `--source` (127.0.0.2 by default, loopback too), so that a server's per-peer
-caps can tell it from the honest clients on 127.0.0.1. Left out: attacks that need a session the attacker
+caps can tell it from the honest clients on 127.0.0.1; `--hold-source` sends the held connections from
+another address, as an attacker with two addresses would. Left out: attacks that need a session the attacker
 carries (with `--trusted-head` it is never routed, which is what `trap_calls` checks).
 """
 
@@ -74,6 +75,8 @@ class AttackConfig:
     idle_conns: int = 300  # per server
     half_bodies: int = 40
     source: str = "127.0.0.2"
+    hold_source: str | None = None  # where held connections leave from (None: `source`); another address
+    # tests a server's per-process cap, not only its per-peer one
     interval_s: float = 0.05  # pause between one attack's rounds
 
 
@@ -359,7 +362,7 @@ class _Attacker:
 
     async def _connect(self, url: str) -> trio.SocketStream:
         u = urlparse(url)
-        return await trio.open_tcp_stream(u.hostname, u.port, local_address=self.cfg.source)
+        return await trio.open_tcp_stream(u.hostname, u.port, local_address=self.cfg.hold_source or self.cfg.source)
 
     async def hold(self, attack: str, server: str, count: int, first: Callable[[str], bytes]) -> None:
         """Keep `count` connections to `server` ("tracker" or a node id) open, each having sent `first(its url)`;
@@ -479,8 +482,10 @@ def _main(args) -> int:
     nodes = dict(n.split("=", 1) for n in args.node)
     cfg = AttackConfig(tracker=args.tracker.rstrip("/"), nodes=nodes, time_limit_s=args.time_limit,
                        concurrency=args.concurrency, idle_conns=args.idle_conns, half_bodies=args.half_bodies,
-                       source=args.source)
+                       source=args.source, hold_source=args.hold_source)
     _raise_nofile()
+    if args.nice:
+        os.nice(args.nice)
     tally = trio.run(run_attacker, cfg, token.encode())
     print(json.dumps(tally.to_json()), flush=True)
     return 0
@@ -497,6 +502,10 @@ def register(subparsers) -> None:
     p.add_argument("--idle-conns", type=int, default=300, help="idle TCP connections held to each server")
     p.add_argument("--half-bodies", type=int, default=40, help="connections holding a half-sent 4 MiB body")
     p.add_argument("--source", default="127.0.0.2", help="the local address the attacker's connections leave from")
+    p.add_argument("--nice", type=int, default=0,
+                   help="lower this process's CPU priority by N: on the route's own machine it then stands for a "
+                        "host of its own, and takes only the CPU the servers leave")
+    p.add_argument("--hold-source", help="the local address held connections leave from (default: --source)")
     p.set_defaults(func=_main)
 
 

@@ -547,8 +547,14 @@ async def _sessions(soak: _Soak, cfg: SoakConfig, kinds: list[str], rng: random.
 
 
 async def _start_attacker(route: LocalRoute, cfg: SoakConfig, nodes: list[dict[str, Any]]) -> LaunchedProcess:
-    """`dgr attack` on the route, with its join token, for as long as the soak may run (stopped sooner)."""
+    """`dgr attack` on the route, with its join token, for as long as the soak may run (stopped sooner).
+
+    Its requests leave from 127.0.0.2 and its held connections from 127.0.0.3: two addresses, so the servers'
+    per-peer caps on the held ones do not also refuse its requests before their handlers judge them, and the
+    per-process caps are tried too. It runs at nice 10: on the route's machine it stands for a host of its own, so
+    /healthz measures what its requests cost the servers, not a CPU it took from them."""
     cmd = dgr_command("attack", "--tracker", route.url, "--time-limit", str(cfg.time_limit_s + 600),
+                      "--source", "127.0.0.2", "--hold-source", "127.0.0.3", "--nice", "10",
                       "--idle-conns", str(cfg.attack_idle_conns), "--half-bodies", str(cfg.attack_half_bodies),
                       *[a for n in nodes for a in ("--node", f"{n['node']}={n['url']}")])
     proc = launch(cmd, env=route.env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
