@@ -558,7 +558,13 @@ async def _start_attacker(route: LocalRoute, cfg: SoakConfig, nodes: list[dict[s
                       "--idle-conns", str(cfg.attack_idle_conns), "--half-bodies", str(cfg.attack_half_bodies),
                       *[a for n in nodes for a in ("--node", f"{n['node']}={n['url']}")])
     proc = launch(cmd, env=route.env(), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    await trio.sleep(1.0)  # its registration and first connections land before the first session
+    # its capture registration lands before the first session, or the control run's sessions could all end
+    # before it joined (on a loaded machine the attacker took 3 s to start); a bound, not a timing claim
+    ours = {n["node"] for n in nodes}
+    with trio.move_on_after(60):
+        while not any(n["alive"] and n["node"] not in ours for n in await trio.to_thread.run_sync(route.node_table)):
+            await trio.sleep(0.1)
+    await trio.sleep(1.0)  # and its first held connections
     return proc
 
 
