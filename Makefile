@@ -45,7 +45,7 @@ run: install
 
 # Two workers; tests marked `serial` run one at a time on one of them (the rule: tests/conftest.py).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
 
 test-slow: install
 	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider
