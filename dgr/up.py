@@ -109,6 +109,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if getattr(args, "busy_poll_ms", None) is not None:
         cmd += ["--busy-poll-ms", str(args.busy_poll_ms)]
+    if getattr(args, "iteration_target_ms", None) is not None:
+        cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):
