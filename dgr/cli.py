@@ -34,6 +34,7 @@ def cmd_tracker(args) -> int:
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,
         step_deadline_s=args.step_deadline,
+        slow_cap=args.slow_cap,
         seam_dtype=DType[args.seam_dtype.upper()],
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_cap=args.max_tokens_cap,
@@ -317,6 +318,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "(how dgr up starts its nodes while the tracker starts)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
+    p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
+                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
                    help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
@@ -377,6 +381,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512)
     p.add_argument("--step-deadline", type=float, default=10.0)
+    p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
+                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", metavar="M",
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "

@@ -123,7 +123,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
 def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
     """The arguments of `dgr` (after the command itself) that start the route's tracker."""
     cmd = ["tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-           "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype]
+           "--step-deadline", str(args.step_deadline), "--slow-cap", str(getattr(args, "slow_cap", 4.0)),
+           "--seam-dtype", args.seam_dtype]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
     if identity is not None:
