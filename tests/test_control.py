@@ -197,3 +197,47 @@ async def test_controls_are_answered_within_an_iteration_while_prefill_is_queued
             nursery.start_soon(timed, "tokenize", lambda: node.tokenize(prompt="hello there"))
         await node.close_session(sid)
     assert max(waits.values()) < 0.5, waits
+
+
+def test_a_session_that_ends_drops_its_queued_forwards() -> None:
+    """A close that keeps nothing (`ends`) needs none of its session's queued compute: those forwards are
+    answered unrun, and the close is eligible at once; another session's jobs are untouched."""
+    queue = [_job("prefill", "p", 512), _job("prefill", "q", 512), _job("prefill", "p", 512), _job("session", "p")]
+    queue[3].ends = True
+    plan = plan_iteration(queue, 512)
+    assert plan.dropped == (0, 2)
+    assert plan.controls == (3,) and [queue[i].sid for i in plan.batch] == ["q"]
+    kept = [_job("prefill", "p", 512), _job("session", "p")]  # a close that keeps a prefix needs the KV
+    plan = plan_iteration(kept, 512)
+    assert plan.dropped == () and plan.batch == (0,) and plan.deferred == (1,)
+
+
+async def test_a_client_that_leaves_mid_prefill_frees_its_slot_without_waiting_for_its_chunks() -> None:
+    """Three 512-position chunks queued (about 3 s here): the session's failure frees it at once, its
+    steps still queued are answered `session_ended` without computing, and the node holds nothing after."""
+    from trio.testing import wait_all_tasks_blocked
+
+    from dgr.errors import DgrError, Failure, Reason
+
+    node = _node(DELAY, 0.0)
+    sid = uuid.UUID(int=40).hex
+    errors: list[str] = []
+
+    async def chunk(c: int) -> None:
+        try:
+            await node.step(_frame(sid, PROMPT, 512 * c, c, FrameKind.PREFILL, sample=c == 2))
+        except DgrError as exc:
+            errors.append(exc.message)
+
+    async with running(node):
+        await node.open_session(sid, 3 * 512 + 1, SamplingParams(temperature=0.0))
+        async with trio.open_nursery() as nursery:
+            for c in range(3):
+                nursery.start_soon(chunk, c)
+                await wait_all_tasks_blocked()  # queued in order
+            t = trio.current_time()
+            await node.fail_session(sid, Failure(Reason.CANCELLED, "the client went away"))
+            freed_after = trio.current_time() - t
+        assert node.scheduler.session_count == 0 and node.scheduler.kv_bytes == 0 and not node.sessions
+    assert freed_after < 1.5, freed_after  # at most the chunk already computing, not all three
+    assert node.scheduler.dropped == 2 and len(errors) == 2  # the chunk computing when it left ran to its end

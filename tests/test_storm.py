@@ -20,14 +20,13 @@ import contextlib
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from dgr.bench.storm import cpu_hog  # a busy loop pinned to core 0, from entry to exit
 from dgr.testing.harness import LocalRoute
 
 pytestmark = pytest.mark.serial  # llama.cpp routes of several nodes: one at a time under make test (tests/conftest.py)
@@ -36,19 +35,6 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CLIENTS = 8
 PREFILL_CHUNK = 128  # short chunks: a prompt of a few hundred tokens is still several prefill steps
 QUESTIONS = ["The capital of France is", "Water boils at", "The largest planet is"]
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """A Python busy loop pinned to core 0 (where there is affinity), from entry to exit: another program
-    wanting one of the cores the route computes on, for the whole storm."""
-    code = ("import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {0})\nwhile True: pass")
-    hog = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        yield hog
-    finally:
-        hog.kill()
-        hog.wait(10)
 
 
 def _greedy(route: LocalRoute, model: str = MODEL) -> list[str]:

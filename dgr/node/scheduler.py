@@ -20,7 +20,12 @@ Contract:
   writing into a slot that now belongs to someone else.
 - A submitted job always runs, even when its caller has gone (cancelled):
   the node session's counters were advanced when the step was accepted, so
-  the KV must follow. The result is then dropped.
+  the KV must follow. The result is then dropped. The one exception: a
+  session's forwards queued before a job that ends it and keeps none of its
+  KV (`Job.ends`: a failure, a cancel, a close that keeps no prefix) are
+  dropped unrun, their callers answered `session_ended`, so a client that
+  leaves mid-prefill frees its slot at once instead of after its chunks
+  (a chunk cut part-way is dropped too: the close frees whatever it wrote).
 - Control jobs are never queued behind compute: an iteration runs every
   eligible control job first, as a backend call of its own, and answers them
   before its batch of forwards starts, so an open, close, tokenize or status
@@ -78,6 +83,7 @@ import trio
 from trio._core import wait_all_tasks_blocked
 
 from dgr.backends.base import ShardBackend, Step
+from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
 from dgr.node.backend_thread import BackendThread
 
@@ -133,6 +139,8 @@ class Job:
     # while another computes it: 8 sessions on a 2-node ring then ran about 80 batches of 8 rows for
     # 64 tokens instead of 140 of 4, at 58 to 63 tok/s instead of 82 to 85.
     max_rows: int | None = None
+    # SESSION: this job ends the session and keeps none of its KV, so its forwards queued before it are moot
+    ends: bool = False
     done: trio.Event = attrs.field(factory=trio.Event)
     # FORWARD cut across iterations (`Plan.cut`): the outputs of its parts that have run, in order
     parts: list = attrs.field(factory=list)
@@ -151,6 +159,7 @@ class Plan:
     controls: tuple[int, ...]  # indices into the queue, run first, in queue order
     batch: tuple[int, ...]  # forwards, run as one backend call: decodes first, then prefill chunks
     deferred: tuple[int, ...]  # wait for a later iteration, in queue order
+    dropped: tuple[int, ...] = ()  # forwards of a session an `ends` job behind them ends: answered unrun
     # > 0: the batch's first prefill chunk runs only its first `cut` positions now; the rest stays queued
     cut: int = 0
 
@@ -177,7 +186,8 @@ def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: flo
                    target_s: float = 0.0, open_sessions: int = 0) -> Plan:
     """Choose what runs in this iteration. Pure; every non-empty queue makes progress.
 
-    A session's first queued job is eligible and its later ones wait. Eligible
+    A session's forwards queued before a job that `ends` it are dropped, and
+    the first of its other queued jobs is eligible; its later ones wait. Eligible
     control jobs all run. Eligible decode steps run in queue order, each if the
     batch holds fewer decode steps than its `max_rows`; prefill chunks follow
     in arrival order while the positions fit `token_budget`, but the first one
@@ -189,12 +199,19 @@ def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: flo
     positions: the first prefill chunk is cut to fit (`Plan.cut`), and no other
     chunk joins it.
     """
+    ending = {job.sid for job in queue if job.ends and job.sid is not None}
+    last_end = {job.sid: i for i, job in enumerate(queue) if job.ends}
+    dropped = [i for i, job in enumerate(queue)
+               if job.kind is JobKind.FORWARD and job.sid in ending and i < last_end[job.sid]]
+    gone = set(dropped)
     seen: set[str] = set()
     controls: list[int] = []
     decodes: list[int] = []
     prefills: list[int] = []
     deferred: set[int] = set()
     for i, job in enumerate(queue):
+        if i in gone:
+            continue
         if job.sid is not None:
             if job.sid in seen:
                 deferred.add(i)
@@ -224,7 +241,7 @@ def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: flo
             used += cut or n
         else:
             deferred.add(i)
-    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)), cut)
+    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)), tuple(dropped), cut)
 
 
 def may_gather(pending: Sequence[Job], open_sessions: int) -> bool:
@@ -245,6 +262,7 @@ class StepScheduler:
     # included: a core taken by another process halves it and the chunks shrink); None until measured
     prefill_rate: float | None = None
     cuts: int = 0  # prefill chunks cut to keep an iteration within its target
+    dropped: int = 0  # forwards dropped unrun because their session ended (`Job.ends`)
     # What the backend last reported, refreshed after every iteration: status and metrics read
     # these instead of calling the backend from the loop.
     kv_bytes: int = 0
@@ -315,9 +333,10 @@ class StepScheduler:
         """Run `fn` (a backend call outside any session's order) in the scheduler's thread."""
         return (await self._submit(Job(JobKind.CALL, None, fn=fn))).result.unwrap()
 
-    async def session_call(self, sid: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` for session `sid`, after every job of `sid` submitted before it."""
-        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn))).result.unwrap()
+    async def session_call(self, sid: str, fn: Callable[[], Any], *, ends: bool = False) -> Any:
+        """Run `fn` for session `sid`, after every job of `sid` submitted before it; with `ends` (`fn` frees
+        the session and keeps none of its KV), its forwards still queued are dropped instead."""
+        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn, ends=ends))).result.unwrap()
 
     async def forward(self, step: Step, finish: Callable[[np.ndarray | None], Any]) -> tuple[Any, float]:
         """Compute `step` (batched with other sessions' steps); return (finish(output), compute seconds).
@@ -354,6 +373,13 @@ class StepScheduler:
             plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
                                   target_s=self.iteration_target_s, open_sessions=self.session_count)
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
+            if plan.dropped:
+                dropped = [pending[i] for i in plan.dropped]
+                for job in dropped:
+                    job.result = outcome.Error(CallerError(Reason.SESSION_ENDED,
+                                                           f"session {job.sid} ended before this step ran"))
+                self.dropped += len(dropped)
+                self._done(dropped)
             if controls:
                 # answered before the batch starts: an open or a status never waits for a prefill chunk
                 if self.inline:

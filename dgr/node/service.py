@@ -498,9 +498,11 @@ class NodeService:
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
         try:
-            close = (functools.partial(self._close_kv, sid, keep) if keep and failure is None
+            keeps = bool(keep) and failure is None
+            close = (functools.partial(self._close_kv, sid, keep) if keeps
                      else functools.partial(self.backend.close_session, sid))
-            await self.scheduler.session_call(sid, close)
+            # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
+            await self.scheduler.session_call(sid, close, ends=not keeps)
         finally:
             self.sessions.pop(sid, None)  # the job runs even if this caller is cancelled
 
@@ -825,7 +827,7 @@ class NodeService:
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
-                          "polls_given_up": sched.polls_given_up, "cuts": sched.cuts,
+                          "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
                           "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
         }
