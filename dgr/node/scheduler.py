@@ -63,7 +63,8 @@ Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
 
 Left out: what a step means (dgr.node.service builds the jobs and their
-replies), transport, and any notion of time.
+replies), transport, and any notion of time beyond an iteration's target
+(deadlines are the gateway's).
 """
 
 from __future__ import annotations
@@ -393,11 +394,10 @@ class StepScheduler:
                 cut, batch[k] = batch[k], _first_part(batch[k], plan.cut)
             decode_only = bool(batch) and all(job.is_decode for job in batch)
             compute = 0.0
-            if not batch:
-                pass
-            elif self.inline or (decode_only and self._may_inline and self._last_decode_s < self.inline_below_s):
+            if batch and (self.inline or (decode_only and self._may_inline
+                                          and self._last_decode_s < self.inline_below_s)):
                 compute = self._iterate([], batch)
-            else:
+            elif batch:
                 compute = await thread.run_sync(self._iterate, [], batch)
             if decode_only:
                 self._last_decode_s = compute
