@@ -135,7 +135,7 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    for flag in ("no_prefix_reuse", "share_prefixes"):
+    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd

@@ -51,14 +51,14 @@ def test_match_finds_the_longest_prefix_and_a_longer_turn_supersedes_its_own_ear
     c = PrefixCache()
     t1 = _kept(c, conv[:3])
     assert c.add(t1) == []
-    assert c.match(conv) == (t1, 3) and c.hits == 1
+    assert c.match(conv) == (t1, 3 * B) and c.hits == 1
     assert c.match(block_chain([5] * B, root)) == (None, 0) and c.misses == 1
     t2 = _kept(c, conv[:5])
     assert c.add(t2) == [t1.id] and c.superseded == 1  # the same conversation, one turn later
     o = _kept(c, other)
     assert c.add(o) == []  # a branch, not a continuation: both stay
-    assert c.match(other[:2] + ["0" * 32]) == (o, 2)  # most recently used of the two holding 2 blocks
-    assert c.match(conv) == (t2, 5)
+    assert c.match(other[:2] + ["0" * 32]) == (o, 2 * B)  # most recently used of the two holding 2 blocks
+    assert c.match(conv) == (t2, 5 * B)
     assert c.reused_tokens == (3 + 2 + 5) * B
 
 
@@ -89,9 +89,9 @@ def test_random_operations_keep_the_index_consistent() -> None:
             c.add(_kept(c, chain))
         elif op < 0.8:
             kept, n = c.match(chain)
-            assert (kept is None) == (n == 0)
+            assert (kept is None) == (n == 0) and n % B == 0  # no marks offered: whole blocks only
             if kept is not None:
-                assert kept.chain[n - 1] == chain[n - 1]
+                assert kept.chain[n // B - 1] == chain[n // B - 1]
         elif c.entries:
             c.evict()
         assert c.nbytes <= 200
@@ -115,13 +115,19 @@ async def _ask(route: InProcRoute, prompt: str, scope: str = "k1", max_tokens: i
     return text, live
 
 
-async def _chat(route: InProcRoute, turns: int, scope: str = "k1", tag: str = "") -> list[tuple[str, int]]:
-    """A conversation: each turn's prompt is the last prompt, its answer and a new question."""
+async def _chat(route: InProcRoute, turns: int, scope: str = "k1", tag: str = "",
+                kept: list[tuple[int, int]] | None = None) -> list[tuple[str, int]]:
+    """A conversation: each turn's prompt is the last prompt, its answer and a new question.
+
+    `kept` gets each turn's (prompt tokens, answer tokens fed into the KV).
+    """
     prompt, out = SYSTEM + tag, []
     for t in range(turns):
         prompt += f" Q{t}: what next?"
         text, live = await _ask(route, prompt, scope)
         out.append((text, live.rs.prefix_reused))
+        if kept is not None:
+            kept.append((len(live.prompt), len(live.fed)))
         prompt += text
     return out
 
@@ -139,14 +145,15 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
         r.register_all()
         await nursery.start(r.run)
     plain = await _chat(off, 4)
-    reused = await _chat(on, 4)
+    kept: list[tuple[int, int]] = []
+    reused = await _chat(on, 4, kept=kept)
     assert [t for t, _ in reused] == [t for t, _ in plain]
     assert [n for _, n in plain] == [0, 0, 0, 0]
-    assert reused[0][1] == 0 and all(n >= 4 * B for _, n in reused[1:])
-    # turn 2 on reuses the whole blocks of turn 1's prompt (and answer), never the last prompt token
-    assert all(n % B == 0 for _, n in reused)
-    if generated:  # the stub computes one position as it computes many: its answers' KV reuses exactly too
-        assert reused[2][1] > reused[1][1] + len(reused[1][0]) - B
+    # turn 2 on reuses, to the token, every position turn 1 computed: its prompt, and its answer but the
+    # last token sampled (never in the KV) where answers are kept; never the last prompt token
+    want = [0] + [p + (fed if generated else 0) for p, fed in kept[:-1]]
+    assert [n for _, n in reused] == want and all(n < p for n, (p, _) in zip(want, kept))
+    assert any(n % B for n in want[1:])  # not whole blocks: what block reuse would have recomputed
     _settled(on)  # live-session KV accounting is back to zero; kept prefixes are reported apart
     for s in on.services:
         st = s.status()["prefix"]
@@ -196,10 +203,12 @@ async def test_nodes_holding_different_lengths_reuse_the_shortest(nursery) -> No
     # the tail forgets its prefix; the head keeps it, and also learns a shorter one from another scope-mate
     tail = on.services[1]
     await tail.scheduler.call(lambda: [tail.backend.drop_prefix(tail.prefix.evict()) for _ in range(1)])
-    await _ask(on, SYSTEM[: 2 * B + 5] + " other")  # both nodes now hold 2 blocks of it, the head 4 as well
+    # both nodes now hold 2 blocks and 7 tokens of it (" o" of " other" is also SYSTEM's next), the head 4 as well
+    await _ask(on, SYSTEM[: 2 * B + 5] + " other")
+    assert SYSTEM[2 * B + 5 : 2 * B + 8] == " on"  # and " other" goes on " ot"
     want, _ = await _ask(off, SYSTEM + text + " next")
     got, live = await _ask(on, SYSTEM + text + " next")
-    assert live.rs.prefix_reused == 2 * B  # the head held more and dropped the rest before the first step
+    assert live.rs.prefix_reused == 2 * B + 7  # the head held more and dropped the rest before the first step
     assert got == want
     _settled(on)
 
