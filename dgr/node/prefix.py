@@ -50,7 +50,7 @@ import attrs
 
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 
-__all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_MARKS", "Kept", "PrefixCache", "block_chain", "decode_marks",
+__all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_ADVERTISED", "MAX_MARKS", "Kept", "PrefixCache", "block_chain", "decode_marks",
            "encode_marks", "prefix_root", "token_marks", "valid_chain"]
 
 _DOMAIN = b"dgr-prefix-v1"
@@ -78,6 +78,9 @@ MARK_BYTES = 6
 # An offer marks at most this many positions (base64: 8 characters each, 512 KiB of an open's 1 MiB);
 # past them a match is whole blocks only.
 MAX_MARKS = 65536
+# A node's heartbeat names at most this many kept prefixes (each by its last block key, 32 hex digits:
+# about 9 KB), the most recently used first, so routing by prefix survives a tracker's restart.
+MAX_ADVERTISED = 256
 
 
 def token_marks(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> bytes:
@@ -240,6 +243,20 @@ class PrefixCache:
         self.remove(entry_id)
         self.evictions += 1
         return entry_id
+
+    def advertised(self, limit: int = MAX_ADVERTISED) -> list[str]:
+        """The last block key of each entry that has one, the most recently used first, at most `limit`.
+
+        A key names every block before it, so a tracker that sees it knows this node holds every
+        prompt whose chain runs through it; an entry shorter than a block is not named.
+        """
+        out: list[str] = []
+        for kept in reversed(self.entries.values()):
+            if kept.chain and kept.chain[-1] not in out:
+                out.append(kept.chain[-1])
+                if len(out) >= limit:
+                    break
+        return out
 
     def to_json(self) -> dict[str, int | None]:
         return {

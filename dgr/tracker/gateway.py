@@ -606,12 +606,15 @@ class Gateway:
         return live
 
     def _holding_route(self, offer: list[str], choice, context: int):
-        """A route whose nodes all kept the longest prefix of `offer` this gateway saw closed, when it is not
-        `choice` and has room and the context `choice` has; else None."""
-        for key in reversed(offer):
-            nodes = self.holders.get(key)
-            if nodes is not None:
-                better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends)
+        """A route whose nodes all kept the longest prefix of `offer` that this gateway saw closed or its nodes
+        name in their heartbeats (what survives a restart), when it is not `choice` and has room and the
+        context `choice` has; else None."""
+        named = self.registry.holding(offer) if offer else {}
+        for i in range(len(offer) - 1, -1, -1):
+            nodes = self.holders.get(offer[i], frozenset()) | {n for n, at in named.items() if at >= i}
+            if nodes:
+                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
+                                        trusted=self.registry.trusted_ends)
                 if better is not None and min(n.max_positions for n in better.nodes) < context:
                     return None
                 return better
