@@ -11,7 +11,9 @@ import trio
 
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, Failure, Reason
-from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix_root, valid_chain
+from dgr.node.membership import heartbeat_body
+from dgr.node.prefix import (BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED, Kept, PrefixCache, block_chain, prefix_root,
+                             token_marks, valid_chain)
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig
@@ -35,6 +37,77 @@ def test_chain_keys_name_whole_blocks_and_agree_exactly_on_shared_prefixes() -> 
     assert block_chain(a, prefix_root("digest", "key1"))[0] != ka[0]
     assert block_chain(a, prefix_root("other", ""))[0] != ka[0]
     assert not valid_chain(["XYZ"], 5) and not valid_chain(ka, 4) and not valid_chain("ab", 5)
+
+
+def test_marks_name_every_token_before_them_and_a_block_s_last_begins_its_key() -> None:
+    root = prefix_root("d", "")
+    a = list(range(2 * B + 10))
+    b = a[: B + 20] + [7] + a[B + 21 :]
+    ma, mb = token_marks(a, root), token_marks(b, root)
+    assert len(ma) == len(a) * MARK_BYTES
+    at = [ma[i * MARK_BYTES : (i + 1) * MARK_BYTES] == mb[i * MARK_BYTES : (i + 1) * MARK_BYTES] for i in range(len(a))]
+    assert at == [True] * (B + 20) + [False] * (len(a) - B - 20)  # from the first difference on, every mark differs
+    chain = block_chain(a, root)
+    assert [ma[(i + 1) * B * MARK_BYTES - MARK_BYTES : (i + 1) * B * MARK_BYTES].hex() for i in range(2)] == [
+        k[: 2 * MARK_BYTES] for k in chain]
+
+
+def test_match_is_exact_to_the_token_where_both_sides_name_the_positions() -> None:
+    root = prefix_root("d", "")
+    kept_tokens = list(range(B + 40))
+    chain, marks = block_chain(kept_tokens, root), token_marks(kept_tokens, root)
+    c = PrefixCache()
+    k = Kept(c.new_id(), tuple(chain), 10, head=marks[: (B + 30) * MARK_BYTES], tail=marks[B * MARK_BYTES :])
+    assert k.positions == B + 40 and c.add(k) == []
+    # a prompt sharing 1 block and 25 tokens, offered with its marks: reused to the token
+    prompt = kept_tokens[: B + 25] + [999] * 50
+    assert c.match(block_chain(prompt, root), token_marks(prompt, root)) == (k, B + 25)
+    # sharing 30 tokens of block 0 only: the entry's head names them
+    prompt = kept_tokens[:30] + [999] * 90
+    assert c.match(block_chain(prompt, root), token_marks(prompt, root)) == (k, 30)
+    # without marks: whole blocks, as before
+    assert c.match(block_chain(kept_tokens + [5] * B, root)) == (k, B)
+    # a prompt that extends all of it supersedes it once kept
+    longer = kept_tokens + [5] * 100
+    lm = token_marks(longer, root)
+    lc = block_chain(longer, root)
+    newer = Kept(c.new_id(), tuple(lc), 10, head=lm, tail=lm[len(lc) * B * MARK_BYTES :])
+    assert c.add(newer) == [k.id]
+
+
+def test_a_node_names_a_bounded_number_of_kept_prefixes() -> None:
+    root = prefix_root("d", "")
+    c = PrefixCache()
+    entries = [Kept(c.new_id(), tuple(block_chain([i, i + 1] * B, root)), 1) for i in range(MAX_ADVERTISED + 40)]
+    for e in entries:
+        c.add(e)
+    named = c.advertised()
+    assert len(named) == MAX_ADVERTISED and named[0] == entries[-1].chain[-1]  # the most recently used first
+    c.match(entries[0].chain)
+    assert c.advertised()[0] == entries[0].chain[-1]
+
+
+async def test_heartbeats_name_the_kept_prefixes_within_a_bound(nursery) -> None:
+    route = InProcRoute.stub(config=QUIET)
+    route.register_all()
+    await nursery.start(route.run)
+    node = route.services[0]
+    root = prefix_root("d", "")
+    for i in range(MAX_ADVERTISED + 40):  # bookkeeping only: what a heartbeat reads
+        node.prefix.add(Kept(node.prefix.new_id(), tuple(block_chain([i, i + 1] * B, root)), 1))
+    body = heartbeat_body(node)
+    assert len(body["prefixes"]) == MAX_ADVERTISED and len(json.dumps(body["prefixes"])) <= 9 * 1024  # 36 bytes a key
+    assert route.heartbeat(0).prefixes == frozenset(body["prefixes"])
+    key = node.identity.public
+    for bad in (body["prefixes"] + ["0" * 32], ["XYZ"], "abc"):
+        with pytest.raises(CallerError) as err:
+            route.registry.heartbeat({**body, "prefixes": bad}, trio.current_time(), key=key)
+        assert err.value.reason is Reason.INVALID_REQUEST
+    # a prompt that runs through a named key: its node is named as holding it, to that block
+    last = MAX_ADVERTISED + 39
+    assert route.registry.holding(block_chain([3, 4] * B, root)) == {}  # named no more: 40 more recent ones were
+    chain = list(block_chain([last, last + 1] * B, root)) + ["f" * 32]
+    assert route.registry.holding(chain) == {node.node_id: 1}
 
 
 # -- the cache's bookkeeping ---------------------------------------------------------------------------------
@@ -163,6 +236,28 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
     # the head computed only what it did not reuse
     head = on.services[0]
     assert head.stats.frames_in["PREFILL"] == 4  # one chunk a turn
+
+
+async def test_reuse_is_exact_to_the_token_and_never_takes_the_last_prompt_token(nursery) -> None:
+    off = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    on = InProcRoute.stub(config=QUIET)
+    for r in (off, on):
+        r.register_all()
+        await nursery.start(r.run)
+    base = SYSTEM[: 2 * B + 21]  # a shared prefix that ends mid-block
+    prompts = [base + "Who?", base + "Why?", base + "Why?", (base + "Why?")[:-1]]
+    reused = []
+    for prompt in prompts:
+        want, _ = await _ask(off, prompt)
+        got, live = await _ask(on, prompt)
+        assert got == want
+        reused.append(live.rs.prefix_reused)
+    # "Why?" shares the prefix and "Wh" with "Who?"; the same prompt again reuses all but its last two tokens
+    # (the last gives the first answer token; a lone position would run on other kernels); so does a prompt
+    # that is all kept
+    n = len(base)
+    assert reused == [0, n + 2, n + 4 - 2, n + 3 - 2]
+    _settled(on)
 
 
 async def test_usage_and_telemetry_report_the_reused_tokens(nursery) -> None:
