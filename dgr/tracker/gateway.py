@@ -64,14 +64,15 @@ Theory of operation:
   whole-block keys and a mark per position, rooted in the model digest and
   the request's isolation scope (the API key's hash, or one shared scope with
   `share_prefixes`). Each node opens on the longest prefix, to the token, it
-  holds of that and says how many positions that is; the route reuses the smallest answer, and prefill starts
-  there (a node holding more drops the rest before that first step). A
-  session that ends normally closes with the chain of its KV's whole blocks
-  and the marks of its positions after them (its prompt, and by default its
-  answer: `prefix_keep_generated`, off with `--prefix-exact`), so its nodes
-  may keep that KV for the next turn; the gateway remembers which route kept
-  which keys (`holders`) and prefers that route for a prompt that extends
-  them.
+  holds of that and says how many positions that is; the route reuses the
+  smallest answer, and prefill starts there (a node holding more drops the
+  rest before that first step). A session that ends normally closes with
+  the chain of its KV's whole blocks and the marks of its positions after
+  them (its prompt, and by default its answer: `prefix_keep_generated`, off
+  with `--prefix-exact`), so its nodes may keep that KV for the next turn; the gateway remembers which route kept
+  which keys (`holders`), learns the same from the prefixes nodes name in
+  their heartbeats (so it survives a restart), and prefers that route for a
+  prompt that extends them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -94,7 +95,7 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
-from dgr.node.prefix import BLOCK_TOKENS, MARK_BYTES, MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
+from dgr.node.prefix import BLOCK_TOKENS, MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
