@@ -59,20 +59,21 @@ Theory of operation:
   remembered ones it lists, with a capability minted for the purpose, as
   soon as the node is reachable again. Sessions this gateway never opened
   are left alone.
-- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt (less the
-  last token, which must be prefilled for a first token) into a chain of
-  whole-block keys and a mark per position, rooted in the model digest and
-  the request's isolation scope (the API key's hash, or one shared scope with
-  `share_prefixes`). Each node opens on the longest prefix, to the token, it
-  holds of that and says how many positions that is; the route reuses the
-  smallest answer, and prefill starts there (a node holding more drops the
-  rest before that first step). A session that ends normally closes with
-  the chain of its KV's whole blocks and the marks of its positions after
-  them (its prompt, and by default its answer: `prefix_keep_generated`, off
-  with `--prefix-exact`), so its nodes may keep that KV for the next turn; the gateway remembers which route kept
-  which keys (`holders`), learns the same from the prefixes nodes name in
-  their heartbeats (so it survives a restart), and prefers that route for a
-  prompt that extends them.
+- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt (less its
+  last two tokens: the last must be prefilled for a first token, and not
+  alone, see LiveSession.chunks) into a chain of whole-block keys and a mark
+  per position, rooted in the model digest and the request's isolation scope
+  (the API key's hash, or one shared scope with `share_prefixes`). Each node
+  opens on the longest prefix, to the token, it holds of that and says how
+  many positions that is; the route reuses the smallest answer, and prefill
+  starts there (a node holding more drops the rest before that first step).
+  A session that ends normally closes with the chain of its KV's whole
+  blocks and the marks of its positions after them (its prompt, and by
+  default its answer: `prefix_keep_generated`, off with `--prefix-exact`),
+  so its nodes may keep that KV for the next turn; the gateway remembers
+  which route kept which keys (`holders`), learns the same from the prefixes
+  nodes name in their heartbeats (so it survives a restart), and prefers
+  that route for a prompt that extends them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -532,9 +533,12 @@ class Gateway:
             positions = len(prompt) + max_tokens
 
             root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None)
-            # never the last token: its logits give the first answer token
-            offer = [] if root is None else block_chain(prompt[: len(prompt) - 1], root)
-            marks = "" if root is None else encode_marks(token_marks(prompt[: min(len(prompt) - 1, MAX_MARKS)], root))
+            # Never the last token: its logits give the first answer token. Nor the one before: a lone
+            # position would run on other kernels than a chunk (LiveSession.chunks), and giving it back
+            # later would need a node to drop a position, which some memories cannot (recurrent, SWA).
+            offered = prompt[: max(len(prompt) - 2, 0)]
+            offer = [] if root is None else block_chain(offered, root)
+            marks = "" if root is None else encode_marks(token_marks(offered[:MAX_MARKS], root))
             better = self._holding_route(offer, choice, context)
             if better is not None:
                 self._release(reserved)
@@ -594,9 +598,7 @@ class Gateway:
             phases=board,
         )
         # every node must start from the same position: the shortest prefix any of them holds
-        reused = min([len(prompt) - 1, *held.values()]) if root is not None else 0
-        if reused and len(prompt) - reused == 1:
-            reused -= 1  # a lone position would run on other kernels (LiveSession.chunks)
+        reused = min([len(offered), *held.values()]) if root is not None else 0
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         self.metrics.prefix_reused_tokens_total.inc(reused)
         self.metrics.prompt_tokens_total.inc(len(prompt))
