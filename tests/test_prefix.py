@@ -552,3 +552,14 @@ async def test_a_manifest_claiming_more_positions_than_its_bytes_hold_is_refused
     said = {r["file"]: r["message"] for r in tail.snapshots.refused}
     assert f"holds {meta['positions'] - B} positions, its manifest claims {meta['positions']}" in said[f"{forged}.json"]
     assert f"holds {grown['bytes'] + 1} bytes" in said[longer.name]
+
+
+def test_prefix_exact_keeps_prompts_only_from_dgr_up_and_dgr_tracker() -> None:
+    from dgr.cli import build_parser
+    from dgr.up import tracker_args
+
+    assert GatewayConfig().prefix_keep_generated  # answers are kept by default, as llama-server's cache_prompt does
+    up = build_parser().parse_args(["up", "--prefix-exact"])
+    assert "--prefix-exact" in tracker_args(up)
+    assert "--prefix-exact" not in tracker_args(build_parser().parse_args(["up"]))
+    assert build_parser().parse_args(["tracker", "--prefix-exact"]).prefix_exact
