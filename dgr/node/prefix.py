@@ -26,6 +26,9 @@ Contract:
 - Least recently used entries go first, when the bytes exceed `max_bytes` and
   whenever a live session needs the slot (`lru`): a kept prefix never makes a
   live session wait or be refused.
+- A node names what it keeps to its tracker (`advertised`: the last block key
+  of each entry, the most recently used first, at most `MAX_ADVERTISED`), so
+  that routing by prefix survives the tracker's restart.
 
 Theory: `PrefixCache` is bookkeeping only. The backend holds the KV under the
 entry's id (dgr.backends.base: keep_prefix, open_from_prefix, drop_prefix);
@@ -33,8 +36,10 @@ the node's service calls both in its scheduler's thread, one job at a time,
 so the cache and the backend never disagree. Every method that frees an entry
 returns its id, and the caller frees the backend's copy.
 
-Left out: I/O, time (LRU is by use order, not age), and which route holds
-what (the tracker's business).
+Left out: I/O, time (LRU is by use order, not age), which route holds what
+(the tracker's business), and whether the backend can cut a kept sequence
+short (the service asks it, and where a memory cannot drop positions, as a
+recurrent or SWA one, opens empty instead).
 """
 
 from __future__ import annotations

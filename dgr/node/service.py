@@ -17,11 +17,16 @@ after any of its steps already queued. Ended session ids are remembered
 `unknown_session`.
 
 Prefix cache (dgr.node.prefix): a session closed normally with the hash
-chain of the tokens in its KV (`keep`) leaves its KV behind as a kept prefix;
-an open that offers a chain (`prefix`) starts from the longest kept prefix
-matching it: it takes the kept KV over when it extends all of it (a
-conversation's next turn) or no slot is free, else starts from a copy. The cache is touched only in the scheduler's thread, in the same job
-as the backend calls it decides, so the two never disagree. A kept prefix
+chain of the tokens in its KV (`keep`) and the marks of its positions past
+the last whole block (`tail`) leaves its KV behind as a kept prefix; an open
+that offers a chain and marks (`prefix`, `marks`) starts from the longest
+kept prefix matching it, to the token, cut to the positions shared: it
+takes the kept KV over when it shares all its whole blocks (a
+conversation's next turn) or no slot is free, else starts from a copy; a
+memory that cannot drop the positions past them opens empty. The offered
+marks are remembered with the session, to name its KV if it is kept. The
+cache is touched only in the scheduler's thread, in the same job as the
+backend calls it decides, so the two never disagree. A kept prefix
 holds a sequence slot that no live session holds: an open that finds no
 free slot evicts the least recently used prefix first, so the capacity
 check (live sessions only) is the only refusal. `kv_bytes` and `sessions`
