@@ -45,6 +45,7 @@ def cmd_tracker(args) -> int:
         topology=Topology(args.topology),
         prefix_reuse=not args.no_prefix_reuse,
         share_prefixes=args.share_prefixes,
+        prefix_keep_generated=not args.prefix_exact,
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -278,6 +279,10 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                         "gateway sends every step to the head (N + 1); star: the gateway relays every hop (2N)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
+    p.add_argument("--prefix-exact", action="store_true",
+                   help="keep only prompts' KV, not answers': a follow-up turn then recomputes the previous "
+                        "answer, and its answer is bit-identical to a cold one's (answers' positions were computed "
+                        "one at a time, and llama.cpp's one-position kernels round a little differently)")
     p.add_argument("--share-prefixes", action="store_true",
                    help="reuse a kept prefix across API keys (default: only for the key that left it); a caller "
                         "can then time whether someone sent the same prefix lately (spec/security.md)")

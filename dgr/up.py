@@ -142,7 +142,7 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     for key in getattr(args, "trusted_head", None) or ():
         cmd += ["--trusted-head", key]
-    for flag in ("no_prefix_reuse", "share_prefixes"):
+    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd

@@ -67,18 +67,21 @@ Theory of operation:
   remembered ones it lists, with a capability minted for the purpose, as
   soon as the node is reachable again. Sessions this gateway never opened
   are left alone.
-- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt's whole
-  blocks (less the last token, which must be prefilled for a first token)
-  into a chain rooted in the model digest and the request's isolation scope
+- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt (less its
+  last two tokens: the last must be prefilled for a first token, and not
+  alone, see LiveSession.chunks) into a chain of whole-block keys and a mark
+  per position, rooted in the model digest and the request's isolation scope
   (the API key's hash, or one shared scope with `share_prefixes`). Each node
-  opens on the longest kept prefix it holds of that chain and says how many
-  positions that is; the route reuses the smallest answer, and prefill starts
-  there (a node holding more drops the rest before that first step). A
-  session that ends normally closes with the chain of its prompt's whole
-  blocks (and its answer's, with `prefix_keep_generated`), so its nodes may
-  keep that KV for the next turn; the gateway remembers which route kept
-  which keys (`holders`) and prefers that route for a prompt that extends
-  them.
+  opens on the longest prefix, to the token, it holds of that and says how
+  many positions that is; the route reuses the smallest answer, and prefill
+  starts there (a node holding more drops the rest before that first step).
+  A session that ends normally closes with the chain of its KV's whole
+  blocks and the marks of its positions after them (its prompt, and by
+  default its answer: `prefix_keep_generated`, off with `--prefix-exact`),
+  so its nodes may keep that KV for the next turn; the gateway remembers
+  which route kept which keys (`holders`), learns the same from the prefixes
+  nodes name in their heartbeats (so it survives a restart), and prefers
+  that route for a prompt that extends them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -102,7 +105,7 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
-from dgr.node.prefix import BLOCK_TOKENS, block_chain, prefix_root
+from dgr.node.prefix import BLOCK_TOKENS, MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
@@ -158,11 +161,14 @@ class GatewayConfig:
     # One isolation scope for every API key: a prefix one key left is reused for another. Its timing
     # tells a caller whether someone sent the same prefix lately (spec/security.md).
     share_prefixes: bool = False
-    # Keep generated tokens' KV too, as llama-server's cache_prompt does. Off: llama.cpp computes a
-    # one-position step (decode) with other kernels than a chunk, so a prefix of decoded positions
-    # gives logits a little off a full prefill's (0.5 on SmolLM2), enough to flip a near-tie; the
-    # prompt's own positions, prefilled in chunks of two or more, reuse bit-identically.
-    prefix_keep_generated: bool = False
+    # Keep generated tokens' KV too, as llama-server's cache_prompt does, so the next turn, which
+    # resends the answer, reuses it. Off (`--prefix-exact`): the prompt's own positions, prefilled in
+    # chunks of two or more, reuse bit-identically, but llama.cpp computes a one-position step (decode)
+    # with other kernels than a chunk, so a prefix of decoded positions gives logits off a full
+    # prefill's. SmolLM2 Q4_1, 2 llama_shard stages, 3 chats of 5 turns, greedy, 32 tokens: logits
+    # up to 1.58 apart (0.8 to 1.6 a turn) before any token differs; 2 of 12 follow-up answers differ
+    # (in process, from their 7th token: 13 of 272 tokens), and 2 of 12 on a `dgr up` route.
+    prefix_keep_generated: bool = True
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
@@ -216,11 +222,24 @@ class LiveSession:
     def reused(self) -> int:
         return self.rs.prefix_reused
 
-    def kv_chain(self) -> list[str] | None:
-        """The block chain of every whole block in the route's KV: what its nodes may keep."""
+    def kv_keep(self) -> tuple[list[str], str] | None:
+        """What the route's nodes may keep of their KV: the block chain of its whole blocks and the encoded
+        marks of its positions after them (dgr.node.prefix); None without prefix reuse.
+
+        The KV holds the prompt and, with `keep_generated`, every answer token fed back (the last one
+        sampled never was).
+        """
         if self.prefix_root is None:
             return None
-        return block_chain(self.prompt + self.fed if self.keep_generated else self.prompt, self.prefix_root) or None
+        tokens = self.prompt + self.fed if self.keep_generated else self.prompt
+        chain = block_chain(tokens, self.prefix_root)
+        tail = self._tail_marks(tokens, chain)
+        return (chain, encode_marks(tail)) if chain or tail else None
+
+    def _tail_marks(self, tokens: list[int], chain: list[str]) -> bytes:
+        """The marks of `tokens`' positions after its last whole block, chained from that block's key."""
+        start = len(chain) * BLOCK_TOKENS
+        return token_marks(tokens[start:], chain[-1] if chain else self.prefix_root)
 
     def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
         """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
@@ -531,8 +550,12 @@ class Gateway:
             positions = len(prompt) + max_tokens
 
             root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None)
-            # whole blocks only, and never the last token: its logits give the first answer token
-            offer = [] if root is None else block_chain(prompt[: len(prompt) - 1], root)
+            # Never the last token: its logits give the first answer token. Nor the one before: a lone
+            # position would run on other kernels than a chunk (LiveSession.chunks), and giving it back
+            # later would need a node to drop a position, which some memories cannot (recurrent, SWA).
+            offered = prompt[: max(len(prompt) - 2, 0)]
+            offer = [] if root is None else block_chain(offered, root)
+            marks = "" if root is None else encode_marks(token_marks(offered[:MAX_MARKS], root))
             better = self._holding_route(offer, choice, context)
             if better is not None:
                 self._release(reserved)
@@ -552,7 +575,7 @@ class Gateway:
                 try:
                     held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
                                                      relay=relays.get(hop.node_id), prefix=offer, lane=lane,
-                                                     ticket=self._ticketer(rs.sid, hop))
+                                                     ticket=self._ticketer(rs.sid, hop), marks=marks)
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -595,9 +618,7 @@ class Gateway:
             phases=board,
         )
         # every node must start from the same position: the shortest prefix any of them holds
-        reused = min([len(offer) * BLOCK_TOKENS, *held.values()]) if offer else 0
-        if reused and len(prompt) - reused == 1:
-            reused -= BLOCK_TOKENS  # a lone position would run on other kernels (LiveSession.chunks)
+        reused = min([len(offered), *held.values()]) if root is not None else 0
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         self.metrics.prefix_reused_tokens_total.inc(reused)
         self.metrics.prompt_tokens_total.inc(len(prompt))
@@ -608,12 +629,15 @@ class Gateway:
         return live
 
     def _holding_route(self, offer: list[str], choice, context: int):
-        """A route whose nodes all kept the longest prefix of `offer` this gateway saw closed, when it is not
-        `choice` and has room and the context `choice` has; else None."""
-        for key in reversed(offer):
-            nodes = self.holders.get(key)
-            if nodes is not None:
-                better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends)
+        """A route whose nodes all kept the longest prefix of `offer` that this gateway saw closed or its nodes
+        name in their heartbeats (what survives a restart), when it is not `choice` and has room and the
+        context `choice` has; else None."""
+        named = self.registry.holding(offer) if offer else {}
+        for i in range(len(offer) - 1, -1, -1):
+            nodes = self.holders.get(offer[i], frozenset()) | {n for n, at in named.items() if at >= i}
+            if nodes:
+                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
+                                        trusted=self.registry.trusted_ends)
                 if better is not None and min(n.max_positions for n in better.nodes) < context:
                     return None
                 return better
@@ -711,11 +735,11 @@ class Gateway:
                 survivors = [self.client(h) for h in rs.route if h.node_id not in rs.lost]
                 for node_id in rs.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
-                keep = live.kv_chain() if failure is None else None
+                keep = live.kv_keep() if failure is None else None
                 async with trio.open_nursery() as ending:
                     ending.start_soon(self._end_head, live)
                     await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
-                self._note_holders(live, keep)
+                self._note_holders(live, keep[0] if keep else None)
                 if live.phases is not None:
                     self._leave_phases(live.phases, rs.sid)
                 self._measure(live.nodes, rs, failure)
@@ -782,12 +806,13 @@ class Gateway:
                 for h in hops}
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
-                           caps: dict[str, str], keep: list[str] | None = None) -> None:
+                           caps: dict[str, str], keep: tuple[list[str], str] | None = None) -> None:
         closed: set[str] = set()
 
         async def _one(c: NodeClient) -> None:
             try:
-                await c.close(sid, failure, caps.get(c.node_id), keep=keep)
+                await c.close(sid, failure, caps.get(c.node_id), keep=keep[0] if keep else None,
+                              tail=keep[1] if keep else "")
                 closed.add(c.node_id)
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
