@@ -65,9 +65,9 @@ def test_no_assert_on_input_in_the_package() -> None:
     assert offenders == []
 
 
-def test_readme_layout_lists_the_real_tree() -> None:
-    """The README's layout section names every module and package of dgr/, and nothing that is not there."""
-    text = (ROOT / "README.md").read_text()
+def test_architecture_layout_lists_the_real_tree() -> None:
+    """docs/architecture.md's layout section names every module and package of dgr/, and nothing that is not there."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     block = text.split("## Layout\n", 1)[1].split("```\n", 2)[1]
     listed, package = set(), None
     for line in block.splitlines():
@@ -81,5 +81,5 @@ def test_readme_layout_lists_the_real_tree() -> None:
             if p.name not in ("__init__.py", "__main__.py") and "__pycache__" not in p.parts}
     real |= {p.relative_to(ROOT).as_posix() + "/" for p in (ROOT / "dgr").iterdir() if (p / "__init__.py").exists()}
     listed_dgr = {p for p in listed if p.startswith("dgr/") and (p.endswith(".py") or p.endswith("/"))}
-    assert real - listed_dgr == set(), "modules missing from the README layout"
-    assert listed_dgr - real == set(), "the README layout lists modules that do not exist"
+    assert real - listed_dgr == set(), "modules missing from the layout in docs/architecture.md"
+    assert listed_dgr - real == set(), "the layout in docs/architecture.md lists modules that do not exist"
