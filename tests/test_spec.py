@@ -121,15 +121,25 @@ def test_readme_is_a_front_page() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
+def _anchors(markdown: str) -> set[str]:
+    """The fragment GitHub gives each heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
 @pytest.mark.parametrize("rel", ["README.md", "docs/architecture.md", "docs/cli.md", "docs/deploy.md",
                                  "docs/perf/README.md"])
 def test_local_links_resolve(rel: str) -> None:
-    """Every relative link of the front page and the docs names a file or folder that exists."""
+    """Every relative link of the front page and the docs names a file or folder that exists, and a heading
+    of it where the link names one."""
     path = ROOT / rel
     missing = []
     for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        if not (path.parent / target.split("#", 1)[0]).exists():
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file) if file else path
+        if not dest.exists() or (anchor and dest.is_file() and anchor not in _anchors(dest.read_text())):
             missing.append(target)
     assert missing == []
