@@ -111,6 +111,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if getattr(args, "busy_poll_ms", None) is not None:
         cmd += ["--busy-poll-ms", str(args.busy_poll_ms)]
+    if getattr(args, "iteration_target_ms", None) is not None:
+        cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):
@@ -123,7 +125,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
 def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
     """The arguments of `dgr` (after the command itself) that start the route's tracker."""
     cmd = ["tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-           "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype]
+           "--step-deadline", str(args.step_deadline), "--slow-cap", str(getattr(args, "slow_cap", 4.0)),
+           "--seam-dtype", args.seam_dtype]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
     if identity is not None:

@@ -96,6 +96,10 @@ class ShardBackend(abc.ABC):
     layers: LayerRange
     name: str  # backend name: stub, torch, llama, llama_shard
     n_threads: int = 1  # threads one backend call computes with (llama.cpp's and torch's own pools)
+    # True where `tokenize`, `tokenize_chat` and `render_chat` touch nothing the compute touches (a
+    # vocabulary loaded apart, pure Python): the node then runs them off its backend thread, one at a
+    # time, so a prompt is tokenized while a prefill chunk computes (dgr.node.service, `tokenize`).
+    text_apart: bool = False
 
     @property
     def is_head(self) -> bool:

@@ -268,6 +268,8 @@ class StubBackend(ShardBackend):
         return logits.astype(np.float32)
 
     # -- text -----------------------------------------------------------------
+    text_apart = True  # pure Python over constant tables
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return [_ID.get(ch, _ID["?"]) for ch in text]
 

@@ -4,9 +4,10 @@ Theory: a frame is parsed and checked (dgr.seam.frame), matched against its
 `NodeSession` (dgr.fsm.node), which refuses anything out of order before any
 state changes, then it becomes a job of the node's `StepScheduler`
 (dgr.node.scheduler), the one owner of the backend, which batches it with
-other sessions' steps. Every other backend call (open, close, tokenize,
-status) is a scheduler job too, so nothing here touches the backend from the
-event loop, and llama.cpp never sees two calls at once. A step whose caller
+other sessions' steps. Every other backend call (open, close, status, and
+tokenize where the text is not apart from the compute) is a scheduler job
+too, so nothing here touches the backend from the event loop, and llama.cpp
+never sees two calls at once. A step whose caller
 has gone still runs to its end: the session's counters were advanced when
 it was accepted, so the KV and the counters agree either way.
 
@@ -64,7 +65,7 @@ from dgr.node import steptrace
 from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
 from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report, SelfLoop
 from dgr.node.ringphases import RingPhases
-from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, Job, JobKind, StepScheduler
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
@@ -143,10 +144,13 @@ class NodeService:
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
     snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
     busy_poll_s: float = 0.0  # --busy-poll-ms: StepScheduler.busy_poll_s
+    iteration_target_s: float = DEFAULT_ITERATION_TARGET_S  # --iteration-target-ms: StepScheduler's
     _nursery: trio.Nursery | None = None
+    _text_calls: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1), init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s)
+        self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s,
+                                       iteration_target_s=self.iteration_target_s)
         self.ring = RingPhases(self._loop_send)
         self.capacity = self.backend.max_sessions()
         self.max_positions = self.backend.max_positions()
@@ -494,9 +498,11 @@ class NodeService:
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
         try:
-            close = (functools.partial(self._close_kv, sid, keep) if keep and failure is None
+            keeps = bool(keep) and failure is None
+            close = (functools.partial(self._close_kv, sid, keep) if keeps
                      else functools.partial(self.backend.close_session, sid))
-            await self.scheduler.session_call(sid, close)
+            # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
+            await self.scheduler.session_call(sid, close, ends=not keeps)
         finally:
             self.sessions.pop(sid, None)  # the job runs even if this caller is cancelled
 
@@ -532,7 +538,8 @@ class NodeService:
     # -- head: text in ------------------------------------------------------------
     async def tokenize(self, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None
                        ) -> tuple[list[int], str]:
-        """Render the chat template (or take the prompt) and tokenize it, in the scheduler's thread.
+        """Render the chat template (or take the prompt) and tokenize it: in a thread of its own where the
+        backend's text is apart from its compute (`text_apart`), else as a job of the scheduler.
 
         Raises:
             CallerError(INVALID_REQUEST): not a head shard, or neither messages nor a prompt.
@@ -551,6 +558,9 @@ class NodeService:
             # prompt, control tokens included, as llama.cpp's server and vLLM allow
             return backend.tokenize(prompt, add_special=True, parse_special=True), prompt
 
+        if backend.text_apart:
+            # the text holds nothing the compute touches: not behind any queued iteration (one at a time)
+            return await trio.to_thread.run_sync(work, limiter=self._text_calls)
         return await self.scheduler.call(work)
 
     # -- the seam ---------------------------------------------------------------
@@ -817,6 +827,7 @@ class NodeService:
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
-                          "polls_given_up": sched.polls_given_up},
+                          "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
+                          "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
         }
