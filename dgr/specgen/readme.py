@@ -64,7 +64,7 @@ def render(results: dict[str, Any], command: str) -> str:
         textwrap.fill(
             f"`{command}`, run {results['started']} to {results['finished']} on one machine "
             f"([{rel}/REPORT.md]({rel}/REPORT.md)): SmolLM2-135M-Instruct Q4_1, {cfg['threads']} threads in "
-            f"total per setup (1 thread a node on dgr's routes), {cfg['decode_tokens']} decoded tokens. Every "
+            f"total per setup (1 thread a node on dgr's multi-node routes), {cfg['decode_tokens']} decoded tokens. Every "
             f"setup was up at once and each of {paired['rounds']} rounds measured each in turn, so a slowdown "
             "of the machine hits both sides of a ratio alike; a ratio is the median of the rounds' ratios.",
             width=100, break_long_words=False, break_on_hyphens=False),
