@@ -53,7 +53,7 @@ test-slow: install
 bench: install
 	$(PY) -m dgr bench --quick
 
-# every generated file in spec/ and tests/fixtures/, redrawn from the code (tests/test_spec.py checks them)
+# every generated file in spec/, tests/fixtures/ and README.md's performance block, redrawn from the code (tests/test_spec.py checks them)
 specs: install
 	$(PY) -m dgr.specgen
 

@@ -272,7 +272,7 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     # the ring by default (dgr.seam.wire.DEFAULT_TOPOLOGY says why; `dgr bench --only rtt --rtt 5` sweeps
-    # all three: docs/perf/rtt/REPORT.md)
+    # all three: docs/perf/archive/rtt/REPORT.md)
     p.add_argument("--topology", choices=[t.value for t in Topology], default=DEFAULT_TOPOLOGY.value,
                    help="ring (default): each node forwards to the next, and the tail answers the gateway "
                         "and sends each next decode step straight to the head (N messages a token); chain: the "
