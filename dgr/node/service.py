@@ -581,8 +581,9 @@ class NodeService:
             # prompt, control tokens included, as llama.cpp's server and vLLM allow
             return backend.tokenize(prompt, add_special=True, parse_special=True), prompt
 
-        if backend.text_apart:
-            # the text holds nothing the compute touches: not behind any queued iteration (one at a time)
+        if backend.text_apart and not self.scheduler.inline:
+            # the text holds nothing the compute touches: not behind any queued iteration (one at a time).
+            # An inline scheduler (tests on a MockClock) uses no thread: a thread's wait would let the clock jump.
             return await trio.to_thread.run_sync(work, limiter=self._text_calls)
         return await self.scheduler.call(work)
 
