@@ -213,7 +213,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "is dgr / llama-server pair by pair, and the verdicts use its median. TTFTs are min / median over "
               f"the repeats. Load average (1 min) {res['load_before'][0]:.1f} before, {res['load_after'][0]:.1f} "
               "after: other work shared the cores."), "",
-             "| turn | prompt tokens | dgr reused (min) | dgr TTFT ms | dgr node prefill ms (min) | "
+             "| turn | prompt tokens | dgr reused (min) | dgr TTFT ms | dgr nodes' prefill compute, both summed, ms (min) | "
              + ("llama-server prefilled | llama-server TTFT ms | ratio (median) | bound | verdict |" if peers else ""),
              "|---|---|---|---|---|" + ("---|---|---|---|---|" if peers else "")]
     for t in range(res["turns"]):
