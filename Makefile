@@ -45,7 +45,7 @@ run: install
 
 # Two workers; tests marked `serial` run one at a time on one of them (the rule: tests/conftest.py).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=15 -n 2 --dist loadgroup
 
 test-slow: install
 	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider
@@ -53,7 +53,7 @@ test-slow: install
 bench: install
 	$(PY) -m dgr bench --quick
 
-# every generated file in spec/ and tests/fixtures/, redrawn from the code (tests/test_spec.py checks them)
+# every generated file in spec/, tests/fixtures/ and README.md's performance block, redrawn from the code (tests/test_spec.py checks them)
 specs: install
 	$(PY) -m dgr.specgen
 

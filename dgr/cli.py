@@ -34,6 +34,7 @@ def cmd_tracker(args) -> int:
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,
         step_deadline_s=args.step_deadline,
+        slow_cap=args.slow_cap,
         seam_dtype=DType[args.seam_dtype.upper()],
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_cap=args.max_tokens_cap,
@@ -44,6 +45,7 @@ def cmd_tracker(args) -> int:
         topology=Topology(args.topology),
         prefix_reuse=not args.no_prefix_reuse,
         share_prefixes=args.share_prefixes,
+        prefix_keep_generated=not args.prefix_exact,
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -118,12 +120,15 @@ def cmd_node(args) -> int:
                             advertise=args.advertise, tls_files=tls_files, tls=tls, pin=pin,
                             prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
                             snapshot_max_mb=args.snapshot_max_mb,
-                            busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3)
+                            busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3,
+                            iteration_target_s=args.iteration_target_ms / 1e3)
 
 
 # llama.cpp backends whose steps compute on one thread: their node idles while the rest of the
 # route computes, and the core it sleeps on is slow to wake (dgr.node.scheduler, busy_poll_s)
 _BUSY_POLL_BACKENDS = ("llama", "llama_shard")
+# dgr.node.scheduler.DEFAULT_ITERATION_TARGET_S, here so that parsing arguments imports no trio or numpy
+ITERATION_TARGET_MS = 250.0
 BUSY_POLL_MS = 100.0  # covers a token's trip through the rest of a 2- or 3-node SmolLM2 route
 
 
@@ -213,6 +218,11 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
                    help="after computing a step, wait this long for the next one without letting the core "
                         "sleep (it yields to any other runnable work): a sleeping core is slow to wake. "
                         f"Default: {BUSY_POLL_MS:.0f} for a llama or llama_shard node with 1 thread, else 0")
+    p.add_argument("--iteration-target-ms", type=float, default=ITERATION_TARGET_MS, metavar="MS",
+                   help="while other sessions wait, cut prefill chunks so that one scheduler iteration computes for "
+                        "about this long at the node's measured prefill rate: the longest an open, a close or "
+                        f"another session's token waits behind a long prompt (0: never cut; default: "
+                        f"{ITERATION_TARGET_MS:.0f})")
 
 
 def _add_join_arg(p: argparse.ArgumentParser) -> None:
@@ -262,13 +272,17 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     # the ring by default (dgr.seam.wire.DEFAULT_TOPOLOGY says why; `dgr bench --only rtt --rtt 5` sweeps
-    # all three: docs/perf/rtt/REPORT.md)
+    # all three: docs/perf/archive/rtt/REPORT.md)
     p.add_argument("--topology", choices=[t.value for t in Topology], default=DEFAULT_TOPOLOGY.value,
                    help="ring (default): each node forwards to the next, and the tail answers the gateway "
                         "and sends each next decode step straight to the head (N messages a token); chain: the "
                         "gateway sends every step to the head (N + 1); star: the gateway relays every hop (2N)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
+    p.add_argument("--prefix-exact", action="store_true",
+                   help="keep only prompts' KV, not answers': a follow-up turn then recomputes the previous "
+                        "answer, and its answer is bit-identical to a cold one's (answers' positions were computed "
+                        "one at a time, and llama.cpp's one-position kernels round a little differently)")
     p.add_argument("--share-prefixes", action="store_true",
                    help="reuse a kept prefix across API keys (default: only for the key that left it); a caller "
                         "can then time whether someone sent the same prefix lately (spec/security.md)")
@@ -279,7 +293,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 # The tools' subcommands, each registered by its own module. Only the one being run is imported (all of
 # them for help or a mistyped command): together they cost about 0.5 s of CPU, which every tracker, node
 # and `dgr up` process paid at its start.
-_TOOLS = {"artifact": "dgr.artifact.cli", "plan": "dgr.plan.cli", "bench": "dgr.bench.cli", "soak": "dgr.bench.soak"}
+_TOOLS = {"artifact": "dgr.artifact.cli", "plan": "dgr.plan.cli", "bench": "dgr.bench.cli", "soak": "dgr.bench.soak",
+          "attack": "dgr.bench.attacker"}
 _CORE = ("tracker", "node", "up")
 
 
@@ -309,6 +324,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "(how dgr up starts its nodes while the tracker starts)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
+    p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
+                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
                    help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
@@ -369,11 +387,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512)
     p.add_argument("--step-deadline", type=float, default=10.0)
+    p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
+                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", metavar="M",
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "
                         "seeds and proves its layers")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="nodes free a session's KV after this idle time")
+    p.add_argument("--trusted-head", action="append", default=[], metavar="PUBKEY",
+                   help="passed to the tracker: only nodes with this public key may hold a route's first or last "
+                        "layer; repeatable (a key of --identity-dir's nodeN.key, made before `dgr up`, names a "
+                        "route node)")
     p.add_argument("--identity-dir", metavar="DIR",
                    help="where the route's keys (tracker.key, nodeN.key) are kept (default: a fresh temporary "
                         "folder, removed on exit)")

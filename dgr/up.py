@@ -18,7 +18,9 @@ fresh temporary folder removed on exit) and uses the join token it is given
 its children in the environment, never in argv. So nodes sign their
 membership with their own keys, and the gateway signs a capability for every
 hop of every route it starts. API keys (--api-key-file or $DGR_API_KEYS)
-pass through to the tracker.
+pass through to the tracker, and so do `--trusted-head` keys: a key file already in
+the folder is used as it is, so an operator (or `dgr soak --attacker`) can make the
+nodes' keys first and name them as the route's trusted heads.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     if getattr(args, "busy_poll_ms", None) is not None:
         cmd += ["--busy-poll-ms", str(args.busy_poll_ms)]
+    if getattr(args, "iteration_target_ms", None) is not None:
+        cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
     if getattr(args, "manifest", None):
@@ -121,7 +125,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
 def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
     """The arguments of `dgr` (after the command itself) that start the route's tracker."""
     cmd = ["tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
-           "--step-deadline", str(args.step_deadline), "--seam-dtype", args.seam_dtype]
+           "--step-deadline", str(args.step_deadline), "--slow-cap", str(getattr(args, "slow_cap", 4.0)),
+           "--seam-dtype", args.seam_dtype]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
     if identity is not None:
@@ -135,7 +140,9 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    for flag in ("no_prefix_reuse", "share_prefixes"):
+    for key in getattr(args, "trusted_head", None) or ():
+        cmd += ["--trusted-head", key]
+    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd

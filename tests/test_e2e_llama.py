@@ -141,8 +141,8 @@ def test_models_metadata(single) -> None:
     meta = data["dgr"]
     assert (meta["architecture"], meta["n_layers"], meta["hidden_size"]) == ("llama", 30, 576)
     node = meta["nodes"][0]
-    for key in ("llama_cpp_python", "file_size", "sha256", "threads"):
-        assert key in node, key
+    for key in ("llama_cpp_python", "file_size", "sha256", "threads"):  # what the node says of itself, nested
+        assert key in node["describe"], key
 
 
 # -- the networked GGUF route ----------------------------------------------------

@@ -114,3 +114,17 @@ def test_slowed_node_still_answers_correctly() -> None:
             slowdown.stop()
         assert stops_during > 0, "the node was never stopped while the request ran"
         assert got == want
+
+
+def test_a_node_slower_than_the_step_deadline_is_waited_for_not_lost() -> None:
+    """Every step takes longer than its deadline (0.2 s a position on each node against 0.1 s + 0.05 s a
+    token), but the nodes answer /healthz from their loops: the gateway waits on, and no node is lost.
+    (A stopped node, which answers nothing, is still caught: test_hung_node_is_caught_and_recovers.)"""
+    with LocalRoute(nodes=2, extra=("--stub-delay", "0.2", "--step-deadline", "0.1", "--slow-cap", "30")) as route:
+        r = httpx.post(f"{route.api}/completions", timeout=60,
+                       json={"model": "stub", "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        stats = httpx.get(f"{route.api}/stats", timeout=10).json()
+        assert stats["slow_waits"] > 0 and not stats["failures"], stats
+        assert all(n["alive"] for n in route.node_table())

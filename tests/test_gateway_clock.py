@@ -41,19 +41,31 @@ async def _drain(live) -> int:
 
 
 class _Slow:
-    """A NodeClient whose steps each take `step_s` of (mock) time; `hang` makes them never answer."""
+    """A NodeClient whose steps each take `step_s` of (mock) time; `hang` makes the node answer nothing
+    (a hung process), `busy` makes its steps never answer while its /healthz still does (a node whose
+    loop runs while its compute does not finish)."""
 
-    def __init__(self, inner, step_s: float, hang: trio.Event | None = None) -> None:
-        self._inner, self._step_s, self._hang = inner, step_s, hang
+    def __init__(self, inner, step_s: float, hang: trio.Event | None = None, busy: trio.Event | None = None,
+                 slow_s: float = 0.0) -> None:
+        self._inner, self._step_s, self._hang, self._busy, self._slow_s = inner, step_s, hang, busy, slow_s
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     async def step(self, *a, **kw):
-        if self._hang is not None and self._hang.is_set():
-            await trio.sleep_forever()
+        for event in (self._hang, self._busy):
+            if event is not None and event.is_set():
+                if self._slow_s:
+                    await trio.sleep(self._slow_s)
+                    break
+                await trio.sleep_forever()
         await trio.sleep(self._step_s)
         return await self._inner.step(*a, **kw)
+
+    async def alive(self):
+        if self._hang is not None and self._hang.is_set():
+            await trio.sleep_forever()
+        return await self._inner.alive()
 
 
 async def _beat(route: InProcRoute, nodes: list[int]) -> None:
@@ -78,10 +90,53 @@ async def test_a_node_that_stops_answering_fails_the_session_at_its_step_deadlin
     await _drain(live)
     waited = trio.current_time() - hung_at
     failure = live.rs.failure
-    assert (failure.reason, failure.node, failure.phase) == (Reason.ROUTE_NODE_LOST, "n1", "decode")
-    assert "did not answer step" in failure.message
+    assert (failure.reason, failure.node, failure.phase) == (Reason.ROUTE_NODE_LOST, "n1", "decode"), failure
+    assert "did not answer step" in failure.message and "liveness probe" in failure.message
     # caught by the deadline of one decode step (10 s + 1 token x 50 ms), give or take a step in flight
     assert cfg.step_deadline_s + cfg.per_token_deadline_s <= waited <= cfg.step_deadline_s + 0.2, waited
+
+
+async def test_a_node_slower_than_its_deadline_that_answers_its_probe_is_waited_for(autojump_clock, nursery) -> None:
+    """A step that takes 2.5 times the deadline (other sessions' prompts, a CPU hog) on a node that
+    answers /healthz at once: the deadline extends, the session finishes, and no node is lost."""
+    cfg = GatewayConfig(step_deadline_s=10.0, per_token_deadline_s=0.05, sweep_s=0.1)
+    route = InProcRoute.stub(config=cfg, inline=True)
+    busy = trio.Event()
+    route.wrap = lambda client: _Slow(client, 0.01, busy=busy, slow_s=25.0) if client.node_id == "n1" else client
+    route.register_all()
+    await nursery.start(route.run)
+    nursery.start_soon(_beat, route, [0, 1])
+    live = await route.gateway.open(_req(max_tokens=3, ignore_eos=True, stream=True))
+    await live.recv.receive()  # decoding
+    busy.set()
+    slow_at = trio.current_time()
+    await _drain(live)
+    assert live.rs.failure is None and live.rs.completion_tokens == 3
+    assert trio.current_time() - slow_at >= 25.0, "a step did wait past its deadline"
+    assert route.gateway.slow_waits > 0
+    assert all(n.alive for n in route.registry.nodes.values())
+
+
+async def test_a_node_that_answers_its_probe_but_never_its_step_times_out_at_the_cap(autojump_clock, nursery) -> None:
+    """A node whose loop answers but whose step never ends is too slow, not lost: `session_timeout` at
+    `slow_cap` times the deadline, and the node stays alive in the registry."""
+    cfg = GatewayConfig(step_deadline_s=10.0, per_token_deadline_s=0.05, sweep_s=0.1, slow_cap=3.0)
+    route = InProcRoute.stub(config=cfg, inline=True)
+    busy = trio.Event()
+    route.wrap = lambda client: _Slow(client, 0.01, busy=busy) if client.node_id == "n1" else client
+    route.register_all()
+    await nursery.start(route.run)
+    nursery.start_soon(_beat, route, [0, 1])
+    live = await route.gateway.open(_req(max_tokens=10_000, ignore_eos=True, stream=True))
+    await live.recv.receive()
+    busy.set()
+    busy_at = trio.current_time()
+    await _drain(live)
+    waited = trio.current_time() - busy_at
+    failure = live.rs.failure
+    assert failure.reason is Reason.SESSION_TIMEOUT and "not lost" in failure.message, failure
+    assert 3 * (cfg.step_deadline_s + cfg.per_token_deadline_s) <= waited <= 3 * (cfg.step_deadline_s + 0.05) + 0.2
+    assert all(n.alive for n in route.registry.nodes.values())
 
 
 async def test_heartbeats_that_stop_fail_the_session_after_the_death_threshold(autojump_clock, nursery) -> None:

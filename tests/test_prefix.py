@@ -11,10 +11,12 @@ import trio
 
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, Failure, Reason
-from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache, block_chain, prefix_root, valid_chain
+from dgr.node.membership import heartbeat_body
+from dgr.node.prefix import (BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED, Kept, PrefixCache, block_chain, prefix_root,
+                             token_marks, valid_chain)
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
-from dgr.tracker.gateway import GatewayConfig
+from dgr.tracker.gateway import GatewayConfig, prefill_bounds
 from dgr.tracker.routing import choose_route
 
 QUIET = GatewayConfig(sweep_s=3600.0)
@@ -37,6 +39,77 @@ def test_chain_keys_name_whole_blocks_and_agree_exactly_on_shared_prefixes() -> 
     assert not valid_chain(["XYZ"], 5) and not valid_chain(ka, 4) and not valid_chain("ab", 5)
 
 
+def test_marks_name_every_token_before_them_and_a_block_s_last_begins_its_key() -> None:
+    root = prefix_root("d", "")
+    a = list(range(2 * B + 10))
+    b = a[: B + 20] + [7] + a[B + 21 :]
+    ma, mb = token_marks(a, root), token_marks(b, root)
+    assert len(ma) == len(a) * MARK_BYTES
+    at = [ma[i * MARK_BYTES : (i + 1) * MARK_BYTES] == mb[i * MARK_BYTES : (i + 1) * MARK_BYTES] for i in range(len(a))]
+    assert at == [True] * (B + 20) + [False] * (len(a) - B - 20)  # from the first difference on, every mark differs
+    chain = block_chain(a, root)
+    assert [ma[(i + 1) * B * MARK_BYTES - MARK_BYTES : (i + 1) * B * MARK_BYTES].hex() for i in range(2)] == [
+        k[: 2 * MARK_BYTES] for k in chain]
+
+
+def test_match_is_exact_to_the_token_where_both_sides_name_the_positions() -> None:
+    root = prefix_root("d", "")
+    kept_tokens = list(range(B + 40))
+    chain, marks = block_chain(kept_tokens, root), token_marks(kept_tokens, root)
+    c = PrefixCache()
+    k = Kept(c.new_id(), tuple(chain), 10, head=marks[: (B + 30) * MARK_BYTES], tail=marks[B * MARK_BYTES :])
+    assert k.positions == B + 40 and c.add(k) == []
+    # a prompt sharing 1 block and 25 tokens, offered with its marks: reused to the token
+    prompt = kept_tokens[: B + 25] + [999] * 50
+    assert c.match(block_chain(prompt, root), token_marks(prompt, root)) == (k, B + 25)
+    # sharing 30 tokens of block 0 only: the entry's head names them
+    prompt = kept_tokens[:30] + [999] * 90
+    assert c.match(block_chain(prompt, root), token_marks(prompt, root)) == (k, 30)
+    # without marks: whole blocks, as before
+    assert c.match(block_chain(kept_tokens + [5] * B, root)) == (k, B)
+    # a prompt that extends all of it supersedes it once kept
+    longer = kept_tokens + [5] * 100
+    lm = token_marks(longer, root)
+    lc = block_chain(longer, root)
+    newer = Kept(c.new_id(), tuple(lc), 10, head=lm, tail=lm[len(lc) * B * MARK_BYTES :])
+    assert c.add(newer) == [k.id]
+
+
+def test_a_node_names_a_bounded_number_of_kept_prefixes() -> None:
+    root = prefix_root("d", "")
+    c = PrefixCache()
+    entries = [Kept(c.new_id(), tuple(block_chain([i, i + 1] * B, root)), 1) for i in range(MAX_ADVERTISED + 40)]
+    for e in entries:
+        c.add(e)
+    named = c.advertised()
+    assert len(named) == MAX_ADVERTISED and named[0] == entries[-1].chain[-1]  # the most recently used first
+    c.match(entries[0].chain)
+    assert c.advertised()[0] == entries[0].chain[-1]
+
+
+async def test_heartbeats_name_the_kept_prefixes_within_a_bound(nursery) -> None:
+    route = InProcRoute.stub(config=QUIET)
+    route.register_all()
+    await nursery.start(route.run)
+    node = route.services[0]
+    root = prefix_root("d", "")
+    for i in range(MAX_ADVERTISED + 40):  # bookkeeping only: what a heartbeat reads
+        node.prefix.add(Kept(node.prefix.new_id(), tuple(block_chain([i, i + 1] * B, root)), 1))
+    body = heartbeat_body(node)
+    assert len(body["prefixes"]) == MAX_ADVERTISED and len(json.dumps(body["prefixes"])) <= 9 * 1024  # 36 bytes a key
+    assert route.heartbeat(0).prefixes == frozenset(body["prefixes"])
+    key = node.identity.public
+    for bad in (body["prefixes"] + ["0" * 32], ["XYZ"], "abc"):
+        with pytest.raises(CallerError) as err:
+            route.registry.heartbeat({**body, "prefixes": bad}, trio.current_time(), key=key)
+        assert err.value.reason is Reason.INVALID_REQUEST
+    # a prompt that runs through a named key: its node is named as holding it, to that block
+    last = MAX_ADVERTISED + 39
+    assert route.registry.holding(block_chain([3, 4] * B, root)) == {}  # named no more: 40 more recent ones were
+    chain = list(block_chain([last, last + 1] * B, root)) + ["f" * 32]
+    assert route.registry.holding(chain) == {node.node_id: 1}
+
+
 # -- the cache's bookkeeping ---------------------------------------------------------------------------------
 
 
@@ -51,14 +124,14 @@ def test_match_finds_the_longest_prefix_and_a_longer_turn_supersedes_its_own_ear
     c = PrefixCache()
     t1 = _kept(c, conv[:3])
     assert c.add(t1) == []
-    assert c.match(conv) == (t1, 3) and c.hits == 1
+    assert c.match(conv) == (t1, 3 * B) and c.hits == 1
     assert c.match(block_chain([5] * B, root)) == (None, 0) and c.misses == 1
     t2 = _kept(c, conv[:5])
     assert c.add(t2) == [t1.id] and c.superseded == 1  # the same conversation, one turn later
     o = _kept(c, other)
     assert c.add(o) == []  # a branch, not a continuation: both stay
-    assert c.match(other[:2] + ["0" * 32]) == (o, 2)  # most recently used of the two holding 2 blocks
-    assert c.match(conv) == (t2, 5)
+    assert c.match(other[:2] + ["0" * 32]) == (o, 2 * B)  # most recently used of the two holding 2 blocks
+    assert c.match(conv) == (t2, 5 * B)
     assert c.reused_tokens == (3 + 2 + 5) * B
 
 
@@ -89,9 +162,9 @@ def test_random_operations_keep_the_index_consistent() -> None:
             c.add(_kept(c, chain))
         elif op < 0.8:
             kept, n = c.match(chain)
-            assert (kept is None) == (n == 0)
+            assert (kept is None) == (n == 0) and n % B == 0  # no marks offered: whole blocks only
             if kept is not None:
-                assert kept.chain[n - 1] == chain[n - 1]
+                assert kept.chain[n // B - 1] == chain[n // B - 1]
         elif c.entries:
             c.evict()
         assert c.nbytes <= 200
@@ -115,13 +188,19 @@ async def _ask(route: InProcRoute, prompt: str, scope: str = "k1", max_tokens: i
     return text, live
 
 
-async def _chat(route: InProcRoute, turns: int, scope: str = "k1", tag: str = "") -> list[tuple[str, int]]:
-    """A conversation: each turn's prompt is the last prompt, its answer and a new question."""
+async def _chat(route: InProcRoute, turns: int, scope: str = "k1", tag: str = "",
+                kept: list[tuple[int, int]] | None = None) -> list[tuple[str, int]]:
+    """A conversation: each turn's prompt is the last prompt, its answer and a new question.
+
+    `kept` gets each turn's (prompt tokens, answer tokens fed into the KV).
+    """
     prompt, out = SYSTEM + tag, []
     for t in range(turns):
         prompt += f" Q{t}: what next?"
         text, live = await _ask(route, prompt, scope)
         out.append((text, live.rs.prefix_reused))
+        if kept is not None:
+            kept.append((len(live.prompt), len(live.fed)))
         prompt += text
     return out
 
@@ -139,14 +218,15 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
         r.register_all()
         await nursery.start(r.run)
     plain = await _chat(off, 4)
-    reused = await _chat(on, 4)
+    kept: list[tuple[int, int]] = []
+    reused = await _chat(on, 4, kept=kept)
     assert [t for t, _ in reused] == [t for t, _ in plain]
     assert [n for _, n in plain] == [0, 0, 0, 0]
-    assert reused[0][1] == 0 and all(n >= 4 * B for _, n in reused[1:])
-    # turn 2 on reuses the whole blocks of turn 1's prompt (and answer), never the last prompt token
-    assert all(n % B == 0 for _, n in reused)
-    if generated:  # the stub computes one position as it computes many: its answers' KV reuses exactly too
-        assert reused[2][1] > reused[1][1] + len(reused[1][0]) - B
+    # turn 2 on reuses, to the token, every position turn 1 computed: its prompt, and its answer but the
+    # last token sampled (never in the KV) where answers are kept; never the last prompt token
+    want = [0] + [p + (fed if generated else 0) for p, fed in kept[:-1]]
+    assert [n for _, n in reused] == want and all(n < p for n, (p, _) in zip(want, kept))
+    assert any(n % B for n in want[1:])  # not whole blocks: what block reuse would have recomputed
     _settled(on)  # live-session KV accounting is back to zero; kept prefixes are reported apart
     for s in on.services:
         st = s.status()["prefix"]
@@ -154,8 +234,33 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
         assert st["entries"] == 1 and st["bytes"] > 0 and st["hits"] == 3 and st["superseded"] == 0
         assert s.backend.prefix_bytes() == st["bytes"]
     # the head computed only what it did not reuse
+    # (each turn's prefill cut from its reused prefix on, as a route of several nodes cuts it)
     head = on.services[0]
-    assert head.stats.frames_in["PREFILL"] == 4  # one chunk a turn
+    chunks = [len(prefill_bounds(n, p, GatewayConfig().prefill_chunk, len(on.services))) - 1
+              for n, (p, _) in zip(want, kept)]
+    assert head.stats.frames_in["PREFILL"] == sum(chunks)
+
+
+async def test_reuse_is_exact_to_the_token_and_never_takes_the_last_prompt_token(nursery) -> None:
+    off = InProcRoute.stub(config=GatewayConfig(sweep_s=3600.0, prefix_reuse=False))
+    on = InProcRoute.stub(config=QUIET)
+    for r in (off, on):
+        r.register_all()
+        await nursery.start(r.run)
+    base = SYSTEM[: 2 * B + 21]  # a shared prefix that ends mid-block
+    prompts = [base + "Who?", base + "Why?", base + "Why?", (base + "Why?")[:-1]]
+    reused = []
+    for prompt in prompts:
+        want, _ = await _ask(off, prompt)
+        got, live = await _ask(on, prompt)
+        assert got == want
+        reused.append(live.rs.prefix_reused)
+    # "Why?" shares the prefix and "Wh" with "Who?"; the same prompt again reuses all but its last two tokens
+    # (the last gives the first answer token; a lone position would run on other kernels); so does a prompt
+    # that is all kept
+    n = len(base)
+    assert reused == [0, n + 2, n + 4 - 2, n + 3 - 2]
+    _settled(on)
 
 
 async def test_usage_and_telemetry_report_the_reused_tokens(nursery) -> None:
@@ -196,10 +301,12 @@ async def test_nodes_holding_different_lengths_reuse_the_shortest(nursery) -> No
     # the tail forgets its prefix; the head keeps it, and also learns a shorter one from another scope-mate
     tail = on.services[1]
     await tail.scheduler.call(lambda: [tail.backend.drop_prefix(tail.prefix.evict()) for _ in range(1)])
-    await _ask(on, SYSTEM[: 2 * B + 5] + " other")  # both nodes now hold 2 blocks of it, the head 4 as well
+    # both nodes now hold 2 blocks and 7 tokens of it (" o" of " other" is also SYSTEM's next), the head 4 as well
+    await _ask(on, SYSTEM[: 2 * B + 5] + " other")
+    assert SYSTEM[2 * B + 5 : 2 * B + 8] == " on"  # and " other" goes on " ot"
     want, _ = await _ask(off, SYSTEM + text + " next")
     got, live = await _ask(on, SYSTEM + text + " next")
-    assert live.rs.prefix_reused == 2 * B  # the head held more and dropped the rest before the first step
+    assert live.rs.prefix_reused == 2 * B + 7  # the head held more and dropped the rest before the first step
     assert got == want
     _settled(on)
 
@@ -448,3 +555,14 @@ async def test_a_manifest_claiming_more_positions_than_its_bytes_hold_is_refused
     said = {r["file"]: r["message"] for r in tail.snapshots.refused}
     assert f"holds {meta['positions'] - B} positions, its manifest claims {meta['positions']}" in said[f"{forged}.json"]
     assert f"holds {grown['bytes'] + 1} bytes" in said[longer.name]
+
+
+def test_prefix_exact_keeps_prompts_only_from_dgr_up_and_dgr_tracker() -> None:
+    from dgr.cli import build_parser
+    from dgr.up import tracker_args
+
+    assert GatewayConfig().prefix_keep_generated  # answers are kept by default, as llama-server's cache_prompt does
+    up = build_parser().parse_args(["up", "--prefix-exact"])
+    assert "--prefix-exact" in tracker_args(up)
+    assert "--prefix-exact" not in tracker_args(build_parser().parse_args(["up"]))
+    assert build_parser().parse_args(["tracker", "--prefix-exact"]).prefix_exact

@@ -94,13 +94,13 @@ QUESTIONS = ["Which ships came in today?", "And which left?", "Is the tide high 
 
 
 def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
-    """One route; a fresh API key per turn sees no prefix of the conversation's key (isolation), so it is the
-    no-reuse answer."""
-    with LocalRoute(backend="llama_shard", nodes=2, extra=("--ctx", "1024", "--max-sessions", "8"),
+    """With --prefix-exact (prompts' KV only), bit-identical answers. One route; a fresh API key per turn sees
+    no prefix of the conversation's key (isolation), so it is the no-reuse answer."""
+    with LocalRoute(backend="llama_shard", nodes=2, extra=("--ctx", "1024", "--max-sessions", "8", "--prefix-exact"),
                     ready_timeout_s=300) as route:
         conv = openai.OpenAI(base_url=route.api, api_key="conversation", max_retries=0, timeout=120)
         messages = [{"role": "system", "content": SYSTEM}]
-        cached = []
+        cached, prompts = [], []
         for t, q in enumerate(QUESTIONS[:3]):  # turn 1 fills the cache; turns 2 and 3 reuse it
             messages.append({"role": "user", "content": q})
             fresh = openai.OpenAI(base_url=route.api, api_key=f"fresh-{t}", max_retries=0, timeout=120)
@@ -109,14 +109,43 @@ def test_multi_turn_chat_with_reuse_equals_without_on_a_sharded_route() -> None:
             assert got.choices[0].message.content == want.choices[0].message.content
             assert want.usage.prompt_tokens_details.cached_tokens == 0
             cached.append(got.usage.prompt_tokens_details.cached_tokens)
+            prompts.append(got.usage.prompt_tokens)
             messages.append({"role": "assistant", "content": got.choices[0].message.content})
         print(f"cached tokens per turn: {cached}")
         assert cached[0] == 0 and all(c >= 3 * BLOCK_TOKENS for c in cached[1:])
+        # the prompts' KV only: each turn computes the last one's answer again, which a kept answer would spare
+        assert all(c <= p for c, p in zip(cached[1:], prompts))
         route.wait_sessions_freed(["node0", "node1"])
         for name in ("node0", "node1"):
             status = route.node_status(name)
             assert status["sessions"] == 0 and status["kv_bytes"] == 0
             assert status["prefix"]["hits"] >= 2 and status["prefix"]["bytes"] > 0
+
+
+def test_answer_reuse_on_a_sharded_route() -> None:
+    """By default a turn reuses the last one's prompt and answer, to the token: the template renders the
+    answer as it was generated, so everything the route computed is reused. The answers are compared with
+    the no-reuse ones (a fresh API key) and the differences printed: the answer's positions were computed
+    one at a time, a cold prefill computes them in one chunk, and llama.cpp rounds the two a little apart."""
+    with LocalRoute(backend="llama_shard", nodes=2, extra=("--ctx", "1024", "--max-sessions", "8"),
+                    ready_timeout_s=300) as route:
+        conv = openai.OpenAI(base_url=route.api, api_key="conversation", max_retries=0, timeout=120)
+        messages = [{"role": "system", "content": SYSTEM}]
+        cached, want_cached, same = [], [0], []
+        for t, q in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": q})
+            fresh = openai.OpenAI(base_url=route.api, api_key=f"fresh-{t}", max_retries=0, timeout=120)
+            want = fresh.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            got = conv.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            same.append(got.choices[0].message.content == want.choices[0].message.content)
+            cached.append(got.usage.prompt_tokens_details.cached_tokens)
+            # what the next turn may reuse: this prompt and every answer token fed back (not the last sampled)
+            fed = got.usage.completion_tokens - (got.choices[0].finish_reason == "length")
+            want_cached.append(got.usage.prompt_tokens + fed)
+            messages.append({"role": "assistant", "content": got.choices[0].message.content})
+        print(f"cached tokens per turn: {cached}; answers equal to the no-reuse ones: {same}")
+        assert cached == want_cached[:-1]
+        route.wait_sessions_freed(["node0", "node1"])
 
 
 def test_torch_shards_reuse_a_copied_prefix() -> None:

@@ -1,14 +1,22 @@
-"""A concurrency storm on a real 2-node llama_shard route: 8 streaming clients, random disconnects.
+"""A concurrency storm on a real 2-node route: 8 streaming clients, random disconnects.
 
 Clients leave mid-prefill and mid-decode while others keep streaming, for a
 fixed number of rounds (the default suite) or a fixed time (`DGR_SLOW=1`,
 at least 60 s). Afterwards: no 5xx and no error event was ever answered, no
-429 while clients never outnumbered a node's sessions, greedy answers to fixed
-questions are what they were before, and every node holds no session and no KV.
+429 while clients never outnumbered a node's sessions, no node was declared
+lost, greedy answers to fixed questions are what they were before, and every
+node holds no session and no KV.
+
+Under contention (issue 43): the same storm with a CPU-bound process pinned
+to one of the cores for the whole run (`cpu_hog`), on the stub with compute
+that takes real time (the suite) and on llama_shard (`DGR_SLOW=1`). A busy
+node must be slow, never lost: its control calls are answered between
+iterations and the gateway asks a node whether it lives before failing it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,6 +26,7 @@ import time
 import httpx
 import pytest
 
+from dgr.bench.storm import cpu_hog  # a busy loop pinned to core 0, from entry to exit
 from dgr.testing.harness import LocalRoute
 
 pytestmark = pytest.mark.serial  # llama.cpp routes of several nodes: one at a time under make test (tests/conftest.py)
@@ -28,17 +37,18 @@ PREFILL_CHUNK = 128  # short chunks: a prompt of a few hundred tokens is still s
 QUESTIONS = ["The capital of France is", "Water boils at", "The largest planet is"]
 
 
-def _greedy(route: LocalRoute) -> list[str]:
+def _greedy(route: LocalRoute, model: str = MODEL) -> list[str]:
     out = []
     for q in QUESTIONS:
         r = httpx.post(f"{route.api}/completions", timeout=120,
-                       json={"model": MODEL, "prompt": q, "max_tokens": 24, "temperature": 0})
+                       json={"model": model, "prompt": q, "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
         out.append(r.json()["choices"][0]["text"])
     return out
 
 
-def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock) -> None:
+def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock, model: str = MODEL,
+            words: tuple[tuple[int, int], tuple[int, int]] = ((100, 200), (5, 40))) -> None:
     rng = random.Random(k)
     with httpx.Client(timeout=120) as http:
         n = 0
@@ -46,8 +56,8 @@ def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock)
             n += 1
             # a third leave during prefill (a prompt of 3 to 5 chunks, gone after the headers), a third mid-decode
             fate = rng.choice(["complete", "prefill", "decode"])
-            words = rng.randint(100, 200) if fate == "prefill" else rng.randint(5, 40)  # within --ctx 2048
-            body = {"model": MODEL, "prompt": f"Client {k} asks: " + "tell me more " * words,
+            w = rng.randint(*words[0]) if fate == "prefill" else rng.randint(*words[1])  # within --ctx 2048
+            body = {"model": model, "prompt": f"Client {k} asks: " + "tell me more " * w,
                     "max_tokens": rng.randint(8, 40), "temperature": 0, "stream": True}
             with http.stream("POST", f"{route.api}/completions", json=body) as r:
                 with lock:
@@ -72,16 +82,25 @@ def _client(route: LocalRoute, k: int, until, tally: dict, lock: threading.Lock)
                             break
 
 
-def _storm(seconds: float | None, rounds: int) -> None:
-    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300, busy_poll_ms=None,  # as `dgr up` runs
+def _storm(seconds: float | None, rounds: int, *, hog: bool = False, backend: str = "llama_shard") -> None:
+    stub = backend == "stub"
+    model = "stub" if stub else MODEL
+    # the stub tokenizes by character: prompts of a tenth the words are as long in positions; its compute
+    # sleeps 1 ms a position per node, so a long prompt holds a node for about a second, and iterations are
+    # held to 60 ms, so its chunks of 128 are cut while others wait (answers must not change)
+    words = ((10, 20), (1, 4)) if stub else ((100, 200), (5, 40))
+    extra = ("--stub-delay", "0.001", "--iteration-target-ms", "60") if stub else ()  # 60 ms: chunks are cut
+    with LocalRoute(backend=backend, nodes=2, ready_timeout_s=300, busy_poll_ms=None,  # as `dgr up` runs
                     extra=("--ctx", "2048", "--prefill-chunk", str(PREFILL_CHUNK),
-                           "--max-sessions", str(CLIENTS))) as route:
-        before = _greedy(route)
+                           "--max-sessions", str(CLIENTS), *extra)) as route, \
+            (cpu_hog() if hog else contextlib.nullcontext()):
+        before = _greedy(route, model)
         tally: dict = {}
         lock = threading.Lock()
         end = None if seconds is None else time.monotonic() + seconds
         until = (lambda n: time.monotonic() < end) if end is not None else (lambda n: n < rounds)
-        threads = [threading.Thread(target=_client, args=(route, k, until, tally, lock)) for k in range(CLIENTS)]
+        threads = [threading.Thread(target=_client, args=(route, k, until, tally, lock, model, words))
+                   for k in range(CLIENTS)]
         for t in threads:
             t.start()
         for t in threads:
@@ -91,9 +110,13 @@ def _storm(seconds: float | None, rounds: int) -> None:
         assert set(k for k in tally if isinstance(k, int)) == {200}, tally
         assert "errors" not in tally, tally["errors"][:5]
         route.wait_sessions_freed(["node0", "node1"])
-        assert _greedy(route) == before
+        assert _greedy(route, model) == before
         stats = httpx.get(f"{route.api}/stats", timeout=10).json()
+        print(f"storm: failures {stats['failures']}, slow waits {stats['slow_waits']}")
         assert "internal_error" not in stats["failures"] and "node_error" not in stats["failures"], stats
+        lost = {"route_node_lost", "session_timeout"} & set(stats["failures"])
+        assert not lost, stats["recent_failures"][-5:]
+        assert all(n["alive"] for n in route.node_table()), "a node was declared lost"
         for name in ("node0", "node1"):
             status = route.node_status(name)
             print(f"{name}: scheduler {status['scheduler']}")
@@ -107,3 +130,14 @@ def test_storm_of_disconnecting_clients_leaves_the_route_clean() -> None:
 @pytest.mark.slow
 def test_storm_for_a_minute() -> None:
     _storm(float(os.environ.get("DGR_STORM_S", "75")), rounds=0)
+
+
+def test_storm_beside_a_cpu_hog_on_the_stub() -> None:
+    """Compute that takes real time (the stub's 1 ms a position) and a process that wants a core for the
+    whole storm: no 5xx, no error event, no node lost, answers unchanged, nothing left held."""
+    _storm(None, rounds=3, hog=True, backend="stub")
+
+
+@pytest.mark.slow
+def test_storm_beside_a_cpu_hog_on_llama_shard() -> None:
+    _storm(float(os.environ.get("DGR_STORM_S", "60")), rounds=0, hog=True)

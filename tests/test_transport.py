@@ -158,3 +158,30 @@ async def test_a_require_tls_node_refuses_an_http_next_hop_or_loop_head(nursery)
         check_transport(tls, "https://tracker.test", None, "http://n0.test:9000")
     check_transport(tls, "https://tracker.test", ("cert.pem", "key.pem"), None)
     check_transport(TlsTrust(), TRACKER, None, None)  # not required: plain http as before
+
+
+async def test_a_pooled_connection_its_server_closed_is_not_reused(nursery) -> None:
+    """A restarted server (a tracker) leaves the pool's idle connections half closed: the next request or
+    stream goes on a new connection, not on one whose peer is gone (a ring tail lost its first answers to a
+    restarted tracker that way)."""
+    from dgr.seam.transport import ConnectionPool
+
+    served: list[int] = []
+
+    async def one_answer_then_close(stream: trio.SocketStream) -> None:
+        served.append(len(served))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(4096)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await stream.aclose()  # keep-alive as far as the client knows, closed here: what a restart does
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, one_answer_then_close, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    pool = ConnectionPool(f"http://127.0.0.1:{port}")
+    first = await pool.request("GET", "/")
+    assert first.status == 200 and pool.idle_connections == 1
+    await trio.sleep(0.2)  # the server's FIN arrives
+    second = await pool.request("GET", "/")
+    assert second.status == 200 and served == [0, 1]
+    await pool.aclose()

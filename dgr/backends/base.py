@@ -96,6 +96,10 @@ class ShardBackend(abc.ABC):
     layers: LayerRange
     name: str  # backend name: stub, torch, llama, llama_shard
     n_threads: int = 1  # threads one backend call computes with (llama.cpp's and torch's own pools)
+    # True where `tokenize`, `tokenize_chat` and `render_chat` touch nothing the compute touches (a
+    # vocabulary loaded apart, pure Python): the node then runs them off its backend thread, one at a
+    # time, so a prompt is tokenized while a prefill chunk computes (dgr.node.service, `tokenize`).
+    text_apart: bool = False
 
     @property
     def is_head(self) -> bool:
@@ -172,6 +176,10 @@ class ShardBackend(abc.ABC):
         """End `sid` but keep its first `positions` positions of KV under `key`; return the bytes kept.
 
         Its sequence slot stays taken until `drop_prefix(key)` or `open_from_prefix(..., take=True)`.
+        Any number of positions (dgr.node.prefix reuses to the token).
+
+        Raises: CallerError(INVALID_REQUEST): the memory cannot drop the positions after them (recurrent,
+        SWA, DeepSeek-V4); the session stays open.
         """
         raise NotImplementedError
 
@@ -181,6 +189,8 @@ class ShardBackend(abc.ABC):
         if it is free, as `open_session`).
 
         With `take`, the kept KV itself becomes the session's and `key` is gone (no copy, no new slot).
+
+        Raises: CallerError(INVALID_REQUEST): the memory cannot drop the kept positions past `positions`.
         """
         raise NotImplementedError
 
@@ -189,7 +199,7 @@ class ShardBackend(abc.ABC):
         raise NotImplementedError
 
     def trim_session(self, sid: str, positions: int) -> None:
-        """Keep only the first `positions` positions of `sid`'s KV (a whole number of prefix blocks)."""
+        """Keep only the first `positions` positions of `sid`'s KV (any number, where the memory can drop them)."""
         raise NotImplementedError
 
     def free_slots(self) -> int:

@@ -85,6 +85,9 @@ class LlamaCppBackend(ShardBackend):
     header: GgufHeader  # of the source
     engine: LlamaEngine
     text: GgufText | None  # head and tail only
+    # the text is a vocabulary-only model of its own (GgufText), loaded with the backend: tokenizing never
+    # touches the compute context, as llama-server tokenizes in its HTTP threads while its loop decodes
+    text_apart = True
     n_threads: int
     n_ctx: int
 

@@ -11,6 +11,10 @@ matters to the runtime:
   ops and sequential `cumsum`; the tail's one matmul always sees one row);
 - it counts positions computed per session, so tests can prove decode never
   recomputes the prompt;
+- a session or kept prefix can be cut to any number of positions, as
+  llama.cpp's memory can: it keeps its state at every whole block and each
+  position's input, and recomputes the positions past the block before the
+  cut (bit-identical, since chunking does not change a result);
 - `delay_s` per position makes it slow on purpose for telemetry and fault
   tests.
 
@@ -40,16 +44,6 @@ __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
 STUB_VOCAB: tuple[str, ...] = ("</s>",) + tuple(chr(c) for c in range(32, 127)) + ("\n",)
 _EOS = 0
 _ID = {s: i for i, s in enumerate(STUB_VOCAB)}
-
-
-def _trimmed(s: "_Session", positions: int) -> "_Session":
-    """A copy of `s` holding only its first `positions` positions (0 or a whole number of blocks)."""
-    if positions == 0:
-        return _Session(s.max_positions, np.zeros_like(s.kv_sum))
-    if positions not in s.marks or positions > s.positions:
-        raise CallerError(Reason.POSITION_DISCONTINUITY, f"no block boundary at {positions} of {s.positions}")
-    marks = {p: m.copy() for p, m in s.marks.items() if p <= positions}
-    return _Session(s.max_positions, marks[positions].copy(), positions, s.computed, marks)
 
 
 def _softsign(x: np.ndarray) -> np.ndarray:
@@ -102,8 +96,10 @@ class _Session:
     kv_sum: np.ndarray  # float32 [n_local_layers, W]: running sum of KV entries
     positions: int = 0
     computed: int = 0
-    # positions -> kv_sum after them, at every whole prefix block: what trimming to a block goes back to
+    # positions -> kv_sum after them, at every whole prefix block: what trimming goes back to
     marks: dict[int, np.ndarray] = attrs.field(factory=dict)
+    inputs: list[np.ndarray] = attrs.field(factory=list)  # each position's input row, float32 [W]
+    ids: list[int] = attrs.field(factory=list)  # each position's token id (-1: none came)
 
 
 @attrs.define
@@ -153,9 +149,26 @@ class StubBackend(ShardBackend):
     # -- prefix cache ----------------------------------------------------------
     prefix_capable = True
 
+    def _trimmed(self, s: _Session, positions: int) -> _Session:
+        """A copy of `s` holding only its first `positions` positions: back to the whole block before, then
+        those after it computed again from their inputs."""
+        if not 0 <= positions <= s.positions:
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"cannot keep {positions} of {s.positions} positions")
+        block = positions // BLOCK_TOKENS * BLOCK_TOKENS
+        if block and block not in s.marks:
+            raise CallerError(Reason.POSITION_DISCONTINUITY, f"no state kept at {block} of {s.positions}")
+        marks = {p: m.copy() for p, m in s.marks.items() if p <= block}
+        kv = marks[block].copy() if block else np.zeros_like(s.kv_sum)
+        out = _Session(s.max_positions, kv, block, s.computed, marks, s.inputs[:block], s.ids[:block])
+        if positions > block:
+            ids = s.ids[block:positions]
+            self._layers(out, block, None if min(ids) < 0 else np.asarray(ids, np.int32),
+                         np.stack(s.inputs[block:positions]))
+        return out
+
     def keep_prefix(self, sid: str, key: str, positions: int) -> int:
         s = self._sessions.pop(sid)
-        self._kept[key] = _trimmed(s, positions)
+        self._kept[key] = self._trimmed(s, positions)
         return positions * s.kv_sum.nbytes
 
     def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
@@ -165,15 +178,15 @@ class StubBackend(ShardBackend):
         if self.free_slots() <= 0 and not take:
             raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
         src = self._kept.pop(key) if take else self._kept[key]
-        s = _trimmed(src, positions)
-        self._sessions[sid] = _Session(max_positions, s.kv_sum, s.positions, 0, s.marks)
+        s = self._trimmed(src, positions)
+        self._sessions[sid] = _Session(max_positions, s.kv_sum, s.positions, 0, s.marks, s.inputs, s.ids)
 
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)
 
     def trim_session(self, sid: str, positions: int) -> None:
         s = self._sessions[sid]
-        self._sessions[sid] = attrs.evolve(_trimmed(s, positions), computed=s.computed)
+        self._sessions[sid] = attrs.evolve(self._trimmed(s, positions), computed=s.computed)
 
     def free_slots(self) -> int:
         return self.capacity - len(self._sessions) - len(self._kept)
@@ -183,7 +196,9 @@ class StubBackend(ShardBackend):
     def export_prefix(self, key: str) -> bytes:
         s = self._kept[key]
         buf = io.BytesIO()
-        np.savez(buf, kv_sum=s.kv_sum, **{f"m{p}": m for p, m in s.marks.items()})
+        inputs = np.stack(s.inputs) if s.inputs else np.zeros((0, s.kv_sum.shape[1]), np.float32)
+        np.savez(buf, kv_sum=s.kv_sum, inputs=inputs, ids=np.asarray(s.ids, np.int64),
+                 **{f"m{p}": m for p, m in s.marks.items()})
         return buf.getvalue()
 
     def import_prefix(self, key: str, data: bytes, positions: int) -> int:
@@ -192,15 +207,15 @@ class StubBackend(ShardBackend):
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 marks = {int(k[1:]): z[k] for k in z.files if k.startswith("m")}
-                kv_sum = z["kv_sum"]
+                kv_sum, inputs, ids = z["kv_sum"], z["inputs"], z["ids"]
         except (OSError, ValueError, KeyError) as exc:
             raise CallerError(Reason.SNAPSHOT_MISMATCH, f"not a stub prefix: {exc}") from None
-        if kv_sum.shape != (len(self.layers), self.spec.seam_width):
+        if kv_sum.shape != (len(self.layers), self.spec.seam_width) or inputs.shape[1:] != (self.spec.seam_width,):
             raise CallerError(Reason.SNAPSHOT_MISMATCH, "a stub prefix of another shape")
-        if positions != max(marks, default=0):
-            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"the stub prefix holds {max(marks, default=0)} positions, "
+        if positions != len(inputs) or len(ids) != len(inputs) or max(marks, default=0) > positions:
+            raise CallerError(Reason.SNAPSHOT_MISMATCH, f"the stub prefix holds {len(inputs)} positions, "
                                                         f"its manifest claims {positions}", field="positions")
-        self._kept[key] = _Session(positions, kv_sum, positions, 0, marks)
+        self._kept[key] = _Session(positions, kv_sum, positions, 0, marks, list(inputs), [int(i) for i in ids])
         return positions * kv_sum.nbytes
 
     def prefix_bytes(self) -> int:
@@ -242,7 +257,24 @@ class StubBackend(ShardBackend):
             if hidden is None or hidden.ndim != 2 or hidden.shape[1] != self.spec.seam_width:
                 raise CallerError(Reason.WRONG_WIDTH, f"expected hidden [n, {self.spec.seam_width}]")
             h = np.array(hidden, dtype=np.float32)
+        h = self._layers(s, pos0, None if token_ids is None else np.asarray(token_ids, np.int32), h)
         n = h.shape[0]
+        s.computed += n
+        if self.delay_s:
+            time.sleep(self.delay_s * n)  # simulated compute time; runs in a worker thread
+        if not self.is_tail:
+            return h.astype(np.float32)
+        if not want_logits:
+            return None
+        logits = h[-1] @ self._unembed  # [vocab]
+        logits[_EOS] -= 4.0  # rare end of generation, so answers have some length
+        return logits.astype(np.float32)
+
+    def _layers(self, s: _Session, pos0: int, token_ids: np.ndarray | None, h: np.ndarray) -> np.ndarray:
+        """This shard's layers over input rows `h` [n, W] at positions pos0..: `s`'s KV grows by them."""
+        n = h.shape[0]
+        s.inputs.extend(h.astype(np.float32))
+        s.ids.extend([-1] * n if token_ids is None else [int(t) for t in token_ids])
         pos = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None]  # [n, 1]
         for i in range(len(self.layers)):
             il = self.layers.start + i
@@ -256,18 +288,11 @@ class StubBackend(ShardBackend):
                 s.marks.setdefault(p, np.zeros_like(s.kv_sum))[i] = run[p - pos0 - 1]
             h = h + 0.5 * _softsign(run / (pos + 1.0) * self._a[i])  # [n, W]
         s.positions += n
-        s.computed += n
-        if self.delay_s:
-            time.sleep(self.delay_s * n)  # simulated compute time; runs in a worker thread
-        if not self.is_tail:
-            return h.astype(np.float32)
-        if not want_logits:
-            return None
-        logits = h[-1] @ self._unembed  # [vocab]
-        logits[_EOS] -= 4.0  # rare end of generation, so answers have some length
-        return logits.astype(np.float32)
+        return h
 
     # -- text -----------------------------------------------------------------
+    text_apart = True  # pure Python over constant tables
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return [_ID.get(ch, _ID["?"]) for ch in text]
 

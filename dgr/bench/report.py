@@ -42,6 +42,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "cpu":
         lines = ["# dgr benchmark: where a route's CPU goes", "", f"Run {res['started']} to {res['finished']} on "
                  "one machine, SmolLM2-135M-Instruct Q4_1 (and the stub backend)."]
+    if res["config"].get("only") == "storm":
+        lines = ["# dgr benchmark: the storm under contention", "", f"Run {res['started']} to {res['finished']} on "
+                 "one machine, SmolLM2-135M-Instruct Q4_1."]
     if res["config"].get("only") == "steps":
         lines = ["# dgr benchmark: where a decoded token's time goes", "", f"Run {res['started']} to "
                  f"{res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1."]
@@ -105,6 +108,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         from dgr.bench.cpu import markdown as cpu_markdown
 
         lines += cpu_markdown(res["cpu"])
+    if res.get("storm"):
+        from dgr.bench.storm import markdown as storm_markdown
+
+        lines += storm_markdown(res["storm"])
     if res.get("steps"):
         from dgr.bench.steps import markdown as steps_markdown
 

@@ -42,7 +42,7 @@ from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
+from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.relay import Loop, NextHop, RelayPlan
@@ -102,9 +102,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         raw = await read_body(_JSON_LIMIT)  # only now: the caller is the gateway, with the tracker's ticket
         service.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
         body = parse_json(raw)
-        sid, max_positions, params, prefix, lane = _open_args(service, body, named)
+        sid, max_positions, params, prefix, lane, marks = _open_args(service, body, named)
         relay = _relay_plan(service, body.get("relay"))
-        reused = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane)
+        reused = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
+                                            marks=marks)
         return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -121,7 +122,11 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             keep = [k for k in request.args.get("keep", "").split(".") if k]
             if not valid_chain(keep, service.max_positions // BLOCK_TOKENS + 1):
                 raise CallerError(Reason.INVALID_REQUEST, f"keep must be {KEY_HEX}-digit hex block keys joined by '.'")
-            await service.close_session(sid, keep)
+            tail = decode_marks(request.args.get("tail", ""), BLOCK_TOKENS - 1)
+            if tail is None:
+                raise CallerError(Reason.INVALID_REQUEST, f"tail must be the base64 marks of under {BLOCK_TOKENS} "
+                                                          "positions")
+            await service.close_session(sid, keep, tail)
         return json_response({"session": sid, "closed": True})
 
     @app.get("/v1/seam/sessions/<sid>")
@@ -180,8 +185,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
 
 def _open_args(service: NodeService, body: dict[str, Any], named: str | None
-               ) -> tuple[str, int, SamplingParams, list[str], int | None]:
-    """An open body's (session, max_positions, sampling, prefix, lane); the session must be the one named in
+               ) -> tuple[str, int, SamplingParams, list[str], int | None, bytes]:
+    """An open body's (session, max_positions, sampling, prefix, lane, marks); the session must be the one named in
     the header, where there is one (a node without a tracker also takes an open that names it in the body only).
 
     Raises: CallerError(BAD_FRAME | INVALID_REQUEST).
@@ -201,10 +206,13 @@ def _open_args(service: NodeService, body: dict[str, Any], named: str | None
     prefix = body.get("prefix") or []
     if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
         raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
+    marks = decode_marks(body.get("marks", ""), min(service.max_positions, MAX_MARKS))
+    if marks is None:
+        raise CallerError(Reason.INVALID_REQUEST, "marks must be base64 position marks, at most one a position")
     lane = body.get("lane")
     if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
         raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
-    return sid, max_positions, params, prefix, lane
+    return sid, max_positions, params, prefix, lane, marks
 
 
 def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:

@@ -105,13 +105,25 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
         "capacity": service.capacity,
         "max_positions": service.max_positions,
         "describe": service.described,
+        "prefixes": _advertised(service),
     }
 
 
 def heartbeat_body(service: NodeService) -> dict[str, Any]:
-    """Load and the sessions held: the tracker closes any it does not run."""
+    """Load, the sessions held (the tracker closes any it does not run) and the prefixes kept (its gateway
+    routes a prompt that extends one to this node, after a restart too)."""
     return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.scheduler.kv_bytes,
-            "session_ids": sorted(service.sessions)}
+            "session_ids": sorted(service.sessions), "prefixes": _advertised(service)}
+
+
+def _advertised(service: NodeService) -> list[str]:
+    # read on the loop while the scheduler's thread may add or drop entries: retried if they changed meanwhile
+    for _ in range(3):
+        try:
+            return [] if service.prefix is None else service.prefix.advertised()
+        except RuntimeError:  # the entries changed while being read
+            continue
+    return []
 
 
 def _note_proof(artifact: NodeArtifact | None, reply: Any) -> None:

@@ -8,15 +8,27 @@ Contract:
   tracker computes the chain from the tokens it has; a node, which on a
   non-head shard never sees token ids, only compares keys. Two chains that
   agree on key i agree on every token before block i's end.
-- Only whole blocks are kept and reused, so every node of a route can agree on
-  a prefix length from keys alone.
-- An entry is the KV of one ended session's first `len(chain) * BLOCK_TOKENS`
-  positions. `match` finds the longest prefix of a candidate chain held by any
-  entry; an entry whose chain is a prefix of a newly added one is superseded
-  (dropped), so a conversation keeps one entry, its latest turn.
+- Reuse is exact to the token. Each position also has a mark: the first
+  `MARK_BYTES` bytes of H(key of its block's predecessor || its block's token
+  ids up to and including it) (`token_marks`), so a mark names every token
+  before it, and a block's last mark begins its key. An offer carries the
+  prompt's chain and its marks; an entry holds its chain, the marks of its
+  leading positions the node was offered (`head`), and those of its positions
+  after its last whole block (`tail`). Two sequences agree up to the first
+  position whose marks differ; a position whose mark an entry lacks (an
+  answer's whole blocks, which closes do not mark) ends the match there, so
+  a match is never longer than what both sides named.
+- An entry is the KV of one ended session's first `positions` positions
+  (`len(chain) * BLOCK_TOKENS + len(tail) // MARK_BYTES`). `match` finds the
+  longest common prefix with any entry; an entry that is a prefix of a newly
+  added one is superseded (dropped), so a conversation keeps one entry, its
+  latest turn.
 - Least recently used entries go first, when the bytes exceed `max_bytes` and
   whenever a live session needs the slot (`lru`): a kept prefix never makes a
   live session wait or be refused.
+- A node names what it keeps to its tracker (`advertised`: the last block key
+  of each entry, the most recently used first, at most `MAX_ADVERTISED`), so
+  that routing by prefix survives the tracker's restart.
 
 Theory: `PrefixCache` is bookkeeping only. The backend holds the KV under the
 entry's id (dgr.backends.base: keep_prefix, open_from_prefix, drop_prefix);
@@ -24,12 +36,16 @@ the node's service calls both in its scheduler's thread, one job at a time,
 so the cache and the backend never disagree. Every method that frees an entry
 returns its id, and the caller frees the backend's copy.
 
-Left out: I/O, time (LRU is by use order, not age), and which route holds
-what (the tracker's business).
+Left out: I/O, time (LRU is by use order, not age), which route holds what
+(the tracker's business), and whether the backend can cut a kept sequence
+short (the service asks it, and where a memory cannot drop positions, as a
+recurrent or SWA one, opens empty instead).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import hashlib
 import struct
@@ -39,7 +55,8 @@ import attrs
 
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 
-__all__ = ["BLOCK_TOKENS", "KEY_HEX", "Kept", "PrefixCache", "block_chain", "prefix_root", "valid_chain"]
+__all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_ADVERTISED", "MAX_MARKS", "Kept", "PrefixCache", "block_chain", "decode_marks",
+           "encode_marks", "prefix_root", "token_marks", "valid_chain"]
 
 _DOMAIN = b"dgr-prefix-v1"
 
@@ -60,6 +77,44 @@ def block_chain(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> 
     return keys
 
 
+# A position's mark: 48 bits. Two different tokens at the first position where two sequences differ
+# (their earlier blocks' keys agreeing) give one mark by chance once in 2**48 matches.
+MARK_BYTES = 6
+# An offer marks at most this many positions (base64: 8 characters each, 512 KiB of an open's 1 MiB);
+# past them a match is whole blocks only.
+MAX_MARKS = 65536
+# A node's heartbeat names at most this many kept prefixes (each by its last block key, 32 hex digits:
+# about 9 KB), the most recently used first, so routing by prefix survives a tracker's restart.
+MAX_ADVERTISED = 256
+
+
+def token_marks(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> bytes:
+    """Every position's mark (MARK_BYTES each), chained like `block_chain`: a block's last mark begins its key."""
+    out, prev = bytearray(), bytes.fromhex(root)
+    for i in range(0, len(tokens), block):
+        h = hashlib.sha256(prev)
+        for t in tokens[i : i + block]:
+            h.update(struct.pack("<i", t))
+            out += h.digest()[:MARK_BYTES]
+        prev = h.digest()[: KEY_HEX // 2]
+    return bytes(out)
+
+
+def encode_marks(marks: bytes) -> str:
+    """Marks as they cross the wire: unpadded URL-safe base64, 8 characters a position."""
+    return base64.urlsafe_b64encode(marks).decode()
+
+
+def decode_marks(text: object, limit: int) -> bytes | None:
+    """The marks `text` encodes, at most `limit` positions of them; None when malformed (checks wire input)."""
+    if not isinstance(text, str) or len(text) % 8 or len(text) // 8 > limit:
+        return None
+    try:
+        return base64.urlsafe_b64decode(text.encode("ascii"))
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        return None
+
+
 def valid_chain(chain: object, limit: int) -> bool:
     """True for a list of at most `limit` keys of KEY_HEX lowercase hex digits (checks wire input)."""
     return (isinstance(chain, list) and len(chain) <= limit
@@ -69,15 +124,46 @@ def valid_chain(chain: object, limit: int) -> bool:
 
 @attrs.frozen
 class Kept:
-    """One cached prefix: `len(chain)` blocks of KV held by the backend under `id`."""
+    """One cached prefix: `positions` positions of KV held by the backend under `id`.
+
+    `chain` names its whole blocks; `head` marks its first positions (as far as its session was
+    offered them) and `tail` those after its last whole block.
+    """
 
     id: str
     chain: tuple[str, ...]
     nbytes: int
+    head: bytes = b""
+    tail: bytes = b""
 
     @property
     def positions(self) -> int:
-        return len(self.chain) * BLOCK_TOKENS
+        return len(self.chain) * BLOCK_TOKENS + len(self.tail) // MARK_BYTES
+
+    def mark(self, pos: int) -> bytes | None:
+        """Position `pos`'s mark, or None where this entry was not told it."""
+        if pos * MARK_BYTES + MARK_BYTES <= len(self.head):
+            return self.head[pos * MARK_BYTES : (pos + 1) * MARK_BYTES]
+        at = pos - len(self.chain) * BLOCK_TOKENS
+        if 0 <= at < len(self.tail) // MARK_BYTES:
+            return self.tail[at * MARK_BYTES : (at + 1) * MARK_BYTES]
+        return None
+
+    def common(self, marks: bytes, start: int) -> int:
+        """Positions shared with a sequence of `marks` that agrees with this entry on its first `start`."""
+        pos, end = start, min(self.positions, len(marks) // MARK_BYTES)
+        while pos < end and self.mark(pos) == marks[pos * MARK_BYTES : (pos + 1) * MARK_BYTES]:
+            pos += 1
+        return pos
+
+    def extends(self, other: "Kept") -> bool:
+        """True when `other`'s positions are a prefix of this entry's (so this one supersedes it)."""
+        n = len(other.chain)
+        if n > len(self.chain) or (n and self.chain[n - 1] != other.chain[-1]) or other.positions > self.positions:
+            return False
+        base = n * BLOCK_TOKENS
+        return all(self.mark(base + j) == other.tail[j * MARK_BYTES : (j + 1) * MARK_BYTES]
+                   for j in range(len(other.tail) // MARK_BYTES))
 
 
 @attrs.define
@@ -102,20 +188,27 @@ class PrefixCache:
         self._next_id += 1
         return f"p{self._next_id}"
 
-    def match(self, chain: Sequence[str]) -> tuple[Kept | None, int]:
-        """The most recently used entry holding the longest prefix of `chain`, and that prefix's blocks.
+    def match(self, chain: Sequence[str], marks: bytes = b"") -> tuple[Kept | None, int]:
+        """The entry sharing the longest prefix with the sequence of `chain` and `marks`, and its positions.
 
-        Counts a hit or a miss and marks the entry used; (None, 0) when no block matches.
+        The longest run of whole blocks first (by key), then its positions into the next block (by
+        mark); among equals, the most recently used. Counts a hit or a miss and marks the entry
+        used; (None, 0) when nothing is shared.
         """
-        for n in range(len(chain), 0, -1):
-            ids = self._index.get(chain[n - 1])
+        order = {e: i for i, e in enumerate(self.entries)}
+        for n in range(len(chain), -1, -1):
+            ids = self._index.get(chain[n - 1]) if n else (self.entries if marks else None)
             if ids:
-                best = max(ids, key=list(self.entries).index)  # most recently used
-                self.entries.move_to_end(best)
+                start = n * BLOCK_TOKENS
+                positions, best = max((self.entries[e].common(marks, start), order[e]) for e in ids)
+                if positions == 0:
+                    break
+                kept = self.entries[list(self.entries)[best]]
+                self.entries.move_to_end(kept.id)
                 self.hits += 1
-                self.reused_tokens += n * BLOCK_TOKENS
-                return self.entries[best], n
-        if chain:
+                self.reused_tokens += positions
+                return kept, positions
+        if chain or marks:
             self.misses += 1
         return None, 0
 
@@ -127,8 +220,7 @@ class PrefixCache:
         """Hold `kept`; return the ids dropped for it (superseded, then over budget), `kept.id` possibly among them."""
         dropped = []
         for old in list(self.entries.values()):
-            n = len(old.chain)
-            if n <= len(kept.chain) and kept.chain[n - 1] == old.chain[-1]:
+            if kept.extends(old):
                 self.remove(old.id)
                 self.superseded += 1
                 dropped.append(old.id)
@@ -156,6 +248,20 @@ class PrefixCache:
         self.remove(entry_id)
         self.evictions += 1
         return entry_id
+
+    def advertised(self, limit: int = MAX_ADVERTISED) -> list[str]:
+        """The last block key of each entry that has one, the most recently used first, at most `limit`.
+
+        A key names every block before it, so a tracker that sees it knows this node holds every
+        prompt whose chain runs through it; an entry shorter than a block is not named.
+        """
+        out: list[str] = []
+        for kept in reversed(self.entries.values()):
+            if kept.chain and kept.chain[-1] not in out:
+                out.append(kept.chain[-1])
+                if len(out) >= limit:
+                    break
+        return out
 
     def to_json(self) -> dict[str, int | None]:
         return {

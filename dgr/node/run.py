@@ -33,6 +33,7 @@ from dgr.node import steptrace
 from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
+from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S
 from dgr.node.service import NodeService
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir
 from dgr.security.identity import Identity
@@ -90,7 +91,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    tls_files: tuple[str, str] | None = None, tls: TlsTrust = TlsTrust(),
                    pin: TrackerPin | None = None,
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
-                   snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0) -> None:
+                   snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0,
+                   iteration_target_s: float = DEFAULT_ITERATION_TARGET_S) -> None:
     """Serve until cancelled.
 
     Raises:
@@ -105,7 +107,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
                           prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, snapshot_max_mb, backend, artifact),
-                          busy_poll_s=busy_poll_s)
+                          busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s)
     app = make_node_app(service, artifact=artifact)
     steptrace.start_from_env()
     seed_host = urlsplit(advertise).hostname if advertise else None

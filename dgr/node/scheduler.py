@@ -8,7 +8,10 @@ Contract:
   iteration of a one-thread backend (`inline_below_s`).
   Nothing else on the node touches the backend, so llama.cpp's contexts
   (not thread-safe) never see two calls at once, and the trio loop never
-  blocks on a long one.
+  blocks on a long one. The one exception is text a backend keeps apart
+  from its compute (`ShardBackend.text_apart`: a vocabulary-only model, as
+  llama-server tokenizes in its HTTP threads while its loop decodes), which
+  the node tokenizes in a thread of its own (dgr.node.service).
 - Jobs of one Route Session run in the order they were submitted. Only the
   first queued job of each session is eligible in an iteration, so a close
   can never overtake a forward of its session, nor a forward its open. A
@@ -17,14 +20,34 @@ Contract:
   writing into a slot that now belongs to someone else.
 - A submitted job always runs, even when its caller has gone (cancelled):
   the node session's counters were advanced when the step was accepted, so
-  the KV must follow. The result is then dropped.
-- Batching: an iteration runs every eligible control job, then one batch of
-  forwards as one backend call (`ShardBackend.forward_batch`). Decode steps
+  the KV must follow. The result is then dropped. The one exception: a
+  session's forwards queued before a job that ends it and keeps none of its
+  KV (`Job.ends`: a failure, a cancel, a close that keeps no prefix) are
+  dropped unrun, their callers answered `session_ended`, so a client that
+  leaves mid-prefill frees its slot at once instead of after its chunks
+  (a chunk cut part-way is dropped too: the close frees whatever it wrote).
+- Control jobs are never queued behind compute: an iteration runs every
+  eligible control job first, as a backend call of its own, and answers them
+  before its batch of forwards starts, so an open, close, tokenize or status
+  that arrives while prefill is queued waits for the iteration in flight at
+  most, and that iteration is bounded in time (below).
+- Batching: after the controls, one batch of forwards runs as one backend
+  call (`ShardBackend.forward_batch`). Decode steps
   go first, in queue order, each only into a batch that holds fewer decode
   steps than its `max_rows` (a pipeline route's phase group: see `Job`);
   prefill chunks fill the rest of `token_budget`, and at least one
   prefill chunk runs whenever one waits, so a long prompt delays other
-  sessions' decoding by at most one chunk and is never starved. Before an
+  sessions' decoding by at most one chunk and is never starved.
+- An iteration is bounded in time, not only in positions: while other
+  sessions wait (decode steps queued, or sessions open here that have no
+  prefill in this batch), the prefill positions of an iteration are capped
+  at what the node computes in `iteration_target_s` at its measured prefill
+  rate (`prefill_rate`, an EWMA of positions per second of the iterations
+  that held prefill), and the first prefill chunk is cut there: its first
+  positions run now, the rest in the next iteration, and its caller gets the
+  whole chunk's output once the last part has run. With nobody waiting the
+  chunk runs whole. A cut leaves at least `MIN_CUT` positions on each side
+  (a lone position runs on other kernels). Before an
   iteration, every task that can run does (for at most `gather_s`), so
   steps already read from other connections join it; not when every
   session open on the backend already has a job queued (`may_gather`).
@@ -40,7 +63,8 @@ Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
 
 Left out: what a step means (dgr.node.service builds the jobs and their
-replies), transport, and any notion of time.
+replies), transport, and any notion of time beyond an iteration's target
+(deadlines are the gateway's).
 """
 
 from __future__ import annotations
@@ -60,12 +84,22 @@ import trio
 from trio._core import wait_all_tasks_blocked
 
 from dgr.backends.base import ShardBackend, Step
+from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
 from dgr.node.backend_thread import BackendThread
 
-__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "may_gather", "StepScheduler", "DEFAULT_TOKEN_BUDGET"]
+__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "prefill_room", "may_gather", "StepScheduler",
+           "DEFAULT_TOKEN_BUDGET", "DEFAULT_ITERATION_TARGET_S", "MIN_CUT"]
 
 DEFAULT_TOKEN_BUDGET = 512  # positions per iteration; one llama.cpp ubatch
+# How long an iteration may hold other sessions' waiting steps (--iteration-target-ms). At 1 thread a
+# 512-position chunk of the default model took seconds under contention (issue 43), and every decode
+# step and control call of the node waited behind it.
+DEFAULT_ITERATION_TARGET_S = 0.25
+# The fewest positions a cut prefill chunk runs on either side of the cut, and the cut's alignment:
+# a 1-position remainder would run on llama.cpp's matrix-vector kernels, not its matrix-matrix ones.
+MIN_CUT = 32
+_RATE_WEIGHT = 0.3  # the weight of the newest sample in the prefill rate's EWMA
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
@@ -98,7 +132,7 @@ class Job:
     step: Step | None = None  # FORWARD
     finish: Callable[[np.ndarray | None], Any] | None = None  # FORWARD: turns the output into the reply, in the thread
     result: outcome.Outcome | None = None
-    compute_s: float = 0.0  # FORWARD: seconds of the backend call this step was part of
+    compute_s: float = 0.0  # FORWARD: seconds of the backend calls this step was part of (each part's, summed)
     on_done: Callable[["Job"], None] | None = None  # called on the loop once the job has run; must not block
     # A decode step joins only a batch of fewer decode steps than this (None: any). On a route of N
     # nodes the sessions decode in N phase groups, one on each node; two groups that reach a node
@@ -106,7 +140,11 @@ class Job:
     # while another computes it: 8 sessions on a 2-node ring then ran about 80 batches of 8 rows for
     # 64 tokens instead of 140 of 4, at 58 to 63 tok/s instead of 82 to 85.
     max_rows: int | None = None
+    # SESSION: this job ends the session and keeps none of its KV, so its forwards queued before it are moot
+    ends: bool = False
     done: trio.Event = attrs.field(factory=trio.Event)
+    # FORWARD cut across iterations (`Plan.cut`): the outputs of its parts that have run, in order
+    parts: list = attrs.field(factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -122,23 +160,59 @@ class Plan:
     controls: tuple[int, ...]  # indices into the queue, run first, in queue order
     batch: tuple[int, ...]  # forwards, run as one backend call: decodes first, then prefill chunks
     deferred: tuple[int, ...]  # wait for a later iteration, in queue order
+    dropped: tuple[int, ...] = ()  # forwards of a session an `ends` job behind them ends: answered unrun
+    # > 0: the batch's first prefill chunk runs only its first `cut` positions now; the rest stays queued
+    cut: int = 0
 
 
-def plan_iteration(queue: Sequence[Job], token_budget: int) -> Plan:
+def prefill_room(rate: float | None, target_s: float, token_budget: int) -> int:
+    """The prefill positions an iteration may hold while other sessions wait: what the node computes in
+    `target_s` at `rate` positions/s, aligned down to MIN_CUT, within [MIN_CUT, token_budget]. Without a
+    measured rate (or a target) nothing is known, so the whole budget."""
+    if rate is None or rate <= 0 or target_s <= 0:
+        return token_budget
+    return max(MIN_CUT, min(token_budget, int(rate * target_s) // MIN_CUT * MIN_CUT))
+
+
+def _cut_at(n: int, room: int) -> int:
+    """Where to cut a chunk of `n` positions that has `room` left: 0 (whole) when it fits, or when a cut
+    would leave fewer than MIN_CUT positions on either side."""
+    if n <= room:
+        return 0
+    cut = min(max(MIN_CUT, room // MIN_CUT * MIN_CUT), n - MIN_CUT)
+    return cut if cut >= MIN_CUT else 0
+
+
+def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: float | None = None,
+                   target_s: float = 0.0, open_sessions: int = 0) -> Plan:
     """Choose what runs in this iteration. Pure; every non-empty queue makes progress.
 
-    A session's first queued job is eligible and its later ones wait. Eligible
+    A session's forwards queued before a job that `ends` it are dropped, and
+    the first of its other queued jobs is eligible; its later ones wait. Eligible
     control jobs all run. Eligible decode steps run in queue order, each if the
     batch holds fewer decode steps than its `max_rows`; prefill chunks follow
     in arrival order while the positions fit `token_budget`, but the first one
     runs even if it alone exceeds the budget.
+
+    While other sessions wait (a decode step is queued, or more sessions are
+    open than have prefill eligible here), the prefill positions are also capped
+    at `prefill_room(prefill_rate, target_s, ...)`, less the decode steps'
+    positions: the first prefill chunk is cut to fit (`Plan.cut`), and no other
+    chunk joins it.
     """
+    ending = {job.sid for job in queue if job.ends and job.sid is not None}
+    last_end = {job.sid: i for i, job in enumerate(queue) if job.ends}
+    dropped = [i for i, job in enumerate(queue)
+               if job.kind is JobKind.FORWARD and job.sid in ending and i < last_end[job.sid]]
+    gone = set(dropped)
     seen: set[str] = set()
     controls: list[int] = []
     decodes: list[int] = []
     prefills: list[int] = []
     deferred: set[int] = set()
     for i, job in enumerate(queue):
+        if i in gone:
+            continue
         if job.sid is not None:
             if job.sid in seen:
                 deferred.add(i)
@@ -156,14 +230,19 @@ def plan_iteration(queue: Sequence[Job], token_budget: int) -> Plan:
         else:
             batch.append(i)
     used = sum(queue[i].n_tokens for i in batch)
+    budget, cut = token_budget, 0
+    waiting = bool(decodes) or open_sessions > len({queue[i].sid for i in prefills})
+    if waiting and prefills and prefill_rate and target_s > 0:  # else nothing to size a cut by
+        budget = min(token_budget, prefill_room(prefill_rate, target_s, token_budget))
+        cut = _cut_at(queue[prefills[0]].n_tokens, max(0, budget - used))
     for k, i in enumerate(prefills):
         n = queue[i].n_tokens
-        if k == 0 or used + n <= token_budget:
+        if k == 0 or (not cut and used + n <= budget):
             batch.append(i)
-            used += n
+            used += cut or n
         else:
             deferred.add(i)
-    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)))
+    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)), tuple(dropped), cut)
 
 
 def may_gather(pending: Sequence[Job], open_sessions: int) -> bool:
@@ -178,6 +257,13 @@ class StepScheduler:
 
     backend: ShardBackend
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    # The longest an iteration should hold other sessions' waiting steps (--iteration-target-ms); 0: no cap
+    iteration_target_s: float = DEFAULT_ITERATION_TARGET_S
+    # Positions per second of this node's iterations that held prefill (an EWMA over them, contention
+    # included: a core taken by another process halves it and the chunks shrink); None until measured
+    prefill_rate: float | None = None
+    cuts: int = 0  # prefill chunks cut to keep an iteration within its target
+    dropped: int = 0  # forwards dropped unrun because their session ended (`Job.ends`)
     # What the backend last reported, refreshed after every iteration: status and metrics read
     # these instead of calling the backend from the loop.
     kv_bytes: int = 0
@@ -248,9 +334,10 @@ class StepScheduler:
         """Run `fn` (a backend call outside any session's order) in the scheduler's thread."""
         return (await self._submit(Job(JobKind.CALL, None, fn=fn))).result.unwrap()
 
-    async def session_call(self, sid: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` for session `sid`, after every job of `sid` submitted before it."""
-        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn))).result.unwrap()
+    async def session_call(self, sid: str, fn: Callable[[], Any], *, ends: bool = False) -> Any:
+        """Run `fn` for session `sid`, after every job of `sid` submitted before it; with `ends` (`fn` frees
+        the session and keeps none of its KV), its forwards still queued are dropped instead."""
+        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn, ends=ends))).result.unwrap()
 
     async def forward(self, step: Step, finish: Callable[[np.ndarray | None], Any]) -> tuple[Any, float]:
         """Compute `step` (batched with other sessions' steps); return (finish(output), compute seconds).
@@ -284,23 +371,55 @@ class StepScheduler:
                 with trio.move_on_after(self.gather_s):
                     await wait_all_tasks_blocked()
                 self._drain(pending)
-            plan = plan_iteration(pending, self.token_budget)
-            ran = [pending[i] for i in plan.controls + plan.batch]
+            plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
+                                  target_s=self.iteration_target_s, open_sessions=self.session_count)
             controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
-            decode_only = bool(batch) and not controls and all(job.is_decode for job in batch)
-            if self.inline or (decode_only and self._may_inline and self._last_decode_s < self.inline_below_s):
-                compute = self._iterate(controls, batch)
-            else:
-                compute = await thread.run_sync(self._iterate, controls, batch)
+            if plan.dropped:
+                dropped = [pending[i] for i in plan.dropped]
+                for job in dropped:
+                    job.result = outcome.Error(CallerError(Reason.SESSION_ENDED,
+                                                           f"session {job.sid} ended before this step ran"))
+                self.dropped += len(dropped)
+                self._done(dropped)
+            if controls:
+                # answered before the batch starts: an open or a status never waits for a prefill chunk
+                if self.inline:
+                    self._iterate(controls, [])
+                else:
+                    await thread.run_sync(self._iterate, controls, [])
+                self._done(controls)
+            cut: Job | None = None
+            if plan.cut:
+                k = next(k for k, job in enumerate(batch) if not job.is_decode)
+                cut, batch[k] = batch[k], _first_part(batch[k], plan.cut)
+            decode_only = bool(batch) and all(job.is_decode for job in batch)
+            compute = 0.0
+            if batch and (self.inline or (decode_only and self._may_inline
+                                          and self._last_decode_s < self.inline_below_s)):
+                compute = self._iterate([], batch)
+            elif batch:
+                compute = await thread.run_sync(self._iterate, [], batch)
             if decode_only:
                 self._last_decode_s = compute
+            elif batch:
+                self._note_rate(sum(job.n_tokens for job in batch), compute)
             if batch and self.busy_poll_s > 0:
                 self._hot_until = trio.current_time() + self.busy_poll_s
-            for job in ran:
-                job.done.set()
-                if job.on_done is not None:
-                    job.on_done(job)
-            pending = [pending[i] for i in plan.deferred]
+            keep = set(plan.deferred)
+            if cut is not None:
+                part = batch[k]
+                batch[k] = cut
+                cut.compute_s += part.compute_s
+                if part.result is not None and isinstance(part.result, outcome.Error):
+                    cut.result = part.result  # the chunk failed part-way: its caller hears it now
+                else:
+                    cut.parts.append(part.result.unwrap() if part.result is not None else None)
+                    cut.step = _rest(cut.step, plan.cut)
+                    keep.add(plan.batch[k])
+                    self.cuts += 1
+                    batch.pop(k)
+            self._done(batch)
+            pending = [pending[i] for i in sorted(keep)]
             # The results' relays and replies go out before anything else that could block the loop: a
             # one-thread backend's next iteration may run on it. After control jobs (an open, a close)
             # the accounting is already fresh for whoever they wake; after forwards alone it only feeds
@@ -308,10 +427,26 @@ class StepScheduler:
             # iterations always leave the loop has its next one (a step its results queued here: a ring
             # of this node alone) start first, and the relays run while it computes: waiting for them
             # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
-            if self.inline or self._may_inline:
+            if batch and (self.inline or self._may_inline):
                 await trio.lowlevel.checkpoint()
-            if not controls:
+            if batch:
                 self._account()
+
+    @staticmethod
+    def _done(jobs: list[Job]) -> None:
+        """Wake the callers of jobs that have run (on the loop)."""
+        for job in jobs:
+            job.done.set()
+            if job.on_done is not None:
+                job.on_done(job)
+
+    def _note_rate(self, positions: int, compute: float) -> None:
+        """One iteration with prefill: `positions` in `compute` seconds, into the prefill rate's EWMA."""
+        if positions < MIN_CUT or compute <= 0:
+            return  # a few positions say more about the call's fixed cost than about the rate
+        sample = positions / compute
+        r = self.prefill_rate
+        self.prefill_rate = sample if r is None else r + _RATE_WEIGHT * (sample - r)
 
     @property
     def _may_inline(self) -> bool:
@@ -369,8 +504,11 @@ class StepScheduler:
                 _mark("computed", batch)
             self.busy_s += compute
             for job, out in zip(batch, outs):
-                job.compute_s = compute
-                job.result = out if isinstance(out, outcome.Error) else outcome.capture(job.finish, out.unwrap())
+                job.compute_s += compute
+                if isinstance(out, outcome.Error) or job.finish is None:  # a cut chunk's first part: no reply yet
+                    job.result = out
+                else:
+                    job.result = outcome.capture(job.finish, _joined(job.parts, out.unwrap()))
             if trace:
                 _mark("finished", batch)
             self.batched_steps += len(batch) if len(batch) > 1 else 0
@@ -383,3 +521,25 @@ class StepScheduler:
         """What the backend holds now, for status and metrics (between iterations: nothing else calls it)."""
         self.kv_bytes = self.backend.kv_bytes()
         self.session_count = self.backend.session_count()
+
+
+def _first_part(job: Job, cut: int) -> Job:
+    """A stand-in for `job`'s first `cut` positions: no logits, no reply (the driver keeps its output)."""
+    s = job.step
+    part = Step(s.sid, s.pos0, None if s.token_ids is None else s.token_ids[:cut],
+                None if s.hidden is None else s.hidden[:cut], False, decode=False)
+    return Job(JobKind.FORWARD, job.sid, step=part)
+
+
+def _rest(step: Step, cut: int) -> Step:
+    """`step` past its first `cut` positions (computed already)."""
+    return Step(step.sid, step.pos0 + cut, None if step.token_ids is None else step.token_ids[cut:],
+                None if step.hidden is None else step.hidden[cut:], step.want_logits, decode=False)
+
+
+def _joined(parts: list, out: Any) -> Any:
+    """A chunk's whole output from its parts': hidden states [n, W] joined in order; a tail's logits (or
+    nothing) come from the last part alone."""
+    if not parts or out is None or getattr(out, "ndim", 0) != 2:
+        return out
+    return np.concatenate([*parts, out], axis=0)

@@ -4,9 +4,10 @@ Theory: a frame is parsed and checked (dgr.seam.frame), matched against its
 `NodeSession` (dgr.fsm.node), which refuses anything out of order before any
 state changes, then it becomes a job of the node's `StepScheduler`
 (dgr.node.scheduler), the one owner of the backend, which batches it with
-other sessions' steps. Every other backend call (open, close, tokenize,
-status) is a scheduler job too, so nothing here touches the backend from the
-event loop, and llama.cpp never sees two calls at once. A step whose caller
+other sessions' steps. Every other backend call (open, close, status, and
+tokenize where the text is not apart from the compute) is a scheduler job
+too, so nothing here touches the backend from the event loop, and llama.cpp
+never sees two calls at once. A step whose caller
 has gone still runs to its end: the session's counters were advanced when
 it was accepted, so the KV and the counters agree either way.
 
@@ -17,11 +18,16 @@ after any of its steps already queued. Ended session ids are remembered
 `unknown_session`.
 
 Prefix cache (dgr.node.prefix): a session closed normally with the hash
-chain of the tokens in its KV (`keep`) leaves its KV behind as a kept prefix;
-an open that offers a chain (`prefix`) starts from the longest kept prefix
-matching it: it takes the kept KV over when it extends all of it (a
-conversation's next turn) or no slot is free, else starts from a copy. The cache is touched only in the scheduler's thread, in the same job
-as the backend calls it decides, so the two never disagree. A kept prefix
+chain of the tokens in its KV (`keep`) and the marks of its positions past
+the last whole block (`tail`) leaves its KV behind as a kept prefix; an open
+that offers a chain and marks (`prefix`, `marks`) starts from the longest
+kept prefix matching it, to the token, cut to the positions shared: it
+takes the kept KV over when it shares all its whole blocks (a
+conversation's next turn) or no slot is free, else starts from a copy; a
+memory that cannot drop the positions past them opens empty. The offered
+marks are remembered with the session, to name its KV if it is kept. The
+cache is touched only in the scheduler's thread, in the same job as the
+backend calls it decides, so the two never disagree. A kept prefix
 holds a sequence slot that no live session holds: an open that finds no
 free slot evicts the least recently used prefix first, so the capacity
 check (live sessions only) is the only refusal. `kv_bytes` and `sessions`
@@ -61,10 +67,10 @@ from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node import steptrace
-from dgr.node.prefix import BLOCK_TOKENS, Kept, PrefixCache
+from dgr.node.prefix import BLOCK_TOKENS, MARK_BYTES, Kept, PrefixCache
 from dgr.node.relay import Loop, Outgoing, Relay, RelayPlan, Report, SelfLoop
 from dgr.node.ringphases import RingPhases
-from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, Job, JobKind, StepScheduler
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
@@ -141,12 +147,16 @@ class NodeService:
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
+    offered: dict[str, bytes] = attrs.field(factory=dict)  # session -> the marks its open offered (dgr.node.prefix)
     snapshots: SnapshotDir | None = None  # --snapshot-dir: kept prefixes written to disk, reloaded at start
     busy_poll_s: float = 0.0  # --busy-poll-ms: StepScheduler.busy_poll_s
+    iteration_target_s: float = DEFAULT_ITERATION_TARGET_S  # --iteration-target-ms: StepScheduler's
     _nursery: trio.Nursery | None = None
+    _text_calls: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1), init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s)
+        self.scheduler = StepScheduler(self.backend, busy_poll_s=self.busy_poll_s,
+                                       iteration_target_s=self.iteration_target_s)
         self.ring = RingPhases(self._loop_send)
         self.capacity = self.backend.max_sessions()
         self.max_positions = self.backend.max_positions()
@@ -312,12 +322,13 @@ class NodeService:
     # -- session lifecycle ----------------------------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
                            relay: RelayPlan | None = None, prefix: list[str] | None = None,
-                           lane: int | None = None) -> int:
+                           lane: int | None = None, marks: bytes = b"") -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
 
-        With `prefix` (a block hash chain, dgr.node.prefix), the session starts from the longest kept
-        prefix matching it; returns the positions it holds from there (0: none reused). `lane` is the
-        sequence slot to give it while that is free (dgr.fsm.phases).
+        With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
+        session starts from the longest kept prefix matching it, to the token; returns the positions it
+        holds from there (0: none reused). The marks are remembered, to name the session's KV if it is
+        kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -341,7 +352,7 @@ class NodeService:
             self.samplers[sid] = Sampler(sampling)
         try:
             reused = await self.scheduler.session_call(sid, functools.partial(self._open_kv, sid, max_positions,
-                                                                              prefix or [], lane))
+                                                                              prefix or [], lane, marks))
         except DgrError:
             self.sessions.pop(sid, None)
             self.samplers.pop(sid, None)
@@ -367,30 +378,35 @@ class NodeService:
         session = self.sessions.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one
+        if session is not None and marks and self.prefix is not None:
+            self.offered[sid] = marks
         return reused
 
-    def _open_kv(self, sid: str, max_positions: int, chain: list[str], lane: int | None = None) -> int:
-        """In the scheduler's thread: open `sid` on the longest kept prefix of `chain`, or empty; its positions.
+    def _open_kv(self, sid: str, max_positions: int, chain: list[str], lane: int | None = None,
+                 marks: bytes = b"") -> int:
+        """In the scheduler's thread: open `sid` on the longest kept prefix of `chain` and `marks`, or empty;
+        its positions.
 
-        A prompt that extends the whole kept prefix (the same conversation's next turn) takes the
-        kept KV over: no copy (llama.cpp copies a whole sequence's buffer, every --ctx position),
-        and the session's close keeps the longer prefix. A prompt that shares only part of it (a
-        common system prompt) gets a copy, and the prefix stays for others, while a slot is free;
-        without one it takes the KV over too. An empty open without a free slot evicts least
-        recently used prefixes until one is free.
+        A prompt that shares every whole block of the kept prefix (the same conversation's next turn)
+        takes the kept KV over, trimmed to the positions shared: no copy (llama.cpp copies a whole
+        sequence's buffer, every --ctx position), and the session's close keeps the longer prefix.
+        A prompt that shares less (a common system prompt) gets a copy trimmed to what it shares,
+        and the prefix stays for others, while a slot is free; without one it takes the KV over too.
+        Where the memory cannot drop positions (recurrent, SWA), a trim it refuses opens empty.
+        An empty open without a free slot evicts least recently used prefixes until one is free.
         """
         backend, cache, reused = self.backend, self.prefix, 0
         try:
-            kept, blocks = cache.match(chain) if cache is not None else (None, 0)
+            kept, positions = cache.match(chain, marks) if cache is not None else (None, 0)
             if kept is not None:
-                if self.snapshots is not None:
+                if self.snapshots is not None and kept.chain:
                     self.snapshots.touch(kept.chain[-1])  # used: the last of the folder to be evicted
-                take = blocks == len(kept.chain) or backend.free_slots() <= 0
+                take = positions >= len(kept.chain) * BLOCK_TOKENS or backend.free_slots() <= 0
                 if take:
                     cache.remove(kept.id)
                 opened = False
                 try:
-                    backend.open_from_prefix(sid, max_positions, kept.id, blocks * BLOCK_TOKENS, take, lane)
+                    backend.open_from_prefix(sid, max_positions, kept.id, positions, take, lane)
                     opened = True
                 except CallerError as exc:
                     if exc.reason is not Reason.INVALID_REQUEST:
@@ -401,7 +417,7 @@ class NodeService:
                     if take and not opened:
                         backend.drop_prefix(kept.id)  # the cache forgot it: its slot must not stay taken
                 if opened:
-                    return blocks * BLOCK_TOKENS
+                    return positions
             while cache is not None and backend.free_slots() <= 0 and cache.entries:
                 backend.drop_prefix(cache.evict())
             backend.open_session(sid, max_positions, lane=lane)
@@ -426,7 +442,7 @@ class NodeService:
                 if exc.reason is Reason.SNAPSHOT_MISMATCH:  # not the bytes, or positions, its manifest says
                     snaps.discard(snap.chain[-1])
                 continue
-            for d in cache.add(Kept(key, snap.chain, nbytes)):
+            for d in cache.add(Kept(key, snap.chain, nbytes, tail=snap.tail)):
                 backend.drop_prefix(d)
             snaps.loaded += 1
             snaps.touch(snap.chain[-1])
@@ -434,28 +450,36 @@ class NodeService:
         for r in snaps.refused:
             log.warning("prefix snapshot %s refused (%s): %s", r["file"], r["code"], r["message"])
 
-    def _close_kv(self, sid: str, keep: list[str]) -> None:
-        """In the scheduler's thread: close `sid`, keeping the whole blocks of its KV that `keep` names."""
+    def _close_kv(self, sid: str, keep: list[str], tail: bytes = b"", head: bytes = b"") -> None:
+        """In the scheduler's thread: close `sid`, keeping the positions of its KV that `keep` and `tail` name.
+
+        `keep` names whole blocks and `tail` marks the positions after them; `head` is what its open
+        was offered (the marks of its prompt's positions). Only positions the session holds are kept.
+        """
         backend, cache = self.backend, self.prefix
         session = self.sessions.get(sid)
-        blocks = min(len(keep), (session.positions if session is not None else 0) // BLOCK_TOKENS)
-        if cache is None or blocks == 0:
+        have = session.positions if session is not None else 0
+        blocks = min(len(keep), have // BLOCK_TOKENS)
+        tail = tail[: (have - blocks * BLOCK_TOKENS) * MARK_BYTES] if blocks == len(keep) else b""
+        positions = blocks * BLOCK_TOKENS + len(tail) // MARK_BYTES
+        if cache is None or positions == 0:
             backend.close_session(sid)
             return
         try:
             key = cache.new_id()
             try:
-                nbytes = backend.keep_prefix(sid, key, blocks * BLOCK_TOKENS)
+                nbytes = backend.keep_prefix(sid, key, positions)
             except CallerError as exc:  # a memory that cannot drop positions (recurrent, DeepSeek-V4): keep nothing
                 log.debug("session %s: no prefix kept: %s", sid, exc.message)
                 return
-            dropped = cache.add(Kept(key, tuple(keep[:blocks]), nbytes))
+            chain = tuple(keep[:blocks])
+            dropped = cache.add(Kept(key, chain, nbytes, head=head[: positions * MARK_BYTES], tail=tail))
             for d in dropped:
                 backend.drop_prefix(d)
-            if self.snapshots is not None and key not in dropped:
+            if self.snapshots is not None and chain and key not in dropped:
                 try:
                     data = backend.export_prefix(key)
-                    if not self.snapshots.write(tuple(keep[:blocks]), data):
+                    if not self.snapshots.write(chain, data, tail):
                         log.info("prefix snapshot of %d bytes not written: over --snapshot-max-mb", len(data))
                 except OSError as exc:  # the prefix is kept in memory all the same
                     log.warning("could not write a prefix snapshot to %s: %s", self.snapshots.root, exc)
@@ -473,7 +497,8 @@ class NodeService:
             raise CallerError(Reason.SESSION_ENDED, f"session {sid} has ended on {self.node_id}{why}")
         raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on {self.node_id}")
 
-    async def _forget(self, sid: str, failure: Failure | None, keep: list[str] | None = None) -> None:
+    async def _forget(self, sid: str, failure: Failure | None, keep: list[str] | None = None,
+                      tail: bytes = b"") -> None:
         """End `sid` here: refused from now on, and counted as held until its slot is free.
 
         Its close is queued behind its own steps, so the slot is freed once none is in flight; until
@@ -493,18 +518,22 @@ class NodeService:
         self.ended[sid] = failure
         while len(self.ended) > _ENDED_MEMORY:
             self.ended.popitem(last=False)
+        head = self.offered.pop(sid, b"")
         try:
-            close = (functools.partial(self._close_kv, sid, keep) if keep and failure is None
+            keeps = bool(keep or tail) and failure is None
+            close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps
                      else functools.partial(self.backend.close_session, sid))
-            await self.scheduler.session_call(sid, close)
+            # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
+            await self.scheduler.session_call(sid, close, ends=not keeps)
         finally:
             self.sessions.pop(sid, None)  # the job runs even if this caller is cancelled
 
-    async def close_session(self, sid: str, keep: list[str] | None = None) -> None:
-        """End `sid` normally; with `keep` (the hash chain of the tokens in its KV), keep it as a prefix."""
+    async def close_session(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
+        """End `sid` normally; with `keep` (the hash chain of the tokens in its KV) and `tail` (the marks of
+        its positions after the last whole block), keep it as a prefix."""
         session = self._lookup(sid)
         session.close()
-        await self._forget(sid, None, keep)
+        await self._forget(sid, None, keep, tail)
 
     async def fail_session(self, sid: str, failure: Failure) -> None:
         session = self.sessions.get(sid)
@@ -532,7 +561,8 @@ class NodeService:
     # -- head: text in ------------------------------------------------------------
     async def tokenize(self, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None
                        ) -> tuple[list[int], str]:
-        """Render the chat template (or take the prompt) and tokenize it, in the scheduler's thread.
+        """Render the chat template (or take the prompt) and tokenize it: in a thread of its own where the
+        backend's text is apart from its compute (`text_apart`), else as a job of the scheduler.
 
         Raises:
             CallerError(INVALID_REQUEST): not a head shard, or neither messages nor a prompt.
@@ -551,6 +581,9 @@ class NodeService:
             # prompt, control tokens included, as llama.cpp's server and vLLM allow
             return backend.tokenize(prompt, add_special=True, parse_special=True), prompt
 
+        if backend.text_apart:
+            # the text holds nothing the compute touches: not behind any queued iteration (one at a time)
+            return await trio.to_thread.run_sync(work, limiter=self._text_calls)
         return await self.scheduler.call(work)
 
     # -- the seam ---------------------------------------------------------------
@@ -817,6 +850,7 @@ class NodeService:
             "seam": self.stats.to_json(),
             "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
                           "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
-                          "polls_given_up": sched.polls_given_up},
+                          "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
+                          "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
         }

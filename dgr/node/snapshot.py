@@ -7,7 +7,8 @@ Contract:
   `llama_state_seq_get_data`), and `KEY.json`, its manifest: schema version,
   model name and weight digest (sha256 of the GGUF), the Model Artifact
   manifest id where the node serves one, backend, layer range, the block
-  hash chain, positions, and the size and sha256 of `KEY.kv`.
+  hash chain, the marks of the positions after its last whole block (`tail`,
+  absent when none), positions, and the size and sha256 of `KEY.kv`.
 - At start the node checks every manifest against itself and reloads those
   that match into free sequence slots, as kept prefixes. A snapshot of
   another model file, manifest, backend or layer range, or whose bytes do not
@@ -60,7 +61,7 @@ from typing import Any
 import attrs
 
 from dgr.errors import CallerError, Reason
-from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, valid_chain
+from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MARK_BYTES, decode_marks, encode_marks, valid_chain
 
 __all__ = ["SNAPSHOT_SCHEMA", "SNAPSHOT_MAX_MB", "Snapshot", "SnapshotDir", "check", "check_manifest"]
 
@@ -81,8 +82,13 @@ class Snapshot:
     data: bytes | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
+    def tail(self) -> bytes:
+        """The marks of its positions after the last whole block (checked by `check_manifest`)."""
+        return decode_marks(self.manifest.get("tail", ""), BLOCK_TOKENS - 1) or b""
+
+    @property
     def positions(self) -> int:
-        return len(self.chain) * BLOCK_TOKENS
+        return len(self.chain) * BLOCK_TOKENS + len(self.tail) // MARK_BYTES
 
     def read(self) -> bytes:
         """The KV bytes, checked against the manifest's size and digest.
@@ -130,8 +136,9 @@ def check_manifest(manifest: Any, own: dict[str, Any]) -> tuple[str, ...]:
     """
     if not isinstance(manifest, dict) or manifest.get("schema") != SNAPSHOT_SCHEMA:
         raise CallerError(Reason.SNAPSHOT_MISMATCH, f"not a schema {SNAPSHOT_SCHEMA} prefix snapshot manifest")
-    chain = manifest.get("chain")
-    if not valid_chain(chain, 1 << 16) or not chain or manifest.get("positions") != len(chain) * BLOCK_TOKENS:
+    chain, tail = manifest.get("chain"), decode_marks(manifest.get("tail", ""), BLOCK_TOKENS - 1)
+    if (not valid_chain(chain, 1 << 16) or not chain or tail is None
+            or manifest.get("positions") != len(chain) * BLOCK_TOKENS + len(tail) // MARK_BYTES):
         raise CallerError(Reason.SNAPSHOT_MISMATCH, "the manifest's block chain or positions are malformed")
     for field, want in own.items():
         if manifest.get(field) != want:
@@ -177,7 +184,7 @@ class SnapshotDir:
             raise PermissionError(f"snapshot folder {self.root} must be a folder of this user's that no one else "
                                   f"can write (mode {stat.S_IMODE(st.st_mode):o})")
 
-    def write(self, chain: tuple[str, ...], data: bytes) -> bool:
+    def write(self, chain: tuple[str, ...], data: bytes, tail: bytes = b"") -> bool:
         """Write a kept prefix (its manifest last, so a manifest always names whole bytes), after deleting the
         snapshots it supersedes and, least recently used first, those that leave it no room in the budget.
 
@@ -191,8 +198,10 @@ class SnapshotDir:
         self._private_root()
         name = chain[-1]
         meta = {"schema": SNAPSHOT_SCHEMA, "model": self.model, **self.own, "block_tokens": BLOCK_TOKENS,
-                "chain": list(chain), "positions": len(chain) * BLOCK_TOKENS, "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest()}
+                "chain": list(chain), "positions": len(chain) * BLOCK_TOKENS + len(tail) // MARK_BYTES,
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if tail:
+            meta["tail"] = encode_marks(tail)
         manifest = json.dumps(meta, indent=1).encode()
         size = len(data) + len(manifest)
         if self.max_bytes is not None and size > self.max_bytes:

@@ -53,6 +53,19 @@ class HttpResponse:
     body: bytes
 
 
+def _dropped(stream: trio.abc.Stream) -> bool:
+    """True when an idle connection's peer closed it (or sent what nobody asked for): it is readable.
+
+    A restarted server leaves its old connections half closed; a request sent on one is lost, and a
+    stream opened on one (a ring tail's answers to a restarted tracker) would fail its session.
+    """
+    sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
+    try:
+        return sock is not None and sock.is_readable()
+    except OSError:
+        return True
+
+
 @attrs.define
 class _Conn:
     stream: trio.abc.Stream
@@ -192,10 +205,11 @@ class ConnectionPool:
         return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic(), self.max_answer)
 
     async def _checkout(self) -> _Conn:
+        """An idle connection the peer has not closed, else a new one."""
         now = time.monotonic()
         while self._idle:
             candidate = self._idle.pop()
-            if now - candidate.last_used < _IDLE_S:
+            if now - candidate.last_used < _IDLE_S and not _dropped(candidate.stream):
                 return candidate
             await candidate.stream.aclose()
         return await self._connect()

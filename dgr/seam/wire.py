@@ -91,11 +91,11 @@ class Topology(enum.Enum):
 
 # `dgr tracker` and `dgr up` (in-process routes keep the star: they have no tracker app to take deliveries).
 # The ring: where links cost an RTT it waits on fewer of them (5 ms between any two machines: a token adds
-# 0.98 RTT on 2 nodes and 1.22 on 3, against the chain's 1.57 and 2.17; docs/perf/rtt), and on one machine
-# it is level with the chain. Paired rounds, ring / chain: one session 0.993x and 1.010x, 8 sessions 0.977x
-# once its tail held steps for their phase groups (0.924x before); `dgr bench --only paired` back to back
-# (docs/perf/paired, docs/perf/paired-chain): 2-node 28.7 and 28.0 tok/s, 8 sessions 43.8 and 41.0, 3-node
-# 23.5 and 26.7.
+# 0.98 RTT on 2 nodes and 1.22 on 3, against the chain's 1.57 and 2.17; docs/perf/archive/rtt), and on one
+# machine it is level with the chain. Paired rounds, ring / chain: one session 0.993x and 1.010x, 8 sessions
+# 0.977x once its tail held steps for their phase groups (0.924x before); `dgr bench --only paired` back to
+# back (docs/perf/archive/paired, docs/perf/archive/paired-chain): 2-node 28.7 and 28.0 tok/s, 8 sessions
+# 43.8 and 41.0, 3-node 23.5 and 26.7.
 DEFAULT_TOPOLOGY = Topology.RING
 
 

@@ -10,7 +10,7 @@ module writes, so edit the facts here and rerun:
     python -m dgr.specgen
 
 Sources, each second-hand unless spec/deepseek-v4-flash.md says it was checked:
-- config.json of deepseek-ai/DeepSeek-V4-Flash, as quoted in /work/shared/DEEPSEEK-V4-FLASH.md;
+- config.json of deepseek-ai/DeepSeek-V4-Flash (huggingface.co/deepseek-ai/DeepSeek-V4-Flash);
 - llama.cpp src/models/deepseek4.cpp `load_arch_tensors` (tensor shapes, read for this file);
 - llama.cpp src/llama-kv-cache-dsv4.cpp (cache sizes, read for this file);
 - gguf-py constants.py (GGUF tensor names);
@@ -288,7 +288,7 @@ def layout(d: Dims = Dims()) -> dict[str, Any]:
 
 
 SOURCES = [
-    "config.json of deepseek-ai/DeepSeek-V4-Flash (via /work/shared/DEEPSEEK-V4-FLASH.md)",
+    "config.json of deepseek-ai/DeepSeek-V4-Flash (huggingface.co/deepseek-ai/DeepSeek-V4-Flash)",
     "llama.cpp src/models/deepseek4.cpp load_arch_tensors (shapes)",
     "llama.cpp src/llama-kv-cache-dsv4.cpp (caches)",
     "gguf-py constants.py (tensor names)",

@@ -3,7 +3,8 @@
 One table, `GENERATED`: a path (relative to the repository root) and a
 function from the file's committed text to the text it should have. Whole
 documents ignore the committed text; spliced ones (the artifact tables, the
-audits' pasted `dgr plan` output) rewrite only their generated blocks.
+audits' pasted `dgr plan` output, README.md's performance block) rewrite only
+their generated blocks.
 The order matters: the layout fixtures come before the audits drawn from them.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dgr.specgen import artifact, audit_layouts, audits, dsv4_layout, protocol, ranges
+from dgr.specgen import artifact, audit_layouts, audits, dsv4_layout, protocol, ranges, readme
 
 __all__ = ["GENERATED", "ROOT", "expected"]
 
@@ -30,6 +31,7 @@ GENERATED: dict[str, Callable[[str], str]] = {
     _rel(artifact.SPEC_PATH): artifact.splice,
     _rel(ranges.OUT): lambda _text: ranges.render(),
     **{_rel(a.spec): (lambda text, a=a: audits.render(text, a)) for a in audits.AUDITS.values()},
+    _rel(readme.README): readme.splice,
 }
 
 

@@ -308,7 +308,7 @@ class LocalRoute:
 
     def _node_extra(self) -> list[str]:
         keep = {"--model", "--stub-delay", "--stub-model", "--ctx", "--max-sessions", "--idle-timeout",
-                "--busy-poll-ms"}
+                "--busy-poll-ms", "--iteration-target-ms"}
         out, it = [], iter(self.extra)
         for a in it:
             if a in keep:

@@ -28,6 +28,14 @@ Theory of operation:
 - Failure: a node's transport error, a refused step, a missed per-step
   deadline, or the registry declaring a node dead (its heartbeats stopped)
   fails the session with a structured reason naming node, phase and step.
+- A deadline tells a slow node from a dead one (`_patient`, `_answer`):
+  shortly before a step's (or an open's, or a tokenize's) deadline passes,
+  the gateway asks each node it waits on for /healthz, which a node answers
+  on its loop, never behind compute. A node that answers is slow, not lost:
+  the deadline extends by its own length, up to `slow_cap` times it, and
+  the session goes on. Only silence fails the session as `route_node_lost`
+  (and marks the node dead); a route still busy at the cap fails it as
+  `session_timeout`, and no node is marked.
   The dead node is marked so new routes avoid it. Survivors are told to drop
   the session's KV (shielded, bounded), and no repair is attempted.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
@@ -59,18 +67,21 @@ Theory of operation:
   remembered ones it lists, with a capability minted for the purpose, as
   soon as the node is reachable again. Sessions this gateway never opened
   are left alone.
-- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt's whole
-  blocks (less the last token, which must be prefilled for a first token)
-  into a chain rooted in the model digest and the request's isolation scope
+- Prefix reuse (dgr.node.prefix): the gateway hashes the prompt (less its
+  last two tokens: the last must be prefilled for a first token, and not
+  alone, see LiveSession.chunks) into a chain of whole-block keys and a mark
+  per position, rooted in the model digest and the request's isolation scope
   (the API key's hash, or one shared scope with `share_prefixes`). Each node
-  opens on the longest kept prefix it holds of that chain and says how many
-  positions that is; the route reuses the smallest answer, and prefill starts
-  there (a node holding more drops the rest before that first step). A
-  session that ends normally closes with the chain of its prompt's whole
-  blocks (and its answer's, with `prefix_keep_generated`), so its nodes may
-  keep that KV for the next turn; the gateway remembers which route kept
-  which keys (`holders`) and prefers that route for a prompt that extends
-  them.
+  opens on the longest prefix, to the token, it holds of that and says how
+  many positions that is; the route reuses the smallest answer, and prefill
+  starts there (a node holding more drops the rest before that first step).
+  A session that ends normally closes with the chain of its KV's whole
+  blocks and the marks of its positions after them (its prompt, and by
+  default its answer: `prefix_keep_generated`, off with `--prefix-exact`),
+  so its nodes may keep that KV for the next turn; the gateway remembers
+  which route kept which keys (`holders`), learns the same from the prefixes
+  nodes name in their heartbeats (so it survives a restart), and prefers
+  that route for a prompt that extends them.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
   its pooled connections, its hop stats and its metric labels.
 """
@@ -78,12 +89,13 @@ Theory of operation:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import statistics
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import attrs
 import trio
@@ -93,7 +105,7 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import Hop, RouteSession, RouteState
 from dgr.metrics import TrackerMetrics, gauge
-from dgr.node.prefix import BLOCK_TOKENS, block_chain, prefix_root
+from dgr.node.prefix import BLOCK_TOKENS, MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
 from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_kind
@@ -128,6 +140,9 @@ class GatewayConfig:
     prefill_chunk: int = 512  # one llama.cpp ubatch: every stage must cut prefill the same way
     step_deadline_s: float = 10.0  # a step's base deadline; SIGSTOP is usually caught sooner by heartbeats
     per_token_deadline_s: float = 0.05
+    # A step whose nodes all answer /healthz when its deadline comes waits on, up to this many times its
+    # deadline: a node busy with other sessions' long prompts, or beside another process, is slow, not lost
+    slow_cap: float = 4.0
     seam_dtype: DType = DType.F32
     sweep_s: float = 0.1
     keep_ended: int = 1000
@@ -149,11 +164,14 @@ class GatewayConfig:
     # One isolation scope for every API key: a prefix one key left is reused for another. Its timing
     # tells a caller whether someone sent the same prefix lately (spec/security.md).
     share_prefixes: bool = False
-    # Keep generated tokens' KV too, as llama-server's cache_prompt does. Off: llama.cpp computes a
-    # one-position step (decode) with other kernels than a chunk, so a prefix of decoded positions
-    # gives logits a little off a full prefill's (0.5 on SmolLM2), enough to flip a near-tie; the
-    # prompt's own positions, prefilled in chunks of two or more, reuse bit-identically.
-    prefix_keep_generated: bool = False
+    # Keep generated tokens' KV too, as llama-server's cache_prompt does, so the next turn, which
+    # resends the answer, reuses it. Off (`--prefix-exact`): the prompt's own positions, prefilled in
+    # chunks of two or more, reuse bit-identically, but llama.cpp computes a one-position step (decode)
+    # with other kernels than a chunk, so a prefix of decoded positions gives logits off a full
+    # prefill's. SmolLM2 Q4_1, 2 llama_shard stages, 3 chats of 5 turns, greedy, 32 tokens: logits
+    # up to 1.58 apart (0.8 to 1.6 a turn) before any token differs; 2 of 12 follow-up answers differ
+    # (in process, from their 7th token: 13 of 272 tokens), and 2 of 12 on a `dgr up` route.
+    prefix_keep_generated: bool = True
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
@@ -233,11 +251,24 @@ class LiveSession:
     def reused(self) -> int:
         return self.rs.prefix_reused
 
-    def kv_chain(self) -> list[str] | None:
-        """The block chain of every whole block in the route's KV: what its nodes may keep."""
+    def kv_keep(self) -> tuple[list[str], str] | None:
+        """What the route's nodes may keep of their KV: the block chain of its whole blocks and the encoded
+        marks of its positions after them (dgr.node.prefix); None without prefix reuse.
+
+        The KV holds the prompt and, with `keep_generated`, every answer token fed back (the last one
+        sampled never was).
+        """
         if self.prefix_root is None:
             return None
-        return block_chain(self.prompt + self.fed if self.keep_generated else self.prompt, self.prefix_root) or None
+        tokens = self.prompt + self.fed if self.keep_generated else self.prompt
+        chain = block_chain(tokens, self.prefix_root)
+        tail = self._tail_marks(tokens, chain)
+        return (chain, encode_marks(tail)) if chain or tail else None
+
+    def _tail_marks(self, tokens: list[int], chain: list[str]) -> bytes:
+        """The marks of `tokens`' positions after its last whole block, chained from that block's key."""
+        start = len(chain) * BLOCK_TOKENS
+        return token_marks(tokens[start:], chain[-1] if chain else self.prefix_root)
 
     def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
         """The prefill steps (seq, pos0, ids) from the reused prefix on, at most `size` positions each
@@ -296,6 +327,7 @@ class Gateway:
     closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
     _nursery: trio.Nursery | None = None
     _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
+    slow_waits: int = 0  # deadlines extended because every node waited on answered its liveness probe
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
     # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
@@ -511,10 +543,12 @@ class Gateway:
                     f"(the prompt may have at most {token_limit} tokens)",
                     param=param,
                 )
-            with trio.fail_after(cfg.step_deadline_s):
+            with self._patient([first.node_id], cfg.step_deadline_s) as wait:
                 prompt = (list(req.prompt_ids) if req.prompt_ids
                           else await head.tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id),
                                                    vocab_size=info.vocab_size))
+            if wait.scope.cancelled_caught:
+                raise wait.failed("did not tokenize the prompt", first.node_id, phase=rs.state.value)
             if req.prompt_ids and max(prompt) >= info.vocab_size:
                 raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
                                   f"of {info.vocab_size}", param="prompt")
@@ -539,8 +573,12 @@ class Gateway:
             positions = len(prompt) + max_tokens
 
             root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None)
-            # whole blocks only, and never the last token: its logits give the first answer token
-            offer = [] if root is None else block_chain(prompt[: len(prompt) - 1], root)
+            # Never the last token: its logits give the first answer token. Nor the one before: a lone
+            # position would run on other kernels than a chunk (LiveSession.chunks), and giving it back
+            # later would need a node to drop a position, which some memories cannot (recurrent, SWA).
+            offered = prompt[: max(len(prompt) - 2, 0)]
+            offer = [] if root is None else block_chain(offered, root)
+            marks = "" if root is None else encode_marks(token_marks(offered[:MAX_MARKS], root))
             better = self._holding_route(offer, choice, context)
             if better is not None:
                 self._release(reserved)
@@ -560,17 +598,20 @@ class Gateway:
                 try:
                     held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
                                                      relay=relays.get(hop.node_id), prefix=offer, lane=lane,
-                                                     ticket=self._ticketer(rs.sid, hop))
+                                                     ticket=self._ticketer(rs.sid, hop), marks=marks)
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
                     raise
                 opened.append(c)
 
-            with trio.fail_after(self.config.step_deadline_s):
+            with self._patient([h.node_id for h in choice.hops], cfg.step_deadline_s) as wait:
                 async with trio.open_nursery() as nursery:
                     for hop in choice.hops:
                         nursery.start_soon(_open, hop)
+            if wait.scope.cancelled_caught:
+                silent = wait.silent or next((h.node_id for h in choice.hops if h.node_id not in held), None)
+                raise wait.failed("did not answer while the route was being opened", silent, phase=rs.state.value)
         except BaseException as raised:
             exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
             failure = _failure_of(exc, rs)
@@ -600,9 +641,7 @@ class Gateway:
             phases=board,
         )
         # every node must start from the same position: the shortest prefix any of them holds
-        reused = min([len(offer) * BLOCK_TOKENS, *held.values()]) if offer else 0
-        if reused and len(prompt) - reused == 1:
-            reused -= BLOCK_TOKENS  # a lone position would run on other kernels (LiveSession.chunks)
+        reused = min([len(offered), *held.values()]) if root is not None else 0
         live.telemetry.publish(rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         self.metrics.prefix_reused_tokens_total.inc(reused)
         self.metrics.prompt_tokens_total.inc(len(prompt))
@@ -613,12 +652,15 @@ class Gateway:
         return live
 
     def _holding_route(self, offer: list[str], choice, context: int):
-        """A route whose nodes all kept the longest prefix of `offer` this gateway saw closed, when it is not
-        `choice` and has room and the context `choice` has; else None."""
-        for key in reversed(offer):
-            nodes = self.holders.get(key)
-            if nodes is not None:
-                better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends)
+        """A route whose nodes all kept the longest prefix of `offer` that this gateway saw closed or its nodes
+        name in their heartbeats (what survives a restart), when it is not `choice` and has room and the
+        context `choice` has; else None."""
+        named = self.registry.holding(offer) if offer else {}
+        for i in range(len(offer) - 1, -1, -1):
+            nodes = self.holders.get(offer[i], frozenset()) | {n for n, at in named.items() if at >= i}
+            if nodes:
+                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
+                                        trusted=self.registry.trusted_ends)
                 if better is not None and min(n.max_positions for n in better.nodes) < context:
                     return None
                 return better
@@ -716,11 +758,11 @@ class Gateway:
                 survivors = [self.client(h) for h in rs.route if h.node_id not in rs.lost]
                 for node_id in rs.lost:  # it may only have been slow: closed once it heartbeats again
                     self.owe_close(node_id, rs.sid)
-                keep = live.kv_chain() if failure is None else None
+                keep = live.kv_keep() if failure is None else None
                 async with trio.open_nursery() as ending:
                     ending.start_soon(self._end_head, live)
                     await self._close_nodes(rs.sid, survivors, failure, live.caps, keep=keep)
-                self._note_holders(live, keep)
+                self._note_holders(live, keep[0] if keep else None)
                 if live.phases is not None:
                     self._leave_phases(live.phases, rs.sid)
                 self._measure(live.nodes, rs, failure)
@@ -787,12 +829,13 @@ class Gateway:
                 for h in hops}
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
-                           caps: dict[str, str], keep: list[str] | None = None) -> None:
+                           caps: dict[str, str], keep: tuple[list[str], str] | None = None) -> None:
         closed: set[str] = set()
 
         async def _one(c: NodeClient) -> None:
             try:
-                await c.close(sid, failure, caps.get(c.node_id), keep=keep)
+                await c.close(sid, failure, caps.get(c.node_id), keep=keep[0] if keep else None,
+                              tail=keep[1] if keep else "")
                 closed.add(c.node_id)
             except DgrError as exc:
                 log.info("could not close %s on %s: %s", sid, c.node_id, exc.message)
@@ -819,16 +862,67 @@ class Gateway:
     def _deadline(self, n_tokens: int) -> float:
         return self.config.step_deadline_s + self.config.per_token_deadline_s * n_tokens
 
+    @contextlib.contextmanager
+    def _patient(self, nodes: list[str], deadline_s: float) -> Iterator["_Wait"]:
+        """A cancel scope for a wait on `nodes` that ends at `deadline_s` unless they all answer /healthz.
+
+        A watcher (in the gateway's nursery, so the caller's exceptions stay its own) probes the nodes
+        shortly before the deadline: while every one answers, the deadline moves on by `deadline_s`,
+        up to `slow_cap` times it; a silent one ends the wait at once. The caller checks
+        `wait.scope.cancelled_caught` and raises `wait.failed(...)`.
+        """
+        now = trio.current_time()
+        wait = _Wait(trio.CancelScope(deadline=now + deadline_s), now, now + deadline_s * max(1.0, self.config.slow_cap))
+        watcher = trio.CancelScope()
+        if self._nursery is not None and wait.cap > wait.scope.deadline:
+            self._nursery.start_soon(self._keep_waiting, wait, list(nodes), deadline_s, watcher)
+        try:
+            with wait.scope:
+                yield wait
+        finally:
+            watcher.cancel()
+
+    async def _keep_waiting(self, wait: "_Wait", nodes: list[str], deadline_s: float, watcher: trio.CancelScope) -> None:
+        with watcher:
+            lead = _lead(deadline_s)
+            while True:
+                await trio.sleep_until(wait.scope.deadline - lead)
+                wait.silent = await self._silent(nodes, lead)
+                if wait.silent is not None:
+                    wait.scope.cancel()  # dead: nothing to wait for
+                    return
+                if wait.scope.deadline >= wait.cap:
+                    return
+                wait.scope.deadline = min(wait.cap, wait.scope.deadline + deadline_s)
+                self.slow_waits += 1
+
+    async def _silent(self, nodes: list[str], within_s: float) -> str | None:
+        """The first of `nodes` that does not answer /healthz within `within_s` (asked all at once); None if
+        all do. A node the registry no longer holds as alive is silent."""
+        answered: set[str] = set()
+
+        async def ask(node_id: str) -> None:
+            entry = self.registry.nodes.get(node_id)
+            if entry is None or not entry.alive:
+                return
+            try:
+                await self.client(entry).alive()
+            except PeerError:
+                return
+            answered.add(node_id)
+
+        with trio.move_on_after(within_s):
+            async with trio.open_nursery() as nursery:
+                for node_id in nodes:
+                    nursery.start_soon(ask, node_id)
+        return next((n for n in nodes if n not in answered), None)
+
     async def _call(self, live: LiveSession, i: int, frame: bytes, n_tokens: int, step: int) -> StepReply:
         hop = live.rs.route[i]
-        with trio.move_on_after(self._deadline(n_tokens)) as cs:
+        with self._patient([hop.node_id], self._deadline(n_tokens)) as wait:
             reply = await self.client(hop).step(frame, live.caps.get(hop.node_id))
-        if cs.cancelled_caught:
-            raise PeerError(
-                Reason.ROUTE_NODE_LOST,
-                f"node {hop.node_id} did not answer step {step} within {self._deadline(n_tokens):.1f}s",
-                node=hop.node_id, step=step, phase=live.rs.state.value,
-            )
+        if wait.scope.cancelled_caught:
+            raise wait.failed(f"did not answer step {step}", hop.node_id, step=step, phase=live.rs.state.value)
         self._note_hop(live, hop.node_id, max(0.0, reply.rtt_s - reply.compute_s))
         self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
         return reply
@@ -1009,7 +1103,7 @@ class Gateway:
         """One step to the head, on the session's stream to it (opened with the first step)."""
         hop = live.rs.route[0]
         client = self.client(hop)
-        with trio.move_on_after(self._deadline(n_tokens)) as cs:
+        with self._patient([hop.node_id], self._deadline(n_tokens)) as wait:
             try:
                 if live.head is None:
                     live.head = await client.open_stream(live.rs.sid, live.caps.get(hop.node_id))
@@ -1023,10 +1117,8 @@ class Gateway:
                     f = live.head_failure
                     raise PeerError(f.reason, f.message, node=f.node, step=step, phase=live.rs.state.value) from None
                 raise
-        if cs.cancelled_caught:
-            raise PeerError(Reason.ROUTE_NODE_LOST,
-                            f"node {hop.node_id} did not take step {step} within {self._deadline(n_tokens):.1f}s",
-                            node=hop.node_id, step=step, phase=live.rs.state.value)
+        if wait.scope.cancelled_caught:
+            raise wait.failed(f"did not take step {step}", hop.node_id, step=step, phase=live.rs.state.value)
         self.metrics.seam_bytes_total.labels(node=hop.node_id, kind=frame_kind(frame).name).inc(len(frame))
 
     async def _watch_head(self, live: LiveSession, client: NodeClient, stream: OutStream) -> None:
@@ -1071,19 +1163,45 @@ class Gateway:
             PeerError: a node reported a failure, or no answer came within the route's deadline.
         """
         deadline = self._deadline(n_tokens) * len(live.rs.route)
-        with trio.move_on_after(deadline):
-            item = await live.inbox[1].receive()
-            if isinstance(item, Failure):  # a member's report: it fails this session, and marks no node dead
-                raise PeerError(item.reason, item.message, node=item.node, step=seq, phase=live.rs.state.value,
-                                reported=True)
-            frame, hops = item
-            if frame.seq != seq:
-                raise PeerError(Reason.NODE_ERROR, f"the route answered step {frame.seq}, not {seq}",
-                                node=live.rs.route[-1].node_id, step=seq, phase=live.rs.state.value)
-            return frame, hops
+        # Waited for here, not by a watcher task as `_patient` does: this is every token's path on a ring,
+        # and an inbox wait can be cut and taken up again without losing anything.
+        start = trio.current_time()
+        until, cap = start + deadline, start + deadline * max(1.0, self.config.slow_cap)
+        nodes = [h.node_id for h in live.rs.route]
         tail = live.rs.route[-1].node_id
-        raise PeerError(Reason.ROUTE_NODE_LOST, f"the route gave no answer to step {seq} within {deadline:.1f}s",
-                        node=tail, step=seq, phase=live.rs.state.value)
+        probed = False
+        while True:
+            last = until >= cap
+            with trio.move_on_at(until if last else until - _lead(deadline)):
+                return await self._take(live, seq)
+            wait = _Wait(trio.CancelScope(), start, cap)
+            if last:  # still alive when last asked (or never asked: no patience configured)
+                wait.silent = None if probed else tail
+            else:
+                wait.silent = await self._silent(nodes, _lead(deadline))
+                probed = True
+                if wait.silent is None:
+                    until = min(cap, until + deadline)
+                    self.slow_waits += 1
+                    continue
+            raise wait.failed(f"gave no answer to step {seq}", tail, route=True, step=seq, phase=live.rs.state.value)
+
+    @staticmethod
+    async def _take(live: LiveSession, seq: int) -> tuple[Frame, str]:
+        """The next item of `live`'s inbox, which must be the answer to step `seq`.
+
+        Raises:
+            PeerError: a member's report (it fails this session, and marks no node dead), or another step's answer.
+        """
+        item = await live.inbox[1].receive()
+        if isinstance(item, Failure):
+            raise PeerError(item.reason, item.message, node=item.node, step=seq, phase=live.rs.state.value,
+                            reported=True)
+        frame, hops = item
+        if frame.seq != seq:
+            raise PeerError(Reason.NODE_ERROR, f"the route answered step {frame.seq}, not {seq}",
+                            node=live.rs.route[-1].node_id, step=seq, phase=live.rs.state.value)
+        return frame, hops
 
     def _note_hops(self, live: LiveSession, hops: str, round_trip_s: float) -> None:
         """Per-hop compute from the hops text; what is left of the round trip is the seam's, shared out."""
@@ -1229,7 +1347,36 @@ class Gateway:
             "failures": self.metrics.failure_counts(),
             "recent_failures": list(self.recent_failures),
             "hops": {k: v.to_json() for k, v in self.hop_stats.items()},
+            "slow_waits": self.slow_waits,
         }
+
+
+def _lead(deadline_s: float) -> float:
+    """How long before a deadline its nodes are asked whether they live: the probe's own bound."""
+    return min(PROBE_S, deadline_s / 2)
+
+
+@attrs.define(eq=False)
+class _Wait:
+    """A wait on some nodes with a deadline that their liveness extends (`Gateway._patient`)."""
+
+    scope: trio.CancelScope
+    start: float
+    cap: float  # the latest the deadline may move to
+    silent: str | None = None  # the node that did not answer its probe, once one did not
+
+    def failed(self, what: str, node: str | None, *, route: bool = False, **details) -> PeerError:
+        """The error for a wait that ended without its answer: `route_node_lost` naming the silent node,
+        or, when every node still answered at the cap, `session_timeout` naming none as lost."""
+        waited = trio.current_time() - self.start
+        who = "the route" if route else f"node {node}"
+        if self.silent is None and self.scope.deadline < self.cap:
+            self.silent = node  # the deadline came before its probe's answer (or with no watcher to ask)
+        if self.silent is not None:
+            return PeerError(Reason.ROUTE_NODE_LOST, f"{who} {what} within {waited:.1f}s, and node {self.silent} "
+                                                     "did not answer its liveness probe", node=self.silent, **details)
+        return PeerError(Reason.SESSION_TIMEOUT, f"{who} {what} within {waited:.1f}s, though its nodes answer "
+                                                 "their liveness probes: too slow, not lost", **details)
 
 
 def _failure_of(exc: BaseException, rs: RouteSession) -> Failure | None:

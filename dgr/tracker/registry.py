@@ -15,7 +15,10 @@ range-checked inside one `try`, and anything wrong is a
 Each node advertises `max_positions`, the positions per session it really
 allocates (`--ctx`), which the gateway clamps Route Sessions to; and each
 heartbeat lists the session ids the node holds, so the gateway can close
-sessions it no longer knows of (see Gateway.reconcile).
+sessions it no longer knows of (see Gateway.reconcile). Registrations and
+heartbeats also name the prefixes the node keeps (the last block key of
+each, at most `MAX_PREFIXES`), which the gateway routes by (`holding`), so
+a restarted tracker still sends a conversation's next turn to its KV.
 
 Every entry belongs to the Ed25519 key that signed its registration
 (dgr.security.auth). The first key to register a node id owns it for the
@@ -71,12 +74,13 @@ import attrs
 
 from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.seam.types import ModelInfo
+from dgr.seam.wire import KEY_HEX
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 
-__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "MAX_NODE_SESSIONS", "PROVEN_START",
-           "reachable"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "MAX_NODE_SESSIONS", "MAX_PREFIXES",
+           "PROVEN_START", "reachable"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -88,6 +92,8 @@ DEAD_AFTER_S = 3.0
 # about 2 ms of CPU, so at 4 beats a second two idle nodes kept 7% of a core busy.
 BEATS_PER_DEAD_AFTER = 6
 MAX_HELD = 65536  # session ids one heartbeat may list
+MAX_PREFIXES = 256  # kept prefixes' keys one heartbeat may name (dgr.node.prefix.MAX_ADVERTISED)
+_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX}}}")
 # Sessions a tracker routes to one node at most, whatever it declares (--max-node-sessions).
 MAX_NODE_SESSIONS = 64
 # Sessions a node is trusted with at once before it has carried that many: a declared capacity is a
@@ -126,6 +132,8 @@ class NodeEntry:
     proof: ProofStatus = attrs.field(factory=ProofStatus)
     max_positions: int = 0  # positions per session the node allocates (--ctx); 0 until set from the model
     held: frozenset[str] = frozenset()  # session ids the node held at its last heartbeat
+    # the last block keys of the prefixes it kept (dgr.node.prefix), as of its last registration or heartbeat
+    prefixes: frozenset[str] = frozenset()
     dead_since: float | None = None
     key: bytes = b""  # the Ed25519 public key that signed its registration: only it may speak for the node
     tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
@@ -170,6 +178,7 @@ class NodeEntry:
             "limit": self.limit(),
             "sessions": self.sessions,
             "kv_bytes": self.kv_bytes,
+            "prefixes": len(self.prefixes),
             "alive": self.alive,
             "pid": self.pid,
             "heartbeat_age_s": round(now - self.last_seen, 3),
@@ -182,6 +191,15 @@ class NodeEntry:
             "tls": self.tls_cert is not None,
             "describe": self.describe,
         }
+
+
+def _prefixes(data: dict[str, Any]) -> frozenset[str]:
+    """The kept prefixes' keys a registration or heartbeat names (none when absent). Raises ValueError."""
+    keys = data.get("prefixes", [])
+    if not isinstance(keys, list) or len(keys) > MAX_PREFIXES or not all(
+            isinstance(k, str) and _KEY.fullmatch(k) for k in keys):
+        raise ValueError(f"prefixes must be a list of at most {MAX_PREFIXES} {KEY_HEX}-digit hex block keys")
+    return frozenset(keys)
 
 
 def _int(data: dict[str, Any], key: str, lo: int = 0, default: int | None = None) -> int:
@@ -305,6 +323,7 @@ class Registry:
                 pid=_int(data, "pid") if data.get("pid") is not None else None,
                 max_positions=_int(data, "max_positions", 1, default=model.context_length),
                 key=key,
+                prefixes=_prefixes(data),
             )
             cert = data.get("tls_cert")
             if cert is not None:
@@ -376,13 +395,27 @@ class Registry:
             if not isinstance(held, list) or len(held) > MAX_HELD or not all(
                     isinstance(s, str) and _SID.fullmatch(s) for s in held):
                 raise ValueError(f"session_ids must be a list of at most {MAX_HELD} session ids")
+            prefixes = _prefixes(data)
         except ValueError as exc:
             raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
         entry.last_seen = now
         entry.sessions = sessions
         entry.kv_bytes = kv_bytes
         entry.held = frozenset(held)
+        entry.prefixes = prefixes
         return entry
+
+    def holding(self, keys: list[str]) -> dict[str, int]:
+        """Live node id -> the index of the last of `keys` (a prompt's block chain) it said it kept a prefix
+        up to; nodes that named none of them are left out."""
+        at = {k: i for i, k in enumerate(keys)}
+        out: dict[str, int] = {}
+        for n in self.nodes.values():
+            if n.alive and n.prefixes:
+                best = max((at[k] for k in n.prefixes if k in at), default=-1)
+                if best >= 0:
+                    out[n.node_id] = best
+        return out
 
     def mark_dead(self, node_id: str, now: float | None = None) -> None:
         entry = self.nodes.get(node_id)

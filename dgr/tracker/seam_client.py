@@ -188,15 +188,16 @@ class NodeClient:
 
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
                    relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
-                   lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None) -> int:
+                   lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None,
+                   marks: str = "") -> int:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
-        With `prefix` (a block hash chain), the node starts from the longest kept prefix it holds of it;
-        returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
+        With `prefix` (a block hash chain) and `marks` (its positions' marks, encoded), the node starts
+        from the longest kept prefix it holds of it, to the token; returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
         the sequence slot the node gives the session while it is free. `ticket(body bytes)` is the
         tracker's ticket for exactly the body sent (dgr.security.tickets); None sends none.
         """
-        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane)
+        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane, marks)
         headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
@@ -209,23 +210,28 @@ class NodeClient:
 
     @staticmethod
     def open_body(sid: str, max_positions: int, sampling: dict[str, Any], relay: dict[str, Any] | None = None,
-                  prefix: list[str] | None = None, lane: int | None = None) -> bytes:
+                  prefix: list[str] | None = None, lane: int | None = None, marks: str = "") -> bytes:
         """An open's body, as the bytes its ticket is signed over."""
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
             body["relay"] = relay
         if prefix:
             body["prefix"] = prefix
+        if marks:
+            body["marks"] = marks
         if lane is not None:
             body["lane"] = lane
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
-                    keep: list[str] | None = None) -> None:
-        """Close `sid`; a normal close with `keep` (its KV's block hash chain) lets the node keep the KV."""
+                    keep: list[str] | None = None, tail: str = "") -> None:
+        """Close `sid`; a normal close with `keep` (its KV's block hash chain) and `tail` (the marks of its
+        positions after the last whole block, encoded) lets the node keep the KV."""
         params = {} if failure is None else {"reason": failure.reason.value, "message": failure.message[:200]}
         if failure is None and keep:
             params["keep"] = ".".join(keep)
+        if failure is None and tail:
+            params["tail"] = tail
         r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params, headers=_cap(capability))
         if r.status_code not in (200, 404, 410):
             raise self._refused(r)
