@@ -42,8 +42,8 @@ def register(subparsers) -> None:
                         "(auto: netem when the kernel has it)")
     p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired", "cpu", "steps", "storm"),
                    help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
-                        "prefix: a 10-turn chat's TTFT with and without prefix reuse, beside llama-server's "
-                        "cache_prompt; paired: the single- and 8-session head-to-heads and the short-prompt TTFT, with every setup up at "
+                        "prefix: issue 43's 6-turn chat (a 2,260-token system prompt), each turn's TTFT on a "
+                        "2-node route beside llama-server's with cache_prompt, paired, with the issue's bounds; paired: the single- and 8-session head-to-heads and the short-prompt TTFT, with every setup up at "
                         "once, measured in alternating rounds; cpu: each process of a 2-node route's CPU per decoded token, "
                         "beside its layers computed alone; steps: where a 2-node route's token goes, stage by stage "
                         "on each node and link by link, from the nodes' stage timestamps; storm: 8 streaming clients "

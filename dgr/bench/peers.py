@@ -72,10 +72,12 @@ def ensure_tools(log=lambda msg: None) -> PeerTools:
     if tools.server.is_file() and tools.rpc.is_file():
         return tools
     with tempfile.TemporaryDirectory(prefix="dgr-llama.cpp-") as tmp:
-        log(f"fetching the llama-cpp-python {version} sdist")
-        _step([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
-               f"llama-cpp-python=={version}", "-d", tmp], "pip download")
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        sdist = _cached_sdist(version)
+        if sdist is None:
+            log(f"fetching the llama-cpp-python {version} sdist")
+            _step([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python",
+                   f"llama-cpp-python=={version}", "-d", tmp], "pip download")
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, members=[m for m in tar.getmembers() if m.name.startswith(prefix)], filter="data")
@@ -88,6 +90,13 @@ def ensure_tools(log=lambda msg: None) -> PeerTools:
         for name, dest in zip(_TARGETS, (tools.server, tools.rpc)):
             shutil.copy2(build / "bin" / name, dest)
     return tools
+
+
+def _cached_sdist(version: str) -> Path | None:
+    """The sdist llama/build.sh keeps (it built dgr's own wheel from it), so a build needs no download."""
+    base = Path(os.environ.get("DGR_WHEEL_CACHE") or Path.home() / ".cache" / "dgr" / "wheels")
+    sdist = base / "sdist" / f"llama_cpp_python-{version}.tar.gz"
+    return sdist if sdist.is_file() else None
 
 
 def _step(cmd: Sequence[str], what: str) -> None:

@@ -37,7 +37,7 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
              f"{res['config']['threads']} threads in total per setup, {res['config']['decode_tokens']} decoded tokens. "
              "Ratios are to llama-cpp-python called directly in the same run."]
     if res["config"].get("only") == "prefix":  # one section, whose setups and baselines it states itself
-        lines = ["# dgr benchmark: prefix reuse", "", f"Run {res['started']} to {res['finished']} on one machine, "
+        lines = ["# dgr benchmark: a 6-turn chat beside llama-server", "", f"Run {res['started']} to {res['finished']} on one machine, "
                  f"SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup."]
     if res["config"].get("only") == "cpu":
         lines = ["# dgr benchmark: where a route's CPU goes", "", f"Run {res['started']} to {res['finished']} on "
