@@ -119,7 +119,7 @@ from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 
-__all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta", "prefill_bounds"]
+__all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]
 
 log = logging.getLogger("dgr.gateway")
 
@@ -130,9 +130,6 @@ _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
 PROBE_S = 2.0  # how long a node a member reported lost has to answer the tracker's own /healthz
-# Prefill on a route of several nodes (LiveSession.chunks): chunks per extra node, and their least size
-PIPELINE_CUTS = 16
-MIN_PIPELINE_CHUNK = 32
 
 
 @attrs.frozen
@@ -178,32 +175,6 @@ class GatewayConfig:
 # prompt this long cannot fit the token limit whatever it says. It lets the
 # gateway refuse a huge prompt before the head spends time tokenizing it.
 PROMPT_BYTES_PER_TOKEN = 16
-
-
-def prefill_bounds(start: int, end: int, size: int, hops: int) -> list[int]:
-    """Where prefill of positions [start, end) is cut on a route of `hops` nodes: chunk k is
-    [bounds[k], bounds[k + 1]), at most `size` positions.
-
-    On a route of N > 1 nodes prefill is a pipeline, and it ends about (N - 1) times its largest
-    chunk's time after the head's last chunk (two stages of equal speed: the sum of the chunks plus
-    the largest). So the positions are cut into equal chunks of about 1/PIPELINE_CUTS of them per
-    extra node, no shorter than MIN_PIPELINE_CHUNK (each is a step through every node): 2,317
-    positions on 2 nodes make 16 chunks of 145, where 512-position chunks left a core idle for 22%
-    of the prefill. One node cuts at `size`.
-    Never a one-position chunk after another: llama.cpp runs one position with other kernels than
-    two or more, so the tail moves one position back, and a prompt's KV is the same however it was
-    cut (what lets a later session reuse it exactly).
-    """
-    n = end - start
-    if hops > 1 and n > 0:
-        cuts = math.ceil(n / min(size, max(MIN_PIPELINE_CHUNK, math.ceil(n / (PIPELINE_CUTS * (hops - 1))))))
-        # sizes that differ by one at most: the largest, which the end waits for, is as small as can be
-        bounds = [start + n * k // cuts for k in range(cuts + 1)]
-    else:
-        bounds = list(range(start, end, size)) + [end]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        bounds[-2] -= 1
-    return bounds
 
 
 @attrs.frozen
@@ -271,10 +242,16 @@ class LiveSession:
         return token_marks(tokens[start:], chain[-1] if chain else self.prefix_root)
 
     def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
-        """The prefill steps (seq, pos0, ids) from the reused prefix on, at most `size` positions each
-        (cut by `prefill_bounds` for this route's length)."""
-        prompt = self.prompt
-        bounds = prefill_bounds(self.rs.prefix_reused, len(prompt), size, len(self.rs.route))
+        """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
+
+        Never a one-position chunk after another: llama.cpp runs one position with other kernels
+        than two or more, so the tail moves one position back, and a prompt's KV is the same
+        however it was cut (what lets a later session reuse it exactly).
+        """
+        prompt, start = self.prompt, self.rs.prefix_reused
+        bounds = list(range(start, len(prompt), size)) + [len(prompt)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+            bounds[-2] -= 1
         return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     def __attrs_post_init__(self) -> None:
@@ -1229,11 +1206,9 @@ class Gateway:
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
 
-        # One chunk a node in flight and one more waiting at the head: every node computes at once, the
-        # head never idles while a chunk's answer travels back here and the next one out (the chunks
-        # are short, LiveSession.chunks), and no node queues a whole prompt (a session closed
-        # mid-prefill waits for what its head holds).
-        window = trio.Semaphore(len(rs.route) + 1)
+        # At most one chunk a node in flight: enough for every node to compute at once, and no more, so
+        # a node never queues a whole prompt (a session closed mid-prefill waits for what its head holds).
+        window = trio.Semaphore(len(rs.route))
 
         async def feed() -> None:  # every chunk to the head, in order: the chain pipelines them
             for k, pos0, ids in chunks:
