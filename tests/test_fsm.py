@@ -8,13 +8,14 @@ import sys
 
 import attrs
 import pytest
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dgr.errors import CallerError, Failure, IllegalTransition, Reason
 from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind
 from dgr.fsm.proof import PROOF_TABLE, ProofEvent, ProofState, ProofStatus
 from dgr.fsm.route import ROUTE_TABLE, Hop, RouteEvent, RouteSession, RouteState
+from dgr.fsm.stop import Next, next_step
 
 HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
 
@@ -369,9 +370,36 @@ TestRouteSessionMachine = RouteSessionMachine.TestCase
 
 def test_fsm_core_imports_no_io_libraries() -> None:
     code = (
-        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.proof, dgr.fsm.machine, dgr.errors\n"
+        "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.proof, dgr.fsm.machine, dgr.fsm.phases, "
+        "dgr.fsm.stop, dgr.errors\n"
         "bad = [m for m in ('trio', 'torch', 'llama_cpp', 'httpx', 'quart', 'numpy') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+# -- the stop rule ------------------------------------------------------------------------------------------
+
+
+def test_the_stop_rule_says_why() -> None:
+    assert next_step(eog=False, ignore_eos=False, generated=3, max_tokens=4) == Next(True)
+    assert next_step(eog=True, ignore_eos=False, generated=1, max_tokens=4) == Next(False, "stop")
+    assert next_step(eog=True, ignore_eos=True, generated=1, max_tokens=4) == Next(True)
+    assert next_step(eog=False, ignore_eos=False, generated=4, max_tokens=4) == Next(False, "length")
+    assert next_step(eog=False, ignore_eos=False, generated=1, max_tokens=4, stopped=True) == Next(False, "stop")
+    # an end of generation on the last allowed token is a stop, not a length
+    assert next_step(eog=True, ignore_eos=False, generated=4, max_tokens=4) == Next(False, "stop")
+
+
+@given(st.integers(1, 5000), st.integers(1, 5000), st.booleans(), st.booleans())
+def test_a_ring_tail_counting_positions_stops_where_the_gateway_counting_tokens_does(
+        prompt: int, max_tokens: int, eog: bool, ignore_eos: bool) -> None:
+    """The gateway counts the k-th completion token against max_tokens; the tail counts the next step's
+    position (prompt + k - 1) plus one against the positions the session was opened on (prompt + max_tokens)."""
+    for k in (1, max_tokens - 1, max_tokens, max_tokens + 1):
+        if k < 1:
+            continue
+        gateway = next_step(eog=eog, ignore_eos=ignore_eos, generated=k, max_tokens=max_tokens)
+        tail = next_step(eog=eog, ignore_eos=ignore_eos, generated=prompt + k - 1 + 1, max_tokens=prompt + max_tokens)
+        assert gateway.more == tail.more

@@ -65,6 +65,7 @@ import trio
 from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
+from dgr.fsm.stop import next_step
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node import steptrace
 from dgr.node.prefix import BLOCK_TOKENS, MARK_BYTES, Kept, PrefixCache
@@ -755,14 +756,10 @@ class NodeService:
 
     @staticmethod
     def _next_step(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
-        """A ring tail's next decode step for the token it sampled; None where the gateway would stop.
-
-        The gateway sends a step for token k (k = 1 from the prompt's last chunk) while k < max_tokens,
-        and opened the session on len(prompt) + max_tokens positions: so the step's position must be
-        below max_positions - 1.
-        """
+        """A ring tail's next decode step for the token it sampled; None where the gateway stops
+        (dgr.fsm.stop, counted in positions: the step's position plus one against the session's)."""
         pos = frame.pos0 + frame.n_tokens
-        if (result.eog and not loop.ignore_eos) or pos >= max_positions - 1:
+        if not next_step(eog=result.eog, ignore_eos=loop.ignore_eos, generated=pos + 1, max_tokens=max_positions).more:
             return None
         return encode_frame(FrameKind.DECODE, frame.session, frame.seq + 1, pos, 1, frame.width, dtype=frame.dtype,
                             flags=Flag.SAMPLE, token_ids=[result.token])

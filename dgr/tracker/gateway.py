@@ -112,6 +112,7 @@ from dgr.seam.wire import HEADER_SIZE, DType, Flag, FrameKind, Topology, frame_k
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
 from dgr.security.tls import TlsTrust
+from dgr.fsm.stop import next_step
 from dgr.fsm.phases import RoutePhases, hold_for
 from dgr.tracker.registry import GATEWAY_ID, NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
@@ -975,7 +976,9 @@ class Gateway:
                 text = live.text.feed(token.piece)
                 if text:
                     live.send.send_nowait(Delta(text, rs.completion_tokens))
-            more = not eog and not live.text.stopped and rs.completion_tokens < live.max_tokens
+            verdict = next_step(eog=token.eog, ignore_eos=live.request.ignore_eos, generated=rs.completion_tokens,
+                                max_tokens=live.max_tokens, stopped=live.text.stopped)
+            more = verdict.more
             chain = more and topology is Topology.CHAIN
             # On a ring the tail has already sent this token's step to the head when `more` holds for it
             # (it decides alike, bar stop strings: those end the session here, and the steps it sent on
@@ -999,7 +1002,7 @@ class Gateway:
             if hops is not None:
                 self._note_hops(live, *hops)
             if not more:
-                return self._finish(live, "stop" if eog or live.text.stopped else "length")
+                return self._finish(live, verdict.finish)
             if chain:
                 answer, header = await self._answer(live, seq, 1)
                 hops = (header, time.perf_counter() - t0)
