@@ -1,0 +1,186 @@
+"""A Route Session as the gateway drives it, and the gateway's settings: the data, no driving.
+
+`GatewayConfig` is every setting the gateway runs with; `LiveSession` is one
+Route Session while it runs (its FSM, request, prompt, the channels its
+deltas and telemetry leave by, the chain's link to its head and its phase
+group), with the pure questions asked of it (its prefill chunks, what its
+nodes may keep of their KV); `Delta` is one piece of streamed text;
+`HopStats` a node's seam overhead. dgr.tracker.gateway drives them.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from typing import Any
+
+import attrs
+import trio
+
+from dgr.api.openai import GenerationRequest, usage_body
+from dgr.api.textstream import TextAssembler
+from dgr.errors import Failure
+from dgr.fsm.phases import RoutePhases
+from dgr.fsm.route import RouteSession
+from dgr.node.prefix import BLOCK_TOKENS, block_chain, encode_marks, token_marks
+from dgr.seam.transport import OutStream
+from dgr.seam.wire import DType, Topology
+from dgr.tracker.registry import NodeEntry
+from dgr.tracker.telemetry import Broadcast
+
+__all__ = ["GatewayConfig", "LiveSession", "Delta", "HopStats", "PROMPT_BYTES_PER_TOKEN"]
+
+
+@attrs.frozen
+class GatewayConfig:
+    prefill_chunk: int = 512  # one llama.cpp ubatch: every stage must cut prefill the same way
+    step_deadline_s: float = 10.0  # a step's base deadline; SIGSTOP is usually caught sooner by heartbeats
+    per_token_deadline_s: float = 0.05
+    # A step whose nodes all answer /healthz when its deadline comes waits on, up to this many times its
+    # deadline: a node busy with other sessions' long prompts, or beside another process, is slow, not lost
+    slow_cap: float = 4.0
+    seam_dtype: DType = DType.F32
+    sweep_s: float = 0.1
+    keep_ended: int = 1000
+    max_prompt_tokens: int | None = None  # refused above this (context_length_exceeded); None: the context
+    max_tokens_cap: int | None = None  # requests' max_tokens are clamped to it; None: the context left
+    max_session_s: float | None = 3600.0  # a Route Session's whole life; None: unbounded
+    slow_client_s: float | None = 30.0  # a stream's reader may leave a chunk untaken this long; None: forever
+    capability_margin_s: float = 120.0  # capabilities outlive max_session_s by this, for the close after it
+    # A request that finds every route full waits this long for a slot before its 429: a client that
+    # hangs up and asks again at once must not be refused the slot its last session is giving back.
+    admission_wait_s: float = 10.0
+    # How steps travel a route (dgr.seam.wire.Topology). `dgr tracker` and `dgr up` default to the ring;
+    # in-process routes (dgr.testing.inproc) have no tracker app to take chain deliveries, so star here.
+    topology: Topology = Topology.STAR
+    max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
+    unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
+    unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
+    prefix_reuse: bool = True  # offer nodes the prompt's block chain, and let them keep ended sessions' KV
+    # One isolation scope for every API key: a prefix one key left is reused for another. Its timing
+    # tells a caller whether someone sent the same prefix lately (spec/security.md).
+    share_prefixes: bool = False
+    # Keep generated tokens' KV too, as llama-server's cache_prompt does, so the next turn, which
+    # resends the answer, reuses it. Off (`--prefix-exact`): the prompt's own positions, prefilled in
+    # chunks of two or more, reuse bit-identically, but llama.cpp computes a one-position step (decode)
+    # with other kernels than a chunk, so a prefix of decoded positions gives logits off a full
+    # prefill's. SmolLM2 Q4_1, 2 llama_shard stages, 3 chats of 5 turns, greedy, 32 tokens: logits
+    # up to 1.58 apart (0.8 to 1.6 a turn) before any token differs; 2 of 12 follow-up answers differ
+    # (in process, from their 7th token: 13 of 272 tokens), and 2 of 12 on a `dgr up` route.
+    prefix_keep_generated: bool = True
+
+
+# A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a
+# prompt this long cannot fit the token limit whatever it says. It lets the
+# gateway refuse a huge prompt before the head spends time tokenizing it.
+PROMPT_BYTES_PER_TOKEN = 16
+
+
+@attrs.frozen
+class Delta:
+    text: str
+    tokens: int  # completion tokens so far
+
+
+@attrs.define
+class LiveSession:
+    rs: RouteSession
+    request: GenerationRequest
+    prompt: list[int]
+    max_tokens: int
+    nodes: tuple[NodeEntry, ...]
+    model_width: int
+    needs_token_ids: bool
+    telemetry: Broadcast
+    send: trio.MemorySendChannel
+    recv: trio.MemoryReceiveChannel
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    text: TextAssembler = attrs.field(init=False)
+    caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
+    writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
+    unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
+    # chain: answers (frame, hops text) and failure reports the route's nodes delivered, in order;
+    # unbounded, since the driver takes each answer before it sends the next step
+    inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
+        factory=lambda: trio.open_memory_channel(math.inf))
+    prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
+    keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
+    fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
+    # chain: the stream of steps to the head (opened with the first step), the nursery its watcher runs
+    # in (the driver's), and whether the driver is ending it on purpose
+    head: OutStream | None = None
+    links: trio.Nursery | None = None
+    head_ending: bool = False
+    head_failure: Failure | None = None  # what the head's answer meant, once it came early
+    head_answered: trio.Event = attrs.field(factory=trio.Event)
+    # chain: the board of the route's phase groups (dgr.fsm.phases), and what wakes this session there
+    phases: RoutePhases | None = None
+    go: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def reused(self) -> int:
+        return self.rs.prefix_reused
+
+    def kv_keep(self) -> tuple[list[str], str] | None:
+        """What the route's nodes may keep of their KV: the block chain of its whole blocks and the encoded
+        marks of its positions after them (dgr.node.prefix); None without prefix reuse.
+
+        The KV holds the prompt and, with `keep_generated`, every answer token fed back (the last one
+        sampled never was).
+        """
+        if self.prefix_root is None:
+            return None
+        tokens = self.prompt + self.fed if self.keep_generated else self.prompt
+        chain = block_chain(tokens, self.prefix_root)
+        tail = self._tail_marks(tokens, chain)
+        return (chain, encode_marks(tail)) if chain or tail else None
+
+    def _tail_marks(self, tokens: list[int], chain: list[str]) -> bytes:
+        """The marks of `tokens`' positions after its last whole block, chained from that block's key."""
+        start = len(chain) * BLOCK_TOKENS
+        return token_marks(tokens[start:], chain[-1] if chain else self.prefix_root)
+
+    def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
+        """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
+
+        Never a one-position chunk after another: llama.cpp runs one position with other kernels
+        than two or more, so the tail moves one position back, and a prompt's KV is the same
+        however it was cut (what lets a later session reuse it exactly).
+        """
+        prompt, start = self.prompt, self.rs.prefix_reused
+        bounds = list(range(start, len(prompt), size)) + [len(prompt)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+            bounds[-2] -= 1
+        return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+    def __attrs_post_init__(self) -> None:
+        self.text = TextAssembler(stop=self.request.stop)
+
+    def usage(self) -> dict[str, Any]:
+        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)
+
+    def abort(self, failure: Failure) -> None:
+        """Fail from outside the driver (node death, client gone): the FSM keeps the first reason."""
+        if not self.rs.ended:  # a session that is closing has its outcome already
+            self.rs.abort(failure, trio.current_time())
+        self.scope.cancel()
+
+
+@attrs.define
+class HopStats:
+    """Per-node seam overhead (round trip minus compute) for benchmarks and /v1/stats."""
+
+    overhead_ms: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))
+    decode_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data = sorted(self.overhead_ms)
+        if not data:
+            return {"samples": 0}
+        return {
+            "samples": len(data),
+            "p50_ms": round(statistics.median(data), 4),
+            "p99_ms": round(data[min(len(data) - 1, math.ceil(0.99 * len(data)) - 1)], 4),
+            "decode_frame_bytes": self.decode_bytes,
+        }
