@@ -46,9 +46,9 @@ Theory of operation:
   leave the gateway: the relay plans hand each node STEP capabilities for
   its next hop and a ring tail's head (`relay_plans`), which let it send the
   session's steps there and nothing else. Each open also carries a
-  single-use ticket the tracker signs over its exact body (`open_ticket`,
-  dgr.security.tickets), so a node runs only the plan, prefix offer and lane
-  the tracker chose, once.
+  single-use ticket the tracker signs over its exact body (dgr.security.tickets),
+  so a node runs only the plan, prefix offer and lane the tracker chose,
+  once. dgr.tracker.credentials makes all three.
 - Limits: a prompt past `max_prompt_bytes` is refused before the head
   tokenizes it (`prompt_too_large`); one past `max_prompt_tokens` before any
   node session opens. The context is the smallest `max_positions` (`--ctx`)
@@ -108,7 +108,6 @@ from dgr.api.http import parse_json
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import HEADER_SIZE, Flag, FrameKind, Topology, frame_kind
 from dgr.security.auth import CapabilityAuthority, Scope
-from dgr.security.tickets import issue_ticket
 from dgr.security.tls import TlsTrust
 from dgr.fsm.stop import next_step
 from dgr.fsm.phases import RoutePhases, hold_for
@@ -117,6 +116,7 @@ from dgr.tracker.routing import choose_route, prefer_holders
 from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
+from dgr.tracker.credentials import Credentials
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, Delta, GatewayConfig, HopStats, LiveSession
 
 __all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]  # the last three from dgr.tracker.live
@@ -350,7 +350,7 @@ class Gateway:
                 n.reserved += 1
                 n.routed_at = now
             reserved = choice.nodes
-            caps = self._capabilities(rs.sid, choice.hops)
+            caps = self.credentials().capabilities(rs.sid, choice.hops)
             first = choice.hops[0]
             head = self.client(first)
             info = choice.nodes[0].model
@@ -409,7 +409,7 @@ class Gateway:
                     n.reserved += 1
                     n.routed_at = now
                 choice, reserved = better, better.nodes
-                caps = self._capabilities(rs.sid, choice.hops)
+                caps = self.credentials().capabilities(rs.sid, choice.hops)
             relays = self.relay_plans(rs.sid, choice.hops, req.ignore_eos)
             board = self._board(choice.hops)
             lane = None if board is None else board.join(rs.sid)
@@ -421,7 +421,7 @@ class Gateway:
                 try:
                     held[hop.node_id] = await c.open(rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
                                                      relay=relays.get(hop.node_id), prefix=offer, lane=lane,
-                                                     ticket=self._ticketer(rs.sid, hop), marks=marks)
+                                                     ticket=self.credentials().ticketer(rs.sid, hop), marks=marks)
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -595,61 +595,19 @@ class Gateway:
                 self.sessions.pop(rs.sid, None)
                 self._retire(rs)
 
+    def credentials(self) -> Credentials:
+        """What this gateway signs a session's calls with (dgr.tracker.credentials)."""
+        return Credentials(self.authority, self.config.topology,
+                           (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s,
+                           self._pinned)
+
     def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
-        """On a chain or ring, each node's relay plan: the next hop (none for the tail), the capability to
-        deliver with, and on a ring's tail the head to send each next decode step to.
-
-        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and a
-        ring's tail to its head), never open, close or tokenize there with them.
-        """
-        if not self.config.topology.forwards:
-            return {}
-        deliver = None
-        life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
-        now = time.time()
-        if self.authority is not None:
-            deliver = self.authority.issue(sid, _GATEWAY, 0, 1, now, ttl_s=life, scope=Scope.STEP)
-
-        def to(hop: Hop) -> dict[str, Any]:
-            cap = None if self.authority is None else self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now,
-                                                                           ttl_s=life, scope=Scope.STEP)
-            return {"node": hop.node_id, "url": hop.url, "capability": cap, "tls_cert": self._pinned(hop.node_id)}
-
-        out = {}
-        route = ",".join(h.node_id for h in hops)
-        for i, hop in enumerate(hops):
-            nxt = hops[i + 1] if i + 1 < len(hops) else None
-            # route and nodes: each node batches one phase group of the route at a time, and a ring's
-            # tail holds each next step for its group
-            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
-                                "route": route, "nodes": len(hops)}
-        if self.config.topology is Topology.RING:
-            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
-        return out
-
-    def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:
-        """The tracker's single-use ticket for opening `sid` on `hop` with exactly `body`; None without a key."""
-        if self.authority is None or self.authority.identity is None:
-            return None
-        return issue_ticket(self.authority.identity, sid, hop.node_id, hop.start, hop.stop, body, time.time())
-
-    def _ticketer(self, sid: str, hop: Hop) -> Callable[[bytes], str | None] | None:
-        """What signs an open's body for `hop` (NodeClient.open calls it with the bytes it sends)."""
-        return None if self.authority is None else lambda body: self.open_ticket(sid, hop, body)
+        return self.credentials().relay_plans(sid, hops, ignore_eos)
 
     def _pinned(self, node_id: str) -> str | None:
         """The TLS certificate a node registered: a chain's previous node pins it to call this one."""
         entry = self.registry.nodes.get(node_id)
         return None if entry is None else entry.tls_cert
-
-    def _capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
-        """One capability per hop for session `sid`; none without an authority."""
-        if self.authority is None:
-            return {}
-        life = (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s
-        now = time.time()  # wall clock: nodes check expiry against theirs
-        return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=life, scope=Scope.CONTROL)
-                for h in hops}
 
     async def _close_nodes(self, sid: str, clients: list[NodeClient], failure: Failure | None,
                            caps: dict[str, str], keep: tuple[list[str], str] | None = None) -> None:

@@ -1,0 +1,85 @@
+"""What the gateway signs a Route Session's calls with: capabilities, relay plans, open tickets.
+
+Per hop, the gateway's own CONTROL capability (open, close with keep,
+status, tokenize, steps), which never leaves the gateway; in each node's
+relay plan, STEP capabilities for its next hop and, on a ring, for the head
+(they let a node send the session's steps there and nothing else), and the
+delivery capability the nodes answer the tracker with; and for each open, a
+single-use ticket over its exact body (dgr.security.tickets). Without the
+tracker's key (in-process routes) there are none. Pure: the wall clock is
+read here because nodes check expiry against theirs.
+
+Left out: who the route is (dgr.tracker.routing) and the calls themselves
+(dgr.tracker.seam_client).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+
+from dgr.fsm.route import Hop
+from dgr.seam.wire import Topology
+from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.security.tickets import issue_ticket
+from dgr.tracker.registry import GATEWAY_ID
+
+__all__ = ["Credentials"]
+
+
+@attrs.frozen
+class Credentials:
+    authority: CapabilityAuthority | None  # the tracker's key; None: no capabilities, no tickets
+    topology: Topology
+    life_s: float  # a capability's life: the session's longest plus a margin for the close after it
+    pinned: Callable[[str], str | None]  # a node id's registered TLS certificate, for the node before it
+
+    def capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
+        """The gateway's CONTROL capability for `sid` on each hop; none without an authority."""
+        if self.authority is None:
+            return {}
+        now = time.time()
+        return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=self.life_s,
+                                                scope=Scope.CONTROL) for h in hops}
+
+    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
+        """On a chain or ring, each node's relay plan: the next hop (none for the tail), the capability to
+        deliver with, and on a ring's tail the head to send each next decode step to.
+
+        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and a
+        ring's tail to its head), never open, close or tokenize there with them.
+        """
+        if not self.topology.forwards:
+            return {}
+        now = time.time()
+        deliver = None if self.authority is None else self.authority.issue(
+            sid, GATEWAY_ID, 0, 1, now, ttl_s=self.life_s, scope=Scope.STEP)
+
+        def to(hop: Hop) -> dict[str, Any]:
+            cap = None if self.authority is None else self.authority.issue(
+                sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP)
+            return {"node": hop.node_id, "url": hop.url, "capability": cap, "tls_cert": self.pinned(hop.node_id)}
+
+        out = {}
+        route = ",".join(h.node_id for h in hops)
+        for i, hop in enumerate(hops):
+            nxt = hops[i + 1] if i + 1 < len(hops) else None
+            # route and nodes: each node batches one phase group of the route at a time, and a ring's
+            # tail holds each next step for its group
+            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
+                                "route": route, "nodes": len(hops)}
+        if self.topology is Topology.RING:
+            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
+        return out
+
+    def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:
+        """The single-use ticket for opening `sid` on `hop` with exactly `body`; None without a key."""
+        if self.authority is None or self.authority.identity is None:
+            return None
+        return issue_ticket(self.authority.identity, sid, hop.node_id, hop.start, hop.stop, body, time.time())
+
+    def ticketer(self, sid: str, hop: Hop) -> Callable[[bytes], str | None] | None:
+        """What signs an open's body for `hop` (NodeClient.open calls it with the bytes it sends)."""
+        return None if self.authority is None else lambda body: self.open_ticket(sid, hop, body)
