@@ -60,7 +60,7 @@ Theory of operation:
   session's KV on every node like any other failure. A stream whose response
   body is never started (the client left between `open` and the first
   chunk) is cancelled after `unclaimed_stream_s`.
-- Reconciliation: a close that may not have reached a node is remembered
+- Reconciliation (dgr.tracker.reconcile): a close that may not have reached a node is remembered
   (`unclosed`): the sessions of a node declared lost (it may only have been
   slow), an `open` whose reply never came, a close that failed or timed out.
   Each heartbeat lists the sessions a node holds; `reconcile` closes the
@@ -117,6 +117,7 @@ from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 from dgr.tracker.credentials import Credentials
+from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, Delta, GatewayConfig, HopStats, LiveSession
 
 __all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]  # the last three from dgr.tracker.live
@@ -146,8 +147,8 @@ class Gateway:
     connect: Callable[..., NodeClient] = NodeClient  # (node id, url[, ssl_context]) -> client; tests connect in-process
     tls: TlsTrust = attrs.field(factory=TlsTrust)  # how https nodes are trusted: their registered cert, or a CA
     pins: dict[str, str | None] = attrs.field(factory=dict)  # node id -> the certificate its client pins
-    unclosed: dict[tuple[str, str], float] = attrs.field(factory=dict)  # (node, session) -> since: a close owed
-    closing: set[tuple[str, str]] = attrs.field(factory=set)  # (node, session) closes `reconcile` has in flight
+    owed: OwedCloses = attrs.field(default=attrs.Factory(lambda self: OwedCloses(self.config.unclosed_ttl_s),
+                                                         takes_self=True))
     _nursery: trio.Nursery | None = None
     _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
     slow_waits: int = 0  # deadlines extended because every node waited on answered its liveness probe
@@ -200,10 +201,14 @@ class Gateway:
 
     def owe_close(self, node_id: str, sid: str) -> None:
         """Remember that `sid` may still hold KV on `node_id`: `reconcile` closes it there."""
-        self.unclosed.setdefault((node_id, sid), trio.current_time())
+        self.owed.owe(node_id, sid, trio.current_time())
+
+    @property
+    def unclosed(self) -> dict[tuple[str, str], float]:
+        return self.owed.unclosed
 
     def reconcile(self) -> list[tuple[str, str]]:
-        """Start the owed closes of sessions that live nodes report holding; forget stale ones.
+        """Start the owed closes of sessions that live nodes report holding (dgr.tracker.reconcile).
 
         Returns the (node, session) closes started. Each runs in the gateway's
         nursery, at most one per pair at a time; a failed one is tried again
@@ -211,22 +216,13 @@ class Gateway:
         """
         if self._nursery is None:
             return []
-        now, started = trio.current_time(), []
-        for key, since in sorted(self.unclosed.items()):
-            node_id, sid = key
-            if now - since > self.config.unclosed_ttl_s:
-                del self.unclosed[key]
-                continue
-            entry = self.registry.nodes.get(node_id)
-            if entry is None or not entry.alive or sid not in entry.held or key in self.closing:
-                continue
-            self.closing.add(key)
-            started.append(key)
+        started = []
+        for entry, sid in self.owed.due(trio.current_time(), self.registry.nodes):
+            started.append((entry.node_id, sid))
             self._nursery.start_soon(self._close_orphan, entry, sid)
         return started
 
     async def _close_orphan(self, entry: NodeEntry, sid: str) -> None:
-        key = (entry.node_id, sid)
         try:
             cap = None
             if self.authority is not None:
@@ -235,14 +231,12 @@ class Gateway:
             failure = Failure(Reason.CANCELLED, "the tracker no longer runs this Route Session", node=entry.node_id)
             with trio.move_on_after(self.config.step_deadline_s):
                 await self.client(entry).close(sid, failure, cap)
-                self.unclosed.pop(key, None)
+                self.owed.closed(entry.node_id, sid)
                 log.info("closed orphaned session %s on %s", sid, entry.node_id)
         except DgrError as exc:
             log.info("could not close orphaned session %s on %s: %s", sid, entry.node_id, exc.message)
         finally:
-            self.closing.discard(key)
-            # until the node's next heartbeat says otherwise, take it as closed
-            entry.held = entry.held - {sid}
+            self.owed.settled(entry, sid)
 
     def forget_node(self, node_id: str) -> None:
         """Drop what the gateway keeps per node: pooled connections, hop stats, metric labels."""
