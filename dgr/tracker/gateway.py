@@ -117,6 +117,7 @@ from dgr.seam.transport import HttpResponse, OutStream, TransportError
 from dgr.tracker.seam_client import NodeClient, StepReply
 from dgr.tracker.telemetry import Broadcast
 from dgr.tracker.credentials import Credentials
+from dgr.tracker.patience import PROBE_S, Wait, keep_waiting, lead
 from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, Delta, GatewayConfig, HopStats, LiveSession
 
@@ -130,7 +131,6 @@ _GATEWAY = GATEWAY_ID  # a node may not register it (dgr.tracker.registry)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 _END_S = 1.0  # how long ending a chain's stream to the head waits for its answer
 _REFUSAL_S = 0.5  # how long a broken link to the head waits for the refusal that may have come just before
-PROBE_S = 2.0  # how long a node a member reported lost has to answer the tracker's own /healthz
 
 
 @attrs.define
@@ -638,7 +638,7 @@ class Gateway:
         return self.config.step_deadline_s + self.config.per_token_deadline_s * n_tokens
 
     @contextlib.contextmanager
-    def _patient(self, nodes: list[str], deadline_s: float) -> Iterator["_Wait"]:
+    def _patient(self, nodes: list[str], deadline_s: float) -> Iterator[Wait]:
         """A cancel scope for a wait on `nodes` that ends at `deadline_s` unless they all answer /healthz.
 
         A watcher (in the gateway's nursery, so the caller's exceptions stay its own) probes the nodes
@@ -647,29 +647,19 @@ class Gateway:
         `wait.scope.cancelled_caught` and raises `wait.failed(...)`.
         """
         now = trio.current_time()
-        wait = _Wait(trio.CancelScope(deadline=now + deadline_s), now, now + deadline_s * max(1.0, self.config.slow_cap))
+        wait = Wait(trio.CancelScope(deadline=now + deadline_s), now, now + deadline_s * max(1.0, self.config.slow_cap))
         watcher = trio.CancelScope()
         if self._nursery is not None and wait.cap > wait.scope.deadline:
-            self._nursery.start_soon(self._keep_waiting, wait, list(nodes), deadline_s, watcher)
+            self._nursery.start_soon(keep_waiting, wait, list(nodes), deadline_s, watcher, self._silent,
+                                     self._extended)
         try:
             with wait.scope:
                 yield wait
         finally:
             watcher.cancel()
 
-    async def _keep_waiting(self, wait: "_Wait", nodes: list[str], deadline_s: float, watcher: trio.CancelScope) -> None:
-        with watcher:
-            lead = _lead(deadline_s)
-            while True:
-                await trio.sleep_until(wait.scope.deadline - lead)
-                wait.silent = await self._silent(nodes, lead)
-                if wait.silent is not None:
-                    wait.scope.cancel()  # dead: nothing to wait for
-                    return
-                if wait.scope.deadline >= wait.cap:
-                    return
-                wait.scope.deadline = min(wait.cap, wait.scope.deadline + deadline_s)
-                self.slow_waits += 1
+    def _extended(self) -> None:
+        self.slow_waits += 1
 
     async def _silent(self, nodes: list[str], within_s: float) -> str | None:
         """The first of `nodes` that does not answer /healthz within `within_s` (asked all at once); None if
@@ -949,13 +939,13 @@ class Gateway:
         probed = False
         while True:
             last = until >= cap
-            with trio.move_on_at(until if last else until - _lead(deadline)):
+            with trio.move_on_at(until if last else until - lead(deadline)):
                 return await self._take(live, seq)
-            wait = _Wait(trio.CancelScope(), start, cap)
+            wait = Wait(trio.CancelScope(), start, cap)
             if last:  # still alive when last asked (or never asked: no patience configured)
                 wait.silent = None if probed else tail
             else:
-                wait.silent = await self._silent(nodes, _lead(deadline))
+                wait.silent = await self._silent(nodes, lead(deadline))
                 probed = True
                 if wait.silent is None:
                     until = min(cap, until + deadline)
@@ -1124,34 +1114,6 @@ class Gateway:
             "hops": {k: v.to_json() for k, v in self.hop_stats.items()},
             "slow_waits": self.slow_waits,
         }
-
-
-def _lead(deadline_s: float) -> float:
-    """How long before a deadline its nodes are asked whether they live: the probe's own bound."""
-    return min(PROBE_S, deadline_s / 2)
-
-
-@attrs.define(eq=False)
-class _Wait:
-    """A wait on some nodes with a deadline that their liveness extends (`Gateway._patient`)."""
-
-    scope: trio.CancelScope
-    start: float
-    cap: float  # the latest the deadline may move to
-    silent: str | None = None  # the node that did not answer its probe, once one did not
-
-    def failed(self, what: str, node: str | None, *, route: bool = False, **details) -> PeerError:
-        """The error for a wait that ended without its answer: `route_node_lost` naming the silent node,
-        or, when every node still answered at the cap, `session_timeout` naming none as lost."""
-        waited = trio.current_time() - self.start
-        who = "the route" if route else f"node {node}"
-        if self.silent is None and self.scope.deadline < self.cap:
-            self.silent = node  # the deadline came before its probe's answer (or with no watcher to ask)
-        if self.silent is not None:
-            return PeerError(Reason.ROUTE_NODE_LOST, f"{who} {what} within {waited:.1f}s, and node {self.silent} "
-                                                     "did not answer its liveness probe", node=self.silent, **details)
-        return PeerError(Reason.SESSION_TIMEOUT, f"{who} {what} within {waited:.1f}s, though its nodes answer "
-                                                 "their liveness probes: too slow, not lost", **details)
 
 
 def _failure_of(exc: BaseException, rs: RouteSession) -> Failure | None:
