@@ -13,6 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import trio
+from hypothesis import given, settings, strategies as st
 
 from dgr.api.openai import parse_request
 from dgr.errors import PeerError, Reason
@@ -21,10 +22,12 @@ from dgr.testing.harness import LocalRoute
 from dgr.testing.inproc import InProcRoute, registration
 from dgr.testing.launcher import launch
 from dgr.tracker.gateway import GatewayConfig
-from dgr.tracker.registry import MAX_NODE_SESSIONS, PROVEN_START, Registry
-from dgr.tracker.routing import choose_route
+from dgr.seam.types import ModelInfo
+from dgr.tracker.registry import MAX_NODE_SESSIONS, PROVEN_START, NodeEntry, Registry
+from dgr.tracker.routing import _best_path, _shortest, choose_route
 
 QUIET = GatewayConfig(sweep_s=3600.0)
+_MODEL = ModelInfo("m", "stub", 6, 8, 8, 10, 64, "0" * 64)
 
 
 def _head(r: httpx.Response) -> str:
@@ -112,3 +115,27 @@ async def test_trusted_heads_hold_the_ends_of_every_route() -> None:
     with pytest.raises(PeerError) as refused:
         choose_route(nodes, "stub", trusted=frozenset({keys[1]}))
     assert refused.value.reason is Reason.NO_ROUTE and "--trusted-head" in refused.value.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 4), st.integers(0, 5)),
+                min_size=1, max_size=10))
+def test_the_route_rule_searches_its_ceilings_exactly(specs) -> None:
+    """The binary search over ceilings picks what trying every ceiling in order picks (the rule's reference)."""
+    nodes = []
+    for i, (start, span, reserved, routed) in enumerate(specs):
+        entry = NodeEntry(f"n{i}", f"http://n{i}:1", start, min(start + span, 6), "stub", _MODEL, 8, {},
+                          0.0, 0.0)
+        entry.reserved, entry.routed_at = reserved, float(routed)
+        nodes.append(entry)
+
+    def reference():
+        for most in sorted({n.reserved for n in nodes}):
+            calm = [n for n in nodes if n.reserved <= most]
+            for latest in sorted({n.routed_at for n in calm}):
+                path = _shortest([n for n in calm if n.routed_at <= latest], 6)
+                if path is not None:
+                    return path
+        return None
+
+    assert _best_path(nodes, 6) == reference()

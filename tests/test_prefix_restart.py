@@ -10,67 +10,28 @@ have reused without the restart: turn 3's prompt and its answer but the last tok
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
 import pytest
 
-from dgr.procs import dgr_command, die_with_parent
+from dgr.procs import WatchedChild, dgr_command
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
-from dgr.serve import READY_PREFIX
 
 READY_S = 120.0  # a bound on a loaded machine's start-up, not a timing claim
 SYSTEM = "You answer in one line, and you keep it short. " * 5  # ~240 stub tokens
 
 
-@attrs.define
-class Proc:
-    popen: subprocess.Popen
-    lines: list[str] = attrs.field(factory=list)
-    ready: dict[str, Any] | None = None
-
-    @classmethod
-    def start(cls, args: list[str], env: dict[str, str]) -> "Proc":
-        popen = subprocess.Popen(dgr_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=env, preexec_fn=die_with_parent)
-        proc = cls(popen)
-        threading.Thread(target=proc._pump, daemon=True).start()
-        return proc
-
-    def _pump(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip())
-            if self.ready is None and line.startswith(READY_PREFIX):
-                self.ready = json.loads(line[len(READY_PREFIX):])
-
-    def wait_ready(self) -> dict[str, Any]:
-        deadline = time.monotonic() + READY_S
-        while self.ready is None:
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("no ready line:\n" + "\n".join(self.lines[-30:]))
-            time.sleep(0.05)
-        return self.ready
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
+def _start(args: list[str], env: dict[str, str]) -> WatchedChild:
+    return WatchedChild.spawn(args[0], dgr_command(*args), env=env)
 
 
 @pytest.fixture
 def procs():
-    started: list[Proc] = []
+    started: list[WatchedChild] = []
     try:
         yield started
     finally:
@@ -115,17 +76,17 @@ def test_turn_4_reuses_its_prefix_after_the_tracker_restarts(tmp_path: Path, pro
     env = {k: v for k, v in os.environ.items() if k not in (JOIN_ENV, API_KEYS_ENV)}
     env[JOIN_ENV] = new_secret()
 
-    def tracker(port: int = 0) -> Proc:
-        p = Proc.start(["tracker", "--port", str(port), "--identity", str(tmp_path / "tracker.id"),
+    def tracker(port: int = 0) -> WatchedChild:
+        p = _start(["tracker", "--port", str(port), "--identity", str(tmp_path / "tracker.id"),
                         "--dead-after", "3"], env)
         procs.append(p)
         return p
 
     first = tracker()
-    url = first.wait_ready()["url"]
+    url = first.wait_ready(READY_S)["url"]
     names = {"a0": "0:15", "a1": "15:30", "b0": "0:10", "b1": "10:30"}
     for name, layers in names.items():
-        procs.append(Proc.start(["node", "--tracker", url, "--backend", "stub", "--layers", layers, "--threads", "1",
+        procs.append(_start(["node", "--tracker", url, "--backend", "stub", "--layers", layers, "--threads", "1",
                                  "--name", name, "--identity", str(tmp_path / f"{name}.key")], env))
     with httpx.Client() as http:
         _wait("four nodes", lambda: set(_nodes(http, url)) == set(names))
@@ -145,7 +106,7 @@ def test_turn_4_reuses_its_prefix_after_the_tracker_restarts(tmp_path: Path, pro
 
         first.stop()
         second = tracker(port=int(url.rpartition(":")[2]))
-        assert second.wait_ready()["url"] == url
+        assert second.wait_ready(READY_S)["url"] == url
         # the nodes register again, naming the prefixes they kept
         _wait("the holders' prefixes", lambda: (n := _nodes(http, url)).keys() == set(names)
               and all(n[h]["prefixes"] > 0 for h in holders))

@@ -61,6 +61,7 @@ from typing import Any
 import attrs
 
 from dgr.errors import CallerError, Reason
+from dgr.security.private_files import write_private
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MARK_BYTES, decode_marks, encode_marks, valid_chain
 
 __all__ = ["SNAPSHOT_SCHEMA", "SNAPSHOT_MAX_MB", "Snapshot", "SnapshotDir", "check", "check_manifest"]
@@ -213,8 +214,8 @@ class SnapshotDir:
                 self._delete(old)
         self._delete(name)  # rewritten: its old size no longer counts
         self._fit(size)
-        _atomic_write(self.root / f"{name}.kv", data)
-        _atomic_write(self.root / f"{name}.json", manifest)
+        write_private(self.root / f"{name}.kv", data)
+        write_private(self.root / f"{name}.json", manifest)
         self.chains[name] = chain
         self.sizes[name] = size  # the most recently used
         self.written += 1
@@ -320,16 +321,6 @@ class SnapshotDir:
 
 
 _MAX_MANIFEST = 1 << 22  # a manifest of the longest chain (65,536 blocks) is about 4.3 MB
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """`data` into `path` (0600) through a temporary file that is created, never followed or reused."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.unlink(missing_ok=True)  # a stale one from a crash, or a planted link: removed, not followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _size(path: Path) -> int | None:

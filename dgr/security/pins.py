@@ -39,6 +39,7 @@ import attrs
 
 from dgr.errors import CallerError, Reason
 from dgr.security.identity import key_from_text, key_text
+from dgr.security.private_files import write_private
 
 __all__ = ["TrackerPin", "pin_path"]
 
@@ -113,8 +114,8 @@ class TrackerPin:
             pins = {}
         if pins.get(self.tracker) != key:
             pins[self.tracker] = key
-            _write_pin(self.path, json.dumps({"trackers": {url: key_text(k) for url, k in pins.items()}},
-                                             indent=1).encode())
+            write_private(self.path, json.dumps({"trackers": {url: key_text(k) for url, k in pins.items()}},
+                                                indent=1).encode(), durable=True)
 
 
 def _read_pins(path: Path) -> dict[str, bytes]:
@@ -142,15 +143,3 @@ def _read_pins(path: Path) -> dict[str, bytes]:
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CallerError(Reason.INVALID_REQUEST, f"the tracker pin {path} is malformed: delete it to pin the "
                                                   "tracker's key again, or pass --tracker-key") from None
-
-
-def _write_pin(path: Path, data: bytes) -> None:
-    """`data` into `path` (0600) through a temporary file that is created, never followed, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a stale one from a crash, or a planted link: removed, not followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

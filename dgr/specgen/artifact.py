@@ -20,7 +20,8 @@ from dgr.artifact.constants import (
     SchemaVersion,
 )
 from dgr.artifact.proof import Verdict
-from dgr.errors import HTTP_TABLE, CallerError, Reason
+from dgr.specgen.blocks import around
+from dgr.errors import HTTP_TABLE, Reason
 from dgr.gguf_meta import GLOBAL_ROLES, Role
 
 __all__ = ["BEGIN", "END", "SPEC_PATH", "render_tables", "splice"]
@@ -89,8 +90,5 @@ def render_tables() -> str:
 
 def splice(text: str) -> str:
     """text with its generated block replaced by render_tables()."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise CallerError(Reason.INTERNAL, f"spec lacks the {BEGIN!r} ... {END!r} markers")
+    head, tail = around(text, BEGIN, END, "spec")
     return head + render_tables() + tail

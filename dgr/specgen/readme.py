@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dgr.errors import CallerError, Reason
+from dgr.specgen.blocks import around
 
 __all__ = ["BEGIN", "CURRENT", "END", "README", "made_by", "render", "splice"]
 
@@ -84,10 +85,7 @@ def render(results: dict[str, Any], command: str) -> str:
 
 def splice(text: str) -> str:
     """README text with its performance block re-rendered from CURRENT."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise CallerError(Reason.INTERNAL, f"README.md lacks the {BEGIN!r} ... {END!r} markers")
+    head, tail = around(text, BEGIN, END, "README.md")
     report = (CURRENT.parent / "REPORT.md").read_text(encoding="utf-8")
     block = render(json.loads(CURRENT.read_text(encoding="utf-8")), made_by(report))
     return head + BEGIN + "\n" + block + "\n" + END + tail

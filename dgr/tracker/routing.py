@@ -33,6 +33,8 @@ among those nodes. It is a hint: the nodes still answer what they hold.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import attrs
 
 from dgr.errors import CallerError, PeerError, Reason
@@ -98,16 +100,32 @@ def _shortest(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | 
     return None if found is None else found[1]
 
 
+def _lowest(values: set, covers: Callable[[Any], bool]) -> Any:
+    """The lowest of `values` for which `covers` holds, or None; `covers` only turns true as values grow
+    (a higher ceiling admits more nodes), so a binary search: an open on a large swarm costs a few
+    `_shortest`s, not one per distinct value."""
+    ordered = sorted(values)
+    lo, hi = 0, len(ordered)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if covers(ordered[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ordered[lo] if lo < len(ordered) else None
+
+
 def _best_path(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
     """The cover whose busiest node holds the fewest sessions; then the one whose most recently routed node
-    was routed longest ago; then `_shortest`'s. Exact: each ceiling is tried in order, lowest first."""
-    for most in sorted({n.reserved for n in nodes}):
-        calm = [n for n in nodes if n.reserved <= most]
-        for latest in sorted({n.routed_at for n in calm}):
-            path = _shortest([n for n in calm if n.routed_at <= latest], n_layers)
-            if path is not None:
-                return path
-    return None
+    was routed longest ago; then `_shortest`'s."""
+    most = _lowest({n.reserved for n in nodes},
+                   lambda c: _shortest([n for n in nodes if n.reserved <= c], n_layers) is not None)
+    if most is None:
+        return None
+    calm = [n for n in nodes if n.reserved <= most]
+    latest = _lowest({n.routed_at for n in calm},
+                     lambda t: _shortest([n for n in calm if n.routed_at <= t], n_layers) is not None)
+    return _shortest([n for n in calm if n.routed_at <= latest], n_layers)
 
 
 def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[bytes] = frozenset()) -> RouteChoice:
