@@ -15,14 +15,8 @@ import subprocess
 import httpx
 import pytest
 
-from dgr.bench.netns import (
-    NetnsRoute,
-    expectations,
-    prerequisites,
-    round_trips_per_token,
-    rtt_sweep,
-    ttft_round_trips,
-)
+from dgr.bench.netns import NetnsRoute, prerequisites
+from dgr.bench.rtt import expectations, round_trips_per_token, rtt_sweep, ttft_round_trips
 from dgr.testing.namespaces import leftovers, remove_stale
 from dgr.errors import PeerError
 

@@ -284,7 +284,7 @@ def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[i
 
 def _rtt(cfg: BenchConfig, prompt: list[int], ctx: int) -> dict[str, Any]:
     """2- and 3-node llama_shard routes with each node in its own network namespace, at each RTT."""
-    from dgr.bench.netns import rtt_sweep
+    from dgr.bench.rtt import rtt_sweep
 
     return rtt_sweep(backend="llama_shard", node_counts=(2, 3), rtts_ms=cfg.rtts_ms, prompt=prompt,
                      decode_tokens=cfg.decode_tokens, threads=cfg.threads, ctx=ctx, link=cfg.rtt_link,
