@@ -28,10 +28,14 @@ weighted mean of what steps that reached position i saw: 1 for an accepted
 draft, 0 for the refused one, positions after it unseen. A position never
 seen takes the rate of the deepest one seen (drafts inside a copied run
 tend to be accepted alike); before anything is seen a_i is `prior`. A
-session at k = 0 still learns: the tail drafts in the shadow and observes
-whether (greedy) or with what probability (sampling: p(d), the acceptance
-probability itself) each shadow draft would have been accepted, as the
-real tokens arrive (`observe`).
+session at k = 0 still learns: the tail drafts in the shadow (`Shadow`)
+and observes whether (greedy) or with what probability (sampling: p(d),
+the acceptance probability itself) each shadow draft would have been
+accepted, as the real tokens arrive. With the coupled rule of
+dgr.spec.accept a draft is accepted exactly when the sampled token equals
+it, so the shadow reaches position j exactly when a real step would, and
+p(d_j) there is the real step's acceptance probability: the estimate it
+feeds is the one real steps would feed (for greedy, the very same values).
 
 Pure: values in, values out; no clock, no I/O. The trip and compute
 figures come from the route's measurements (the ring's per-hop times).
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["Acceptance", "RouteCost", "expected_tokens", "rate", "choose_k", "K_MAX", "MARGIN"]
+__all__ = ["Acceptance", "RouteCost", "Shadow", "expected_tokens", "rate", "choose_k", "K_MAX", "MARGIN"]
 
 K_MAX = 8  # drafts in one step at most: beyond it E(k) barely grows for any rate seen in practice
 MARGIN = 0.05  # speculation must beat no speculation by this fraction of R(0)
@@ -130,3 +134,39 @@ def choose_k(acceptance: Acceptance, cost: RouteCost, *, k_max: int = K_MAX, mar
         if r > best:
             best_k, best = k, r
     return best_k if best >= base * (1.0 + margin) else 0
+
+
+@attrs.frozen
+class Shadow:
+    """Drafts a k = 0 session would have verified, checked against the tokens it really samples.
+
+    It mirrors a real step of len(drafts) drafts: draft j is judged by the j-th token after the
+    drafts were made, while drafts 1..j-1 matched; the first mismatch ends it (that token was the
+    correction), and after every draft matched the next token is the bonus, judged by nothing.
+    `expecting` says whether the shadow still waits for tokens; once not, the tail drafts a new one
+    after the next token it samples.
+    """
+
+    drafts: tuple[int, ...] = ()
+    matched: int = 0
+    bonus_due: bool = False
+
+    @property
+    def expecting(self) -> bool:
+        return self.matched < len(self.drafts) or self.bonus_due
+
+    def sampled(self, token: int, acceptance: Acceptance, p_draft: float | None = None) -> tuple[Shadow, Acceptance]:
+        """The session sampled `token`. p_draft: the target's probability of the draft awaited (sampling);
+        None for greedy, where the observation is whether the token is the draft."""
+        if self.bonus_due:
+            return Shadow(), acceptance
+        if self.matched >= len(self.drafts):
+            return self, acceptance
+        want = self.drafts[self.matched]
+        hit = int(token) == want
+        value = (1.0 if hit else 0.0) if p_draft is None else p_draft
+        acceptance = acceptance.observe(self.matched + 1, value)
+        if not hit:
+            return Shadow(), acceptance
+        matched = self.matched + 1
+        return Shadow(self.drafts, matched, bonus_due=matched == len(self.drafts)), acceptance

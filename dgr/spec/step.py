@@ -114,7 +114,9 @@ def settle(
     emitted: list[int] = []
     for tok in verdict.tokens:
         emitted.append(tok)
-        nxt = next_step(eog=is_eog(tok), ignore_eos=ignore_eos, generated=generated + len(emitted), max_tokens=max_tokens)
+        nxt = next_step(
+            eog=is_eog(tok), ignore_eos=ignore_eos, generated=generated + len(emitted), max_tokens=max_tokens
+        )
         if not nxt.more:
             return Settled(tuple(emitted), step.pos0 + len(emitted), False, nxt.finish)
     return Settled(tuple(emitted), step.pos0 + len(emitted), True, None)
