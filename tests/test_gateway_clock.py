@@ -19,12 +19,12 @@ import trio
 import trio.testing
 
 from dgr.api.openai import parse_request
-from dgr.errors import Reason
+from dgr.errors import DgrError, Reason
 from dgr.fsm.phases import MAX_HOLD_S
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import encode_frame
 from dgr.seam.wire import Flag, FrameKind
-from dgr.testing.inproc import InProcRoute, http_scope, receive_once
+from dgr.testing.inproc import TRACKER_URL, InProcRoute, asgi_client, http_scope, receive_once
 from dgr.testing.nodes import settled
 from dgr.tracker.gateway import GatewayConfig
 
@@ -81,6 +81,12 @@ async def test_a_tail_that_stops_answering_fails_the_session_at_the_route_deadli
     deadline = ROUTE * (cfg.step_deadline_s + cfg.per_token_deadline_s)  # the route's, for one decode step
     assert deadline <= waited <= deadline + 0.1, waited
     assert not route.services[0].sessions  # the survivor was told to drop it
+    # once it runs again it registers anew (its next heartbeat is refused), and serves new sessions
+    route.resume(1)
+    route.register(1)
+    again = await route.gateway.open(_req(max_tokens=3, ignore_eos=True))
+    await _drain(again)
+    assert again.rs.failure is None and again.rs.completion_tokens == 3
 
 
 async def test_a_head_that_hangs_is_the_node_named(autojump_clock, nursery) -> None:
@@ -115,7 +121,8 @@ async def test_a_ring_slower_than_its_deadline_that_answers_its_probe_is_waited_
     await _drain(live)
     assert live.rs.failure is None and live.rs.completion_tokens == 3
     assert trio.current_time() - slow_at >= 25.0, "a step did wait past its deadline"
-    assert route.gateway.slow_waits > 0
+    stats = route.gateway.stats()  # as /v1/stats shows it
+    assert stats["slow_waits"] > 0 and not stats["failures"], stats
     assert all(n.alive for n in route.registry.nodes.values())
 
 
@@ -164,6 +171,91 @@ async def test_a_node_killed_mid_decode_fails_the_session_naming_it_and_frees_ev
             await settled(service)
             assert not service.sessions and service.scheduler.session_count == 0, f"n{i}"
             assert service.scheduler.kv_bytes == 0, f"n{i}"
+    # no repair and no route without it: a clear no_route naming the layers it held
+    with pytest.raises(DgrError) as refused:
+        await route.gateway.open(_req(max_tokens=3))
+    lost = ("0:10", "10:20", "20:30")[killed]
+    assert refused.value.reason is Reason.NO_ROUTE and f"missing layers: {lost}" in refused.value.message
+
+
+async def test_a_node_killed_in_prefill_is_named_in_prefill(autojump_clock, nursery) -> None:
+    cfg = GatewayConfig(step_deadline_s=10.0, sweep_s=0.1, prefill_chunk=16)
+    route = _ring(cfg, splits=((0, 10), (10, 20), (20, 30)), latency_s=0.05)
+    route.registry.dead_after_s = 3600.0
+    await nursery.start(route.run)
+    live = await route.gateway.open(_req(prompt="p" * 300, max_tokens=20))  # 19 chunks, pipelined
+    await trio.sleep(0.3)
+    assert live.rs.state.value == "prefill", live.rs.state
+    route.kill(1)
+    killed_at = trio.current_time()
+    await _drain(live)
+    failure = live.rs.failure
+    assert (failure.reason, failure.node, failure.phase) == (Reason.ROUTE_NODE_LOST, "n1", "prefill"), failure
+    assert trio.current_time() - killed_at <= 0.6
+    await trio.sleep(1.0)
+    for i in (0, 2):
+        await settled(route.services[i])
+        assert not route.services[i].sessions and route.services[i].scheduler.kv_bytes == 0, f"n{i}"
+
+
+async def test_a_node_that_stalls_again_and_again_still_answers_the_same(autojump_clock, nursery) -> None:
+    """A node stopped for half of every second (a CPU hog, a SIGSTOP duty cycle) slows its session but
+    changes none of its tokens."""
+    route = _ring(GatewayConfig(sweep_s=0.1))
+    route.registry.dead_after_s = 3600.0
+    await nursery.start(route.run)
+
+    async def text() -> str:
+        live = await route.gateway.open(_req(prompt="slow", max_tokens=30, ignore_eos=True))
+        out = "".join([d.text async for d in live.recv])
+        assert live.rs.failure is None and live.rs.completion_tokens == 30
+        return out
+
+    want = await text()
+    stalls = 0
+
+    async def duty_cycle() -> None:
+        nonlocal stalls
+        while True:
+            route.stall(1)
+            stalls += 1
+            await trio.sleep(0.5)
+            route.resume(1)
+            await trio.sleep(0.5)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(duty_cycle)
+        started = trio.current_time()
+        got = await text()
+        took = trio.current_time() - started
+        inner.cancel_scope.cancel()
+    assert stalls > 1 and took > 1.0, (stalls, took)
+    assert got == want
+
+
+async def test_a_full_node_answers_429_and_its_idle_session_is_freed(autojump_clock, nursery) -> None:
+    """A node whose one slot a session the tracker does not know of holds: the request is refused 429
+    node_at_capacity with Retry-After (over HTTP, as a client sees it); the node frees the idle session
+    itself, and once the tracker hears of it a request goes through."""
+    route = _ring(GatewayConfig(sweep_s=0.1), latency_s=0.0)
+    route.registry.dead_after_s = 3600.0
+    for service in route.services:
+        service.capacity = 1
+        service.idle_timeout_s = 1.0
+    await nursery.start(route.run)
+    foreign = uuid.UUID(int=7).hex
+    await route.services[0].open_session(foreign, 8, SamplingParams(temperature=0.0))
+    body = {"model": "stub", "prompt": "hi", "max_tokens": 2}
+    async with asgi_client(route.tracker, TRACKER_URL) as http:
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "node_at_capacity" and r.headers["retry-after"] == "1"
+        await trio.sleep(2.1)  # idle past --idle-timeout; the node looks every second
+        await settled(route.services[0])
+        assert not route.services[0].sessions and route.services[0].scheduler.kv_bytes == 0
+        route.heartbeat(0)  # the tracker hears of the free slot
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
 
 
 async def test_heartbeats_that_stop_fail_the_session_after_the_death_threshold(autojump_clock, nursery) -> None:
@@ -202,6 +294,10 @@ async def test_a_session_past_its_time_limit_fails_with_session_timeout(autojump
     assert 0 < tokens < 100_000
     await trio.sleep(1.0)
     assert not route.services[0].sessions and not route.services[1].sessions
+    async with asgi_client(route.tracker, TRACKER_URL) as http:  # not streamed: a 504 in the OpenAI shape
+        r = await http.post("/v1/completions", json={"model": "stub", "prompt": "go on", "max_tokens": 100_000,
+                                                     "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "session_timeout", r.text
 
 
 async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojump_clock, nursery) -> None:
@@ -225,6 +321,9 @@ async def test_a_reader_that_stops_reading_is_cancelled_as_a_slow_client(autojum
         await stalled.wait()
         stalled_at = trio.current_time()
         (live,) = route.gateway.sessions.values()
+        async with asgi_client(route.tracker, TRACKER_URL) as http:  # the tracker serves everyone else
+            other = await http.post("/v1/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 3})
+        assert other.status_code == 200, other.text
         await _drain(live)
         request_scope.cancel()
     failure = live.rs.failure
@@ -282,3 +381,30 @@ async def test_sessions_on_one_route_decode_in_phase_groups_and_a_stalled_member
     assert all(abs(g - (2 * link_s + MAX_HOLD_S)) < 1e-6 for g in held), held
     assert all(abs(g - 2 * link_s) < 1e-6 for g in gaps(times[2]) + gaps(times[3])), "the other group goes on"
     assert route.services[1].ring.alone >= len(held)
+
+
+async def test_a_node_session_left_idle_is_failed_and_its_kv_freed_on_the_trio_clock(autojump_clock, nursery) -> None:
+    """A node frees a session nobody steps for `idle_timeout_s` (its gateway gone, say) on its own, within a
+    second of the timeout: sessions are stamped and checked on trio's clock."""
+    route = InProcRoute.stub(splits=((0, 30),), inline=True)
+    node = route.services[0]
+    node.idle_timeout_s = 30.0
+    idle, busy = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
+    await nursery.start(route.run)
+    for sid in (idle, busy):
+        await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+    await settled(node)
+    opened = trio.current_time()
+    await trio.sleep(29.0)
+    assert set(node.sessions) == {idle, busy}
+    width = node.backend.info.seam_width
+    await node.step(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15], flags=Flag.SAMPLE))
+    await trio.sleep(2.1)
+    await settled(node)
+    assert idle not in node.sessions and node.ended[idle].reason is Reason.SESSION_TIMEOUT
+    assert busy in node.sessions, "a session stepped within the timeout stays"
+    assert 30.0 < trio.current_time() - opened <= 31.1
+    assert node.scheduler.kv_bytes > 0
+    await node.close_session(busy)
+    await settled(node)
+    assert node.scheduler.session_count == 0 and node.scheduler.kv_bytes == 0
