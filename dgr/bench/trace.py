@@ -89,8 +89,15 @@ class Trace:
         modules = sorted({f.split(":", 1)[0] for f in self.functions})
         per_module = {m: {"entries": self.entries[m],
                           "functions": sum(1 for f in self.functions if f.split(":", 1)[0] == m)} for m in modules}
+        packages: dict[str, dict[str, int]] = {}
+        for m, row in per_module.items():
+            p = packages.setdefault(".".join(m.split(".")[:2]), {"entries": 0, "functions": 0, "modules": 0})
+            p["entries"] += row["entries"]
+            p["functions"] += row["functions"]
+            p["modules"] += 1
         return {"stops": len(self.functions), "calls": sum(self.functions.values()), "modules": len(modules),
-                "entries": sum(self.entries.values()), "per_module": per_module,
+                "entries": sum(self.entries.values()), "per_package": dict(sorted(packages.items())),
+                "per_module": per_module,
                 "functions": dict(sorted(self.functions.items()))}
 
 
@@ -143,7 +150,10 @@ def render(result: dict[str, Any]) -> str:
              f"calls (dgr function frames entered): {result['calls']}",
              f"modules: {result['modules']}",
              f"entries from another module: {result['entries']}",
-             "", f"{'module':40} {'entries':>7} {'functions':>9}"]
+             "", f"{'package':40} {'entries':>7} {'functions':>9} {'modules':>7}"]
+    for package, row in result["per_package"].items():
+        lines.append(f"{package:40} {row['entries']:>7} {row['functions']:>9} {row['modules']:>7}")
+    lines += ["", f"{'module':40} {'entries':>7} {'functions':>9}"]
     for module, row in sorted(result["per_module"].items(), key=lambda kv: (-kv[1]["entries"], kv[0])):
         lines.append(f"{module:40} {row['entries']:>7} {row['functions']:>9}")
     lines += ["", "functions entered (frames):"]
