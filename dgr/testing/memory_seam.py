@@ -6,7 +6,9 @@ out `MemoryPool`s with the calls dgr.seam.transport.ConnectionPool offers
 `release`). Each request is one task in the net's nursery that calls the
 target app with an ASGI `receive` fed from a trio memory channel as the
 caller sends, so a ring runs in one `trio.run`, on a MockClock too: nothing
-here reads the wall clock or sleeps.
+here reads the wall clock, and the only sleeps are a URL's `latency`, on
+trio's clock (what each record takes to arrive: compute and link, chosen by
+the test).
 
 Rules:
 - What a socket would show, this shows: a killed URL (`kill`) refuses new
@@ -14,8 +16,8 @@ Rules:
   tasks are cancelled; a stream its sender releases before ending it reads
   as `http.disconnect` on the server's side, as a closed socket does.
 - A stalled URL (`stall`) takes requests and stream records but serves none
-  of them until `resume`: a process whose compute hangs while its socket
-  still accepts. `control` wraps an app for httpx's ASGITransport with the
+  of them until `resume` (one session's only, when asked): a process whose
+  compute hangs while its socket still accepts. `control` wraps an app for httpx's ASGITransport with the
   same faults (a kill is `httpx.ConnectError`), and `hang` stalls that path
   too (its /healthz stops answering: a hung process).
 - Sending on a stream whose server has answered (or ended) raises
@@ -117,22 +119,23 @@ class MemoryStream:
     """One streamed request (OutStream's calls): `send` chunks, `end`, `answer`, `release`."""
 
     exchange: _Exchange
-    _ended: bool = False
-
-    def _check(self) -> None:
-        if self.exchange.broken or self.exchange.over.is_set():
-            raise TransportError(self.exchange.broken or "the server closed the connection")
 
     async def send(self, data: bytes) -> None:
-        await trio.lowlevel.checkpoint()
-        self._check()
-        self.exchange.send_body.send_nowait({"type": "http.request", "body": data, "more_body": True})
+        """One chunk of the body. Raises TransportError."""
+        await self._put({"type": "http.request", "body": data, "more_body": True})
 
     async def end(self) -> None:
+        """End the body (the app then answers). Raises TransportError."""
+        await self._put({"type": "http.request", "body": b"", "more_body": False})
+
+    async def _put(self, message: dict[str, Any]) -> None:
         await trio.lowlevel.checkpoint()
-        self._check()
-        self._ended = True
-        self.exchange.send_body.send_nowait({"type": "http.request", "body": b"", "more_body": False})
+        if self.exchange.broken or self.exchange.over.is_set():
+            raise TransportError(self.exchange.broken or "the server closed the connection")
+        try:
+            self.exchange.send_body.send_nowait(message)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise TransportError("the stream was released") from None
 
     async def answer(self) -> HttpResponse:
         await self.exchange.over.wait()
