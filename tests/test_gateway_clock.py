@@ -408,3 +408,21 @@ async def test_a_node_session_left_idle_is_failed_and_its_kv_freed_on_the_trio_c
     await node.close_session(busy)
     await settled(node)
     assert node.scheduler.session_count == 0 and node.scheduler.kv_bytes == 0
+
+
+async def test_a_ring_sessions_figures_reach_its_telemetry_stats_and_metrics(autojump_clock, nursery) -> None:
+    """The ring's answers carry each hop's compute to the gateway, which shares a token's round trip out
+    per hop: every node of the route has its samples in /v1/stats and the session's hop latencies, and the
+    token metrics count each token once."""
+    route = _ring(GatewayConfig(sweep_s=0.1))
+    route.registry.dead_after_s = 3600.0
+    await nursery.start(route.run)
+    live = await route.gateway.open(_req(max_tokens=6, ignore_eos=True))
+    await _drain(live)
+    assert live.rs.failure is None and live.rs.completion_tokens == 6
+    assert set(live.rs.hop_latency_ms) == {"n0", "n1"}
+    hops = route.gateway.stats()["hops"]
+    # one sample a decode token after the first, for each node; the head's decode frame as the tail sends it
+    assert [hops[n]["samples"] for n in ("n0", "n1")] == [5, 5], hops
+    assert hops["n0"]["decode_frame_bytes"] > 0
+    assert route.gateway.metrics.registry.get_sample_value("dgr_generated_tokens_total") == 6
