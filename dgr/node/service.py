@@ -56,7 +56,7 @@ import functools
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -145,6 +145,8 @@ class NodeService:
     on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its chain sessions open here
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     pools: dict[str, ConnectionPool] = attrs.field(factory=dict)  # url -> keep-alive connections there
+    # (url, TLS context) -> the pool to it: sockets; in-process routes pass an in-memory net's (dgr.testing)
+    connect_pool: Callable[..., ConnectionPool] = ConnectionPool
     # kept prefixes; None where the backend cannot keep them or the node keeps none (--prefix-cache-mb 0)
     prefix: PrefixCache | None = attrs.field(factory=PrefixCache)
     prefix_bytes: int = 0  # kept prefixes' bytes as of the last job that changed them
@@ -192,7 +194,7 @@ class NodeService:
         p = self.pools.get(key)
         if p is None:
             ctx = self.tls.context(pinned) if url.startswith("https://") else None
-            p = self.pools[key] = ConnectionPool(url, ctx)
+            p = self.pools[key] = self.connect_pool(url, ctx)
         return p
 
     # -- trust ----------------------------------------------------------------
