@@ -75,6 +75,7 @@ from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, Job, JobKind, StepSch
 from dgr.node.snapshot import SnapshotDir
 from dgr.seam.transport import ConnectionPool
 from dgr.sampling import Sampler, SamplingParams
+from dgr.seam.stream import Record
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import MAX_FRAME_BYTES, STATUS_SCOPE, Flag, FrameKind
 from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, sign_json, verify_json
@@ -634,7 +635,7 @@ class NodeService:
         self._count(frame, reply, compute)
         return reply, compute
 
-    def accept_streamed(self, sid: str, body: bytes, hops: str) -> None:
+    def accept_streamed(self, sid: str, record: Record) -> None:
         """A chain step from a stream record, for `sid` (whose capability the stream carried): accepted and
         queued; its result goes on through the session's relay, or its failure is reported.
 
@@ -646,11 +647,11 @@ class NodeService:
             self._refuse(exc)
             raise exc
         if steptrace.ON:
-            steptrace.mark_frame("read", sid, body)
-        frame = self._admit(body, None, stream=sid)
+            steptrace.mark_frame("read", sid, record.frame)
+        frame = self._admit(record.frame, None, stream=sid)
         if steptrace.ON:
             steptrace.mark("admitted", sid, frame.pos0)
-        self._relay_step(frame, self.relays[sid], hops)
+        self._relay_step(frame, self.relays[sid], record.compute_us)
 
     def _admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
         """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
@@ -699,7 +700,7 @@ class NodeService:
         return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), bool(frame.flags & Flag.SAMPLE),
                     decode=frame.kind is FrameKind.DECODE)
 
-    def _relay_step(self, frame: Frame, relay: Relay, hops: str) -> None:
+    def _relay_step(self, frame: Frame, relay: Relay, compute_us: tuple[int, ...]) -> None:
         """Queue a chain step; when computed, its result goes to the relay (or its failure is reported).
 
         On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
@@ -732,14 +733,13 @@ class NodeService:
                 if self._nursery is not None:
                     self._nursery.start_soon(self.fail_session, frame.session, failure)
                 return
-            hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
             if loop is not None and want and self._nursery is not None:  # first: the next token's path
                 if step is not None:
                     self.ring.go(frame.session, step, self._nursery)
                 else:
                     self.ring.stop(frame.session)
             self._count(frame, out, j.compute_s)
-            relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
+            relay.put(Outgoing(out, (*compute_us, int(j.compute_s * 1e6))))
 
         self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=self._job(frame), finish=finish, on_done=done,
                                   max_rows=self._group_rows(relay.plan)))
@@ -754,7 +754,7 @@ class NodeService:
     def _loop_send(self, sid: str, step: bytes) -> None:
         loop = self.loops.get(sid)
         if loop is not None:
-            loop.put(Outgoing(step, ""))  # the head starts a new hops text
+            loop.put(Outgoing(step, ()))  # the head is the first hop of the next step
 
     @staticmethod
     def _next_step(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:

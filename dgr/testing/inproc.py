@@ -32,7 +32,6 @@ from dgr.node.membership import heartbeat_body, registration
 from dgr.node.service import NodeService
 from dgr.security.auth import Signer
 from dgr.security.identity import Identity
-from dgr.seam.wire import Topology
 from dgr.testing.memory_seam import MemoryNet
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway, GatewayConfig
@@ -64,9 +63,9 @@ class InProcRoute:
     @classmethod
     def stub(cls, splits: tuple[tuple[int, int], ...] = ((0, 15), (15, 30)), *, n_ctx: tuple[int | None, ...] = (),
              spec: StubSpec = StubSpec(), delay_s: float = 0.0, config: GatewayConfig = GatewayConfig(),
-             topology: Topology = Topology.RING, capacity: int = 8, inline: bool = False) -> "InProcRoute":
-        """Stub nodes over `splits`, on a `topology` route (the default one, the ring, unless a test is about
-        another); `inline` runs their schedulers on the loop, for tests on a MockClock."""
+             capacity: int = 8, inline: bool = False) -> "InProcRoute":
+        """A ring of stub nodes over `splits`; `inline` runs their schedulers on the loop, for tests on a
+        MockClock."""
         net = MemoryNet()
         services, urls, apps = [], [], {}
         for i, (a, b) in enumerate(splits):
@@ -80,7 +79,7 @@ class InProcRoute:
             urls.append(url)
             apps[url] = net.apps[url] = make_node_app(service)
         registry = Registry()
-        gateway = Gateway(registry=registry, config=attrs.evolve(config, topology=topology))
+        gateway = Gateway(registry=registry, config=config)
         tracker = net.apps[TRACKER_URL] = make_tracker_app(gateway)
         route = cls(services=services, urls=urls, registry=registry, gateway=gateway, apps=apps, net=net,
                     tracker=tracker, alive=[trio.CancelScope() for _ in services])

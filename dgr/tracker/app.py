@@ -16,7 +16,7 @@ Who may call what (spec/security.md):
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
   (which nodes fetching layers read) stay open.
 
-A chain's deliveries skip the framework (dgr.tracker.deliveries), and a
+A route's deliveries skip the framework (dgr.tracker.deliver_path), and a
 streaming completion's body is dgr.tracker.sse.
 
 A request that passed an API key, a node's signature or a delivery
@@ -50,7 +50,7 @@ from dgr.security.api_keys import check_bearer
 from dgr.security.browsers import loopback_only
 from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
 from dgr.security.identity import Identity
-from dgr.tracker.deliveries import deliver_fast_path
+from dgr.tracker.deliver_path import deliver_fast_path
 from dgr.tracker.proofs import Prover
 from dgr.tracker.sse import completion_stream, sse
 
