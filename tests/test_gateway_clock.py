@@ -23,7 +23,7 @@ from dgr.errors import DgrError, Reason
 from dgr.fsm.phases import MAX_HOLD_S
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import encode_frame
-from dgr.seam.wire import Flag, FrameKind
+from dgr.seam.wire import HEADER_SIZE, Flag, FrameKind
 from dgr.testing.inproc import TRACKER_URL, InProcRoute, asgi_client, http_scope, receive_once
 from dgr.testing.nodes import settled
 from dgr.tracker.gateway import GatewayConfig
@@ -422,7 +422,7 @@ async def test_a_ring_sessions_figures_reach_its_telemetry_stats_and_metrics(aut
     assert live.rs.failure is None and live.rs.completion_tokens == 6
     assert set(live.rs.hop_latency_ms) == {"n0", "n1"}
     hops = route.gateway.stats()["hops"]
-    # one sample a decode token after the first, for each node; the head's decode frame as the tail sends it
+    # one sample a decode token after the first, for each node; the head counts the tail's decode steps itself
     assert [hops[n]["samples"] for n in ("n0", "n1")] == [5, 5], hops
-    assert hops["n0"]["decode_frame_bytes"] > 0
+    assert route.services[0].stats.last_decode_frame_bytes == HEADER_SIZE + 4  # one token id
     assert route.gateway.metrics.registry.get_sample_value("dgr_generated_tokens_total") == 6
