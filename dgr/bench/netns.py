@@ -8,11 +8,9 @@ Topology: machines on one network. The tracker and the benchmark client stay
 in the root namespace; node k runs in namespace `dgrb-<pid>-<k>`. Every
 endpoint (the tracker and each node) has one link to a shared network, and
 any two endpoints see the same RTT, node to node as well as tracker to node.
-So the topology's cost shows as it would across machines: a star (the
-gateway relays every hop) pays N round trips per token on an N-node route,
-a chain (each node forwards to the next, the tail answers the gateway) pays
-(N + 1) one-way trips, (N + 1)/2 round trips, and a ring (the tail sends each
-next step straight to the head) N one-way trips. The client-tracker connection
+So a route's links cost what they would across machines: a ring (each node
+forwards to the next, the tail sends each next step straight to the head)
+pays N one-way trips a token on an N-node route. The client-tracker connection
 is not delayed (the client is co-located with the gateway, as `dgr up`
 users are).
 
@@ -77,7 +75,6 @@ __all__ = [
 LINK_KINDS = ("auto", "netem", "tun")
 PLACEMENT = ("one network: any two endpoints (the tracker and each node) see the same RTT, "
              "RTT/2 each way, node to node as well as tracker to node")
-TOPOLOGIES = ("star", "chain", "ring")
 
 
 def prerequisites() -> str | None:
@@ -233,7 +230,6 @@ class NetnsRoute:
     stub_delay: float = 0.0
     prefill_chunk: int = 512
     link: str = "auto"
-    topology: str = "star"  # the tracker's --topology
     ready_timeout_s: float = 120.0
     kind: str = ""  # the link kind built: netem or tun
     rtt_ms: float = 0.0
@@ -266,7 +262,7 @@ class NetnsRoute:
         """Build the links, start the tracker and the nodes, wait until every node is routable.
 
         Raises:
-            CallerError(INVALID_REQUEST): the topology cannot be built here.
+            CallerError(INVALID_REQUEST): the namespaces and links cannot be built here.
             PeerError(NODE_ERROR): the tracker or a node did not come up.
         """
         remove_stale()
@@ -321,8 +317,7 @@ class NetnsRoute:
     def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
         from dgr.up import node_args, tracker_args
 
-        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
-                                      topology=self.topology)
+        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
         tracker = _Child.spawn("tracker", [*dgr_command(*tracker_args(targs)), "--host", self.tracker_link.addr],
                                clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
