@@ -28,14 +28,10 @@ sampling one token at a time gives):
   Chen et al. 2023): accept d with probability min(1, p(d) / q(d)); on
   refusal, sample the correction from norm(max(0, p - q)) and stop. After k
   acceptances, sample the bonus from p of row k. This needs p itself:
-  `target` applies dgr.sampling's transforms (temperature over float64
-  logits, then top-p by its nucleus rule) and tests/test_spec_accept.py
-  checks it draws the very tokens `Sampler.sample` draws from the same
-  generator. The transforms are mirrored here because dgr.sampling keeps
-  them inside `Sampler.sample` and its private `_nucleus`
-  (docs/spec-decoding.md: the lead is to lift them into one pure function
-  there that both call). dgr.sampling has no top-k or min-p; when it gains
-  them they belong in that one function. `accept_sampled` with q = None
+  `target` is dgr.sampling's `distribution`, the one function `Sampler.sample`
+  draws from too (temperature over float64 logits, then top-p by its
+  nucleus rule). dgr.sampling has no top-k or min-p; when it gains them they
+  belong in that one function. `accept_sampled` with q = None
   is this rule for a point mass, kept as the textbook form the tests check
   the coupled rule against.
 
@@ -55,7 +51,7 @@ from typing import Callable, Sequence
 import attrs
 import numpy as np
 
-from dgr.sampling import Sampler, SamplingParams
+from dgr.sampling import Sampler, SamplingParams, distribution
 
 __all__ = [
     "Verdict",
@@ -84,31 +80,9 @@ class Verdict:
         return self.tokens[-1]
 
 
-def target(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """The non-speculative sampler's distribution for one row: (token ids, their probabilities).
-
-    logits: [vocab]. ids: int [m], probs: float64 [m] summing to 1; the same
-    arrays `Sampler.sample` draws its token from with `rng.choice(len(ids), p=probs)`.
-    Temperature 0 is a point mass on the argmax.
-    """
-    z = logits.astype(np.float32, copy=False)
-    best = int(np.argmax(z))
-    if params.temperature == 0.0:
-        return np.array([best]), np.ones(1)
-    top = float(z[best])
-    with np.errstate(over="ignore"):  # a tiny temperature overflows to -inf for all but the best: exp gives 0
-        probs = np.exp((z - top).astype(np.float64) / params.temperature)  # [vocab]
-    probs /= probs.sum()
-    if params.top_p >= 1.0:
-        return np.arange(probs.shape[0]), probs
-    # dgr.sampling's nucleus: candidates within 1e-6 of the best, the whole vocabulary only when they fall short
-    candidates = np.flatnonzero(probs >= probs.max() * 1e-6)
-    if probs[candidates].sum() < params.top_p:
-        candidates = np.arange(probs.shape[0])
-    order = candidates[np.argsort(-probs[candidates], kind="stable")]
-    cum = np.cumsum(probs[order])
-    keep = order[: int(np.searchsorted(cum, params.top_p) + 1)]
-    return keep, probs[keep] / probs[keep].sum()
+# The non-speculative sampler's distribution for one row: (token ids, their probabilities), the arrays
+# `Sampler.sample` draws its token from.
+target = distribution
 
 
 def accept_drafts(draw: Callable[[int], int], drafts: Sequence[int]) -> Verdict:
