@@ -403,3 +403,34 @@ def test_a_ring_tail_counting_positions_stops_where_the_gateway_counting_tokens_
         gateway = next_step(eog=eog, ignore_eos=ignore_eos, generated=k, max_tokens=max_tokens)
         tail = next_step(eog=eog, ignore_eos=ignore_eos, generated=prompt + k - 1 + 1, max_tokens=prompt + max_tokens)
         assert gateway.more == tail.more
+
+
+def test_a_speculative_session_takes_drafts_and_drops_only_refused_ones() -> None:
+    """Issue 42: a decode step of a session opened for speculation carries the last accepted token and its
+    drafts; the next may start anywhere from that token's next position to what the KV holds (the tail
+    refused the drafts from there on), never before (an accepted token is never taken back) or past it."""
+    from dgr.fsm.node import NodeSession, StepKind
+
+    s = NodeSession("s", max_positions=64, created_at=0.0, max_decode=4)
+    s.accept(StepKind.PREFILL, 0, 0, 5, now=0.0)
+    s.accept(StepKind.DECODE, 1, 5, 4, now=0.0)  # token at 5, drafts at 6, 7, 8
+    assert (s.positions, s.committed) == (9, 6)
+    for seq, pos0, n, why in ((2, 5, 1, Reason.POSITION_DISCONTINUITY),  # takes back the accepted token
+                              (2, 10, 1, Reason.POSITION_DISCONTINUITY),  # skips a position
+                              (2, 7, 5, Reason.WRONG_SIZE)):  # more drafts than the session takes
+        with pytest.raises(CallerError) as err:
+            s.check_step(StepKind.DECODE, seq, pos0, n)
+        assert err.value.reason is why
+    assert s.rewinds(7) and not s.rewinds(9)
+    s.accept(StepKind.DECODE, 2, 7, 2, now=0.0)  # one draft accepted: the drafts at 7 and 8 go, 7 and 8 anew
+    assert (s.positions, s.committed, s.next_seq) == (9, 8, 3)
+    s.accept(StepKind.DECODE, 3, 9, 1, now=0.0)  # every draft accepted: on from the end
+    assert (s.positions, s.committed) == (10, 10)
+
+    plain = NodeSession("p", max_positions=64, created_at=0.0)
+    plain.accept(StepKind.PREFILL, 0, 0, 5, now=0.0)
+    plain.accept(StepKind.DECODE, 1, 5, 1, now=0.0)
+    for pos0, n, why in ((5, 1, Reason.POSITION_DISCONTINUITY), (6, 2, Reason.WRONG_SIZE)):
+        with pytest.raises(CallerError) as err:
+            plain.check_step(StepKind.DECODE, 2, pos0, n)
+        assert err.value.reason is why

@@ -4,11 +4,18 @@ Contract:
 - States: created -> prefill -> decode -> done | failed. done and failed are
   terminal; failure is sticky and records a `Failure`.
 - A prefill step carries a chunk of n >= 1 positions; a decode step carries
-  exactly one. Decode needs at least one prefilled position before it.
+  one, or, on a session opened for speculation (`max_decode` > 1), up to
+  `max_decode`: the last accepted token and its drafts (issue 42). Decode
+  needs at least one prefilled position before it.
 - Steps are numbered 0, 1, 2, ... in the order the node must apply them
-  (`seq`), and each starts at the first position not yet in the Hot KV State
-  (`pos0 == positions`). A replayed, skipped or reordered step, or a position
-  gap or overlap, is refused with a typed `CallerError` and changes nothing.
+  (`seq`). Each starts at the first position not yet in the Hot KV State
+  (`pos0 == positions`), or, after a speculative step, anywhere from that
+  step's first position + 1 (`committed`: its last accepted token is never
+  taken back) to `positions`: the drafts the tail refused are the positions
+  from pos0 on, and the driver drops them before computing the step
+  (`rewinds`), so no node keeps a refused position. A replayed, skipped or
+  reordered step, or a position gap, is refused with a typed `CallerError`
+  and changes nothing.
 - A session opened on a reused prefix (dgr.node.prefix) starts with that
   prefix's positions held; its first step may start at or before them (the
   route reuses the shortest prefix any of its nodes holds), and the driver
@@ -88,6 +95,8 @@ class NodeSession:
     created_at: float
     state: NodeState = NODE_TABLE.initial
     positions: int = 0  # positions held in Hot KV State
+    committed: int = 0  # of them, those no later step may drop (all but a speculative step's drafts)
+    max_decode: int = 1  # positions a decode step may carry: 1, or the last accepted token and its drafts
     next_seq: int = 0  # seq number the next step must carry
     last_active: float = 0.0
     failure: Failure | None = None
@@ -123,13 +132,14 @@ class NodeSession:
                 expected=self.next_seq,
                 got=seq,
             )
-        if n_tokens < 1 or (kind is StepKind.DECODE and n_tokens != 1):
+        if n_tokens < 1 or (kind is StepKind.DECODE and n_tokens > self.max_decode):
             raise CallerError(
                 Reason.WRONG_SIZE,
                 f"a {kind.value} step cannot carry {n_tokens} positions"
-                + (" (decode carries exactly one)" if kind is StepKind.DECODE else ""),
+                + (f" (decode carries at most {self.max_decode})" if kind is StepKind.DECODE else ""),
             )
-        if pos0 != self.positions and not (self.state is NodeState.CREATED and 0 <= pos0 < self.positions):
+        reused = self.state is NodeState.CREATED and 0 <= pos0 < self.positions
+        if not (self.committed <= pos0 <= self.positions) and not reused:
             raise CallerError(
                 Reason.POSITION_DISCONTINUITY,
                 f"step starts at position {pos0} but the KV holds {self.positions} positions",
@@ -148,12 +158,15 @@ class NodeSession:
         target = self.check_step(kind, seq, pos0, n_tokens)
         self.state = target
         self.positions = pos0 + n_tokens
+        # a decode step's first position is the last accepted token; the rest are drafts until the next step
+        self.committed = pos0 + 1 if kind is StepKind.DECODE else self.positions
         self.next_seq = seq + 1
         self.last_active = now
 
     def rewinds(self, pos0: int) -> bool:
-        """True when a step at `pos0` starts inside a reused prefix: the KV past pos0 must go first."""
-        return self.state is NodeState.CREATED and pos0 < self.positions
+        """True when a step at `pos0` starts inside what the KV holds (a reused prefix, or refused drafts):
+        the KV from pos0 on must go first."""
+        return pos0 < self.positions
 
     def close(self) -> None:
         """End normally. Raises IllegalTransition when already ended."""

@@ -117,6 +117,12 @@ class RouteSession:
     failure: Failure | None = None
     updated_at: float = 0.0
     hop_latency_ms: dict[str, float] = attrs.field(factory=dict)  # node -> last step's overhead
+    # speculative steps (issue 42): how many, the drafts they carried and the drafts the tail accepted, and
+    # the latest step's drafts (k)
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    spec_k: int = 0
     _token_times: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=RATE_WINDOW))
 
     def _move(self, event: RouteEvent, now: float) -> RouteState:
@@ -172,6 +178,15 @@ class RouteSession:
         self.completion_tokens += completion
         self._token_times.append(now)
         return self.snapshot(now)
+
+    def speculated(self, k: int, accepted: int) -> None:
+        """The tail verified a step of `k` drafts and accepted `accepted` of them (telemetry only)."""
+        if not 0 <= accepted <= k:
+            raise CallerError(Reason.INVALID_REQUEST, f"{accepted} drafts accepted of {k}")
+        self.spec_steps += 1
+        self.drafted += k
+        self.accepted += accepted
+        self.spec_k = k
 
     def finish(self, reason: str, now: float) -> dict[str, Any]:
         self._move(RouteEvent.FINISH, now)
@@ -231,6 +246,10 @@ class RouteSession:
             "tokens_per_second": round(self.tokens_per_second(), 3),
             "ttft_ms": None if self.first_token_at is None else round((self.first_token_at - self.created_at) * 1e3, 3),
             "hop_latency_ms": dict(self.hop_latency_ms),
+            "speculation": {"steps": self.spec_steps, "drafted": self.drafted, "accepted": self.accepted,
+                            "rejected": self.drafted - self.accepted,
+                            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                            "k": self.spec_k},
             "health": self.health(),
             "finish_reason": self.finish_reason,
             "failure": None if self.failure is None else self.failure.to_json(),

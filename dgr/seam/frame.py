@@ -24,6 +24,7 @@ from dgr.seam.wire import (
     HEADER_SIZE,
     MAGIC,
     MAX_FRAME_BYTES,
+    SPEC_RESULT,
     TOKEN_RESULT,
     VERSION,
     DType,
@@ -75,16 +76,31 @@ class TokenResult:
     logprob: float
     piece: bytes
     eog: bool
+    spec: tuple[int, int, int] | None = None  # a speculative step's (k, accepted, frames left): SPEC_RESULT
 
     def payload(self) -> bytes:
-        return TOKEN_RESULT.pack(self.token, self.logprob) + self.piece
+        head = b"" if self.spec is None else SPEC_RESULT.pack(*self.spec)
+        return head + TOKEN_RESULT.pack(self.token, self.logprob) + self.piece
+
+    @property
+    def more(self) -> bool:
+        """Another TOKEN frame of the same step follows this one (a speculative step's accepted drafts)."""
+        return self.spec is not None and self.spec[2] > 0
 
     @classmethod
     def from_frame(cls, frame: Frame) -> "TokenResult":
-        if frame.kind is not FrameKind.TOKEN or len(frame.extra) < TOKEN_RESULT.size:
+        spec = None
+        extra = frame.extra
+        if frame.kind is FrameKind.TOKEN and frame.flags & Flag.SPEC and len(extra) >= SPEC_RESULT.size:
+            spec = SPEC_RESULT.unpack_from(extra)
+            extra = extra[SPEC_RESULT.size:]
+            if not spec[1] <= spec[0] or not spec[2] <= spec[1]:
+                raise CallerError(Reason.BAD_FRAME, f"a speculative step's result {spec} is not (k, accepted <= k, "
+                                                    "frames left <= accepted)")
+        if frame.kind is not FrameKind.TOKEN or len(extra) < TOKEN_RESULT.size:
             raise CallerError(Reason.BAD_FRAME, f"expected a TOKEN frame, got {frame.kind.name}")
-        token, logprob = TOKEN_RESULT.unpack_from(frame.extra)
-        return cls(token, logprob, frame.extra[TOKEN_RESULT.size :], bool(frame.flags & Flag.EOG))
+        token, logprob = TOKEN_RESULT.unpack_from(extra)
+        return cls(token, logprob, extra[TOKEN_RESULT.size :], bool(frame.flags & Flag.EOG), spec)
 
 
 def encode_frame(
@@ -170,7 +186,7 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_F
         dtype = DType(dtype)
     except ValueError:
         raise CallerError(Reason.WRONG_DTYPE, f"unknown dtype {dtype}") from None
-    if flags & ~int(Flag.TOKENS | Flag.HIDDEN | Flag.SAMPLE | Flag.EOG):
+    if flags & ~int(Flag.TOKENS | Flag.HIDDEN | Flag.SAMPLE | Flag.EOG | Flag.SPEC):
         raise CallerError(Reason.BAD_FRAME, f"unknown flag bits {flags:#x}")
     flags = Flag(flags)
     if payload_len != size - HEADER_SIZE:

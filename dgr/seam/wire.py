@@ -21,6 +21,8 @@ __all__ = [
     "DTYPE_SIZE",
     "DTYPE_NUMPY",
     "TOKEN_RESULT",
+    "SPEC_RESULT",
+    "MAX_DRAFTS",
     "MAX_FRAME_BYTES",
     "MAX_CONTROL_BYTES",
     "MAX_TOKENIZE_BYTES",
@@ -130,6 +132,9 @@ class Flag(enum.IntFlag):
     HIDDEN = 2  # payload carries n_tokens x width hidden values of dtype
     SAMPLE = 4  # tail: sample a token after the last position of this step
     EOG = 8  # TOKEN frame: the sampled token ends generation
+    # TOKEN frame of a speculative step (issue 42): its payload starts with SPEC_RESULT, and the step's
+    # tokens come as that many TOKEN frames of the step's seq
+    SPEC = 16
 
 
 DTYPE_SIZE: dict[DType, int] = {DType.F32: 4, DType.F16: 2}
@@ -143,6 +148,12 @@ MAX_HOPS = 64
 
 # TOKEN payload: token id, its log-probability, then the token's raw bytes.
 TOKEN_RESULT = struct.Struct("<if")
+# Before it on a speculative step's TOKEN frames: the step's drafts (k), how many the tail accepted, and
+# how many more TOKEN frames of the step follow this one (the step emits up to accepted + 1 tokens, fewer
+# where one of them ends generation). A DECODE step carries at most MAX_DRAFTS + 1 positions: the last
+# accepted token and its drafts.
+SPEC_RESULT = struct.Struct("<BBB")
+MAX_DRAFTS = 8
 
 
 def frame_kind(frame: bytes | bytearray | memoryview) -> FrameKind:

@@ -70,7 +70,10 @@ def render_seam() -> str:
     lines += ["", "Payload, in order:",
               "1. if flag TOKENS: `n_tokens` int32 token ids;",
               "2. if flag HIDDEN: `n_tokens x width` values of `dtype`, row-major, little-endian;",
-              f"3. TOKEN frames only: `{wire.TOKEN_RESULT.format}` (token id, log-probability), then the token's raw bytes.",
+              f"3. TOKEN frames only: with flag SPEC first `{wire.SPEC_RESULT.format}` (a speculative step's drafts k "
+              f"(at most {wire.MAX_DRAFTS}), how many the tail accepted, how many more TOKEN frames of the step "
+              "follow this one), then "
+              f"`{wire.TOKEN_RESULT.format}` (token id, log-probability), then the token's raw bytes.",
               "", "## Frame kinds", "", "| value | kind |", "|---|---|"]
     lines += [f"| {k.value} | `{k.name}` |" for k in wire.FrameKind]
     lines += ["", "## Dtypes", "", "| value | dtype | bytes |", "|---|---|---|"]

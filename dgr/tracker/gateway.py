@@ -334,6 +334,8 @@ class Gateway:
         """One token's answer: its text out, its event published, and, unless the stop rule ends the
         session here, the answer to the next step (whose number this one hands over); None at the end."""
         rs, token = live.rs, TokenResult.from_frame(answer.frame)
+        if token.spec is not None and not token.more:  # a speculative step's last token: count the step once
+            rs.speculated(token.spec[0], token.spec[1])
         eog = token.eog and not live.request.ignore_eos
         event = rs.token(trio.current_time(), completion=not eog)
         if not eog:
@@ -355,7 +357,8 @@ class Gateway:
         # The tail has already sent this token's step to the head (it decides alike, bar stop strings:
         # those end the session here, and the steps it sent on are only compute its close discards).
         live.fed.append(token.token)  # from here it is in the KV (a failed step fails the session)
-        return await self.driver.answer(live, answer.frame.seq + 1)
+        # the next answer: another token of this speculative step, or the next step's
+        return await self.driver.answer(live, answer.frame.seq if token.more else answer.frame.seq + 1)
 
     async def _end(self, live: LiveSession, failure: Failure | None) -> None:
         """Close the session's node sessions (keeping its prefix after a clean end), owe what did not close,

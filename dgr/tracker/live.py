@@ -118,6 +118,7 @@ class LiveSession:
     fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
     head: Link | None = None  # the prompt's chunks to the head (dgr.seam.link), until prefill ends
     answered_at: float | None = None  # trio time the tail's last answer came
+    answered_seq: int | None = None  # the step it answered
     phases: RoutePhases | None = None  # the board of the route's phase groups (dgr.fsm.phases)
     # who hears the session's events besides its telemetry (the gateway's accounting)
     listener: Callable[..., None] | None = None

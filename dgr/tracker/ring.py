@@ -123,7 +123,9 @@ class Ring:
             self.deadline(n_tokens) * len(route), f"gave no answer to step {seq}", step=seq,
             phase=live.rs.state.value)
         now = trio.current_time()
-        since, live.answered_at = live.answered_at, now
+        if got.frame.seq == live.answered_seq:
+            return got  # a speculative step's next token: the same trip as the answer before
+        since, live.answered_at, live.answered_seq = live.answered_at, now, got.frame.seq
         if since is None or got.frame.kind is not FrameKind.TOKEN or live.rs.generated == 0:
             return got  # prefill's answers overlap one another: no round trip of their own
         share = max(0.0, now - since - sum(got.compute_us) / 1e6) / len(route)
