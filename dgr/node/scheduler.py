@@ -62,7 +62,7 @@ Contract:
 Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
 
-Left out: what a step means (dgr.node.service builds the jobs and their
+Left out: what a step means (dgr.node.replies builds the jobs and their
 replies), transport, and any notion of time beyond an iteration's target
 (deadlines are the gateway's).
 """
