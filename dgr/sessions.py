@@ -2,9 +2,10 @@
 
 Rules:
 - An open is refused, in this order, when its id is held or was held and is remembered
-  (`SESSION_EXISTS`), when the table is full (`NODE_AT_CAPACITY`, with a retry hint), or when it asks
-  for no positions or more than a session may hold here (`CONTEXT_LENGTH_EXCEEDED`). The check is
-  complete before anything is added, so a refused open changes nothing.
+  (`SESSION_EXISTS`), when it asks for no positions or more than a session may hold here
+  (`CONTEXT_LENGTH_EXCEEDED`), or when the table is full (`NODE_AT_CAPACITY`, with a retry hint):
+  an open that can never be served is told so before one that may be served later is told to retry.
+  The check is complete before anything is added, so a refused open changes nothing.
 - "Full" counts what holds a slot: the live sessions, or the `in_use` the owner names where something
   else holds slots too (a backend's kept prefixes).
 - A lookup of an id that is not live is refused as `SESSION_ENDED` when the id is remembered as ended
@@ -48,14 +49,14 @@ class SessionTable(Generic[T]):
         """Refuse an open of `sid` for `positions` positions, or return; changes nothing.
 
         Raises:
-            CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED).
+            CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY).
         """
         if sid in self.live or sid in self.ended:
             raise CallerError(Reason.SESSION_EXISTS, f"session {sid} exists or existed on {self.owner}")
-        self.check_room(in_use)
         if not 1 <= positions <= self.max_positions:
             raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED,
                               f"{positions} positions requested, {self.owner} holds {self.max_positions} per session")
+        self.check_room(in_use)
 
     def check_room(self, in_use: int | None = None) -> None:
         """Refuse when every slot is held: by the live sessions, or `in_use` where the owner counts more.
