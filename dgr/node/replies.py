@@ -35,7 +35,8 @@ from dgr.node import steptrace
 from dgr.node.accounting import NodeAccounting
 from dgr.node.links import NodeLinks
 from dgr.node.relay import Loop, Outgoing, Relay, Report
-from dgr.node.scheduler import Job, JobKind, StepScheduler
+from dgr.node.iteration import Job, JobKind
+from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import Flag, FrameKind
