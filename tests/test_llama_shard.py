@@ -24,8 +24,8 @@ from dgr.backends.base import LayerRange, Step
 from dgr.backends.llama import LlamaBackend
 import ctypes
 
-from dgr.backends.gguf_text import llama_lib
-from dgr.backends.llama_engine import LlamaEngine, ggml_lib
+from dgr.backends.clib import ggml_lib, llama_lib
+from dgr.backends.llama_engine import LlamaEngine
 from dgr.gguf_meta import read_header
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.digest import file_sha256
@@ -190,12 +190,12 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
         for lane in (5, 1, 2, 0, 4):
             head.open_session(f"s{lane}", 64, lane=lane)
         head.open_session("taken", 64, lane=1)  # lane 1 is in use: the lowest free id instead
-        assert {sid: head._seq(sid) for sid in head._sessions} == {"s5": 5, "s1": 1, "s2": 2, "s0": 0, "s4": 4,
+        assert {sid: head._seq(sid) for sid in head._table.live} == {"s5": 5, "s1": 1, "s2": 2, "s0": 0, "s4": 4,
                                                                   "taken": 3}
         ids = np.array(prompt[:8], np.int32)
-        for sid in head._sessions:
+        for sid in head._table.live:
             head.forward(sid, 0, ids, None, False)
-        pos = dict.fromkeys(head._sessions, len(ids))
+        pos = dict.fromkeys(head._table.live, len(ids))
 
         def decode(sids):
             steps = [Step(sid, pos[sid], ids[:1], None, False, decode=True) for sid in sids]

@@ -9,7 +9,7 @@ llama.cpp loads, whole: it runs the file as llama-cpp-python would, with no
 layer tricks, and llama.cpp's own refusal (an unknown architecture, a broken
 file) becomes CallerError(MODEL_LOAD_FAILED). A layer range
 (`LlamaShardBackend`) runs only the architectures proven for ranges, each with
-through the layer-range API of dgr's patched libllama (dgr.backends.llama_range);
+through the layer-range API of dgr's patched libllama (dgr.backends.clib);
 dgr.backends.llama_arch refuses, at node start, what the API cannot split.
 
 Sessions: a Route Session id maps to one llama.cpp seq_id of the engine's
@@ -27,17 +27,14 @@ import numpy as np
 import outcome
 
 from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
-from dgr.seam.types import ModelInfo
-from dgr.backends.gguf_text import GgufText, llama_lib
-from dgr.backends.llama_engine import (
-    DEFAULT_N_BATCH,
-    GgufHeader,
-    LlamaEngine,
-    read_gguf_header,
-)
+from dgr.backends.clib import llama_lib
+from dgr.backends.gguf_text import GgufText
+from dgr.backends.llama_engine import DEFAULT_N_BATCH, LlamaEngine
 from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import ARCHITECTURE_KEY, GgufHeader, read_header
 from dgr.models import check_gguf_file
+from dgr.seam.types import ModelInfo
 from dgr.sessions import SessionTable
 
 __all__ = [
@@ -66,10 +63,12 @@ def check_header(path: str | Path) -> GgufHeader:
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): missing, unreadable, not GGUF, or no
-        block_count or embedding_length.
+        architecture, block_count or embedding_length.
     """
     p = check_gguf_file(path)
-    header = read_gguf_header(p)
+    header = read_header(p)
+    if not header.architecture:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {p}")
     if header.n_layer <= 0 or header.n_embd <= 0:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED,

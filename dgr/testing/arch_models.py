@@ -703,8 +703,7 @@ def _llama() -> Any:
         return lib
     import llama_cpp.llama_cpp as llama
 
-    from dgr.backends.gguf_text import llama_lib
-    from dgr.backends.llama_range import range_api
+    from dgr.backends.clib import llama_lib, range_api
 
     llama_lib()  # backend init and dgr's log callback
     lib = range_api()
@@ -839,7 +838,7 @@ def write_arch_gguf(
         RuntimeError: llama.cpp could not create the model from the metadata
         (its last log lines in the message), or the file was not written.
         CallerError(MODEL_LOAD_FAILED): the installed libllama lacks dgr's
-        layer-range patches (dgr.backends.llama_range.range_api).
+        layer-range patches (dgr.backends.clib.range_api).
         llama.cpp may also abort the process on an inconsistent recipe.
     """
     meta, _shape = arch_metadata(arch, n_layer=n_layer, moe=moe, mtp=mtp)  # raises for an unknown arch
@@ -915,7 +914,7 @@ def _generic_scale_re(spec: ArchSpec) -> re.Pattern[str]:
 
 def _log_error() -> str:
     """llama.cpp's error lines among its last log lines (else the last lines)."""
-    from dgr.backends.gguf_text import llama_log_tail
+    from dgr.backends.clib import llama_log_tail
 
     lines = [ln for ln in llama_log_tail(40).splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error" in ln or "failed" in ln]
