@@ -38,6 +38,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from dgr.backends.base import Vocabulary
 from dgr.backends.clib import llama_lib, llama_log_tail
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
@@ -207,8 +208,10 @@ def _merged(parts: list[Segment]) -> list[Segment]:
 
 
 @attrs.define
-class GgufText:
-    """Tokenizer, chat template and detokenizer of one GGUF file."""
+class GgufText(Vocabulary):
+    """Tokenizer, chat template and detokenizer of one GGUF file: its `Vocabulary`, loaded without weights."""
+
+    text_apart = True  # a vocabulary-only model: nothing here is any compute's
 
     path: Path
     chat_template: str

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from dgr.backends.base import ShardBackend
+from dgr.backends.base import Compute
 from dgr.errors import CallerError
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node.kv import NodeKV
@@ -59,7 +59,7 @@ class NodeAccounting:
     """The seam's counters and the node's Prometheus metrics; its status, read from the node's parts."""
 
     node_id: str
-    backend: ShardBackend
+    backend: Compute
     described: dict[str, Any]  # the backend's, read once before the scheduler owned it
     table: SessionTable
     scheduler: StepScheduler

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import trio
 
-from dgr.backends.base import COMPUTE_ERRORS, ShardBackend, Step
+from dgr.backends.base import COMPUTE_ERRORS, Compute, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.fsm.stop import next_step
@@ -47,7 +47,7 @@ __all__ = ["NodeReplies", "check_frame", "next_step_frame", "to_step"]
 _KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
 
 
-def check_frame(backend: ShardBackend, frame: Frame) -> StepKind:
+def check_frame(backend: Compute, frame: Frame) -> StepKind:
     """The step a frame asks of this shard, or its refusal: its kind, width and payload for these layers.
 
     Raises:

@@ -66,7 +66,7 @@ import trio
 # 0.2 s of CPU at every node's start (tests/test_cli.py checks it is the same function)
 from trio._core import wait_all_tasks_blocked
 
-from dgr.backends.base import ShardBackend, Step
+from dgr.backends.base import Compute, Step
 from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
 from dgr.node.backend_thread import BackendThread
@@ -102,7 +102,7 @@ def _mark(stage: str, batch: list[Job]) -> None:
 class StepScheduler:
     """Runs every backend call of a node, one iteration at a time, in its backend thread or (short decodes) inline."""
 
-    backend: ShardBackend
+    backend: Compute  # compute only: text apart and prefix slots reach it as plain calls (`call`)
     token_budget: int = DEFAULT_TOKEN_BUDGET
     # The longest an iteration should hold other sessions' waiting steps (--iteration-target-ms); 0: no cap
     iteration_target_s: float = DEFAULT_ITERATION_TARGET_S

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from dgr.backends.base import ShardBackend
+from dgr.backends.base import Compute
 from dgr.errors import DgrError, Failure, Reason
 from dgr.fsm.node import NodeSession
 from dgr.node.kv import NodeKV
@@ -42,7 +42,7 @@ ENDED_MEMORY = 4096  # ended ids remembered, to refuse a late frame as session_e
 class NodeSessions:
     """Node Sessions, from open to their KV freed."""
 
-    backend: ShardBackend
+    backend: Compute
     node_id: str
     table: SessionTable[NodeSession]
     scheduler: StepScheduler
