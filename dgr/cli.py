@@ -22,7 +22,7 @@ def _threads_default() -> int:
 
 def cmd_tracker(args) -> int:
     from dgr.artifact.manifest import Manifest
-    from dgr.seam.wire import DType, Topology
+    from dgr.seam.wire import DType
     from dgr.security.auth import Admission
     from dgr.security.identity import claim_identity, parse_public_key
     from dgr.security.secrets import load_api_keys, load_join_token
@@ -42,7 +42,6 @@ def cmd_tracker(args) -> int:
         max_session_s=args.max_session_s or None,
         slow_client_s=args.slow_client_s or None,
         admission_wait_s=args.admission_wait_s,
-        topology=Topology(args.topology),
         prefix_reuse=not args.no_prefix_reuse,
         share_prefixes=args.share_prefixes,
         prefix_keep_generated=not args.prefix_exact,
@@ -255,7 +254,6 @@ def _add_identity_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
-    from dgr.seam.wire import DEFAULT_TOPOLOGY, Topology
     from dgr.tracker.registry import DEAD_AFTER_S
 
     p.add_argument("--api-key-file", metavar="F",
@@ -271,12 +269,6 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="fail a Route Session after this many seconds (session_timeout); 0: never")
     p.add_argument("--slow-client-s", type=float, default=30.0,
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
-    # the ring by default (dgr.seam.wire.DEFAULT_TOPOLOGY says why; `dgr bench --only rtt --rtt 5` sweeps
-    # all three: docs/perf/archive/rtt/REPORT.md)
-    p.add_argument("--topology", choices=[t.value for t in Topology], default=DEFAULT_TOPOLOGY.value,
-                   help="ring (default): each node forwards to the next, and the tail answers the gateway "
-                        "and sends each next decode step straight to the head (N messages a token); chain: the "
-                        "gateway sends every step to the head (N + 1); star: the gateway relays every hop (2N)")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
     p.add_argument("--prefix-exact", action="store_true",

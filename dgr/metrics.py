@@ -47,7 +47,6 @@ class TrackerMetrics:
     token_latency_seconds: Histogram = attrs.field(init=False)
     hop_latency_seconds: Histogram = attrs.field(init=False)
     seam_bytes_total: Counter = attrs.field(init=False)
-    phase_waits_total: Counter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         r = self.registry
@@ -67,9 +66,6 @@ class TrackerMetrics:
                                              buckets=_LATENCY_BUCKETS)
         self.seam_bytes_total = Counter("dgr_seam_bytes_total", "Seam frame bytes sent to nodes", ["node", "kind"],
                                         registry=r)
-        self.phase_waits_total = Counter("dgr_phase_waits_total",
-                                         "Chain decode steps that waited for their phase group: released with it, "
-                                         "or sent alone at the wait's bound", ["outcome"], registry=r)
 
     def watch(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         self.registry.register(_StateCollector(collect))

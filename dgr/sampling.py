@@ -12,7 +12,7 @@ import numpy as np
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["SEED_LIMIT", "SamplingParams", "Sampler"]
+__all__ = ["SEED_LIMIT", "SamplingParams", "Sampler", "distribution", "logprob"]
 
 # Seeds are non-negative int64 values (OpenAI's `seed` is an int64): one bound for the API and nodes.
 SEED_LIMIT = 2**63
@@ -65,36 +65,52 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> tuple[int, float]:
         """Return (token, log-probability under the model's distribution). logits: [vocab]."""
-        z = logits.astype(np.float32, copy=False)
-        best = int(np.argmax(z))
-        top = float(z[best])
-        log_norm = top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64)))
-        if self.params.temperature == 0.0:
-            return best, top - log_norm
-        # In float64: a float32 division takes a temperature below ~1e-45 as 0, and 0 / 0 is NaN. A tiny
-        # one still overflows to -inf for every token but the best, which is right: exp(-inf) is 0.
-        with np.errstate(over="ignore"):
-            probs = np.exp((z - top).astype(np.float64) / self.params.temperature)  # [vocab]
-        probs /= probs.sum()
-        if self.params.top_p < 1.0:
-            ids, p = self._nucleus(probs)
-            tok = int(ids[self._rng.choice(ids.shape[0], p=p)])
-        else:
-            tok = int(self._rng.choice(probs.shape[0], p=probs))
-        return tok, float(z[tok]) - log_norm
+        ids, probs = distribution(logits, self.params)
+        tok = int(ids[0]) if ids.shape[0] == 1 else int(ids[self._rng.choice(ids.shape[0], p=probs)])
+        return tok, logprob(logits, tok)
 
-    def _nucleus(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The smallest set of most likely tokens whose mass reaches top_p, and their renormalised probabilities.
 
-        Sorting 49k probabilities every token costs milliseconds; the nucleus
-        almost always lies among the few tokens within 1e-6 of the best, and
-        when those hold at least top_p of the mass the result is exactly what
-        a full sort gives (every candidate outranks every other token).
-        """
-        candidates = np.flatnonzero(probs >= probs.max() * 1e-6)
-        if probs[candidates].sum() < self.params.top_p:
-            candidates = np.arange(probs.shape[0])
-        order = candidates[np.argsort(-probs[candidates], kind="stable")]
-        cum = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cum, self.params.top_p) + 1)]
-        return keep, probs[keep] / probs[keep].sum()
+def logprob(logits: np.ndarray, token: int) -> float:
+    """`token`'s log-probability under the model's own distribution (softmax of the raw logits)."""
+    z = logits.astype(np.float32, copy=False)
+    top = float(z.max())
+    return float(z[token]) - (top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64))))
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution the tail samples a row's token from: (token ids int [m], probabilities float64 [m]).
+
+    Temperature 0 is a point mass on the argmax. Else temperature over float64
+    logits, then top-p's nucleus. `Sampler.sample` draws `ids[rng.choice(m, p=probs)]`
+    from it; speculative acceptance (dgr.spec.accept) needs the probabilities themselves.
+    """
+    z = logits.astype(np.float32, copy=False)
+    best = int(np.argmax(z))
+    if params.temperature == 0.0:
+        return np.array([best]), np.ones(1)
+    top = float(z[best])
+    # In float64: a float32 division takes a temperature below ~1e-45 as 0, and 0 / 0 is NaN. A tiny
+    # one still overflows to -inf for every token but the best, which is right: exp(-inf) is 0.
+    with np.errstate(over="ignore"):
+        probs = np.exp((z - top).astype(np.float64) / params.temperature)  # [vocab]
+    probs /= probs.sum()
+    if params.top_p >= 1.0:
+        return np.arange(probs.shape[0]), probs
+    return _nucleus(probs, params.top_p)
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of most likely tokens whose mass reaches top_p, and their renormalised probabilities.
+
+    Sorting 49k probabilities every token costs milliseconds; the nucleus
+    almost always lies among the few tokens within 1e-6 of the best, and
+    when those hold at least top_p of the mass the result is exactly what
+    a full sort gives (every candidate outranks every other token).
+    """
+    candidates = np.flatnonzero(probs >= probs.max() * 1e-6)
+    if probs[candidates].sum() < top_p:
+        candidates = np.arange(probs.shape[0])
+    order = candidates[np.argsort(-probs[candidates], kind="stable")]
+    cum = np.cumsum(probs[order])
+    keep = order[: int(np.searchsorted(cum, top_p) + 1)]
+    return keep, probs[keep] / probs[keep].sum()

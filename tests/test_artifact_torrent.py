@@ -25,16 +25,15 @@ from fixtures.artifact_helpers import run_artifact_cli as _cli
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import answer_challenge, check_answer, make_challenge
+from dgr.artifact.swarm import one_port, session_settings
 from dgr.artifact.torrent import (
     PeerAddr,
     SeedCheck,
     SeedInfo,
     TransferStatus,
     fetch,
-    one_port,
     resume_path_for,
     seed,
-    session_settings,
     torrent_info,
 )
 from dgr.artifact.verify import verify_file
@@ -140,7 +139,7 @@ async def test_two_seeders_one_fetcher_gets_only_layers_10_to_20(
     # libtorrent must never block the trio loop: checked by where its blocking calls run, not by a clock
     log = _ThreadLog(threading.get_ident())
     logged = _LoggedLibtorrent(log)
-    monkeypatch.setattr("dgr.artifact.torrent._lt", lambda: logged)
+    monkeypatch.setattr("dgr.artifact.swarm.libtorrent", lambda: logged)
 
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:

@@ -25,6 +25,7 @@ from dgr.errors import Reason
 from dgr.node.iteration import Job, JobKind, may_gather, plan_iteration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
+from dgr.seam.stream import Record
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import Flag, FrameKind
 from dgr.testing.nodes import running, settled
@@ -492,11 +493,11 @@ async def test_a_chain_node_computes_one_phase_group_of_its_route_at_a_time() ->
     async with running(node):
         for lane, sid in enumerate(sids):
             await node.open_session(sid, 16, SamplingParams(temperature=0.0), relay=plan, lane=lane)
-            node.accept_streamed(sid, encode_frame(FrameKind.PREFILL, sid, 0, 0, 3, W, token_ids=[3, 14, 15]), "")
+            node.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, 3, W, token_ids=[3, 14, 15])))
         await settled(node)
         backend.batches.clear()
         for sid in sids:  # both groups at once
-            node.accept_streamed(sid, encode_frame(FrameKind.DECODE, sid, 1, 3, 1, W, token_ids=[7]), "")
+            node.accept_streamed(sid, Record(encode_frame(FrameKind.DECODE, sid, 1, 3, 1, W, token_ids=[7])))
         await settled(node)
         assert backend.batches == [4, 4] and backend.violations == []
         for sid in sids:

@@ -14,7 +14,6 @@ from dgr.bench import peers, shapes
 from dgr.bench.shapes import LlamaShape, random_llama_gguf
 from dgr.gguf_meta import read_header
 from dgr.models import default_model_path
-from dgr.seam.wire import DEFAULT_TOPOLOGY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +63,7 @@ def test_the_1b_shape_is_a_1b_llama() -> None:
 
 def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
     """A round's ratio compares setups measured seconds apart; the report's figure is their median."""
-    T = DEFAULT_TOPOLOGY.value  # the bench names its routes by the topology users get
+    T = "ring"  # every route is a ring
     from dgr.bench.paired import TTFT_RATIOS, ratios
     from dgr.bench.report import markdown
 
@@ -102,7 +101,7 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
     TTFT_RATIOS names only."""
     from dgr.bench import paired
 
-    T = DEFAULT_TOPOLOGY.value
+    T = "ring"
     calls: list[tuple[str, list[int], int]] = []
 
     def fake_stream(api, model, prompt, n, extra=None):
@@ -140,7 +139,7 @@ def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> No
     assert set(run["computing"]) == {"node0", "node1"} and all(0 < v < 1 for v in run["computing"].values())
     floor = cpu._floor("stub", [LayerRange(0, 15), LayerRange(15, 30)], None, 1)
     assert set(floor) == {"node0", "node1"} and all(v > 0 for v in floor.values())
-    text = "\n".join(cpu.markdown({"topology": DEFAULT_TOPOLOGY.value, "tokens": cpu.TOKENS,
+    text = "\n".join(cpu.markdown({"topology": "ring", "tokens": cpu.TOKENS,
                                    "setups": {"stub": {"backend": "stub", "runs": [run]}},
                                    "floor": {"stub": {"1": floor}}}))
     assert f"| stub | 1 | {run['tok_s']:.1f} |" in text

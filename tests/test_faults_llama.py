@@ -18,7 +18,7 @@ def _stream(route: LocalRoute, prompt: str, max_tokens: int):
     return httpx.stream("POST", f"{route.api}/completions", json=body, timeout=120)
 
 
-# a loss in prefill is in the gate on the stub (test_faults.test_kill_in_prefill_is_reported_in_prefill)
+# a loss in prefill is in the gate in process, on MockClock (test_gateway_clock.test_a_node_killed_in_prefill_is_named_in_prefill)
 @pytest.mark.parametrize("phase", [pytest.param("prefill", marks=pytest.mark.slow), "decode"])
 def test_kill_middle_node(phase: str) -> None:
     # 32-position prefill chunks make a long prompt take many steps, so the kill lands mid-prefill

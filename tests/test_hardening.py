@@ -238,7 +238,7 @@ async def test_dead_nodes_are_forgotten_with_connections_stats_and_metric_labels
     route.register_all()
     gw = route.gateway
     await nursery.start(gw.run)
-    gw.client(route.registry.nodes["n1"])
+    gw.clients.get(route.registry.nodes["n1"])
     gw.hop_stats["n1"].overhead_ms.append(1.0)
     gw.metrics.hop_latency_seconds.labels(node="n1").observe(0.001)
     gw.metrics.seam_bytes_total.labels(node="n1", kind="DECODE").inc(10)
@@ -252,7 +252,7 @@ async def test_dead_nodes_are_forgotten_with_connections_stats_and_metric_labels
     nursery.start_soon(beat)
     await trio.sleep(route.registry.dead_after_s + route.registry.forget_after_s + 1.0)
     assert list(route.registry.nodes) == ["n0"]
-    assert "n1" not in gw.clients and "n1" not in gw.hop_stats
+    assert "n1" not in gw.clients.clients and "n1" not in gw.hop_stats
     assert b'node="n1"' not in render(gw.metrics.registry)
 
 

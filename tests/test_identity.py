@@ -38,7 +38,8 @@ from dgr.security.auth import Admission, CapabilityAuthority, join_proof, tracke
 from dgr.security.identity import Identity, b64e, key_from_text, node_id_for, parse_public_key
 from dgr.testing.inproc import asgi_client
 from dgr.tracker.proofs import Prover
-from dgr.tracker.registry import NodeEntry, Registry, reachable
+from dgr.tracker.registration import reachable
+from dgr.tracker.registry import NodeEntry, Registry
 
 CLAIM = LayerRange(1, 3)
 

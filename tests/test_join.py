@@ -150,13 +150,11 @@ def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-# the default topology in the gate; the star under `make test-slow`
-@pytest.mark.parametrize("topology", [pytest.param("star", marks=pytest.mark.slow), "chain"])
-def test_a_route_runs_over_tls(topology: str, tmp_path: Path, procs) -> None:
+def test_a_route_runs_over_tls(tmp_path: Path, procs) -> None:
     token = new_secret()
     env = _env(**{JOIN_ENV: token})
     t_cert, t_key = _self_signed(tmp_path, "tracker")
-    tracker = Proc.start(["tracker", "--port", "0", "--topology", topology, "--tls-cert", str(t_cert),
+    tracker = Proc.start(["tracker", "--port", "0", "--tls-cert", str(t_cert),
                           "--tls-key", str(t_key), "--identity", str(tmp_path / "tracker.id")], env)
     procs.append(tracker)
     url = tracker.wait_ready()["url"]

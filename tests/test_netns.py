@@ -15,14 +15,8 @@ import subprocess
 import httpx
 import pytest
 
-from dgr.bench.netns import (
-    NetnsRoute,
-    expectations,
-    prerequisites,
-    round_trips_per_token,
-    rtt_sweep,
-    ttft_round_trips,
-)
+from dgr.bench.netns import NetnsRoute, prerequisites
+from dgr.bench.rtt import expectations, round_trips_per_token, rtt_sweep, ttft_round_trips
 from dgr.testing.namespaces import leftovers, remove_stale
 from dgr.errors import PeerError
 
@@ -51,11 +45,11 @@ def _ns_of(pid: int) -> str:
                           check=False).stdout.strip()
 
 
-def test_expected_time_per_token_adds_hops_times_rtt() -> None:
+def test_expected_time_per_token_adds_half_the_hops_times_rtt() -> None:
     rows = expectations([{"rtt_ms": 0.0, "decode_tok_s": 50.0, "ttft_s": 0.1},
                          {"rtt_ms": 5.0, "decode_tok_s": 25.0, "ttft_s": 0.13}], hops=3, ttft_trips=4)
-    assert rows[1]["expected_ms_per_token"] == pytest.approx(20.0 + 15.0)
-    assert rows[1]["expected_tok_s"] == pytest.approx(1e3 / 35.0)
+    assert rows[1]["expected_ms_per_token"] == pytest.approx(20.0 + 7.5)
+    assert rows[1]["expected_tok_s"] == pytest.approx(1e3 / 27.5)
     assert rows[1]["extra_ms_per_token"] == pytest.approx(20.0)
     assert rows[1]["extra_ms_per_hop"] == pytest.approx(20.0 / 3)
     assert rows[1]["ttft_extra_ms"] == pytest.approx(30.0)
@@ -63,24 +57,20 @@ def test_expected_time_per_token_adds_hops_times_rtt() -> None:
     assert rows[0]["extra_ms_per_hop"] is None
 
 
-def test_a_chain_waits_n_plus_one_one_way_trips_per_token() -> None:
-    assert round_trips_per_token(3, "star") == 3
-    assert round_trips_per_token(3, "chain") == 2  # gateway -> node0 -> node1 -> node2 -> gateway
-    assert round_trips_per_token(3, "ring") == 1.5  # node0 -> node1 -> node2 -> node0
-    assert ttft_round_trips(3, [1, 2, 3], 3, 512, "ring") == 1 + 2  # the prompt goes through as on a chain
+def test_a_ring_waits_n_one_way_trips_per_token() -> None:
+    assert round_trips_per_token(3) == 1.5  # node0 -> node1 -> node2 -> node0
     rows = expectations([{"rtt_ms": 0.0, "decode_tok_s": 50.0, "ttft_s": 0.1},
-                         {"rtt_ms": 5.0, "decode_tok_s": 1e3 / 31.0, "ttft_s": 0.13}], hops=3, ttft_trips=4,
-                        topology="chain")
-    assert rows[1]["expected_ms_per_token"] == pytest.approx(20.0 + 10.0)
+                         {"rtt_ms": 5.0, "decode_tok_s": 1e3 / 31.0, "ttft_s": 0.13}], hops=3, ttft_trips=4)
+    assert rows[1]["expected_ms_per_token"] == pytest.approx(20.0 + 7.5)
     assert rows[1]["extra_rtts_per_token"] == pytest.approx(11.0 / 5.0)
-    assert ttft_round_trips(3, [1, 2, 3], 3, 512, "chain") == 1 + 2
 
 
 def test_round_trips_before_the_first_token() -> None:
-    # token ids: open + 1 chunk through 3 hops; text adds the head's tokenize; 2 chunks add 1 pipelined trip
-    assert ttft_round_trips(3, [1, 2, 3], 3, 512) == 1 + 3
-    assert ttft_round_trips(3, "hi", 3, 512) == 1 + 1 + 3
-    assert ttft_round_trips(2, list(range(600)), 600, 512) == 1 + 2 + 1
+    # token ids: open + 1 chunk from the gateway through 3 hops and back (4 one-way trips); text adds the
+    # head's tokenize; 2 chunks add 1 pipelined trip
+    assert ttft_round_trips(3, [1, 2, 3], 3, 512) == 1 + 2
+    assert ttft_round_trips(3, "hi", 3, 512) == 1 + 1 + 2
+    assert ttft_round_trips(2, list(range(600)), 600, 512) == 1 + 1 + 1.5
 
 
 def test_nodes_run_in_their_own_namespaces(netns) -> None:
@@ -105,11 +95,10 @@ def _qdiscs(route, link) -> list[str]:
     return [line for line in out.splitlines() if " root " in line]
 
 
-@pytest.mark.parametrize("topology", ["star", "chain"])
-def test_set_rtt_delays_every_pair_of_endpoints_alike(netns, topology: str) -> None:
+def test_set_rtt_delays_every_pair_of_endpoints_alike(netns) -> None:
     # What the RTT costs a token is a figure for `dgr bench --rtt`; here, that the delay is in place
-    # on every endpoint's link (the tracker's too), and that nodes reach each other (the chain needs it).
-    with NetnsRoute(backend="stub", nodes=2, topology=topology, ready_timeout_s=120) as route:
+    # on every endpoint's link (the tracker's too), and that nodes reach each other (the ring needs it).
+    with NetnsRoute(backend="stub", nodes=2, ready_timeout_s=120) as route:
         route.set_rtt(5.0)
         if route.kind == "netem":
             for link in route.endpoints:
@@ -117,7 +106,7 @@ def test_set_rtt_delays_every_pair_of_endpoints_alike(netns, topology: str) -> N
                 assert len(lines) == 2 and all("netem" in q and "delay 1.25ms" in q for q in lines), lines
         r = httpx.post(f"{route.api}/completions", headers=route.headers, timeout=60,
                        json={"model": route.model_id(), "prompt": PROMPT, "max_tokens": 8})
-        # on a chain node0 posts each step straight to node1: this answer needs node-to-node routes
+        # node0 posts each step straight to node1, node1 to node0: this answer needs node-to-node routes
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         route.set_rtt(0.0)
         if route.kind == "netem":
@@ -126,14 +115,14 @@ def test_set_rtt_delays_every_pair_of_endpoints_alike(netns, topology: str) -> N
 
 def test_rtt_sweep_reports_every_rtt_with_its_expectation(netns) -> None:
     res = rtt_sweep(backend="stub", node_counts=(2,), rtts_ms=(5.0,), prompt=PROMPT, decode_tokens=16,
-                    threads=2, repeats=1, ready_timeout_s=120, topologies=("star",), log=lambda m: None)
-    route = res["routes"]["dgr stub, 2 nodes, star, namespaces"]
+                    threads=2, repeats=1, ready_timeout_s=120, log=lambda m: None)
+    route = res["routes"]["dgr stub, 2 nodes, ring, namespaces"]
     rows = {r["rtt_ms"]: r for r in route["rows"]}
-    assert sorted(rows) == [0.0, 5.0] and route["ttft_round_trips"] == 4
-    # tokenize, open, and one prefill chunk through both hops: 4 x 5 ms expected
-    assert rows[5.0]["expected_ttft_extra_ms"] == 20.0
+    assert sorted(rows) == [0.0, 5.0] and route["ttft_round_trips"] == 3.5
+    # tokenize, open, and one prefill chunk from the gateway through both hops and back: 3.5 x 5 ms expected
+    assert rows[5.0]["expected_ttft_extra_ms"] == 17.5
     assert all(r["tokens"] == 16 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0 for r in rows.values())
-    print(f"\nat 5 ms RTT a token cost {rows[5.0]['extra_ms_per_token']:.1f} ms more (2 hops x 5 ms expected)")
+    print(f"\nat 5 ms RTT a token cost {rows[5.0]['extra_ms_per_token']:.1f} ms more (2 one-way trips: 5 ms expected)")
 
 
 def test_a_route_that_fails_to_start_leaves_nothing(netns) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 
 import trio
 
@@ -89,63 +88,19 @@ def test_a_session_not_on_the_board_never_waits() -> None:
     assert board.arrive("stranger") == ["stranger"]
 
 
-class _Live:
-    """What the gateway's phase wait reads of a LiveSession."""
+def test_a_routes_board_lives_while_its_sessions_hold_lanes() -> None:
+    """Admission keeps one board a route (made on first use) and drops it with its last lane."""
+    from dgr.fsm.route import Hop
 
-    def __init__(self, board: RoutePhases, sid: str) -> None:
-        self.phases, self.rs, self.go = board, types.SimpleNamespace(sid=sid), trio.Event()
-
-
-def _waits(gw: Gateway) -> dict[str, float]:
-    return {s.labels["outcome"]: s.value for m in gw.metrics.phase_waits_total.collect()
-            for s in m.samples if s.name.endswith("_total")}
-
-
-async def test_the_gateway_releases_a_group_together_and_sends_a_straggler_alone_at_the_bound(autojump_clock) -> None:
     gw = Gateway(Registry())
-    board, sids = _board(2, 4)
-    board.decoding.update(sids)
-    lives = gw.sessions = {s: _Live(board, s) for s in sids}
-    went: dict[str, float] = {}
-
-    async def step(sid: str, hold_s: float) -> None:
-        await gw._in_phase(lives[sid], hold_s)
-        went[sid] = trio.current_time()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(step, "s0", 1.0)
-        await trio.sleep(0.1)
-        nursery.start_soon(step, "s1", 1.0)  # completes s0's group: both go now
-        nursery.start_soon(step, "s2", 0.5)  # s3 never comes: s2 goes alone at its bound
-    assert went == {"s0": 0.1, "s1": 0.1, "s2": 0.6}
-    assert board.waiting == set()
-    assert _waits(gw) == {"released": 1.0, "alone": 1.0}
-    assert board.arrive("s3") == []  # s3's group is s2 and s3, and s2 is in flight again
-
-
-async def test_a_session_that_ends_wakes_the_group_waiting_for_it(autojump_clock) -> None:
-    gw = Gateway(Registry())
-    board, sids = _board(2, 4)
-    board.decoding.update(sids)
-    gw.phases[("n0", "n1")] = board
-    gw.sessions = {s: _Live(board, s) for s in sids}
-    went: dict[str, float] = {}
-
-    async def step(sid: str) -> None:
-        await gw._in_phase(gw.sessions[sid], 10.0)
-        went[sid] = trio.current_time()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(step, "s0")
-        await trio.sleep(0.2)
-        gw._leave_phases(board, "s1")  # s1 ended: 3 decoding, s0's group is s0 and s2
-        await trio.sleep(0.2)
-        gw._wake(board.stop("s2"))  # s2 stops decoding too: s0 is alone in its group
-    assert went == {"s0": 0.4}
-    assert ("n0", "n1") in gw.phases  # s0, s2 and s3 still hold lanes
+    hops = (Hop("n0", "http://n0", 0, 15), Hop("n1", "http://n1", 15, 30))
+    board = gw.admission._board(hops)
+    assert gw.admission._board(hops) is board and [board.join(s) for s in ("s0", "s1", "s2")] == [0, 1, 2]
+    gw.admission.leave(board, "s1")
+    assert board.join("s3") == 1 and ("n0", "n1") in gw.admission.phases  # s1's lane came back
     for sid in ("s0", "s2", "s3"):
-        gw._leave_phases(board, sid)
-    assert gw.phases == {}  # a board with no lanes goes
+        gw.admission.leave(board, sid)
+    assert gw.admission.phases == {}  # a board with no lanes goes
 
 
 def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_bound() -> None:

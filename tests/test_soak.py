@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from dgr.procs import dgr_command
-from dgr.bench.soak import MAX_RSS_GROWTH
+from dgr.bench.soak_report import MAX_RSS_GROWTH
 
 
 def _soak(sessions: int, kill_every: int, timeout_s: float) -> dict:

@@ -24,7 +24,7 @@ from dgr.fsm.route import Hop
 from dgr.seam.frame import encode_frame
 from dgr.seam.stream import encode_record
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES,
-                           ROUTE_SESSION_HEADER, STREAM_PATH, Flag, FrameKind, Topology)
+                           ROUTE_SESSION_HEADER, STREAM_PATH, Flag, FrameKind)
 from dgr.security.auth import CapabilityAuthority
 from dgr.testing.harness import LocalRoute
 from dgr.tracker.gateway import Gateway, GatewayConfig
@@ -36,13 +36,13 @@ NEIGHBOUR = "only lets its holder send session"  # the refusal of a neighbour's 
 
 @pytest.fixture(scope="module")
 def route():
-    with LocalRoute(nodes=2, extra=("--topology", "ring")) as r:
+    with LocalRoute(nodes=2) as r:
         yield r
 
 
 def _plans(route: LocalRoute, sid: str) -> dict:
     """The relay plans the route's gateway would hand its nodes for `sid` (signed with the route's tracker key)."""
-    gateway = Gateway(Registry(), GatewayConfig(topology=Topology.RING),
+    gateway = Gateway(Registry(), GatewayConfig(),
                       authority=CapabilityAuthority.issuer(route.tracker_identity))
     hops = []
     for n in route.node_table():
@@ -99,7 +99,7 @@ def test_a_ring_tail_is_not_reopened_toward_an_address_of_the_holders_choosing(r
         # a step the neighbour's capability does allow: there is no session for it to drive toward the trap
         frame = encode_frame(FrameKind.PREFILL, sid, 0, 0, 4, W, hidden=np.full((4, W), 0.25, np.float32),
                              flags=Flag.SAMPLE)
-        r = httpx.post(f"{tail}{STREAM_PATH}", content=encode_record("", frame),
+        r = httpx.post(f"{tail}{STREAM_PATH}", content=encode_record((), frame),
                        headers={"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: held_by_head})
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
         trap.settimeout(1.5)

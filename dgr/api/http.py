@@ -27,7 +27,7 @@ import trio
 from quart import Response, request
 
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
-from dgr.seam.stream import RecordReader
+from dgr.seam.stream import Record, RecordReader
 from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
@@ -226,11 +226,11 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
 
 async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
                             authorize: Callable[[str | None, str], None],
-                            apply: Callable[[str, bytes, str], None]) -> None:
+                            apply: Callable[[str, Record], None]) -> None:
     """Serve one chain link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
 
     The session (`X-Dgr-Route-Session`) and its capability come in the headers: `authorize(capability,
-    session)` checks them before any of the body is read. `apply(session, frame, hops)` takes each
+    session)` checks them before any of the body is read. `apply(session, record)` takes each
     record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or a ValueError
     for a malformed frame, named `what`) answers the stream and ends it; the sender reports it. A clean
     end of the body is answered 200 with the count of frames applied. A sender that goes away gets
@@ -252,8 +252,8 @@ async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            for hops, frame in reader.feed(message.get("body", b"")):
-                apply(sid, frame, hops)
+            for record in reader.feed(message.get("body", b"")):
+                apply(sid, record)
                 frames += 1
             if not message.get("more_body", False):
                 break

@@ -20,19 +20,14 @@ import attrs
 from dgr.artifact import merkle
 from dgr.artifact.bencode import bencode
 from dgr.artifact.constants import HASH_CHUNK, SCHEMA_VERSION, TORRENT_META_VERSION, PieceSize
-from dgr.artifact.manifest import (
+from dgr.artifact.manifest import Manifest, choose_piece_length, layer_digest, merge_spans, piece_runs, pieces_of
+from dgr.artifact.sections import (
     FileInfo,
     HeaderInfo,
     LayerEntry,
-    Manifest,
     ModelIdentity,
     TensorEntry,
     TorrentInfo,
-    choose_piece_length,
-    layer_digest,
-    merge_spans,
-    piece_runs,
-    pieces_of,
     torrent_info_dict,
 )
 from dgr.errors import CallerError, Reason

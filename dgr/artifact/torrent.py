@@ -10,21 +10,8 @@ before returning. `seed` serves a file, whole or partial, to such fetchers.
 Rules:
 - The .torrent is built from the manifest alone (Manifest.torrent_bytes), and
   libtorrent's own v2 info-hash must equal the manifest's, or nothing starts.
-- Swarms are private: peers are added by ip:port only; DHT, local peer
-  discovery, UPnP, NAT-PMP and uTP are off, there are no trackers, and the
-  session listens on the one interface given (127.0.0.1 by default). A
-  wildcard (0.0.0.0, ::) with port 0 gets one free port first (`one_port`):
-  libtorrent listens on each local address separately, and with port 0 each
-  would take a port of its own.
-- libtorrent runs its own threads; trio never blocks on it. Alerts are waited
-  for in `trio.to_thread.run_sync(ses.wait_for_alert, ...)` with a short
-  timeout (not abandoned on cancel, so the session is never destroyed under a
-  waiting thread), and copied at once since they die at the next pop.
-  Sessions are destroyed in a worker thread (it can take 300 ms). For that,
-  no frame on the trio side may hold the session when its owner drops it: a
-  cancelled `to_thread` call's traceback keeps its function alive, so blocking
-  session calls go through `_in_thread`, which looks the method up inside the
-  worker thread, never a bound method of the session.
+- Each call runs one private libtorrent session of dgr.artifact.swarm (its
+  rules: no discovery, one interface, trio never blocks on libtorrent).
 - Timeouts are the caller's cancel scopes. A cancelled fetch still saves its
   resume data (shielded, bounded) before its session goes.
 
@@ -33,20 +20,19 @@ Left out: peer discovery (the tracker will hand out peers), DHT, encryption.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import os
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
+from dgr.artifact import swarm as _swarm
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
+from dgr.artifact.swarm import AlertTally, in_thread, open_swarm
 from dgr.artifact.verify import VerifyReport, verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
@@ -58,30 +44,16 @@ __all__ = [
     "SeedInfo",
     "FetchResult",
     "torrent_info",
-    "session_settings",
-    "one_port",
     "seed",
     "fetch",
     "resume_path_for",
 ]
 
-# How long one wait for alerts may block a worker thread; also the worst
-# extra latency of a cancellation.
-_ALERT_WAIT_MS = 100
 # Bounds on the bookkeeping a cancelled or finished fetch does in its finally.
 _FLUSH_TIMEOUT_S = 10.0
 _RESUME_SAVE_INTERVAL_S = 5.0
 # How often a fetch dials again the given peers it is not connected to.
 _REDIAL_INTERVAL_S = 1.0
-
-
-def _lt() -> Any:
-    # Imported lazily: importing dgr.artifact must not need the wheel.
-    try:
-        import libtorrent
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise CallerError(Reason.INTERNAL, "libtorrent is not installed: pip install libtorrent (PyPI, 2.x)") from None
-    return libtorrent
 
 
 @attrs.frozen
@@ -162,68 +134,6 @@ def resume_path_for(dest: Path) -> Path:
     return dest.with_name(dest.name + ".resume")
 
 
-def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, Any]:
-    """libtorrent settings for a private swarm listening on one interface.
-
-    All of it goes to the session constructor: applied later, a default
-    session would already have started DHT, LSD, UPnP and NAT-PMP on every
-    interface.
-    """
-    lt = _lt()
-    cat = lt.alert_category
-    return {
-        "listen_interfaces": listen,
-        "enable_dht": False,
-        "enable_lsd": False,
-        "enable_upnp": False,
-        "enable_natpmp": False,
-        "dht_bootstrap_nodes": "",
-        "enable_outgoing_utp": False,
-        "enable_incoming_utp": False,
-        "enable_ip_notifier": False,
-        # Nodes of one machine (tests, `dgr up`) share an address.
-        "allow_multiple_connections_per_ip": True,
-        # A finished partial peer must stay connected: widening its range later
-        # would otherwise stall (LIBTORRENT.md, pitfall 4).
-        "close_redundant_connections": False,
-        # Many nodes may pull from one seeder at once.
-        "unchoke_slots_limit": -1,
-        "upload_rate_limit": upload_rate_limit,
-        # libtorrent waits 60 s (times its fail count) before dialling a
-        # peer again, and forgets a peer after 3 failed dials: right for a
-        # public swarm, but a seeder of ours that was briefly unreachable
-        # (starting, restarting, a reset connection) then cost a fetch two
-        # minutes. `fetch` also re-dials the peers it was given.
-        "min_reconnect_time": 1,
-        "max_failcount": 100,
-        "alert_mask": cat.error | cat.status | cat.storage | cat.peer,
-        "alert_queue_size": 10000,
-    }
-
-
-_WILDCARDS = {"0.0.0.0": socket.AF_INET, "::": socket.AF_INET6, "[::]": socket.AF_INET6}
-
-
-def one_port(listen: str) -> str:
-    """`listen` (HOST:PORT), with one free port in place of 0 when HOST is a wildcard.
-
-    libtorrent expands a wildcard into one listening socket per local
-    address, and with port 0 each socket takes an ephemeral port of its
-    own, while `listen_port()` reports only the first (loopback's). A node
-    bound to 0.0.0.0 then announced a seed port that nothing listened on at
-    its LAN address. A port free on the wildcard is free on every address,
-    so libtorrent takes that one everywhere. (Another process could take it
-    in between: libtorrent's listen_failed_alert then says so.)
-    """
-    host, _, port = listen.rpartition(":")
-    family = _WILDCARDS.get(host)
-    if port != "0" or family is None:
-        return listen
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]"), 0))
-        return f"{host}:{s.getsockname()[1]}"
-
-
 def torrent_info(manifest: Manifest) -> Any:
     """libtorrent's torrent_info for the manifest, checked against the manifest's info-hash.
 
@@ -231,7 +141,7 @@ def torrent_info(manifest: Manifest) -> Any:
         CallerError(ARTIFACT_MISMATCH): libtorrent computes another v2 info-hash
             or piece count than the manifest states.
     """
-    lt = _lt()
+    lt = _swarm.libtorrent()
     ti = lt.torrent_info(manifest.torrent_bytes())
     theirs = str(ti.info_hashes().v2)
     if theirs != manifest.torrent.info_hash_v2 or ti.num_pieces() != manifest.torrent.piece_count:
@@ -243,122 +153,15 @@ def torrent_info(manifest: Manifest) -> Any:
     return ti
 
 
-# -- one libtorrent session, driven from trio ---------------------------------------------
-
-
-@attrs.define
-class _Tally:
-    """What the alerts told us, copied out of them."""
-
-    hash_failures: list[int] = attrs.Factory(list)
-    banned: list[str] = attrs.Factory(list)
-    flushed: int = 0
-    checked: int = 0
-    resume: list[bytes] = attrs.Factory(list)
-    resume_failed: list[str] = attrs.Factory(list)
-    error: str | None = None
-
-
-@attrs.define
-class _Swarm:
-    ses: Any
-    tally: _Tally = attrs.Factory(_Tally)
-
-    async def pump(self) -> None:
-        """Wait up to _ALERT_WAIT_MS for alerts and record them."""
-        await trio.to_thread.run_sync(_in_thread, self, "wait_for_alert", _ALERT_WAIT_MS)
-        lt = _lt()
-        t = self.tally
-        for a in self.ses.pop_alerts():
-            if isinstance(a, lt.hash_failed_alert):
-                t.hash_failures.append(int(a.piece_index))
-            elif isinstance(a, lt.peer_ban_alert):
-                t.banned.append("%s:%d" % tuple(a.endpoint))
-            elif isinstance(a, lt.cache_flushed_alert):
-                t.flushed += 1
-            elif isinstance(a, lt.torrent_checked_alert):
-                t.checked += 1
-            elif isinstance(a, lt.save_resume_data_alert):
-                t.resume.append(bytes(lt.write_resume_data_buf(a.params)))
-            elif isinstance(a, lt.save_resume_data_failed_alert):
-                t.resume_failed.append(a.message())
-            elif isinstance(a, (lt.torrent_error_alert, lt.file_error_alert)):
-                t.error = a.message()
-            elif isinstance(a, lt.listen_failed_alert):
-                t.error = a.message()
-
-    async def until(self, done: Callable[[], bool]) -> None:
-        while not done():
-            self.raise_on_error()
-            await self.pump()
-
-    def raise_on_error(self) -> None:
-        if self.tally.error is not None:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"libtorrent: {self.tally.error}")
-
-    async def listen_port(self) -> int:
-        with trio.fail_after(10):
-            await self.until(lambda: bool(self.ses.is_listening() and self.ses.listen_port()))
-        return int(self.ses.listen_port())
-
-    async def flush(self, h: Any) -> None:
-        before = self.tally.flushed
-        h.flush_cache()
-        await self.until(lambda: self.tally.flushed > before)
-
-    async def save_resume(self, h: Any, path: Path) -> None:
-        """Flush, then save resume data atomically; bounded by the caller's scope."""
-        lt = _lt()
-        # Saving right after the last piece can record it as missing unless
-        # the disk cache is flushed first (LIBTORRENT.md, pitfall 5).
-        await self.flush(h)
-        before_ok, before_bad = len(self.tally.resume), len(self.tally.resume_failed)
-        h.save_resume_data(lt.torrent_handle.flush_disk_cache | lt.torrent_handle.save_info_dict)
-        await self.until(lambda: len(self.tally.resume) > before_ok or len(self.tally.resume_failed) > before_bad)
-        if len(self.tally.resume) > before_ok:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(self.tally.resume[-1])
-            os.replace(tmp, path)
-            self.tally.resume.clear()
-
-
-def _in_thread(swarm: _Swarm, method: str, *args: Any) -> Any:
-    """Call a session method from a worker thread, holding the session only in this frame."""
-    return getattr(swarm.ses, method)(*args)
-
-
-@contextlib.asynccontextmanager
-async def _open_swarm(listen: str, *, upload_rate_limit: int = 0) -> AsyncIterator[_Swarm]:
-    lt = _lt()
-    settings = session_settings(one_port(listen), upload_rate_limit=upload_rate_limit)
-    swarm = _Swarm(await trio.to_thread.run_sync(lt.session, settings))
-    if upload_rate_limit:
-        # libtorrent puts LAN and loopback peers in a peer class of their own that the
-        # session-wide limit does not cover; a limit must hold for every peer
-        local = swarm.ses.get_peer_class(swarm.ses.local_peer_class_id)
-        local["upload_limit"] = upload_rate_limit
-        swarm.ses.set_peer_class(swarm.ses.local_peer_class_id, local)
-    try:
-        yield swarm
-    finally:
-
-        def destroy() -> None:
-            # Drop the only reference here, so libtorrent's blocking shutdown
-            # (up to ~300 ms) runs in this worker thread, not on the trio loop.
-            swarm.ses = None
-
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(destroy)
-
 
 def _flags_active(atp: Any) -> None:
-    lt = _lt()
+    lt = _swarm.libtorrent()
     # Torrents start paused and auto-managed; auto-management would cap how
     # many run at once (LIBTORRENT.md, pitfall 2).
     atp.flags = atp.flags & ~lt.torrent_flags.paused & ~lt.torrent_flags.auto_managed
 
 
-def _redial(h: Any, addrs: Sequence[PeerAddr], tally: _Tally) -> None:
+def _redial(h: Any, addrs: Sequence[PeerAddr], tally: AlertTally) -> None:
     """Dial each given peer that is neither connected nor banned.
 
     The peers a fetch is given are the artifact's known seeders; a refused or
@@ -372,7 +175,7 @@ def _redial(h: Any, addrs: Sequence[PeerAddr], tally: _Tally) -> None:
             h.connect_peer((a.host, a.port))
 
 
-def _status(h: Any, tally: _Tally, wanted: int) -> TransferStatus:
+def _status(h: Any, tally: AlertTally, wanted: int) -> TransferStatus:
     st = h.status()
     return TransferStatus(
         state=str(st.state).rsplit(".", 1)[-1],
@@ -391,7 +194,7 @@ def _status(h: Any, tally: _Tally, wanted: int) -> TransferStatus:
 
 def _add_params(manifest: Manifest, path: Path, resume: Path | None) -> Any:
     """add_torrent_params for manifest's file at path, from resume data when there is some."""
-    lt = _lt()
+    lt = _swarm.libtorrent()
     ti = torrent_info(manifest)
     atp = None
     if resume is not None and resume.is_file() and path.is_file():
@@ -434,11 +237,11 @@ async def seed(
         CallerError(ARTIFACT_MISMATCH): libtorrent's info-hash differs from the manifest's.
         CallerError(MODEL_LOAD_FAILED): the file is missing or libtorrent reports a disk error.
     """
-    lt = _lt()
+    lt = _swarm.libtorrent()
     p = Path(path)
     if not p.is_file():
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"nothing to seed: {p} is not a file")
-    async with _open_swarm(listen, upload_rate_limit=upload_rate_limit) as swarm:
+    async with open_swarm(listen, upload_rate_limit=upload_rate_limit) as swarm:
         port = await swarm.listen_port()
         atp = _add_params(manifest, p, resume)
         has_resume = bool(atp.have_pieces)
@@ -449,7 +252,7 @@ async def seed(
         else:
             # Serve what is held, download nothing.
             atp.piece_priorities = [0] * manifest.torrent.piece_count
-        h = await trio.to_thread.run_sync(_in_thread, swarm, "add_torrent", atp)
+        h = await trio.to_thread.run_sync(in_thread, swarm, "add_torrent", atp)
         await swarm.until(lambda: swarm.tally.checked > 0)
         held = int(h.status().num_pieces)
         task_status.started(SeedInfo(port=port, info_hash_v2=manifest.torrent.info_hash_v2, pieces_have=held))
@@ -499,10 +302,10 @@ async def fetch(
     wanted_set = set(wanted)
     dest.parent.mkdir(parents=True, exist_ok=True)
 
-    async with _open_swarm(listen) as swarm:
+    async with open_swarm(listen) as swarm:
         atp = _add_params(manifest, dest, resume)
         atp.piece_priorities = [1 if i in wanted_set else 0 for i in range(manifest.torrent.piece_count)]
-        h = await trio.to_thread.run_sync(_in_thread, swarm, "add_torrent", atp)
+        h = await trio.to_thread.run_sync(in_thread, swarm, "add_torrent", atp)
         try:
             # Peers only after the check, so `held_before` is what an earlier
             # (interrupted) fetch left: resume data or a re-hash of the file.

@@ -31,7 +31,8 @@ import attrs
 
 from dgr.artifact.constants import HASH_CHUNK, GlobalNeed
 from dgr.artifact.build import read_gguf_layout
-from dgr.artifact.manifest import Manifest, TensorEntry
+from dgr.artifact.manifest import Manifest
+from dgr.artifact.sections import TensorEntry
 from dgr.progress import NullProgress, Progress
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason

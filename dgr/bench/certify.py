@@ -2,7 +2,7 @@
 
     python -m dgr.bench.certify [--arch REGEX] [--out FILE] [--timeout S] [--keep DIR] [--tile-mrope-positions]
 
-For each architecture in dgr.testing.arch_models.ARCHS (and the MoE variant
+For each architecture in dgr.testing.arch_table.ARCHS (and the MoE variant
 of those where it is optional, named ARCH+moe, and with an MTP layer where the
 table has that variant, ARCH+mtp), in a temporary folder:
 1. a child process writes the tiny GGUF (made by libllama itself), loads it
@@ -84,7 +84,7 @@ class Case:
 
 def cases(pattern: str | None = None) -> list[Case]:
     """Every case of the table, in table order; `pattern` (a regex) searched in the case name."""
-    from dgr.testing.arch_models import ARCHS
+    from dgr.testing.arch_table import ARCHS
 
     out: list[Case] = []
     for arch, spec in ARCHS.items():
@@ -243,7 +243,7 @@ def certify_here(case: Case, folder: Path) -> dict[str, Any]:
 
     Returns {"whole": ..., "per_split": [...]} as the children report them.
     """
-    from dgr.testing.arch_models import ARCHS
+    from dgr.testing.arch_table import ARCHS
 
     whole = _whole(case.arch, case.moe, case.mtp, folder)
     if whole["result"] != "ok":
@@ -316,7 +316,7 @@ def _folder_name(case: Case) -> str:
 
 
 def _run_case(case: Case, root: Path, timeout: float, tile: bool) -> dict[str, Any]:
-    from dgr.testing.arch_models import ARCHS
+    from dgr.testing.arch_table import ARCHS
 
     spec = ARCHS[case.arch]
     folder = root / _folder_name(case)

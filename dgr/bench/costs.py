@@ -52,7 +52,8 @@ def logged_state(log: str) -> tuple[float, int]:
 
 def check_case(arch: str, moe: bool, folder: Path, mtp: bool = False) -> list[dict[str, Any]]:
     """One row per range of the case's first split: llama.cpp's bytes and the plan's."""
-    from dgr.testing.arch_models import ARCHS, write_arch_gguf
+    from dgr.testing.arch_models import write_arch_gguf
+    from dgr.testing.arch_table import ARCHS
 
     return check_file(write_arch_gguf(arch, folder / "model.gguf", moe=moe, mtp=mtp), ARCHS[arch].splits[0])
 

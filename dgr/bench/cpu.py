@@ -32,7 +32,6 @@ import numpy as np
 
 from dgr.backends.base import LayerRange, Step
 from dgr.bench.measure import concurrent
-from dgr.seam.wire import DEFAULT_TOPOLOGY
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["run_cpu", "markdown"]
@@ -124,7 +123,7 @@ def run_cpu(log: Callable[[str], None]) -> dict[str, Any]:
     from dgr.backends.factory import model_layer_count, resolve_model
     from dgr.up import route_splits
 
-    out: dict[str, Any] = {"topology": DEFAULT_TOPOLOGY.value, "tokens": TOKENS, "setups": {}, "floor": {}}
+    out: dict[str, Any] = {"topology": "ring", "tokens": TOKENS, "setups": {}, "floor": {}}
     for label, backend, extra in SETUPS:
         model = resolve_model(backend, None)
         splits = route_splits(model, model_layer_count(backend, model, "default"), 2)

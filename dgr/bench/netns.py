@@ -8,11 +8,9 @@ Topology: machines on one network. The tracker and the benchmark client stay
 in the root namespace; node k runs in namespace `dgrb-<pid>-<k>`. Every
 endpoint (the tracker and each node) has one link to a shared network, and
 any two endpoints see the same RTT, node to node as well as tracker to node.
-So the topology's cost shows as it would across machines: a star (the
-gateway relays every hop) pays N round trips per token on an N-node route,
-a chain (each node forwards to the next, the tail answers the gateway) pays
-(N + 1) one-way trips, (N + 1)/2 round trips, and a ring (the tail sends each
-next step straight to the head) N one-way trips. The client-tracker connection
+So a route's links cost what they would across machines: a ring (each node
+forwards to the next, the tail sends each next step straight to the head)
+pays N one-way trips a token on an N-node route. The client-tracker connection
 is not delayed (the client is co-located with the gateway, as `dgr up`
 users are).
 
@@ -23,7 +21,7 @@ Where the delay goes:
   endpoints crosses two delayed egresses (RTT/2 one way).
 - `tun` links, for kernels built without sch_netem (CONFIG_NET_SCH_NETEM
   unset, as on some VM kernels): a TUN device per endpoint, and one
-  user-space delay line process (`python -m dgr.bench.netns delay-line`)
+  user-space delay line process (`python -m dgr.bench.delayline`)
   that routes each IP packet to the TUN of its destination after RTT/2. The
   copy costs tens of microseconds per packet at every RTT, 0 ms included,
   so the 0 ms baseline carries it too.
@@ -47,17 +45,9 @@ Needs root and iproute2 with `ip netns` (and /dev/net/tun for `tun` links);
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import fcntl
-import ipaddress
-import math
 import os
 import secrets
-import select
 import shutil
-import struct
-import subprocess
 import sys
 import time
 import types
@@ -79,23 +69,12 @@ __all__ = [
     "NetnsRoute",
     "choose_link",
     "clean_env",
-    "expectations",
-    "main",
     "prerequisites",
-    "round_trips_per_token",
-    "rtt_sweep",
-    "ttft_round_trips",
 ]
 
 LINK_KINDS = ("auto", "netem", "tun")
 PLACEMENT = ("one network: any two endpoints (the tracker and each node) see the same RTT, "
              "RTT/2 each way, node to node as well as tracker to node")
-TOPOLOGIES = ("star", "chain", "ring")
-_NETNS_DIRS = ("/run/netns", "/var/run/netns")
-_CLONE_NEWNET = 0x40000000
-_TUNSETIFF = 0x400454CA
-_IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
-_PR_SET_TIMERSLACK = 29
 
 
 def prerequisites() -> str | None:
@@ -251,7 +230,6 @@ class NetnsRoute:
     stub_delay: float = 0.0
     prefill_chunk: int = 512
     link: str = "auto"
-    topology: str = "star"  # the tracker's --topology
     ready_timeout_s: float = 120.0
     kind: str = ""  # the link kind built: netem or tun
     rtt_ms: float = 0.0
@@ -284,7 +262,7 @@ class NetnsRoute:
         """Build the links, start the tracker and the nodes, wait until every node is routable.
 
         Raises:
-            CallerError(INVALID_REQUEST): the topology cannot be built here.
+            CallerError(INVALID_REQUEST): the namespaces and links cannot be built here.
             PeerError(NODE_ERROR): the tracker or a node did not come up.
         """
         remove_stale()
@@ -328,7 +306,7 @@ class NetnsRoute:
         else:
             # the delay line is the network: every endpoint's TUN holds the /24, and it routes by destination
             specs = [f"{ln.dev}:{ln.ns or '-'}:{ln.addr}" for ln in self.endpoints]
-            self._delay_line = _Child.spawn("delay line", [sys.executable, "-m", "dgr.bench.netns", "delay-line",
+            self._delay_line = _Child.spawn("delay line", [sys.executable, "-m", "dgr.bench.delayline",
                                                             *specs], clean_env(), stdin=True)
             self._delay_line.wait(time.monotonic() + 30)
             for ln in self.endpoints:
@@ -339,8 +317,7 @@ class NetnsRoute:
     def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
         from dgr.up import node_args, tracker_args
 
-        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
-                                      topology=self.topology)
+        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
         tracker = _Child.spawn("tracker", [*dgr_command(*tracker_args(targs)), "--host", self.tracker_link.addr],
                                clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
         self._children.append(tracker)
@@ -398,214 +375,3 @@ class NetnsRoute:
         for ns in self._namespaces:
             run_tool(["ip", "netns", "del", ns], check=False)
         self._namespaces.clear()
-
-
-# -- the measurement ------------------------------------------------------------------------
-def round_trips_per_token(hops: int, topology: str = "star") -> float:
-    """RTTs one decoded token waits on: the star's gateway relays each hop (N round trips); the
-    chain's step goes gateway -> node0 -> ... -> tail -> gateway (N + 1 one-way trips); the ring's
-    node0 -> ... -> tail -> node0 (N one-way trips: the tail's answer to the gateway is off that path)."""
-    if topology == "star":
-        return float(hops)
-    return (hops + 1) / 2 if topology == "chain" else hops / 2
-
-
-def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: float,
-                 topology: str = "star") -> list[dict[str, Any]]:
-    """Add to each row what the topology predicts from the 0 ms row.
-
-    Decode: + `round_trips_per_token` x RTT per token. TTFT: + ttft_trips x
-    RTT, the round trips before the first token (see `ttft_round_trips`).
-    Rows hold `rtt_ms`, `decode_tok_s` and `ttft_s`; one must have rtt_ms == 0.
-    """
-    trips = round_trips_per_token(hops, topology)
-    base = next(r for r in rows if r["rtt_ms"] == 0)
-    base_ms = 1e3 / base["decode_tok_s"]
-    out = []
-    for r in rows:
-        ms = 1e3 / r["decode_tok_s"] if r["decode_tok_s"] else float("inf")
-        expected = base_ms + trips * r["rtt_ms"]
-        extra = ms - base_ms
-        out.append({**r, "hops": hops, "topology": topology, "round_trips_per_token": trips,
-                    "ms_per_token": ms, "expected_ms_per_token": expected,
-                    "expected_tok_s": 1e3 / expected, "extra_ms_per_token": extra,
-                    "expected_extra_ms_per_token": trips * r["rtt_ms"],
-                    "extra_rtts_per_token": extra / r["rtt_ms"] if r["rtt_ms"] else None,
-                    "extra_ms_per_hop": extra / hops if r["rtt_ms"] else None,
-                    "decode_vs_0": r["decode_tok_s"] / base["decode_tok_s"],
-                    "ttft_extra_ms": (r["ttft_s"] - base["ttft_s"]) * 1e3,
-                    "expected_ttft_extra_ms": ttft_trips * r["rtt_ms"]})
-    return out
-
-
-def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, prefill_chunk: int,
-                     topology: str = "star") -> float:
-    """Round trips before the first token, on warm connections.
-
-    A text prompt is tokenized by the head node (1), every node opens the
-    session at once (1), and K prefill chunks flow through the hops as a
-    pipeline, the last one leaving the tail with the first token: K - 1
-    trips, plus the last chunk's way through the route (hops for the star,
-    (hops + 1)/2 for the chain and the ring).
-    """
-    chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
-    last = round_trips_per_token(hops, "chain" if topology == "ring" else topology)  # a ring prefills as a chain
-    return (0 if isinstance(prompt, list) else 1) + 1 + chunks - 1 + last
-
-
-def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[float, ...], prompt: str | list[int],
-              decode_tokens: int, threads: int, ctx: int = 4096, link: str = "auto", repeats: int = 1,
-              ready_timeout_s: float = 600.0, stub_delay: float = 0.0, topologies: tuple[str, ...] = TOPOLOGIES,
-              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """Decode tok/s and TTFT of namespaced routes at each RTT, with the N x RTT expectation.
-
-    One route per node count, started once; the RTT is changed under it, and
-    each RTT gets a warm-up request first (connections settle at the new
-    delay). With `repeats` > 1 the best run counts, at every RTT alike: the
-    highest decode rate and, separately, the lowest TTFT (a shared machine
-    only ever adds time).
-    Returns {"skipped": why} where namespaces cannot be made.
-    """
-    from dgr.bench.measure import stream_once
-
-    why = prerequisites()
-    if why is not None:
-        log(f"rtt: skipped: {why}")
-        return {"skipped": why}
-    rtts = sorted({0.0, *(float(r) for r in rtts_ms)})
-    out: dict[str, Any] = {"backend": backend, "rtts_ms": rtts, "placement": PLACEMENT, "repeats": repeats,
-                           "routes": {}}
-    for n, topology in [(n, t) for n in node_counts for t in topologies]:
-        label = f"dgr {backend}, {n} nodes, {topology}, namespaces"
-        per_node = max(1, threads // n)
-        log(f"rtt: {label} ({per_node} thread(s) per node)")
-        with NetnsRoute(backend=backend, nodes=n, threads=per_node, ctx=ctx, link=link, stub_delay=stub_delay,
-                        topology=topology, ready_timeout_s=ready_timeout_s) as route:
-            out["link"] = route.kind
-            model = route.model_id()
-            rows = []
-            for rtt in rtts:
-                route.set_rtt(rtt)
-                stream_once(route.api, model, prompt[:16], 4, headers=route.headers)
-                runs = [stream_once(route.api, model, prompt, decode_tokens, headers=route.headers)
-                        for _ in range(repeats)]
-                best = max(runs, key=lambda r: r.decode_tok_s)
-                ttft = min(r.ttft_s for r in runs)
-                log(f"rtt: {label}, {rtt:g} ms: {best.decode_tok_s:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms")
-                rows.append({"rtt_ms": rtt, "decode_tok_s": best.decode_tok_s, "ttft_s": ttft,
-                             "tokens": best.tokens, "prompt_tokens": best.prompt_tokens})
-            trips = ttft_round_trips(n, prompt, rows[0]["prompt_tokens"], route.prefill_chunk, topology)
-            out["routes"][label] = {"nodes": n, "topology": topology, "threads_per_node": per_node,
-                                    "ttft_round_trips": trips, "rows": expectations(rows, n, trips, topology)}
-    return out
-
-
-# -- the delay line (tun links) -------------------------------------------------------------
-def _setns(libc, fd: int) -> None:
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _open_tun(name: str) -> int:
-    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
-    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
-    return fd
-
-
-def _netns_path(ns: str) -> str:
-    for d in _NETNS_DIRS:
-        if os.path.exists(f"{d}/{ns}"):
-            return f"{d}/{ns}"
-    raise FileNotFoundError(ns)
-
-
-def delay_line(specs: list[str]) -> int:
-    """Route IP packets between endpoints' TUN devices, each one after the current one-way delay.
-
-    `specs` are DEV:NAMESPACE:ADDR, NAMESPACE `-` for this process's own.
-    Each TUN is made inside its namespace (setns), non-persistent, so they
-    vanish when this process exits. A packet read from any TUN is written to
-    the TUN whose endpoint holds its IPv4 destination; one for nobody is
-    dropped. Prints `ready`; then each stdin line is a new one-way delay in
-    seconds (answered `ok`); end of stdin ends it. Packets to one endpoint
-    keep their order, and one that cannot be written (a link going down) is
-    lost, as on a wire.
-
-    A timed wake-up runs late (timer slack, then the scheduler: about a
-    quarter of a millisecond per direction on a busy VM), which would add
-    to every delayed hop. So the lateness is learned as it happens and taken
-    off each timeout; a wake-up that comes early polls until the packet is
-    due, which costs CPU only for the lateness' spread.
-    """
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    owner: dict[bytes, int] = {}  # IPv4 address -> the TUN of the endpoint holding it
-    for spec in specs:
-        dev, ns, addr = spec.split(":")
-        if ns == "-":
-            fd = _open_tun(dev)
-        else:
-            target = os.open(_netns_path(ns), os.O_RDONLY)
-            _setns(libc, target)
-            fd = _open_tun(dev)
-            _setns(libc, home)
-            os.close(target)
-        owner[ipaddress.IPv4Address(addr).packed] = fd
-    tuns = list(owner.values())
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, -10)  # a wire does not wait for the CPU: run ahead of the nodes
-    except OSError:
-        pass
-    libc.prctl(_PR_SET_TIMERSLACK, 1)  # 1 ns instead of 50 us of slack on every timed wait
-    waiting: dict[int, collections.deque] = {fd: collections.deque() for fd in tuns}  # (due, packet) to write to fd
-    delay, stdin, pending = 0.0, sys.stdin.fileno(), b""
-    late = 0.0  # how late a timed wake-up comes here (moving average, seconds)
-    print("ready", flush=True)
-    while True:
-        due = min((q[0][0] for q in waiting.values() if q), default=None)
-        start = time.monotonic()
-        timeout = None if due is None else max(0.0, due - start - late)
-        readable, _, _ = select.select([stdin, *tuns], [], [], timeout)
-        now = time.monotonic()
-        if not readable and timeout:
-            late = 0.9 * late + 0.1 * min(2e-3, max(0.0, now - start - timeout))
-        for fd in readable:
-            if fd == stdin:
-                data = os.read(stdin, 4096)
-                if not data:
-                    return 0
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    delay = float(line)
-                    print("ok", flush=True)
-                continue
-            while True:
-                try:
-                    packet = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                # IPv4 only (the links carry no other): the destination is bytes 16-20
-                to = owner.get(packet[16:20]) if len(packet) >= 20 and packet[0] >> 4 == 4 else None
-                if to is not None:
-                    waiting[to].append((now + delay, packet))
-        now = time.monotonic()
-        for fd, q in waiting.items():
-            while q and q[0][0] <= now:
-                try:
-                    os.write(fd, q.popleft()[1])
-                except OSError:
-                    pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["delay-line"] or len(argv) < 2:
-        print("usage: python -m dgr.bench.netns delay-line DEV:NAMESPACE:ADDR ...", file=sys.stderr)
-        return 2
-    return delay_line(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,11 +33,10 @@ from typing import Any, Callable
 import attrs
 
 from dgr.bench.measure import concurrent, stream_once
-from dgr.seam.wire import DEFAULT_TOPOLOGY
 
 __all__ = ["PairedSetup", "RATIOS", "SESSIONS", "TTFT_RATIOS", "ratios", "run_paired"]
 
-_T = DEFAULT_TOPOLOGY.value  # the routes measured are the ones users get
+_T = "ring"  # every route is a ring (dgr.tracker.ring)
 SESSIONS = 8  # the concurrent setups' streams: the issue's 8-session figure, quick or not
 
 # (name, numerator setup, denominator setup, target): the decode must-shows

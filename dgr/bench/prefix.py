@@ -40,7 +40,6 @@ from typing import Any, Callable
 import httpx
 
 from dgr.models import default_model_path
-from dgr.seam.wire import DEFAULT_TOPOLOGY
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["COLD_BOUND", "FOLLOW_UP_BOUND", "QUESTIONS", "SYSTEM_TOKENS", "run_prefix", "stream_chat",
@@ -105,8 +104,7 @@ def stream_chat(api: str, model: str, messages: list[dict[str, str]], max_tokens
 def _route(per_node: int) -> LocalRoute:
     # no --prefill-chunk: the route cuts prefill as the product does
     return LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
-                      extra=("--threads", str(per_node), "--ctx", "4096", "--max-sessions", "4",
-                             "--topology", DEFAULT_TOPOLOGY.value))
+                      extra=("--threads", str(per_node), "--ctx", "4096", "--max-sessions", "4"))
 
 
 def _cached(usage: dict[str, Any]) -> int:
@@ -119,12 +117,12 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
     per_node = max(1, threads // 2)
     turns = len(QUESTIONS)
     out: dict[str, Any] = {"threads": threads, "threads_per_node": per_node, "turns": turns,
-                           "topology": DEFAULT_TOPOLOGY.value, "max_tokens": max_tokens, "repeats": repeats,
+                           "topology": "ring", "max_tokens": max_tokens, "repeats": repeats,
                            "system_tokens_target": SYSTEM_TOKENS, "cold_bound": COLD_BOUND,
                            "follow_up_bound": FOLLOW_UP_BOUND, "load_before": list(os.getloadavg())}
     dgr: list[list[dict[str, Any]]] = []  # [repeat][turn]
     server: list[list[dict[str, Any]]] = []
-    log(f"prefix: dgr llama_shard x2 {DEFAULT_TOPOLOGY.value} ({per_node} thread(s) per node)"
+    log(f"prefix: dgr llama_shard x2 ring ({per_node} thread(s) per node)"
         + (f" beside llama-server ({threads} threads, cache_prompt)" if peers else ""))
     with _route(per_node) as route:
         srv_ctx = None

@@ -127,7 +127,7 @@ def _paired_markdown(paired: dict[str, Any]) -> list[str]:
              "Every setup below was up at once (idle setups take no CPU) and each round measured each in turn "
              "(one streamed completion; a setup named with N sessions: N streams at once on the bench's story "
              "prompt with half the tokens, rated by their aggregate tok/s), so a slowdown of the machine hits "
-             "every setup of a round alike. dgr's routes have the topology their label names and 1 "
+             "every setup of a round alike. dgr's routes are rings of 1 "
              "thread a node (2 threads for one "
              "`llama` node). A ratio is the median over rounds of that round's ratio; the range is its lowest "
              "and highest round.", "",
@@ -316,7 +316,7 @@ def _rtt_plot(rtt: dict[str, Any], out: Path, save: Callable) -> None:
         rows = sorted(route["rows"], key=lambda r: r["rtt_ms"])
         xs = [r["rtt_ms"] for r in rows]
         color = f"C{i}"
-        name = f"{route['nodes']} nodes, {route.get('topology', 'star')}"
+        name = f"{route['nodes']} nodes, {route.get('topology', 'ring')}"  # runs before issue 41 name theirs
         left.plot(xs, [r["decode_tok_s"] for r in rows], marker="o", color=color, label=f"{name}, measured")
         left.plot(xs, [r["expected_tok_s"] for r in rows], ls="--", color=color, label=f"{name}, expected")
         right.plot(xs, [r["ms_per_token"] for r in rows], marker="o", color=color, label=f"{name}, measured")

@@ -18,7 +18,8 @@ the tracker records has exactly one expected cause. Afterwards every node
 must hold no session, its KV must be back to its idle baseline, and the RSS
 of every node process that served the whole measured window must have grown
 by less than `MAX_RSS_GROWTH`. The figures are printed; the exit code says
-whether the checks held.
+whether the checks held. This module drives the route and its clients; the
+settings, the plan and the verdict are dgr.bench.soak_report.
 
 With `--attacker`, an attacker process (`dgr attack`, dgr.bench.attacker: a member
 node's operator with the join token) runs beside the sessions the whole time, and
@@ -43,14 +44,12 @@ model instead of the stub. Left out: multi-machine routes.
 from __future__ import annotations
 
 import json
-import math
 import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -59,234 +58,26 @@ import attrs
 import httpx
 import trio
 
+from dgr.bench.soak_report import (
+    HEALTHZ_EVERY_S,
+    HEALTHZ_P99_MS,
+    NodeProc,
+    SoakConfig,
+    SoakReport,
+    plan,
+    rss_kib,
+)
 from dgr.procs import dgr_command
 from dgr.security.identity import Identity
 from dgr.testing.harness import LocalRoute, RouteTimeout
 from dgr.testing.launcher import LaunchedProcess, launch
 
-__all__ = ["SoakConfig", "SoakReport", "plan", "run_soak", "register", "MAX_RSS_GROWTH", "KINDS", "HEALTHZ_P99_MS",
-           "HEALTHZ_EVERY_S"]
+__all__ = ["register", "run_soak"]
 
-MAX_RSS_GROWTH = 0.05
-HEALTHZ_P99_MS = 100.0
-HEALTHZ_EVERY_S = 0.2
 _HEALTHZ_TIMEOUT_S = 5.0  # a probe that gets no answer counts at this latency, and as an error
-KINDS = ("complete", "cancel", "disconnect", "kill", "oversized")
 # Enough tokens that a cancelled or disconnected session is still generating when its client leaves.
 _LONG = 2000
 _WORDS = ("route", "shard", "layer", "token", "cache", "node", "seam", "hidden", "state", "prefill", "decode")
-
-
-@attrs.frozen
-class SoakConfig:
-    sessions: int = 500
-    concurrency: int = 4
-    seed: int = 0
-    time_limit_s: float = 900.0
-    kill_every: int = 50  # one session in this many kills and restarts the tail node
-    cancel_share: float = 0.12
-    disconnect_share: float = 0.12
-    max_tokens: int = 48
-    warmup: int = 20  # sessions a node process serves before its RSS baseline is taken
-    stub_delay: float = 0.0
-    oversized_share: float = 0.0
-    backend: str = "stub"
-    attacker: bool = False
-    attack_idle_conns: int = 300
-    attack_half_bodies: int = 40
-    healthz_p99_ms: float = HEALTHZ_P99_MS  # the bound; a looser one where the machine is shared (tests)
-    trusted_heads: bool = True  # with the attacker: False is the control run, where it can capture sessions
-
-
-def plan(cfg: SoakConfig) -> list[str]:
-    """The session kinds in run order: seeded, kills evenly spaced mid-period (so the last node
-    incarnation still serves a warm-up and gets an RSS baseline)."""
-    rng = random.Random(cfg.seed)
-    kinds = []
-    for i in range(cfg.sessions):
-        if cfg.kill_every and i % cfg.kill_every == cfg.kill_every // 2:
-            kinds.append("kill")
-            continue
-        r = rng.random()
-        kinds.append("cancel" if r < cfg.cancel_share else
-                     "disconnect" if r < cfg.cancel_share + cfg.disconnect_share else
-                     "oversized" if r < cfg.cancel_share + cfg.disconnect_share + cfg.oversized_share else "complete")
-    return kinds
-
-
-@attrs.define
-class _Proc:
-    """One node process as the soak saw it."""
-
-    node: str
-    pid: int
-    alive: bool = True
-    served: int = 0  # sessions that ended while it was alive
-    rss_base: int | None = None
-    rss_end: int | None = None
-    rss_trace: list[tuple[int, int]] = attrs.field(factory=list)  # (served, KiB) after the baseline
-
-    def sample(self, every: int) -> None:
-        if self.rss_base is not None and self.alive and (not self.rss_trace or self.served - self.rss_trace[-1][0] >= every):
-            rss = _rss_kib(self.pid)
-            if rss is not None:
-                self.rss_trace.append((self.served, rss))
-
-    def to_json(self) -> dict[str, Any]:
-        growth = None if not (self.rss_base and self.rss_end) else (self.rss_end - self.rss_base) / self.rss_base
-        return {"node": self.node, "pid": self.pid, "served": self.served, "rss_before_kib": self.rss_base,
-                "rss_after_kib": self.rss_end, "rss_growth_pct": None if growth is None else round(100 * growth, 2),
-                "rss_trace_kib": self.rss_trace}
-
-
-@attrs.define
-class SoakReport:
-    config: SoakConfig
-    planned: Counter = attrs.field(factory=Counter)  # kind -> sessions started
-    outcomes: Counter = attrs.field(factory=Counter)  # "kind:outcome" as the client saw it
-    tracker_sessions: dict[str, int] = attrs.field(factory=dict)  # outcome -> count (tracker's view, this run)
-    tracker_failures: dict[str, int] = attrs.field(factory=dict)  # reason -> count (tracker's view, this run)
-    procs: list[_Proc] = attrs.field(factory=list)
-    kv_before: dict[str, int] = attrs.field(factory=dict)
-    kv_after: dict[str, int] = attrs.field(factory=dict)
-    sessions_after: dict[str, int] = attrs.field(factory=dict)
-    elapsed_s: float = 0.0
-    stopped_early: bool = False
-    problems: list[str] = attrs.field(factory=list)
-    healthz_ms: dict[str, list[float]] = attrs.field(factory=dict)  # server -> latencies (judged with --attacker)
-    healthz_errors: Counter = attrs.field(factory=Counter)
-    attack: dict[str, Any] | None = None  # the attacker's own tally (dgr.bench.attacker)
-
-    def healthz(self) -> dict[str, dict[str, float]]:
-        return {name: {"n": len(ms), "p50": round(_pct(ms, 0.50), 1), "p99": round(_pct(ms, 0.99), 1),
-                       "max": round(max(ms), 1), "errors": self.healthz_errors[name]}
-                for name, ms in sorted(self.healthz_ms.items()) if ms}
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def check(self) -> None:
-        """Record every way the run left something behind or ended unexpectedly."""
-        p = self.problems
-        for node, n in self.sessions_after.items():
-            if n:
-                p.append(f"{node} still holds {n} session(s)")
-        for node, kv in self.kv_after.items():
-            if kv != self.kv_before.get(node, 0):
-                p.append(f"{node} holds {kv} KV bytes, {self.kv_before.get(node, 0)} before")
-        for proc in self.procs:
-            if proc.rss_base and proc.rss_end and proc.rss_end > proc.rss_base * (1 + MAX_RSS_GROWTH):
-                p.append(f"{proc.node} (pid {proc.pid}) RSS grew {proc.rss_base} -> {proc.rss_end} KiB")
-        if not any(proc.rss_base and proc.rss_end for proc in self.procs):
-            p.append("no node process served the whole window: no RSS figure to judge")
-        unexpected = {k: v for k, v in self.outcomes.items() if not k.endswith(":ok")}
-        if unexpected:
-            p.append(f"sessions that did not end as planned: {dict(unexpected)}")
-        allowed = {"cancelled"}  # each other reason only when a planned session ends with it
-        if self.planned.get("kill"):
-            allowed.add("route_node_lost")
-        if self.planned.get("oversized"):
-            allowed |= {"prompt_too_large", "context_length_exceeded"}
-        odd = {r: n for r, n in self.tracker_failures.items() if r not in allowed}
-        if odd:
-            p.append(f"the tracker recorded unexpected failures: {odd}")
-        if self.config.attacker:
-            self._check_attack()
-
-    def _check_attack(self) -> None:
-        p = self.problems
-        for name, h in self.healthz().items():
-            if h["p99"] >= self.config.healthz_p99_ms or h["errors"]:
-                p.append(f"{name} /healthz p99 {h['p99']} ms (max {h['max']}, {h['errors']} unanswered); "
-                         f"the bound is {self.config.healthz_p99_ms:g} ms")
-        if not self.healthz_ms:
-            p.append("no /healthz figure was taken")
-        if self.attack is None:
-            p.append("the attacker left no tally")
-            return
-        if self.attack.get("trap_calls"):
-            p.append(f"{self.attack['trap_calls']} call(s) of honest sessions reached the attacker's node")
-        if self.attack.get("accepted"):
-            p.append(f"attacks accepted: {self.attack['accepted']}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "sessions": sum(self.planned.values()),
-            "planned": dict(self.planned),
-            "client_outcomes": dict(self.outcomes),
-            "tracker_sessions": self.tracker_sessions,
-            "tracker_failures": self.tracker_failures,
-            "nodes": [p.to_json() for p in self.procs],
-            "kv_bytes_before": self.kv_before,
-            "kv_bytes_after": self.kv_after,
-            "sessions_after": self.sessions_after,
-            "elapsed_s": round(self.elapsed_s, 2),
-            "sessions_per_s": round(sum(self.planned.values()) / self.elapsed_s, 2) if self.elapsed_s else None,
-            "stopped_early": self.stopped_early,
-            "healthz_ms": self.healthz(),
-            "attack": self.attack,
-            "problems": self.problems,
-        }
-
-    def render(self) -> str:
-        d = self.to_json()
-        lines = [
-            f"dgr soak: {d['sessions']} sessions in {d['elapsed_s']} s ({d['sessions_per_s']}/s), "
-            f"concurrency {self.config.concurrency}, seed {self.config.seed}"
-            + (" (stopped at the time limit)" if self.stopped_early else ""),
-            "  planned:          " + ", ".join(f"{k} {v}" for k, v in sorted(self.planned.items())),
-            "  client outcomes:  " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
-            "  tracker sessions: " + ", ".join(f"{k} {v}" for k, v in sorted(self.tracker_sessions.items())),
-            "  errors by reason: " + (", ".join(f"{k} {v}" for k, v in sorted(self.tracker_failures.items()))
-                                      or "none"),
-        ]
-        for p in d["nodes"]:
-            if p["rss_after_kib"] is None:  # killed on purpose: its figures judge nothing
-                lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, killed")
-                continue
-            if p["rss_growth_pct"] is None:  # started too late to serve the warm-up: no baseline
-                lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, RSS {p['rss_after_kib']} KiB "
-                             f"(under {self.config.warmup} sessions: not judged)")
-                continue
-            trace = " ".join(f"{kib}@{n}" for n, kib in p["rss_trace_kib"])
-            lines.append(f"  {p['node']} pid {p['pid']}: served {p['served']}, RSS {p['rss_before_kib']} -> "
-                         f"{p['rss_after_kib']} KiB ({p['rss_growth_pct']:+}%); KiB@sessions: {trace}")
-        lines.append(f"  KV bytes before {d['kv_bytes_before']}, after {d['kv_bytes_after']}; "
-                     f"sessions held after {d['sessions_after']}")
-        for name, h in d["healthz_ms"].items():
-            lines.append(f"  /healthz {name}: n {h['n']}, p50 {h['p50']} ms, p99 {h['p99']} ms, max {h['max']} ms, "
-                         f"unanswered {h['errors']}" + ("" if self.config.attacker else " (not judged without --attacker)"))
-        if self.attack is not None:
-            a = self.attack
-            lines.append(f"  attacker: {a.get('total')} attacks in {a.get('elapsed_s')} s; accepted "
-                         f"{a.get('accepted') or 'none'}; trap calls {a.get('trap_calls')}; id oracle "
-                         f"{a.get('id_oracle')}; describe in /v1/models {a.get('describe_in_models')} "
-                         f"(overrides its fields: {a.get('describe_overrides_models')}); held connections "
-                         f"never closed {a.get('held_open_at_exit')}, longest before a close "
-                         f"{a.get('longest_held_before_close_s')} s")
-            for name, answers in a.get("attacks", {}).items():
-                lines.append(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in answers.items()))
-        lines.append("  result: " + ("ok" if self.ok else "FAILED: " + "; ".join(self.problems)))
-        return "\n".join(lines)
-
-
-def _pct(ms: list[float], q: float) -> float:
-    """The q-quantile by the nearest-rank rule (p99 of 100 samples is the 99th smallest)."""
-    ordered = sorted(ms)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def _rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def _prompt(rng: random.Random) -> str:
@@ -300,7 +91,7 @@ class _Soak:
     report: SoakReport
     client: httpx.AsyncClient
     model: str = "stub"
-    procs: dict[int, _Proc] = attrs.field(factory=dict)
+    procs: dict[int, NodeProc] = attrs.field(factory=dict)
     down: set[str] = attrs.field(factory=set)  # nodes killed on purpose, until restarted: not probed
 
     async def _nodes(self) -> list[dict[str, Any]]:
@@ -352,13 +143,13 @@ class _Soak:
         alive = {n["pid"] for n in nodes if n["alive"] and n.get("pid")}
         for n in nodes:
             if n["pid"] in alive and n["pid"] not in self.procs:
-                self.procs[n["pid"]] = _Proc(n["node"], n["pid"])
+                self.procs[n["pid"]] = NodeProc(n["node"], n["pid"])
                 self.report.procs.append(self.procs[n["pid"]])
         for proc in self.procs.values():
             proc.alive = proc.pid in alive
         for proc in self.procs.values():
             if proc.rss_base is None and proc.alive and proc.served >= self.cfg.warmup:
-                proc.rss_base = _rss_kib(proc.pid)
+                proc.rss_base = rss_kib(proc.pid)
             proc.sample(max(1, min(self.cfg.sessions // 10, 50)))
 
     def served(self) -> None:
@@ -518,7 +309,7 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
             report.sessions_after[n] = status["sessions"]
         for proc in report.procs:
             if proc.pid in alive:
-                proc.rss_end = _rss_kib(proc.pid)
+                proc.rss_end = rss_kib(proc.pid)
     report.elapsed_s = time.monotonic() - start
     report.check()
     return report

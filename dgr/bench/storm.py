@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 import httpx
 import numpy as np
 
-from dgr.seam.wire import DEFAULT_TOPOLOGY
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["cpu_hog", "run_storm", "markdown", "SECONDS", "CLIENTS"]
@@ -129,7 +128,7 @@ def run_storm(log: Callable[[str], None], seconds: float = SECONDS) -> dict[str,
     opens = [r["open_s"] for r in rows if r["status"] == 200]
     failures = stats.get("failures", {})
     return {
-        "topology": DEFAULT_TOPOLOGY.value, "seconds": seconds, "clients": CLIENTS, "threads_per_node": 1,
+        "topology": "ring", "seconds": seconds, "clients": CLIENTS, "threads_per_node": 1,
         "hog": "a Python busy loop pinned to core 0",
         "requests": len(rows),
         "status": {str(s): sum(1 for r in rows if r["status"] == s) for s in sorted({r["status"] for r in rows})},

@@ -20,7 +20,7 @@ import httpx
 from dgr.bench.direct import direct_llama
 from dgr.bench.measure import concurrent, hop_stats, short_ttft, stream_once
 from dgr.models import default_model_path
-from dgr.seam.wire import DEFAULT_TOPOLOGY, HEADER_SIZE
+from dgr.seam.wire import HEADER_SIZE
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["BenchConfig", "run_suite"]
@@ -122,20 +122,18 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
                                                                                    n_ctx=max_ctx)["ttft_s"]
 
     short = _prompt_tokens(cfg.short_prompt)
-    for label, backend, nodes, topology in _DGR_SETUPS:
+    for label, backend, nodes in _DGR_SETUPS:
         threads = max(1, cfg.threads // nodes)
         _log(f"{label} ({threads} thread(s) per node)")
-        with _route(backend, nodes, threads, ctx=max_ctx, extra=("--topology", topology)) as route:
+        with _route(backend, nodes, threads, ctx=max_ctx) as route:
             results["setups"][label] = _dgr_row(route, name, base_prompt, short, cfg.decode_tokens, threads)
-            if nodes == 2 and topology == "star":
-                continue  # the forwarding routes' figures below cover the rest
             for n, ids in prompt.items():
                 rr = stream_once(route.api, name, ids, 4)
                 results["ttft"].setdefault(label, {})[n] = rr.ttft_s
                 if nodes > 1:
                     status = route.node_status("node1")["seam"]
                     results["seam"].setdefault(label, {})[n] = status["last_decode_frame_bytes"]
-            if nodes == 2 and topology == DEFAULT_TOPOLOGY.value:
+            if nodes == 2:
                 for c in cfg.concurrency:
                     _log(f"{label}: {c} concurrent session(s)")
                     results["concurrency"].setdefault(label, {})[c] = concurrent(
@@ -153,14 +151,11 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     return results
 
 
-# label, backend, nodes, topology
-_DGR_SETUPS: tuple[tuple[str, str, int, str], ...] = (
-    ("dgr llama, 1 node", "llama", 1, "star"),
-    ("dgr llama_shard, 2 nodes, star", "llama_shard", 2, "star"),
-    ("dgr llama_shard, 2 nodes, chain", "llama_shard", 2, "chain"),
-    ("dgr llama_shard, 2 nodes, ring", "llama_shard", 2, "ring"),
-    ("dgr llama_shard, 3 nodes, chain", "llama_shard", 3, "chain"),
-    ("dgr llama_shard, 3 nodes, ring", "llama_shard", 3, "ring"),
+# label, backend, nodes (every route is a ring: dgr.tracker.ring)
+_DGR_SETUPS: tuple[tuple[str, str, int], ...] = (
+    ("dgr llama, 1 node", "llama", 1),
+    ("dgr llama_shard, 2 nodes, ring", "llama_shard", 2),
+    ("dgr llama_shard, 3 nodes, ring", "llama_shard", 3),
 )
 # llama-server's prompt cache would answer a repeated prompt's TTFT from memory; dgr has none yet.
 _NO_PROMPT_CACHE = {"cache_prompt": False}
@@ -176,7 +171,6 @@ def _dgr_row(route: LocalRoute, name: str, prompt: list[int], short: list[int], 
         "ttft_short_s": short_ttft(route.api, name, short),
         "hop_p50_ms": {k: v.get("p50_ms") for k, v in hops.items()},
         "hop_p99_ms": {k: v.get("p99_ms") for k, v in hops.items()},
-        "seam_bytes_per_step": {k: v.get("decode_frame_bytes") for k, v in hops.items()},
         "threads_per_node": threads,
     }
 
@@ -230,11 +224,10 @@ def _paired(cfg: BenchConfig, model: str, name: str, prompt: list[int], ctx: int
 
     def start(stack) -> list[PairedSetup]:
         out = []
-        topology = DEFAULT_TOPOLOGY.value  # the routes users get
-        for label, backend, nodes in ((f"dgr 2-node {topology}", "llama_shard", 2),
-                                      (f"dgr 3-node {topology}", "llama_shard", 3), ("dgr llama, 1 node", "llama", 1)):
+        for label, backend, nodes in (("dgr 2-node ring", "llama_shard", 2), ("dgr 3-node ring", "llama_shard", 3),
+                                      ("dgr llama, 1 node", "llama", 1)):
             threads = max(1, cfg.threads // nodes)
-            route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx, extra=("--topology", topology)))
+            route = stack.enter_context(_route(backend, nodes, threads, ctx=ctx))
             out.append(PairedSetup(label, route.api, name))
             if nodes == 2:
                 out += [PairedSetup(f"{label}, {n} session{'s' * (n > 1)}", route.api, name, sessions=n)
@@ -265,16 +258,16 @@ def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[i
     model = str(random_llama_gguf(LLAMA_1B, log=_log))
     out.update(model=LLAMA_1B.name, shape={**attrs.asdict(LLAMA_1B, filter=lambda a, _v: a.name != "quant"), "quant": LLAMA_1B.quant.name},
                setups={}, concurrency={})
-    for label, backend, nodes, topology in _DGR_SETUPS:
+    for label, backend, nodes in _DGR_SETUPS:
         if nodes == 3:
             continue
         threads = max(1, cfg.threads // nodes)
         _log(f"{LLAMA_1B.name}: {label}")
         with _route(backend, nodes, threads, ctx=len(prompt) + cfg.decode_tokens + 64,
-                    extra=("--topology", topology, "--model", model)) as route:
+                    extra=("--model", model)) as route:
             name = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
             out["setups"][label] = _dgr_row(route, name, prompt, short, cfg.decode_tokens, threads)
-            if nodes == 2 and topology == DEFAULT_TOPOLOGY.value:
+            if nodes == 2:
                 for c in (1, max(cfg.concurrency)):
                     out["concurrency"].setdefault(label, {})[c] = concurrent(
                         route.api, name, STORY, cfg.decode_tokens // 2, c)
@@ -284,7 +277,7 @@ def _big(out: dict[str, Any], cfg: BenchConfig, prompt: list[int], short: list[i
 
 def _rtt(cfg: BenchConfig, prompt: list[int], ctx: int) -> dict[str, Any]:
     """2- and 3-node llama_shard routes with each node in its own network namespace, at each RTT."""
-    from dgr.bench.netns import rtt_sweep
+    from dgr.bench.rtt import rtt_sweep
 
     return rtt_sweep(backend="llama_shard", node_counts=(2, 3), rtts_ms=cfg.rtts_ms, prompt=prompt,
                      decode_tokens=cfg.decode_tokens, threads=cfg.threads, ctx=ctx, link=cfg.rtt_link,

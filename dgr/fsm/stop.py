@@ -1,7 +1,7 @@
 """The one stop rule: after a route samples a token, does a next decode step go out, and if not, why.
 
-Two places decide it, and they must decide alike: the gateway, for every
-topology, and a ring's tail, which sends the next step to the head itself
+Two places decide it, and they must decide alike: the gateway, and the
+ring's tail, which sends the next step to the head itself
 without waiting for the gateway (dgr.node.replies `next_step_frame`). Both call
 `next_step`; only stop strings are the gateway's alone (the tail never sees
 text), and they end a session from the gateway, whose close discards any

@@ -1,4 +1,4 @@
-"""The node's links: the relays a chain or ring session's results leave by, and a ring tail's phase groups.
+"""The node's links: the relays a ring session's results leave by, and a ring tail's phase groups.
 
 Rules:
 - A session opened with a relay plan sends its results on along its route (dgr.node.relay) instead of
@@ -25,6 +25,7 @@ import trio
 from dgr.errors import CallerError, Reason
 from dgr.node.relay import Outgoing, Relay, RelayPlan, SelfLoop
 from dgr.node.ringphases import RingPhases
+from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 
 __all__ = ["NodeLinks"]
@@ -36,7 +37,7 @@ class NodeLinks:
 
     node_id: str
     pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
-    accept_streamed: Callable[[str, bytes, str], None]  # the node's reader of stream records (a ring of one)
+    accept_streamed: Callable[[str, Record], None]  # the node's reader of stream records (a ring of one)
     relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
     loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
     on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its chain sessions open here
@@ -93,4 +94,4 @@ class NodeLinks:
     def _loop_send(self, sid: str, step: bytes) -> None:
         loop = self.loops.get(sid)
         if loop is not None:
-            loop.put(Outgoing(step, ""))  # the head starts a new hops text
+            loop.put(Outgoing(step, ()))  # the head is the first hop of the next step

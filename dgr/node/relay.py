@@ -1,34 +1,32 @@
-"""A node's relay on a chain route: what it computed, sent on in order.
+"""A node's relays on a ring: what it computed, sent on in order.
 
-On a chain (`Topology.CHAIN`) the gateway sends each step to the head only.
-Every node computes and hands its result to the session's relay, which sends
-it on: to the next node as that node's input frame, or, from the tail, to the
-gateway as the answer (a TOKEN frame, or an ACK for a prefill chunk). A token
-then costs N + 1 one-way messages instead of the star's 2N round-trip halves.
-On a ring (`Topology.RING`) the tail has a second relay (`Loop`): each next
-decode step goes from it straight to the head, so the gateway is off the path
-between tokens (N one-way messages a token). On a ring of one node the tail is
-the head, and its loop (`SelfLoop`) admits each next step here, with no
-socket.
+The gateway sends a session's prompt chunks to the head. Every node computes
+each step and hands its result to the session's relay, which sends it on: to
+the next node as that node's input frame, or, from the tail, to the gateway
+as the answer (a TOKEN frame, or an ACK for a prefill chunk). The tail has a
+second relay (`Loop`): each next decode step goes from it straight to the
+head, so the gateway is off the path between tokens (N one-way messages a
+token on N nodes). On a ring of one node the tail is the head, and its loop
+(`SelfLoop`) admits each next step here, with no socket.
 
 Rules:
-- One relay task per session keeps the session's frames in order (a node's
-  step FSM refuses a frame out of order, so order is a correctness matter).
-- The frames go as records of one streamed request (dgr.seam.stream), opened
-  with the first frame and ended when the session ends here. The next hop
-  answers only then, or to refuse a frame, so a step costs one write.
-- Each hop adds "node=compute microseconds" to the hops text it passes on,
-  so the gateway learns every hop's compute with the answer.
-- A link that fails is reported to the gateway (`Report`): a next node whose
-  connection drops while the session lives is `route_node_lost` naming it
-  (a killed process's socket closes at once, so this needs no step in
+- One relay task per session and link keeps the session's frames in order (a
+  node's step FSM refuses a frame out of order, so order is a correctness
+  matter).
+- The frames go on one outgoing link (dgr.seam.link): records of one streamed
+  request, opened with the first frame and ended when the session ends here.
+- Each hop appends its compute to the record's hop times (dgr.seam.stream), so
+  the gateway learns every hop's compute with the answer.
+- A link that ends early is reported to the gateway (`Report`): a next node
+  whose connection drops while the session lives is `route_node_lost` naming
+  it (a killed process's socket closes at once, so this needs no step in
   flight); a refusal is `node_error` naming the node that refused. The relay
   then stops; the gateway fails the Route Session and closes it everywhere,
   which ends the relay.
 - Nothing is retried: a seam step is not idempotent.
 
 Left out: computing (dgr.node.service submits to the scheduler) and how the
-gateway correlates answers (dgr.tracker.gateway).
+gateway correlates answers (dgr.tracker.ring).
 """
 
 from __future__ import annotations
@@ -43,7 +41,8 @@ import trio
 
 from dgr.errors import DgrError, Failure, Reason, parse_error_body
 from dgr.node import steptrace
-from dgr.seam.stream import encode_record
+from dgr.seam.link import Link, LinkBroken, LinkEnd
+from dgr.seam.stream import Record, encode_record
 from dgr.seam.transport import ConnectionPool, OutStream, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
                            STREAM_PATH)
@@ -51,9 +50,6 @@ from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVE
 __all__ = ["NextHop", "Loop", "RelayPlan", "Relay", "SelfLoop", "Outgoing", "Report"]
 
 log = logging.getLogger("dgr.node")
-
-_END_S = 2.0  # how long an ending stream waits for the next hop's answer
-_REFUSAL_S = 0.5  # how long a broken link waits for the refusal that may have come just before
 
 
 
@@ -100,7 +96,7 @@ class Outgoing:
     """One computed step, ready to send on: the next hop's input frame, or the tail's answer."""
 
     frame: bytes
-    hops: str  # the hops text so far, this node included
+    compute_us: tuple[int, ...]  # each hop's compute for this step so far, this node's last
 
 
 @attrs.frozen
@@ -122,9 +118,7 @@ class Relay:
     defer: bool = False
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _recv: trio.MemoryReceiveChannel = attrs.field(init=False)
-    _ending: bool = False  # the session ended here: the stream is being closed on purpose
     _failure: Failure | None = None  # what to report to the gateway once the relay stops
-    _answered: trio.Event = attrs.field(factory=trio.Event)  # the next hop answered the stream, or it broke
 
     def __attrs_post_init__(self) -> None:
         # Unbounded: each item is a step the session's FSM already accepted and computed; dropping
@@ -141,44 +135,35 @@ class Relay:
         self._send.close()
 
     async def run(self) -> None:
-        """Send every item in order, on one stream, until the session closes the relay or the link fails."""
-        stream: OutStream | None = None
+        """Send every item in order, on one link, until the session closes the relay or the link ends."""
         role = "answer" if self.plan.next is None else "on"  # its name in step traces
+        link: Link | None = None
         try:
             async with trio.open_nursery() as nursery:
+                link = Link(self._open, nursery, on_early=lambda end: self._ended(end, nursery.cancel_scope))
                 async for item in self._recv:
                     if isinstance(item, Report):
                         self._failure = self._failure or item.failure
                         break
                     if steptrace.ON:
                         steptrace.mark_frame(f"woken:{role}", self.sid, item.frame)
+                    if self.defer:
+                        await trio.lowlevel.checkpoint()
+                    record = encode_record(item.compute_us, item.frame)
+                    if steptrace.ON:
+                        steptrace.mark_frame(f"send:{role}", self.sid, item.frame)
                     try:
-                        if stream is None:
-                            stream = await self._open()
-                            nursery.start_soon(self._watch, stream, nursery.cancel_scope)
-                        if self.defer:
-                            await trio.lowlevel.checkpoint()
-                        record = encode_record(item.hops, item.frame)
-                        if steptrace.ON:
-                            steptrace.mark_frame(f"send:{role}", self.sid, item.frame)
-                        await stream.send(record)
-                    except TransportError as exc:
-                        await self._lost(exc)
+                        await link.send(record)
+                    except LinkBroken as broken:
+                        self._ended(broken.end, None)
                         break
                 else:  # the session ended here: end the stream, and let the next hop answer it
-                    self._ending = True
-                    if stream is not None:
-                        with trio.move_on_after(_END_S):
-                            try:
-                                await stream.end()
-                                await self._answered.wait()
-                            except TransportError:
-                                pass
+                    await link.end()
                 nursery.cancel_scope.cancel()
         finally:
             self._recv.close()
-            if stream is not None:
-                await stream.release()
+            if link is not None:
+                await link.drop()  # after a failure or a cancel: cut (after a clean end: nothing left)
         if self._failure is not None:
             await self._report(self._failure)
 
@@ -195,42 +180,27 @@ class Relay:
             headers.append((CAPABILITY_HEADER, cap))
         return await pool.open_stream(target, headers)
 
-    async def _watch(self, stream: OutStream, scope: trio.CancelScope) -> None:
-        """Read the next hop's answer: before the session ends here, an answer is a refusal and a drop is a loss."""
-        try:
-            r = await stream.answer()
-        except TransportError as exc:
-            self._answered.set()
-            if not self._ending:
-                await self._lost(exc)
-                scope.cancel()
-            return
-        self._answered.set()
-        if self._ending and r.status == 200:
-            return
-        who = "the gateway" if self.plan.next is None else self.plan.next.node
-        code, text = parse_error_body(r.body)
-        message = text if code is None else f"{code}: {text}"
-        if self.plan.next is None:
-            log.warning("%s: the gateway refused session %s's answers (%d %s)", self.node_id, self.sid, r.status,
-                        message[:200])
-        else:
-            self._failure = self._failure or Failure(
-                Reason.NODE_ERROR, f"{who} refused a step from {self.node_id} ({r.status} {message})"[:300], node=who)
-        scope.cancel()
-
-    async def _lost(self, exc: TransportError) -> None:
-        """The link broke. A refusal may have come just before (the next hop answers, then hangs up): it wins."""
-        with trio.move_on_after(_REFUSAL_S):
-            await self._answered.wait()
-        if self._failure is not None:
-            return
+    def _ended(self, end: LinkEnd, scope: trio.CancelScope | None) -> None:
+        """The link ended early: the next node refused a step (NODE_ERROR naming it) or was lost
+        (ROUTE_NODE_LOST naming it); the gateway refusing or dropping answers is only logged (its
+        deadline fails the session)."""
         nxt = self.plan.next
         if nxt is None:
-            log.warning("%s: cannot deliver session %s to the gateway: %s", self.node_id, self.sid, exc)
-            return  # nobody to tell: the gateway's step deadline fails the session
-        self._failure = Failure(Reason.ROUTE_NODE_LOST, f"lost node {nxt.node}: {self.node_id} could not reach it: {exc}",
-                                node=nxt.node)
+            why = (f"it refused session {self.sid}'s answers ({end.answer.status})" if end.answer is not None
+                   else f"cannot deliver session {self.sid}: {end.lost}")
+            log.warning("%s: the gateway: %s", self.node_id, why)
+        elif end.answer is not None:
+            code, text = parse_error_body(end.answer.body)
+            message = text if code is None else f"{code}: {text}"
+            self._failure = self._failure or Failure(
+                Reason.NODE_ERROR, f"{nxt.node} refused a step from {self.node_id} ({end.answer.status} {message})"[:300],
+                node=nxt.node)
+        else:
+            self._failure = self._failure or Failure(
+                Reason.ROUTE_NODE_LOST, f"lost node {nxt.node}: {self.node_id} could not reach it: {end.lost}",
+                node=nxt.node)
+        if scope is not None:
+            scope.cancel()
 
     async def _report(self, failure: Failure) -> None:
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()
@@ -256,7 +226,7 @@ class SelfLoop:
 
     sid: str
     node_id: str
-    accept: Callable[[str, bytes, str], None]  # (sid, frame, hops): the node's own reader of stream records
+    accept: Callable[[str, Record], None]  # the node's own reader of stream records
     answers: Relay  # the session's relay to the gateway
     _closed: bool = False
 
@@ -267,7 +237,7 @@ class SelfLoop:
             self.answers.put(item)
             return
         try:
-            self.accept(self.sid, item.frame, item.hops)
+            self.accept(self.sid, Record(item.frame, item.compute_us))
         except (DgrError, ValueError) as exc:
             self._closed = True
             why = f"{exc.reason.value}: {exc.message}" if isinstance(exc, DgrError) else f"bad frame: {exc}"

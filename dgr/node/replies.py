@@ -39,6 +39,7 @@ from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler
 from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
+from dgr.seam.stream import Record
 from dgr.seam.wire import Flag, FrameKind
 from dgr.sessions import SessionTable
 
@@ -137,7 +138,7 @@ class NodeReplies:
         self.accounting.count(frame, reply, compute)
         return reply, compute
 
-    def accept_streamed(self, sid: str, body: bytes, hops: str) -> None:
+    def accept_streamed(self, sid: str, record: Record) -> None:
         """A chain step from a stream record, for `sid` (whose capability the stream carried): accepted and
         queued; its result goes on through the session's relay, or its failure is reported.
 
@@ -148,11 +149,11 @@ class NodeReplies:
             raise self._refused(CallerError(Reason.INVALID_REQUEST,
                                             f"session {sid} is not on a chain: it takes single steps"))
         if steptrace.ON:
-            steptrace.mark_frame("read", sid, body)
-        frame = self.admit(body, None, stream=sid)
+            steptrace.mark_frame("read", sid, record.frame)
+        frame = self.admit(record.frame, None, stream=sid)
         if steptrace.ON:
             steptrace.mark("admitted", sid, frame.pos0)
-        self._relay_step(frame, self.links.relays[sid], hops)
+        self._relay_step(frame, self.links.relays[sid], record.compute_us)
 
     def admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
         """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
@@ -188,7 +189,7 @@ class NodeReplies:
         self.accounting.admitted(frame)
         return frame
 
-    def _relay_step(self, frame: Frame, relay: Relay, hops: str) -> None:
+    def _relay_step(self, frame: Frame, relay: Relay, compute_us: tuple[int, ...]) -> None:
         """Queue a chain step; when computed, its result goes to the relay (or its failure is reported).
 
         On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
@@ -222,14 +223,13 @@ class NodeReplies:
                 if links.nursery is not None:
                     links.nursery.start_soon(self.fail_session, frame.session, failure)
                 return
-            hop = f"{self.node_id}={int(j.compute_s * 1e6)}"
             if loop is not None and want and links.nursery is not None:  # first: the next token's path
                 if step is not None:
                     links.ring.go(frame.session, step, links.nursery)
                 else:
                     links.ring.stop(frame.session)
             self.accounting.count(frame, out, j.compute_s)
-            relay.put(Outgoing(out, f"{hops},{hop}" if hops else hop))
+            relay.put(Outgoing(out, (*compute_us, int(j.compute_s * 1e6))))
 
         self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame), finish=finish, on_done=done,
                                   max_rows=links.group_rows(relay.plan)))

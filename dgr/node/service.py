@@ -10,7 +10,7 @@ wires its parts, runs them, and is what the HTTP routes (dgr.node.app), membersh
 - KV operations (dgr.node.kv): a session's KV opened from a kept prefix or empty, closed kept or
   freed, Prefix Snapshots loaded;
 - replies (dgr.node.replies): a frame checked against its session, queued, answered or relayed;
-- links (dgr.node.links): chain and ring sessions' relays and a ring tail's phase groups;
+- links (dgr.node.links): a ring session's relays and a ring tail's phase groups;
 - accounting (dgr.node.accounting): the seam's counters, gauges and status.
 
 One rule binds them: the node's `StepScheduler` (dgr.node.scheduler) is the one owner of the
@@ -21,7 +21,7 @@ llama.cpp never sees two calls at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -41,6 +41,7 @@ from dgr.node.sessions import ENDED_MEMORY, NodeSessions
 from dgr.node.snapshot import SnapshotDir
 from dgr.node.trust import NodeTrust
 from dgr.sampling import SamplingParams
+from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 from dgr.seam.wire import MAX_FRAME_BYTES
 from dgr.security.auth import CapabilityAuthority, Scope
@@ -72,6 +73,8 @@ class NodeService:
     lifecycle: NodeSessions
     replies: NodeReplies
     pools: dict[str, ConnectionPool]  # url -> keep-alive connections there
+    # (url, TLS context) -> the pool to it: sockets; in-process routes pass an in-memory net's (dgr.testing)
+    connect_pool: Callable[..., ConnectionPool]
     _text_calls: trio.CapacityLimiter
 
     def __init__(self, backend: ShardBackend, node_id: str, *, idle_timeout_s: float = 120.0,
@@ -80,7 +83,8 @@ class NodeService:
                  joining: bool = False, identity: Identity | None = None, tls: TlsTrust | None = None,
                  tracker_url: str | None = None, prefix: PrefixCache | None | object = _KEEP,
                  snapshots: SnapshotDir | None = None, busy_poll_s: float = 0.0,
-                 iteration_target_s: float = DEFAULT_ITERATION_TARGET_S) -> None:
+                 iteration_target_s: float = DEFAULT_ITERATION_TARGET_S,
+                 connect_pool: Callable[..., ConnectionPool] = ConnectionPool) -> None:
         """`joining`: the node has a tracker (session calls need its capabilities, refused until it joins);
         `authority`: a tracker key pinned already. `prefix`: the kept prefixes (None: keep none, as
         --prefix-cache-mb 0); `snapshots`: --snapshot-dir. `busy_poll_s`, `iteration_target_s`: the
@@ -88,7 +92,7 @@ class NodeService:
         self.backend, self.node_id = backend, node_id
         self.tls = TlsTrust() if tls is None else tls
         self.tracker_url = tracker_url
-        self.pools = {}
+        self.pools, self.connect_pool = {}, connect_pool
         self._text_calls = trio.CapacityLimiter(1)
         self.scheduler = StepScheduler(backend, busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s)
         # read once, before the scheduler owns the backend; fixed for the node's life
@@ -128,7 +132,7 @@ class NodeService:
         p = self.pools.get(key)
         if p is None:
             ctx = self.tls.context(pinned) if url.startswith("https://") else None
-            p = self.pools[key] = ConnectionPool(url, ctx)
+            p = self.pools[key] = self.connect_pool(url, ctx)
         return p
 
     # -- trust (dgr.node.trust) --------------------------------------------------------------------
@@ -177,8 +181,8 @@ class NodeService:
     async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
         return await self.replies.step(body, capability)
 
-    def accept_streamed(self, sid: str, body: bytes, hops: str) -> None:
-        self.replies.accept_streamed(sid, body, hops)
+    def accept_streamed(self, sid: str, record: Record) -> None:
+        self.replies.accept_streamed(sid, record)
 
     def status(self, detail: bool = True) -> dict[str, Any]:
         return self.accounting.status(detail)
@@ -215,7 +219,6 @@ class NodeService:
     # -- what callers read: each part's own state ---------------------------------------------------
     sessions = property(lambda self: self.table.live, doc="sid -> NodeSession, held until its KV is freed")
     ended = property(lambda self: self.table.ended, doc="ended ids remembered -> their failure or None")
-    capacity = property(lambda self: self.table.capacity, doc="sessions this node's KV memory allows")
     max_positions = property(lambda self: self.table.max_positions, doc="KV positions per session (--ctx)")
     max_frame_bytes = property(lambda self: self.replies.max_frame_bytes)
     stats = property(lambda self: self.accounting.stats)
@@ -224,11 +227,21 @@ class NodeService:
     prefix_bytes = property(lambda self: self.kv.prefix_bytes)
     loops = property(lambda self: self.links.loops)
     on_route = property(lambda self: self.links.on_route)
+    ring = property(lambda self: self.links.ring)
     authority = property(lambda self: self.trust.authority)
     tracker_key = property(lambda self: self.trust.tracker_key)
     identity = property(lambda self: self.trust.identity)
     joined = property(lambda self: self.trust.joined)
     guarded = property(lambda self: self.trust.guarded, doc="True when session calls need a capability")
+
+    @property
+    def capacity(self) -> int:
+        """Sessions this node's KV memory allows (the session table's limit)."""
+        return self.table.capacity
+
+    @capacity.setter
+    def capacity(self, sessions: int) -> None:  # a test's smaller node; the backend keeps its own slots
+        self.table.capacity = sessions
 
     @property
     def snapshots(self) -> SnapshotDir | None:

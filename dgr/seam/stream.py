@@ -1,11 +1,16 @@
-"""Records of a seam stream: one chain link's steps, back to back in one request body.
+"""Records of a seam stream: one link's steps, back to back in one request body.
 
-On a chain, each link (gateway to head, node to node, tail to tracker) carries
-a session's steps as one long-lived HTTP/1.1 request with a chunked body,
-instead of one request and one answer per step: a token then costs one write
-and one read per hop, no HTTP head to build or parse, and no answer to wake the
-sender for. A record is `RECORD_PREFIX` (the length of the hops text), the
-hops text, then one whole frame, whose own header says how long it is.
+Each link of a route (gateway to head, node to node, a ring's tail to its
+head, tail to tracker) carries a session's steps as one long-lived HTTP/1.1
+request with a chunked body, instead of one request and one answer per step:
+a token then costs one write and one read per hop, no HTTP head to build or
+parse, and no answer to wake the sender for.
+
+A record is `RECORD_PREFIX` (how many hops computed the step so far), that
+many `HOP_COMPUTE` (each hop's compute in microseconds, in route order from the
+hop that took the step first), then one whole frame, whose own header says how
+long it is. Each node appends its own compute as it passes a step on, so the
+gateway learns every hop's compute with the answer, as numbers.
 
 `RecordReader` cuts records out of the body as it arrives, however the bytes
 were split, and refuses a malformed or oversized one from its first bytes,
@@ -18,25 +23,34 @@ from __future__ import annotations
 import attrs
 
 from dgr.errors import CallerError, Reason
-from dgr.seam.wire import HEADER, HEADER_FIELDS, HEADER_SIZE, MAGIC, MAX_FRAME_BYTES, MAX_HOPS_BYTES, RECORD_PREFIX
+from dgr.seam.wire import HEADER, HEADER_FIELDS, HEADER_SIZE, HOP_COMPUTE, MAGIC, MAX_FRAME_BYTES, MAX_HOPS, RECORD_PREFIX
 
-__all__ = ["encode_record", "RecordReader"]
+__all__ = ["Record", "encode_record", "RecordReader"]
 
 _MAGIC_AT = [name for name, _, _ in HEADER_FIELDS].index("magic")
 _PAYLOAD_LEN_AT = [name for name, _, _ in HEADER_FIELDS].index("payload_len")
+_MAX_US = 2**32 - 1
 
 
-def encode_record(hops: str, frame: bytes) -> bytes:
-    """One record: the hops text so far and an encoded frame."""
-    text = hops.encode("ascii")
-    if len(text) > MAX_HOPS_BYTES:
-        raise ValueError(f"hops text of {len(text)} bytes exceeds {MAX_HOPS_BYTES}")
-    return RECORD_PREFIX.pack(len(text)) + text + frame
+@attrs.frozen
+class Record:
+    """One step on a link: its frame, and the compute of every hop that has run it so far."""
+
+    frame: bytes
+    compute_us: tuple[int, ...] = ()
+
+
+def encode_record(compute_us: tuple[int, ...], frame: bytes) -> bytes:
+    """One record: the hops' compute so far (microseconds, clamped to 32 bits) and an encoded frame."""
+    if len(compute_us) > MAX_HOPS:
+        raise ValueError(f"{len(compute_us)} hops exceed {MAX_HOPS}")
+    times = b"".join(HOP_COMPUTE.pack(min(max(int(us), 0), _MAX_US)) for us in compute_us)
+    return RECORD_PREFIX.pack(len(compute_us)) + times + frame
 
 
 @attrs.define
 class RecordReader:
-    """Incremental parser of a stream body: feed it bytes, take whole records (hops, frame bytes)."""
+    """Incremental parser of a stream body: feed it bytes, take whole `Record`s."""
 
     max_frame_bytes: int = MAX_FRAME_BYTES
     _buf: bytearray = attrs.field(factory=bytearray)
@@ -47,11 +61,11 @@ class RecordReader:
         """Bytes of a record not yet complete (0 between records: a clean place for the body to end)."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+    def feed(self, data: bytes) -> list[Record]:
         """The records `data` completes, in order.
 
         Raises:
-            CallerError(BAD_FRAME): a hops text too long or not ASCII, or no frame magic where a frame starts.
+            CallerError(BAD_FRAME): more hops than MAX_HOPS, or no frame magic where a frame starts.
             CallerError(FRAME_TOO_LARGE): a frame whose header announces more than `max_frame_bytes`.
         """
         self._buf += data
@@ -62,12 +76,10 @@ class RecordReader:
                 self._need = need
                 return out
             n_hops = RECORD_PREFIX.unpack_from(self._buf)[0]
-            start = RECORD_PREFIX.size + n_hops
-            try:
-                hops = self._buf[RECORD_PREFIX.size:start].decode("ascii")
-            except UnicodeDecodeError:
-                raise CallerError(Reason.BAD_FRAME, "a stream record's hops text is not ASCII") from None
-            out.append((hops, bytes(self._buf[start:need])))
+            start = RECORD_PREFIX.size + n_hops * HOP_COMPUTE.size
+            times = tuple(HOP_COMPUTE.unpack_from(self._buf, RECORD_PREFIX.size + i * HOP_COMPUTE.size)[0]
+                          for i in range(n_hops))
+            out.append(Record(bytes(self._buf[start:need]), times))
             del self._buf[:need]
             self._need = 0
 
@@ -77,9 +89,9 @@ class RecordReader:
         if len(buf) < RECORD_PREFIX.size:
             return 0
         n_hops = RECORD_PREFIX.unpack_from(buf)[0]
-        if n_hops > MAX_HOPS_BYTES:
-            raise CallerError(Reason.BAD_FRAME, f"a stream record's hops text of {n_hops} bytes exceeds {MAX_HOPS_BYTES}")
-        start = RECORD_PREFIX.size + n_hops
+        if n_hops > MAX_HOPS:
+            raise CallerError(Reason.BAD_FRAME, f"a stream record names {n_hops} hops; at most {MAX_HOPS}")
+        start = RECORD_PREFIX.size + n_hops * HOP_COMPUTE.size
         if len(buf) < start + HEADER_SIZE:
             return 0
         header = HEADER.unpack_from(buf, start)

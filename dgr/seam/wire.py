@@ -36,11 +36,11 @@ __all__ = [
     "STREAM_PATH",
     "DELIVER_STREAM_PATH",
     "RECORD_PREFIX",
-    "MAX_HOPS_BYTES",
+    "HOP_COMPUTE",
+    "MAX_HOPS",
     "KIND_OFFSET",
     "raw_header",
     "frame_kind",
-    "Topology",
     "BLOCK_TOKENS",
     "KEY_HEX",
 ]
@@ -71,32 +71,6 @@ DELIVER_STREAM_PATH = "/v1/seam/deliver/stream"  # on the tracker
 def raw_header(name: str) -> bytes:
     """A header name as an ASGI scope carries it: lowercase latin-1 bytes."""
     return name.lower().encode("latin-1")
-
-
-class Topology(enum.Enum):
-    """How a step travels a route: the gateway relays every hop (star), or each node forwards to the next
-    and the tail delivers the answer to the gateway (chain: N + 1 one-way messages a token instead of 2N),
-    or a chain whose tail also sends each next decode step straight to the head (ring: N one-way messages
-    a token between the tokens; the gateway hears each token off that path)."""
-
-    STAR = "star"
-    CHAIN = "chain"
-    RING = "ring"
-
-    @property
-    def forwards(self) -> bool:
-        """Nodes send their results on along the route (chain and ring), instead of back to the gateway."""
-        return self is not Topology.STAR
-
-
-# `dgr tracker` and `dgr up` (in-process routes keep the star: they have no tracker app to take deliveries).
-# The ring: where links cost an RTT it waits on fewer of them (5 ms between any two machines: a token adds
-# 0.98 RTT on 2 nodes and 1.22 on 3, against the chain's 1.57 and 2.17; docs/perf/archive/rtt), and on one
-# machine it is level with the chain. Paired rounds, ring / chain: one session 0.993x and 1.010x, 8 sessions
-# 0.977x once its tail held steps for their phase groups (0.924x before); `dgr bench --only paired` back to
-# back (docs/perf/archive/paired, docs/perf/archive/paired-chain): 2-node 28.7 and 28.0 tok/s, 8 sessions
-# 43.8 and 41.0, 3-node 23.5 and 26.7.
-DEFAULT_TOPOLOGY = Topology.RING
 
 
 # Prefix keys (dgr.node.prefix), which cross the wire in opens and closes: a hash chain over the prompt's
@@ -161,10 +135,11 @@ class Flag(enum.IntFlag):
 DTYPE_SIZE: dict[DType, int] = {DType.F32: 4, DType.F16: 2}
 DTYPE_NUMPY: dict[DType, str] = {DType.F32: "<f4", DType.F16: "<f2"}
 
-# A stream record: the length of the hops text, the hops text (ASCII "node=us,..."), then one whole
-# frame (its header says how long it is).
-RECORD_PREFIX = struct.Struct("<H")
-MAX_HOPS_BYTES = 4096
+# A stream record: how many hops have computed its step so far, each one's compute in microseconds
+# (route order, from the hop that took the step first), then one whole frame (its header says how long).
+RECORD_PREFIX = struct.Struct("<B")
+HOP_COMPUTE = struct.Struct("<I")
+MAX_HOPS = 64
 
 # TOKEN payload: token id, its log-probability, then the token's raw bytes.
 TOKEN_RESULT = struct.Struct("<if")

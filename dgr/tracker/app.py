@@ -16,6 +16,9 @@ Who may call what (spec/security.md):
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
   (which nodes fetching layers read) stay open.
 
+A route's deliveries skip the framework (dgr.tracker.deliver_path), and a
+streaming completion's body is dgr.tracker.sse.
+
 A request that passed an API key, a node's signature or a delivery
 capability marks its connection authenticated (dgr.api.server
 `authenticated`): until then the connection lives under the server's guest
@@ -24,7 +27,6 @@ deadlines.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
@@ -36,48 +38,29 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import (
-    error_response,
-    install_error_handlers,
-    json_response,
-    parse_json,
-    read_body,
-    read_json,
-    read_raw_seam,
-    respond_raw_error,
-    serve_seam_stream,
-)
-from dgr.api.openai import GenerationRequest, chunk_body, completion_body, parse_request
+from dgr.api.http import error_response, install_error_handlers, json_response, parse_json, read_body, read_json
+from dgr.api.openai import completion_body, parse_request
 from dgr.api.openapi import openapi_document
-from dgr.errors import CallerError, DgrError, Failure, Reason, openai_error_body
+from dgr.errors import CallerError, Failure, Reason
 from dgr.api.server import authenticated
-from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, NODE_HEADER, ROUTE_SESSION_HEADER
+from dgr.seam.wire import NODE_HEADER, ROUTE_SESSION_HEADER
 from dgr.fsm.route import RouteState
-from dgr.tracker.gateway import Delta, Gateway, LiveSession
+from dgr.tracker.gateway import Gateway
 from dgr.security.api_keys import check_bearer
 from dgr.security.browsers import loopback_only
 from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
 from dgr.security.identity import Identity
+from dgr.tracker.deliver_path import deliver_fast_path
 from dgr.tracker.proofs import Prover
+from dgr.tracker.sse import completion_stream, sse
 
 __all__ = ["make_tracker_app"]
 
 _REGISTRY_LIMIT = 1024 * 1024
-_DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
-TELEMETRY_EVERY_S = 0.25
 # Paths (and their subpaths) that need an API key when keys are configured.
 _KEYED = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/route-sessions", "/v1/stats",
           "/v1/nodes", "/metrics")
 _MEMBERSHIP = ("/v1/nodes/register", "/v1/nodes/heartbeat")  # node keys and admission guard these instead
-
-
-def _sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {payload}\n\n".encode()
-
-
-def _comment(snapshot: dict[str, Any]) -> bytes:
-    return f": dgr-telemetry {json.dumps(snapshot)}\n\n".encode()
 
 
 def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
@@ -239,7 +222,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         headers = {ROUTE_SESSION_HEADER: live.rs.sid}
         if req.stream:
             live.unclaimed_since = trio.current_time()  # until the body starts: a client gone before it is noticed
-            response = Response(_stream(gateway, live), 200, mimetype="text/event-stream",
+            response = Response(completion_stream(gateway, live), 200, mimetype="text/event-stream",
                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             # Quart cuts every response at RESPONSE_TIMEOUT (60 s); a stream lives as long as its
             # Route Session, which the gateway bounds (max_session_s, slow_client_s).
@@ -293,12 +276,12 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
         async def events() -> AsyncIterator[bytes]:
             if hub is None:  # already ended: its final state, once
-                yield b"event: telemetry\n" + _sse(rs.snapshot(trio.current_time()))
+                yield b"event: telemetry\n" + sse(rs.snapshot(trio.current_time()))
                 return
             recv = hub.subscribe()
             async with recv:
                 async for snapshot in recv:
-                    yield b"event: telemetry\n" + _sse(snapshot)
+                    yield b"event: telemetry\n" + sse(snapshot)
 
         response = Response(events(), 200, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
         response.timeout = None  # ends with the session, not at Quart's 60 s
@@ -329,115 +312,6 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     served = deliver_fast_path(gateway, app)
     # without API keys (a loopback tracker), no web page may drive it: the key would be the guard otherwise
     return served if api_keys else loopback_only(served)
-
-
-def deliver_fast_path(gateway: Gateway, app):
-    """Wrap `app` so that a chain's answers (POST DELIVER_STREAM_PATH, a record per token) skip the framework.
-
-    Its nodes' failure reports (POST DELIVER_PATH, JSON) are served here too, read up to one frame's
-    size limit and authorized by the session's delivery capability in `Gateway.report`.
-    """
-
-    async def asgi(scope, receive, send):
-        if not (scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] in (DELIVER_PATH, DELIVER_STREAM_PATH)):
-            await app(scope, receive, send)
-            return
-        if scope["path"] == DELIVER_STREAM_PATH:  # a chain tail's answers for one session
-
-            def authorize(capability: str | None, sid: str) -> None:
-                gateway.authorize_delivery(capability, sid)
-                authenticated(scope)
-
-            await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
-                                    authorize=authorize, apply=gateway.deliver_frame)
-            return
-        try:
-            req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
-            if req is None:
-                return
-            if not req.is_json:
-                raise CallerError(Reason.BAD_FRAME, f"a chain's answers come on {DELIVER_STREAM_PATH}; "
-                                                    f"{DELIVER_PATH} takes JSON failure reports")
-            gateway.report(req.body, req.capability)
-            authenticated(scope)  # the report held the session's delivery capability
-        except (DgrError, ValueError) as exc:
-            await respond_raw_error(send, exc, "delivery")
-            return
-        await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
-
-    return asgi
-
-
-async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:
-    """The next delta; None when waiting timed out; False when the stream ended."""
-    with trio.move_on_after(wait_s):
-        try:
-            return await live.recv.receive()
-        except trio.EndOfChannel:
-            return False
-    return None
-
-
-async def _stream(gateway: Gateway, live: LiveSession) -> AsyncIterator[bytes]:
-    """SSE for a streaming completion, timing each hand-over to the client.
-
-    `live.writing_since` is set while a chunk waits for the server to take it,
-    which it does once the client has read enough of the last ones; the
-    gateway's watcher cancels a session whose reader has stalled too long.
-    A client that goes away cancels its session.
-    """
-    live.unclaimed_since = None
-    finished = False
-    try:
-        async with contextlib.aclosing(_sse_chunks(live)) as chunks:
-            async for chunk in chunks:
-                live.writing_since = trio.current_time()
-                yield chunk
-                live.writing_since = None
-        finished = True
-    finally:
-        if not finished:
-            gateway.cancel(live.rs.sid, "the client went away mid-stream")
-
-
-async def _sse_chunks(live: LiveSession) -> AsyncIterator[bytes]:
-    """The SSE chunks of a streaming completion. No cancel scope spans a yield."""
-    req: GenerationRequest = live.request
-    rs = live.rs
-    created = int(time.time())
-    yield _comment(live.telemetry.latest or rs.snapshot(trio.current_time()))
-    if req.telemetry_chunks:
-        yield _sse(chunk_body(req, rs.sid, created, telemetry=rs.snapshot(trio.current_time())))
-    if req.kind == "chat":
-        yield _sse(chunk_body(req, rs.sid, created, role=True, text=""))
-    last_telemetry = trio.current_time()
-    while True:
-        item = await _next(live, TELEMETRY_EVERY_S)
-        if item is False:
-            break
-        if item is not None:
-            yield _sse(chunk_body(req, rs.sid, created, text=item.text))
-        now = trio.current_time()
-        if now - last_telemetry >= TELEMETRY_EVERY_S:
-            last_telemetry = now
-            snapshot = rs.snapshot(now)
-            yield _comment(snapshot)
-            if req.telemetry_chunks:
-                yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
-    snapshot = rs.snapshot(trio.current_time())
-    yield _comment(snapshot)
-    if rs.state is RouteState.DONE:
-        yield _sse(chunk_body(req, rs.sid, created, finish_reason=rs.finish_reason or "stop"))
-        if req.telemetry_chunks:
-            yield _sse(chunk_body(req, rs.sid, created, telemetry=snapshot))
-        if req.include_usage:
-            yield _sse(chunk_body(req, rs.sid, created, usage=live.usage()))
-        yield _sse("[DONE]")
-    else:
-        failure = rs.failure or Failure(Reason.INTERNAL, "session ended without an answer")
-        yield _sse(openai_error_body(failure, route_session=rs.sid))
 
 
 def _prefix_scope(authorization: str | None) -> str:

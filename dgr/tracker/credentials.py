@@ -2,7 +2,7 @@
 
 Per hop, the gateway's own CONTROL capability (open, close with keep,
 status, tokenize, steps), which never leaves the gateway; in each node's
-relay plan, STEP capabilities for its next hop and, on a ring, for the head
+relay plan, STEP capabilities for its next hop and, on the tail, for the head
 (they let a node send the session's steps there and nothing else), and the
 delivery capability the nodes answer the tracker with; and for each open, a
 single-use ticket over its exact body (dgr.security.tickets). Without the
@@ -21,7 +21,6 @@ from typing import Any, Callable
 import attrs
 
 from dgr.fsm.route import Hop
-from dgr.seam.wire import Topology
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
 from dgr.tracker.registry import GATEWAY_ID
@@ -32,7 +31,6 @@ __all__ = ["Credentials"]
 @attrs.frozen
 class Credentials:
     authority: CapabilityAuthority | None  # the tracker's key; None: no capabilities, no tickets
-    topology: Topology
     life_s: float  # a capability's life: the session's longest plus a margin for the close after it
     pinned: Callable[[str], str | None]  # a node id's registered TLS certificate, for the node before it
 
@@ -45,14 +43,12 @@ class Credentials:
                                                 scope=Scope.CONTROL) for h in hops}
 
     def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
-        """On a chain or ring, each node's relay plan: the next hop (none for the tail), the capability to
-        deliver with, and on a ring's tail the head to send each next decode step to.
+        """Each node's relay plan on the ring: the next hop (none for the tail), the capability to deliver
+        with, and on the tail the head to send each next decode step to.
 
-        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and a
-        ring's tail to its head), never open, close or tokenize there with them.
+        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and
+        the tail to its head), never open, close or tokenize there with them.
         """
-        if not self.topology.forwards:
-            return {}
         now = time.time()
         deliver = None if self.authority is None else self.authority.issue(
             sid, GATEWAY_ID, 0, 1, now, ttl_s=self.life_s, scope=Scope.STEP)
@@ -66,12 +62,11 @@ class Credentials:
         route = ",".join(h.node_id for h in hops)
         for i, hop in enumerate(hops):
             nxt = hops[i + 1] if i + 1 < len(hops) else None
-            # route and nodes: each node batches one phase group of the route at a time, and a ring's
-            # tail holds each next step for its group
+            # route and nodes: each node batches one phase group of the route at a time, and the tail
+            # holds each next step for its group
             out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
                                 "route": route, "nodes": len(hops)}
-        if self.topology is Topology.RING:
-            out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
+        out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
         return out
 
     def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:

@@ -2,10 +2,11 @@
 
 `GatewayConfig` is every setting the gateway runs with; `LiveSession` is one
 Route Session while it runs (its FSM, request, prompt, the channels its
-deltas and telemetry leave by, the chain's link to its head and its phase
-group), with the pure questions asked of it (its prefill chunks, what its
-nodes may keep of their KV); `Delta` is one piece of streamed text;
-`HopStats` a node's seam overhead. dgr.tracker.gateway drives them.
+deltas and telemetry leave by, its inbox of the tail's answers, its link to
+its head and its phase group), with the pure questions asked of it (its
+prefill chunks, what its nodes may keep of their KV); `Delta` is one piece of
+streamed text; `Answer` one answer of the tail; `HopStats` a node's seam
+overhead. dgr.tracker.gateway drives them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -22,14 +23,15 @@ from dgr.api.openai import GenerationRequest, usage_body
 from dgr.api.textstream import TextAssembler
 from dgr.errors import Failure
 from dgr.fsm.phases import RoutePhases
-from dgr.fsm.route import RouteSession
 from dgr.node.prefix import BLOCK_TOKENS, block_chain, encode_marks, token_marks
-from dgr.seam.transport import OutStream
-from dgr.seam.wire import DType, Topology
+from dgr.fsm.route import RouteEvent, RouteSession
+from dgr.seam.frame import Frame
+from dgr.seam.link import Link
+from dgr.seam.wire import DType
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.telemetry import Broadcast
 
-__all__ = ["GatewayConfig", "LiveSession", "Delta", "HopStats", "PROMPT_BYTES_PER_TOKEN"]
+__all__ = ["GatewayConfig", "LiveSession", "Delta", "Answer", "HopStats", "PROMPT_BYTES_PER_TOKEN"]
 
 
 @attrs.frozen
@@ -51,9 +53,6 @@ class GatewayConfig:
     # A request that finds every route full waits this long for a slot before its 429: a client that
     # hangs up and asks again at once must not be refused the slot its last session is giving back.
     admission_wait_s: float = 10.0
-    # How steps travel a route (dgr.seam.wire.Topology). `dgr tracker` and `dgr up` default to the ring;
-    # in-process routes (dgr.testing.inproc) have no tracker app to take chain deliveries, so star here.
-    topology: Topology = Topology.STAR
     max_prompt_bytes: int | None = None  # prompt text refused above this before tokenizing; None: 16 x token limit
     unclaimed_stream_s: float = 10.0  # a stream whose body nobody starts reading is cancelled after this
     unclosed_ttl_s: float = 600.0  # how long a close owed to a node is remembered (nodes idle sessions out anyway)
@@ -83,6 +82,16 @@ class Delta:
     tokens: int  # completion tokens so far
 
 
+@attrs.frozen
+class Answer:
+    """The tail's answer to one step, as the tracker took it: its frame, each hop's compute, and, where the
+    round trip was measured, each hop's share of it beyond compute (milliseconds)."""
+
+    frame: Frame
+    compute_us: tuple[int, ...] = ()
+    hop_ms: dict[str, float] | None = None
+
+
 @attrs.define
 class LiveSession:
     rs: RouteSession
@@ -100,23 +109,18 @@ class LiveSession:
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
     unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
-    # chain: answers (frame, hops text) and failure reports the route's nodes delivered, in order;
-    # unbounded, since the driver takes each answer before it sends the next step
+    # the answers (`Answer`) and failure reports the route's nodes delivered, in order; unbounded: a
+    # session has at most its prompt's chunks, then one decode step, in flight
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
         factory=lambda: trio.open_memory_channel(math.inf))
     prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
     keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
     fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
-    # chain: the stream of steps to the head (opened with the first step), the nursery its watcher runs
-    # in (the driver's), and whether the driver is ending it on purpose
-    head: OutStream | None = None
-    links: trio.Nursery | None = None
-    head_ending: bool = False
-    head_failure: Failure | None = None  # what the head's answer meant, once it came early
-    head_answered: trio.Event = attrs.field(factory=trio.Event)
-    # chain: the board of the route's phase groups (dgr.fsm.phases), and what wakes this session there
-    phases: RoutePhases | None = None
-    go: trio.Event = attrs.field(factory=trio.Event)
+    head: Link | None = None  # the prompt's chunks to the head (dgr.seam.link), until prefill ends
+    answered_at: float | None = None  # trio time the tail's last answer came
+    phases: RoutePhases | None = None  # the board of the route's phase groups (dgr.fsm.phases)
+    # who hears the session's events besides its telemetry (the gateway's accounting)
+    listener: Callable[..., None] | None = None
 
     @property
     def reused(self) -> int:
@@ -160,6 +164,15 @@ class LiveSession:
     def usage(self) -> dict[str, Any]:
         return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)
 
+    def publish(self, event: RouteEvent, snapshot: dict[str, Any], **facts: Any) -> None:
+        """One Route Session event: to its telemetry's watchers, and to the listener with its facts."""
+        self.telemetry.publish(snapshot)
+        if self.listener is not None:
+            self.listener(self.rs, event, self.rs.updated_at, **facts)
+
+    def publish_progress(self, done: int) -> None:
+        self.publish(RouteEvent.PREFILL_PROGRESS, self.rs.prefill_progress(done, trio.current_time()))
+
     def abort(self, failure: Failure) -> None:
         """Fail from outside the driver (node death, client gone): the FSM keeps the first reason."""
         if not self.rs.ended:  # a session that is closing has its outcome already
@@ -172,7 +185,6 @@ class HopStats:
     """Per-node seam overhead (round trip minus compute) for benchmarks and /v1/stats."""
 
     overhead_ms: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))
-    decode_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         data = sorted(self.overhead_ms)
@@ -182,5 +194,4 @@ class HopStats:
             "samples": len(data),
             "p50_ms": round(statistics.median(data), 4),
             "p99_ms": round(data[min(len(data) - 1, math.ceil(0.99 * len(data)) - 1)], 4),
-            "decode_frame_bytes": self.decode_bytes,
         }

@@ -9,20 +9,25 @@ it; a silent one ends the wait at once. A wait that ends without its answer
 is `route_node_lost` naming the silent node, or, when every node still
 answered at the cap, `session_timeout` naming none (`Wait.failed`).
 
-The gateway holds the waits (Gateway._patient for one call, Gateway._answer
-inline on a ring's every-token path); the probe itself is the gateway's.
+`Patience` holds the waits: `patient` for one call (a watcher task probes and
+moves the deadline), `until_answer` inline on a ring's every-token path (no
+task: the wait is cut and taken up again). The probe itself is the caller's
+(dgr.tracker.clients `NodeClients.silent`).
 """
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+import contextlib
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 import attrs
 import trio
 
 from dgr.errors import PeerError, Reason
 
-__all__ = ["PROBE_S", "Wait", "keep_waiting", "lead"]
+__all__ = ["PROBE_S", "Wait", "Patience", "keep_waiting", "lead"]
+
+T = TypeVar("T")
 
 PROBE_S = 2.0  # how long a node has to answer the tracker's own /healthz
 
@@ -73,3 +78,63 @@ async def keep_waiting(wait: Wait, nodes: list[str], deadline_s: float, watcher:
                 return
             wait.scope.deadline = min(wait.cap, wait.scope.deadline + deadline_s)
             extended()
+
+
+@attrs.define
+class Patience:
+    """The gateway's waits on nodes: their deadlines, extended while the nodes answer their probes."""
+
+    silent: Callable[[list[str], float], Awaitable[str | None]]  # the first of some nodes not answering /healthz
+    slow_cap: float = 4.0  # a deadline moves on at most to this many times its length
+    nursery: trio.Nursery | None = None  # where `patient`'s watchers run; None: no probes, the bare deadline
+    extended: int = 0  # deadlines extended because every node waited on answered its probe
+
+    def _extended(self) -> None:
+        self.extended += 1
+
+    @contextlib.contextmanager
+    def patient(self, nodes: list[str], deadline_s: float) -> Iterator[Wait]:
+        """A cancel scope for a wait on `nodes` that ends at `deadline_s` unless they all answer /healthz.
+
+        A watcher (in the gateway's nursery, so the caller's exceptions stay its own) probes the nodes
+        shortly before the deadline. The caller checks `wait.scope.cancelled_caught` and raises
+        `wait.failed(...)`.
+        """
+        now = trio.current_time()
+        wait = Wait(trio.CancelScope(deadline=now + deadline_s), now, now + deadline_s * max(1.0, self.slow_cap))
+        watcher = trio.CancelScope()
+        if self.nursery is not None and wait.cap > wait.scope.deadline:
+            self.nursery.start_soon(keep_waiting, wait, list(nodes), deadline_s, watcher, self.silent,
+                                    self._extended)
+        try:
+            with wait.scope:
+                yield wait
+        finally:
+            watcher.cancel()
+
+    async def until_answer(self, take: Callable[[], Awaitable[T]], nodes: list[str], last: str, deadline_s: float,
+                           what: str, **details) -> T:
+        """`await take()` within `deadline_s`, extended while every one of `nodes` answers its probe.
+
+        Raises:
+            PeerError(ROUTE_NODE_LOST): a node was silent (or, with no probe asked, `last`, the node the
+                answer comes from); PeerError(SESSION_TIMEOUT): still no answer at the cap.
+        """
+        start = trio.current_time()
+        until, cap = start + deadline_s, start + deadline_s * max(1.0, self.slow_cap)
+        probed = False
+        while True:
+            final = until >= cap
+            with trio.move_on_at(until if final else until - lead(deadline_s)):
+                return await take()
+            wait = Wait(trio.CancelScope(), start, cap)
+            if final:  # still alive when last asked (or never asked: no patience configured)
+                wait.silent = None if probed else last
+            else:
+                wait.silent = await self.silent(nodes, lead(deadline_s))
+                probed = True
+                if wait.silent is None:
+                    until = min(cap, until + deadline_s)
+                    self._extended()
+                    continue
+            raise wait.failed(what, last, route=True, **details)

@@ -8,9 +8,10 @@ again (it restarted) replaces its old entry and is alive again. A node dead
 for `forget_after_s` is dropped (`forget`), so entries of nodes that never
 come back do not pile up.
 
-Everything here arrives from the network: every field is type- and
-range-checked inside one `try`, and anything wrong is a
-`CallerError(INVALID_REQUEST)` (400), never a crash (500).
+Everything here arrives from the network: dgr.tracker.registration reads
+and checks every field of a registration or heartbeat (anything wrong is a
+`CallerError(INVALID_REQUEST)`, 400, never a crash); this module decides
+what a checked one may change.
 
 Each node advertises `max_positions`, the positions per session it really
 allocates (`--ctx`), which the gateway clamps Route Sessions to; and each
@@ -44,7 +45,7 @@ the seed address may stay plain (dgr.security.tls says why).
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
 instead, so a node bound to every interface is reachable at the address its
-packets came from; the reply tells the node what was recorded. When that
+packets came from (`reachable`); the reply tells the node what was recorded. When that
 source is loopback (the node reached the tracker at 127.0.0.1 on the
 tracker's own machine), the node is recorded at a loopback address that
 other machines cannot reach, and the tracker logs a warning: the node means
@@ -66,21 +67,19 @@ proofs, in which case it is FAILED at once. Only `routable` nodes are routed.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
 
 from dgr.api.hosts import is_loopback, is_wildcard
-from dgr.seam.types import ModelInfo
-from dgr.seam.wire import KEY_HEX
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.seam.types import ModelInfo
 from dgr.security.identity import is_derived_id, key_text, node_id_for
+from dgr.tracker.registration import read_heartbeat, read_registration
 
-__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_HELD", "MAX_NODE_SESSIONS", "MAX_PREFIXES",
-           "PROVEN_START", "reachable"]
+__all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_NODE_SESSIONS", "PROVEN_START"]
 
 log = logging.getLogger("dgr.registry")
 
@@ -91,9 +90,6 @@ DEAD_AFTER_S = 3.0
 # registers): every 0.5 s at the default. A beat costs the tracker a signed request through Quart,
 # about 2 ms of CPU, so at 4 beats a second two idle nodes kept 7% of a core busy.
 BEATS_PER_DEAD_AFTER = 6
-MAX_HELD = 65536  # session ids one heartbeat may list
-MAX_PREFIXES = 256  # kept prefixes' keys one heartbeat may name (dgr.node.prefix.MAX_ADVERTISED)
-_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX}}}")
 # Sessions a tracker routes to one node at most, whatever it declares (--max-node-sessions).
 MAX_NODE_SESSIONS = 64
 # Sessions a node is trusted with at once before it has carried that many: a declared capacity is a
@@ -101,7 +97,6 @@ MAX_NODE_SESSIONS = 64
 # holding that many (halves it when the node is lost mid-session). A real node's slots (llama.cpp's
 # n_seq_max, 4 by default) are usually below it, so only a claim above 16 is ever held back.
 PROVEN_START = 16
-_SID = re.compile(r"[0-9a-f]{32}")
 # The tracker's own name as a party to a session: its delivery capabilities are issued to this node id,
 # so a node registered under it would hold capabilities that pass for the gateway's.
 GATEWAY_ID = "gateway"
@@ -193,80 +188,6 @@ class NodeEntry:
         }
 
 
-def _prefixes(data: dict[str, Any]) -> frozenset[str]:
-    """The kept prefixes' keys a registration or heartbeat names (none when absent). Raises ValueError."""
-    keys = data.get("prefixes", [])
-    if not isinstance(keys, list) or len(keys) > MAX_PREFIXES or not all(
-            isinstance(k, str) and _KEY.fullmatch(k) for k in keys):
-        raise ValueError(f"prefixes must be a list of at most {MAX_PREFIXES} {KEY_HEX}-digit hex block keys")
-    return frozenset(keys)
-
-
-def _int(data: dict[str, Any], key: str, lo: int = 0, default: int | None = None) -> int:
-    """An integer field in [lo, 2^63); bools, floats and strings are refused."""
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value < 2 ** 63:
-        raise ValueError(f"{key} must be an integer >= {lo}, got {value!r}"[:200])
-    return value
-
-
-def _str(data: dict[str, Any], key: str) -> str:
-    value = data.get(key)
-    if not isinstance(value, str) or not value or len(value) > 1024:
-        raise ValueError(f"{key} must be a non-empty string")
-    return value
-
-
-def _model(data: Any) -> ModelInfo:
-    if not isinstance(data, dict):
-        raise ValueError("model must be an object")
-    metadata = data.get("metadata", {})
-    needs = data.get("needs_token_ids", False)
-    if not isinstance(metadata, dict) or not isinstance(needs, bool):
-        raise ValueError("model.metadata must be an object and model.needs_token_ids a boolean")
-    return ModelInfo(
-        name=_str(data, "name"), architecture=_str(data, "architecture"), n_layers=_int(data, "n_layers", 1),
-        hidden_size=_int(data, "hidden_size", 1), seam_width=_int(data, "seam_width", 1),
-        vocab_size=_int(data, "vocab_size", 1), context_length=_int(data, "context_length", 1),
-        digest=_str(data, "digest"), needs_token_ids=needs, metadata=metadata,
-    )
-
-
-def _describe(value: Any) -> dict[str, Any]:
-    """A node's self-description (its backend's `describe()`): an object, shown nested, never trusted."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError("describe must be an object")
-    return value
-
-
-def _url(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError("url must be a string")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(f"url must look like http://HOST:PORT, got {value[:100]!r}")
-    return value
-
-
-def reachable(address: str, seen: str | None) -> str:
-    """`address` (a URL or HOST:PORT) with a wildcard host replaced by `seen`, the host the tracker saw.
-
-    A node bound to 0.0.0.0 or :: cannot be reached there; the source address of
-    its registration is where its packets came from, so the best guess at where
-    the tracker (and other nodes) reach it.
-    """
-    if not seen:
-        return address
-    scheme, sep, rest = address.rpartition("://")
-    host, _, port = rest.rpartition(":")
-    if not is_wildcard(host):
-        return address
-    shown = f"[{seen}]" if ":" in seen else seen
-    return f"{scheme}{sep}{shown}:{port}"
-
-
 @attrs.define
 class Registry:
     dead_after_s: float = DEAD_AFTER_S
@@ -303,45 +224,15 @@ class Registry:
             CallerError(INVALID_REQUEST): a malformed registration.
             CallerError(IDENTITY_TAKEN): its node id belongs to another key; nothing changed.
         """
-        try:
-            model = _model(data.get("model"))
-            layers = data.get("layers")
-            if not isinstance(layers, list) or len(layers) != 2:
-                raise ValueError("layers must be [start, stop]")
-            start, stop = _int({"start": layers[0]}, "start"), _int({"stop": layers[1]}, "stop")
-            entry = NodeEntry(
-                node_id=_str(data, "node"),
-                url=reachable(_url(data.get("url")), seen),
-                start=start,
-                stop=stop,
-                backend=_str(data, "backend"),
-                model=model,
-                capacity=min(_int(data, "capacity"), self.max_node_sessions),
-                describe=_describe(data.get("describe")),
-                registered_at=now,
-                last_seen=now,
-                pid=_int(data, "pid") if data.get("pid") is not None else None,
-                max_positions=_int(data, "max_positions", 1, default=model.context_length),
-                key=key,
-                prefixes=_prefixes(data),
-            )
-            cert = data.get("tls_cert")
-            if cert is not None:
-                if not isinstance(cert, str) or "BEGIN CERTIFICATE" not in cert or len(cert) > 16384:
-                    raise ValueError("tls_cert must be a PEM certificate")
-                entry.tls_cert = cert
-            artifact = data.get("artifact")
-            if artifact is not None:
-                entry.manifest_id = _str(artifact, "manifest_id")
-                entry.seed = reachable(str(artifact["seed"]), seen) if artifact.get("seed") else None
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad registration: {exc}"[:300]) from None
+        entry = NodeEntry(**attrs.asdict(read_registration(data, seen=seen, max_capacity=self.max_node_sessions),
+                                         recurse=False), registered_at=now, last_seen=now, key=key)
+        n_layers = entry.model.n_layers
         if self.require_tls and not entry.url.startswith("https://"):  # it would be handed out as a next hop
             raise CallerError(Reason.FORBIDDEN, f"this tracker requires TLS (--require-tls): register an https:// "
                                                 f"URL, not {entry.url[:100]!r} (--tls-cert and --tls-key, or "
                                                 "--advertise https://...)", field="url")
-        if not (0 <= entry.start < entry.stop <= model.n_layers):
-            raise CallerError(Reason.INVALID_REQUEST, f"layers {start}:{stop} outside [0, {model.n_layers})")
+        if not (0 <= entry.start < entry.stop <= n_layers):
+            raise CallerError(Reason.INVALID_REQUEST, f"layers {entry.start}:{entry.stop} outside [0, {n_layers})")
         if entry.manifest_id is not None:
             entry.proof.claim()
         elif self.require_proof:
@@ -388,21 +279,13 @@ class Registry:
         does not own the node id (the same answer: see `beating`); (INVALID_REQUEST) if malformed."""
         node_id = data.get("node")
         entry = self.beating(node_id if isinstance(node_id, str) else "", key)
-        try:
-            sessions = _int(data, "sessions", default=0)
-            kv_bytes = _int(data, "kv_bytes", default=0)
-            held = data.get("session_ids", [])
-            if not isinstance(held, list) or len(held) > MAX_HELD or not all(
-                    isinstance(s, str) and _SID.fullmatch(s) for s in held):
-                raise ValueError(f"session_ids must be a list of at most {MAX_HELD} session ids")
-            prefixes = _prefixes(data)
-        except ValueError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
+        beat = read_heartbeat(data)
         entry.last_seen = now
-        entry.sessions = sessions
-        entry.kv_bytes = kv_bytes
-        entry.held = frozenset(held)
-        entry.prefixes = prefixes
+        entry.sessions = beat.sessions
+        entry.kv_bytes = beat.kv_bytes
+        entry.held = beat.held
+        entry.prefixes = beat.prefixes
+        return entry
         return entry
 
     def holding(self, keys: list[str]) -> dict[str, int]:

@@ -30,21 +30,18 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 from typing import Any, Callable
 
 import attrs
 import httpx
 
 from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
-from dgr.seam.frame import Frame, decode_frame
-from dgr.seam.stream import encode_record
 from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
-from dgr.seam.wire import (CAPABILITY_HEADER, COMPUTE_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, ROUTE_SESSION_HEADER,
-                           STEP_PATH, STREAM_PATH, TICKET_HEADER)
+from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, ROUTE_SESSION_HEADER,
+                           STREAM_PATH, TICKET_HEADER)
 from dgr.security.tls import httpx_default_trust
 
-__all__ = ["NodeClient", "Reply", "StepReply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
+__all__ = ["NodeClient", "Reply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
 
 # A tokenize reply per byte of its request: a token id (at most 7 digits, a comma and a space) and the
 # templated text back (at most 6 bytes escaped); the template's own text fits the fixed part.
@@ -116,15 +113,6 @@ def check_tokens(tokens: Any, *, vocab_size: int | None, bound: int, node: str) 
 
 def _cap(capability: str | None) -> dict[str, str]:
     return {} if capability is None else {CAPABILITY_HEADER: capability}
-
-
-@attrs.frozen
-class StepReply:
-    frame: Frame
-    raw: bytes
-    rtt_s: float
-    compute_s: float
-    sent_bytes: int
 
 
 @attrs.define
@@ -236,41 +224,13 @@ class NodeClient:
         if r.status_code not in (200, 404, 410):
             raise self._refused(r)
 
-    async def step(self, frame_bytes: bytes, capability: str | None = None) -> StepReply:
-        headers = [("Content-Type", CONTENT_TYPE)]
-        if capability is not None:
-            headers.append((CAPABILITY_HEADER, capability))
-        t0 = time.perf_counter()
-        try:
-            r = await self._seam.request("POST", STEP_PATH, frame_bytes, headers)
-        except TransportError as exc:
-            raise self._lost(exc) from None
-        rtt = time.perf_counter() - t0
-        if r.status != 200:
-            raise self._refused(r)
-        raw = r.body
-        try:
-            frame = decode_frame(raw)
-        except CallerError as exc:
-            raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a bad frame: {exc.message}",
-                            node=self.node_id) from None
-        compute = int(r.headers.get(COMPUTE_HEADER.lower(), "0")) / 1e6
-        return StepReply(frame, raw, rtt, compute, len(frame_bytes))
-
     async def open_stream(self, sid: str, capability: str | None = None) -> OutStream:
-        """Open a chain session's stream of steps to this node (the head): one record a step, no answer each."""
+        """Open a session's stream of steps to this node (the head): one record a step, no answer each."""
         headers = [("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid)]
         if capability is not None:
             headers.append((CAPABILITY_HEADER, capability))
         try:
             return await self._seam.open_stream(STREAM_PATH, headers)
-        except TransportError as exc:
-            raise self._lost(exc) from None
-
-    async def stream_send(self, stream: OutStream, frame_bytes: bytes) -> None:
-        """One step on an open stream. Raises PeerError(ROUTE_NODE_LOST) when the link broke."""
-        try:
-            await stream.send(encode_record("", frame_bytes))
         except TransportError as exc:
             raise self._lost(exc) from None
 

@@ -1,9 +1,9 @@
-"""Chain and ring topologies through real processes: each node forwards to the next, the tail answers
-the gateway (and on a ring also sends each next decode step straight to the head).
+"""The ring through real processes: each node forwards to the next, the tail answers the gateway and
+sends each next decode step straight to the head.
 
-The same answers as the star, one hidden state per hop on the decode seam,
-a lost node named by the neighbour that could not reach it, and deliveries
-that only the session's own route can make.
+The same answers as one stub over every layer, one hidden state per hop on the
+decode seam, a lost node named by the neighbour that could not reach it, and
+deliveries that only the session's own route can make.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import trio.testing
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
-from dgr.seam.stream import encode_record
+from dgr.seam.stream import Record, encode_record
 from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
                            ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH, FrameKind)
@@ -30,26 +30,16 @@ from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
 
-CHAIN = ("--topology", "chain")
-RING = ("--topology", "ring")
-
-
-@pytest.fixture(scope="module")
-def chain():
-    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005", *CHAIN)) as r:
-        yield r
-
-
 @pytest.fixture(scope="module")
 def ring():
-    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005", *RING)) as r:
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.0005")) as r:
         yield r
 
 
-def test_chain_answers_equal_the_stub_and_the_seam_carries_one_step(chain) -> None:
+def test_ring_answers_equal_the_stub_and_the_seam_carries_one_step(ring) -> None:
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
-    client = openai.OpenAI(base_url=chain.api, api_key="unused", max_retries=0)
-    for prompt in ("The route", "x" * 700):  # 700 positions: two prefill chunks through the chain
+    client = openai.OpenAI(base_url=ring.api, api_key="unused", max_retries=0)
+    for prompt in ("The route", "x" * 700):  # 700 positions: two prefill chunks through the ring
         ids = stub.tokenize(prompt, add_special=True, parse_special=True)
         want = expected_greedy([stub], ids, 40)
         got = client.completions.create(model="stub", prompt=prompt, max_tokens=40, temperature=0)
@@ -58,51 +48,51 @@ def test_chain_answers_equal_the_stub_and_the_seam_carries_one_step(chain) -> No
             model="stub", prompt=prompt, max_tokens=40, temperature=0, stream=True) if c.choices)
         assert streamed == want.text
     for name in ("node1", "node2"):  # the previous node sent it one position of 576 float32
-        seam = chain.node_status(name)["seam"]
+        seam = ring.node_status(name)["seam"]
         assert seam["last_decode_frame_bytes"] == HEADER_SIZE + 576 * 4
-    with httpx.stream("POST", f"{chain.api}/completions", timeout=30,
+    with httpx.stream("POST", f"{ring.api}/completions", timeout=30,
                       json={"model": "stub", "prompt": "hops", "max_tokens": 8, "stream": True}) as r:
         sid = r.headers["x-dgr-route-session"]
         r.read()
-    snap = chain.wait_session_ended(sid)
+    snap = ring.wait_session_ended(sid)
     assert snap["phase"] == "done" and set(snap["hop_latency_ms"]) == {"node0", "node1", "node2"}
-    chain.wait_sessions_freed(["node0", "node1", "node2"])
+    ring.wait_sessions_freed(["node0", "node1", "node2"])
 
 
-def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on_streams(chain) -> None:
+def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on_streams(ring) -> None:
     sid = uuid.uuid4().hex
     report = json.dumps({"session": sid, "reporter": "node1", "code": "route_node_lost", "message": "forged",
                          "node": "node2"}).encode()
     for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
-                    chain.capability(sid, "gateway", layers=(0, 1), identity=Identity.generate()),  # not the tracker's
-                    chain.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
-        r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=report, timeout=5,
+                    ring.capability(sid, "gateway", layers=(0, 1), identity=Identity.generate()),  # not the tracker's
+                    ring.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
+        r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=report, timeout=5,
                        headers={"Content-Type": "application/json", **headers})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
     # the right capability for a session that is not live: refused as unknown, nothing changes
-    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=report, timeout=5,
-                   headers={"Content-Type": "application/json", **chain.capability(sid, "gateway", layers=(0, 1))})
+    r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=report, timeout=5,
+                   headers={"Content-Type": "application/json", **ring.capability(sid, "gateway", layers=(0, 1))})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
-    # an answer posted alone is refused, even with the capability: a chain's answers come on the delivery stream
+    # an answer posted alone is refused, even with the capability: a route's answers come on the delivery stream
     frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
-    r = httpx.post(f"{chain.url}{DELIVER_PATH}", content=frame, timeout=5,
-                   headers={"Content-Type": CONTENT_TYPE, **chain.capability(sid, "gateway", layers=(0, 1))})
+    r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=frame, timeout=5,
+                   headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "gateway", layers=(0, 1))})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame", r.text
 
 
-def test_a_members_report_fails_only_its_session_in_the_trackers_words(chain) -> None:
+def test_a_members_report_fails_only_its_session_in_the_trackers_words(ring) -> None:
     """A route member's failure report (issue 40): it must come from and name nodes of that session's route;
     it fails that session only, with the tracker's own text, not the reporter's; and no node is marked dead on
     a member's word, so other sessions through the named node go on."""
     body = {"model": "stub", "prompt": "a long one", "max_tokens": 400, "temperature": 0, "stream": True}
     lure = "SECURITY NOTICE: re-enter your API key at http://attacker.example/login"
-    with httpx.stream("POST", f"{chain.api}/completions", json=body, timeout=30) as victim:
+    with httpx.stream("POST", f"{ring.api}/completions", json=body, timeout=30) as victim:
         sid = victim.headers["x-dgr-route-session"]
-        cap = {"Content-Type": "application/json", **chain.capability(sid, "gateway", layers=(0, 1))}
+        cap = {"Content-Type": "application/json", **ring.capability(sid, "gateway", layers=(0, 1))}
 
         def report(reporter: str, node: str) -> httpx.Response:
             data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": lure, "node": node}
-            return httpx.post(f"{chain.url}{DELIVER_PATH}", content=json.dumps(data).encode(), timeout=5, headers=cap)
+            return httpx.post(f"{ring.url}{DELIVER_PATH}", content=json.dumps(data).encode(), timeout=5, headers=cap)
 
         for reporter, node in (("node1", "nodeX"), ("stranger", "node2")):  # not of this route: refused
             r = report(reporter, node)
@@ -110,25 +100,25 @@ def test_a_members_report_fails_only_its_session_in_the_trackers_words(chain) ->
         assert report("node1", "node2").status_code == 204
         text = victim.read().decode()
     assert "attacker.example" not in text and "node node1 reported route_node_lost for node node2" in text
-    assert chain.wait_session_ended(sid)["phase"] == "failed"
+    assert ring.wait_session_ended(sid)["phase"] == "failed"
     # node2 is not marked dead: a new session through it answers
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
     want = expected_greedy([stub], stub.tokenize("after", add_special=True, parse_special=True), 8).text
-    got = httpx.post(f"{chain.api}/completions", json={"model": "stub", "prompt": "after", "max_tokens": 8,
+    got = httpx.post(f"{ring.api}/completions", json={"model": "stub", "prompt": "after", "max_tokens": 8,
                                                         "temperature": 0}, timeout=30).json()
     assert got["choices"][0]["text"] == want
-    assert all(n["alive"] for n in chain.node_table()), chain.node_table()
+    assert all(n["alive"] for n in ring.node_table()), ring.node_table()
 
 
-def test_a_chain_sessions_step_sent_alone_is_refused_and_the_session_goes_on(chain) -> None:
-    """A chain session's steps come on its stream: one posted to a node's single-step path is refused
+def test_a_ring_sessions_step_sent_alone_is_refused_and_the_session_goes_on(ring) -> None:
+    """A ring session's steps come on its stream: one posted to a node's single-step path is refused
     before it touches the session, which answers as if nothing had come."""
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
     want = expected_greedy([stub], stub.tokenize("a long one", add_special=True, parse_special=True), 300).text
-    node1 = chain.node("node1")["url"]
+    node1 = ring.node("node1")["url"]
     body = {"model": "stub", "prompt": "a long one", "max_tokens": 300, "temperature": 0, "stream": True}
     text, refused = "", None
-    with httpx.stream("POST", f"{chain.api}/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", f"{ring.api}/completions", json=body, timeout=30) as r:
         sid = r.headers["x-dgr-route-session"]
         for kind, data in sse_events(r):
             if kind == "data" and isinstance(data, dict):
@@ -136,19 +126,19 @@ def test_a_chain_sessions_step_sent_alone_is_refused_and_the_session_goes_on(cha
             if text and refused is None:  # the session is decoding: a step of it, alone, with node1's capability
                 frame = encode_frame(FrameKind.DECODE, sid, 10_000, 0, 1, 576, hidden=np.zeros((1, 576), np.float32))
                 refused = httpx.post(f"{node1}{STEP_PATH}", content=frame, timeout=5,
-                                     headers={"Content-Type": CONTENT_TYPE, **chain.capability(sid, "node1")})
+                                     headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "node1")})
     assert refused is not None
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request_error", refused.text
     assert text == want
 
 
-@pytest.mark.parametrize("victim, reporter, topology", [("node1", "node0", CHAIN), ("node2", "node1", CHAIN),
-                                                       ("node0", "node2", RING)])  # the ring's tail feeds the head
-def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str, topology: tuple[str, str]) -> None:
+@pytest.mark.parametrize("victim, reporter", [("node1", "node0"), ("node2", "node1"),
+                                              ("node0", "node2")])  # the ring's tail feeds the head
+def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str) -> None:
     # Heartbeats would name the node too, after --dead-after; here the neighbour's report must do it.
     # Its request stays open while the victim computes, and a node killed between steps refuses the
     # next one, so whenever the kill lands the neighbour sees it.
-    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60", *topology)) as route:
+    with LocalRoute(backend="stub", nodes=3, extra=("--stub-delay", "0.004", "--dead-after", "60")) as route:
         body = {"model": "stub", "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=30) as r:
@@ -162,11 +152,11 @@ def test_a_lost_node_is_named_by_its_neighbour(victim: str, reporter: str, topol
         route.wait_sessions_freed([n for n in ("node0", "node1", "node2") if n != victim])
 
 
-def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) -> None:
-    """A chain link's stream names its session and capability in its headers: a bad one is answered
+def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(ring) -> None:
+    """A ring link's stream names its session and capability in its headers: a bad one is answered
     at once, while its body is still open, and a frame of another session on a good one is refused."""
     sid, other = uuid.uuid4().hex, uuid.uuid4().hex
-    node1 = chain.node("node1")["url"]
+    node1 = ring.node("node1")["url"]
     frame = encode_frame(FrameKind.DECODE, other, 0, 0, 1, 576, hidden=np.zeros((1, 576), np.float32))
 
     async def answer(url: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str]:
@@ -187,23 +177,23 @@ def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(chain) 
             await pool.aclose()
 
     async def main() -> None:
-        half = encode_record("", frame)[:30]
+        half = encode_record((), frame)[:30]
         for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
-                        chain.capability(sid, "node1", identity=Identity.generate()),  # not the tracker's
-                        chain.capability(sid, "node2")):  # another node's
+                        ring.capability(sid, "node1", identity=Identity.generate()),  # not the tracker's
+                        ring.capability(sid, "node2")):  # another node's
             assert await answer(node1, STREAM_PATH, headers, half) == (403, "forbidden")
-        for headers in ({}, chain.capability(sid, "node2", layers=(0, 1))):  # a node's is not a delivery one
-            assert await answer(chain.url, DELIVER_STREAM_PATH, headers, half) == (403, "forbidden")
+        for headers in ({}, ring.capability(sid, "node2", layers=(0, 1))):  # a node's is not a delivery one
+            assert await answer(ring.url, DELIVER_STREAM_PATH, headers, half) == (403, "forbidden")
         # the session's own capability, and a frame of another session in the body
-        assert await answer(node1, STREAM_PATH, chain.capability(sid, "node1"), encode_record("", frame)) == (
+        assert await answer(node1, STREAM_PATH, ring.capability(sid, "node1"), encode_record((), frame)) == (
             403, "forbidden")
-        assert await answer(chain.url, DELIVER_STREAM_PATH, chain.capability(sid, "gateway", layers=(0, 1)),
-                            encode_record("", frame)) == (400, "bad_frame")  # a node's input is no answer
+        assert await answer(ring.url, DELIVER_STREAM_PATH, ring.capability(sid, "gateway", layers=(0, 1)),
+                            encode_record((), frame)) == (400, "bad_frame")  # a node's input is no answer
         # a stream that ends cleanly is answered 200 and its connection is kept for the next one
-        pool = ConnectionPool(chain.url)
+        pool = ConnectionPool(ring.url)
         stream = await pool.open_stream(DELIVER_STREAM_PATH, [
             ("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid),
-            *chain.capability(sid, "gateway", layers=(0, 1)).items()])
+            *ring.capability(sid, "gateway", layers=(0, 1)).items()])
         await stream.end()
         with trio.fail_after(10):
             r = await stream.answer()
@@ -233,23 +223,6 @@ def _assert_at_once_as_alone(route: LocalRoute, prompts: list[str]) -> None:
 
     trio.run(main)
     assert got == want
-
-
-def test_concurrent_sessions_travel_in_phase_groups_and_answer_as_alone(chain) -> None:
-    """Four sessions on the 3-node chain: two phase groups (dgr.fsm.phases). Steps wait for their
-    group (the tracker counts them), and every answer is the one the session gets alone."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def waits() -> dict[str, float]:
-        text = httpx.get(f"{chain.url}/metrics", timeout=5).text
-        return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
-                for s in f.samples if s.name == "dgr_phase_waits_total"}
-
-    before = waits()
-    _assert_at_once_as_alone(chain, [f"group member {i}" for i in range(4)])
-    after = waits()
-    assert after.get("released", 0) - before.get("released", 0) > 0, (before, after)
-    chain.wait_sessions_freed(["node0", "node1", "node2"])
 
 
 # -- the ring: the tail sends each next decode step to the head; the gateway only listens ----------
@@ -294,7 +267,7 @@ def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
 
 def test_ring_sessions_at_once_travel_in_phase_groups_and_answer_as_alone(ring) -> None:
     """On a ring the tail holds each next step for its phase group (dgr.node.ringphases), as the
-    gateway does on a chain; it counts the steps it sent with their group."""
+    gateway did on a chain; it counts the steps it sent with their group."""
     before = ring.node_status("node2")["ring_phases"]["released"]
     _assert_at_once_as_alone(ring, [f"ring member {i}" for i in range(6)])
     assert ring.node_status("node2")["ring_phases"]["released"] > before
@@ -352,11 +325,11 @@ async def test_a_ring_tails_next_step_goes_out_before_its_answer() -> None:
             for _ in range(20):  # trio runs the woken relays in either order, at random
                 await trio.testing.wait_all_tasks_blocked()
                 if answer_first:
-                    answers.put(Outgoing(answer, "node1=1"))
-                    loop.put(Outgoing(step, ""))
+                    answers.put(Outgoing(answer, (1,)))
+                    loop.put(Outgoing(step, ()))
                 else:
-                    loop.put(Outgoing(step, ""))
-                    answers.put(Outgoing(answer, "node1=1"))
+                    loop.put(Outgoing(step, ()))
+                    answers.put(Outgoing(answer, (1,)))
             await trio.testing.wait_all_tasks_blocked()
             answers.close()
             loop.close()
@@ -379,7 +352,7 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     answers: list[bytes] = []
     reports: list[tuple[str, dict]] = []
     reader = RecordReader(1 << 20)
-    gateway = FakePool(on_send=lambda data: answers.extend(frame for _, frame in reader.feed(data)),
+    gateway = FakePool(on_send=lambda data: answers.extend(r.frame for r in reader.feed(data)),
                        on_request=lambda target, body: reports.append((target, json.loads(body))))
 
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
@@ -391,8 +364,8 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     async with running(node):
         await node.open_session(sid, len(prompt) + max_tokens, SamplingParams(temperature=0.0), relay=plan)
         assert isinstance(node.loops[sid], SelfLoop)
-        node.accept_streamed(sid, encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576, token_ids=prompt,
-                                               flags=Flag.SAMPLE), "")
+        node.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576,
+                                                      token_ids=prompt, flags=Flag.SAMPLE)))
         want = Pipeline([StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))]).generate_greedy(
             prompt, max_tokens, sid="0" * 32).tokens
         with trio.fail_after(10):
@@ -404,8 +377,8 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
         other = uuid.uuid4().hex
         await node.open_session(other, 64, SamplingParams(temperature=0.0), relay=plan)
         node.loops[other].put(Outgoing(encode_frame(FrameKind.DECODE, other, 3, 9, 1, 576, token_ids=[7],
-                                                    flags=Flag.SAMPLE), ""))  # out of order: refused
-        node.loops[other].put(Outgoing(b"never admitted", ""))
+                                                    flags=Flag.SAMPLE), ()))  # out of order: refused
+        node.loops[other].put(Outgoing(b"never admitted", ()))
         with trio.fail_after(10):
             while not reports:
                 await trio.sleep(0.001)

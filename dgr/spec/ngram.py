@@ -1,0 +1,113 @@
+"""Draft tokens by n-gram lookup over one session's own tokens (prompt and output).
+
+The rule (prompt lookup, the family of llama.cpp's `--spec-type ngram-*`):
+take the last n tokens of the session as a key, for n from `n_max` down to
+`n_min`; the first n whose key occurred earlier wins, at its most recent
+earlier occurrence; the draft is what followed that occurrence. The copy may
+run on into the tokens it is drafting, as an LZ77 copy does, so a repeating
+pattern drafts its next period even when the history holds one period only:
+draft[i] = seq[start + i], where seq is the history followed by the draft.
+Only occurrences that start in the last `window` tokens count.
+
+Cost: `append` is O(n_max - n_min + 1) dictionary operations (each n-gram
+ending at the previous token is registered, and each one leaving the window
+is dropped); `draft(k)` is O(n_max) lookups plus O(k) copies. Memory is
+O(window x sizes): the history keeps at most 2 x `window` tokens and each
+table at most one entry per n-gram start inside the window.
+
+Deterministic: the same tokens give the same drafts, with no randomness and
+no dependence on dictionary order.
+
+Why the registration lags one token: the table must hold the most recent
+occurrence *before* the current end. An n-gram ending at the current end is
+registered only when the next token arrives, so a lookup of the current
+key never finds itself.
+
+Left out: frequency statistics across sessions (llama.cpp's dynamic and
+static caches) and draft models; this module only looks at one session.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+
+__all__ = ["NgramDrafter"]
+
+
+@attrs.define
+class NgramDrafter:
+    """One session's n-gram index and history.
+
+    Raises:
+        ValueError: sizes out of order, or a window too short to hold the largest n-gram and its follower.
+    """
+
+    n_min: int = 2
+    n_max: int = 4
+    window: int = 8192
+    _toks: list[int] = attrs.field(init=False, factory=list)
+    _base: int = attrs.field(init=False, default=0)  # absolute index of _toks[0]
+    # _tables[n - n_min]: n-gram -> absolute end (exclusive) of its most recent registered occurrence
+    _tables: list[dict[tuple[int, ...], int]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not (1 <= self.n_min <= self.n_max):
+            raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
+        if self.window < self.n_max + 2:
+            raise ValueError(f"window {self.window} cannot hold a {self.n_max}-gram and what follows it")
+        self._tables = [{} for _ in range(self.n_max - self.n_min + 1)]
+
+    def __len__(self) -> int:
+        """Tokens seen, all told (the absolute length of the session's sequence)."""
+        return self._base + len(self._toks)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        """Add the session's next token (a prompt token or an accepted output token)."""
+        self._toks.append(int(token))
+        length = len(self)
+        end = length - 1  # n-grams ending at the previous token become findable now
+        for i, table in enumerate(self._tables):
+            n = self.n_min + i
+            if end - n >= 0:
+                table[self._gram(end - n, n)] = end
+            # the n-gram that starts just outside the window leaves it now
+            gone = length - self.window - 1
+            if gone >= 0 and gone + n <= end:
+                key = self._gram(gone, n)
+                if table.get(key) == gone + n:  # still its most recent occurrence: none later is in the table
+                    del table[key]
+        if len(self._toks) >= 2 * self.window:
+            cut = len(self._toks) - self.window  # keep the window, amortised O(1) per token
+            del self._toks[:cut]
+            self._base += cut
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k draft tokens to follow the session's last token; [] where no key recurs (or k is 0)."""
+        length = len(self)
+        if k <= 0:
+            return []
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if length < n + 1:
+                continue
+            start = self._tables[n - self.n_min].get(self._gram(length - n, n))
+            if start is None:
+                continue
+            out: list[int] = []
+            for i in range(k):
+                j = start + i
+                out.append(self._at(j) if j < length else out[j - length])
+            return out
+        return []
+
+    def _at(self, j: int) -> int:
+        return self._toks[j - self._base]
+
+    def _gram(self, start: int, n: int) -> tuple[int, ...]:
+        s = start - self._base
+        return tuple(self._toks[s : s + n])

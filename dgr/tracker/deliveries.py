@@ -1,0 +1,123 @@
+"""What a route's members send the tracker: the tail's answers, and failure reports.
+
+A tail delivers a session's answers on one stream (dgr.api.http
+`serve_seam_stream`), authorized by the session's delivery capability before
+any of the body is read; each record's answer goes into the session's inbox
+with every hop's compute, where the ring driver takes it (dgr.tracker.ring).
+
+A report is scoped to its session: the reporter and the node it names must be
+hops of that session's route, only that session fails, and no node is marked
+dead on a member's word. A node reported lost is probed with the tracker's
+own request (`/healthz`), and only its silence marks it dead. The client is
+told who reported what in the tracker's words; the reporter's own text goes
+to the tracker's log only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import attrs
+import trio
+
+from dgr.api.http import parse_json
+from dgr.errors import CallerError, Failure, PeerError, Reason
+from dgr.seam.frame import Frame, decode_frame
+from dgr.seam.stream import Record
+from dgr.seam.wire import FrameKind
+from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.tracker.clients import NodeClients
+from dgr.tracker.live import Answer, LiveSession
+from dgr.tracker.patience import PROBE_S
+from dgr.tracker.registry import GATEWAY_ID, NodeEntry
+
+__all__ = ["Deliveries"]
+
+log = logging.getLogger("dgr.gateway")
+
+
+@attrs.define
+class Deliveries:
+    sessions: dict[str, LiveSession]  # the gateway's live sessions (shared, not copied)
+    clients: NodeClients
+    node_lost: Callable[[str, str], None]  # (node id, why): mark it dead and fail its sessions
+    authority: CapabilityAuthority | None = None
+    nursery: trio.Nursery | None = None  # where probes run
+    _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
+
+    def authorize(self, capability: str | None, sid: str) -> None:
+        """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
+        if self.authority is not None:
+            # a route's delivery capability names this "node" (layers 0:1): one for the whole route, since
+            # any of its nodes may have to report
+            self.authority.check(capability, session=sid, node=GATEWAY_ID, start=0, stop=1, now=time.time(),
+                                 need=Scope.STEP)
+
+    def deliver(self, sid: str, record: Record) -> None:
+        """An answer from a delivery stream already authorized for `sid`.
+
+        Raises:
+            CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed.
+        """
+        frame = _answer_frame(record.frame)
+        if frame.session != sid:
+            raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
+        self._live(sid).inbox[0].send_nowait(Answer(frame, record.compute_us))
+
+    def report(self, body: bytes, capability: str | None) -> None:
+        """A session's node reports a failure (JSON: session, reporter, code, message, node).
+
+        Raises:
+            CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
+        """
+        data = parse_json(body)
+        sid = data.get("session")
+        try:
+            failure = Failure.from_json(data)
+        except (ValueError, KeyError, TypeError):
+            raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
+        self.authorize(capability, sid if isinstance(sid, str) else "")
+        live = self._live(sid)
+        members = {h.node_id for h in live.rs.route}
+        reporter = data.get("reporter")
+        if reporter not in members or (failure.node is not None and failure.node not in members):
+            raise CallerError(Reason.FORBIDDEN, "a report comes from a node of its session's route and names only one")
+        log.warning("session %s: node %s reports %s for %s: %.200s", sid, reporter, failure.reason.value,
+                    failure.node or "itself", failure.message)
+        said = f"node {reporter} reported {failure.reason.value}" + (f" for node {failure.node}" if failure.node else "")
+        live.inbox[0].send_nowait(Failure(failure.reason, said, node=failure.node, step=failure.step))
+        if failure.reason is Reason.ROUTE_NODE_LOST and failure.node is not None:
+            self._probe_soon(failure.node)
+
+    def _live(self, sid: Any) -> LiveSession:
+        live = self.sessions.get(sid) if isinstance(sid, str) else None
+        if live is None or live.rs.ended:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {str(sid)[:64]}")
+        return live
+
+    def _probe_soon(self, node_id: str) -> None:
+        entry = self.clients.registry.nodes.get(node_id)
+        if entry is None or not entry.alive or self.nursery is None or node_id in self._probing:
+            return
+        self._probing.add(node_id)
+        self.nursery.start_soon(self._probe, entry)
+
+    async def _probe(self, entry: NodeEntry) -> None:
+        try:
+            with trio.move_on_after(PROBE_S) as scope:
+                await self.clients.get(entry).alive()
+            if scope.cancelled_caught:
+                self.node_lost(entry.node_id, f"no answer to the tracker's probe within {PROBE_S:g}s")
+        except PeerError:
+            self.node_lost(entry.node_id, "the tracker's probe could not reach it")
+        finally:
+            self._probing.discard(entry.node_id)
+
+
+def _answer_frame(body: bytes) -> Frame:
+    frame = decode_frame(body)
+    if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
+        raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
+    return frame

@@ -1,0 +1,21 @@
+"""python -m dgr.bench.trace: one chat completion followed through dgr's code, on the in-process ring."""
+
+from __future__ import annotations
+
+from dgr.bench.trace import main, trace_one_request
+
+
+def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_ring(capsys) -> None:
+    result = trace_one_request()
+    assert result["request"]["completion_tokens"] == 2
+    assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
+    modules = result["per_module"]
+    # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's
+    assert modules["dgr.tracker.gateway"]["entries"] >= 1
+    assert "dgr.tracker.gateway:Gateway.open" in result["functions"]
+    assert "dgr.node.relay:Relay.run" in result["functions"]
+    # the harness is not the path, and its counts add up
+    assert not any(m.startswith(("dgr.testing", "dgr.bench")) for m in modules)
+    assert sum(row["functions"] for row in modules.values()) == result["stops"] == len(result["functions"])
+    assert sum(row["entries"] for row in modules.values()) == result["entries"]
+    assert main(["--json"]) == 0 and '"stops"' in capsys.readouterr().out
