@@ -157,9 +157,9 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
     sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph but rows of spread
     ids one graph each. The graphs are counted by an eval callback that watches the range's output node."""
     graphs = [0]
-    g = ggml_lib()
-    g.ggml_get_name.argtypes, g.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_void_p
-    name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
+    # a prototype of its own: the shared handle's ggml_get_name returns the name's bytes
+    get_name = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(("ggml_get_name", ggml_lib()))
+    name_off = get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
 
     @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
     def count(t, ask, _user):

@@ -18,7 +18,8 @@
   llama-cpp-python's own ctypes module does not declare them, so they are declared here on its
   library handle. A stock llama-cpp-python build lacks the symbols, and `range_api` refuses it with
   the way to get the patched build.
-- libggml-base (`ggml_lib`): from llama-cpp-python's lib folder, for type names and tensor names.
+- libggml-base (`ggml_lib`): from llama-cpp-python's lib folder: type names, and the gguf writer the
+  tiny test models are written with; `model_builder_api` adds libllama's build-from-memory functions.
 
 Rules: importing this module loads nothing; each library is loaded on its first use, declared once,
 and kept for the process's life (a freed log callback would crash the next log call).
@@ -38,8 +39,8 @@ from typing import Any
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["PATCHED_BUILD_HINT", "ggml_lib", "llama_lib", "llama_log_tail", "model_layer_range", "model_seam",
-           "range_api"]
+__all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "ggml_lib", "llama_lib", "llama_log_tail", "model_builder_api",
+           "model_layer_range", "model_seam", "range_api"]
 
 _LOG: collections.deque[str] = collections.deque(maxlen=40)
 _LIB: dict[str, Any] = {}
@@ -134,19 +135,76 @@ def model_seam(model: int) -> tuple[int, bool]:
 _GGML: dict[str, Any] = {}
 
 
+class GgufInitParams(ctypes.Structure):
+    """gguf_init_params: `no_alloc`, and where to put the ggml context holding the tensors (or NULL)."""
+
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
+
+
 def ggml_lib() -> ctypes.CDLL:
-    """libggml-base from llama-cpp-python's lib folder, with the few functions dgr uses declared."""
+    """libggml-base from llama-cpp-python's lib folder: type names, and the gguf writer and tensor
+    functions that write the tiny test models (dgr.testing.arch_models: ggml itself writes them)."""
     lib = _GGML.get("lib")
     if lib is not None:
         return lib
     import llama_cpp
 
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    vp, cp, sz, i64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64
     for name, args, res in [
-        ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
-        ("ggml_get_name", [ctypes.c_void_p], ctypes.c_void_p),
+        ("ggml_type_name", [ctypes.c_int], cp),
+        ("gguf_init_empty", [], vp),
+        ("gguf_free", [vp], None),
+        ("gguf_set_val_u32", [vp, cp, ctypes.c_uint32], None),
+        ("gguf_set_val_i32", [vp, cp, ctypes.c_int32], None),
+        ("gguf_set_val_u64", [vp, cp, ctypes.c_uint64], None),
+        ("gguf_set_val_i64", [vp, cp, ctypes.c_int64], None),
+        ("gguf_set_val_u8", [vp, cp, ctypes.c_uint8], None),
+        ("gguf_set_val_i8", [vp, cp, ctypes.c_int8], None),
+        ("gguf_set_val_f32", [vp, cp, ctypes.c_float], None),
+        ("gguf_set_val_bool", [vp, cp, ctypes.c_bool], None),
+        ("gguf_set_val_str", [vp, cp, cp], None),
+        ("gguf_set_arr_data", [vp, cp, ctypes.c_int, vp, sz], None),
+        ("gguf_set_arr_str", [vp, cp, ctypes.POINTER(cp), sz], None),
+        ("gguf_set_kv", [vp, vp], None),
+        ("gguf_add_tensor", [vp, vp], None),
+        ("gguf_write_to_file", [vp, cp, ctypes.c_bool], ctypes.c_bool),
+        ("gguf_init_from_file", [cp, GgufInitParams], vp),
+        ("gguf_get_n_tensors", [vp], i64),
+        ("gguf_get_tensor_name", [vp, i64], cp),
+        ("ggml_get_tensor", [vp, cp], vp),
+        ("ggml_free", [vp], None),
+        ("ggml_get_name", [vp], cp),
+        ("ggml_nelements", [vp], i64),
+        ("ggml_nbytes", [vp], sz),
+        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     _GGML["lib"] = lib
+    return lib
+
+
+def model_builder_api() -> Any:
+    """libllama (as `range_api`) with the functions that build a model from tensors in memory and save it:
+    how the tiny test models get llama.cpp's own layout (dgr.testing.arch_models)."""
+    lib = _API.get("builder")
+    if lib is not None:
+        return lib
+    import llama_cpp.llama_cpp as llama
+
+    llama_lib()  # backend init and dgr's log callback
+    lib = range_api()
+    for name, args, res in [
+        (
+            "llama_model_init_from_user",
+            [ctypes.c_void_p, llama.llama_model_set_tensor_data_t, ctypes.c_void_p, llama.llama_model_params],
+            ctypes.c_void_p,
+        ),
+        ("llama_model_save_to_file", [ctypes.c_void_p, ctypes.c_char_p], None),
+        ("llama_model_free", [ctypes.c_void_p], None),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _API["builder"] = lib
     return lib
