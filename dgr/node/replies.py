@@ -7,15 +7,16 @@ with other sessions' steps. A step whose caller has gone still runs to its end: 
 counters were advanced when it was accepted, so the KV and the counters agree either way.
 
 Rules:
-- A star session's steps come one per call (`step`) and its reply goes back to the caller; a chain
-  session's come on its stream (`accept_streamed`) and its results go on through its relay. Either
-  way is refused for the other kind of session, and a stream carries the frames of its own session only.
+- A session opened with a relay plan (the ring's) takes its steps on its stream (`accept_streamed`)
+  and its results go on through its relay; one opened without takes them one per call (`step`, POST
+  /v1/seam/step) and its reply goes back to the caller. Either way is refused for the other kind of
+  session, and a stream carries the frames of its own session only.
 - The reply is built in the scheduler's thread (sampling and token text are backend work): the hidden
   state for the next shard (in the dtype it arrived in), an ACK, or the tail's sampled TOKEN.
 - A ring's tail also builds the next decode step for the token it sampled, unless the route stops
   there (dgr.fsm.stop, counted in positions), and hands it to its phase group (dgr.node.links).
 - Compute that fails fails the session (and frees it) and is reported: to the caller as
-  `PeerError(NODE_ERROR)`, or on the chain's relay.
+  `PeerError(NODE_ERROR)`, or on the session's relay.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ class NodeReplies:
         return exc
 
     async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
-        """Apply one frame of a star session; return (response frame, compute seconds).
+        """Apply one frame of a session opened without a relay plan; return (response frame, compute seconds).
 
         Raises:
             CallerError: the frame was refused (FORBIDDEN without a valid capability; INVALID_REQUEST
-                for a chain session, whose steps come on its stream); nothing changed.
+                for a session with a relay, whose steps come on its stream); nothing changed.
             PeerError(NODE_ERROR): compute failed; the session is failed and freed.
         """
         frame = self.admit(body, capability)
@@ -139,11 +140,11 @@ class NodeReplies:
         return reply, compute
 
     def accept_streamed(self, sid: str, record: Record) -> None:
-        """A chain step from a stream record, for `sid` (whose capability the stream carried): accepted and
+        """A step from a stream record, for `sid` (whose capability the stream carried): accepted and
         queued; its result goes on through the session's relay, or its failure is reported.
 
         Raises:
-            CallerError: refused (a session of the star takes no stream); nothing changed.
+            CallerError: refused (a session without a relay takes no stream); nothing changed.
         """
         if self.table.is_live(sid) and sid not in self.links.relays:
             raise self._refused(CallerError(Reason.INVALID_REQUEST,
@@ -190,7 +191,7 @@ class NodeReplies:
         return frame
 
     def _relay_step(self, frame: Frame, relay: Relay, compute_us: tuple[int, ...]) -> None:
-        """Queue a chain step; when computed, its result goes to the relay (or its failure is reported).
+        """Queue a streamed step; when computed, its result goes to the relay (or its failure is reported).
 
         On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
         """
