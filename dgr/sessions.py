@@ -8,6 +8,8 @@ Rules:
   The check is complete before anything is added, so a refused open changes nothing.
 - "Full" counts what holds a slot: the live sessions, or the `in_use` the owner names where something
   else holds slots too (a backend's kept prefixes).
+- A step is refused when it would leave a session holding more positions than its open asked for
+  (`check_fits`: `CONTEXT_LENGTH_EXCEEDED`).
 - A lookup of an id that is not live is refused as `SESSION_ENDED` when the id is remembered as ended
   (with the reason it failed, if it did), else `UNKNOWN_SESSION`.
 - Ending a session remembers its id (up to `remember` ids, oldest forgotten first) but leaves it
@@ -43,6 +45,7 @@ class SessionTable(Generic[T]):
     max_positions: int  # KV positions one session may hold
     remember: int = 0  # ended ids remembered; 0: none (an id is unknown once popped)
     live: dict[str, T] = attrs.field(factory=dict)
+    limits: dict[str, int] = attrs.field(factory=dict)  # sid -> the positions its open asked for
     ended: collections.OrderedDict[str, Failure | None] = attrs.field(factory=collections.OrderedDict)
 
     def check_open(self, sid: str, positions: int, *, in_use: int | None = None) -> None:
@@ -70,14 +73,30 @@ class SessionTable(Generic[T]):
                               retry_after=1)
 
     def open(self, sid: str, positions: int, value: T, *, in_use: int | None = None) -> T:
-        """Check an open (`check_open`), then hold `value` for `sid`.
+        """Check an open (`check_open`), then hold `value` for `sid` (`add`).
 
         Raises:
-            CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED): nothing added.
+            CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY): nothing added.
         """
         self.check_open(sid, positions, in_use=in_use)
+        return self.add(sid, positions, value)
+
+    def add(self, sid: str, positions: int, value: T) -> T:
+        """Hold `value` for `sid`, allowed `positions` positions: after `check_open`, where the value
+        (a slot) can only be had once the open is known to be allowed."""
         self.live[sid] = value
+        self.limits[sid] = positions
         return value
+
+    def check_fits(self, sid: str, positions: int) -> None:
+        """Refuse a step that would leave `sid` holding more than the positions its open asked for.
+
+        Raises:
+            CallerError(CONTEXT_LENGTH_EXCEEDED).
+        """
+        limit = self.limits.get(sid, self.max_positions)
+        if positions > limit:
+            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {positions} positions exceed {limit}")
 
     def get(self, sid: str) -> T:
         """The live session `sid`.
@@ -108,7 +127,13 @@ class SessionTable(Generic[T]):
 
     def pop(self, sid: str) -> T | None:
         """Free `sid`'s slot; its value, or None where it held none."""
+        self.limits.pop(sid, None)
         return self.live.pop(sid, None)
+
+    def clear(self) -> None:
+        """Hold nothing (the owner is closing); ended ids stay remembered."""
+        self.live.clear()
+        self.limits.clear()
 
     def __contains__(self, sid: object) -> bool:
         return sid in self.live

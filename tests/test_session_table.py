@@ -76,3 +76,17 @@ def test_the_stub_backend_refuses_as_the_table_does() -> None:
     stub.open_session("b", 8)
     assert _reason(lambda: stub.open_session("c", 8)) is Reason.NODE_AT_CAPACITY
     assert _reason(lambda: stub.forward("zz", 0, None, None, False)) is Reason.UNKNOWN_SESSION
+
+
+def test_a_step_fits_the_positions_its_open_asked_for() -> None:
+    t: SessionTable[int] = SessionTable("this shard", capacity=2, max_positions=64)
+    t.open("a", 16, 0)
+    t.check_fits("a", 16)
+    with pytest.raises(CallerError, match="17 positions exceed 16") as err:
+        t.check_fits("a", 17)
+    assert err.value.reason is Reason.CONTEXT_LENGTH_EXCEEDED
+    t.pop("a")
+    t.check_open("b", 64)
+    t.add("b", 64, 1)  # a slot known only once the open is allowed
+    t.check_fits("b", 64)
+    assert t.limits == {"b": 64}

@@ -109,7 +109,6 @@ class LlamaCppBackend(ShardBackend):
         self.layers = layers
         self.n_threads = n_threads
         self.n_ctx = n_ctx
-        self._limits: dict[str, int] = {}  # Route Session id -> max_positions
         self._kept: dict[str, int] = {}  # kept prefix key -> seq_id (dgr.node.prefix)
         digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
         is_tail = layers.stop == header.n_layer  # self.info does not exist yet
@@ -158,8 +157,7 @@ class LlamaCppBackend(ShardBackend):
         self._table.check_open(sid, max_positions, in_use=self._in_use())
         free = self._free_seq(lane)
         self.engine.seq_rm(free)  # a seq_id comes back clean whatever happened before
-        self._table.live[sid] = free
-        self._limits[sid] = max_positions
+        self._table.add(sid, max_positions, free)
 
     def _free_seq(self, prefer: int | None = None) -> int:
         """A seq_id neither a session nor a kept prefix holds: `prefer` if it is one, else the lowest.
@@ -185,8 +183,7 @@ class LlamaCppBackend(ShardBackend):
         if not (0 < positions <= self.engine.positions(seq)):
             raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {self.engine.positions(seq)} positions")
         self.engine.truncate(seq, positions)  # first: where it cannot, the session stays open, to be closed
-        del self._table.live[sid]
-        self._limits.pop(sid, None)
+        self._table.pop(sid)
         self._kept[key] = seq
         return positions * self.engine.kv_bytes_per_position()
 
@@ -204,8 +201,7 @@ class LlamaCppBackend(ShardBackend):
             self.engine.seq_copy(src, seq)
         self.engine.truncate(seq, positions)
         self.engine.reset_evaluated(seq)
-        self._table.live[sid] = seq
-        self._limits[sid] = max_positions
+        self._table.add(sid, max_positions, seq)
 
     def drop_prefix(self, key: str) -> None:
         seq = self._kept.pop(key, None)
@@ -234,8 +230,7 @@ class LlamaCppBackend(ShardBackend):
         return sum(self.engine.positions(seq) * per for seq in self._kept.values())
 
     def close_session(self, sid: str) -> None:
-        seq = self._table.live.pop(sid, None)
-        self._limits.pop(sid, None)
+        seq = self._table.pop(sid)
         if seq is not None:
             self.engine.seq_rm(seq)
 
@@ -282,10 +277,7 @@ class LlamaCppBackend(ShardBackend):
                 if token_ids is None or int(np.size(token_ids)) != n:
                     raise CallerError(Reason.INVALID_REQUEST, f"layers {self.layers} take a token id beside each hidden state")
                 tokens = token_ids
-        if pos0 + n > self._limits[sid]:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {pos0 + n} positions exceed {self._limits[sid]}"
-            )
+        self._table.check_fits(sid, pos0 + n)
         return seq, tokens, embd
 
     def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
@@ -359,8 +351,7 @@ class LlamaCppBackend(ShardBackend):
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
-        self._table.live.clear()
-        self._limits.clear()
+        self._table.clear()
         self._kept.clear()
         self.engine.close()
         if self.text is not None:

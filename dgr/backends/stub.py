@@ -139,7 +139,7 @@ class StubBackend(ShardBackend):
                          in_use=self._in_use())
 
     def close_session(self, sid: str) -> None:
-        self._table.live.pop(sid, None)
+        self._table.pop(sid)
 
     def session_count(self) -> int:
         return len(self._table.live)
@@ -165,7 +165,7 @@ class StubBackend(ShardBackend):
         return out
 
     def keep_prefix(self, sid: str, key: str, positions: int) -> int:
-        s = self._table.live.pop(sid)
+        s = self._table.pop(sid)
         self._kept[key] = self._trimmed(s, positions)
         return positions * s.kv_sum.nbytes
 
@@ -175,7 +175,7 @@ class StubBackend(ShardBackend):
         self._table.check_open(sid, max_positions, in_use=self._in_use() - (1 if take else 0))
         src = self._kept.pop(key) if take else self._kept[key]
         s = self._trimmed(src, positions)
-        self._table.live[sid] = _Session(max_positions, s.kv_sum, s.positions, 0, s.marks, s.inputs, s.ids)
+        self._table.add(sid, max_positions, _Session(max_positions, s.kv_sum, s.positions, 0, s.marks, s.inputs, s.ids))
 
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)

@@ -84,10 +84,10 @@ class TorchBackend(ShardBackend):
         """Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)."""
         self._table.check_open(sid, max_positions, in_use=len(self._table) + len(self._kept))
         cache = None if self.recompute else self._model.new_cache(max_positions)
-        self._table.live[sid] = _Session(max_positions, cache)
+        self._table.add(sid, max_positions, _Session(max_positions, cache))
 
     def close_session(self, sid: str) -> None:
-        self._table.live.pop(sid, None)
+        self._table.pop(sid)
 
     # -- prefix cache: a kept prefix is an ended session's cache, copied into the next one -------------
     @property
@@ -98,7 +98,7 @@ class TorchBackend(ShardBackend):
         s = self._session(sid)
         if not (0 < positions <= s.positions) or s.cache is None:
             raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {s.positions} positions")
-        del self._table.live[sid]
+        self._table.pop(sid)
         s.positions = positions  # the cache rows past it are stale, and overwritten before any read
         self._kept[key] = s
         return positions * self.kv_bytes_per_position()
@@ -204,10 +204,7 @@ class TorchBackend(ShardBackend):
             raise CallerError(Reason.POSITION_DISCONTINUITY, f"pos0 {pos0} != {expected} positions held")
         x = self._input(token_ids, hidden)  # [n] or [n, W]
         n = x.shape[0]
-        if pos0 + n > s.max_positions:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED, f"positions up to {pos0 + n} exceed {s.max_positions}"
-            )
+        self._table.check_fits(sid, pos0 + n)
         cache = self._model.new_cache(n) if self.recompute else s.cache  # recompute: scratch, dropped after
         h = self._model(x, pos0, cache)  # [n, W]
         s.positions = pos0 + n
@@ -243,7 +240,7 @@ class TorchBackend(ShardBackend):
         return self._gguf_text().is_eog(token)
 
     def close(self) -> None:
-        self._table.live.clear()
+        self._table.clear()
         if self._text is not None:
             self._text.close()
             self._text = None
