@@ -62,7 +62,7 @@ class NodeService:
     backend: ShardBackend
     node_id: str
     tls: TlsTrust  # whom this node's own https calls trust
-    tracker_url: str | None  # where a chain session's answers and failure reports go
+    tracker_url: str | None  # where a ring session's answers and failure reports go
     described: dict[str, Any]  # read once, before the scheduler owns the backend
     scheduler: StepScheduler
     table: SessionTable[NodeSession]
@@ -111,7 +111,7 @@ class NodeService:
                                    self.fail_session)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the scheduler that owns the backend, and the chain sessions' relays, until cancelled."""
+        """Run the scheduler that owns the backend, and the ring sessions' relays, until cancelled."""
         try:
             async with trio.open_nursery() as nursery:
                 self.links.nursery = nursery
