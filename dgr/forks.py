@@ -62,7 +62,7 @@ def preload(backend: str) -> None:
                    *_BACKEND_MODULES.get(backend, ())):
         importlib.import_module(module)
     if backend in ("llama", "llama_shard"):
-        from dgr.backends.gguf_text import llama_lib
+        from dgr.backends.clib import llama_lib
 
         llama_lib()  # loads the shared library; llama.cpp starts threads only for a context
 

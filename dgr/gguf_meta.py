@@ -19,9 +19,10 @@ Rules:
   out as gguf-py lays them out; the header keeps each value's GGUF type, so
   a writer (dgr.bench.shapes) copies metadata as it was written.
   No dgr code parses a GGUF with gguf-py's reader: it is the oracle the
-  walk and the views are tested against. The llama engine reads headers
-  with ggml's own C parser, but asks this module what the names and keys
-  mean.
+  walk and the views are tested against. Every reader, the llama backends'
+  check before loading included, gets the same `GgufHeader`, which also
+  names what a backend needs first (architecture, trunk layers, width,
+  training context, bytes by tensor type) as llama.cpp names them.
 - A layer tensor is `blk.N.<rest>`; everything else is global, and its role
   is `global_role`: the table `GLOBAL_ROLES` (roles are written into
   manifests, and the table is drawn into spec/artifact-manifest.md), SHARED
@@ -212,6 +213,43 @@ class GgufHeader:
     tensors: tuple[HeaderTensor, ...]  # file order
     alignment: int
     data_offset: int
+
+    # What a backend needs before loading the file, named as llama.cpp names it.
+    @property
+    def architecture(self) -> str:
+        """`general.architecture`; "" when absent."""
+        arch = self.fields.get(ARCHITECTURE_KEY)
+        return arch if isinstance(arch, str) else ""
+
+    def int_field(self, key: str) -> int:
+        """An integer metadata value; 0 when the key is absent or not an integer (a bool is not one)."""
+        value = self.fields.get(key)
+        return value if type(value) is int else 0
+
+    @property
+    def n_layer(self) -> int:
+        """The trunk: `{arch}.block_count` less `nextn_predict_layers` (next-token-prediction layers follow the
+        trunk and load with its last layer, as llama_model_n_layer counts); 0 when absent."""
+        arch = self.architecture
+        return self.int_field(arch_key(arch, "block_count")) - self.int_field(arch_key(arch, "nextn_predict_layers"))
+
+    @property
+    def n_embd(self) -> int:
+        """`{arch}.embedding_length`; 0 when absent."""
+        return self.int_field(arch_key(self.architecture, "embedding_length"))
+
+    @property
+    def context_length(self) -> int:
+        """`{arch}.context_length`, the training context; 0 when absent."""
+        return self.int_field(arch_key(self.architecture, "context_length"))
+
+    @property
+    def tensor_types(self) -> dict[str, int]:
+        """ggml type name, as ggml writes it ("q4_1", "f32") -> bytes of tensor data of that type."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.type.lower()] = out.get(t.type.lower(), 0) + t.n_bytes
+        return out
 
 
 # GGUF value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.

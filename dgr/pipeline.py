@@ -1,4 +1,4 @@
-"""An in-process pipeline: ShardBackends chained in one process, no network.
+"""An in-process pipeline: backends' compute (dgr.backends.base.Compute) chained in one process, no network.
 
 It is the reference the distributed route is checked against, and the
 harness for differential tests and benchmarks: any backends whose layer
@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from dgr.backends.base import ShardBackend
+from dgr.backends.base import Compute
 from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, PeerError, Reason
 
@@ -35,9 +35,9 @@ class Greedy:
 
 @attrs.define
 class Pipeline:
-    """ShardBackends whose layers tile [0, n_layers), head first."""
+    """Backends' compute whose layers tile [0, n_layers), head first."""
 
-    stages: list[ShardBackend]
+    stages: list[Compute]
 
     def __attrs_post_init__(self) -> None:
         if not self.stages:
@@ -59,7 +59,7 @@ class Pipeline:
 
     def open(self, sid: str, max_positions: int) -> None:
         """Open `sid` on every stage (all or none)."""
-        opened: list[ShardBackend] = []
+        opened: list[Compute] = []
         try:
             for s in self.stages:
                 s.open_session(sid, max_positions)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from dgr.backends.base import LayerRange, Step
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import Reason
-from dgr.node.scheduler import Job, JobKind, may_gather, plan_iteration
+from dgr.node.iteration import Job, JobKind, may_gather, plan_iteration
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.stream import Record

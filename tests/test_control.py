@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from dgr.backends.base import LayerRange, Step
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.cli import ITERATION_TARGET_MS
-from dgr.node.scheduler import (DEFAULT_ITERATION_TARGET_S, MIN_CUT, Job, JobKind, plan_iteration, prefill_room)
+from dgr.node.iteration import MIN_CUT, Job, JobKind, plan_iteration, prefill_room
+from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame

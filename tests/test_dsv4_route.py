@@ -76,7 +76,7 @@ def test_a_range_after_layer_0_takes_the_streams_and_the_token_ids(model):
 def test_llama_cpp_holds_what_the_planner_charges(model):
     """Each range's tensors (llama_model_size) against dgr.plan's weights and globals: the MTP layer and the
     hc_head on the tail, the token embedding on the head, only its own layers elsewhere."""
-    from dgr.backends.gguf_text import llama_lib
+    from dgr.backends.clib import llama_lib
 
     path, data = model
     layout = layout_from_json(data, recipe="f32")
@@ -98,15 +98,15 @@ def test_window_caches_are_window_sized_as_planned(model):
     prices them, not to the whole context: llama.cpp's logged caches and states equal the plan's."""
     import collections
 
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
     from dgr.bench.costs import logged_state
 
     path, data = model
     layout = layout_from_json(data, recipe="f32")
-    gguf_text._LOG = collections.deque(maxlen=100_000)
+    clib._LOG = collections.deque(maxlen=100_000)
     node = LlamaShardBackend(path, LayerRange(2, 6), n_threads=1, n_ctx=1024, max_sessions=2)
     try:
-        logged, lines = logged_state("".join(gguf_text._LOG))
+        logged, lines = logged_state("".join(clib._LOG))
         n_batch = node.engine.n_batch
     finally:
         node.close()

@@ -181,3 +181,18 @@ def test_refuses_bad_files(tmp_path):
             LlamaBackend(path)
         assert e.value.reason is Reason.MODEL_LOAD_FAILED, name
         assert str(path) in e.value.message, name
+
+
+def test_the_one_gguf_header_names_what_llama_cpp_loads(backend):
+    """dgr.gguf_meta.GgufHeader's summary (architecture, trunk layers, width, training context, bytes by
+    type, with ggml's type names) agrees with what llama.cpp reports of the same file once loaded."""
+    from dgr.backends.clib import ggml_lib, llama_lib
+    from dgr.gguf_meta import read_header
+
+    header, lib, model = read_header(default_model_path()), llama_lib(), backend.engine._model
+    assert (header.n_layer, header.n_embd, header.context_length) == (
+        lib.llama_model_n_layer(model), lib.llama_model_n_embd(model), lib.llama_model_n_ctx_train(model))
+    assert header.architecture == backend.info.architecture == "llama"
+    names = {ggml_lib().ggml_type_name(int(gguf.GGMLQuantizationType[t.type])).decode() for t in header.tensors}
+    assert set(header.tensor_types) == names and "q4_1" in names
+    assert sum(header.tensor_types.values()) == sum(t.n_bytes for t in header.tensors) == lib.llama_model_size(model)

@@ -24,8 +24,8 @@ from dgr.backends.base import LayerRange, Step
 from dgr.backends.llama import LlamaBackend
 import ctypes
 
-from dgr.backends.gguf_text import llama_lib
-from dgr.backends.llama_engine import LlamaEngine, ggml_lib
+from dgr.backends.clib import ggml_lib, llama_lib
+from dgr.backends.llama_engine import LlamaEngine
 from dgr.gguf_meta import read_header
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.digest import file_sha256
@@ -157,9 +157,9 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
     sequence id, and llama.cpp computes rows of consecutive sequence ids as one graph but rows of spread
     ids one graph each. The graphs are counted by an eval callback that watches the range's output node."""
     graphs = [0]
-    g = ggml_lib()
-    g.ggml_get_name.argtypes, g.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_void_p
-    name_off = g.ggml_get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
+    # a prototype of its own: the shared handle's ggml_get_name returns the name's bytes
+    get_name = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(("ggml_get_name", ggml_lib()))
+    name_off = get_name(0x1000) - 0x1000  # ggml_get_name only offsets the pointer
 
     @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
     def count(t, ask, _user):
@@ -190,12 +190,12 @@ def test_lanes_pick_sequence_ids_and_consecutive_ones_decode_as_one_graph(prompt
         for lane in (5, 1, 2, 0, 4):
             head.open_session(f"s{lane}", 64, lane=lane)
         head.open_session("taken", 64, lane=1)  # lane 1 is in use: the lowest free id instead
-        assert {sid: head._seq(sid) for sid in head._sessions} == {"s5": 5, "s1": 1, "s2": 2, "s0": 0, "s4": 4,
+        assert {sid: head._seq(sid) for sid in head._table.live} == {"s5": 5, "s1": 1, "s2": 2, "s0": 0, "s4": 4,
                                                                   "taken": 3}
         ids = np.array(prompt[:8], np.int32)
-        for sid in head._sessions:
+        for sid in head._table.live:
             head.forward(sid, 0, ids, None, False)
-        pos = dict.fromkeys(head._sessions, len(ids))
+        pos = dict.fromkeys(head._table.live, len(ids))
 
         def decode(sids):
             steps = [Step(sid, pos[sid], ids[:1], None, False, decode=True) for sid in sids]

@@ -278,7 +278,7 @@ def test_a_ring_tail_sends_the_next_step_exactly_when_the_gateway_would() -> Non
     """The gateway sends the step of token k while k < max_tokens, on a session opened on
     len(prompt) + max_tokens positions, and none after an end of generation unless ignore_eos."""
     from dgr.node.relay import Loop, NextHop
-    from dgr.node.service import NodeService
+    from dgr.node.replies import next_step_frame
     from dgr.seam.frame import decode_frame
     from dgr.seam.wire import Flag
 
@@ -289,7 +289,7 @@ def test_a_ring_tail_sends_the_next_step_exactly_when_the_gateway_would() -> Non
                                            hidden=np.zeros((6, 576), np.float32)))  # positions 10 to 15
 
     def nxt(frame, result, loop=Loop(head)):
-        step = NodeService._next_step(frame, result, loop, prompt + max_tokens)
+        step = next_step_frame(frame, result, loop, prompt + max_tokens)
         return None if step is None else decode_frame(step)
 
     first = nxt(last_chunk, word)  # token 1's step

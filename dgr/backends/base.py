@@ -1,4 +1,11 @@
-"""The contract every shard backend meets.
+"""The contract every shard backend meets, in three parts a caller can take apart.
+
+- `Compute`: layers [start, stop) of a model over explicit positions, with per-session KV
+  (open, close, forward, forward_batch, what is held).
+- `PrefixSlots`: KV prefixes kept past their session in sequence slots (keep, reopen from, trim,
+  drop, export and import as bytes).
+- `Vocabulary`: tokenize and the chat template at the head; token bytes and end of generation at the tail.
+- `ShardBackend` is all three: what a node loads. A caller depends on the narrowest part it uses.
 
 A backend computes layers [start, stop) of one model for many Route Sessions
 at once, each with its own Hot KV State. It is synchronous and blocking: the
@@ -37,7 +44,8 @@ import outcome
 from dgr.errors import DgrError
 from dgr.seam.types import ModelInfo
 
-__all__ = ["LayerRange", "ShardBackend", "ChatMessage", "Step", "COMPUTE_ERRORS", "layers_arg"]
+__all__ = ["LayerRange", "Compute", "PrefixSlots", "Vocabulary", "ShardBackend", "ChatMessage", "Step",
+           "COMPUTE_ERRORS", "layers_arg"]
 
 # What a failed step may raise: typed errors, and what numpy, ctypes or torch raise on bad input.
 COMPUTE_ERRORS = (DgrError, ValueError, RuntimeError, IndexError, OSError)
@@ -89,17 +97,13 @@ class Step:
         return int(np.size(self.token_ids))
 
 
-class ShardBackend(abc.ABC):
-    """Layers [layers.start, layers.stop) of a model, with per-session KV."""
+class Compute(abc.ABC):
+    """Layers [layers.start, layers.stop) of a model, computed over explicit positions, with per-session KV."""
 
     info: ModelInfo
     layers: LayerRange
     name: str  # backend name: stub, torch, llama, llama_shard
     n_threads: int = 1  # threads one backend call computes with (llama.cpp's and torch's own pools)
-    # True where `tokenize`, `tokenize_chat` and `render_chat` touch nothing the compute touches (a
-    # vocabulary loaded apart, pure Python): the node then runs them off its backend thread, one at a
-    # time, so a prompt is tokenized while a prefill chunk computes (dgr.node.service, `tokenize`).
-    text_apart: bool = False
 
     @property
     def is_head(self) -> bool:
@@ -116,6 +120,8 @@ class ShardBackend(abc.ABC):
 
         `lane`: the numbered slot to give the session if it is free, for a backend that has them
         (llama.cpp's sequence ids: dgr.fsm.phases says why); the others ignore it.
+
+        Raises: CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY), as dgr.sessions decides.
         """
 
     @abc.abstractmethod
@@ -169,7 +175,21 @@ class ShardBackend(abc.ABC):
         """Positions one session may hold here (`--ctx`); the node advertises it and the gateway clamps to it."""
         return self.info.context_length
 
-    # -- prefix cache: the node's dgr.node.prefix decides, the backend holds the KV ------------
+    def close(self) -> None:
+        """Release the model. Called once when the node stops."""
+
+    def describe(self) -> dict[str, Any]:
+        """Backend metadata for /v1/models and node status."""
+        return {"backend": self.name, "layers": str(self.layers)}
+
+
+class PrefixSlots(abc.ABC):
+    """KV prefixes kept past their session, in sequence slots: kept, reopened from, dropped, written out.
+
+    The node's dgr.node.prefix decides what to keep; the backend holds the KV. A backend that keeps
+    nothing leaves `prefix_capable` False and the methods unimplemented.
+    """
+
     prefix_capable: bool = False  # True where the methods below work
 
     def keep_prefix(self, sid: str, key: str, positions: int) -> int:
@@ -204,7 +224,7 @@ class ShardBackend(abc.ABC):
 
     def free_slots(self) -> int:
         """Sessions that can open now without dropping a kept prefix."""
-        return self.max_sessions() - self.session_count()
+        raise NotImplementedError
 
     def prefix_bytes(self) -> int:
         """KV bytes held by kept prefixes (not counted in `kv_bytes`, which is live sessions' only)."""
@@ -224,36 +244,52 @@ class ShardBackend(abc.ABC):
         """
         raise NotImplementedError
 
-    # -- head: text in ---------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        raise NotImplementedError
 
+class Vocabulary(abc.ABC):
+    """Text in (tokenize, chat template) at the head, token bytes and end of generation out at the tail."""
+
+    # True where `tokenize`, `tokenize_chat` and `render_chat` touch nothing the compute touches (a
+    # vocabulary loaded apart, pure Python): the node then runs them off its backend thread, one at a
+    # time, so a prompt is tokenized while a prefill chunk computes (dgr.node.service, `tokenize`).
+    text_apart: bool = False
+
+    @abc.abstractmethod
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of `text`; with `parse_special`, control-token markup becomes control tokens."""
+
+    @abc.abstractmethod
     def render_chat(self, messages: list[ChatMessage]) -> str:
-        raise NotImplementedError
+        """The chat template applied to `messages`, with the assistant's turn opened."""
 
     def tokenize_chat(self, messages: list[ChatMessage]) -> tuple[list[int], str]:
         """Token ids and prompt text of `messages`; no message content may produce a control token.
 
         This default parses no control tokens at all, which is safe for a
-        backend without them (the stub); GGUF backends keep the template's
+        vocabulary without them (the stub's); GGUF vocabularies keep the template's
         own control tokens (dgr.backends.gguf_text.GgufText.tokenize_chat).
         """
         text = self.render_chat(messages)
         return self.tokenize(text, add_special=True, parse_special=False), text
 
-    # -- tail: text out --------------------------------------------------------
+    @abc.abstractmethod
     def token_bytes(self, token: int) -> bytes:
-        raise NotImplementedError
+        """A token's raw piece bytes (one UTF-8 character may span several tokens)."""
 
+    @abc.abstractmethod
     def is_eog(self, token: int) -> bool:
-        raise NotImplementedError
+        """Whether `token` ends generation."""
 
-    def close(self) -> None:
-        """Release the model. Called once when the node stops."""
 
-    def describe(self) -> dict[str, Any]:
-        """Backend metadata for /v1/models and node status."""
-        return {"backend": self.name, "layers": str(self.layers)}
+class ShardBackend(Compute, PrefixSlots, Vocabulary):
+    """What a node serves: its layers' compute, the prefix slots beside their KV, and the model's vocabulary.
+
+    Every backend (stub, torch, llama, llama_shard) is one; a caller that needs only one part takes
+    that part's type (the scheduler takes a `Compute`, the node's text path a `Vocabulary`).
+    """
+
+    def free_slots(self) -> int:
+        """Sessions that can open now without dropping a kept prefix (none kept here by default)."""
+        return self.max_sessions() - self.session_count()
 
 
 def layers_arg(text: str) -> LayerRange:

@@ -27,9 +27,9 @@ def model_layer_count(backend: str, model: Path | None, stub_model: str = "defau
 
         return (DEEPSEEK_LIKE if stub_model == "dsv4" else StubSpec()).n_layers
     # ggml's own GGUF parser: milliseconds, where gguf-py's reader takes seconds on a large vocabulary
-    from dgr.backends.llama_engine import read_gguf_header
+    from dgr.gguf_meta import read_header
 
-    header = read_gguf_header(model)
+    header = read_header(model)
     if not header.n_layer:
         raise CallerError(Reason.MODEL_LOAD_FAILED, f"{model} has no {header.architecture}.block_count")
     return int(header.n_layer)

@@ -18,18 +18,14 @@ characters, not a forged turn (see `ChatTemplate.segments` for how the
 contents are found in the rendered prompt). A render is bounded in time
 (`ChatTemplate.limit_s`), and `*` and `**` in a template are bounded in size.
 
-Also here: `llama_lib()`, the one place that initialises libllama and routes
-its log into a small ring buffer (printed only with DGR_LLAMA_LOG=1), so
-load errors can quote llama.cpp's own reason.
+libllama itself is loaded, and its log kept, by dgr.backends.clib.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import datetime
 import json
-import os
 import re
 import secrets
 import sys
@@ -42,10 +38,12 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from dgr.backends.base import Vocabulary
+from dgr.backends.clib import llama_lib, llama_log_tail
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "Segment", "GgufText", "llama_lib", "llama_log_tail"]
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "Segment", "GgufText"]
 
 # llama.cpp's own fallback when a GGUF carries no template.
 CHATML_TEMPLATE = (
@@ -54,37 +52,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-_LOG: collections.deque[str] = collections.deque(maxlen=40)
-_LIB: dict[str, Any] = {}
-
-
-def llama_lib() -> Any:
-    """The `llama_cpp.llama_cpp` ctypes module, with the backend initialised once."""
-    if "lib" in _LIB:
-        return _LIB["lib"]
-    import llama_cpp.llama_cpp as lib  # deferred: importing it loads libllama
-
-    echo = os.environ.get("DGR_LLAMA_LOG") == "1"
-
-    @lib.llama_log_callback
-    def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-        line = text.decode("utf-8", "replace")
-        _LOG.append(line)
-        if echo:
-            sys.stderr.write(line)
-
-    lib.llama_log_set(_log, ctypes.c_void_p(0))
-    lib.llama_backend_init()
-    _LIB["log_cb"] = _log  # a freed callback would crash the next log call
-    _LIB["lib"] = lib
-    return lib
-
-
-def llama_log_tail(n: int = 6) -> str:
-    """The last lines llama.cpp logged, joined, for error messages."""
-    return "".join(list(_LOG)[-n:]).strip()
-
 
 def _raise_exception(message: str) -> None:
     raise CallerError(Reason.INVALID_REQUEST, f"chat template: {message}")
@@ -241,8 +208,10 @@ def _merged(parts: list[Segment]) -> list[Segment]:
 
 
 @attrs.define
-class GgufText:
-    """Tokenizer, chat template and detokenizer of one GGUF file."""
+class GgufText(Vocabulary):
+    """Tokenizer, chat template and detokenizer of one GGUF file: its `Vocabulary`, loaded without weights."""
+
+    text_apart = True  # a vocabulary-only model: nothing here is any compute's
 
     path: Path
     chat_template: str

@@ -9,7 +9,7 @@ llama.cpp loads, whole: it runs the file as llama-cpp-python would, with no
 layer tricks, and llama.cpp's own refusal (an unknown architecture, a broken
 file) becomes CallerError(MODEL_LOAD_FAILED). A layer range
 (`LlamaShardBackend`) runs only the architectures proven for ranges, each with
-through the layer-range API of dgr's patched libllama (dgr.backends.llama_range);
+through the layer-range API of dgr's patched libllama (dgr.backends.clib);
 dgr.backends.llama_arch refuses, at node start, what the API cannot split.
 
 Sessions: a Route Session id maps to one llama.cpp seq_id of the engine's
@@ -27,17 +27,15 @@ import numpy as np
 import outcome
 
 from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
-from dgr.seam.types import ModelInfo
-from dgr.backends.gguf_text import GgufText, llama_lib
-from dgr.backends.llama_engine import (
-    DEFAULT_N_BATCH,
-    GgufHeader,
-    LlamaEngine,
-    read_gguf_header,
-)
+from dgr.backends.clib import llama_lib
+from dgr.backends.gguf_text import GgufText
+from dgr.backends.llama_engine import DEFAULT_N_BATCH, LlamaEngine
 from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
+from dgr.gguf_meta import ARCHITECTURE_KEY, GgufHeader, read_header
 from dgr.models import check_gguf_file
+from dgr.seam.types import ModelInfo
+from dgr.sessions import SessionTable
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -65,10 +63,12 @@ def check_header(path: str | Path) -> GgufHeader:
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): missing, unreadable, not GGUF, or no
-        block_count or embedding_length.
+        architecture, block_count or embedding_length.
     """
     p = check_gguf_file(path)
-    header = read_gguf_header(p)
+    header = read_header(p)
+    if not header.architecture:
+        raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {p}")
     if header.n_layer <= 0 or header.n_embd <= 0:
         raise CallerError(
             Reason.MODEL_LOAD_FAILED,
@@ -109,8 +109,6 @@ class LlamaCppBackend(ShardBackend):
         self.layers = layers
         self.n_threads = n_threads
         self.n_ctx = n_ctx
-        self._sessions: dict[str, int] = {}  # Route Session id -> seq_id
-        self._limits: dict[str, int] = {}  # Route Session id -> max_positions
         self._kept: dict[str, int] = {}  # kept prefix key -> seq_id (dgr.node.prefix)
         digest = file_sha256(source)  # before loading: a node start reads it from the digest cache
         is_tail = layers.stop == header.n_layer  # self.info does not exist yet
@@ -146,6 +144,8 @@ class LlamaCppBackend(ShardBackend):
             digest=digest,
             metadata={"quantization": sorted(header.tensor_types)},
         )
+        # Route Session id -> seq_id, and the checks an open meets; a seq_id is a slot (a kept prefix holds one too)
+        self._table: SessionTable[int] = SessionTable("this shard", self.engine.n_seq_max, self.max_positions())
 
     # -- sessions -----------------------------------------------------------
     def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
@@ -154,17 +154,10 @@ class LlamaCppBackend(ShardBackend):
         Raises:
             CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)
         """
-        if sid in self._sessions:
-            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} is already open")
-        if max_positions > self.engine.n_ctx_seq:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED,
-                f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session",
-            )
+        self._table.check_open(sid, max_positions, in_use=self._in_use())
         free = self._free_seq(lane)
         self.engine.seq_rm(free)  # a seq_id comes back clean whatever happened before
-        self._sessions[sid] = free
-        self._limits[sid] = max_positions
+        self._table.add(sid, max_positions, free)
 
     def _free_seq(self, prefer: int | None = None) -> int:
         """A seq_id neither a session nor a kept prefix holds: `prefer` if it is one, else the lowest.
@@ -172,13 +165,15 @@ class LlamaCppBackend(ShardBackend):
         Raises:
             CallerError(NODE_AT_CAPACITY)
         """
-        used = set(self._sessions.values()) | set(self._kept.values())
+        used = set(self._table.live.values()) | set(self._kept.values())
         if prefer is not None and 0 <= prefer < self.engine.n_seq_max and prefer not in used:
             return prefer
-        free = next((s for s in range(self.engine.n_seq_max) if s not in used), None)
-        if free is None:
-            raise CallerError(Reason.NODE_AT_CAPACITY, f"all {self.engine.n_seq_max} sessions are in use")
-        return free
+        self._table.check_room(len(used))
+        return next(s for s in range(self.engine.n_seq_max) if s not in used)
+
+    def _in_use(self) -> int:
+        """Slots held: open sessions and kept prefixes."""
+        return len(self._table) + len(self._kept)
 
     # -- prefix cache: a kept prefix is a sequence left in place ---------------------------
     prefix_capable = True
@@ -188,18 +183,14 @@ class LlamaCppBackend(ShardBackend):
         if not (0 < positions <= self.engine.positions(seq)):
             raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {self.engine.positions(seq)} positions")
         self.engine.truncate(seq, positions)  # first: where it cannot, the session stays open, to be closed
-        del self._sessions[sid]
-        self._limits.pop(sid, None)
+        self._table.pop(sid)
         self._kept[key] = seq
         return positions * self.engine.kv_bytes_per_position()
 
     def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
                          lane: int | None = None) -> None:
-        if sid in self._sessions:
-            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} is already open")
-        if max_positions > self.engine.n_ctx_seq:
-            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED,
-                              f"{max_positions} positions exceed this node's {self.engine.n_ctx_seq} per session")
+        # taken over, the prefix's slot becomes the session's (a copy needs a free one: `_free_seq`)
+        self._table.check_open(sid, max_positions, in_use=self._in_use() - (1 if take else 0))
         src = self._kept.get(key)
         if src is None or positions > self.engine.positions(src):
             raise CallerError(Reason.INVALID_REQUEST, f"no kept prefix {key} of {positions} positions")
@@ -210,8 +201,7 @@ class LlamaCppBackend(ShardBackend):
             self.engine.seq_copy(src, seq)
         self.engine.truncate(seq, positions)
         self.engine.reset_evaluated(seq)
-        self._sessions[sid] = seq
-        self._limits[sid] = max_positions
+        self._table.add(sid, max_positions, seq)
 
     def drop_prefix(self, key: str) -> None:
         seq = self._kept.pop(key, None)
@@ -222,7 +212,7 @@ class LlamaCppBackend(ShardBackend):
         self.engine.truncate(self._seq(sid), positions)
 
     def free_slots(self) -> int:
-        return self.engine.n_seq_max - len(self._sessions) - len(self._kept)
+        return self.engine.n_seq_max - self._in_use()
 
     snapshot_capable = True
 
@@ -240,16 +230,12 @@ class LlamaCppBackend(ShardBackend):
         return sum(self.engine.positions(seq) * per for seq in self._kept.values())
 
     def close_session(self, sid: str) -> None:
-        seq = self._sessions.pop(sid, None)
-        self._limits.pop(sid, None)
+        seq = self._table.pop(sid)
         if seq is not None:
             self.engine.seq_rm(seq)
 
     def _seq(self, sid: str) -> int:
-        seq = self._sessions.get(sid)
-        if seq is None:
-            raise CallerError(Reason.UNKNOWN_SESSION, f"no open session {sid}")
-        return seq
+        return self._table.get(sid)
 
     def forward(
         self,
@@ -291,10 +277,7 @@ class LlamaCppBackend(ShardBackend):
                 if token_ids is None or int(np.size(token_ids)) != n:
                     raise CallerError(Reason.INVALID_REQUEST, f"layers {self.layers} take a token id beside each hidden state")
                 tokens = token_ids
-        if pos0 + n > self._limits[sid]:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED, f"session {sid}: {pos0 + n} positions exceed {self._limits[sid]}"
-            )
+        self._table.check_fits(sid, pos0 + n)
         return seq, tokens, embd
 
     def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
@@ -334,10 +317,10 @@ class LlamaCppBackend(ShardBackend):
 
     def kv_bytes(self) -> int:
         per = self.engine.kv_bytes_per_position()
-        return sum(self.engine.positions(seq) * per for seq in self._sessions.values())
+        return sum(self.engine.positions(seq) * per for seq in self._table.live.values())
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._table.live)
 
     def max_sessions(self) -> int:
         return self.engine.n_seq_max
@@ -368,8 +351,7 @@ class LlamaCppBackend(ShardBackend):
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
-        self._sessions.clear()
-        self._limits.clear()
+        self._table.clear()
         self._kept.clear()
         self.engine.close()
         if self.text is not None:
@@ -398,7 +380,7 @@ class LlamaCppBackend(ShardBackend):
             "max_sessions": self.engine.n_seq_max,
             "kv_bytes_per_position": self.engine.kv_bytes_per_position(),
             "kv_bytes_allocated": self.engine.kv_bytes_per_position() * self.engine.n_ctx_seq * self.engine.n_seq_max,
-            "sessions": len(self._sessions),
+            "sessions": len(self._table.live),
         }
 
 

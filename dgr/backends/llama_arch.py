@@ -1,7 +1,7 @@
 """Which GGUF architectures a llama.cpp layer range may run, and why the others may not.
 
 A range runs through the layer-range API of dgr's patched libllama
-(dgr.backends.llama_range): the loader creates only the range's tensors from
+(dgr.backends.clib): the loader creates only the range's tensors from
 the unmodified file, every builder computes layers [a, b) with the file's
 numbering, input work (embedding scaling, position embeddings, input norms)
 runs only on the range that starts at layer 0, and a range that stops early

@@ -30,122 +30,28 @@ Blocking calls only, never two at once: the node's trio driver calls them in
 one thread.
 
 Left out: sampling, tokenization (dgr.backends.gguf_text), which
-architectures may run a range (dgr.backends.llama_arch), the ctypes
-declarations of the range API (dgr.backends.llama_range).
+architectures may run a range (dgr.backends.llama_arch), loading the C
+libraries and declaring the range API (dgr.backends.clib), the batch's
+memory layout (dgr.backends.llama_batch), reading the GGUF header
+(dgr.gguf_meta).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from dgr.backends.gguf_text import llama_lib, llama_log_tail
-from dgr.backends.llama_range import model_layer_range, model_seam, range_api
+from dgr.backends.clib import llama_lib, llama_log_tail, model_layer_range, model_seam, range_api
+from dgr.backends.llama_batch import LlamaBatch
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
 from dgr.models import check_gguf_file
 
-__all__ = ["DEFAULT_N_BATCH", "GgufHeader", "LlamaEngine", "ggml_lib", "read_gguf_header"]
-
-_GGUF_TYPE_STRING = 8
-# gguf_type -> ctypes integer type, for the integer keys read here
-_GGUF_INTS = {
-    0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16,
-    4: ctypes.c_uint32, 5: ctypes.c_int32, 10: ctypes.c_uint64, 11: ctypes.c_int64,
-}
-_GGML: dict[str, Any] = {}
-
-
-class _GgufInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-def ggml_lib() -> ctypes.CDLL:
-    """libggml-base from llama-cpp-python's lib folder, with the few functions used here."""
-    lib = _GGML.get("lib")
-    if lib is not None:
-        return lib
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    vp, c64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
-    for name, args, res in [
-        ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
-        ("gguf_init_from_file", [ctypes.c_char_p, _GgufInitParams], vp),
-        ("gguf_free", [vp], None),
-        ("gguf_find_key", [vp, ctypes.c_char_p], c64),
-        ("gguf_get_kv_type", [vp, c64], ctypes.c_int),
-        ("gguf_get_val_str", [vp, c64], ctypes.c_char_p),
-        ("gguf_get_val_data", [vp, c64], vp),
-        ("gguf_get_n_tensors", [vp], c64),
-        ("gguf_get_tensor_type", [vp, c64], ctypes.c_int),
-        ("gguf_get_tensor_size", [vp, c64], sz),
-    ]:
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    _GGML["lib"] = lib
-    return lib
-
-
-@attrs.frozen
-class GgufHeader:
-    """What is known of a GGUF before loading it."""
-
-    architecture: str
-    n_layer: int  # the trunk: {arch}.block_count less nextn_predict_layers (as llama_model_n_layer); 0 when absent
-    n_embd: int  # {arch}.embedding_length; 0 when absent
-    context_length: int  # {arch}.context_length (training context); 0 when absent
-    tensor_types: dict[str, int]  # ggml type name -> bytes of tensor data
-
-
-def read_gguf_header(path: str | Path) -> GgufHeader:
-    """Architecture and tensor types of a GGUF, read by ggml's own GGUF parser.
-
-    gguf-py's GGUFReader takes seconds on a 49k-token vocabulary; this takes
-    milliseconds, and it is the parser llama.cpp itself will use.
-
-    Raises:
-        CallerError(MODEL_LOAD_FAILED): missing, unreadable or not GGUF.
-    """
-    p = check_gguf_file(path)
-    g = ggml_lib()
-    ctx = g.gguf_init_from_file(str(p).encode(), _GgufInitParams(True, None))
-    if not ctx:
-        raise CallerError(Reason.MODEL_LOAD_FAILED, f"not a readable GGUF file: {p}")
-    try:
-        kid = g.gguf_find_key(ctx, ARCHITECTURE_KEY.encode())
-        if kid < 0 or g.gguf_get_kv_type(ctx, kid) != _GGUF_TYPE_STRING:
-            raise CallerError(Reason.MODEL_LOAD_FAILED, f"GGUF has no {ARCHITECTURE_KEY}: {p}")
-        arch = g.gguf_get_val_str(ctx, kid).decode()
-        types: Counter[str] = Counter()
-        for i in range(g.gguf_get_n_tensors(ctx)):
-            types[g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode()] += g.gguf_get_tensor_size(ctx, i)
-        return GgufHeader(
-            architecture=arch,
-            # next-token-prediction layers follow the trunk and load with its last layer (llama.cpp's n_layer())
-            n_layer=_int_key(ctx, arch_key(arch, "block_count")) - _int_key(ctx, arch_key(arch, "nextn_predict_layers")),
-            n_embd=_int_key(ctx, arch_key(arch, "embedding_length")),
-            context_length=_int_key(ctx, arch_key(arch, "context_length")),
-            tensor_types=dict(types),
-        )
-    finally:
-        g.gguf_free(ctx)
-
-
-def _int_key(ctx: int, key: str) -> int:
-    """An integer metadata value, or 0 when the key is absent or not an integer."""
-    g = ggml_lib()
-    kid = g.gguf_find_key(ctx, key.encode())
-    ctype = _GGUF_INTS.get(g.gguf_get_kv_type(ctx, kid)) if kid >= 0 else None
-    if ctype is None:
-        return 0
-    return int(ctype.from_address(g.gguf_get_val_data(ctx, kid)).value)
-
+__all__ = ["DEFAULT_N_BATCH", "LlamaEngine"]
 
 # Positions per llama_decode call (and per ubatch). Every stage of a route, and the
 # single-node model it is compared with, must use the same value: a different
@@ -181,8 +87,7 @@ class LlamaEngine:
     _mem: int | None = attrs.field(repr=False)  # llama_memory_t
     _n_pos: dict[int, int] = attrs.field(factory=dict)  # seq -> positions in KV
     _evaluated: dict[int, int] = attrs.field(factory=dict)  # seq -> positions evaluated since freed
-    _batch: dict[str, np.ndarray] = attrs.field(factory=dict, repr=False)
-    _ptrs: dict[str, Any] = attrs.field(factory=dict, repr=False)  # ctypes pointers into _batch
+    _batch: LlamaBatch | None = attrs.field(default=None, repr=False)  # the rows every llama_decode call points into
 
     @classmethod
     def load(
@@ -256,7 +161,7 @@ class LlamaEngine:
             ctx=ctx,
             mem=lib.llama_get_memory(ctx),
         )
-        self._make_batch()
+        self._batch = LlamaBatch(self.n_batch, self.n_pos_per_row, self.takes_tokens)
         return self
 
     @property
@@ -264,52 +169,9 @@ class LlamaEngine:
         """A range after layer 0 whose layers read token ids: it takes them beside the hidden states."""
         return self.layer_start > 0 and self.seam_tokens
 
-    # -- batch: numpy arrays that a llama_batch points into ------------------
-    def _make_batch(self) -> None:
-        cap = self.n_batch
-        b = self._batch
-        b["token"] = np.zeros(cap, np.int32)
-        b["pos"] = np.zeros(cap, np.int32)
-        b["pos_sections"] = np.zeros(cap * self.n_pos_per_row, np.int32)  # section-major, for hidden-state rows
-        b["n_seq_id"] = np.ones(cap, np.int32)
-        b["seq"] = np.zeros(cap, np.int32)
-        b["logits"] = np.zeros(cap, np.int8)
-        b["seq_ptr"] = b["seq"].ctypes.data + 4 * np.arange(cap, dtype=np.uintp)  # int32*[cap]: row i -> seq[i]
-        i32 = ctypes.POINTER(ctypes.c_int32)
-        self._ptrs = {
-            "token": b["token"].ctypes.data_as(i32),
-            "pos": b["pos"].ctypes.data_as(i32),
-            "pos_sections": b["pos_sections"].ctypes.data_as(i32),
-            "n_seq_id": b["n_seq_id"].ctypes.data_as(i32),
-            "seq_id": b["seq_ptr"].ctypes.data_as(ctypes.POINTER(i32)),
-            "logits": b["logits"].ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        }
-
     def _llama_batch(self, n: int, embd: np.ndarray | None) -> Any:
-        """A llama_batch over the engine's arrays; embd (float32 [n, n_embd], C order) is used in place.
-
-        Its token ids are the engine's token array where embd is None, or where the range takes
-        them beside the hidden states (`takes_tokens`).
-        """
-        batch = llama_lib().llama_batch()
-        ptrs = self._ptrs
-        batch.n_tokens = n
-        batch.pos = ptrs["pos"]
-        if embd is None or self.takes_tokens:
-            batch.token = ptrs["token"]
-        if embd is not None:
-            batch.embd = embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            if self.n_pos_per_row > 1 and not self.takes_tokens:
-                # llama.cpp reads an embedding row's M-RoPE positions section-major (n rows per section);
-                # text rows sit at the same position in every section, as token rows are broadcast
-                sections = self._batch["pos_sections"]
-                for k in range(self.n_pos_per_row):
-                    sections[k * n : (k + 1) * n] = self._batch["pos"][:n]
-                batch.pos = ptrs["pos_sections"]
-        batch.n_seq_id = ptrs["n_seq_id"]
-        batch.seq_id = ptrs["seq_id"]
-        batch.logits = ptrs["logits"]
-        return batch
+        """A llama_batch over the engine's rows [0, n) (dgr.backends.llama_batch)."""
+        return self._batch.view(n, embd)
 
     # -- evaluation -------------------------------------------------------------
     def eval(
@@ -367,12 +229,12 @@ class LlamaEngine:
         for i in range(0, n, self.n_batch):
             m = min(self.n_batch, n - i)
             if tokens is not None:
-                b["token"][:m] = tokens[i : i + m]
-            b["pos"][:m] = np.arange(pos0 + i, pos0 + i + m, dtype=np.int32)
-            b["seq"][:m] = seq
-            b["logits"][:m] = 0  # a hidden_out context outputs every row whatever these say
+                b.token[:m] = tokens[i : i + m]
+            b.pos[:m] = np.arange(pos0 + i, pos0 + i + m, dtype=np.int32)
+            b.seq[:m] = seq
+            b.logits[:m] = 0  # a hidden_out context outputs every row whatever these say
             if i + m == n and want_logits and not self.hidden_out:
-                b["logits"][m - 1] = 1
+                b.logits[m - 1] = 1
             self._decode(seq, pos0 + i, m, self._llama_batch(m, None if embd is None else embd[i : i + m]))
             if self.hidden_out:
                 parts.append(self._take_hidden(m))
@@ -436,14 +298,14 @@ class LlamaEngine:
             if token is not None:
                 if not 0 <= token < self.n_vocab:
                     raise CallerError(Reason.INVALID_REQUEST, f"token ids must lie in [0, {self.n_vocab})")
-                b["token"][j] = token
+                b.token[j] = token
             if not by_token:
                 if np.shape(row) not in ((self.n_embd,), (1, self.n_embd)):
                     raise CallerError(Reason.WRONG_WIDTH, f"hidden states must be [{self.n_embd}], got {list(np.shape(row))}")
                 embd[j] = np.reshape(row, -1)
-            b["pos"][j] = pos
-            b["seq"][j] = seq
-            b["logits"][j] = 1 if want else 0
+            b.pos[j] = pos
+            b.seq[j] = seq
+            b.logits[j] = 1 if want else 0
         batch = self._llama_batch(m, embd)
         self._decode_rows(seqs, [rows[i][1] for i in order], batch)
         hidden = self._take_hidden(m) if self.hidden_out else None

@@ -2,7 +2,7 @@
 
 The node loads its range straight from the user's file (or from the pieces
 of it the artifact plane fetched, at their offsets) through the layer-range
-API of dgr's patched libllama (dgr.backends.llama_range): no derived file is
+API of dgr's patched libllama (dgr.backends.clib): no derived file is
 written, and only the range's tensors are mapped and read.
 - head (a == 0): token ids in; others: float32 hidden states [n, W] in, the
   residual stream entering layer a;
@@ -27,8 +27,9 @@ from dgr.backends.llama import (
     default_threads,
 )
 from dgr.backends.llama_arch import shard_rule
-from dgr.backends.llama_engine import DEFAULT_N_BATCH, GgufHeader
-from dgr.backends.llama_range import range_api
+from dgr.backends.clib import range_api
+from dgr.backends.llama_engine import DEFAULT_N_BATCH
+from dgr.gguf_meta import GgufHeader
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
 

@@ -34,9 +34,10 @@ import attrs
 import numpy as np
 
 from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
-from dgr.seam.types import ModelInfo
 from dgr.errors import CallerError, Reason
+from dgr.seam.types import ModelInfo
 from dgr.seam.wire import BLOCK_TOKENS
+from dgr.sessions import SessionTable
 
 __all__ = ["StubSpec", "StubBackend", "STUB_VOCAB", "DEEPSEEK_LIKE"]
 
@@ -115,7 +116,7 @@ class StubBackend(ShardBackend):
     _b: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
     _embed: np.ndarray = attrs.field(init=False)  # float32 [vocab, W]
     _unembed: np.ndarray = attrs.field(init=False)  # float32 [W, vocab]
-    _sessions: dict[str, _Session] = attrs.field(factory=dict)
+    _table: SessionTable[_Session] = attrs.field(init=False)  # open sessions, and the checks an open meets
     _kept: dict[str, _Session] = attrs.field(factory=dict)  # kept prefix key -> its state (dgr.node.prefix)
 
     def __attrs_post_init__(self) -> None:
@@ -129,22 +130,19 @@ class StubBackend(ShardBackend):
         glob = np.random.default_rng([self.spec.seed, 10_000])
         self._embed = glob.standard_normal((v, w)).astype(np.float32)
         self._unembed = (glob.standard_normal((w, v)) / np.sqrt(w)).astype(np.float32)
+        self._table = SessionTable("this shard", self.capacity, self.max_positions())
 
     # -- sessions -------------------------------------------------------------
     def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
-        if sid in self._sessions:
-            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
-        if max_positions > self.max_positions():
-            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED,
-                              f"{max_positions} positions exceed this node's {self.max_positions()} per session")
         n_local = len(self.layers)
-        self._sessions[sid] = _Session(max_positions, np.zeros((n_local, self.spec.seam_width), np.float32))
+        self._table.open(sid, max_positions, _Session(max_positions, np.zeros((n_local, self.spec.seam_width), np.float32)),
+                         in_use=self._in_use())
 
     def close_session(self, sid: str) -> None:
-        self._sessions.pop(sid, None)
+        self._table.pop(sid)
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._table.live)
 
     # -- prefix cache ----------------------------------------------------------
     prefix_capable = True
@@ -167,29 +165,31 @@ class StubBackend(ShardBackend):
         return out
 
     def keep_prefix(self, sid: str, key: str, positions: int) -> int:
-        s = self._sessions.pop(sid)
+        s = self._table.pop(sid)
         self._kept[key] = self._trimmed(s, positions)
         return positions * s.kv_sum.nbytes
 
     def open_from_prefix(self, sid: str, max_positions: int, key: str, positions: int, take: bool,
                          lane: int | None = None) -> None:
-        if sid in self._sessions:
-            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
-        if self.free_slots() <= 0 and not take:
-            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
+        # taken over, the prefix's slot becomes the session's: one fewer in use
+        self._table.check_open(sid, max_positions, in_use=self._in_use() - (1 if take else 0))
         src = self._kept.pop(key) if take else self._kept[key]
         s = self._trimmed(src, positions)
-        self._sessions[sid] = _Session(max_positions, s.kv_sum, s.positions, 0, s.marks, s.inputs, s.ids)
+        self._table.add(sid, max_positions, _Session(max_positions, s.kv_sum, s.positions, 0, s.marks, s.inputs, s.ids))
 
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)
 
     def trim_session(self, sid: str, positions: int) -> None:
-        s = self._sessions[sid]
-        self._sessions[sid] = attrs.evolve(self._trimmed(s, positions), computed=s.computed)
+        s = self._table.live[sid]
+        self._table.live[sid] = attrs.evolve(self._trimmed(s, positions), computed=s.computed)
 
     def free_slots(self) -> int:
-        return self.capacity - len(self._sessions) - len(self._kept)
+        return self.capacity - self._in_use()
+
+    def _in_use(self) -> int:
+        """Slots held: open sessions and kept prefixes."""
+        return len(self._table) + len(self._kept)
 
     snapshot_capable = True
 
@@ -202,8 +202,7 @@ class StubBackend(ShardBackend):
         return buf.getvalue()
 
     def import_prefix(self, key: str, data: bytes, positions: int) -> int:
-        if self.free_slots() <= 0:
-            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions and prefixes held already")
+        self._table.check_room(self._in_use())
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 marks = {int(k[1:]): z[k] for k in z.files if k.startswith("m")}
@@ -228,11 +227,11 @@ class StubBackend(ShardBackend):
         return min(self.n_ctx or self.spec.context_length, self.spec.context_length)
 
     def positions_computed(self, sid: str) -> int:
-        return self._sessions[sid].computed
+        return self._table.live[sid].computed
 
     def kv_bytes(self) -> int:
         # what a real model would hold: one W-wide entry per layer per position
-        return sum(s.positions * s.kv_sum.nbytes for s in self._sessions.values())
+        return sum(s.positions * s.kv_sum.nbytes for s in self._table.live.values())
 
     # -- compute --------------------------------------------------------------
     def forward(
@@ -243,9 +242,7 @@ class StubBackend(ShardBackend):
         hidden: np.ndarray | None,  # float32 [n, W]
         want_logits: bool,
     ) -> np.ndarray | None:
-        s = self._sessions.get(sid)
-        if s is None:
-            raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on this shard")
+        s = self._table.get(sid)
         if pos0 != s.positions:
             raise CallerError(Reason.POSITION_DISCONTINUITY, f"pos0 {pos0} != {s.positions} positions held")
         needs_ids = self.is_head or self.layers.start < self.spec.hash_layers

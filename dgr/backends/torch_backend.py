@@ -31,6 +31,7 @@ from dgr.digest import file_sha256
 from dgr.backends.torch_model import KVCache, ShardModel, load_shard
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
+from dgr.sessions import SessionTable
 
 __all__ = ["TorchBackend"]
 
@@ -56,7 +57,7 @@ class TorchBackend(ShardBackend):
     name: str = "torch"
     info: ModelInfo = attrs.field(init=False)
     _model: ShardModel = attrs.field(init=False)
-    _sessions: dict[str, _Session] = attrs.field(init=False, factory=dict)
+    _table: SessionTable[_Session] = attrs.field(init=False)  # open sessions, and the checks an open meets
     _kept: dict[str, _Session] = attrs.field(init=False, factory=dict)  # kept prefix key -> its KV (dgr.node.prefix)
     _text: Any = attrs.field(init=False, default=None)
 
@@ -76,24 +77,17 @@ class TorchBackend(ShardBackend):
             digest=file_sha256(self.model_path),  # the identity the llama backends report
             metadata=attrs.asdict(a),
         )
+        self._table = SessionTable("this shard", self.capacity, self.max_positions())
 
     # -- sessions -------------------------------------------------------------
     def open_session(self, sid: str, max_positions: int, lane: int | None = None) -> None:
-        """Raises: CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY)."""
-        if sid in self._sessions:
-            raise CallerError(Reason.SESSION_EXISTS, f"session {sid} already open")
-        if not 0 < max_positions <= self.info.context_length:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED,
-                f"max_positions {max_positions} not in 1..{self.info.context_length}",
-            )
-        if len(self._sessions) >= self.capacity:
-            raise CallerError(Reason.NODE_AT_CAPACITY, f"{self.capacity} sessions open already")
+        """Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED)."""
+        self._table.check_open(sid, max_positions, in_use=len(self._table) + len(self._kept))
         cache = None if self.recompute else self._model.new_cache(max_positions)
-        self._sessions[sid] = _Session(max_positions, cache)
+        self._table.add(sid, max_positions, _Session(max_positions, cache))
 
     def close_session(self, sid: str) -> None:
-        self._sessions.pop(sid, None)
+        self._table.pop(sid)
 
     # -- prefix cache: a kept prefix is an ended session's cache, copied into the next one -------------
     @property
@@ -104,7 +98,7 @@ class TorchBackend(ShardBackend):
         s = self._session(sid)
         if not (0 < positions <= s.positions) or s.cache is None:
             raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {positions} of {s.positions} positions")
-        del self._sessions[sid]
+        self._table.pop(sid)
         s.positions = positions  # the cache rows past it are stale, and overwritten before any read
         self._kept[key] = s
         return positions * self.kv_bytes_per_position()
@@ -117,10 +111,10 @@ class TorchBackend(ShardBackend):
         if take:
             del self._kept[key]  # its slot goes to the new session
         self.open_session(sid, max_positions, lane)
-        cache = self._sessions[sid].cache
+        cache = self._table.live[sid].cache
         cache.k[:, :, :positions] = src.cache.k[:, :, :positions]  # [layers, kv_heads, positions, head_dim]
         cache.v[:, :, :positions] = src.cache.v[:, :, :positions]
-        self._sessions[sid].positions = positions
+        self._table.live[sid].positions = positions
 
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)
@@ -132,13 +126,13 @@ class TorchBackend(ShardBackend):
         s.positions = positions
 
     def free_slots(self) -> int:
-        return self.capacity - len(self._sessions) - len(self._kept)
+        return self.capacity - len(self._table.live) - len(self._kept)
 
     def prefix_bytes(self) -> int:
         return sum(s.positions for s in self._kept.values()) * self.kv_bytes_per_position()
 
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._table.live)
 
     def max_sessions(self) -> int:
         return self.capacity
@@ -147,7 +141,7 @@ class TorchBackend(ShardBackend):
         return self._session(sid).computed
 
     def kv_bytes(self) -> int:
-        return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)
+        return sum(s.cache.nbytes for s in self._table.live.values() if s.cache is not None)
 
     def session_kv_bytes(self, sid: str) -> int:
         """Bytes of the KV cache preallocated for one session (0 in recompute mode)."""
@@ -158,10 +152,7 @@ class TorchBackend(ShardBackend):
         return KVCache.bytes_for(self._model.args, len(self.layers), 1)
 
     def _session(self, sid: str) -> _Session:
-        s = self._sessions.get(sid)
-        if s is None:
-            raise CallerError(Reason.UNKNOWN_SESSION, f"no session {sid} on this shard")
-        return s
+        return self._table.get(sid)
 
     # -- compute --------------------------------------------------------------
     def _input(self, token_ids: np.ndarray | None, hidden: np.ndarray | None) -> torch.Tensor:
@@ -213,10 +204,7 @@ class TorchBackend(ShardBackend):
             raise CallerError(Reason.POSITION_DISCONTINUITY, f"pos0 {pos0} != {expected} positions held")
         x = self._input(token_ids, hidden)  # [n] or [n, W]
         n = x.shape[0]
-        if pos0 + n > s.max_positions:
-            raise CallerError(
-                Reason.CONTEXT_LENGTH_EXCEEDED, f"positions up to {pos0 + n} exceed {s.max_positions}"
-            )
+        self._table.check_fits(sid, pos0 + n)
         cache = self._model.new_cache(n) if self.recompute else s.cache  # recompute: scratch, dropped after
         h = self._model(x, pos0, cache)  # [n, W]
         s.positions = pos0 + n
@@ -252,7 +240,7 @@ class TorchBackend(ShardBackend):
         return self._gguf_text().is_eog(token)
 
     def close(self) -> None:
-        self._sessions.clear()
+        self._table.clear()
         if self._text is not None:
             self._text.close()
             self._text = None
@@ -267,7 +255,7 @@ class TorchBackend(ShardBackend):
             "seam_width": self.info.seam_width,
             "n_threads": self.n_threads,
             "recompute": self.recompute,
-            "sessions": len(self._sessions),
+            "sessions": len(self._table.live),
             "max_sessions": self.capacity,
             "kv_bytes": self.kv_bytes(),
             "kv_bytes_per_position": self.kv_bytes_per_position(),

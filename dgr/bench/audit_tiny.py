@@ -81,7 +81,7 @@ def _logged_kv_mib(log: str) -> float:
 
 
 def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> int:
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
     from dgr.backends.base import LayerRange
     from dgr.backends.llama_engine import LlamaEngine
     from dgr.errors import DgrError
@@ -92,14 +92,14 @@ def check(name: str, data: dict[str, Any], extra: dict[str, Any], tmp: Path) -> 
     n_tensors = len(gguf.GGUFReader(path).tensors)
     layout = layout_from_json(data, recipe="f32")
     print(f"tiny {data['architecture']} GGUF: {layout.n_layers} layers, kinds {sorted(layout.kinds())}, {n_tensors} tensors")
-    gguf_text._LOG.clear()
+    clib._LOG.clear()
     try:
         e = LlamaEngine.load(path, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
     except DgrError as exc:
         why = re.search(r"error loading model: (.*)", exc.message)
         print(f"1. llama.cpp loads the fixture's tensor list: NO ({why.group(1) if why else exc.message[-300:]})")
         return 1
-    log = "".join(gguf_text._LOG)
+    log = "".join(clib._LOG)
     try:
         logits = e.eval(0, 0, np.arange(40, dtype=np.int32) % 256, None)
         ok = logits is not None and bool(np.isfinite(logits).all()) and float(np.ptp(logits)) > 0
@@ -176,10 +176,10 @@ def main() -> int:
     if sys.argv[1:2] == ["--load"]:  # --load PATH A B
         _load_and_run(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
         return 0
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
 
-    gguf_text.llama_lib()
-    gguf_text._LOG = collections.deque(maxlen=100_000)  # the cache sizes come early in the log
+    clib.llama_lib()
+    clib._LOG = collections.deque(maxlen=100_000)  # the cache sizes come early in the log
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         failures += check("glm52-tiny", mk.glm_layout(GLM_TINY), EXTRA["glm-dsa"](GLM_TINY), Path(tmp))

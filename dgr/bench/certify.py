@@ -147,7 +147,7 @@ def _child_whole(arch: str, moe: bool, mtp: bool, folder: Path) -> None:
 
 def _whole(arch: str, moe: bool, mtp: bool, folder: Path) -> dict[str, Any]:
     """Build the tiny model and decode it whole: writes ref.npz next to the GGUF."""
-    from dgr.backends.gguf_text import llama_lib
+    from dgr.backends.clib import llama_lib
     from dgr.errors import DgrError
     from dgr.testing.arch_models import write_arch_gguf
 
@@ -191,7 +191,7 @@ def _tile_positions() -> None:
     def batch(self: LlamaEngine, n: int, embd: np.ndarray | None) -> Any:
         b = orig(self, n, embd)
         if embd is not None:
-            keep[:] = [np.tile(self._batch["pos"][:n], 4).astype(np.int32)]  # int32 [4 * n]
+            keep[:] = [np.tile(self._batch.pos[:n], 4).astype(np.int32)]  # int32 [4 * n]
             b.pos = keep[0].ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         return b
 
@@ -206,12 +206,12 @@ def _child_split(folder: Path, bounds: list[int]) -> None:
 
 def _split(folder: Path, bounds: list[int]) -> dict[str, Any]:
     """Decode through the stages cut at `bounds` and compare with ref.npz."""
-    from dgr.backends.llama_engine import read_gguf_header
+    from dgr.gguf_meta import read_header
     from dgr.errors import DgrError
 
     path = folder / "model.gguf"
     ref = np.load(folder / "ref.npz")
-    n_layer = read_gguf_header(path).n_layer
+    n_layer = read_header(path).n_layer
     edges = [0, *bounds, n_layer]
     engines: list[Any] = []
     try:

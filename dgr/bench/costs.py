@@ -60,7 +60,7 @@ def check_case(arch: str, moe: bool, folder: Path, mtp: bool = False) -> list[di
 
 def check_file(path: Path, cuts: tuple[int, ...]) -> list[dict[str, Any]]:
     """One row per range of `path` cut at `cuts`: llama.cpp's bytes and the plan's."""
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
     from dgr.backends.base import LayerRange
     from dgr.backends.llama_engine import LlamaEngine
     from dgr.plan import PlanParams, layout_from_gguf, shard_cost
@@ -68,13 +68,13 @@ def check_file(path: Path, cuts: tuple[int, ...]) -> list[dict[str, Any]]:
 
     layout = layout_from_gguf(path)
     bounds = [0, *cuts, layout.n_layers]
-    lib = gguf_text.llama_lib()
+    lib = clib.llama_lib()
     rows = []
     for a, b in zip(bounds, bounds[1:]):
-        gguf_text._LOG = collections.deque(maxlen=100_000)  # the sizes come before dgr's usual last 40 lines
+        clib._LOG = collections.deque(maxlen=100_000)  # the sizes come before dgr's usual last 40 lines
         e = LlamaEngine.load(path, layers=(a, b), n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
         try:
-            log = "".join(gguf_text._LOG)
+            log = "".join(clib._LOG)
             held = int(lib.llama_model_size(e._model))
             params = PlanParams(context=CTX, sessions=SEQS, swa_full=True, ubatch=e.n_batch)
         finally:

@@ -98,12 +98,12 @@ def write_dsv4_gguf(path: str | Path, d: mk.Dims = TINY) -> dict[str, Any]:
 
 
 def main() -> int:
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
     from dgr.backends.llama_engine import LlamaEngine
 
-    lib = gguf_text.llama_lib()
+    lib = clib.llama_lib()
     # dgr keeps only llama.cpp's last 40 log lines; the cache sizes come earlier than that.
-    gguf_text._LOG = collections.deque(maxlen=100_000)
+    clib._LOG = collections.deque(maxlen=100_000)
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "dsv4-tiny.gguf"
@@ -113,9 +113,9 @@ def main() -> int:
               f"{TINY.hash_layers} hash-routed, {n_tensors} tensors")
 
         # 1. names and shapes: llama.cpp loads exactly this tensor list, and computes with it.
-        gguf_text._LOG.clear()
+        clib._LOG.clear()
         e = LlamaEngine.load(path, n_threads=1, n_seq_max=SEQS, n_ctx_seq=CTX)
-        log = "".join(gguf_text._LOG)
+        log = "".join(clib._LOG)
         logits = e.eval(0, 0, np.arange(40, dtype=np.int32) % TINY.vocab, None)
         ok = logits is not None and bool(np.isfinite(logits).all()) and float(np.ptp(logits)) > 0
         print(f"1. llama.cpp loads the fixture's tensor list and computes finite logits: {'yes' if ok else 'NO'}")
@@ -128,13 +128,13 @@ def main() -> int:
         cparams = lib.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max, cparams.n_batch, cparams.n_ubatch = CTX * SEQS, SEQS, e.n_batch, e.n_batch
         cparams.kv_unified, cparams.swa_full, cparams.n_threads, cparams.n_threads_batch = False, False, 1, 1
-        gguf_text._LOG.clear()
+        clib._LOG.clear()
         ctx = lib.llama_init_from_model(e._model, cparams)
-        failures += _kv_check("".join(gguf_text._LOG), layout, e.n_batch, swa_full=False)
+        failures += _kv_check("".join(clib._LOG), layout, e.n_batch, swa_full=False)
         lib.llama_free(ctx)
 
         # 3. layer ranges: the seam llama.cpp reports, what each range holds, every split against the whole.
-        from dgr.backends.llama_range import model_seam
+        from dgr.backends.clib import model_seam
 
         width, tokens = model_seam(e._model)
         print(f"3. seam between layers: {width} floats (= {width // TINY.hidden} x {TINY.hidden}), "

@@ -49,9 +49,9 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
 import dgr.node.app, dgr.node.run  # the node stack, as a real node has it
-from dgr.backends import gguf_text
+from dgr.backends import clib
 from dgr.backends.llama_engine import LlamaEngine
-gguf_text.llama_lib()
+clib.llama_lib()
 base = rss()
 path, a, b, n_layers, ctx, sessions = sys.argv[1], *map(int, sys.argv[2:7])
 is_head = a == 0
@@ -69,7 +69,7 @@ for s in range(sessions):
     feed(s, 0, e.n_batch)  # a full batch (= ubatch here), so the compute buffer is really used
     for k in range(8):
         feed(s, e.n_batch + k, 1)
-lines = [l.strip() for l in gguf_text._LOG if "compute buffer size" in l]
+lines = [l.strip() for l in clib._LOG if "compute buffer size" in l]
 print(json.dumps({"base": base, "rss": rss(), "compute_log": lines[-1] if lines else ""}))
 """
 

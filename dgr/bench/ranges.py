@@ -60,7 +60,7 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
     import numpy as np
 
     import dgr
-    from dgr.backends import gguf_text
+    from dgr.backends import clib
     from dgr.backends.base import LayerRange
     from dgr.backends.llama_shard import LlamaShardBackend
     try:
@@ -71,12 +71,12 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
     file_sha256(model)  # a node start reads the digest from its cache: not part of ready_s
     import collections
 
-    gguf_text._LOG = collections.deque(maxlen=1 << 20)  # keep the whole load log: the buffer sizes are in it
+    clib._LOG = collections.deque(maxlen=1 << 20)  # keep the whole load log: the buffer sizes are in it
     t0 = time.perf_counter()
     shard = LlamaShardBackend(model, LayerRange(start, stop), n_threads=1, n_ctx=256, max_sessions=1)
     ready = time.perf_counter() - t0
     loaded = _status()
-    log = "".join(gguf_text._LOG)
+    log = "".join(clib._LOG)
     buffers = {name: float(mib) for name, mib in re.findall(r"(\S+) model buffer size =\s*([\d.]+) MiB", log)}
     shard.open_session("s", 128)
     n_embd = shard.info.hidden_size
@@ -91,7 +91,7 @@ def _child(model: str, start: int, stop: int, cache: str) -> dict:
             h = shard.forward("s", pos, None, np.zeros((1, n_embd), np.float32), False)
     used = _status()
     written = sum(p.stat().st_size for p in Path(cache).rglob("*.gguf"))
-    model_size = gguf_text.llama_lib().llama_model_size(shard.engine._model) / 2**20  # stock and patched alike
+    model_size = clib.llama_lib().llama_model_size(shard.engine._model) / 2**20  # stock and patched alike
     shard.close()
     return {
         "dgr": str(Path(dgr.__file__).parent),

@@ -2,7 +2,7 @@
 
 Two places decide it, and they must decide alike: the gateway, and the
 ring's tail, which sends the next step to the head itself
-without waiting for the gateway (dgr.node.service `_next_step`). Both call
+without waiting for the gateway (dgr.node.replies `next_step_frame`). Both call
 `next_step`; only stop strings are the gateway's alone (the tail never sees
 text), and they end a session from the gateway, whose close discards any
 step the tail sent on.

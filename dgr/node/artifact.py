@@ -45,7 +45,7 @@ from dgr.artifact.proof import Challenge, answer_challenge
 from dgr.security.tls import TlsTrust
 from dgr.artifact.torrent import resume_path_for
 from dgr.artifact.verify import verify_file
-from dgr.backends.base import LayerRange, ShardBackend
+from dgr.backends.base import Compute, LayerRange
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.serve import run_until_signal
 from dgr.progress import LineProgress, Progress, say, terminal_progress
@@ -116,7 +116,7 @@ class NodeArtifact:
         challenge = Challenge.from_json(body)
         return answer_challenge(self.path, self.manifest, challenge).to_json()
 
-    def check_backend(self, backend: ShardBackend) -> None:
+    def check_backend(self, backend: Compute) -> None:
         """Refuse a backend that does not serve this artifact's layers of this file; note the load time.
 
         Raises:

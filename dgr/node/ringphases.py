@@ -19,7 +19,7 @@ Rules:
   that ends here, stops counting for its group, which may then go.
 - Steps go out through `send`, in the order they are released.
 
-Left out: what a step is (dgr.node.service builds it), sending (dgr.node.relay).
+Left out: what a step is (dgr.node.replies builds it), sending (dgr.node.relay).
 """
 
 from __future__ import annotations

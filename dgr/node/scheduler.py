@@ -1,4 +1,4 @@
-"""The step scheduler: the one owner of a node's backend.
+"""The step scheduler: the one owner of a node's backend, and the trio driver of its iterations.
 
 Contract:
 - Every backend call (open, close, forward, KV accounting, tokenizing,
@@ -12,12 +12,12 @@ Contract:
   from its compute (`ShardBackend.text_apart`: a vocabulary-only model, as
   llama-server tokenizes in its HTTP threads while its loop decodes), which
   the node tokenizes in a thread of its own (dgr.node.service).
-- Jobs of one Route Session run in the order they were submitted. Only the
-  first queued job of each session is eligible in an iteration, so a close
-  can never overtake a forward of its session, nor a forward its open. A
-  sequence slot is therefore freed only when no compute on it is in flight,
-  and a late forward finds its session gone (UNKNOWN_SESSION) instead of
-  writing into a slot that now belongs to someone else.
+- What runs in an iteration is planned by `plan_iteration`
+  (dgr.node.iteration: session order, controls first, batching, the time
+  bound and its cuts). Because only the first queued job of a session is
+  eligible, a sequence slot is freed only when no compute on it is in
+  flight, and a late forward finds its session gone (UNKNOWN_SESSION)
+  instead of writing into a slot that now belongs to someone else.
 - A submitted job always runs, even when its caller has gone (cancelled):
   the node session's counters were advanced when the step was accepted, so
   the KV must follow. The result is then dropped. The one exception: a
@@ -26,31 +26,15 @@ Contract:
   dropped unrun, their callers answered `session_ended`, so a client that
   leaves mid-prefill frees its slot at once instead of after its chunks
   (a chunk cut part-way is dropped too: the close frees whatever it wrote).
-- Control jobs are never queued behind compute: an iteration runs every
-  eligible control job first, as a backend call of its own, and answers them
-  before its batch of forwards starts, so an open, close, tokenize or status
-  that arrives while prefill is queued waits for the iteration in flight at
-  most, and that iteration is bounded in time (below).
-- Batching: after the controls, one batch of forwards runs as one backend
-  call (`ShardBackend.forward_batch`). Decode steps
-  go first, in queue order, each only into a batch that holds fewer decode
-  steps than its `max_rows` (a pipeline route's phase group: see `Job`);
-  prefill chunks fill the rest of `token_budget`, and at least one
-  prefill chunk runs whenever one waits, so a long prompt delays other
-  sessions' decoding by at most one chunk and is never starved.
-- An iteration is bounded in time, not only in positions: while other
-  sessions wait (decode steps queued, or sessions open here that have no
-  prefill in this batch), the prefill positions of an iteration are capped
-  at what the node computes in `iteration_target_s` at its measured prefill
-  rate (`prefill_rate`, an EWMA of positions per second of the iterations
-  that held prefill), and the first prefill chunk is cut there: its first
-  positions run now, the rest in the next iteration, and its caller gets the
-  whole chunk's output once the last part has run. With nobody waiting the
-  chunk runs whole. A cut leaves at least `MIN_CUT` positions on each side
-  (a lone position runs on other kernels). Before an
-  iteration, every task that can run does (for at most `gather_s`), so
-  steps already read from other connections join it; not when every
-  session open on the backend already has a job queued (`may_gather`).
+- Controls are answered before the iteration's batch of forwards starts, so
+  an open, close, tokenize or status that arrives while prefill is queued
+  waits for the iteration in flight at most, and that iteration is bounded
+  in time (`iteration_target_s`, at the measured `prefill_rate`: an EWMA of
+  positions per second of the iterations that held prefill).
+- Before an iteration, every task that can run does (for at most
+  `gather_s`), so steps already read from other connections join it; not
+  when every session open on the backend already has a job queued
+  (`may_gather`).
 - Busy polling (`busy_poll_s`): after an iteration that computed steps,
   while sessions are open, the driver waits for the next job on a hot loop
   (trio polls the sockets without sleeping) and, each round that leaves this
@@ -62,18 +46,17 @@ Contract:
 Theory: `plan_iteration` is pure (which jobs run now, which wait) and is
 tested on its own; `StepScheduler.run` is the thin trio driver around it.
 
-Left out: what a step means (dgr.node.service builds the jobs and their
+Left out: what a step means (dgr.node.replies builds the jobs and their
 replies), transport, and any notion of time beyond an iteration's target
 (deadlines are the gateway's).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -83,22 +66,19 @@ import trio
 # 0.2 s of CPU at every node's start (tests/test_cli.py checks it is the same function)
 from trio._core import wait_all_tasks_blocked
 
-from dgr.backends.base import ShardBackend, Step
+from dgr.backends.base import Compute, Step
 from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
 from dgr.node.backend_thread import BackendThread
+from dgr.node.iteration import (DEFAULT_TOKEN_BUDGET, MIN_CUT, Job, JobKind, first_part, joined, may_gather,
+                                plan_iteration, rest)
 
-__all__ = ["JobKind", "Job", "Plan", "plan_iteration", "prefill_room", "may_gather", "StepScheduler",
-           "DEFAULT_TOKEN_BUDGET", "DEFAULT_ITERATION_TARGET_S", "MIN_CUT"]
+__all__ = ["StepScheduler", "DEFAULT_ITERATION_TARGET_S"]
 
-DEFAULT_TOKEN_BUDGET = 512  # positions per iteration; one llama.cpp ubatch
 # How long an iteration may hold other sessions' waiting steps (--iteration-target-ms). At 1 thread a
 # 512-position chunk of the default model took seconds under contention (issue 43), and every decode
 # step and control call of the node waited behind it.
 DEFAULT_ITERATION_TARGET_S = 0.25
-# The fewest positions a cut prefill chunk runs on either side of the cut, and the cut's alignment:
-# a 1-position remainder would run on llama.cpp's matrix-vector kernels, not its matrix-matrix ones.
-MIN_CUT = 32
 _RATE_WEIGHT = 0.3  # the weight of the newest sample in the prefill rate's EWMA
 _sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
@@ -118,144 +98,11 @@ def _mark(stage: str, batch: list[Job]) -> None:
         steptrace.mark(stage, job.step.sid, job.step.pos0)
 
 
-class JobKind(enum.Enum):
-    CALL = "call"  # a backend call tied to no session's order (tokenize, render, status)
-    SESSION = "session"  # a session's control call: open, close, fail, status of it
-    FORWARD = "forward"  # a seam step
-
-
-@attrs.define(eq=False)
-class Job:
-    kind: JobKind
-    sid: str | None
-    fn: Callable[[], Any] | None = None  # CALL and SESSION: runs in the backend thread
-    step: Step | None = None  # FORWARD
-    finish: Callable[[np.ndarray | None], Any] | None = None  # FORWARD: turns the output into the reply, in the thread
-    result: outcome.Outcome | None = None
-    compute_s: float = 0.0  # FORWARD: seconds of the backend calls this step was part of (each part's, summed)
-    on_done: Callable[["Job"], None] | None = None  # called on the loop once the job has run; must not block
-    # A decode step joins only a batch of fewer decode steps than this (None: any). On a route of N
-    # nodes the sessions decode in N phase groups, one on each node; two groups that reach a node
-    # together (released at once by the ring's tail) would stay one batch for good, every node idle
-    # while another computes it: 8 sessions on a 2-node ring then ran about 80 batches of 8 rows for
-    # 64 tokens instead of 140 of 4, at 58 to 63 tok/s instead of 82 to 85.
-    max_rows: int | None = None
-    # SESSION: this job ends the session and keeps none of its KV, so its forwards queued before it are moot
-    ends: bool = False
-    done: trio.Event = attrs.field(factory=trio.Event)
-    # FORWARD cut across iterations (`Plan.cut`): the outputs of its parts that have run, in order
-    parts: list = attrs.field(factory=list)
-
-    @property
-    def n_tokens(self) -> int:
-        return 0 if self.step is None else self.step.n_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.step is not None and self.step.decode
-
-
-@attrs.frozen
-class Plan:
-    controls: tuple[int, ...]  # indices into the queue, run first, in queue order
-    batch: tuple[int, ...]  # forwards, run as one backend call: decodes first, then prefill chunks
-    deferred: tuple[int, ...]  # wait for a later iteration, in queue order
-    dropped: tuple[int, ...] = ()  # forwards of a session an `ends` job behind them ends: answered unrun
-    # > 0: the batch's first prefill chunk runs only its first `cut` positions now; the rest stays queued
-    cut: int = 0
-
-
-def prefill_room(rate: float | None, target_s: float, token_budget: int) -> int:
-    """The prefill positions an iteration may hold while other sessions wait: what the node computes in
-    `target_s` at `rate` positions/s, aligned down to MIN_CUT, within [MIN_CUT, token_budget]. Without a
-    measured rate (or a target) nothing is known, so the whole budget."""
-    if rate is None or rate <= 0 or target_s <= 0:
-        return token_budget
-    return max(MIN_CUT, min(token_budget, int(rate * target_s) // MIN_CUT * MIN_CUT))
-
-
-def _cut_at(n: int, room: int) -> int:
-    """Where to cut a chunk of `n` positions that has `room` left: 0 (whole) when it fits, or when a cut
-    would leave fewer than MIN_CUT positions on either side."""
-    if n <= room:
-        return 0
-    cut = min(max(MIN_CUT, room // MIN_CUT * MIN_CUT), n - MIN_CUT)
-    return cut if cut >= MIN_CUT else 0
-
-
-def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: float | None = None,
-                   target_s: float = 0.0, open_sessions: int = 0) -> Plan:
-    """Choose what runs in this iteration. Pure; every non-empty queue makes progress.
-
-    A session's forwards queued before a job that `ends` it are dropped, and
-    the first of its other queued jobs is eligible; its later ones wait. Eligible
-    control jobs all run. Eligible decode steps run in queue order, each if the
-    batch holds fewer decode steps than its `max_rows`; prefill chunks follow
-    in arrival order while the positions fit `token_budget`, but the first one
-    runs even if it alone exceeds the budget.
-
-    While other sessions wait (a decode step is queued, or more sessions are
-    open than have prefill eligible here), the prefill positions are also capped
-    at `prefill_room(prefill_rate, target_s, ...)`, less the decode steps'
-    positions: the first prefill chunk is cut to fit (`Plan.cut`), and no other
-    chunk joins it.
-    """
-    ending = {job.sid for job in queue if job.ends and job.sid is not None}
-    last_end = {job.sid: i for i, job in enumerate(queue) if job.ends}
-    dropped = [i for i, job in enumerate(queue)
-               if job.kind is JobKind.FORWARD and job.sid in ending and i < last_end[job.sid]]
-    gone = set(dropped)
-    seen: set[str] = set()
-    controls: list[int] = []
-    decodes: list[int] = []
-    prefills: list[int] = []
-    deferred: set[int] = set()
-    for i, job in enumerate(queue):
-        if i in gone:
-            continue
-        if job.sid is not None:
-            if job.sid in seen:
-                deferred.add(i)
-                continue
-            seen.add(job.sid)
-        if job.kind is JobKind.FORWARD:
-            (decodes if job.is_decode else prefills).append(i)
-        else:
-            controls.append(i)
-    batch: list[int] = []
-    for i in decodes:
-        cap = queue[i].max_rows
-        if cap is not None and len(batch) >= cap:
-            deferred.add(i)
-        else:
-            batch.append(i)
-    used = sum(queue[i].n_tokens for i in batch)
-    budget, cut = token_budget, 0
-    waiting = bool(decodes) or open_sessions > len({queue[i].sid for i in prefills})
-    if waiting and prefills and prefill_rate and target_s > 0:  # else nothing to size a cut by
-        budget = min(token_budget, prefill_room(prefill_rate, target_s, token_budget))
-        cut = _cut_at(queue[prefills[0]].n_tokens, max(0, budget - used))
-    for k, i in enumerate(prefills):
-        n = queue[i].n_tokens
-        if k == 0 or (not cut and used + n <= budget):
-            batch.append(i)
-            used += cut or n
-        else:
-            deferred.add(i)
-    return Plan(tuple(controls), tuple(batch), tuple(sorted(deferred)), tuple(dropped), cut)
-
-
-def may_gather(pending: Sequence[Job], open_sessions: int) -> bool:
-    """Whether another session's step could still join this iteration: some session open on the
-    backend has no job here yet. A lone session's step never waits for company that cannot come."""
-    return open_sessions > len({job.sid for job in pending if job.sid is not None})
-
-
 @attrs.define(eq=False)
 class StepScheduler:
     """Runs every backend call of a node, one iteration at a time, in its backend thread or (short decodes) inline."""
 
-    backend: ShardBackend
+    backend: Compute  # compute only: text apart and prefix slots reach it as plain calls (`call`)
     token_budget: int = DEFAULT_TOKEN_BUDGET
     # The longest an iteration should hold other sessions' waiting steps (--iteration-target-ms); 0: no cap
     iteration_target_s: float = DEFAULT_ITERATION_TARGET_S
@@ -391,7 +238,7 @@ class StepScheduler:
             cut: Job | None = None
             if plan.cut:
                 k = next(k for k, job in enumerate(batch) if not job.is_decode)
-                cut, batch[k] = batch[k], _first_part(batch[k], plan.cut)
+                cut, batch[k] = batch[k], first_part(batch[k], plan.cut)
             decode_only = bool(batch) and all(job.is_decode for job in batch)
             compute = 0.0
             if batch and (self.inline or (decode_only and self._may_inline
@@ -414,7 +261,7 @@ class StepScheduler:
                     cut.result = part.result  # the chunk failed part-way: its caller hears it now
                 else:
                     cut.parts.append(part.result.unwrap() if part.result is not None else None)
-                    cut.step = _rest(cut.step, plan.cut)
+                    cut.step = rest(cut.step, plan.cut)
                     keep.add(plan.batch[k])
                     self.cuts += 1
                     batch.pop(k)
@@ -508,7 +355,7 @@ class StepScheduler:
                 if isinstance(out, outcome.Error) or job.finish is None:  # a cut chunk's first part: no reply yet
                     job.result = out
                 else:
-                    job.result = outcome.capture(job.finish, _joined(job.parts, out.unwrap()))
+                    job.result = outcome.capture(job.finish, joined(job.parts, out.unwrap()))
             if trace:
                 _mark("finished", batch)
             self.batched_steps += len(batch) if len(batch) > 1 else 0
@@ -521,25 +368,3 @@ class StepScheduler:
         """What the backend holds now, for status and metrics (between iterations: nothing else calls it)."""
         self.kv_bytes = self.backend.kv_bytes()
         self.session_count = self.backend.session_count()
-
-
-def _first_part(job: Job, cut: int) -> Job:
-    """A stand-in for `job`'s first `cut` positions: no logits, no reply (the driver keeps its output)."""
-    s = job.step
-    part = Step(s.sid, s.pos0, None if s.token_ids is None else s.token_ids[:cut],
-                None if s.hidden is None else s.hidden[:cut], False, decode=False)
-    return Job(JobKind.FORWARD, job.sid, step=part)
-
-
-def _rest(step: Step, cut: int) -> Step:
-    """`step` past its first `cut` positions (computed already)."""
-    return Step(step.sid, step.pos0 + cut, None if step.token_ids is None else step.token_ids[cut:],
-                None if step.hidden is None else step.hidden[cut:], step.want_logits, decode=False)
-
-
-def _joined(parts: list, out: Any) -> Any:
-    """A chunk's whole output from its parts': hidden states [n, W] joined in order; a tail's logits (or
-    nothing) come from the last part alone."""
-    if not parts or out is None or getattr(out, "ndim", 0) != 2:
-        return out
-    return np.concatenate([*parts, out], axis=0)

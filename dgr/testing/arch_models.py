@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from dgr.backends.clib import GgufInitParams, ggml_lib, model_builder_api
 from dgr.testing.arch_keys import COMMON_KEYS, DROP, MOE_KEYS, STDEV, ArchSpec, Shape, Typed, Value
 from dgr.testing.arch_table import ARCHS
 
@@ -48,76 +49,6 @@ _CT = {
     "f32": ctypes.c_float, "bool": ctypes.c_bool, "u64": ctypes.c_uint64, "i64": ctypes.c_int64,
 }  # fmt: skip
 _GLOBAL_PREFIXES = ("general.", "tokenizer.", "xielu.")
-_LIBS: dict[str, Any] = {}
-
-
-def _ggml() -> ctypes.CDLL:
-    """libggml-base (its own handle) with the gguf writer and tensor functions used here."""
-    lib = _LIBS.get("ggml")
-    if lib is not None:
-        return lib
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    vp, cp, sz, i64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64
-    for name, args, res in [
-        ("gguf_init_empty", [], vp),
-        ("gguf_free", [vp], None),
-        ("gguf_set_val_u32", [vp, cp, ctypes.c_uint32], None),
-        ("gguf_set_val_i32", [vp, cp, ctypes.c_int32], None),
-        ("gguf_set_val_u64", [vp, cp, ctypes.c_uint64], None),
-        ("gguf_set_val_i64", [vp, cp, ctypes.c_int64], None),
-        ("gguf_set_val_u8", [vp, cp, ctypes.c_uint8], None),
-        ("gguf_set_val_i8", [vp, cp, ctypes.c_int8], None),
-        ("gguf_set_val_f32", [vp, cp, ctypes.c_float], None),
-        ("gguf_set_val_bool", [vp, cp, ctypes.c_bool], None),
-        ("gguf_set_val_str", [vp, cp, cp], None),
-        ("gguf_set_arr_data", [vp, cp, ctypes.c_int, vp, sz], None),
-        ("gguf_set_arr_str", [vp, cp, ctypes.POINTER(cp), sz], None),
-        ("gguf_set_kv", [vp, vp], None),
-        ("gguf_add_tensor", [vp, vp], None),
-        ("gguf_write_to_file", [vp, cp, ctypes.c_bool], ctypes.c_bool),
-        ("gguf_init_from_file", [cp, _GgufInitParams], vp),
-        ("gguf_get_n_tensors", [vp], i64),
-        ("gguf_get_tensor_name", [vp, i64], cp),
-        ("ggml_get_tensor", [vp, cp], vp),
-        ("ggml_free", [vp], None),
-        ("ggml_get_name", [vp], cp),
-        ("ggml_nelements", [vp], i64),
-        ("ggml_nbytes", [vp], sz),
-        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
-    ]:
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    _LIBS["ggml"] = lib
-    return lib
-
-
-def _llama() -> Any:
-    """libllama (llama-cpp-python's handle, backend initialised, log captured by dgr) with what is used here."""
-    lib = _LIBS.get("llama")
-    if lib is not None:
-        return lib
-    import llama_cpp.llama_cpp as llama
-
-    from dgr.backends.gguf_text import llama_lib
-    from dgr.backends.llama_range import range_api
-
-    llama_lib()  # backend init and dgr's log callback
-    lib = range_api()
-    for name, args, res in [
-        (
-            "llama_model_init_from_user",
-            [ctypes.c_void_p, llama.llama_model_set_tensor_data_t, ctypes.c_void_p, llama.llama_model_params],
-            ctypes.c_void_p,
-        ),
-        ("llama_model_save_to_file", [ctypes.c_void_p, ctypes.c_char_p], None),
-        ("llama_model_free", [ctypes.c_void_p], None),
-    ]:
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    _LIBS["llama"] = lib
-    return lib
 
 
 def _resolve(value: Value, shape: Shape) -> Any:
@@ -236,13 +167,13 @@ def write_arch_gguf(
         RuntimeError: llama.cpp could not create the model from the metadata
         (its last log lines in the message), or the file was not written.
         CallerError(MODEL_LOAD_FAILED): the installed libllama lacks dgr's
-        layer-range patches (dgr.backends.llama_range.range_api).
+        layer-range patches (dgr.backends.clib.range_api).
         llama.cpp may also abort the process on an inconsistent recipe.
     """
     meta, _shape = arch_metadata(arch, n_layer=n_layer, moe=moe, mtp=mtp)  # raises for an unknown arch
     spec = ARCHS[arch]
     out = Path(path)
-    g, lib = _ggml(), _llama()
+    g, lib = ggml_lib(), model_builder_api()
     import llama_cpp.llama_cpp as llama
 
     errors: list[BaseException] = []
@@ -312,7 +243,7 @@ def _generic_scale_re(spec: ArchSpec) -> re.Pattern[str]:
 
 def _log_error() -> str:
     """llama.cpp's error lines among its last log lines (else the last lines)."""
-    from dgr.backends.gguf_text import llama_log_tail
+    from dgr.backends.clib import llama_log_tail
 
     lines = [ln for ln in llama_log_tail(40).splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error" in ln or "failed" in ln]
@@ -337,14 +268,10 @@ def _write_own(g: ctypes.CDLL, meta_ctx: int, tensors: list[int], out: Path, dro
         g.gguf_free(ctx)
 
 
-class _GgufInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
-
-
 def _rewrite_without(g: ctypes.CDLL, path: Path, drop: re.Pattern[str]) -> None:
     """Rewrite the GGUF at `path` without the tensors whose names `drop` matches (nothing when none does)."""
     ggml_ctx = ctypes.c_void_p()
-    src = g.gguf_init_from_file(str(path).encode(), _GgufInitParams(False, ctypes.pointer(ggml_ctx)))
+    src = g.gguf_init_from_file(str(path).encode(), GgufInitParams(False, ctypes.pointer(ggml_ctx)))
     if not src:
         raise RuntimeError(f"cannot read back {path}")
     dst = g.gguf_init_empty()

@@ -1,0 +1,210 @@
+"""The C libraries dgr calls through ctypes, loaded and declared in one place.
+
+- libllama (`llama_lib`): llama-cpp-python's ctypes module, with the backend initialised once and
+  llama.cpp's log routed into a small ring buffer (printed only with DGR_LLAMA_LOG=1), so load errors
+  can quote llama.cpp's own reason (`llama_log_tail`).
+- libllama's layer-range API (`range_api`): dgr carries one patch series for llama.cpp
+  (llama/patches/, written to be sent upstream; spec/llama-layer-boundary.md). It adds:
+  - `llama_model_load_range_from_file(path, params, il_start, il_end)`: load only layers
+    [il_start, il_end) of the unmodified GGUF, with the token embedding only where the range needs it
+    and the output head only on the range that ends at the last layer;
+  - `llama_model_layer_range(model, &start, &end)`: what a model holds;
+  - `llama_get_hidden(ctx)`: the residual stream after the last loaded layer, for every row of the
+    last batch, when the range stops early;
+  - `llama_model_n_embd_seam(model)`: that stream's width, `n_embd` for most models and
+    hc_mult x n_embd for DeepSeek-V4's hyper-connection streams;
+  - `llama_model_seam_tokens(model)`: whether layers past layer 0 read token ids (DeepSeek-V4's
+    hash-routed experts), so that a range starting after layer 0 takes them beside its hidden states.
+  llama-cpp-python's own ctypes module does not declare them, so they are declared here on its
+  library handle. A stock llama-cpp-python build lacks the symbols, and `range_api` refuses it with
+  the way to get the patched build.
+- libggml-base (`ggml_lib`): from llama-cpp-python's lib folder: type names, and the gguf writer the
+  tiny test models are written with; `model_builder_api` adds libllama's build-from-memory functions.
+
+Rules: importing this module loads nothing; each library is loaded on its first use, declared once,
+and kept for the process's life (a freed log callback would crash the next log call).
+
+Left out: driving the libraries (dgr.backends.llama_engine, dgr.backends.gguf_text) and reading GGUF
+headers (dgr.gguf_meta, in Python: one `GgufHeader` for every reader).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dgr.errors import CallerError, Reason
+
+__all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "ggml_lib", "llama_lib", "llama_log_tail", "model_builder_api",
+           "model_layer_range", "model_seam", "range_api"]
+
+_LOG: collections.deque[str] = collections.deque(maxlen=40)
+_LIB: dict[str, Any] = {}
+
+
+def llama_lib() -> Any:
+    """The `llama_cpp.llama_cpp` ctypes module, with the backend initialised once."""
+    if "lib" in _LIB:
+        return _LIB["lib"]
+    import llama_cpp.llama_cpp as lib  # deferred: importing it loads libllama
+
+    echo = os.environ.get("DGR_LLAMA_LOG") == "1"
+
+    @lib.llama_log_callback
+    def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        line = text.decode("utf-8", "replace")
+        _LOG.append(line)
+        if echo:
+            sys.stderr.write(line)
+
+    lib.llama_log_set(_log, ctypes.c_void_p(0))
+    lib.llama_backend_init()
+    _LIB["log_cb"] = _log  # a freed callback would crash the next log call
+    _LIB["lib"] = lib
+    return lib
+
+
+def llama_log_tail(n: int = 6) -> str:
+    """The last lines llama.cpp logged, joined, for error messages."""
+    return "".join(list(_LOG)[-n:]).strip()
+
+
+PATCHED_BUILD_HINT = (
+    "this llama-cpp-python was built without dgr's layer-range patches (llama/patches/ in the dgr tree); "
+    "run `make install` in the dgr checkout, which builds llama-cpp-python from its sdist with the patches "
+    "applied (or reinstall it with `pip uninstall llama-cpp-python` first, then `make install`)"
+)
+_API: dict[str, Any] = {}
+
+
+def range_api() -> Any:
+    """libllama's CDLL with the layer-range functions declared.
+
+    Raises:
+        CallerError(MODEL_LOAD_FAILED): the installed libllama has no
+        layer-range API (a stock build); the message says how to get it.
+    """
+    lib = _API.get("lib")
+    if lib is not None:
+        return lib
+    import llama_cpp.llama_cpp as llama
+
+    lib = llama._lib
+    if not hasattr(lib, "llama_model_seam_tokens"):
+        raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
+    vp, i32 = ctypes.c_void_p, ctypes.c_int32
+    fp = ctypes.POINTER(ctypes.c_float)
+    for name, args, res in [
+        ("llama_model_load_range_from_file", [ctypes.c_char_p, llama.llama_model_params, i32, i32], vp),
+        ("llama_model_layer_range", [vp, ctypes.POINTER(i32), ctypes.POINTER(i32)], None),
+        ("llama_get_hidden", [vp], fp),
+        ("llama_get_hidden_ith", [vp, i32], fp),
+        ("llama_model_n_embd_seam", [vp], i32),
+        ("llama_model_seam_tokens", [vp], ctypes.c_bool),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _API["lib"] = lib
+    return lib
+
+
+def model_layer_range(model: int) -> tuple[int, int]:
+    """The layers [start, stop) a loaded llama_model holds, in the file's numbering."""
+    start, stop = ctypes.c_int32(), ctypes.c_int32()
+    range_api().llama_model_layer_range(model, ctypes.byref(start), ctypes.byref(stop))
+    return start.value, stop.value
+
+
+def model_seam(model: int) -> tuple[int, bool]:
+    """(width of the residual stream between two layers, whether ranges after layer 0 take token ids beside it).
+
+    A stock libllama loads whole models only: their seam is n_embd and nothing crosses it.
+    """
+    import llama_cpp.llama_cpp as llama
+
+    if not hasattr(llama._lib, "llama_model_seam_tokens"):
+        return llama._lib.llama_model_n_embd(model), False
+    lib = range_api()
+    return lib.llama_model_n_embd_seam(model), bool(lib.llama_model_seam_tokens(model))
+
+
+_GGML: dict[str, Any] = {}
+
+
+class GgufInitParams(ctypes.Structure):
+    """gguf_init_params: `no_alloc`, and where to put the ggml context holding the tensors (or NULL)."""
+
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.POINTER(ctypes.c_void_p))]
+
+
+def ggml_lib() -> ctypes.CDLL:
+    """libggml-base from llama-cpp-python's lib folder: type names, and the gguf writer and tensor
+    functions that write the tiny test models (dgr.testing.arch_models: ggml itself writes them)."""
+    lib = _GGML.get("lib")
+    if lib is not None:
+        return lib
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    vp, cp, sz, i64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64
+    for name, args, res in [
+        ("ggml_type_name", [ctypes.c_int], cp),
+        ("gguf_init_empty", [], vp),
+        ("gguf_free", [vp], None),
+        ("gguf_set_val_u32", [vp, cp, ctypes.c_uint32], None),
+        ("gguf_set_val_i32", [vp, cp, ctypes.c_int32], None),
+        ("gguf_set_val_u64", [vp, cp, ctypes.c_uint64], None),
+        ("gguf_set_val_i64", [vp, cp, ctypes.c_int64], None),
+        ("gguf_set_val_u8", [vp, cp, ctypes.c_uint8], None),
+        ("gguf_set_val_i8", [vp, cp, ctypes.c_int8], None),
+        ("gguf_set_val_f32", [vp, cp, ctypes.c_float], None),
+        ("gguf_set_val_bool", [vp, cp, ctypes.c_bool], None),
+        ("gguf_set_val_str", [vp, cp, cp], None),
+        ("gguf_set_arr_data", [vp, cp, ctypes.c_int, vp, sz], None),
+        ("gguf_set_arr_str", [vp, cp, ctypes.POINTER(cp), sz], None),
+        ("gguf_set_kv", [vp, vp], None),
+        ("gguf_add_tensor", [vp, vp], None),
+        ("gguf_write_to_file", [vp, cp, ctypes.c_bool], ctypes.c_bool),
+        ("gguf_init_from_file", [cp, GgufInitParams], vp),
+        ("gguf_get_n_tensors", [vp], i64),
+        ("gguf_get_tensor_name", [vp, i64], cp),
+        ("ggml_get_tensor", [vp, cp], vp),
+        ("ggml_free", [vp], None),
+        ("ggml_get_name", [vp], cp),
+        ("ggml_nelements", [vp], i64),
+        ("ggml_nbytes", [vp], sz),
+        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _GGML["lib"] = lib
+    return lib
+
+
+def model_builder_api() -> Any:
+    """libllama (as `range_api`) with the functions that build a model from tensors in memory and save it:
+    how the tiny test models get llama.cpp's own layout (dgr.testing.arch_models)."""
+    lib = _API.get("builder")
+    if lib is not None:
+        return lib
+    import llama_cpp.llama_cpp as llama
+
+    llama_lib()  # backend init and dgr's log callback
+    lib = range_api()
+    for name, args, res in [
+        (
+            "llama_model_init_from_user",
+            [ctypes.c_void_p, llama.llama_model_set_tensor_data_t, ctypes.c_void_p, llama.llama_model_params],
+            ctypes.c_void_p,
+        ),
+        ("llama_model_save_to_file", [ctypes.c_void_p, ctypes.c_char_p], None),
+        ("llama_model_free", [ctypes.c_void_p], None),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _API["builder"] = lib
+    return lib

@@ -1,0 +1,134 @@
+"""The node's accounting: what it counts about the frames it takes and gives, and the status it reports.
+
+Rules:
+- Counting changes nothing but counters: a refusal is counted where it is raised (`refuse`), an
+  admitted frame once (`admitted`), a computed step once with its compute time and reply (`count`).
+- `status` and the gauges read the node's parts (its session table, scheduler, prefix cache, ring
+  phases) as of the scheduler's last iteration; they change none of them.
+- Without `detail`, status says only what a load balancer needs (sessions, capacity, KV bytes): the
+  per-kind counters split each request into its prompt and output, not for anyone who can reach the port.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import attrs
+
+from dgr.backends.base import Compute
+from dgr.errors import CallerError
+from dgr.metrics import NodeMetrics, gauge
+from dgr.node.kv import NodeKV
+from dgr.node.ringphases import RingPhases
+from dgr.node.scheduler import StepScheduler
+from dgr.seam.frame import Frame
+from dgr.seam.wire import FrameKind
+from dgr.sessions import SessionTable
+
+__all__ = ["NodeAccounting", "SeamStats"]
+
+
+@attrs.define
+class SeamStats:
+    """Bytes and counts of frames received, by kind; the decode seam measured on the wire."""
+
+    frames_in: collections.Counter = attrs.field(factory=collections.Counter)
+    bytes_in: collections.Counter = attrs.field(factory=collections.Counter)
+    bytes_out: collections.Counter = attrs.field(factory=collections.Counter)
+    last_decode_frame_bytes: int = 0
+    last_decode_hidden_bytes: int = 0
+    refused: collections.Counter = attrs.field(factory=collections.Counter)
+    compute_s: float = 0.0  # summed over steps, each counted with its whole batch's call (the busy time: scheduler.busy_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "frames_in": dict(self.frames_in),
+            "bytes_in": dict(self.bytes_in),
+            "bytes_out": dict(self.bytes_out),
+            "last_decode_frame_bytes": self.last_decode_frame_bytes,
+            "last_decode_hidden_bytes": self.last_decode_hidden_bytes,
+            "refused": dict(self.refused),
+            "compute_s": round(self.compute_s, 6),
+        }
+
+
+@attrs.define
+class NodeAccounting:
+    """The seam's counters and the node's Prometheus metrics; its status, read from the node's parts."""
+
+    node_id: str
+    backend: Compute
+    described: dict[str, Any]  # the backend's, read once before the scheduler owned it
+    table: SessionTable
+    scheduler: StepScheduler
+    kv: NodeKV
+    ring: RingPhases
+    stats: SeamStats = attrs.field(factory=SeamStats)
+    metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
+    started_at: float = attrs.field(factory=time.monotonic)
+
+    def __attrs_post_init__(self) -> None:
+        self.metrics.watch(self._gauges)
+
+    def refuse(self, exc: CallerError) -> None:
+        self.stats.refused[exc.reason.value] += 1
+        self.metrics.refused_total.labels(reason=exc.reason.value).inc()
+
+    def admitted(self, frame: Frame) -> None:
+        """A frame its session accepted: its kind and bytes (a decode frame's sizes kept as the last seen)."""
+        self.stats.frames_in[frame.kind.name] += 1
+        self.stats.bytes_in[frame.kind.name] += frame.size
+        if frame.kind is FrameKind.DECODE:
+            self.stats.last_decode_frame_bytes = frame.size
+            self.stats.last_decode_hidden_bytes = 0 if frame.hidden is None else frame.hidden.nbytes
+
+    def count(self, frame: Frame, reply: bytes, compute: float) -> None:
+        """A computed step: its compute seconds and the bytes of what it sent on."""
+        self.stats.compute_s += compute
+        self.metrics.frames_total.labels(kind=frame.kind.name).inc()
+        self.metrics.frame_bytes_total.labels(kind=frame.kind.name).inc(frame.size)
+        self.metrics.compute_seconds.labels(kind=frame.kind.name).observe(compute)
+        self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
+
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """What the node holds now; backend figures as of the scheduler's last iteration."""
+        sched, backend, kv = self.scheduler, self.backend, self.kv
+        aggregate = {
+            "node": self.node_id,
+            "backend": self.described,
+            "model": backend.info.to_json(),
+            "layers": str(backend.layers),
+            "sessions": len(self.table),
+            "capacity": self.table.capacity,
+            "kv_bytes": sched.kv_bytes,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }
+        if not detail:
+            return aggregate
+        return {
+            **aggregate,
+            "prefix": None if kv.prefix is None else {**kv.prefix.to_json(), "bytes": kv.prefix_bytes},
+            "snapshots": None if kv.snapshots is None else kv.snapshots.to_json(),
+            "seam": self.stats.to_json(),
+            "scheduler": {"iterations": sched.iterations, "batched_steps": sched.batched_steps,
+                          "busy_s": round(sched.busy_s, 6), "backend_sessions": sched.session_count,
+                          "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
+                          "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
+            "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
+        }
+
+    def _gauges(self):
+        yield gauge("dgr_node_sessions", "Route Sessions holding KV on this node", [], [([], float(len(self.table)))])
+        yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
+                    [([], float(self.table.capacity))])
+        yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.scheduler.kv_bytes))])
+        p = self.kv.prefix
+        if p is not None:
+            yield gauge("dgr_node_prefix_bytes", "KV bytes of kept prefixes (not in dgr_node_kv_bytes)", [],
+                        [([], float(self.kv.prefix_bytes))])
+            yield gauge("dgr_node_prefix_entries", "Kept prefixes", [], [([], float(len(p.entries)))])
+            yield gauge("dgr_node_prefix_events", "Prefix cache hits, misses, evictions, supersessions", ["event"],
+                        [(["hit"], float(p.hits)), (["miss"], float(p.misses)),
+                         (["eviction"], float(p.evictions)), (["superseded"], float(p.superseded))])

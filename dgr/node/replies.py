@@ -1,0 +1,255 @@
+"""The node's replies: a seam frame in, checked against its session; its computed result out.
+
+Theory: a frame is parsed and checked (dgr.seam.frame, then `check_frame` against this shard), matched
+against its `NodeSession` (dgr.fsm.node), which refuses anything out of order before any state
+changes, then it becomes a job of the node's `StepScheduler` (dgr.node.scheduler), which batches it
+with other sessions' steps. A step whose caller has gone still runs to its end: the session's
+counters were advanced when it was accepted, so the KV and the counters agree either way.
+
+Rules:
+- A session opened with a relay plan (the ring's) takes its steps on its stream (`accept_streamed`)
+  and its results go on through its relay; one opened without takes them one per call (`step`, POST
+  /v1/seam/step) and its reply goes back to the caller. Either way is refused for the other kind of
+  session, and a stream carries the frames of its own session only.
+- The reply is built in the scheduler's thread (sampling and token text are backend work): the hidden
+  state for the next shard (in the dtype it arrived in), an ACK, or the tail's sampled TOKEN.
+- A ring's tail also builds the next decode step for the token it sampled, unless the route stops
+  there (dgr.fsm.stop, counted in positions), and hands it to its phase group (dgr.node.links).
+- Compute that fails fails the session (and frees it) and is reported: to the caller as
+  `PeerError(NODE_ERROR)`, or on the session's relay.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+
+import attrs
+import numpy as np
+import trio
+
+from dgr.backends.base import COMPUTE_ERRORS, Compute, ShardBackend, Step
+from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
+from dgr.fsm.node import NodeSession, StepKind
+from dgr.fsm.stop import next_step
+from dgr.node import steptrace
+from dgr.node.accounting import NodeAccounting
+from dgr.node.links import NodeLinks
+from dgr.node.relay import Loop, Outgoing, Relay, Report
+from dgr.node.iteration import Job, JobKind
+from dgr.node.scheduler import StepScheduler
+from dgr.sampling import Sampler
+from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
+from dgr.seam.stream import Record
+from dgr.seam.wire import Flag, FrameKind
+from dgr.sessions import SessionTable
+
+__all__ = ["NodeReplies", "check_frame", "next_step_frame", "to_step"]
+
+_KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
+
+
+def check_frame(backend: Compute, frame: Frame) -> StepKind:
+    """The step a frame asks of this shard, or its refusal: its kind, width and payload for these layers.
+
+    Raises:
+        CallerError(BAD_FRAME | WRONG_WIDTH): nothing changed.
+    """
+    info = backend.info
+    step = _KIND_STEP.get(frame.kind)
+    if step is None:
+        raise CallerError(Reason.BAD_FRAME, f"a node accepts PREFILL or DECODE frames, not {frame.kind.name}")
+    if frame.width != info.seam_width:
+        raise CallerError(Reason.WRONG_WIDTH, f"seam width {frame.width}, this model's is {info.seam_width}")
+    if backend.is_head or info.needs_token_ids:
+        if frame.token_ids is None:
+            raise CallerError(Reason.BAD_FRAME, f"layers {backend.layers} need token ids in the frame")
+        if frame.token_ids.size and (frame.token_ids.min() < 0 or frame.token_ids.max() >= info.vocab_size):
+            raise CallerError(Reason.BAD_FRAME, f"token id outside [0, {info.vocab_size})")
+    if not backend.is_head:
+        if frame.hidden is None:
+            raise CallerError(Reason.BAD_FRAME, f"layers {backend.layers} need hidden states in the frame")
+        if not np.isfinite(frame.hidden).all():
+            raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
+    return step
+
+
+def to_step(frame: Frame) -> Step:
+    """The backend's step for an admitted frame."""
+    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), bool(frame.flags & Flag.SAMPLE),
+                decode=frame.kind is FrameKind.DECODE)
+
+
+def next_step_frame(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
+    """A ring tail's next decode step for the token it sampled; None where the gateway stops
+    (dgr.fsm.stop, counted in positions: the step's position plus one against the session's)."""
+    pos = frame.pos0 + frame.n_tokens
+    if not next_step(eog=result.eog, ignore_eos=loop.ignore_eos, generated=pos + 1, max_tokens=max_positions).more:
+        return None
+    return encode_frame(FrameKind.DECODE, frame.session, frame.seq + 1, pos, 1, frame.width, dtype=frame.dtype,
+                        flags=Flag.SAMPLE, token_ids=[result.token])
+
+
+def token_frame(frame: Frame, result: TokenResult) -> bytes:
+    return encode_frame(
+        FrameKind.TOKEN, frame.session, frame.seq, frame.pos0, 1, frame.width,
+        flags=Flag.EOG if result.eog else Flag(0), extra=result.payload(),
+    )
+
+
+@attrs.define
+class NodeReplies:
+    """Frames admitted to their sessions, queued on the scheduler, and answered or relayed."""
+
+    backend: ShardBackend
+    node_id: str
+    max_frame_bytes: int
+    table: SessionTable[NodeSession]
+    samplers: dict[str, Sampler]  # the tail's, by session (dgr.node.sessions)
+    scheduler: StepScheduler
+    links: NodeLinks
+    accounting: NodeAccounting
+    authorize: Callable[[str | None, str], None]  # (capability, sid): dgr.node.trust
+    fail_session: Callable[[str, Failure], Awaitable[None]]
+
+    def _refused(self, exc: CallerError) -> CallerError:
+        self.accounting.refuse(exc)
+        return exc
+
+    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
+        """Apply one frame of a session opened without a relay plan; return (response frame, compute seconds).
+
+        Raises:
+            CallerError: the frame was refused (FORBIDDEN without a valid capability; INVALID_REQUEST
+                for a session with a relay, whose steps come on its stream); nothing changed.
+            PeerError(NODE_ERROR): compute failed; the session is failed and freed.
+        """
+        frame = self.admit(body, capability)
+        want = bool(frame.flags & Flag.SAMPLE)
+        # the tail samples in the scheduler's thread too, with this session's own sampler
+        finish = functools.partial(self.reply, frame, want, self.samplers.get(frame.session))
+        try:
+            reply, compute = await self.scheduler.forward(to_step(frame), finish)
+        except DgrError as exc:
+            await self.fail_session(frame.session, exc.failure(node=self.node_id))
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: {exc.message}", node=self.node_id) from exc
+        except COMPUTE_ERRORS as exc:
+            await self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
+            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
+        self.accounting.count(frame, reply, compute)
+        return reply, compute
+
+    def accept_streamed(self, sid: str, record: Record) -> None:
+        """A step from a stream record, for `sid` (whose capability the stream carried): accepted and
+        queued; its result goes on through the session's relay, or its failure is reported.
+
+        Raises:
+            CallerError: refused (a session without a relay takes no stream); nothing changed.
+        """
+        if self.table.is_live(sid) and sid not in self.links.relays:
+            raise self._refused(CallerError(Reason.INVALID_REQUEST,
+                                            f"session {sid} is not on a chain: it takes single steps"))
+        if steptrace.ON:
+            steptrace.mark_frame("read", sid, record.frame)
+        frame = self.admit(record.frame, None, stream=sid)
+        if steptrace.ON:
+            steptrace.mark("admitted", sid, frame.pos0)
+        self._relay_step(frame, self.links.relays[sid], record.compute_us)
+
+    def admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
+        """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
+
+        `stream`: the frame came on a stream already authorized for this session, and must be of it.
+
+        Raises:
+            CallerError: refused; nothing changed.
+        """
+        try:
+            frame = decode_frame(body, max_bytes=self.max_frame_bytes)
+        except CallerError as exc:
+            raise self._refused(exc)
+        if stream is None:
+            self.authorize(capability, frame.session)
+            if frame.session in self.links.relays:
+                raise self._refused(CallerError(Reason.INVALID_REQUEST,
+                                                f"session {frame.session} is on a chain: its steps come on its stream"))
+        elif frame.session != stream:
+            raise self._refused(CallerError(Reason.FORBIDDEN,
+                                            f"a stream of session {stream} carried a frame of {frame.session}"))
+        try:
+            step = check_frame(self.backend, frame)
+            session = self.table.get(frame.session)
+            rewind = session.rewinds(frame.pos0)
+            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
+        except CallerError as exc:
+            raise self._refused(exc)
+        if rewind:
+            # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
+            self.scheduler.submit(Job(JobKind.SESSION, frame.session,
+                                      fn=functools.partial(self.backend.trim_session, frame.session, frame.pos0)))
+        self.accounting.admitted(frame)
+        return frame
+
+    def _relay_step(self, frame: Frame, relay: Relay, compute_us: tuple[int, ...]) -> None:
+        """Queue a streamed step; when computed, its result goes to the relay (or its failure is reported).
+
+        On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
+        """
+        sampler, want = self.samplers.get(frame.session), bool(frame.flags & Flag.SAMPLE)
+        loop, plan = self.links.loops.get(frame.session), relay.plan.loop
+        session = self.table.live[frame.session]
+        backend, links = self.backend, self.links
+
+        def finish(out: np.ndarray | None) -> tuple[bytes, bytes | None]:  # in the scheduler's thread
+            if backend.is_tail:
+                if not (want and loop is not None):
+                    return self.reply(frame, want, sampler, out), None  # the answer, for the gateway
+                result = self.sample(frame, sampler, out)
+                return token_frame(frame, result), next_step_frame(frame, result, plan, session.max_positions)
+            # the next hop's input: the same step, with this shard's output as its hidden state
+            return encode_frame(frame.kind, frame.session, frame.seq, frame.pos0, frame.n_tokens, frame.width,
+                                dtype=frame.dtype, flags=frame.flags & Flag.SAMPLE,
+                                token_ids=frame.token_ids if backend.info.needs_token_ids else None,
+                                hidden=out), None
+
+        def done(j: Job) -> None:  # on the loop, after the iteration
+            if steptrace.ON:
+                steptrace.mark("done", frame.session, frame.pos0)
+            try:
+                out, step = j.result.unwrap()
+            except COMPUTE_ERRORS as exc:
+                why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
+                failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
+                relay.put(Report(failure))
+                if links.nursery is not None:
+                    links.nursery.start_soon(self.fail_session, frame.session, failure)
+                return
+            if loop is not None and want and links.nursery is not None:  # first: the next token's path
+                if step is not None:
+                    links.ring.go(frame.session, step, links.nursery)
+                else:
+                    links.ring.stop(frame.session)
+            self.accounting.count(frame, out, j.compute_s)
+            relay.put(Outgoing(out, (*compute_us, int(j.compute_s * 1e6))))
+
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame), finish=finish, on_done=done,
+                                  max_rows=links.group_rows(relay.plan)))
+
+    def reply(self, frame: Frame, want: bool, sampler: Sampler | None, out: np.ndarray | None) -> bytes:
+        """The response frame; runs in the scheduler's thread (sampling and token text are backend work)."""
+        common = dict(session=frame.session, seq=frame.seq, pos0=frame.pos0)
+        if not self.backend.is_tail:
+            # the hidden state leaves in the dtype it arrived in (f16 routes stay f16)
+            return encode_frame(
+                FrameKind.HIDDEN, n_tokens=frame.n_tokens, width=frame.width, dtype=frame.dtype, hidden=out, **common
+            )
+        if not want:
+            return encode_frame(FrameKind.ACK, n_tokens=0, width=frame.width, **common)
+        return token_frame(frame, self.sample(frame, sampler, out))
+
+    def sample(self, frame: Frame, sampler: Sampler | None, out: np.ndarray | None) -> TokenResult:
+        """The tail's token for a step's logits, with the session's own sampler (in the scheduler's thread)."""
+        if sampler is None:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no sampler for session {frame.session}")
+        token, logprob = sampler.sample(out)
+        return TokenResult(token, logprob, self.backend.token_bytes(token), self.backend.is_eog(token))

@@ -1,0 +1,153 @@
+"""The node's session lifecycle: open, close, fail, idle expiry, and what a session holds now.
+
+Rules:
+- The node's sessions live in one `SessionTable` (dgr.sessions), which answers "may this open?" and
+  "which session is this id?" for every caller here; ended ids are remembered (bounded), so a late
+  frame is refused as `session_ended`, not `unknown_session`.
+- An open is registered before its KV is opened (a scheduler job, dgr.node.kv), so a second open of
+  the same id is refused while this one is queued, and a step for it queues behind the open. Where
+  the KV cannot open, the registration is undone.
+- Sessions end by `close` (the gateway is done), by failure (the gateway saw the route break, or
+  compute raised) or by idle expiry (on trio's clock, as sessions are stamped). Each frees its KV
+  after any of its steps already queued: until then it still counts against capacity and in status,
+  so `sessions` and `kv_bytes` agree. A close that keeps nothing needs none of the session's queued
+  compute: it is dropped, not waited for.
+- Every backend call is a scheduler job: nothing here touches the backend from the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import trio
+
+from dgr.backends.base import Compute
+from dgr.errors import DgrError, Failure, Reason
+from dgr.fsm.node import NodeSession
+from dgr.node.kv import NodeKV
+from dgr.node.links import NodeLinks
+from dgr.node.relay import RelayPlan
+from dgr.node.scheduler import StepScheduler
+from dgr.sampling import Sampler, SamplingParams
+from dgr.sessions import SessionTable
+
+__all__ = ["ENDED_MEMORY", "NodeSessions"]
+
+ENDED_MEMORY = 4096  # ended ids remembered, to refuse a late frame as session_ended
+
+
+@attrs.define
+class NodeSessions:
+    """Node Sessions, from open to their KV freed."""
+
+    backend: Compute
+    node_id: str
+    table: SessionTable[NodeSession]
+    scheduler: StepScheduler
+    kv: NodeKV
+    links: NodeLinks
+    idle_timeout_s: float = 120.0
+    samplers: dict[str, Sampler] = attrs.field(factory=dict)  # the tail's, by session
+    offered: dict[str, bytes] = attrs.field(factory=dict)  # session -> the marks its open offered (dgr.node.prefix)
+
+    async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan | None = None,
+                   prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"") -> int:
+        """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
+
+        With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
+        session starts from the longest kept prefix matching it, to the token; returns the positions it
+        holds from there (0: none reused). The marks are remembered, to name the session's KV if it is
+        kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases).
+
+        Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
+        """
+        self.table.open(sid, max_positions,
+                        NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time()))
+        if self.backend.is_tail:
+            self.samplers[sid] = Sampler(sampling)
+        try:
+            reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, max_positions,
+                                                                              prefix or [], lane, marks))
+        except DgrError:
+            self.table.pop(sid)
+            self.samplers.pop(sid, None)
+            raise
+        if relay is not None and sid in self.table:
+            self.links.attach(sid, relay, lane)
+        session = self.table.live.get(sid)
+        if session is not None and reused:
+            session.positions = reused  # before any step: the gateway waits for this answer to send one
+        if session is not None and marks and self.kv.prefix is not None:
+            self.offered[sid] = marks
+        return reused
+
+    async def close(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
+        """End `sid` normally; with `keep` (the hash chain of the tokens in its KV) and `tail` (the marks of
+        its positions after the last whole block), keep it as a prefix.
+
+        Raises:
+            CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
+        """
+        session = self.table.get(sid)
+        session.close()
+        await self._forget(sid, None, keep, tail)
+
+    async def fail(self, sid: str, failure: Failure) -> None:
+        """End `sid` with `failure` (a no-op where it is not live)."""
+        if not self.table.is_live(sid):
+            return
+        self.table.live[sid].fail(failure)
+        await self._forget(sid, failure)
+
+    async def _forget(self, sid: str, failure: Failure | None, keep: list[str] | None = None,
+                      tail: bytes = b"") -> None:
+        """End `sid` here: refused from now on, and counted as held until its slot is free."""
+        self.samplers.pop(sid, None)
+        self.links.detach(sid)
+        self.table.end(sid, failure)
+        head = self.offered.pop(sid, b"")
+        try:
+            keeps = bool(keep or tail) and failure is None
+            close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps
+                     else functools.partial(self.backend.close_session, sid))
+            # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
+            await self.scheduler.session_call(sid, close, ends=not keeps)
+        finally:
+            self.table.pop(sid)  # the job runs even if this caller is cancelled
+
+    def _close_kv(self, sid: str, keep: list[str], tail: bytes, head: bytes) -> None:
+        """In the scheduler's thread: close `sid`, keeping what it holds (none, where its close was cancelled)."""
+        session = self.table.live.get(sid)
+        self.kv.close(sid, session.positions if session is not None else 0, keep, tail, head)
+
+    async def expire_idle_forever(self) -> None:
+        """Every second, fail the sessions idle for over `idle_timeout_s` (on trio's clock, as they are stamped)."""
+        while True:
+            await trio.sleep(1.0)
+            await self.expire_idle(trio.current_time())
+
+    async def expire_idle(self, now: float) -> list[str]:
+        expired = [sid for sid, s in self.table.live.items()
+                   if sid not in self.table.ended and s.idle_for(now) > self.idle_timeout_s]
+        for sid in expired:
+            await self.fail(
+                sid, Failure(Reason.SESSION_TIMEOUT, f"idle for over {self.idle_timeout_s:g}s", node=self.node_id))
+        return expired
+
+    async def json(self, sid: str) -> dict[str, Any]:
+        """What `sid` holds now: its state, positions counted and computed, next step number.
+
+        Raises:
+            CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
+        """
+        session = self.table.get(sid)
+        computed = await self.scheduler.session_call(sid, functools.partial(self.backend.positions_computed, sid))
+        return {
+            "id": sid,
+            "state": session.state.value,
+            "positions": session.positions,
+            "positions_computed": computed,
+            "next_seq": session.next_seq,
+        }
