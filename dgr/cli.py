@@ -45,6 +45,10 @@ def cmd_tracker(args) -> int:
         prefix_reuse=not args.no_prefix_reuse,
         share_prefixes=args.share_prefixes,
         prefix_keep_generated=not args.prefix_exact,
+        speculation=args.spec,
+        spec_k_max=args.spec_k_max,
+        spec_k=args.spec_k,
+        spec_exact=args.spec_exact,
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -271,6 +275,17 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
+    p.add_argument("--spec", choices=["off", "ngram"], default="off",
+                   help="speculative decoding: ngram drafts tokens from the session's own prompt and answer at the "
+                        "route's tail, and each trip around the ring verifies k of them (default off; a request's "
+                        "\"speculation\" field overrides it)")
+    p.add_argument("--spec-k-max", type=int, default=8, help="drafts a speculative step carries at most (1 to 8)")
+    p.add_argument("--spec-k", type=int, default=None,
+                   help="a fixed number of drafts a step (default: chosen per session from the measured acceptance "
+                        "rate and trip time, 0 where speculation would not pay)")
+    p.add_argument("--spec-exact", action="store_true",
+                   help="compute a speculative step's positions one at a time on every node, so answers equal "
+                        "decoding without speculation to the bit (llama.cpp rounds a multi-row batch differently)")
     p.add_argument("--prefix-exact", action="store_true",
                    help="keep only prompts' KV, not answers': a follow-up turn then recomputes the previous "
                         "answer, and its answer is bit-identical to a cold one's (answers' positions were computed "

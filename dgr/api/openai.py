@@ -21,10 +21,14 @@ import attrs
 from dgr.errors import CallerError, Reason
 from dgr.sampling import SamplingParams
 
-__all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body", "DEFAULT_MAX_TOKENS"]
+__all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body",
+           "DEFAULT_MAX_TOKENS", "SPECULATION"]
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
+
+
+SPECULATION = ("ngram", "off")  # what drafts a speculative step (issue 42), or none
 
 
 @attrs.frozen
@@ -41,6 +45,8 @@ class GenerationRequest:
     telemetry_chunks: bool
     ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
     prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
+    # dgr's extension (issue 42): "ngram" drafts tokens from the session's own, "off" none; None: the tracker's
+    speculation: str | None = None
 
     def prompt_bytes(self) -> int:
         """UTF-8 bytes of the text to tokenize: the messages' contents, or the prompt string."""
@@ -157,6 +163,9 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    speculation = body.get("speculation")
+    if speculation not in (None, *SPECULATION):
+        raise _bad(f"'speculation' must be one of {', '.join(SPECULATION)}", "speculation")
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -170,6 +179,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
         telemetry_chunks=telemetry,
         ignore_eos=ignore_eos,
         prompt_ids=prompt_ids,
+        speculation=speculation,
     )
 
 

@@ -45,7 +45,7 @@ from dgr.errors import DgrError
 from dgr.seam.types import ModelInfo
 
 __all__ = ["LayerRange", "Compute", "PrefixSlots", "Vocabulary", "ShardBackend", "ChatMessage", "Step",
-           "COMPUTE_ERRORS", "layers_arg"]
+           "COMPUTE_ERRORS", "layers_arg", "forward_by_rows"]
 
 # What a failed step may raise: typed errors, and what numpy, ctypes or torch raise on bad input.
 COMPUTE_ERRORS = (DgrError, ValueError, RuntimeError, IndexError, OSError)
@@ -87,8 +87,11 @@ class Step:
     pos0: int
     token_ids: np.ndarray | None  # int32 [n]   (head, or needs_token_ids)
     hidden: np.ndarray | None  # float32 [n, W] (non-head)
-    want_logits: bool
-    decode: bool = False  # a decode step (n == 1 after a prefill): batched first
+    want_logits: int  # the tail: logits of the last `want_logits` positions (0: none; True is 1)
+    decode: bool = False  # a decode step (its last accepted token, and any drafts): batched first
+    # compute the positions one at a time, each on the kernels a one-position step uses, so a speculative
+    # step's rows round exactly as decoding without speculation does (`--spec-exact`)
+    one_row: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -135,12 +138,13 @@ class Compute(abc.ABC):
         pos0: int,
         token_ids: np.ndarray | None,  # int32 [n]   (head, or needs_token_ids)
         hidden: np.ndarray | None,  # float32 [n, W] (non-head)
-        want_logits: bool,  # tail: return logits of the last position
+        want_logits: int,  # tail: logits of the last this many positions (0 or False: none; True: 1)
     ) -> np.ndarray | None:
         """Run positions [pos0, pos0 + n) through this shard, appending to KV.
 
-        Returns float32 [n, W] on a non-tail shard, float32 [vocab] on the tail
-        when want_logits, else None.
+        Returns float32 [n, W] on a non-tail shard; on the tail float32 [vocab] for the last position
+        when want_logits is 1 (or True), float32 [want_logits, vocab] for the last rows of a
+        speculative step (each row predicts the token after its position), else None.
         """
 
     def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
@@ -151,7 +155,10 @@ class Compute(abc.ABC):
         out: list[outcome.Outcome] = []
         for s in steps:
             try:
-                out.append(outcome.Value(self.forward(s.sid, s.pos0, s.token_ids, s.hidden, s.want_logits)))
+                if s.one_row and s.n_tokens > 1:
+                    out.append(outcome.Value(forward_by_rows(self, s)))
+                else:
+                    out.append(outcome.Value(self.forward(s.sid, s.pos0, s.token_ids, s.hidden, s.want_logits)))
             except COMPUTE_ERRORS as exc:
                 out.append(outcome.Error(exc))
         return out
@@ -300,3 +307,24 @@ def layers_arg(text: str) -> LayerRange:
         return LayerRange.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def forward_by_rows(backend: Compute, s: Step) -> np.ndarray | None:
+    """`s` as one one-position forward per position: what `forward` returns for the whole step, each row
+    computed on the kernels a one-position decode uses (llama.cpp rounds a multi-row batch differently).
+
+    Returns float32 [n, W] on a non-tail shard; on the tail the logits of the last `want_logits` rows
+    ([vocab] for one, [rows, vocab] for more), else None.
+    """
+    rows, n = int(s.want_logits), s.n_tokens
+    outs = []
+    for i in range(n):
+        want = 1 if rows and i >= n - rows else 0
+        outs.append(backend.forward(s.sid, s.pos0 + i, None if s.token_ids is None else s.token_ids[i : i + 1],
+                                    None if s.hidden is None else s.hidden[i : i + 1], want))
+    if not backend.is_tail:
+        return np.concatenate(outs)  # float32 [n, W]
+    logits = [o for o in outs if o is not None]  # float32 [vocab] each
+    if not logits:
+        return None
+    return logits[0] if len(logits) == 1 else np.stack(logits)

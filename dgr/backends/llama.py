@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import outcome
 
-from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
+from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step, forward_by_rows
 from dgr.backends.clib import llama_lib
 from dgr.backends.gguf_text import GgufText
 from dgr.backends.llama_engine import DEFAULT_N_BATCH, LlamaEngine
@@ -139,6 +139,8 @@ class LlamaCppBackend(ShardBackend):
             hidden_size=header.n_embd,
             seam_width=self.engine.n_embd_out,
             needs_token_ids=self.engine.seam_tokens,
+            # DeepSeek-V4's compressor keeps state past its window, as a recurrent memory does
+            drops_positions=not (self.engine.recurrent or header.architecture in WINDOW_SIZED),
             vocab_size=self.engine.n_vocab,
             context_length=header.context_length or self.engine.n_ctx_train,
             digest=digest,
@@ -243,12 +245,13 @@ class LlamaCppBackend(ShardBackend):
         pos0: int,
         token_ids: np.ndarray | None,  # int32 [n] (head)
         hidden: np.ndarray | None,  # float32 [n, W] (non-head)
-        want_logits: bool,
+        want_logits: int,
     ) -> np.ndarray | None:
         """Positions [pos0, pos0 + n) through this node's layers.
 
-        Returns float32 [n, W] on a non-tail shard; float32 [vocab] logits of
-        the last position on the tail when want_logits, else None.
+        Returns float32 [n, W] on a non-tail shard; on the tail the logits of
+        the last position (float32 [vocab]) when want_logits is 1 or True, of
+        the last rows (float32 [rows, vocab]) for more, else None.
 
         Raises:
             CallerError(UNKNOWN_SESSION | INVALID_REQUEST | WRONG_WIDTH |
@@ -291,7 +294,9 @@ class LlamaCppBackend(ShardBackend):
         for i, s in enumerate(steps):
             try:
                 seq, tokens, embd = self._prepare(s.sid, s.pos0, s.token_ids, s.hidden)
-                if s.n_tokens == 1 and len(steps) > 1:
+                if s.one_row and s.n_tokens > 1:
+                    out[i] = outcome.capture(forward_by_rows, self, s)
+                elif s.n_tokens == 1 and len(steps) > 1:
                     token = None if tokens is None else int(np.reshape(tokens, -1)[0])
                     rows.append((i, (seq, s.pos0, token, embd, s.want_logits)))
                 else:

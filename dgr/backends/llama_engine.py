@@ -82,6 +82,8 @@ class LlamaEngine:
     # positions llama.cpp reads per row of a hidden-state batch: 4 (one per M-RoPE section) for
     # M-RoPE models (qwen2vl, qwen35, ...), else 1; a token batch gives one and llama.cpp repeats it
     n_pos_per_row: int = attrs.field(default=1, kw_only=True)
+    # the memory keeps per-position cells a sequence can drop from the end (not a recurrent state)
+    recurrent: bool = attrs.field(default=False, kw_only=True)
     _model: int | None = attrs.field(repr=False)  # llama_model *
     _ctx: int | None = attrs.field(repr=False)  # llama_context *
     _mem: int | None = attrs.field(repr=False)  # llama_memory_t
@@ -157,6 +159,7 @@ class LlamaEngine:
             n_vocab=n_vocab,
             n_ctx_train=lib.llama_model_n_ctx_train(model),
             n_pos_per_row=_MROPE_SECTIONS if lib.llama_model_rope_type(model) in _MROPE_TYPES else 1,
+            recurrent=bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model)),
             model=model,
             ctx=ctx,
             mem=lib.llama_get_memory(ctx),
@@ -180,12 +183,13 @@ class LlamaEngine:
         pos0: int,
         tokens: np.ndarray | None,  # int32 [n]
         embd: np.ndarray | None,  # float32 [n, n_embd]
-        want_logits: bool = True,
+        want_logits: int = 1,
     ) -> np.ndarray | None:
         """Run positions [pos0, pos0 + n) of sequence `seq`, appending to its KV.
 
         Returns float32 [n, n_embd_out] when hidden_out, else float32 [n_vocab]
-        logits of the last position when want_logits, else None.
+        logits of the last position when want_logits is 1 (or True), float32
+        [want_logits, n_vocab] of the last rows for more, else None.
 
         Raises:
             CallerError(POSITION_DISCONTINUITY | CONTEXT_LENGTH_EXCEEDED | WRONG_WIDTH | WRONG_SIZE |
@@ -224,6 +228,10 @@ class LlamaEngine:
             raise CallerError(
                 Reason.CONTEXT_LENGTH_EXCEEDED, f"seq {seq}: {have + n} positions exceed {self.n_ctx_seq}"
             )
+        rows = int(want_logits)
+        last = n - (n - 1) // self.n_batch * self.n_batch  # rows in the last chunk
+        if rows > last:
+            raise CallerError(Reason.INVALID_REQUEST, f"logits of {rows} rows: the last chunk of {n} has {last}")
         b = self._batch
         parts: list[np.ndarray] = []  # hidden_out: float32 [m, n_embd_out] per chunk
         for i in range(0, n, self.n_batch):
@@ -233,8 +241,8 @@ class LlamaEngine:
             b.pos[:m] = np.arange(pos0 + i, pos0 + i + m, dtype=np.int32)
             b.seq[:m] = seq
             b.logits[:m] = 0  # a hidden_out context outputs every row whatever these say
-            if i + m == n and want_logits and not self.hidden_out:
-                b.logits[m - 1] = 1
+            if i + m == n and rows and not self.hidden_out:
+                b.logits[m - rows : m] = 1
             self._decode(seq, pos0 + i, m, self._llama_batch(m, None if embd is None else embd[i : i + m]))
             if self.hidden_out:
                 parts.append(self._take_hidden(m))
@@ -242,10 +250,16 @@ class LlamaEngine:
             self._evaluated[seq] = self._evaluated.get(seq, 0) + m
         if self.hidden_out:
             return parts[0] if len(parts) == 1 else np.concatenate(parts)  # float32 [n, n_embd_out]
-        if not want_logits:
+        if not rows:
             return None
-        ptr = llama_lib().llama_get_logits_ith(self._ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
+        if rows == 1:
+            ptr = llama_lib().llama_get_logits_ith(self._ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()  # float32 [n_vocab]
+        out = np.empty((rows, self.n_vocab), np.float32)  # float32 [rows, n_vocab]
+        for r in range(rows):
+            ptr = llama_lib().llama_get_logits_ith(self._ctx, last - rows + r)
+            out[r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return out
 
     def eval_many(
         self,

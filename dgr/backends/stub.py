@@ -263,9 +263,10 @@ class StubBackend(ShardBackend):
             return h.astype(np.float32)
         if not want_logits:
             return None
-        logits = h[-1] @ self._unembed  # [vocab]
-        logits[_EOS] -= 4.0  # rare end of generation, so answers have some length
-        return logits.astype(np.float32)
+        rows = int(want_logits)
+        logits = h[-rows:] @ self._unembed  # [rows, vocab]
+        logits[:, _EOS] -= 4.0  # rare end of generation, so answers have some length
+        return logits[0].astype(np.float32) if rows == 1 else logits.astype(np.float32)
 
     def _layers(self, s: _Session, pos0: int, token_ids: np.ndarray | None, h: np.ndarray) -> np.ndarray:
         """This shard's layers over input rows `h` [n, W] at positions pos0..: `s`'s KV grows by them."""

@@ -75,6 +75,7 @@ class TorchBackend(ShardBackend):
             vocab_size=a.vocab_size,
             context_length=a.context_length,
             digest=file_sha256(self.model_path),  # the identity the llama backends report
+            drops_positions=not self.recompute,  # recompute mode runs every step from position 0
             metadata=attrs.asdict(a),
         )
         self._table = SessionTable("this shard", self.capacity, self.max_positions())
@@ -213,7 +214,9 @@ class TorchBackend(ShardBackend):
             return h.numpy()
         if not want_logits:
             return None
-        return self._model.logits(h[-1:])[0].numpy()  # [vocab]
+        rows = int(want_logits)
+        logits = self._model.logits(h[-rows:]).numpy()  # [rows, vocab]
+        return logits[0] if rows == 1 else logits
 
     # -- text -----------------------------------------------------------------
     def _gguf_text(self) -> Any:

@@ -45,6 +45,7 @@ from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
+from dgr.node.speculation import SpecPlan
 from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
@@ -53,6 +54,7 @@ from dgr.seam.wire import (
     COMPUTE_HEADER,
     CONTENT_TYPE,
     MAX_CONTROL_BYTES,
+    MAX_DRAFTS,
     MAX_TOKENIZE_BYTES,
     ROUTE_SESSION_HEADER,
     STEP_PATH,
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
+_MAX_HISTORY = 8192  # prompt tokens a tail's n-gram index takes at open (its window)
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
@@ -104,8 +107,9 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         body = parse_json(raw)
         sid, max_positions, params, prefix, lane, marks = _open_args(service, body, named)
         relay = _relay_plan(service, body.get("relay"))
+        spec = _spec_plan(service, body.get("spec"))
         reused = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
-                                            marks=marks)
+                                            marks=marks, spec=spec)
         return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -213,6 +217,32 @@ def _open_args(service: NodeService, body: dict[str, Any], named: str | None
     if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
         raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
     return sid, max_positions, params, prefix, lane, marks
+
+
+def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
+    """An open body's "spec" object (issue 42): {k_max, exact, fixed_k?, history?}; None: no speculation.
+
+    Raises:
+        CallerError(INVALID_REQUEST): malformed, or this node's memory cannot drop the refused drafts.
+    """
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) - {"k_max", "exact", "fixed_k", "history"}:
+        raise CallerError(Reason.INVALID_REQUEST, "spec must be an object of k_max, exact, fixed_k and history")
+    k_max, exact, fixed, history = data.get("k_max"), data.get("exact", False), data.get("fixed_k"), data.get("history", [])
+    if not isinstance(k_max, int) or isinstance(k_max, bool) or not 1 <= k_max <= MAX_DRAFTS:
+        raise CallerError(Reason.INVALID_REQUEST, f"spec.k_max must be an integer in [1, {MAX_DRAFTS}]")
+    if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
+        raise CallerError(Reason.INVALID_REQUEST, "spec.fixed_k must be an integer in [0, k_max]")
+    vocab = service.backend.info.vocab_size
+    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > _MAX_HISTORY
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in history)):
+        raise CallerError(Reason.INVALID_REQUEST, f"spec.exact must be a boolean and spec.history at most "
+                                                  f"{_MAX_HISTORY} token ids of this vocabulary")
+    if not service.backend.info.drops_positions:
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id}'s memory cannot drop positions: it cannot "
+                                                  "speculate")
+    return SpecPlan(k_max=k_max, fixed_k=fixed, exact=exact, history=tuple(history))
 
 
 def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:

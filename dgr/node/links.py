@@ -25,6 +25,7 @@ import trio
 from dgr.errors import CallerError, Reason
 from dgr.node.relay import Outgoing, Relay, RelayPlan, SelfLoop
 from dgr.node.ringphases import RingPhases
+from dgr.node.speculation import SpecPlan, TailSpec
 from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 
@@ -42,13 +43,16 @@ class NodeLinks:
     loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
     on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its chain sessions open here
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
+    spec: dict[str, TailSpec] = attrs.field(factory=dict)  # a ring's tail: sid -> its drafts and verdicts
+    exact: set[str] = attrs.field(factory=set)  # sessions whose steps compute one position at a time
     nursery: trio.Nursery | None = None  # the node's, while it runs: relays run in it
 
     def __attrs_post_init__(self) -> None:
         self.ring = RingPhases(self._loop_send)
 
-    def attach(self, sid: str, relay: RelayPlan, lane: int | None) -> None:
-        """Start `sid`'s relay (and a ring tail's loop back to the head) in the node's nursery.
+    def attach(self, sid: str, relay: RelayPlan, lane: int | None, spec: SpecPlan | None = None) -> None:
+        """Start `sid`'s relay (and a ring tail's loop back to the head) in the node's nursery; with `spec`,
+        its steps may carry drafts, which a ring's tail makes and verifies (dgr.node.speculation).
 
         Raises:
             CallerError(INTERNAL): the node is not running.
@@ -60,8 +64,12 @@ class NodeLinks:
         r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None and not alone)
         self.nursery.start_soon(r.run)
         self.on_route[relay.route] += 1
+        if spec is not None and spec.exact:
+            self.exact.add(sid)
         if relay.loop is None:
             return
+        if spec is not None:
+            self.spec[sid] = TailSpec(spec)
         if alone:
             self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
         else:
@@ -82,6 +90,8 @@ class NodeLinks:
             relay = relays.pop(sid, None)
             if relay is not None:
                 relay.close()
+        self.spec.pop(sid, None)
+        self.exact.discard(sid)
         self.ring.leave(sid)
 
     def group_rows(self, plan: RelayPlan) -> int | None:

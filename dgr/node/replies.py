@@ -36,6 +36,8 @@ from dgr.node import steptrace
 from dgr.node.accounting import NodeAccounting
 from dgr.node.links import NodeLinks
 from dgr.node.relay import Loop, Outgoing, Relay, Report
+from dgr.node.speculation import TailSpec
+from dgr.spec.step import SpecStep
 from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler
@@ -74,10 +76,12 @@ def check_frame(backend: Compute, frame: Frame) -> StepKind:
     return step
 
 
-def to_step(frame: Frame) -> Step:
-    """The backend's step for an admitted frame."""
-    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), bool(frame.flags & Flag.SAMPLE),
-                decode=frame.kind is FrameKind.DECODE)
+def to_step(frame: Frame, one_row: bool = False) -> Step:
+    """The backend's step for an admitted frame: a decode step that samples wants every row's logits (its
+    last accepted token's and its drafts', dgr.node.speculation); `one_row`: its positions one at a time."""
+    decode = frame.kind is FrameKind.DECODE
+    rows = (frame.n_tokens if decode else 1) if frame.flags & Flag.SAMPLE else 0
+    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), rows, decode=decode, one_row=one_row)
 
 
 def next_step_frame(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
@@ -91,10 +95,15 @@ def next_step_frame(frame: Frame, result: TokenResult, loop: Loop, max_positions
 
 
 def token_frame(frame: Frame, result: TokenResult) -> bytes:
-    return encode_frame(
-        FrameKind.TOKEN, frame.session, frame.seq, frame.pos0, 1, frame.width,
-        flags=Flag.EOG if result.eog else Flag(0), extra=result.payload(),
-    )
+    flags = (Flag.EOG if result.eog else Flag(0)) | (Flag.SPEC if result.spec is not None else Flag(0))
+    return encode_frame(FrameKind.TOKEN, frame.session, frame.seq, frame.pos0, 1, frame.width, flags=flags,
+                        extra=result.payload())
+
+
+def spec_step_frame(frame: Frame, step: SpecStep) -> bytes:
+    """A ring tail's next decode step: the last accepted token at pos0, then its drafts."""
+    return encode_frame(FrameKind.DECODE, frame.session, step.seq, step.pos0, len(step.tokens), frame.width,
+                        dtype=frame.dtype, flags=Flag.SAMPLE, token_ids=list(step.tokens))
 
 
 @attrs.define
@@ -199,11 +208,15 @@ class NodeReplies:
         loop, plan = self.links.loops.get(frame.session), relay.plan.loop
         session = self.table.live[frame.session]
         backend, links = self.backend, self.links
+        spec = links.spec.get(frame.session)
+        verified: list[SpecStep] = []
 
-        def finish(out: np.ndarray | None) -> tuple[bytes, bytes | None]:  # in the scheduler's thread
+        def finish(out: np.ndarray | None) -> tuple[bytes | list[bytes], bytes | None]:  # in the scheduler's thread
             if backend.is_tail:
                 if not (want and loop is not None):
                     return self.reply(frame, want, sampler, out), None  # the answer, for the gateway
+                if spec is not None:
+                    return self._speculate(frame, out, sampler, spec, plan, session.max_positions, verified)
                 result = self.sample(frame, sampler, out)
                 return token_frame(frame, result), next_step_frame(frame, result, plan, session.max_positions)
             # the next hop's input: the same step, with this shard's output as its hidden state
@@ -229,11 +242,45 @@ class NodeReplies:
                     links.ring.go(frame.session, step, links.nursery)
                 else:
                     links.ring.stop(frame.session)
-            self.accounting.count(frame, out, j.compute_s)
-            relay.put(Outgoing(out, (*compute_us, int(j.compute_s * 1e6))))
+            if verified and spec is not None:  # the route's cost of the step just verified
+                spec.measured(verified[0], (sum(compute_us) + j.compute_s * 1e6) / 1e6)
+            times = (*compute_us, int(j.compute_s * 1e6))
+            replies = out if isinstance(out, list) else [out]  # a speculative step's tokens, one a frame
+            self.accounting.count(frame, replies[0], j.compute_s)
+            for i, reply in enumerate(replies):
+                if i:
+                    self.accounting.sent(reply)
+                relay.put(Outgoing(reply, times))
 
-        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame), finish=finish, on_done=done,
-                                  max_rows=links.group_rows(relay.plan)))
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame, frame.session in links.exact),
+                                  finish=finish, on_done=done, max_rows=links.group_rows(relay.plan)))
+
+    def _speculate(self, frame: Frame, out: np.ndarray | None, sampler: Sampler | None, spec: TailSpec, loop: Loop,
+                   max_positions: int, verified: list[SpecStep]) -> tuple[list[bytes], bytes | None]:
+        """A speculating tail's answer to a step: its tokens (one TOKEN frame each) and the next step, with
+        drafts where they pay (dgr.node.speculation). Runs in the scheduler's thread."""
+        if sampler is None:
+            raise CallerError(Reason.UNKNOWN_SESSION, f"no sampler for session {frame.session}")
+        backend = self.backend
+        if frame.kind is FrameKind.PREFILL:  # the prompt's last chunk: its token, alone
+            result = self.sample(frame, sampler, out)
+            spec.first(result.token, result.logprob)
+            replies = [token_frame(frame, result)]
+            pos = frame.pos0 + frame.n_tokens
+            more = next_step(eog=result.eog, ignore_eos=loop.ignore_eos, generated=pos + 1,
+                             max_tokens=max_positions).more
+            keep, last = pos, result.token
+        else:
+            step, verdict, done, emitted = spec.verify(frame.seq, out, sampler, is_eog=backend.is_eog,
+                                                       ignore_eos=loop.ignore_eos, max_positions=max_positions)
+            verified.append(step)
+            replies = [token_frame(frame, TokenResult(e.token, e.logprob, backend.token_bytes(e.token),
+                                                      backend.is_eog(e.token), (step.k, verdict.accepted, e.left)))
+                       for e in emitted]
+            more, keep, last = done.more, done.keep, done.emitted[-1]
+        if not more:
+            return replies, None
+        return replies, spec_step_frame(frame, spec.next_step(frame.seq + 1, keep, last, max_positions))
 
     def reply(self, frame: Frame, want: bool, sampler: Sampler | None, out: np.ndarray | None) -> bytes:
         """The response frame; runs in the scheduler's thread (sampling and token text are backend work)."""

@@ -34,6 +34,7 @@ from dgr.node.accounting import NodeAccounting, SeamStats
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.prefix import PrefixCache
+from dgr.node.speculation import SpecPlan
 from dgr.node.relay import RelayPlan
 from dgr.node.replies import NodeReplies
 from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, StepScheduler
@@ -163,8 +164,8 @@ class NodeService:
     # -- sessions (dgr.node.sessions) and the seam (dgr.node.replies) --------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
                            relay: RelayPlan | None = None, prefix: list[str] | None = None,
-                           lane: int | None = None, marks: bytes = b"") -> int:
-        return await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks)
+                           lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None) -> int:
+        return await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks, spec)
 
     async def close_session(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
         await self.lifecycle.close(sid, keep, tail)

@@ -29,6 +29,7 @@ from dgr.fsm.node import NodeSession
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.relay import RelayPlan
+from dgr.node.speculation import SpecPlan
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler, SamplingParams
 from dgr.sessions import SessionTable
@@ -53,18 +54,21 @@ class NodeSessions:
     offered: dict[str, bytes] = attrs.field(factory=dict)  # session -> the marks its open offered (dgr.node.prefix)
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan | None = None,
-                   prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"") -> int:
+                   prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
+                   spec: SpecPlan | None = None) -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
 
         With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
         session starts from the longest kept prefix matching it, to the token; returns the positions it
         holds from there (0: none reused). The marks are remembered, to name the session's KV if it is
-        kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases).
+        kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases). With `spec`, its
+        decode steps may carry drafts (dgr.node.speculation; a ring's tail drafts them).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
         self.table.open(sid, max_positions,
-                        NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time()))
+                        NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
+                                    max_decode=1 if spec is None else spec.k_max + 1))
         if self.backend.is_tail:
             self.samplers[sid] = Sampler(sampling)
         try:
@@ -75,7 +79,7 @@ class NodeSessions:
             self.samplers.pop(sid, None)
             raise
         if relay is not None and sid in self.table:
-            self.links.attach(sid, relay, lane)
+            self.links.attach(sid, relay, lane, spec)
         session = self.table.live.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one

@@ -28,6 +28,9 @@ class ModelInfo:
     context_length: int
     digest: str  # identity of the weights (sha256 of the file); nodes of different digests never share a route
     needs_token_ids: bool = False  # the seam also carries token ids (DeepSeek-V4 hash-routed layers)
+    # its memory can drop a session's latest positions: what speculation needs, to forget refused drafts
+    # (not a recurrent state, nor DeepSeek-V4's compressor, which keep no earlier copy)
+    drops_positions: bool = True
     metadata: dict[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
 
     def to_json(self) -> dict[str, Any]:

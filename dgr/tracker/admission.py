@@ -19,7 +19,9 @@ it before a response starts and the client gets a plain 4xx/5xx:
   Each node opens on the longest prefix it holds and says how many positions;
   the route reuses the smallest answer;
 - one node session per hop, opened at once, each with its relay plan, its
-  ticket and its lane in the route's phase groups (dgr.fsm.phases).
+  ticket and its lane in the route's phase groups (dgr.fsm.phases), and,
+  where the session speculates (issue 42, dgr.node.speculation), the
+  drafts a step may carry, and for the tail the prompt to draft from.
 Any failure closes what was opened (what may have opened unseen is owed a
 close), gives the slots back and ends the Route Session as failed.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import collections
 import math
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -52,6 +54,7 @@ from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["Admission"]
 
+SPEC_HISTORY = 8192  # prompt tokens a speculating tail indexes (its n-gram window)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 
 
@@ -115,6 +118,7 @@ class Admission:
                 choice, reserved = better, self._hold(better.nodes, now)
                 caps = self.credentials().capabilities(rs.sid, choice.hops)
             relays = self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos)
+            specs = self._speculation(req, choice.nodes, prompt)
             board = self._board(choice.hops)
             lane = board.join(rs.sid)
             held: dict[str, int] = {}
@@ -125,7 +129,7 @@ class Admission:
                     held[hop.node_id] = await self.clients.get(hop).open(
                         rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
                         relay=relays.get(hop.node_id), prefix=offer, lane=lane,
-                        ticket=self.credentials().ticketer(rs.sid, hop), marks=marks)
+                        ticket=self.credentials().ticketer(rs.sid, hop), marks=marks, spec=specs[hop.node_id])
                 except DgrError as refused:
                     if refused.reason is not Reason.ROUTE_NODE_LOST:
                         attempted.remove(hop.node_id)  # the node answered: it holds nothing
@@ -210,6 +214,20 @@ class Admission:
         if exc is not raised and isinstance(exc, DgrError):
             raise exc from None
         raise raised
+
+    def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...], prompt: list[int]
+                     ) -> dict[str, dict[str, Any] | None]:
+        """Each node's "spec" open field: None where the session does not speculate (asked off, or a node's
+        memory cannot drop positions); the tail also gets the prompt's last tokens for its n-gram index."""
+        cfg = self.config
+        if (req.speculation or cfg.speculation) != "ngram" or not all(n.model.drops_positions for n in nodes):
+            return {n.node_id: None for n in nodes}
+        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact}
+        if cfg.spec_k is not None:
+            spec["fixed_k"] = cfg.spec_k
+        out: dict[str, dict[str, Any] | None] = {n.node_id: spec for n in nodes}
+        out[nodes[-1].node_id] = {**spec, "history": prompt[-SPEC_HISTORY:]}
+        return out
 
     def _hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
         for n in nodes:

@@ -19,15 +19,15 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.api.openai import GenerationRequest, usage_body
+from dgr.api.openai import SPECULATION, GenerationRequest, usage_body
 from dgr.api.textstream import TextAssembler
-from dgr.errors import Failure
+from dgr.errors import CallerError, Failure, Reason
 from dgr.fsm.phases import RoutePhases
 from dgr.node.prefix import BLOCK_TOKENS, block_chain, encode_marks, token_marks
 from dgr.fsm.route import RouteEvent, RouteSession
 from dgr.seam.frame import Frame
 from dgr.seam.link import Link
-from dgr.seam.wire import DType
+from dgr.seam.wire import MAX_DRAFTS, DType
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.telemetry import Broadcast
 
@@ -68,6 +68,21 @@ class GatewayConfig:
     # up to 1.58 apart (0.8 to 1.6 a turn) before any token differs; 2 of 12 follow-up answers differ
     # (in process, from their 7th token: 13 of 272 tokens), and 2 of 12 on a `dgr up` route.
     prefix_keep_generated: bool = True
+    # Speculative decoding (issue 42): "ngram" lets a route's tail draft tokens from the session's own and
+    # verify k of them a trip (k chosen per session from measured acceptance and trip time, or `spec_k`),
+    # "off" none; a request's "speculation" overrides it. Only routes whose every node can drop positions.
+    speculation: str = "off"
+    spec_k_max: int = 8
+    spec_k: int | None = None  # a fixed k (benchmarks); None: adaptive
+    # compute a speculative step's positions one at a time on every node, so its answers equal decoding
+    # without speculation to the bit (llama.cpp rounds a multi-row batch differently); a trip is still saved
+    spec_exact: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.speculation not in SPECULATION or not 1 <= self.spec_k_max <= MAX_DRAFTS or not (
+                self.spec_k is None or 0 <= self.spec_k <= self.spec_k_max):
+            raise CallerError(Reason.INVALID_REQUEST, f"speculation is one of {', '.join(SPECULATION)}, with "
+                                                      f"1 <= spec_k_max <= {MAX_DRAFTS} and 0 <= spec_k <= spec_k_max")
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a

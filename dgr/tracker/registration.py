@@ -155,13 +155,14 @@ def _model(data: Any) -> ModelInfo:
         raise ValueError("model must be an object")
     metadata = data.get("metadata", {})
     needs = data.get("needs_token_ids", False)
-    if not isinstance(metadata, dict) or not isinstance(needs, bool):
-        raise ValueError("model.metadata must be an object and model.needs_token_ids a boolean")
+    drops = data.get("drops_positions", False)  # a node that does not say cannot speculate
+    if not isinstance(metadata, dict) or not isinstance(needs, bool) or not isinstance(drops, bool):
+        raise ValueError("model.metadata must be an object, model.needs_token_ids and drops_positions booleans")
     return ModelInfo(
         name=_str(data, "name"), architecture=_str(data, "architecture"), n_layers=_int(data, "n_layers", 1),
         hidden_size=_int(data, "hidden_size", 1), seam_width=_int(data, "seam_width", 1),
         vocab_size=_int(data, "vocab_size", 1), context_length=_int(data, "context_length", 1),
-        digest=_str(data, "digest"), needs_token_ids=needs, metadata=metadata,
+        digest=_str(data, "digest"), needs_token_ids=needs, drops_positions=drops, metadata=metadata,
     )
 
 

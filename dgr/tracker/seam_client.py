@@ -177,7 +177,7 @@ class NodeClient:
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
                    relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
                    lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None,
-                   marks: str = "") -> int:
+                   marks: str = "", spec: dict[str, Any] | None = None) -> int:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
 
         With `prefix` (a block hash chain) and `marks` (its positions' marks, encoded), the node starts
@@ -185,7 +185,7 @@ class NodeClient:
         the sequence slot the node gives the session while it is free. `ticket(body bytes)` is the
         tracker's ticket for exactly the body sent (dgr.security.tickets); None sends none.
         """
-        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane, marks)
+        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane, marks, spec)
         headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
@@ -198,7 +198,8 @@ class NodeClient:
 
     @staticmethod
     def open_body(sid: str, max_positions: int, sampling: dict[str, Any], relay: dict[str, Any] | None = None,
-                  prefix: list[str] | None = None, lane: int | None = None, marks: str = "") -> bytes:
+                  prefix: list[str] | None = None, lane: int | None = None, marks: str = "",
+                  spec: dict[str, Any] | None = None) -> bytes:
         """An open's body, as the bytes its ticket is signed over."""
         body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
         if relay is not None:
@@ -209,6 +210,8 @@ class NodeClient:
             body["marks"] = marks
         if lane is not None:
             body["lane"] = lane
+        if spec is not None:
+            body["spec"] = spec
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,

@@ -1,0 +1,166 @@
+"""A ring tail's speculation for one session: drafts out, verdicts in, the next step sized to pay.
+
+The tail is where the tokens are, so drafting and verifying both run here
+(issue 42), in the node's backend thread, after the step's logits:
+
+- The tail keeps an n-gram index of the session's tokens (dgr.spec.ngram):
+  the prompt's, which its open carried (`SpecPlan.history`), then every
+  token it emits.
+- A step it sends the head carries the last accepted token at `pos0` and k
+  drafts after it; every node computes them as one step. Its logits come
+  back here as k + 1 rows: the session's own sampler draws each row's token
+  in order and the drafts are accepted while they equal it
+  (dgr.spec.accept), so a seeded or greedy request emits the tokens it
+  would without speculation, given the same logits.
+- The stop rule (dgr.fsm.stop, in positions, as `next_step_frame` counts
+  them) is applied to each emitted token in turn (dgr.spec.step `settle`);
+  each emitted token leaves as a TOKEN frame whose SPEC_RESULT says how many
+  of the step's tokens follow it.
+- The next step starts at the first refused draft's position (`keep`): every
+  node drops its KV from there before computing it (dgr.fsm.node), so no node
+  keeps a refused position.
+- k: fixed where the tracker fixed it, else from the measured acceptance and
+  the route's measured cost (dgr.spec.adapt `choose_k`). The cost: the time
+  from building a step to having its logits here (every link and node on
+  the way), less the extra positions' share, is `step_s`; an extra
+  position's share is its compute on every node (the record's hop times),
+  learnt from steps of more than one position. A session at k = 0 drafts in
+  the shadow, so its estimate still learns.
+
+Left out: the frames' bytes (dgr.node.replies builds them) and the route's
+side (the gateway counts SPEC_RESULTs into Generation Telemetry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+
+from dgr.sampling import Sampler
+from dgr.spec.accept import Verdict, accept_with_sampler
+from dgr.spec.adapt import K_MAX, Acceptance, RouteCost, Shadow, choose_k
+from dgr.spec.ngram import NgramDrafter
+from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
+
+__all__ = ["SpecPlan", "TailSpec", "Emitted"]
+
+_WEIGHT = 0.2  # the newest measurement's weight in the route cost's running means
+_POSITION_PRIOR = 0.25  # before any multi-position step: an extra position costs this share of a step's compute
+
+
+@attrs.frozen
+class SpecPlan:
+    """What a session's open asks of speculation: the drafts a step may carry, whether k is fixed, whether
+    steps compute their rows one at a time (`exact`), and, for the tail, the prompt's tokens."""
+
+    k_max: int = K_MAX
+    fixed_k: int | None = None
+    exact: bool = False
+    history: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Emitted:
+    """One token the tail emits: the token, its log-probability, and how many of its step's follow it."""
+
+    token: int
+    logprob: float
+    left: int
+
+
+@attrs.define
+class TailSpec:
+    plan: SpecPlan
+    drafter: NgramDrafter = attrs.field(factory=NgramDrafter)
+    acceptance: Acceptance = attrs.field(factory=Acceptance)
+    shadow: Shadow = attrs.field(factory=Shadow)
+    counters: SpecCounters = attrs.field(factory=SpecCounters)
+    inflight: dict[int, tuple[SpecStep, float]] = attrs.field(factory=dict)  # seq -> (step sent, when built)
+    step_s: float | None = None  # a one-position step around the route, measured
+    compute_1: float | None = None  # every node's compute for a one-position step
+    position_s: float | None = None  # one more position's compute, every node together
+    clock: Callable[[], float] = time.perf_counter
+    built: float = 0.0  # when the step last verified was built
+
+    def __attrs_post_init__(self) -> None:
+        self.drafter.extend(self.plan.history)
+
+    def first(self, token: int, logprob: float) -> Emitted:
+        """The token the prompt's last chunk sampled: emitted alone, and the history's next token."""
+        self._learn_shadow(token)
+        self.drafter.append(token)
+        return Emitted(token, logprob, 0)
+
+    def verify(self, seq: int, logits: np.ndarray, sampler: Sampler, *, is_eog: Callable[[int], bool],
+               ignore_eos: bool, max_positions: int) -> tuple[SpecStep, Verdict, Settled, list[Emitted]]:
+        """The verdict on step `seq` from its logits [k + 1, vocab] ([vocab] for k = 0), and what it emits.
+
+        Raises:
+            KeyError: no step `seq` in flight (the tail did not send it).
+        """
+        step, self.built = self.inflight.pop(seq)
+        rows = logits.reshape(step.k + 1, -1)  # [k + 1, vocab]
+        verdict, logprobs = accept_with_sampler(rows, step.drafts, sampler)
+        # positions: the step's first token sits at pos0, so the token after it is pos0 + 1's (counted as
+        # next_step_frame counts: a token's position plus one against the session's positions)
+        done = settle(step, verdict, generated=step.pos0 + 1, max_tokens=max_positions, is_eog=is_eog,
+                      ignore_eos=ignore_eos)
+        self.counters = self.counters.after(step, verdict)
+        if step.k:
+            self.acceptance = self.acceptance.after_step(step.k, verdict.accepted)
+        n = len(done.emitted)
+        out = [Emitted(tok, logprobs[i], n - 1 - i) for i, tok in enumerate(done.emitted)]
+        for tok in done.emitted:
+            if not step.k:
+                self._learn_shadow(tok)
+            self.drafter.append(tok)
+        return step, verdict, done, out
+
+    def next_step(self, seq: int, pos0: int, last: int, max_positions: int) -> SpecStep:
+        """The step to send for `last` at `pos0`: k drafts where they pay (and fit the session's positions)."""
+        k = self._k()
+        room = max(0, max_positions - pos0 - 1)  # positions the step may still add past its own
+        step = plan_step(seq, pos0, last, self.drafter.draft(k), k=k, room=room)
+        self.inflight[seq] = (step, self.clock())
+        if step.k == 0 and not self.shadow.expecting:
+            self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
+        return step
+
+    def _k(self) -> int:
+        if self.plan.fixed_k is not None:
+            return min(self.plan.fixed_k, self.plan.k_max)
+        if self.step_s is None:
+            return 0  # nothing measured yet: the first step tells what a trip costs
+        position = self.position_s if self.position_s is not None else _POSITION_PRIOR * (self.compute_1 or 0.0)
+        return choose_k(self.acceptance, RouteCost(max(self.step_s, 1e-6), max(position, 0.0)),
+                        k_max=self.plan.k_max)
+
+    def measured(self, step: SpecStep, compute_s: float) -> None:
+        """Step `step` was verified just now: from its building it took the time since, of which `compute_s`
+        (every node's) was compute."""
+        took_s = self.clock() - self.built
+        if step.k == 0:
+            self.compute_1 = _mean(self.compute_1, compute_s)
+            self.step_s = _mean(self.step_s, took_s)
+            return
+        if self.compute_1 is not None:
+            self.position_s = _mean(self.position_s, max(0.0, compute_s - self.compute_1) / step.k)
+        extra = step.k * (self.position_s or 0.0)
+        self.step_s = _mean(self.step_s, max(1e-6, took_s - extra))
+
+    def _learn_shadow(self, token: int) -> None:
+        if self.shadow.expecting:
+            self.shadow, self.acceptance = self.shadow.sampled(token, self.acceptance)
+
+    def to_json(self) -> dict:
+        return {**self.counters.to_json(), "step_ms": None if self.step_s is None else round(self.step_s * 1e3, 3),
+                "position_ms": None if self.position_s is None else round(self.position_s * 1e3, 3),
+                "acceptance": [round(a, 3) for a in self.acceptance.rates]}
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + _WEIGHT * (new - old)
+
