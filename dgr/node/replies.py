@@ -81,7 +81,8 @@ def to_step(frame: Frame, one_row: bool = False) -> Step:
     last accepted token's and its drafts', dgr.node.speculation); `one_row`: its positions one at a time."""
     decode = frame.kind is FrameKind.DECODE
     rows = (frame.n_tokens if decode else 1) if frame.flags & Flag.SAMPLE else 0
-    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), rows, decode=decode, one_row=one_row)
+    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), rows, decode=decode,
+                one_row=one_row and decode)  # a prompt's chunks compute as they do without speculation
 
 
 def next_step_frame(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
