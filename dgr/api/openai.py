@@ -28,7 +28,9 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
 
 
-SPECULATION = ("ngram", "off")  # what drafts a speculative step (issue 42), or none
+# What drafts a speculative step (issue 42): n-gram lookup, the same with every node computing a step's positions
+# one at a time (answers equal to decoding without speculation), or none.
+SPECULATION = ("ngram", "ngram-exact", "off")
 
 
 @attrs.frozen
@@ -45,7 +47,8 @@ class GenerationRequest:
     telemetry_chunks: bool
     ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
     prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
-    # dgr's extension (issue 42): "ngram" drafts tokens from the session's own, "off" none; None: the tracker's
+    # dgr's extension (issue 42): "ngram" drafts tokens from the session's own ("ngram-exact": with answers equal
+    # to decoding without speculation), "off" none; None: the tracker's
     speculation: str | None = None
 
     def prompt_bytes(self) -> int:

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
                    help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
                         "(auto: netem when the kernel has it)")
-    p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired", "cpu", "steps", "storm"),
+    p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired", "cpu", "steps", "storm", "spec"),
                    help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
                         "prefix: issue 43's 6-turn chat (a 2,260-token system prompt), each turn's TTFT on a "
                         "2-node route beside llama-server's with cache_prompt, paired, with the issue's bounds; paired: the single- and 8-session head-to-heads and the short-prompt TTFT, with every setup up at "
@@ -48,7 +48,9 @@ def register(subparsers) -> None:
                         "beside its layers computed alone; steps: where a 2-node route's token goes, stage by stage "
                         "on each node and link by link, from the nodes' stage timestamps; storm: 8 streaming clients "
                         "on a 2-node llama_shard route beside a CPU hog for 90 s, its 5xx, error events, lost nodes, "
-                        "open latency and token gaps while a long prompt prefills)")
+                        "open latency and token gaps while a long prompt prefills; spec: speculative decoding on 2- "
+                        "and 3-node rings in network namespaces at 0, 20 and 50 ms, a copy task, a summary and free "
+                        "chat, with and without n-gram drafts, beside llama-server's own; needs root)")
     p.add_argument("--peers", action="store_true",
                    help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "
                         "from the llama.cpp vendored in the installed llama-cpp-python's sdist")

@@ -11,7 +11,7 @@ Rules:
 - a server is stopped with SIGTERM, then SIGKILL, when its `with` ends;
 - llama-server is ready at its `listening on` line (printed once its model is loaded).
 
-Left out: GPU builds, and llama-server's speculative or multimodal options.
+Left out: GPU builds and multimodal options (a speculative type goes in `LlamaServer.extra`).
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ class LlamaServer:
     ctx: int
     parallel: int = 1
     rpc: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # more llama-server options (a speculative decoding type)
     port: int = 0
     child: WatchedChild | None = None
 
@@ -167,7 +168,7 @@ class LlamaServer:
                "-np", str(self.parallel), "-b", "512", "--no-webui"]
         if self.rpc:
             cmd += ["--rpc", ",".join(self.rpc), "-ngl", "999"]
-        return cmd
+        return cmd + list(self.extra)
 
     def __enter__(self) -> "LlamaServer":
         self.port = free_port()

@@ -45,6 +45,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "storm":
         lines = ["# dgr benchmark: the storm under contention", "", f"Run {res['started']} to {res['finished']} on "
                  "one machine, SmolLM2-135M-Instruct Q4_1."]
+    if res["config"].get("only") == "spec":
+        lines = ["# dgr benchmark: speculative decoding across the ring", "", f"Run {res['started']} to "
+                 f"{res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1."]
     if res["config"].get("only") == "steps":
         lines = ["# dgr benchmark: where a decoded token's time goes", "", f"Run {res['started']} to "
                  f"{res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1."]
@@ -112,6 +115,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         from dgr.bench.storm import markdown as storm_markdown
 
         lines += storm_markdown(res["storm"])
+    if res.get("spec"):
+        from dgr.bench.spec import markdown as spec_markdown
+
+        lines += spec_markdown(res["spec"])
     if res.get("steps"):
         from dgr.bench.steps import markdown as steps_markdown
 

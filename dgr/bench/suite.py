@@ -95,6 +95,12 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
         results["storm"] = run_storm(_log)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return results
+    if cfg.only == "spec":
+        from dgr.bench.spec import run_spec
+
+        results["spec"] = run_spec(_log)
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return results
     if cfg.only == "steps":
         from dgr.bench.steps import run_steps
 

@@ -220,9 +220,10 @@ class Admission:
         """Each node's "spec" open field: None where the session does not speculate (asked off, or a node's
         memory cannot drop positions); the tail also gets the prompt's last tokens for its n-gram index."""
         cfg = self.config
-        if (req.speculation or cfg.speculation) != "ngram" or not all(n.model.drops_positions for n in nodes):
+        mode = req.speculation or cfg.speculation
+        if mode == "off" or not all(n.model.drops_positions for n in nodes):
             return {n.node_id: None for n in nodes}
-        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact}
+        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact or mode == "ngram-exact"}
         if cfg.spec_k is not None:
             spec["fixed_k"] = cfg.spec_k
         out: dict[str, dict[str, Any] | None] = {n.node_id: spec for n in nodes}
