@@ -12,8 +12,8 @@ import trio
 from dgr.api.openai import parse_request
 from dgr.errors import CallerError, Failure, Reason
 from dgr.node.membership import heartbeat_body
-from dgr.node.prefix import (BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED, Kept, PrefixCache, block_chain, prefix_root,
-                             token_marks, valid_chain)
+from dgr.node.prefix import Kept, PrefixCache
+from dgr.seam.keys import BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED, block_chain, prefix_root, token_marks, valid_chain
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig

@@ -11,7 +11,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.llama_shard import LlamaShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.models import default_model_path
-from dgr.node.prefix import BLOCK_TOKENS
+from dgr.seam.keys import BLOCK_TOKENS
 from dgr.pipeline import Pipeline
 from dgr.testing.harness import LocalRoute
 

@@ -42,7 +42,7 @@ from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
+from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.speculation import SpecPlan

@@ -27,7 +27,8 @@ import attrs
 
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
-from dgr.node.prefix import BLOCK_TOKENS, MARK_BYTES, Kept, PrefixCache
+from dgr.node.prefix import Kept, PrefixCache
+from dgr.seam.keys import BLOCK_TOKENS, MARK_BYTES
 from dgr.node.snapshot import SnapshotDir
 
 __all__ = ["NodeKV"]

@@ -1,17 +1,12 @@
 """The node's prefix cache: KV of ended Route Sessions, kept for the next turn.
 
 Contract:
-- A prefix is named by a hash chain over its token ids in blocks of
-  `BLOCK_TOKENS`: block i's key is H(key of block i-1 || the block's token ids
-  as little-endian int32), and block 0 chains from a root that mixes in the
-  model's digest and an isolation scope (by default the API key's hash). The
-  tracker computes the chain from the tokens it has; a node, which on a
-  non-head shard never sees token ids, only compares keys. Two chains that
-  agree on key i agree on every token before block i's end.
-- Reuse is exact to the token. Each position also has a mark: the first
-  `MARK_BYTES` bytes of H(key of its block's predecessor || its block's token
-  ids up to and including it) (`token_marks`), so a mark names every token
-  before it, and a block's last mark begins its key. An offer carries the
+- A prefix is named by a hash chain over its token ids in blocks, and each of
+  its positions by a mark (dgr.seam.keys, shared with the tracker, which
+  computes them; a node, which on a non-head shard never sees token ids, only
+  compares them). Two chains that agree on key i agree on every token before
+  block i's end.
+- Reuse is exact to the token. An offer carries the
   prompt's chain and its marks; an entry holds its chain, the marks of its
   leading positions the node was offered (`head`), and those of its positions
   after its last whole block (`tail`). Two sequences agree up to the first
@@ -44,83 +39,14 @@ recurrent or SWA one, opens empty instead).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import collections
-import hashlib
-import struct
 from typing import Sequence
 
 import attrs
 
-from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
+from dgr.seam.keys import BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED
 
-__all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_ADVERTISED", "MAX_MARKS", "Kept", "PrefixCache", "block_chain", "decode_marks",
-           "encode_marks", "prefix_root", "token_marks", "valid_chain"]
-
-_DOMAIN = b"dgr-prefix-v1"
-
-
-def prefix_root(model_digest: str, scope: str) -> str:
-    """The key block 0 chains from: one per model file and isolation scope ('' when shared)."""
-    h = hashlib.sha256(_DOMAIN + b"\0" + model_digest.encode() + b"\0" + scope.encode())
-    return h.hexdigest()[:KEY_HEX]
-
-
-def block_chain(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> list[str]:
-    """The keys of every whole block of `tokens`, in order; a partial last block has none."""
-    keys, prev = [], bytes.fromhex(root)
-    for i in range(0, len(tokens) - block + 1, block):
-        part = tokens[i : i + block]
-        prev = hashlib.sha256(prev + struct.pack(f"<{len(part)}i", *part)).digest()[: KEY_HEX // 2]
-        keys.append(prev.hex())
-    return keys
-
-
-# A position's mark: 48 bits. Two different tokens at the first position where two sequences differ
-# (their earlier blocks' keys agreeing) give one mark by chance once in 2**48 matches.
-MARK_BYTES = 6
-# An offer marks at most this many positions (base64: 8 characters each, 512 KiB of an open's 1 MiB);
-# past them a match is whole blocks only.
-MAX_MARKS = 65536
-# A node's heartbeat names at most this many kept prefixes (each by its last block key, 32 hex digits:
-# about 9 KB), the most recently used first, so routing by prefix survives a tracker's restart.
-MAX_ADVERTISED = 256
-
-
-def token_marks(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> bytes:
-    """Every position's mark (MARK_BYTES each), chained like `block_chain`: a block's last mark begins its key."""
-    out, prev = bytearray(), bytes.fromhex(root)
-    for i in range(0, len(tokens), block):
-        h = hashlib.sha256(prev)
-        for t in tokens[i : i + block]:
-            h.update(struct.pack("<i", t))
-            out += h.digest()[:MARK_BYTES]
-        prev = h.digest()[: KEY_HEX // 2]
-    return bytes(out)
-
-
-def encode_marks(marks: bytes) -> str:
-    """Marks as they cross the wire: unpadded URL-safe base64, 8 characters a position."""
-    return base64.urlsafe_b64encode(marks).decode()
-
-
-def decode_marks(text: object, limit: int) -> bytes | None:
-    """The marks `text` encodes, at most `limit` positions of them; None when malformed (checks wire input)."""
-    if not isinstance(text, str) or len(text) % 8 or len(text) // 8 > limit:
-        return None
-    try:
-        return base64.urlsafe_b64decode(text.encode("ascii"))
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        return None
-
-
-def valid_chain(chain: object, limit: int) -> bool:
-    """True for a list of at most `limit` keys of KEY_HEX lowercase hex digits (checks wire input)."""
-    return (isinstance(chain, list) and len(chain) <= limit
-            and all(isinstance(k, str) and len(k) == KEY_HEX and all(c in "0123456789abcdef" for c in k)
-                    for k in chain))
-
+__all__ = ["Kept", "PrefixCache"]
 
 @attrs.frozen
 class Kept:

@@ -62,7 +62,7 @@ import attrs
 
 from dgr.errors import CallerError, Reason
 from dgr.security.private_files import write_private
-from dgr.node.prefix import BLOCK_TOKENS, KEY_HEX, MARK_BYTES, decode_marks, encode_marks, valid_chain
+from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MARK_BYTES, decode_marks, encode_marks, valid_chain
 
 __all__ = ["SNAPSHOT_SCHEMA", "SNAPSHOT_MAX_MB", "Snapshot", "SnapshotDir", "check", "check_manifest"]
 

@@ -42,7 +42,7 @@ from dgr.api.openai import GenerationRequest
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop, RouteEvent, RouteSession
-from dgr.node.prefix import MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
+from dgr.seam.keys import MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
 from dgr.tracker.accounting import Accounting
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials

@@ -23,7 +23,7 @@ from dgr.api.openai import SPECULATION, GenerationRequest, usage_body
 from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, Failure, Reason
 from dgr.fsm.phases import RoutePhases
-from dgr.node.prefix import BLOCK_TOKENS, block_chain, encode_marks, token_marks
+from dgr.seam.keys import BLOCK_TOKENS, block_chain, encode_marks, token_marks
 from dgr.fsm.route import RouteEvent, RouteSession
 from dgr.seam.frame import Frame
 from dgr.seam.link import Link

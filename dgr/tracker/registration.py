@@ -26,6 +26,7 @@ import attrs
 
 from dgr.api.hosts import is_wildcard
 from dgr.errors import CallerError, Reason
+from dgr.seam.keys import MAX_ADVERTISED
 from dgr.seam.types import ModelInfo
 from dgr.seam.wire import KEY_HEX
 
@@ -33,7 +34,7 @@ __all__ = ["MAX_HELD", "MAX_PREFIXES", "Heartbeat", "Registration", "reachable",
            "read_registration"]
 
 MAX_HELD = 65536  # session ids one heartbeat may list
-MAX_PREFIXES = 256  # kept prefixes' keys one heartbeat may name (dgr.node.prefix.MAX_ADVERTISED)
+MAX_PREFIXES = MAX_ADVERTISED  # kept prefixes' keys one heartbeat may name
 _KEY = re.compile(f"[0-9a-f]{{{KEY_HEX}}}")
 _SID = re.compile(r"[0-9a-f]{32}")
 
