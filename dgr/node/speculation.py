@@ -48,7 +48,10 @@ from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
 __all__ = ["SpecPlan", "TailSpec", "Emitted"]
 
 _WEIGHT = 0.2  # the newest measurement's weight in the route cost's running means
-_POSITION_PRIOR = 0.25  # before any multi-position step: an extra position costs this share of a step's compute
+_POSITION_PRIOR = 0.25
+# a draft's acceptance before any is seen: low, so a session drafts little until its own steps (or its
+# shadow) show that drafts pay; free chat then never pays for drafts it did not need
+_PRIOR = 0.3  # before any multi-position step: an extra position costs this share of a step's compute
 
 
 @attrs.frozen
@@ -74,8 +77,8 @@ class Emitted:
 @attrs.define
 class TailSpec:
     plan: SpecPlan
-    drafter: NgramDrafter = attrs.field(factory=NgramDrafter)
-    acceptance: Acceptance = attrs.field(factory=Acceptance)
+    drafter: NgramDrafter = attrs.field(factory=lambda: NgramDrafter(n_min=1))
+    acceptance: Acceptance = attrs.field(factory=lambda: Acceptance(prior=_PRIOR))
     shadow: Shadow = attrs.field(factory=Shadow)
     counters: SpecCounters = attrs.field(factory=SpecCounters)
     inflight: dict[int, tuple[SpecStep, float]] = attrs.field(factory=dict)  # seq -> (step sent, when built)
