@@ -275,7 +275,9 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
-    p.add_argument("--spec", choices=["off", "ngram", "ngram-exact"], default="off",
+    from dgr.api.openai import SPECULATION
+
+    p.add_argument("--spec", choices=SPECULATION, default="off",
                    help="speculative decoding: ngram drafts tokens from the session's own prompt and answer at the "
                         "route's tail, and each trip around the ring verifies k of them (default off; a request's "
                         "\"speculation\" field overrides it)")

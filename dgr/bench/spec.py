@@ -33,7 +33,7 @@ import httpx
 
 from dgr.bench.netns import NetnsRoute, prerequisites
 
-__all__ = ["run_spec", "markdown", "TASKS", "RTTS_MS", "NODES", "TOKENS"]
+__all__ = ["run_spec", "markdown", "RTTS_MS", "NODES", "TOKENS"]
 
 RTTS_MS = (0.0, 20.0, 50.0)
 NODES = (2, 3)
@@ -53,8 +53,6 @@ def _tasks() -> dict[str, str]:
         "chat": "Tell me a story about a lighthouse keeper and a storm.",
     }
 
-
-TASKS = tuple(_tasks())
 
 
 def _ask(api: str, model: str, prompt: str, headers: dict[str, str], extra: dict[str, Any]) -> dict[str, Any]:

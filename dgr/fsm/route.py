@@ -166,9 +166,9 @@ class RouteSession:
         self.prefill_done = done
         return self.snapshot(now)
 
-    def token(self, now: float, completion: bool = True) -> dict[str, Any]:
+    def token(self, now: float, completion: bool = True, hop_ms: dict[str, float] | None = None) -> dict[str, Any]:
         """A token came back from the tail; `completion`: it is part of the answer (not the one that
-        ends generation)."""
+        ends generation); `hop_ms`: each hop's seam overhead, where its answer measured it."""
         previous = self.state
         self._move(RouteEvent.TOKEN, now)
         if previous is RouteState.PREFILL:
@@ -176,6 +176,8 @@ class RouteSession:
             self.first_token_at = now
         self.generated += 1
         self.completion_tokens += completion
+        if hop_ms:
+            self.hop_latency_ms.update(hop_ms)
         self._token_times.append(now)
         return self.snapshot(now)
 

@@ -210,14 +210,13 @@ class NodeReplies:
         session = self.table.live[frame.session]
         backend, links = self.backend, self.links
         spec = links.spec.get(frame.session)
-        verified: list[SpecStep] = []
 
         def finish(out: np.ndarray | None) -> tuple[bytes | list[bytes], bytes | None]:  # in the scheduler's thread
             if backend.is_tail:
                 if not (want and loop is not None):
                     return self.reply(frame, want, sampler, out), None  # the answer, for the gateway
                 if spec is not None:
-                    return self._speculate(frame, out, sampler, spec, plan, session.max_positions, verified)
+                    return self._speculate(frame, out, sampler, spec, plan, session.max_positions)
                 result = self.sample(frame, sampler, out)
                 return token_frame(frame, result), next_step_frame(frame, result, plan, session.max_positions)
             # the next hop's input: the same step, with this shard's output as its hidden state
@@ -243,8 +242,8 @@ class NodeReplies:
                     links.ring.go(frame.session, step, links.nursery)
                 else:
                     links.ring.stop(frame.session)
-            if verified and spec is not None:  # the route's cost of the step just verified
-                spec.measured(verified[0], (sum(compute_us) + j.compute_s * 1e6) / 1e6)
+            if spec is not None:  # the route's cost of the step just verified
+                spec.measured((sum(compute_us) + j.compute_s * 1e6) / 1e6)
             times = (*compute_us, int(j.compute_s * 1e6))
             replies = out if isinstance(out, list) else [out]  # a speculative step's tokens, one a frame
             self.accounting.count(frame, replies[0], j.compute_s)
@@ -257,7 +256,7 @@ class NodeReplies:
                                   finish=finish, on_done=done, max_rows=links.group_rows(relay.plan)))
 
     def _speculate(self, frame: Frame, out: np.ndarray | None, sampler: Sampler | None, spec: TailSpec, loop: Loop,
-                   max_positions: int, verified: list[SpecStep]) -> tuple[list[bytes], bytes | None]:
+                   max_positions: int) -> tuple[list[bytes], bytes | None]:
         """A speculating tail's answer to a step: its tokens (one TOKEN frame each) and the next step, with
         drafts where they pay (dgr.node.speculation). Runs in the scheduler's thread."""
         if sampler is None:
@@ -274,7 +273,6 @@ class NodeReplies:
         else:
             step, verdict, done, emitted = spec.verify(frame.seq, out, sampler, is_eog=backend.is_eog,
                                                        ignore_eos=loop.ignore_eos, max_positions=max_positions)
-            verified.append(step)
             replies = [token_frame(frame, TokenResult(e.token, e.logprob, backend.token_bytes(e.token),
                                                       backend.is_eog(e.token), (step.k, verdict.accepted, e.left)))
                        for e in emitted]

@@ -86,7 +86,8 @@ class TailSpec:
     compute_1: float | None = None  # every node's compute for a one-position step
     position_s: float | None = None  # one more position's compute, every node together
     clock: Callable[[], float] = time.perf_counter
-    built: float = 0.0  # when the step last verified was built
+    # the step verified last and when it was built, until `measured` takes its cost (after its iteration)
+    verified: tuple[SpecStep, float] | None = None
 
     def __attrs_post_init__(self) -> None:
         self.drafter.extend(self.plan.history)
@@ -104,7 +105,7 @@ class TailSpec:
         Raises:
             KeyError: no step `seq` in flight (the tail did not send it).
         """
-        step, self.built = self.inflight.pop(seq)
+        step, built = self.verified = self.inflight.pop(seq)
         rows = logits.reshape(step.k + 1, -1)  # [k + 1, vocab]
         verdict, logprobs = accept_with_sampler(rows, step.drafts, sampler)
         # positions: the step's first token sits at pos0, so the token after it is pos0 + 1's (counted as
@@ -141,10 +142,13 @@ class TailSpec:
         return choose_k(self.acceptance, RouteCost(max(self.step_s, 1e-6), max(position, 0.0)),
                         k_max=self.plan.k_max)
 
-    def measured(self, step: SpecStep, compute_s: float) -> None:
-        """Step `step` was verified just now: from its building it took the time since, of which `compute_s`
-        (every node's) was compute."""
-        took_s = self.clock() - self.built
+    def measured(self, compute_s: float) -> None:
+        """The step verified last is done: from its building it took the time since, of which `compute_s`
+        (every node's) was compute. Nothing where no step was verified since (the prompt's last chunk)."""
+        if self.verified is None:
+            return
+        (step, built), self.verified = self.verified, None
+        took_s = self.clock() - built
         if step.k == 0:
             self.compute_1 = _mean(self.compute_1, compute_s)
             self.step_s = _mean(self.step_s, took_s)
@@ -157,11 +161,6 @@ class TailSpec:
     def _learn_shadow(self, token: int) -> None:
         if self.shadow.expecting:
             self.shadow, self.acceptance = self.shadow.sampled(token, self.acceptance)
-
-    def to_json(self) -> dict:
-        return {**self.counters.to_json(), "step_ms": None if self.step_s is None else round(self.step_s * 1e3, 3),
-                "position_ms": None if self.position_s is None else round(self.position_s * 1e3, 3),
-                "acceptance": [round(a, 3) for a in self.acceptance.rates]}
 
 
 def _mean(old: float | None, new: float) -> float:

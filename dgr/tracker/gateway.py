@@ -337,16 +337,13 @@ class Gateway:
         if token.spec is not None and not token.more:  # a speculative step's last token: count the step once
             rs.speculated(token.spec[0], token.spec[1])
         eog = token.eog and not live.request.ignore_eos
-        event = rs.token(trio.current_time(), completion=not eog)
+        event = rs.token(trio.current_time(), completion=not eog, hop_ms=answer.hop_ms)
         if not eog:
             text = live.text.feed(token.piece)
             if text:
                 live.send.send_nowait(Delta(text, rs.completion_tokens))
         verdict = next_step(eog=token.eog, ignore_eos=live.request.ignore_eos, generated=rs.completion_tokens,
                             max_tokens=live.max_tokens, stopped=live.text.stopped)
-        if answer.hop_ms:
-            rs.hop_latency_ms.update(answer.hop_ms)
-            event["hop_latency_ms"] = dict(rs.hop_latency_ms)
         live.publish(RouteEvent.TOKEN, event, hop_ms=answer.hop_ms)
         if not verdict.more:
             tail = live.text.finish()
