@@ -116,6 +116,7 @@ def cmd_node(args) -> int:
     )
     if artifact is not None:
         artifact.check_backend(backend)
+    draft = _draft_model(args, backend) if args.draft_model else None
     node_id = args.name or identity.node_id
     return run_until_signal(run_node, backend, node_id=node_id, host=args.host, port=args.port,
                             tracker=args.tracker, identity=identity, idle_timeout_s=args.idle_timeout,
@@ -124,7 +125,25 @@ def cmd_node(args) -> int:
                             prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
                             snapshot_max_mb=args.snapshot_max_mb,
                             busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3,
-                            iteration_target_s=args.iteration_target_ms / 1e3)
+                            iteration_target_s=args.iteration_target_ms / 1e3, draft=draft)
+
+
+def _draft_model(args, backend):
+    """`--draft-model`: loaded beside a route tail's shard, with a vocabulary checked equal to the model's.
+
+    Raises:
+        CallerError(INVALID_REQUEST): the node is not a tail, or the vocabularies differ.
+        CallerError(MODEL_LOAD_FAILED): llama.cpp cannot load the file.
+    """
+    from dgr.errors import CallerError, Reason
+    from dgr.node.draft import DraftModel, vocabulary_digest
+
+    if not backend.is_tail:
+        raise CallerError(Reason.INVALID_REQUEST, f"--draft-model: layers {backend.layers} are not a route's tail, "
+                                                  "and only the tail drafts")
+    target = vocabulary_digest(backend.info.vocab_size, backend.token_bytes)
+    return DraftModel.load(args.draft_model, target, threads=args.draft_threads or args.threads, n_ctx=args.ctx,
+                           max_sessions=args.max_sessions)
 
 
 # llama.cpp backends whose steps compute on one thread: their node idles while the rest of the
@@ -215,6 +234,11 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
                         "slots live sessions leave free; 0: keep none)")
+    p.add_argument("--draft-model", metavar="GGUF",
+                   help="a smaller GGUF sharing the model's vocabulary, for `draft` speculation: the route's tail "
+                        "runs it beside its layers to draft tokens (dgr up: the last node)")
+    p.add_argument("--draft-threads", type=positive_int, default=None, metavar="N",
+                   help="threads the draft model computes with (default: --threads)")
     p.add_argument("--stub-model", default="default", choices=("default", "dsv4"),
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
     p.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",
@@ -279,7 +303,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--spec", choices=SPECULATION, default="off",
                    help="speculative decoding: ngram drafts tokens from the session's own prompt and answer at the "
-                        "route's tail, and each trip around the ring verifies k of them (default off; a request's "
+                        "route's tail, draft with the tail's --draft-model, and each trip around the ring verifies k "
+                        "of them; -exact: answers equal to decoding without speculation (default off; a request's "
                         "\"speculation\" field overrides it)")
     p.add_argument("--spec-k-max", type=int, default=8, help="drafts a speculative step carries at most (1 to 8)")
     p.add_argument("--spec-k", type=int, default=None,

@@ -95,8 +95,10 @@ async def _print_example(url: str) -> None:
     )
 
 
-def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None) -> list[str]:
-    """The arguments of `dgr` (after the command itself) that start one node of the route."""
+def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None,
+              tail: bool = False) -> list[str]:
+    """The arguments of `dgr` (after the command itself) that start one node of the route; the `tail` also
+    takes the draft model."""
     cmd = [
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
@@ -115,6 +117,10 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
+    if tail and getattr(args, "draft_model", None):
+        cmd += ["--draft-model", str(args.draft_model)]
+        if getattr(args, "draft_threads", None):
+            cmd += ["--draft-threads", str(args.draft_threads)]
     if getattr(args, "manifest", None):
         cmd += ["--manifest", str(args.manifest)]
     if identity is not None:
@@ -191,7 +197,8 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     try:
         with listening:
             roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))]
-            roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key"))
+            roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key",
+                                             tail=i == len(splits) - 1))
                       for i, layers in enumerate(splits)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]

@@ -28,9 +28,10 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
 
 
-# What drafts a speculative step (issue 42): n-gram lookup, the same with every node computing a step's positions
-# one at a time (answers equal to decoding without speculation), or none.
-SPECULATION = ("ngram", "ngram-exact", "off")
+# What drafts a speculative step (issue 42): n-gram lookup or the route tail's draft model (`--draft-model`), each
+# also with every node computing a step's positions one at a time ("-exact": answers equal to decoding without
+# speculation), or none.
+SPECULATION = ("ngram", "ngram-exact", "draft", "draft-exact", "off")
 
 
 @attrs.frozen
@@ -47,8 +48,8 @@ class GenerationRequest:
     telemetry_chunks: bool
     ignore_eos: bool = False  # vLLM's extension: benchmarks need a fixed number of tokens
     prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
-    # dgr's extension (issue 42): "ngram" drafts tokens from the session's own ("ngram-exact": with answers equal
-    # to decoding without speculation), "off" none; None: the tracker's
+    # dgr's extension (issue 42): "ngram" drafts tokens from the session's own, "draft" from the route tail's
+    # draft model ("-exact": with answers equal to decoding without speculation), "off" none; None: the tracker's
     speculation: str | None = None
 
     def prompt_bytes(self) -> int:

@@ -229,6 +229,8 @@ class NetnsRoute:
     max_sessions: int = 8
     stub_delay: float = 0.0
     prefill_chunk: int = 512
+    draft_model: str | None = None  # the tail's `--draft-model`
+    draft_threads: int | None = None
     link: str = "auto"
     ready_timeout_s: float = 120.0
     kind: str = ""  # the link kind built: netem or tun
@@ -324,10 +326,11 @@ class NetnsRoute:
         self.url = tracker.wait(deadline)["url"]
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
                                       stub_delay=self.stub_delay, stub_model="default", idle_timeout=120.0,
-                                      model=None, manifest=None)
+                                      model=None, manifest=None, draft_model=self.draft_model,
+                                      draft_threads=self.draft_threads)
         for ln, layers in zip(self.links, splits):
-            cmd = ["ip", "netns", "exec", ln.ns,
-                   *dgr_command(*node_args(nargs, layers, self.url, f"node{ln.index}", self.threads)), "--host", ln.addr]
+            argv = node_args(nargs, layers, self.url, f"node{ln.index}", self.threads, tail=layers is splits[-1])
+            cmd = ["ip", "netns", "exec", ln.ns, *dgr_command(*argv), "--host", ln.addr]
             self._children.append(_Child.spawn(f"node{ln.index}", cmd, clean_env(**{JOIN_ENV: self.secret})))
         for child in self._children[1:]:
             child.wait(deadline)

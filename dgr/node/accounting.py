@@ -20,6 +20,7 @@ import attrs
 from dgr.backends.base import Compute
 from dgr.errors import CallerError
 from dgr.metrics import NodeMetrics, gauge
+from dgr.node.draft import DraftModel
 from dgr.node.kv import NodeKV
 from dgr.node.ringphases import RingPhases
 from dgr.node.scheduler import StepScheduler
@@ -68,6 +69,7 @@ class NodeAccounting:
     stats: SeamStats = attrs.field(factory=SeamStats)
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
     started_at: float = attrs.field(factory=time.monotonic)
+    draft: DraftModel | None = None  # the tail's draft model: its sequences count as the node's KV too
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -106,7 +108,7 @@ class NodeAccounting:
             "layers": str(backend.layers),
             "sessions": len(self.table),
             "capacity": self.table.capacity,
-            "kv_bytes": sched.kv_bytes,
+            "kv_bytes": sched.kv_bytes + (0 if self.draft is None else self.draft.kv_bytes()),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
         if not detail:
@@ -121,6 +123,9 @@ class NodeAccounting:
                           "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
                           "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
+            "draft": None if self.draft is None else {
+                **self.draft.describe(), "sessions": self.draft.sessions(), "kv_bytes": self.draft.kv_bytes(),
+                "ms_a_token": None if self.draft.cost_s is None else round(self.draft.cost_s * 1e3, 3)},
         }
 
     def _gauges(self):

@@ -45,7 +45,7 @@ from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.node.speculation import SpecPlan
+from dgr.node.speculation import DRAFT_SOURCES, SpecPlan
 from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
@@ -220,16 +220,22 @@ def _open_args(service: NodeService, body: dict[str, Any], named: str | None
 
 
 def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
-    """An open body's "spec" object (issue 42): {k_max, exact, fixed_k?, history?}; None: no speculation.
+    """An open body's "spec" object (issue 42): {k_max, exact, fixed_k?, history?, source?}; None: no speculation.
 
     Raises:
         CallerError(INVALID_REQUEST): malformed, or this node's memory cannot drop the refused drafts.
     """
     if data is None:
         return None
-    if not isinstance(data, dict) or set(data) - {"k_max", "exact", "fixed_k", "history"}:
-        raise CallerError(Reason.INVALID_REQUEST, "spec must be an object of k_max, exact, fixed_k and history")
+    if not isinstance(data, dict) or set(data) - {"k_max", "exact", "fixed_k", "history", "source"}:
+        raise CallerError(Reason.INVALID_REQUEST, "spec must be an object of k_max, exact, fixed_k, history and "
+                                                  "source")
     k_max, exact, fixed, history = data.get("k_max"), data.get("exact", False), data.get("fixed_k"), data.get("history", [])
+    source = data.get("source", "ngram")
+    if source not in DRAFT_SOURCES:
+        raise CallerError(Reason.INVALID_REQUEST, f"spec.source must be one of {', '.join(DRAFT_SOURCES)}")
+    if source == "draft" and service.backend.is_tail and service.links.draft is None:
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no draft model (--draft-model)")
     if not isinstance(k_max, int) or isinstance(k_max, bool) or not 1 <= k_max <= MAX_DRAFTS:
         raise CallerError(Reason.INVALID_REQUEST, f"spec.k_max must be an integer in [1, {MAX_DRAFTS}]")
     if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
@@ -242,7 +248,7 @@ def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
     if not service.backend.info.drops_positions:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id}'s memory cannot drop positions: it cannot "
                                                   "speculate")
-    return SpecPlan(k_max=k_max, fixed_k=fixed, exact=exact, history=tuple(history))
+    return SpecPlan(k_max=k_max, fixed_k=fixed, exact=exact, history=tuple(history), source=source)
 
 
 def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:

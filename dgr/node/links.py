@@ -25,6 +25,7 @@ import trio
 from dgr.errors import CallerError, Reason
 from dgr.node.relay import Outgoing, Relay, RelayPlan, SelfLoop
 from dgr.node.ringphases import RingPhases
+from dgr.node.draft import DraftModel
 from dgr.node.speculation import SpecPlan, TailSpec
 from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
@@ -45,6 +46,7 @@ class NodeLinks:
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     spec: dict[str, TailSpec] = attrs.field(factory=dict)  # a ring's tail: sid -> its drafts and verdicts
     exact: set[str] = attrs.field(factory=set)  # sessions whose steps compute one position at a time
+    draft: DraftModel | None = None  # the tail's draft model (`--draft-model`), for sessions that ask for it
     nursery: trio.Nursery | None = None  # the node's, while it runs: relays run in it
 
     def __attrs_post_init__(self) -> None:
@@ -69,7 +71,7 @@ class NodeLinks:
         if relay.loop is None:
             return
         if spec is not None:
-            self.spec[sid] = TailSpec(spec)
+            self.spec[sid] = TailSpec.for_plan(sid, spec, self.draft)
         if alone:
             self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
         else:
@@ -79,8 +81,9 @@ class NodeLinks:
         if relay.route:
             self.ring.join(sid, relay.route, relay.nodes, lane)
 
-    def detach(self, sid: str) -> None:
-        """Close `sid`'s relays and leave its phase group (nothing where it had none)."""
+    def detach(self, sid: str) -> TailSpec | None:
+        """Close `sid`'s relays and leave its phase group (nothing where it had none); its speculation, if it
+        had one, for the caller to close in the scheduler's thread."""
         chain = self.relays.get(sid)
         if chain is not None:
             self.on_route[chain.plan.route] -= 1
@@ -90,9 +93,10 @@ class NodeLinks:
             relay = relays.pop(sid, None)
             if relay is not None:
                 relay.close()
-        self.spec.pop(sid, None)
+        spec = self.spec.pop(sid, None)
         self.exact.discard(sid)
         self.ring.leave(sid)
+        return spec
 
     def group_rows(self, plan: RelayPlan) -> int | None:
         """The decode steps of one phase group of `plan`'s route: its sessions open here, cut into one group

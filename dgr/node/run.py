@@ -30,6 +30,7 @@ from dgr.api.hosts import is_loopback
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
+from dgr.node.draft import DraftModel
 from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
@@ -92,8 +93,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    pin: TrackerPin | None = None,
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
                    snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0,
-                   iteration_target_s: float = DEFAULT_ITERATION_TARGET_S) -> None:
-    """Serve until cancelled.
+                   iteration_target_s: float = DEFAULT_ITERATION_TARGET_S, draft: DraftModel | None = None) -> None:
+    """Serve until cancelled. `draft`: the tail's draft model (dgr.node.draft), unloaded with the backend.
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
@@ -107,7 +108,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
                           prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, snapshot_max_mb, backend, artifact),
-                          busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s)
+                          busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s, draft=draft)
     app = make_node_app(service, artifact=artifact)
     steptrace.start_from_env()
     seed_host = urlsplit(advertise).hostname if advertise else None
@@ -134,6 +135,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
     finally:
         steptrace.dump(node_id)
         backend.close()
+        if draft is not None:
+            draft.unload()
 
 
 def _prefix_cache(mb: float | None) -> PrefixCache | None:

@@ -34,6 +34,7 @@ from dgr.node.accounting import NodeAccounting, SeamStats
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.prefix import PrefixCache
+from dgr.node.draft import DraftModel
 from dgr.node.speculation import SpecPlan
 from dgr.node.relay import RelayPlan
 from dgr.node.replies import NodeReplies
@@ -85,11 +86,12 @@ class NodeService:
                  tracker_url: str | None = None, prefix: PrefixCache | None | object = _KEEP,
                  snapshots: SnapshotDir | None = None, busy_poll_s: float = 0.0,
                  iteration_target_s: float = DEFAULT_ITERATION_TARGET_S,
-                 connect_pool: Callable[..., ConnectionPool] = ConnectionPool) -> None:
+                 connect_pool: Callable[..., ConnectionPool] = ConnectionPool, draft: DraftModel | None = None
+                 ) -> None:
         """`joining`: the node has a tracker (session calls need its capabilities, refused until it joins);
         `authority`: a tracker key pinned already. `prefix`: the kept prefixes (None: keep none, as
         --prefix-cache-mb 0); `snapshots`: --snapshot-dir. `busy_poll_s`, `iteration_target_s`: the
-        StepScheduler's."""
+        StepScheduler's. `draft`: the tail's draft model (`--draft-model`, dgr.node.draft)."""
         self.backend, self.node_id = backend, node_id
         self.tls = TlsTrust() if tls is None else tls
         self.tracker_url = tracker_url
@@ -99,10 +101,13 @@ class NodeService:
         # read once, before the scheduler owns the backend; fixed for the node's life
         self.table = SessionTable(node_id, backend.max_sessions(), backend.max_positions(), remember=ENDED_MEMORY)
         self.described = backend.describe()
+        if draft is not None:
+            self.described["draft_model"] = draft.describe()  # the tracker routes `draft` speculation by it
         self.kv = NodeKV(backend, PrefixCache() if prefix is _KEEP else prefix, snapshots)
-        self.links = NodeLinks(node_id, self.pool, self.accept_streamed)
+        self.links = NodeLinks(node_id, self.pool, self.accept_streamed, draft=draft)
         self.accounting = NodeAccounting(node_id, backend, self.described, self.table, self.scheduler, self.kv,
-                                         self.links.ring, metrics=NodeMetrics() if metrics is None else metrics)
+                                         self.links.ring, metrics=NodeMetrics() if metrics is None else metrics,
+                                         draft=draft)
         self.trust = NodeTrust(node_id, backend.layers, self.accounting.refuse, authority=authority,
                                tickets=tickets, joining=joining, identity=identity)
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,

@@ -18,7 +18,7 @@ Rules:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import trio
@@ -109,13 +109,15 @@ class NodeSessions:
                       tail: bytes = b"") -> None:
         """End `sid` here: refused from now on, and counted as held until its slot is free."""
         self.samplers.pop(sid, None)
-        self.links.detach(sid)
+        spec = self.links.detach(sid)
         self.table.end(sid, failure)
         head = self.offered.pop(sid, b"")
         try:
             keeps = bool(keep or tail) and failure is None
             close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps
                      else functools.partial(self.backend.close_session, sid))
+            if spec is not None:  # a draft model's sequence goes in the same job
+                close = functools.partial(_both, spec.close, close)
             # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
             await self.scheduler.session_call(sid, close, ends=not keeps)
         finally:
@@ -155,3 +157,10 @@ class NodeSessions:
             "positions_computed": computed,
             "next_seq": session.next_seq,
         }
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> None:
+    try:
+        first()
+    finally:
+        then()

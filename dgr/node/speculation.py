@@ -5,7 +5,8 @@ The tail is where the tokens are, so drafting and verifying both run here
 
 - The tail keeps an n-gram index of the session's tokens (dgr.spec.ngram):
   the prompt's, which its open carried (`SpecPlan.history`), then every
-  token it emits.
+  token it emits. Or, where the session asked for `draft` and the node has
+  one, its draft model drafts them (dgr.node.draft), from the same tokens.
 - A step it sends the head carries the last accepted token at `pos0` and k
   drafts after it; every node computes them as one step. Its logits come
   back here as k + 1 rows: the session's own sampler draws each row's token
@@ -24,8 +25,11 @@ The tail is where the tokens are, so drafting and verifying both run here
   from building a step to having its logits here (every link and node on
   the way), less the extra positions' share, is `step_s`; an extra
   position's share is its compute on every node (the record's hop times),
-  learnt from steps of more than one position. A session at k = 0 drafts in
-  the shadow, so its estimate still learns.
+  learnt from steps of more than one position; a draft model's drafting
+  adds its measured time a token. A session at k = 0 drafts n-grams in the
+  shadow (they cost nothing), so its estimate still learns; a draft model's
+  session starts from a higher prior instead, as its drafts are the model's
+  own guesses of the next token.
 
 Left out: the frames' bytes (dgr.node.replies builds them) and the route's
 side (the gateway counts SPEC_RESULTs into Generation Telemetry).
@@ -34,7 +38,8 @@ side (the gateway counts SPEC_RESULTs into Generation Telemetry).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -42,16 +47,32 @@ import numpy as np
 from dgr.sampling import Sampler
 from dgr.spec.accept import Verdict, accept_with_sampler
 from dgr.spec.adapt import K_MAX, Acceptance, RouteCost, Shadow, choose_k
+from dgr.node.draft import DraftModel, ModelDrafter
 from dgr.spec.ngram import NgramDrafter
 from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
 
-__all__ = ["SpecPlan", "TailSpec", "Emitted"]
+__all__ = ["DRAFT_SOURCES", "SpecPlan", "TailSpec", "Emitted"]
+
+DRAFT_SOURCES = ("ngram", "draft")  # the session's own tokens; the tail's draft model
 
 _WEIGHT = 0.2  # the newest measurement's weight in the route cost's running means
-_POSITION_PRIOR = 0.25
+_POSITION_PRIOR = 0.25  # before any multi-position step: an extra position costs this share of a step's compute
 # a draft's acceptance before any is seen: low, so a session drafts little until its own steps (or its
 # shadow) show that drafts pay; free chat then never pays for drafts it did not need
-_PRIOR = 0.3  # before any multi-position step: an extra position costs this share of a step's compute
+_PRIOR = 0.3
+# a draft model's first acceptance: its drafts are a model's own next tokens, and at k = 0 nothing is learnt
+_MODEL_PRIOR = 0.6
+
+
+class Drafter(Protocol):
+    """A session's source of drafts: dgr.spec.ngram's index or the node's draft model (dgr.node.draft)."""
+
+    free: bool  # drafting costs nothing to speak of, so drafts are made in the shadow at k = 0
+    draft_s: float  # what drafting a token costs, measured
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+    def append(self, token: int) -> None: ...
+    def draft(self, k: int) -> list[int]: ...
 
 
 @attrs.frozen
@@ -63,6 +84,7 @@ class SpecPlan:
     fixed_k: int | None = None
     exact: bool = False
     history: tuple[int, ...] = ()
+    source: str = "ngram"  # or "draft": the tail's draft model
 
 
 @attrs.frozen
@@ -77,7 +99,7 @@ class Emitted:
 @attrs.define
 class TailSpec:
     plan: SpecPlan
-    drafter: NgramDrafter = attrs.field(factory=lambda: NgramDrafter(n_min=1))
+    drafter: Drafter = attrs.field(factory=lambda: NgramDrafter(n_min=1))
     acceptance: Acceptance = attrs.field(factory=lambda: Acceptance(prior=_PRIOR))
     shadow: Shadow = attrs.field(factory=Shadow)
     counters: SpecCounters = attrs.field(factory=SpecCounters)
@@ -91,6 +113,25 @@ class TailSpec:
 
     def __attrs_post_init__(self) -> None:
         self.drafter.extend(self.plan.history)
+
+    @classmethod
+    def for_plan(cls, sid: str, plan: SpecPlan, draft: DraftModel | None) -> TailSpec:
+        """A session's speculation as its open planned it, drafting from `draft` where it asked for a model.
+
+        Raises:
+            ValueError: a plan for a draft model on a node with none (the open refuses it first).
+        """
+        if plan.source != "draft":
+            return cls(plan)
+        if draft is None:
+            raise ValueError("no draft model on this node")
+        return cls(plan, drafter=ModelDrafter(draft, sid), acceptance=Acceptance(prior=_MODEL_PRIOR))
+
+    def close(self) -> None:
+        """Free what drafting held for the session (in the scheduler's thread: a draft model's sequence)."""
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
 
     def first(self, token: int, logprob: float) -> Emitted:
         """The token the prompt's last chunk sampled: emitted alone, and the history's next token."""
@@ -129,7 +170,7 @@ class TailSpec:
         room = max(0, max_positions - pos0 - 1)  # positions the step may still add past its own
         step = plan_step(seq, pos0, last, self.drafter.draft(k), k=k, room=room)
         self.inflight[seq] = (step, self.clock())
-        if step.k == 0 and not self.shadow.expecting:
+        if step.k == 0 and self.drafter.free and not self.shadow.expecting:
             self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
         return step
 
@@ -139,7 +180,7 @@ class TailSpec:
         if self.step_s is None:
             return 0  # nothing measured yet: the first step tells what a trip costs
         position = self.position_s if self.position_s is not None else _POSITION_PRIOR * (self.compute_1 or 0.0)
-        return choose_k(self.acceptance, RouteCost(max(self.step_s, 1e-6), max(position, 0.0)),
+        return choose_k(self.acceptance, RouteCost(max(self.step_s, 1e-6), max(position, 0.0), self.drafter.draft_s),
                         k_max=self.plan.k_max)
 
     def measured(self, compute_s: float) -> None:

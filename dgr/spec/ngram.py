@@ -24,7 +24,8 @@ registered only when the next token arrives, so a lookup of the current
 key never finds itself.
 
 Left out: frequency statistics across sessions (llama.cpp's dynamic and
-static caches) and draft models; this module only looks at one session.
+static caches); this module only looks at one session (draft models:
+dgr.node.draft).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class NgramDrafter:
     n_min: int = 2
     n_max: int = 4
     window: int = 8192
+    free = True  # a lookup costs nothing next to a step: drafts are made in the shadow too
+    draft_s = 0.0
     _toks: list[int] = attrs.field(init=False, factory=list)
     _base: int = attrs.field(init=False, default=0)  # absolute index of _toks[0]
     # _tables[n - n_min]: n-gram -> absolute end (exclusive) of its most recent registered occurrence

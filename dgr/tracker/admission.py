@@ -218,12 +218,21 @@ class Admission:
     def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...], prompt: list[int]
                      ) -> dict[str, dict[str, Any] | None]:
         """Each node's "spec" open field: None where the session does not speculate (asked off, or a node's
-        memory cannot drop positions); the tail also gets the prompt's last tokens for its n-gram index."""
+        memory cannot drop positions); the tail also gets the prompt's last tokens to draft from.
+
+        Raises:
+            CallerError(INVALID_REQUEST): `draft` speculation on a route whose tail has no draft model.
+        """
         cfg = self.config
         mode = req.speculation or cfg.speculation
         if mode == "off" or not all(n.model.drops_positions for n in nodes):
             return {n.node_id: None for n in nodes}
-        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact or mode == "ngram-exact"}
+        source = mode.removesuffix("-exact")
+        if source == "draft" and not nodes[-1].describe.get("draft_model"):
+            raise CallerError(Reason.INVALID_REQUEST, f"speculation {mode!r} needs a route whose tail has a draft "
+                                                      f"model (dgr node --draft-model); {nodes[-1].node_id} has none")
+        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact or mode.endswith("-exact"),
+                                "source": source}
         if cfg.spec_k is not None:
             spec["fixed_k"] = cfg.spec_k
         out: dict[str, dict[str, Any] | None] = {n.node_id: spec for n in nodes}
