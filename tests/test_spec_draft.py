@@ -83,6 +83,19 @@ def test_a_draft_feeds_only_what_is_new_and_drops_refused_drafts() -> None:
     assert draft.sessions() == 0 and draft.kv_bytes() == 0 and "s" not in model.kv
 
 
+def test_a_warmed_draft_has_read_the_prompt_at_the_first_step() -> None:
+    model = Recording()
+    d = ModelDrafter(DraftModel(model, path=None, vocabulary="v"), "s")
+    d.extend([1, 2, 3])
+    d.warm()
+    assert model.calls == [("s", 0, [1, 2, 3])]
+    d.append(7)  # the prompt's last chunk sampled 7
+    assert d.draft(2) == [8, 9]
+    assert model.calls[1:] == [("s", 3, [7]), ("s", 4, [8])]
+    d.warm()  # once drafting, a warm is nothing
+    assert len(model.calls) == 3
+
+
 def test_a_draft_that_would_overrun_its_context_drafts_nothing() -> None:
     model = Recording()
     d = ModelDrafter(DraftModel(model, path=None, vocabulary="v"), "s")

@@ -102,6 +102,17 @@ class DraftModel:
     def describe(self) -> dict[str, object]:
         return {"file": self.path.name, "vocabulary": self.vocabulary[:16]}
 
+    def warm(self, sid: str, tokens: Sequence[int]) -> None:
+        """Feed a session's prompt before its first draft: at its open, while the route's first hops compute
+        the prompt, not on the first decode step's way. Nothing where it drafted already or would not fit."""
+        if sid in self.fed or not tokens or len(tokens) >= self.model.max_positions():
+            return
+        self.model.open_session(sid, self.model.max_positions())
+        self.fed[sid] = []
+        self.model.forward(sid, 0, np.asarray(tokens, np.int32), None, 0)
+        self.fed[sid] = list(tokens)
+        self.agreed[sid] = len(tokens)
+
     def draft(self, sid: str, tokens: Sequence[int], k: int) -> list[int]:
         """The model's k greedy tokens after `tokens` (the session's, prompt and answer); none where they
         would not fit its context."""
@@ -168,6 +179,9 @@ class ModelDrafter:
 
     def draft(self, k: int) -> list[int]:
         return self.model.draft(self.sid, self.tokens, k)
+
+    def warm(self) -> None:
+        self.model.warm(self.sid, self.tokens)
 
     def close(self) -> None:
         self.model.close(self.sid)

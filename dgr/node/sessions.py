@@ -30,6 +30,7 @@ from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.relay import RelayPlan
 from dgr.node.speculation import SpecPlan
+from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler, SamplingParams
 from dgr.sessions import SessionTable
@@ -80,6 +81,9 @@ class NodeSessions:
             raise
         if relay is not None and sid in self.table:
             self.links.attach(sid, relay, lane, spec)
+            tail = self.links.spec.get(sid)
+            if tail is not None and not tail.drafter.free:  # a draft model reads the prompt while the head computes
+                self.scheduler.submit(Job(JobKind.SESSION, sid, fn=tail.warm))
         session = self.table.live.get(sid)
         if session is not None and reused:
             session.positions = reused  # before any step: the gateway waits for this answer to send one

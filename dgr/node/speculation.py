@@ -28,8 +28,10 @@ The tail is where the tokens are, so drafting and verifying both run here
   learnt from steps of more than one position; a draft model's drafting
   adds its measured time a token. A session at k = 0 drafts n-grams in the
   shadow (they cost nothing), so its estimate still learns; a draft model's
-  session starts from a higher prior instead, as its drafts are the model's
-  own guesses of the next token.
+  session starts from a higher prior, as its drafts are the model's own
+  guesses of the next token, and at k = 0 drafts one token in the shadow
+  every `_PROBE_EVERY` steps (its cost, and its acceptance, are measured
+  again). The draft model reads the prompt at the session's open (`warm`).
 
 Left out: the frames' bytes (dgr.node.replies builds them) and the route's
 side (the gateway counts SPEC_RESULTs into Generation Telemetry).
@@ -62,6 +64,7 @@ _POSITION_PRIOR = 0.25  # before any multi-position step: an extra position cost
 _PRIOR = 0.3
 # a draft model's first acceptance: its drafts are a model's own next tokens, and at k = 0 nothing is learnt
 _MODEL_PRIOR = 0.6
+_PROBE_EVERY = 16  # a draft model's session at k = 0 drafts one token in the shadow this many steps apart
 
 
 class Drafter(Protocol):
@@ -110,6 +113,7 @@ class TailSpec:
     clock: Callable[[], float] = time.perf_counter
     # the step verified last and when it was built, until `measured` takes its cost (after its iteration)
     verified: tuple[SpecStep, float] | None = None
+    undrafted: int = 0  # steps at k = 0 since a costly drafter last drafted in the shadow
 
     def __attrs_post_init__(self) -> None:
         self.drafter.extend(self.plan.history)
@@ -126,6 +130,12 @@ class TailSpec:
         if draft is None:
             raise ValueError("no draft model on this node")
         return cls(plan, drafter=ModelDrafter(draft, sid), acceptance=Acceptance(prior=_MODEL_PRIOR))
+
+    def warm(self) -> None:
+        """Ready the drafter before the first step (in the scheduler's thread: a draft model reads the prompt)."""
+        warm = getattr(self.drafter, "warm", None)
+        if warm is not None:
+            warm()
 
     def close(self) -> None:
         """Free what drafting held for the session (in the scheduler's thread: a draft model's sequence)."""
@@ -170,8 +180,14 @@ class TailSpec:
         room = max(0, max_positions - pos0 - 1)  # positions the step may still add past its own
         step = plan_step(seq, pos0, last, self.drafter.draft(k), k=k, room=room)
         self.inflight[seq] = (step, self.clock())
-        if step.k == 0 and self.drafter.free and not self.shadow.expecting:
-            self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
+        if step.k == 0 and not self.shadow.expecting:
+            if self.drafter.free:
+                self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
+            else:  # a model's draft costs its compute: one token a while, so a session at k = 0 can come back
+                self.undrafted += 1
+                if self.undrafted >= _PROBE_EVERY:
+                    self.undrafted = 0
+                    self.shadow = Shadow(tuple(self.drafter.draft(1)))
         return step
 
     def _k(self) -> int:
