@@ -231,6 +231,7 @@ class NetnsRoute:
     prefill_chunk: int = 512
     draft_model: str | None = None  # the tail's `--draft-model`
     draft_threads: int | None = None
+    busy_poll_ms: float | None = None  # each node's --busy-poll-ms (None: the product's default)
     link: str = "auto"
     ready_timeout_s: float = 120.0
     kind: str = ""  # the link kind built: netem or tun
@@ -327,7 +328,7 @@ class NetnsRoute:
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
                                       stub_delay=self.stub_delay, stub_model="default", idle_timeout=120.0,
                                       model=None, manifest=None, draft_model=self.draft_model,
-                                      draft_threads=self.draft_threads)
+                                      draft_threads=self.draft_threads, busy_poll_ms=self.busy_poll_ms)
         for ln, layers in zip(self.links, splits):
             argv = node_args(nargs, layers, self.url, f"node{ln.index}", self.threads, tail=layers is splits[-1])
             cmd = ["ip", "netns", "exec", ln.ns, *dgr_command(*argv), "--host", ln.addr]

@@ -2,11 +2,13 @@
 
 Setups: 2- and 3-node llama_shard rings, each node in its own network
 namespace (dgr.bench.netns: any two machines see the same RTT), 1 thread a
-node, the default model. Each task is asked three ways on the same route,
+node, the default model. Each task is asked each of WAYS on the same route,
 one after another, in ROUNDS rounds: without speculation, with n-gram
-speculation (k chosen per session), and with exact n-gram speculation (a
-step's positions computed one at a time on every node); a speedup is the
-median over rounds of that round's ratio to no speculation. Tasks, greedy, `ignore_eos`, a fixed number of
+speculation (k chosen per session), with drafts from the tail's draft model
+(dgr.bench.draftfile: the default model requantized to Q4_0, the only
+same-family model at hand), each also exact (a step's positions computed
+one at a time on every node); a speedup is the median over rounds of that
+round's ratio to no speculation. Tasks, greedy, `ignore_eos`, a fixed number of
 tokens:
 - copy: rewrite a given code file with one name changed (copy-heavy);
 - summary: summarise a given passage;
@@ -31,6 +33,7 @@ from typing import Any, Callable
 
 import httpx
 
+from dgr.bench.draftfile import draft_model_path
 from dgr.bench.netns import NetnsRoute, prerequisites
 
 __all__ = ["run_spec", "markdown", "RTTS_MS", "NODES", "TOKENS"]
@@ -38,8 +41,10 @@ __all__ = ["run_spec", "markdown", "RTTS_MS", "NODES", "TOKENS"]
 RTTS_MS = (0.0, 20.0, 50.0)
 NODES = (2, 3)
 TOKENS = 96
-ROUNDS = 3  # each task asked this many times each way, alternating
-WAYS = ("off", "ngram", "ngram-exact")
+# each task asked this many times each way, alternating: with three, one slow spell of the machine moved a
+# median by 4% (free chat at 0 ms: 0.96x over 3 rounds, 1.03x over 6)
+ROUNDS = 4
+WAYS = ("off", "ngram", "ngram-exact", "draft", "draft-exact")
 _ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -104,10 +109,12 @@ def _routes(log: Callable[[str], None]) -> dict[str, Any]:
         log(f"spec: namespaced routes skipped: {why}")
         return {"skipped": why}
     tasks = _tasks()
-    out: dict[str, Any] = {}
+    draft = draft_model_path()
+    out: dict[str, Any] = {"draft_model": draft.name}
     for n in NODES:
         label = f"dgr llama_shard, {n}-node ring, namespaces"
-        with NetnsRoute(backend="llama_shard", nodes=n, threads=1, ctx=4096, ready_timeout_s=600) as route:
+        with NetnsRoute(backend="llama_shard", nodes=n, threads=1, ctx=4096, ready_timeout_s=600,
+                        draft_model=str(draft)) as route:
             model = route.model_id()
             rows = []
             for rtt in RTTS_MS:
@@ -135,6 +142,7 @@ def _routes(log: Callable[[str], None]) -> dict[str, Any]:
                                                                   for x in rounds),
                                      "speculation": r["speculation"],
                                      "same_answer": all(x[way]["text"] == x["off"]["text"] for x in rounds),
+                                     "rounds_differing": sum(x[way]["text"] != x["off"]["text"] for x in rounds),
                                      "first_difference": _first_difference(base["text"], r["text"])})
             out[label] = {"nodes": n, "rows": rows}
     return out
@@ -159,7 +167,7 @@ def _anchor(log: Callable[[str], None]) -> dict[str, Any]:
 
 def run_spec(log: Callable[[str], None]) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    return {"tokens": TOKENS, "rtts_ms": list(RTTS_MS), "started": started, "routes": _routes(log),
+    return {"tokens": TOKENS, "rtts_ms": list(RTTS_MS), "rounds": ROUNDS, "started": started, "routes": _routes(log),
             "llama_server": _anchor(log), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -172,10 +180,12 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines = ["", "## Speculative decoding across the ring", "",
              f"Greedy, {res['tokens']} tokens (`ignore_eos`), 1 thread a node, each node in its own network namespace "
              "(any two machines the same RTT). `ngram`: the tail drafts from the session's own tokens, k chosen per "
-             "session from measured acceptance and trip time; `ngram-exact`: the same with a step's positions "
-             f"computed one at a time on every node. {ROUNDS} rounds, each way in turn: decode tokens/s is the median, "
-             "the speedup the median of each round's ratio to `off` on the same route, task and RTT. Same answer: in "
-             "every round the text equals `off`'s (else the character where the last round's first differs).", ""]
+             "session from measured acceptance and trip time; `draft`: the tail's draft model drafts them "
+             f"(`{res.get('routes', {}).get('draft_model', '?')}`, 1 thread); `-exact`: the same with a step's "
+             f"positions computed one at a time on every node. {res.get('rounds', ROUNDS)} rounds, each way in turn: decode tokens/s is "
+             "the median, the speedup the median of each round's ratio to `off` on the same route, task and RTT. "
+             "Same answer: in every round the text equals `off`'s (else in how many rounds it differed, and the "
+             "character where the last round's first differs).", ""]
     routes = res.get("routes", {})
     if "skipped" in routes:
         lines += [f"Namespaced routes skipped: {routes['skipped']}", ""]
@@ -183,8 +193,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
         lines += ["| route | RTT ms | task | speculation | decode tok/s | speedup | accepted/drafted | same answer |",
                   "|---|---|---|---|---|---|---|---|"]
         for label, route in routes.items():
+            if not isinstance(route, dict) or "rows" not in route:
+                continue
             for r in route["rows"]:
-                same = "yes" if r["same_answer"] else f"no (char {r['first_difference']})"
+                same = ("yes" if r["same_answer"] else
+                        f"no ({r.get('rounds_differing', '?')}/{res.get('rounds', '?')} rounds; char {r['first_difference']})")
                 lines.append(f"| {label} | {r['rtt_ms']:g} | {r['task']} | {r['way']} | {r['decode_tok_s']:.1f} "
                              f"| {r['speedup']:.2f}x | {_rate(r['speculation'])} | {same} |")
     lines += ["", "llama-server on one machine (2 threads), with and without its own `--spec-type ngram-simple`:", "",
