@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dgr.node.draft import DraftModel, ModelDrafter
-from dgr.testing.harness import LocalRoute
+from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.tiny_gguf import tiny_prompt, write_tiny_gguf
 
 VOCAB = 16
@@ -146,6 +146,27 @@ def test_draft_exact_answers_as_decoding_without_speculation(tiny, draft) -> Non
 
 
 @pytest.mark.serial
+def test_a_node_lost_mid_speculation_fails_the_session_and_frees_the_draft(tiny) -> None:
+    extra = ("--model", tiny["target"], "--draft-model", tiny["target"], "--ctx", "512", "--spec-k", "3")
+    with LocalRoute(backend="llama_shard", nodes=3, ready_timeout_s=120, extra=extra) as route:
+        model = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": tiny_prompt(20), "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True, "speculation": "draft"}
+        with httpx.stream("POST", f"{route.api}/completions", json=body, timeout=120) as r:
+            sid = r.headers["x-dgr-route-session"]
+            events = sse_events(r)
+            first_text(events)
+            killed = route.kill("node1")
+            error, seen_at = first_error(events)
+        assert seen_at - killed < LOSS_BOUND_S
+        assert (error["code"], error["node"], error["phase"]) == ("route_node_lost", "node1", "decode"), error
+        snap = route.wait_session_ended(sid)
+        assert snap["phase"] == "failed" and snap["speculation"]["drafted"] > 0, snap
+        route.wait_sessions_freed(["node0", "node2"])  # node2's KV counts its draft model's sequences
+        assert route.node_status("node2")["draft"]["sessions"] == 0
+
+
+@pytest.mark.serial
 def test_draft_speculation_needs_a_draft_model_on_the_tail() -> None:
     with LocalRoute(backend="stub", nodes=2) as route:
         model = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
@@ -169,3 +190,44 @@ def test_a_draft_of_another_vocabulary_or_off_the_tail_is_refused(tiny) -> None:
     assert wrong.returncode != 0 and "vocabulary" in wrong.stderr, wrong.stderr[-500:]
     head = _node("--model", tiny["target"], "--layers", "0:3", "--draft-model", tiny["target"])
     assert head.returncode != 0 and "tail" in head.stderr, head.stderr[-500:]
+
+
+class _Clocked:
+    """A costly drafter on a hand-moved clock: drafting k tokens takes 50 ms each; its drafts are 1, 2, ..."""
+
+    free = False
+    draft_s = 0.05
+
+    def __init__(self, now: list[float]) -> None:
+        self.now = now
+
+    def extend(self, tokens) -> None:
+        pass
+
+    def append(self, token: int) -> None:
+        pass
+
+    def draft(self, k: int) -> list[int]:
+        self.now[0] += 0.05 * k
+        return list(range(1, k + 1))
+
+
+def test_a_steps_measured_time_leaves_out_the_next_steps_drafting() -> None:
+    """The drafting that follows a verdict is the drafter's cost (draft_s), not the route's: counting it in
+    the step's time too made a draft model look cheap beside a slow-looking trip (k = 3 at 0 ms, 0.73x)."""
+    from dgr.node.speculation import SpecPlan, TailSpec
+    from dgr.sampling import Sampler, SamplingParams
+
+    now = [0.0]
+    spec = TailSpec(SpecPlan(fixed_k=2), drafter=_Clocked(now), clock=lambda: now[0])
+    spec.first(7, 0.0)
+    spec.next_step(1, 10, 7, 100)  # drafts [1, 2], built at 0.1
+    now[0] += 0.03  # around the route
+    rows = np.full((3, VOCAB), -10.0, np.float32)
+    rows[0, 1] = rows[1, 2] = rows[2, 9] = 10.0  # both drafts taken, then 9
+    _, verdict, _, emitted = spec.verify(1, rows, Sampler(SamplingParams(temperature=0.0)), is_eog=lambda t: False,
+                                         ignore_eos=True, max_positions=100)
+    assert verdict.accepted == 2 and [e.token for e in emitted] == [1, 2, 9]
+    spec.next_step(2, 13, 9, 100)  # the next step's drafts: another 100 ms
+    spec.measured(compute_s=0.01)
+    assert spec.step_s == pytest.approx(0.03)

@@ -64,6 +64,7 @@ def _ask(api: str, model: str, prompt: str, headers: dict[str, str], extra: dict
     """One streamed chat completion of TOKENS tokens: its text, decode rate and Route Session id."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
             "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
+    started = time.perf_counter()
     times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] = {}
@@ -85,7 +86,8 @@ def _ask(api: str, model: str, prompt: str, headers: dict[str, str], extra: dict
                     text.append(piece)
     n = usage.get("completion_tokens", len(times))
     rate = (n - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-    return {"text": "".join(text), "decode_tok_s": rate, "tokens": n, "session": sid, "timings": timings}
+    return {"text": "".join(text), "decode_tok_s": rate, "tokens": n, "session": sid, "timings": timings,
+            "ttft_s": times[0] - started if times else None}
 
 
 def _telemetry(url: str, sid: str, headers: dict[str, str]) -> dict[str, Any]:
@@ -137,6 +139,7 @@ def _routes(log: Callable[[str], None]) -> dict[str, Any]:
                         rows.append({"rtt_ms": rtt, "task": task, "way": way,
                                      "decode_tok_s": statistics.median(x[way]["decode_tok_s"] for x in rounds),
                                      "tokens": r["tokens"],
+                                     "ttft_s": statistics.median(x[way]["ttft_s"] or 0.0 for x in rounds),
                                      # the median over rounds of that round's ratio to no speculation
                                      "speedup": statistics.median(x[way]["decode_tok_s"] / x["off"]["decode_tok_s"]
                                                                   for x in rounds),
@@ -171,6 +174,10 @@ def run_spec(log: Callable[[str], None]) -> dict[str, Any]:
             "llama_server": _anchor(log), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def _ttft(r: dict[str, Any]) -> str:
+    return "-" if r.get("ttft_s") is None else f"{r['ttft_s']:.2f}"
+
+
 def _rate(s: dict[str, Any]) -> str:
     rate = s.get("acceptance_rate")
     return "-" if not s.get("drafted") else f"{s['accepted']}/{s['drafted']} ({rate:.2f})"
@@ -183,15 +190,17 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "session from measured acceptance and trip time; `draft`: the tail's draft model drafts them "
              f"(`{res.get('routes', {}).get('draft_model', '?')}`, 1 thread); `-exact`: the same with a step's "
              f"positions computed one at a time on every node. {res.get('rounds', ROUNDS)} rounds, each way in turn: decode tokens/s is "
-             "the median, the speedup the median of each round's ratio to `off` on the same route, task and RTT. "
+             "the median, the speedup the median of each round's ratio to `off` on the same route, task and RTT, TTFT "
+             "the median time from sending the request to its first token (a draft model reads the prompt at the "
+             "open). "
              "Same answer: in every round the text equals `off`'s (else in how many rounds it differed, and the "
              "character where the last round's first differs).", ""]
     routes = res.get("routes", {})
     if "skipped" in routes:
         lines += [f"Namespaced routes skipped: {routes['skipped']}", ""]
     else:
-        lines += ["| route | RTT ms | task | speculation | decode tok/s | speedup | accepted/drafted | same answer |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| route | RTT ms | task | speculation | decode tok/s | speedup | TTFT s | accepted/drafted "
+                  "| same answer |", "|---|---|---|---|---|---|---|---|---|"]
         for label, route in routes.items():
             if not isinstance(route, dict) or "rows" not in route:
                 continue
@@ -199,7 +208,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
                 same = ("yes" if r["same_answer"] else
                         f"no ({r.get('rounds_differing', '?')}/{res.get('rounds', '?')} rounds; char {r['first_difference']})")
                 lines.append(f"| {label} | {r['rtt_ms']:g} | {r['task']} | {r['way']} | {r['decode_tok_s']:.1f} "
-                             f"| {r['speedup']:.2f}x | {_rate(r['speculation'])} | {same} |")
+                             f"| {r['speedup']:.2f}x | {_ttft(r)} | {_rate(r['speculation'])} | {same} |")
     lines += ["", "llama-server on one machine (2 threads), with and without its own `--spec-type ngram-simple`:", "",
               "| task | speculation | decode tok/s | accepted/drafted |", "|---|---|---|---|"]
     for task, ways in res.get("llama_server", {}).items():

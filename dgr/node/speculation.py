@@ -30,8 +30,8 @@ The tail is where the tokens are, so drafting and verifying both run here
   shadow (they cost nothing), so its estimate still learns; a draft model's
   session starts from a higher prior, as its drafts are the model's own
   guesses of the next token, and at k = 0 drafts one token in the shadow
-  every `_PROBE_EVERY` steps (its cost, and its acceptance, are measured
-  again). The draft model reads the prompt at the session's open (`warm`).
+  now and then, at 1% of the session's time (`_PROBE_SHARE`), so its cost
+  and acceptance are measured again. The draft model reads the prompt at the session's open (`warm`).
 
 Left out: the frames' bytes (dgr.node.replies builds them) and the route's
 side (the gateway counts SPEC_RESULTs into Generation Telemetry).
@@ -64,7 +64,9 @@ _POSITION_PRIOR = 0.25  # before any multi-position step: an extra position cost
 _PRIOR = 0.3
 # a draft model's first acceptance: its drafts are a model's own next tokens, and at k = 0 nothing is learnt
 _MODEL_PRIOR = 0.6
-_PROBE_EVERY = 16  # a draft model's session at k = 0 drafts one token in the shadow this many steps apart
+# a draft model's session at k = 0 drafts one token in the shadow once the steps since the last took this many
+# times that token's cost: the probe costs 1% of the session's time (every 100 steps where a draft costs a step)
+_PROBE_SHARE = 0.01
 
 
 class Drafter(Protocol):
@@ -111,8 +113,9 @@ class TailSpec:
     compute_1: float | None = None  # every node's compute for a one-position step
     position_s: float | None = None  # one more position's compute, every node together
     clock: Callable[[], float] = time.perf_counter
-    # the step verified last and when it was built, until `measured` takes its cost (after its iteration)
-    verified: tuple[SpecStep, float] | None = None
+    # the step verified last, when it was built and when its logits were here, until `measured` takes its cost
+    # (after its iteration)
+    verified: tuple[SpecStep, float, float] | None = None
     undrafted: int = 0  # steps at k = 0 since a costly drafter last drafted in the shadow
 
     def __attrs_post_init__(self) -> None:
@@ -156,7 +159,8 @@ class TailSpec:
         Raises:
             KeyError: no step `seq` in flight (the tail did not send it).
         """
-        step, built = self.verified = self.inflight.pop(seq)
+        step, built = self.inflight.pop(seq)
+        self.verified = (step, built, self.clock())  # its logits are here: the next step's drafting is no part of it
         rows = logits.reshape(step.k + 1, -1)  # [k + 1, vocab]
         verdict, logprobs = accept_with_sampler(rows, step.drafts, sampler)
         # positions: the step's first token sits at pos0, so the token after it is pos0 + 1's (counted as
@@ -185,7 +189,7 @@ class TailSpec:
                 self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
             else:  # a model's draft costs its compute: one token a while, so a session at k = 0 can come back
                 self.undrafted += 1
-                if self.undrafted >= _PROBE_EVERY:
+                if self.undrafted * _PROBE_SHARE * (self.step_s or 0.0) >= self.drafter.draft_s:
                     self.undrafted = 0
                     self.shadow = Shadow(tuple(self.drafter.draft(1)))
         return step
@@ -200,12 +204,13 @@ class TailSpec:
                         k_max=self.plan.k_max)
 
     def measured(self, compute_s: float) -> None:
-        """The step verified last is done: from its building it took the time since, of which `compute_s`
-        (every node's) was compute. Nothing where no step was verified since (the prompt's last chunk)."""
+        """The step verified last is done: from its building to its logits here it took a time of which
+        `compute_s` (every node's) was compute. Nothing where no step was verified since (the prompt's last
+        chunk). The drafts of the step after it are not in that time: they are the drafter's cost."""
         if self.verified is None:
             return
-        (step, built), self.verified = self.verified, None
-        took_s = self.clock() - built
+        (step, built, verified_at), self.verified = self.verified, None
+        took_s = verified_at - built
         if step.k == 0:
             self.compute_1 = _mean(self.compute_1, compute_s)
             self.step_s = _mean(self.step_s, took_s)
