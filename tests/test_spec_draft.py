@@ -231,3 +231,22 @@ def test_a_steps_measured_time_leaves_out_the_next_steps_drafting() -> None:
     spec.next_step(2, 13, 9, 100)  # the next step's drafts: another 100 ms
     spec.measured(compute_s=0.01)
     assert spec.step_s == pytest.approx(0.03)
+
+
+def test_a_draft_model_at_k_0_probes_only_where_a_trip_pays_for_it() -> None:
+    """Drafting one token costs 50 ms here, and catching up a quarter of that a token behind: beside a 20 ms
+    trip a probe never pays; beside a 2 s one it comes after a few steps."""
+    from dgr.node.speculation import SpecPlan, TailSpec
+
+    spec = TailSpec(SpecPlan(), drafter=_Clocked([0.0]))
+
+    def first_due(step_s: float) -> int | None:
+        spec.step_s = step_s
+        for n in range(1, 10_000):
+            spec.undrafted = n
+            if spec._probe_due():
+                return n
+        return None
+
+    assert first_due(0.02) is None
+    assert first_due(2.0) == 7  # 7 x 1% x 2 s >= 50 ms x (1 + 7 / 4)

@@ -30,8 +30,9 @@ The tail is where the tokens are, so drafting and verifying both run here
   shadow (they cost nothing), so its estimate still learns; a draft model's
   session starts from a higher prior, as its drafts are the model's own
   guesses of the next token, and at k = 0 drafts one token in the shadow
-  now and then, at 1% of the session's time (`_PROBE_SHARE`), so its cost
-  and acceptance are measured again. The draft model reads the prompt at the session's open (`warm`).
+  now and then, at 1% of the session's time (`_PROBE_SHARE`, counting the
+  tokens it must read to catch up), so its cost and acceptance are
+  measured again where a trip is long enough for that to pay. The draft model reads the prompt at the session's open (`warm`).
 
 Left out: the frames' bytes (dgr.node.replies builds them) and the route's
 side (the gateway counts SPEC_RESULTs into Generation Telemetry).
@@ -67,6 +68,9 @@ _MODEL_PRIOR = 0.6
 # a draft model's session at k = 0 drafts one token in the shadow once the steps since the last took this many
 # times that token's cost: the probe costs 1% of the session's time (every 100 steps where a draft costs a step)
 _PROBE_SHARE = 0.01
+# reading a token the draft model fell behind by costs about this share of drafting one (a batch, not a step
+# each): so a long pause at k = 0 makes a probe dearer, and where a trip is under 25 drafted tokens there is none
+_CATCH_UP = 0.25
 
 
 class Drafter(Protocol):
@@ -183,16 +187,23 @@ class TailSpec:
         k = self._k()
         room = max(0, max_positions - pos0 - 1)  # positions the step may still add past its own
         step = plan_step(seq, pos0, last, self.drafter.draft(k), k=k, room=room)
-        self.inflight[seq] = (step, self.clock())
-        if step.k == 0 and not self.shadow.expecting:
+        if step.k == 0 and not self.shadow.expecting:  # before the step's clock starts: no part of its trip
             if self.drafter.free:
                 self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
             else:  # a model's draft costs its compute: one token a while, so a session at k = 0 can come back
                 self.undrafted += 1
-                if self.undrafted * _PROBE_SHARE * (self.step_s or 0.0) >= self.drafter.draft_s:
+                if self._probe_due():
                     self.undrafted = 0
                     self.shadow = Shadow(tuple(self.drafter.draft(1)))
+        self.inflight[seq] = (step, self.clock())
         return step
+
+    def _probe_due(self) -> bool:
+        """Whether a k = 0 session's draft model drafts a token in the shadow now: once the steps since it last
+        did took 1/_PROBE_SHARE times what the probe costs, a token and reading the tokens since (at
+        _CATCH_UP of a token each). At once where its cost is not measured yet."""
+        cost = self.drafter.draft_s * (1.0 + _CATCH_UP * self.undrafted)
+        return self.undrafted * _PROBE_SHARE * (self.step_s or 0.0) >= cost
 
     def _k(self) -> int:
         if self.plan.fixed_k is not None:
