@@ -211,6 +211,12 @@ class _Clocked:
         self.now[0] += 0.05 * k
         return list(range(1, k + 1))
 
+    def warm(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 def test_a_steps_measured_time_leaves_out_the_next_steps_drafting() -> None:
     """The drafting that follows a verdict is the drafter's cost (draft_s), not the route's: counting it in

@@ -43,7 +43,7 @@ NODES = (2, 3)
 TOKENS = 96
 # each task asked this many times each way, alternating: with three, one slow spell of the machine moved a
 # median by 4% (free chat at 0 ms: 0.96x over 3 rounds, 1.03x over 6)
-ROUNDS = 4
+ROUNDS = 5
 WAYS = ("off", "ngram", "ngram-exact", "draft", "draft-exact")
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,9 +124,11 @@ def _routes(log: Callable[[str], None]) -> dict[str, Any]:
                 _ask(route.api, model, "Hello", route.headers, {"speculation": "off"})  # links settle at this RTT
                 for task, prompt in tasks.items():
                     rounds: list[dict[str, dict[str, Any]]] = []
-                    for _ in range(ROUNDS):  # each way in turn, so a slow spell of the machine hits all alike
+                    for i in range(ROUNDS):  # each way in turn, so a slow spell of the machine hits all alike
                         runs = {}
-                        for way in WAYS:
+                        # and each round starts one way further on: no way always runs first (right after the
+                        # previous task's last) or last (in one run free chat's first way, `off`, was the fastest)
+                        for way in WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]:
                             r = _ask(route.api, model, prompt, route.headers, {"speculation": way})
                             r["speculation"] = _telemetry(route.url, r.pop("session"), route.headers)
                             runs[way] = r

@@ -32,7 +32,8 @@ The tail is where the tokens are, so drafting and verifying both run here
   guesses of the next token, and at k = 0 drafts one token in the shadow
   now and then, at 1% of the session's time (`_PROBE_SHARE`, counting the
   tokens it must read to catch up), so its cost and acceptance are
-  measured again where a trip is long enough for that to pay. The draft model reads the prompt at the session's open (`warm`).
+  measured again where a trip is long enough for that to pay. The draft
+  model reads the prompt at the session's open (`warm`).
 
 Left out: the frames' bytes (dgr.node.replies builds them) and the route's
 side (the gateway counts SPEC_RESULTs into Generation Telemetry).
@@ -47,10 +48,10 @@ from typing import Protocol
 import attrs
 import numpy as np
 
+from dgr.node.draft import DraftModel, ModelDrafter
 from dgr.sampling import Sampler
 from dgr.spec.accept import Verdict, accept_with_sampler
 from dgr.spec.adapt import K_MAX, Acceptance, RouteCost, Shadow, choose_k
-from dgr.node.draft import DraftModel, ModelDrafter
 from dgr.spec.ngram import NgramDrafter
 from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
 
@@ -82,6 +83,8 @@ class Drafter(Protocol):
     def extend(self, tokens: Sequence[int]) -> None: ...
     def append(self, token: int) -> None: ...
     def draft(self, k: int) -> list[int]: ...
+    def warm(self) -> None: ...  # before the first step: a draft model reads the prompt
+    def close(self) -> None: ...  # the session ended: a draft model frees its sequence
 
 
 @attrs.frozen
@@ -140,15 +143,11 @@ class TailSpec:
 
     def warm(self) -> None:
         """Ready the drafter before the first step (in the scheduler's thread: a draft model reads the prompt)."""
-        warm = getattr(self.drafter, "warm", None)
-        if warm is not None:
-            warm()
+        self.drafter.warm()
 
     def close(self) -> None:
         """Free what drafting held for the session (in the scheduler's thread: a draft model's sequence)."""
-        close = getattr(self.drafter, "close", None)
-        if close is not None:
-            close()
+        self.drafter.close()
 
     def first(self, token: int, logprob: float) -> Emitted:
         """The token the prompt's last chunk sampled: emitted alone, and the history's next token."""

@@ -66,6 +66,12 @@ class NgramDrafter:
         """Tokens seen, all told (the absolute length of the session's sequence)."""
         return self._base + len(self._toks)
 
+    def warm(self) -> None:
+        """Nothing to ready: the index is built as tokens arrive."""
+
+    def close(self) -> None:
+        """Nothing to free beyond the object."""
+
     def extend(self, tokens: Iterable[int]) -> None:
         for t in tokens:
             self.append(t)
