@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -105,26 +106,27 @@ def _first_difference(a: str, b: str) -> int | None:
     return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
 
 
-def _routes(log: Callable[[str], None]) -> dict[str, Any]:
+def _routes(log: Callable[[str], None], nodes: tuple[int, ...] = NODES, rtts: tuple[float, ...] = RTTS_MS,
+            only: tuple[str, ...] | None = None, n_rounds: int = ROUNDS) -> dict[str, Any]:
     why = prerequisites()
     if why is not None:
         log(f"spec: namespaced routes skipped: {why}")
         return {"skipped": why}
-    tasks = _tasks()
+    tasks = {t: p for t, p in _tasks().items() if only is None or t in only}
     draft = draft_model_path()
     out: dict[str, Any] = {"draft_model": draft.name}
-    for n in NODES:
+    for n in nodes:
         label = f"dgr llama_shard, {n}-node ring, namespaces"
         with NetnsRoute(backend="llama_shard", nodes=n, threads=1, ctx=4096, ready_timeout_s=600,
                         draft_model=str(draft)) as route:
             model = route.model_id()
             rows = []
-            for rtt in RTTS_MS:
+            for rtt in rtts:
                 route.set_rtt(rtt)
                 _ask(route.api, model, "Hello", route.headers, {"speculation": "off"})  # links settle at this RTT
                 for task, prompt in tasks.items():
                     rounds: list[dict[str, dict[str, Any]]] = []
-                    for i in range(ROUNDS):  # each way in turn, so a slow spell of the machine hits all alike
+                    for i in range(n_rounds):  # each way in turn, so a slow spell of the machine hits all alike
                         runs = {}
                         # and each round starts one way further on: no way always runs first (right after the
                         # previous task's last) or last (in one run free chat's first way, `off`, was the fastest)
@@ -176,6 +178,36 @@ def run_spec(log: Callable[[str], None]) -> dict[str, Any]:
             "llama_server": _anchor(log), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def main(argv: list[str] | None = None) -> int:
+    """A focused rerun of some rows, with more rounds: `python -m dgr.bench.spec --nodes 2 --rtt 0 --task chat
+    --rounds 12 --out DIR` (the suite's 5 rounds leave a few percent of the machine's drift in a 0 ms median)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dgr.bench.spec")
+    p.add_argument("--nodes", type=int, action="append", choices=NODES)
+    p.add_argument("--rtt", type=float, action="append")
+    p.add_argument("--task", action="append", choices=("copy", "summary", "chat"))
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    rtts = tuple(args.rtt or RTTS_MS)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    res = {"tokens": TOKENS, "rtts_ms": list(rtts), "rounds": args.rounds, "started": started,
+           "routes": _routes(lambda line: print(f"[bench] {line}", flush=True), tuple(args.nodes or NODES), rtts,
+                             tuple(args.task) if args.task else None, args.rounds),
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"spec": res}, indent=1))
+    (out / "REPORT.md").write_text("\n".join(["# dgr benchmark: speculative decoding, a focused rerun", "",
+                                              f"Run {started} to {res['finished']}: `python -m dgr.bench.spec "
+                                              f"{' '.join(argv if argv is not None else sys.argv[1:])}`.",
+                                              *markdown(res)]))
+    print(f"report: {out / 'REPORT.md'}")
+    return 0
+
+
+
 def _ttft(r: dict[str, Any]) -> str:
     return "-" if r.get("ttft_s") is None else f"{r['ttft_s']:.2f}"
 
@@ -218,3 +250,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
             acc = "-" if not r.get("drafted") else f"{r['accepted']}/{r['drafted']}"
             lines.append(f"| {task} | {way} | {r['decode_tok_s']:.1f} | {acc} |")
     return lines + [""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
