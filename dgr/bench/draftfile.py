@@ -6,8 +6,8 @@ itself at another quantization: Q4_0 from its Q4_1 (llama.cpp's
 `llama_model_quantize`, requantizing). Its vocabulary is the target's by
 construction; it decodes in about 80% of the target's time on one thread and
 agrees with it on most greedy tokens, which is what a draft needs. The file
-is cached beside the other built models, keyed by the source's size and
-mtime.
+is cached beside the other built models (dgr.bench.shapes), keyed by the
+source's size and mtime.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ import os
 from pathlib import Path
 
 __all__ = ["draft_model_path", "requantize"]
-
-_CACHE = Path(os.environ.get("DGR_CACHE", Path.home() / ".cache" / "dgr")) / "models"
-
 
 def requantize(src: Path, dst: Path, ftype: str = "Q4_0") -> Path:
     """Write `src` requantized to `ftype` (a llama.cpp LLAMA_FTYPE_MOSTLY_* name) at `dst`.
@@ -45,9 +42,10 @@ def requantize(src: Path, dst: Path, ftype: str = "Q4_0") -> Path:
 
 def draft_model_path(ftype: str = "Q4_0") -> Path:
     """The default model at `ftype`, made once and cached."""
+    from dgr.bench.shapes import built_models_dir
     from dgr.models import default_model_path
 
     src = default_model_path()
     st = src.stat()
-    dst = _CACHE / f"{src.stem}.{ftype.upper()}-draft-{st.st_size}-{int(st.st_mtime)}.gguf"
+    dst = built_models_dir() / f"{src.stem}.{ftype.upper()}-draft-{st.st_size}-{int(st.st_mtime)}.gguf"
     return dst if dst.is_file() else requantize(src, dst, ftype)

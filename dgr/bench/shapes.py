@@ -21,7 +21,7 @@ import numpy as np
 from dgr.gguf_meta import read_header
 from dgr.models import default_model_path
 
-__all__ = ["LlamaShape", "LLAMA_1B", "random_llama_gguf"]
+__all__ = ["built_models_dir", "LlamaShape", "LLAMA_1B", "random_llama_gguf"]
 
 
 @attrs.frozen
@@ -43,13 +43,14 @@ class LlamaShape:
 LLAMA_1B = LlamaShape("random-llama-1b", n_layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192)
 
 
-def _cache_dir() -> Path:
+def built_models_dir() -> Path:
+    """Where the bench keeps the models it builds (random shapes, the draft model): never downloaded."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgr" / "models"
 
 
 def random_llama_gguf(shape: LlamaShape = LLAMA_1B, log=lambda msg: None) -> Path:
     """The cached file for shape, written on first use (about a minute for 1B parameters)."""
-    path = _cache_dir() / f"{shape.name}-{shape.quant.name.lower()}.gguf"
+    path = built_models_dir() / f"{shape.name}-{shape.quant.name.lower()}.gguf"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

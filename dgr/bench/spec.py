@@ -43,7 +43,8 @@ RTTS_MS = (0.0, 20.0, 50.0)
 NODES = (2, 3)
 TOKENS = 96
 # each task asked this many times each way, alternating: with three, one slow spell of the machine moved a
-# median by 4% (free chat at 0 ms: 0.96x over 3 rounds, 1.03x over 6)
+# median by a few percent (free chat at 0 ms on 2 nodes: 0.96x in docs/perf/archive/spec, 3 rounds; 0.97x to
+# 0.99x for every way in archive/spec-draft/focus-chat0, 12 rounds)
 ROUNDS = 5
 WAYS = ("off", "ngram", "ngram-exact", "draft", "draft-exact")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -172,10 +173,13 @@ def _anchor(log: Callable[[str], None]) -> dict[str, Any]:
     return out
 
 
-def run_spec(log: Callable[[str], None]) -> dict[str, Any]:
+def run_spec(log: Callable[[str], None], nodes: tuple[int, ...] = NODES, rtts: tuple[float, ...] = RTTS_MS,
+             only: tuple[str, ...] | None = None, n_rounds: int = ROUNDS, anchor: bool = True) -> dict[str, Any]:
+    """The suite's rows (`dgr bench --only spec`), or some of them (`main`), with llama-server's anchor."""
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    return {"tokens": TOKENS, "rtts_ms": list(RTTS_MS), "rounds": ROUNDS, "started": started, "routes": _routes(log),
-            "llama_server": _anchor(log), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {"tokens": TOKENS, "rtts_ms": list(rtts), "rounds": n_rounds, "started": started,
+            "routes": _routes(log, nodes, rtts, only, n_rounds), "llama_server": _anchor(log) if anchor else {},
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,17 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    rtts = tuple(args.rtt or RTTS_MS)
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    res = {"tokens": TOKENS, "rtts_ms": list(rtts), "rounds": args.rounds, "started": started,
-           "routes": _routes(lambda line: print(f"[bench] {line}", flush=True), tuple(args.nodes or NODES), rtts,
-                             tuple(args.task) if args.task else None, args.rounds),
-           "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = run_spec(lambda line: print(f"[bench] {line}", flush=True), tuple(args.nodes or NODES),
+                   tuple(args.rtt or RTTS_MS), tuple(args.task) if args.task else None, args.rounds, anchor=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"spec": res}, indent=1))
     (out / "REPORT.md").write_text("\n".join(["# dgr benchmark: speculative decoding, a focused rerun", "",
-                                              f"Run {started} to {res['finished']}: `python -m dgr.bench.spec "
+                                              f"Run {res['started']} to {res['finished']}: `python -m dgr.bench.spec "
                                               f"{' '.join(argv if argv is not None else sys.argv[1:])}`.",
                                               *markdown(res)]))
     print(f"report: {out / 'REPORT.md'}")
@@ -223,7 +223,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "(any two machines the same RTT). `ngram`: the tail drafts from the session's own tokens, k chosen per "
              "session from measured acceptance and trip time; `draft`: the tail's draft model drafts them "
              f"(`{res.get('routes', {}).get('draft_model', '?')}`, 1 thread); `-exact`: the same with a step's "
-             f"positions computed one at a time on every node. {res.get('rounds', ROUNDS)} rounds, each way in turn: decode tokens/s is "
+             f"positions computed one at a time on every node. {res.get('rounds', ROUNDS)} rounds, each way in turn: "
+             "decode tokens/s is "
              "the median, the speedup the median of each round's ratio to `off` on the same route, task and RTT, TTFT "
              "the median time from sending the request to its first token (a draft model reads the prompt at the "
              "open). "
@@ -239,8 +240,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
             if not isinstance(route, dict) or "rows" not in route:
                 continue
             for r in route["rows"]:
-                same = ("yes" if r["same_answer"] else
-                        f"no ({r.get('rounds_differing', '?')}/{res.get('rounds', '?')} rounds; char {r['first_difference']})")
+                differing = f"{r.get('rounds_differing', '?')}/{res.get('rounds', '?')}"
+                same = "yes" if r["same_answer"] else f"no ({differing} rounds; char {r['first_difference']})"
                 lines.append(f"| {label} | {r['rtt_ms']:g} | {r['task']} | {r['way']} | {r['decode_tok_s']:.1f} "
                              f"| {r['speedup']:.2f}x | {_ttft(r)} | {_rate(r['speculation'])} | {same} |")
     lines += ["", "llama-server on one machine (2 threads), with and without its own `--spec-type ngram-simple`:", "",

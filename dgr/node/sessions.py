@@ -82,7 +82,7 @@ class NodeSessions:
         if relay is not None and sid in self.table:
             self.links.attach(sid, relay, lane, spec)
             tail = self.links.spec.get(sid)
-            if tail is not None and not tail.drafter.free:  # a draft model reads the prompt while the head computes
+            if tail is not None and tail.reads_prompt:  # while the route's first hops compute the prompt
                 self.scheduler.submit(Job(JobKind.SESSION, sid, fn=tail.warm))
         session = self.table.live.get(sid)
         if session is not None and reused:

@@ -141,6 +141,11 @@ class TailSpec:
             raise ValueError("no draft model on this node")
         return cls(plan, drafter=ModelDrafter(draft, sid), acceptance=Acceptance(prior=_MODEL_PRIOR))
 
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether `warm` has work to do: a draft model reads the prompt; the n-gram index has it already."""
+        return not self.drafter.free
+
     def warm(self) -> None:
         """Ready the drafter before the first step (in the scheduler's thread: a draft model reads the prompt)."""
         self.drafter.warm()
