@@ -152,3 +152,60 @@ def test_the_shadow_observes_the_acceptance_probability_when_sampling() -> None:
     assert full.expecting and full.bonus_due  # the bonus is judged by nothing
     full, b = full.sampled(5, a)
     assert b == a and not full.expecting
+
+
+class _Scripted:
+    """An n-gram-like drafter whose next draft's class the test sets; its drafts are 1, 2, ..."""
+
+    free = True
+    draft_s = 0.0
+
+    def __init__(self) -> None:
+        self.now = "short"
+
+    def extend(self, tokens) -> None:
+        pass
+
+    def append(self, token: int) -> None:
+        pass
+
+    def draft(self, k: int) -> list[int]:
+        return list(range(1, k + 1))
+
+    def kind(self) -> str:
+        return self.now
+
+    def warm(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_each_class_of_drafts_keeps_its_own_estimate() -> None:
+    """Drafts resting on little context refused at once, drafts resting on more all taken, in turn: the tail
+    then drafts several after a long context and none after a short one. (One estimate for both drafted the
+    same k after each: on the bench's copy task, long after a copied run ended.)"""
+    from dgr.node.speculation import SpecPlan, TailSpec
+    from dgr.sampling import Sampler, SamplingParams
+
+    drafter = _Scripted()
+    spec = TailSpec(SpecPlan(), drafter=drafter)
+    spec.step_s, spec.position_s, spec.compute_1 = 0.07, 0.008, 0.02  # 50 ms RTT on 2 nodes, as measured there
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    spec.first(7, 0.0)
+    pos = 10
+    for i in range(40):
+        drafter.now = "long" if i % 2 else "short"
+        step = spec.next_step(i, pos, 7, 10_000)
+        rows = np.full((step.k + 1, 32), -10.0, np.float32)
+        taken = step.k if drafter.now == "long" else 0
+        for j in range(taken):
+            rows[j, j + 1] = 10.0
+        rows[taken, 9] = 10.0  # the correction, or the bonus after every draft
+        _, verdict, _, _ = spec.verify(i, rows, greedy, is_eog=lambda t: False, ignore_eos=True, max_positions=10_000)
+        assert verdict.accepted == taken
+        pos += taken + 1
+    assert spec._k("short") == 0
+    assert spec._k("long") >= 4
+    assert spec.estimate("short").rate_at(1) < 0.1 < 0.9 < spec.estimate("long").rate_at(1)

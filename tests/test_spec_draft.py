@@ -211,6 +211,9 @@ class _Clocked:
         self.now[0] += 0.05 * k
         return list(range(1, k + 1))
 
+    def kind(self) -> str:
+        return "model"
+
     def warm(self) -> None:
         pass
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dgr.spec.ngram import NgramDrafter
+from dgr.spec.ngram import SUPPORT_CAP, NgramDrafter
 
 
 def brute_force(seq: list[int], k: int, n_min: int, n_max: int, window: int) -> list[int]:
@@ -39,6 +39,22 @@ def test_a_period_drafts_past_the_end_of_the_history() -> None:
     d = NgramDrafter(n_min=1, n_max=2)
     d.extend([5, 6, 5, 6])
     assert d.draft(5) == [5, 6, 5, 6, 5]  # the copy runs on into its own draft
+
+
+def test_a_draft_says_how_much_context_it_rests_on() -> None:
+    """support: the tokens before the chosen occurrence equal to the session's last ones, counted past n_max
+    (up to SUPPORT_CAP); kind: short up to SHORT_SUPPORT, long beyond."""
+    d = NgramDrafter(n_min=1, n_max=2)
+    d.extend([9, 8, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4])
+    assert d.draft(2) == [5, 6] and d.support() == 4 and d.kind() == "long"  # (1, 2, 3, 4) as before, not (8, 1, ...)
+    d.extend([0, 4])
+    assert d.draft(2) == [0, 4] and d.support() == 1 and d.kind() == "short"  # only (4) matches before its 0
+    d = NgramDrafter(n_min=1, n_max=4)
+    d.extend([1, 2, 3, 4, 5, 6])
+    assert d.draft(3) == [] and d.support() == 0 and d.kind() == "short"
+    d = NgramDrafter(n_min=1, n_max=4)
+    d.extend([5] * 40)
+    assert d.support() == SUPPORT_CAP  # counted back no further
 
 
 def test_no_recurring_key_drafts_nothing() -> None:

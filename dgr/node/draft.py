@@ -180,6 +180,9 @@ class ModelDrafter:
     def draft(self, k: int) -> list[int]:
         return self.model.draft(self.sid, self.tokens, k)
 
+    def kind(self) -> str:
+        return "model"  # one class: the model's guesses, whatever the context
+
     def warm(self) -> None:
         self.model.warm(self.sid, self.tokens)
 

@@ -20,8 +20,13 @@ The tail is where the tokens are, so drafting and verifying both run here
 - The next step starts at the first refused draft's position (`keep`): every
   node drops its KV from there before computing it (dgr.fsm.node), so no node
   keeps a refused position.
-- k: fixed where the tracker fixed it, else from the measured acceptance and
-  the route's measured cost (dgr.spec.adapt `choose_k`). The cost: the time
+- k: fixed where the tracker fixed it, else from the measured acceptance of
+  drafts of the next draft's class and the route's measured cost
+  (dgr.spec.adapt `choose_k`). The classes are the drafter's (`kind`): an
+  n-gram draft resting on one or two tokens of context is "short", on more
+  "long", and each keeps its own estimate (dgr.spec.ngram says why; on the
+  bench's copy task at 50 ms the n-gram way went from 2.03x to 2.11x when
+  replayed over the same answers). The cost: the time
   from building a step to having its logits here (every link and node on
   the way), less the extra positions' share, is `step_s`; an extra
   position's share is its compute on every node (the record's hop times),
@@ -83,6 +88,7 @@ class Drafter(Protocol):
     def extend(self, tokens: Sequence[int]) -> None: ...
     def append(self, token: int) -> None: ...
     def draft(self, k: int) -> list[int]: ...
+    def kind(self) -> str: ...  # the next draft's class: each class has its own acceptance estimate
     def warm(self) -> None: ...  # before the first step: a draft model reads the prompt
     def close(self) -> None: ...  # the session ended: a draft model frees its sequence
 
@@ -112,10 +118,14 @@ class Emitted:
 class TailSpec:
     plan: SpecPlan
     drafter: Drafter = attrs.field(factory=lambda: NgramDrafter(n_min=1))
-    acceptance: Acceptance = attrs.field(factory=lambda: Acceptance(prior=_PRIOR))
+    prior: float = _PRIOR  # the acceptance a class of drafts starts from
+    # the drafter's classes of drafts (`Drafter.kind`: how much context an n-gram draft rests on) -> their estimate
+    acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
     shadow: Shadow = attrs.field(factory=Shadow)
+    shadow_kind: str = ""  # the class of the shadow's drafts
     counters: SpecCounters = attrs.field(factory=SpecCounters)
-    inflight: dict[int, tuple[SpecStep, float]] = attrs.field(factory=dict)  # seq -> (step sent, when built)
+    # seq -> (step sent, when built, the class of its drafts)
+    inflight: dict[int, tuple[SpecStep, float, str]] = attrs.field(factory=dict)
     step_s: float | None = None  # a one-position step around the route, measured
     compute_1: float | None = None  # every node's compute for a one-position step
     position_s: float | None = None  # one more position's compute, every node together
@@ -139,7 +149,7 @@ class TailSpec:
             return cls(plan)
         if draft is None:
             raise ValueError("no draft model on this node")
-        return cls(plan, drafter=ModelDrafter(draft, sid), acceptance=Acceptance(prior=_MODEL_PRIOR))
+        return cls(plan, drafter=ModelDrafter(draft, sid), prior=_MODEL_PRIOR)
 
     @property
     def reads_prompt(self) -> bool:
@@ -167,7 +177,7 @@ class TailSpec:
         Raises:
             KeyError: no step `seq` in flight (the tail did not send it).
         """
-        step, built = self.inflight.pop(seq)
+        step, built, kind = self.inflight.pop(seq)
         self.verified = (step, built, self.clock())  # its logits are here: the next step's drafting is no part of it
         rows = logits.reshape(step.k + 1, -1)  # [k + 1, vocab]
         verdict, logprobs = accept_with_sampler(rows, step.drafts, sampler)
@@ -177,7 +187,7 @@ class TailSpec:
                       ignore_eos=ignore_eos)
         self.counters = self.counters.after(step, verdict)
         if step.k:
-            self.acceptance = self.acceptance.after_step(step.k, verdict.accepted)
+            self.acceptance[kind] = self.estimate(kind).after_step(step.k, verdict.accepted)
         n = len(done.emitted)
         out = [Emitted(tok, logprobs[i], n - 1 - i) for i, tok in enumerate(done.emitted)]
         for tok in done.emitted:
@@ -188,18 +198,19 @@ class TailSpec:
 
     def next_step(self, seq: int, pos0: int, last: int, max_positions: int) -> SpecStep:
         """The step to send for `last` at `pos0`: k drafts where they pay (and fit the session's positions)."""
-        k = self._k()
+        kind = self.drafter.kind()
+        k = self._k(kind)
         room = max(0, max_positions - pos0 - 1)  # positions the step may still add past its own
         step = plan_step(seq, pos0, last, self.drafter.draft(k), k=k, room=room)
         if step.k == 0 and not self.shadow.expecting:  # before the step's clock starts: no part of its trip
             if self.drafter.free:
-                self.shadow = Shadow(tuple(self.drafter.draft(self.plan.k_max)))
+                self.shadow, self.shadow_kind = Shadow(tuple(self.drafter.draft(self.plan.k_max))), kind
             else:  # a model's draft costs its compute: one token a while, so a session at k = 0 can come back
                 self.undrafted += 1
                 if self._probe_due():
                     self.undrafted = 0
-                    self.shadow = Shadow(tuple(self.drafter.draft(1)))
-        self.inflight[seq] = (step, self.clock())
+                    self.shadow, self.shadow_kind = Shadow(tuple(self.drafter.draft(1))), kind
+        self.inflight[seq] = (step, self.clock(), kind)
         return step
 
     def _probe_due(self) -> bool:
@@ -209,13 +220,17 @@ class TailSpec:
         cost = self.drafter.draft_s * (1.0 + _CATCH_UP * self.undrafted)
         return self.undrafted * _PROBE_SHARE * (self.step_s or 0.0) >= cost
 
-    def _k(self) -> int:
+    def estimate(self, kind: str) -> Acceptance:
+        """The acceptance estimate of drafts of class `kind` (the prior before any is seen)."""
+        return self.acceptance.get(kind) or Acceptance(prior=self.prior)
+
+    def _k(self, kind: str) -> int:
         if self.plan.fixed_k is not None:
             return min(self.plan.fixed_k, self.plan.k_max)
         if self.step_s is None:
             return 0  # nothing measured yet: the first step tells what a trip costs
         position = self.position_s if self.position_s is not None else _POSITION_PRIOR * (self.compute_1 or 0.0)
-        return choose_k(self.acceptance, RouteCost(max(self.step_s, 1e-6), max(position, 0.0), self.drafter.draft_s),
+        return choose_k(self.estimate(kind), RouteCost(max(self.step_s, 1e-6), max(position, 0.0), self.drafter.draft_s),
                         k_max=self.plan.k_max)
 
     def measured(self, compute_s: float) -> None:
@@ -237,7 +252,7 @@ class TailSpec:
 
     def _learn_shadow(self, token: int) -> None:
         if self.shadow.expecting:
-            self.shadow, self.acceptance = self.shadow.sampled(token, self.acceptance)
+            self.shadow, self.acceptance[self.shadow_kind] = self.shadow.sampled(token, self.estimate(self.shadow_kind))
 
 
 def _mean(old: float | None, new: float) -> float:
