@@ -18,6 +18,7 @@ from pathlib import Path
 
 __all__ = ["draft_model_path", "requantize"]
 
+
 def requantize(src: Path, dst: Path, ftype: str = "Q4_0") -> Path:
     """Write `src` requantized to `ftype` (a llama.cpp LLAMA_FTYPE_MOSTLY_* name) at `dst`.
 

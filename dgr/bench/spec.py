@@ -61,7 +61,6 @@ def _tasks() -> dict[str, str]:
     }
 
 
-
 def _ask(api: str, model: str, prompt: str, headers: dict[str, str], extra: dict[str, Any]) -> dict[str, Any]:
     """One streamed chat completion of TOKENS tokens: its text, decode rate and Route Session id."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
@@ -205,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
                                               *markdown(res)]))
     print(f"report: {out / 'REPORT.md'}")
     return 0
-
 
 
 def _ttft(r: dict[str, Any]) -> str:

@@ -24,9 +24,8 @@ The tail is where the tokens are, so drafting and verifying both run here
   drafts of the next draft's class and the route's measured cost
   (dgr.spec.adapt `choose_k`). The classes are the drafter's (`kind`): an
   n-gram draft resting on one or two tokens of context is "short", on more
-  "long", and each keeps its own estimate (dgr.spec.ngram says why; on the
-  bench's copy task at 50 ms the n-gram way went from 2.03x to 2.11x when
-  replayed over the same answers). The cost: the time
+  "long", and each keeps its own estimate (dgr.spec.ngram says why). The
+  cost: the time
   from building a step to having its logits here (every link and node on
   the way), less the extra positions' share, is `step_s`; an extra
   position's share is its compute on every node (the record's hop times),

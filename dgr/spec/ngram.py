@@ -22,11 +22,10 @@ How much a draft rests on (`kind`): the tokens before the chosen occurrence
 that equal the session's last tokens, counted back up to SUPPORT_CAP. A
 draft resting on SHORT_SUPPORT tokens or fewer is "short", else "long".
 Their acceptance differs, and the tail keeps one estimate for each
-(dgr.node.speculation). On the bench's copy task at 50 ms (two sessions),
-drafts resting on one or two tokens were refused at once in 14 of 28 steps
-and 28 of their 92 drafts were taken; drafts resting on more, 4 of 32 and
-96 of 128. One estimate for both drafted long after a copied run ended and
-short where it went on.
+(dgr.node.speculation): where a copied run ends, the next drafts rest on
+little context and are mostly refused, while drafts inside a run are mostly
+taken, so one estimate for both kept drafting many tokens for several steps
+after a run ended (docs/spec-decoding.md has the figures).
 
 Why the registration lags one token: the table must hold the most recent
 occurrence *before* the current end. An n-gram ending at the current end is
