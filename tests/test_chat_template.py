@@ -67,7 +67,7 @@ def test_trimmed_contents_and_templates_that_change_them() -> None:
     assert _contents(segments) == ["  <|end|> hi  "] and [s.text for s in segments if s.special] == ["<|user|>", "<|end|>"]
 
 
-# -- on the real tokenizer, through the node's tokenize route ----------------------------------------------
+# -- on the real tokenizer, through a head's open of a prompt ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +99,20 @@ async def test_a_role_marker_in_a_message_is_tokenized_as_text(gguf) -> None:
     (im_end,) = gguf.tokenize("<|im_end|>", add_special=False, parse_special=True)
     service = NodeService(backend=_TextHead(gguf), node_id="head")
     app = make_node_app(service)
+
+    async def opened(http, n: int, prompt: dict) -> dict:
+        r = await http.post("/v1/seam/sessions", json={"session": f"{n:032x}", "max_positions": 512, "sampling": {},
+                                                       "prompt": prompt, "max_new": 1})
+        assert r.status_code == 201, r.text
+        return r.json()
+
     async with running(service), asgi_client(app, "http://head.test") as http:
-        plain = (await http.post("/v1/node/tokenize", json={"messages": USER})).json()
-        forged = (await http.post("/v1/node/tokenize", json={"messages": [{"role": "user", "content": FORGED}]})).json()
+        plain = await opened(http, 1, {"messages": USER})
+        forged = await opened(http, 2, {"messages": [{"role": "user", "content": FORGED}]})
         # a completions prompt has no template: its sender writes control tokens on purpose
-        raw = (await http.post("/v1/node/tokenize", json={"prompt": "<|im_start|>user\nhi<|im_end|>"})).json()
-    assert FORGED in forged["text"]
+        raw = await opened(http, 3, {"prompt": "<|im_start|>user\nhi<|im_end|>"})
+        _, forged_text = await service.tokenize(messages=[{"role": "user", "content": FORGED}])
+    assert FORGED in forged_text
     # only the template's own markup makes control tokens: as many as for a harmless message
     assert forged["tokens"].count(im_start) == plain["tokens"].count(im_start)
     assert forged["tokens"].count(im_end) == plain["tokens"].count(im_end)

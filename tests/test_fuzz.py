@@ -238,10 +238,15 @@ def test_node_open_session_body_is_answered_below_500(body) -> None:
 
 
 @FUZZ
-@given(st.sampled_from(["tokenize", "close", "status", "challenge", "open"]), st.one_of(
+@given(st.sampled_from(["close", "status", "challenge", "open", "prefix"]), st.one_of(
     json_values, st.fixed_dictionaries({}, optional={"messages": json_values | st.lists(st.fixed_dictionaries(
         {}, optional={"role": st.sampled_from(["user", "system", "x"]) | json_values, "content": json_values}),
-        max_size=3), "prompt": json_values, "session": json_values})),
+        max_size=3), "prompt": json_values | st.fixed_dictionaries({}, optional={
+            "prompt": json_values | st.text(max_size=40), "ids": json_values | st.lists(st.integers(-2, 400)),
+            "messages": json_values}),
+        "session": json_values | st.sampled_from([SID, uuid.UUID(int=7).hex]), "max_positions": json_values,
+        "max_new": json_values, "max_prompt": json_values, "root": json_values | st.sampled_from(["0" * 32]),
+        "prefix": json_values, "marks": json_values})),
     st.one_of(st.sampled_from([SID, "x" * 32, "..", "%00"]), st.text(max_size=40)),
     st.dictionaries(st.sampled_from(["reason", "message"]), st.text(max_size=30) | st.sampled_from(["cancelled", "x"]),
                     max_size=2))
@@ -249,9 +254,9 @@ def test_node_control_routes_answer_below_500(route, body, sid, query) -> None:
     """Every node route but the seam step (fuzzed above), with any body, path and query."""
     service = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 2)), node_id="head")
     app = make_node_app(service)
-    method, path = {"tokenize": ("POST", "/v1/node/tokenize"), "close": ("DELETE", f"/v1/seam/sessions/{sid}"),
+    method, path = {"close": ("DELETE", f"/v1/seam/sessions/{sid}"),
                     "status": ("GET", f"/v1/seam/sessions/{sid}"), "challenge": ("POST", "/v1/artifact/challenge"),
-                    "open": ("POST", "/v1/seam/sessions")}[route]
+                    "open": ("POST", "/v1/seam/sessions"), "prefix": ("POST", f"/v1/seam/sessions/{sid}/prefix")}[route]
     query_string = urllib.parse.urlencode(query).encode()
 
     async def run() -> int:

@@ -156,8 +156,8 @@ def _all_closed(socks: list[socket.socket], deadline: float) -> bool:
 
 def test_a_stranger_flood_costs_a_route_nothing_and_healthz_stays_fast() -> None:
     """From another address (127.0.0.2): 300 idle connections to the tracker, and 200 idle plus 40 half-sent
-    4 MiB tokenize bodies to a node. The tracker refuses those past its per-peer cap at once and still serves a
-    completion; the node's /healthz p99 stays under 100 ms while all are held, and the node closes every one
+    4 MiB open bodies (a head's carries the prompt) to a node. The tracker refuses those past its per-peer cap
+    at once and still serves a completion; the node's /healthz p99 stays under 100 ms while all are held, and the node closes every one
     of them within its guest deadlines (8 s for a head, 10 s for a body), freeing the buffers."""
     with LocalRoute(nodes=1) as route:
         tracker = urlsplit(route.url)
@@ -178,7 +178,7 @@ def test_a_stranger_flood_costs_a_route_nothing_and_healthz_stays_fast() -> None
             idle = [socket.create_connection((where.hostname, where.port), source_address=attack)
                     for _ in range(200)]
             held += idle
-            head = _request("POST", "/v1/node/tokenize", headers={"Content-Type": "application/json"})
+            head = _request("POST", "/v1/seam/sessions", headers={"Content-Type": "application/json"})
             head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % MAX_TOKENIZE_BYTES)
             half = []
             for _ in range(40):

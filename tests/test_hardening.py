@@ -94,7 +94,8 @@ async def test_prompt_bytes_are_refused_before_the_head_tokenizes(nursery) -> No
 
 
 class _Spy:
-    """A NodeClient stand-in that records tokenize calls and forwards everything."""
+    """A NodeClient stand-in that records the opens that carry a prompt (the head tokenizes inside its open)
+    and forwards everything."""
 
     def __init__(self, inner: NodeClient, calls: list) -> None:
         self._inner, self._calls = inner, calls
@@ -102,9 +103,10 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def tokenize(self, *a, **kw):
-        self._calls.append(a)
-        return await self._inner.tokenize(*a, **kw)
+    async def open(self, *a, **kw):
+        if kw.get("prompt") is not None:
+            self._calls.append(kw["prompt"])
+        return await self._inner.open(*a, **kw)
 
 
 # -- lost nodes and lost replies do not keep KV -------------------------------------------------------------
@@ -385,13 +387,18 @@ async def test_node_routes_other_than_the_seam_take_small_bodies(nursery) -> Non
     await nursery.start(route.run)
     big = b'{"pad": "' + b"x" * (2 * 1024 * 1024) + b'"}'
     async with asgi_client(route.apps[route.urls[0]], route.urls[0]) as http:
-        for method, path in (("POST", "/v1/seam/sessions"), ("POST", "/v1/artifact/challenge"), ("POST", "/nowhere"),
+        for method, path in (("POST", "/v1/artifact/challenge"), ("POST", "/nowhere"),
                              ("DELETE", "/v1/seam/sessions/" + "a" * 32), ("GET", "/v1/node/status")):
             r = await http.request(method, path, content=big, headers={"Content-Type": "application/json"})
             assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (method, path, r.text)
-        # a prompt may be larger, up to the gateway's own body limit
-        r = await http.post("/v1/node/tokenize", json={"prompt": "y" * (2 * 1024 * 1024)})
-        assert r.status_code == 200 and len(r.json()["tokens"]) == 2 * 1024 * 1024
+        # a prompt may be larger, up to the gateway's own body limit: the head tokenizes it inside its open
+        r = await http.post("/v1/seam/sessions", json={"session": "b" * 32, "max_positions": 64, "sampling": {},
+                                                       "prompt": {"prompt": "y" * (2 * 1024 * 1024)}, "max_new": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert f"the prompt has {2 * 1024 * 1024} tokens" in r.json()["error"]["message"]
+        big = b'{"pad": "' + b"x" * (5 * 1024 * 1024) + b'"}'  # past that limit, even an open is refused unread
+        r = await http.post("/v1/seam/sessions", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
 
 
 def test_dgr_up_passes_the_death_threshold_to_its_tracker() -> None:

@@ -68,9 +68,10 @@ def test_a_ring_waits_n_one_way_trips_per_token() -> None:
 def test_round_trips_before_the_first_token() -> None:
     # token ids: open + 1 chunk from the gateway through 3 hops and back (4 one-way trips); text adds the
     # head's tokenize; 2 chunks add 1 pipelined trip
-    assert ttft_round_trips(3, [1, 2, 3], 3, 512) == 1 + 2
-    assert ttft_round_trips(3, "hi", 3, 512) == 1 + 1 + 2
-    assert ttft_round_trips(2, list(range(600)), 600, 512) == 1 + 1 + 1.5
+    assert ttft_round_trips(3, 3, 512) == 1 + 2  # the head tokenizes inside its open, with the others'
+    assert ttft_round_trips(3, 3, 512, reused=True) == 1 + 1 + 2  # and names a reused prefix to them
+    assert ttft_round_trips(1, 3, 512, reused=True) == 1 + 1
+    assert ttft_round_trips(2, 600, 512) == 1 + 1 + 1.5
 
 
 def test_nodes_run_in_their_own_namespaces(netns) -> None:

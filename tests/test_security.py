@@ -119,11 +119,14 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     assert _state(route, url, sid) == before
     assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=ok).status_code == 201
     assert httpx.delete(f"{url}/v1/seam/sessions/{fresh}", headers=ok).status_code == 200
-    # tokenizing at the head is work for a session, so it is guarded the same way
-    head, named = route.node("node0")["url"], {"X-Dgr-Route-Session": sid}
-    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named), 403, "forbidden", "required")
-    r = httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "x"}, headers=named | route.capability(sid, "node0"))
-    assert r.status_code == 200 and r.json()["tokens"]
+    # tokenizing at the head is work for a session: it happens inside an open, guarded the same way
+    head, prompted = route.node("node0")["url"], uuid.uuid4().hex
+    raw, ok = route.opening(prompted, "node0", {"max_positions": 64, "prompt": {"prompt": "x"}, "max_new": 1})
+    no_cap = {k: v for k, v in ok.items() if k != "X-Dgr-Capability"}
+    _refused(httpx.post(f"{head}/v1/seam/sessions", content=raw, headers=no_cap), 403, "forbidden", "required")
+    r = httpx.post(f"{head}/v1/seam/sessions", content=raw, headers=ok)
+    assert r.status_code == 201 and r.json()["tokens"]
+    assert httpx.delete(f"{head}/v1/seam/sessions/{prompted}", headers=ok).status_code == 200
     refused = route.node_status("node1")["seam"]["refused"]["forbidden"]
     assert refused - refused_before == 3 * len(attacks) + 3
     # and the session still works for its rightful holder

@@ -85,7 +85,7 @@ def test_short_soak_beside_an_attacker() -> None:
     # the attacker ran every attack (each tallied), and no honest call ever reached its node
     for name in ("report_none", "report_self_signed", "capture_register", "capture_heartbeat", "hijack_heartbeat",
                  "hijack_register", "gateway_id", "replay_register", "seam_open_self_signed", "seam_step_expired",
-                 "seam_close_keep_other_session", "seam_tokenize_none", "idle_conns", "big_tokenize", "half_bodies",
+                 "seam_close_keep_other_session", "seam_prompt_none", "idle_conns", "big_prompt", "half_bodies",
                  "browser_plain", "status_poll"):
         assert any(k.startswith(name) for k in attack["attacks"]), (name, attack["attacks"])
     assert attack["attacks"]["idle_conns"]["opened"] >= 900  # 300 to each of 3 servers

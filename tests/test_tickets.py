@@ -63,7 +63,7 @@ def _open(url: str, sid: str, cap: str, body: dict, **headers: str) -> httpx.Res
                                **headers})
 
 
-def test_a_neighbours_capability_cannot_open_read_or_tokenize(route) -> None:
+def test_a_neighbours_capability_cannot_open_read_or_have_a_prompt_tokenized(route) -> None:
     sid = uuid.uuid4().hex
     plans = _plans(route, sid)
     tail = route.node("node1")["url"]
@@ -74,8 +74,8 @@ def test_a_neighbours_capability_cannot_open_read_or_tokenize(route) -> None:
     _refused(httpx.get(f"{tail}/v1/seam/sessions/{sid}", headers={CAPABILITY_HEADER: held_by_head}),
              403, "forbidden", NEIGHBOUR)
     head = route.node("node0")["url"]
-    _refused(httpx.post(f"{head}/v1/node/tokenize", json={"prompt": "free work"},
-                        headers={ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: held_by_tail}), 403, "forbidden", NEIGHBOUR)
+    _refused(_open(head, sid, held_by_tail, {"max_positions": 64, "prompt": {"prompt": "free work"}, "max_new": 1}),
+             403, "forbidden", NEIGHBOUR)
     assert route.node_status("node1")["sessions"] == 0
 
 
@@ -150,7 +150,7 @@ def test_a_body_from_a_caller_without_a_capability_is_never_read(route) -> None:
     step_only = {CAPABILITY_HEADER: plans["node1"]["loop"]["head"]["capability"]}
     for headers in ({}, step_only):
         t0 = time.monotonic()
-        answer = _refused_unread(head, "/v1/node/tokenize", MAX_TOKENIZE_BYTES, {ROUTE_SESSION_HEADER: sid, **headers})
+        answer = _refused_unread(head, "/v1/seam/sessions", MAX_TOKENIZE_BYTES, {ROUTE_SESSION_HEADER: sid, **headers})
         assert answer.startswith(b"HTTP/1.1 403") and time.monotonic() - t0 < 2.0, answer
         assert b"connection: close" in answer.lower()  # what it did not read cannot start another request
     answer = _refused_unread(tail, "/v1/seam/sessions", MAX_CONTROL_BYTES,

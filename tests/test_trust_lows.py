@@ -180,8 +180,8 @@ _HUGE = 48 * 1024 * 1024  # what the lying node sends, unless cut first
 class _FakeNode:
     """A real HTTP server on loopback that answers every request with `answer(path)`: (headers, body chunks)."""
 
-    def __init__(self, answer) -> None:
-        self.answer, self.sent, self.url = answer, 0, ""
+    def __init__(self, answer, status: bytes = b"200 OK") -> None:
+        self.answer, self.sent, self.url, self.status = answer, 0, "", status
 
     async def serve(self, stream: trio.SocketStream) -> None:
         data = b""
@@ -197,7 +197,7 @@ class _FakeNode:
             rest += await stream.receive_some(65536)
         headers, chunks = self.answer(head.split(b" ")[1].decode())
         try:
-            await stream.send_all(b"HTTP/1.1 200 OK\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n")
+            await stream.send_all(b"HTTP/1.1 " + self.status + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n")
             for c in chunks:
                 await stream.send_all(c)
                 self.sent += len(c)
@@ -226,7 +226,8 @@ def _json_reply(obj) -> tuple[list[bytes], list[bytes]]:
 
 
 def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
-    """A node answers status, open and tokenize with 48 MiB: the tracker stops at the cap and names the node."""
+    """A node answers status, an open and a head's open of a prompt with 48 MiB: the tracker stops at the cap
+    and names the node."""
     import tracemalloc
 
     from dgr.errors import PeerError
@@ -234,17 +235,20 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
     from dgr.tracker.seam_client import NodeClient
 
     announced = [b"Content-Type: application/json", b"Content-Length: %d" % _HUGE]
-    fake = _FakeNode(lambda path: ([b"Content-Type: application/json", b"Transfer-Encoding: chunked"],
-                                   _chunked(_HUGE)) if path != "/v1/seam/sessions" else (announced, _chunked(_HUGE)))
+    chunked = [b"Content-Type: application/json", b"Transfer-Encoding: chunked"]
+    announce = [False]
+    fake = _FakeNode(lambda path: (announced if announce[0] else chunked, _chunked(_HUGE)))
 
     async def main() -> list[tuple[str, str, int, int]]:
         out = []
         async with trio.open_nursery() as nursery:
             client = NodeClient("liar", await fake.start(nursery))
-            calls = {"status": client.status, "tokenize": lambda: client.tokenize({"prompt": "hi"}, vocab_size=300),
+            calls = {"status": client.status,
+                     "prompt": lambda: client.open("a" * 32, 64, {}, prompt={"prompt": "hi"}, max_new=1,
+                                                   vocab_size=300),
                      "open": lambda: client.open("a" * 32, 64, {})}
             for name, call in calls.items():
-                fake.sent = 0
+                fake.sent, announce[0] = 0, name == "open"
                 tracemalloc.start()
                 with trio.fail_after(30):
                     try:
@@ -281,17 +285,19 @@ def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None
     from dgr.errors import PeerError
     from dgr.tracker.seam_client import NodeClient
 
-    fake = _FakeNode(lambda path: _json_reply({"tokens": tokens, "text": "hi"}))
-    honest = _FakeNode(lambda path: _json_reply({"tokens": [1, 299], "text": "hi"}))
+    opened = {"session": "a" * 32, "node": "n", "prefix_positions": 0}
+    fake = _FakeNode(lambda path: _json_reply({**opened, "tokens": tokens}), b"201 Created")
+    honest = _FakeNode(lambda path: _json_reply({**opened, "tokens": [1, 299]}), b"201 Created")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             liar, ok = NodeClient("liar", await fake.start(nursery)), NodeClient("ok", await honest.start(nursery))
+            prompt = {"prompt": {"prompt": "hi"}, "max_new": 1, "vocab_size": 300}
             with pytest.raises(PeerError) as err:
-                await liar.tokenize({"prompt": "hi"}, "a" * 32, vocab_size=300)
+                await liar.open("a" * 32, 64, {}, **prompt)
             assert err.value.reason is Reason.NODE_ERROR and err.value.details.get("node") == "liar"
             assert err.value.message.startswith("liar ") and words in err.value.message, err.value.message
-            assert await ok.tokenize({"prompt": "hi"}, "a" * 32, vocab_size=300) == [1, 299]
+            assert await ok.open("a" * 32, 64, {}, **prompt) == (0, [1, 299])
             await liar.aclose(), await ok.aclose()
             nursery.cancel_scope.cancel()
 

@@ -67,7 +67,7 @@ async def _settled(response: Response) -> Response:
     drained = False
     if response.status_code in (401, 403):
         # refused for want of a key or capability: such a caller gets nothing read, not even the body it
-        # announced (a tokenize may announce 4 MiB); its connection is closed instead
+        # announced (an open may announce 4 MiB); its connection is closed instead
         pass
     elif request.content_length is None or limit is None or request.content_length <= limit:
         with trio.move_on_after(_DRAIN_S):

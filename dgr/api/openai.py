@@ -58,7 +58,8 @@ class GenerationRequest:
             return sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in self.messages or ())
         return len((self.prompt or "").encode("utf-8", "surrogatepass"))
 
-    def tokenize_body(self) -> dict[str, Any]:
+    def prompt_body(self) -> dict[str, Any]:
+        """The prompt as the route's head tokenizes it inside its open (dgr.node.prompt)."""
         if self.kind == "chat":
             return {"messages": list(self.messages or ())}
         return {"prompt": self.prompt}

@@ -157,8 +157,24 @@ def node_openapi_document() -> dict[str, Any]:
                         "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"}}},
                     # block keys of the prompt (dgr.node.prefix): open on the longest kept prefix of them
                     "prefix": {"type": "array", "maxItems": 64,
-                               "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}}}}),
+                               "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
+                    # a head's: the prompt it tokenizes inside its open (dgr.node.prompt), the root it names its
+                    # prefix under, the answer's positions and the prompt's limit; a later hop's max_new alone:
+                    # opened before the prompt's length is known, its KV waiting
+                    "prompt": {"type": "object", "properties": {
+                        "prompt": {"type": "string", "maxLength": 2000},
+                        "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}},
+                    "root": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+                    "max_new": {"type": "integer"}, "max_prompt": {"type": "integer"}}}),
                 "responses": {"201": _OK, **_errors(400, 403, 409, 413, 429)}}},
+            "/v1/seam/sessions/{sid}/prefix": {"post": {
+                "parameters": sid + cap,
+                # the prefix of a session opened waiting (max_new): block keys and base64 marks
+                "requestBody": _json_body({"type": "object", "properties": {
+                    "prefix": {"type": "array", "maxItems": 64,
+                               "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
+                    "marks": {"type": "string", "maxLength": 2000}}}),
+                "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
             "/v1/seam/sessions/{sid}": {
                 "get": {"parameters": sid + cap, "responses": {"200": _OK, **_errors(403, 404, 410)}},
                 "delete": {"parameters": sid + cap + [
@@ -167,12 +183,6 @@ def node_openapi_document() -> dict[str, Any]:
                     # a normal close: the block keys of the session's KV, joined by '.', to keep it as a prefix
                     {"name": "keep", "in": "query", "required": False, "schema": {"type": "string"}}],
                     "responses": {"200": _OK, **_errors(400, 403, 404, 410)}}},
-            "/v1/node/tokenize": {"post": {
-                "parameters": cap + named,
-                "requestBody": _json_body({"type": "object", "properties": {
-                    "prompt": {"type": "string", "maxLength": 2000},
-                    "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}}),
-                "responses": {"200": _OK, **_errors(400, 403, 413)}}},
             "/v1/artifact": {"get": {"responses": {"200": _OK, **_errors(404)}}},
             "/v1/artifact/challenge": {"post": {"requestBody": _json_body({"type": "object"}),
                                                 "responses": {"200": _OK, **_errors(400, 404, 413, 422)}}},

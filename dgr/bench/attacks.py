@@ -16,10 +16,10 @@ each as its own trio task, a bounded number of requests at a time:
 - `hijack_*`, `id_probe_*`, `gateway_id`: heartbeats and registrations for the route's node ids under its
   own key (want 409), heartbeats for ids that exist and ids that do not (a 404/409 difference is an oracle
   of node ids), a registration with the id `gateway`.
-- `seam_*`: open, close with `keep=`, tokenize and step on each node with no, self-signed, expired and
-  other-session capabilities; `replay_register`: an old signed registration sent again (want 401).
-- `idle_conns`, `big_tokenize`, `half_bodies`: ~300 idle TCP connections to the tracker and to each node,
-  4 MiB tokenize bodies with no capability, 40 connections holding half-sent 4 MiB bodies; a connection the
+- `seam_*`: open (and a head's open of a prompt), close with `keep=` and step on each node with no,
+  self-signed, expired and other-session capabilities; `replay_register`: an old signed registration sent again (want 401).
+- `idle_conns`, `big_prompt`, `half_bodies`: ~300 idle TCP connections to the tracker and to each node,
+  4 MiB opens of a prompt with no capability, 40 connections holding half-sent 4 MiB bodies; a connection the
   server closes is opened again.
 - `browser`: text/plain and JSON POSTs with a foreign Origin and Host to the tracker (want 403 or 415).
 - `status_poll`: the open /v1/node/status of each node.
@@ -53,7 +53,7 @@ import trio
 from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_proof
 from dgr.security.identity import Identity
 from dgr.seam.frame import FrameKind, encode_frame
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, NODE_HEADER, STEP_PATH
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, NODE_HEADER, ROUTE_SESSION_HEADER, STEP_PATH
 
 __all__ = ["AttackConfig", "Attacker", "Tally"]
 
@@ -333,7 +333,7 @@ class Attacker:
         sid = secrets.token_hex(16)
         kind = random.choice(("none", "self_signed", "expired", "other_session", "garbage"))
         cap = self.forged(sid, node, kind)
-        which = random.choice(("open", "close_keep", "tokenize", "step"))
+        which = random.choice(("open", "close_keep", "prompt", "step"))
         if which == "open":
             body = {"session": sid, "max_positions": 64, "sampling": {},
                     "relay": {"next": {"node": "x", "url": self.trap_url}, "loop": {"head": {"url": self.trap_url}}}}
@@ -342,9 +342,10 @@ class Attacker:
             keep = ".".join(secrets.token_hex(16) for _ in range(2))
             await self.call(f"seam_close_keep_{kind}", "DELETE", f"{url}/v1/seam/sessions/{sid}?keep={keep}",
                             headers=cap)
-        elif which == "tokenize":
-            await self.call(f"seam_tokenize_{kind}", "POST", url + "/v1/node/tokenize",
-                            json={"session": sid, "prompt": "hello"}, headers=cap)
+        elif which == "prompt":  # a head's open tokenizes: work no one may buy without the tracker's ticket
+            await self.call(f"seam_prompt_{kind}", "POST", url + "/v1/seam/sessions",
+                            json={"session": sid, "max_positions": 64, "sampling": {}, "prompt": {"prompt": "hello"},
+                                  "max_new": 1}, headers={ROUTE_SESSION_HEADER: sid, **cap})
         else:
             width = int(self.model.get("seam_width", 1))
             frame = encode_frame(FrameKind.DECODE, sid, 1, 0, 1, width, hidden=np.zeros((1, width), np.float32))
@@ -352,11 +353,13 @@ class Attacker:
                             headers={"Content-Type": CONTENT_TYPE, **cap})
 
     # -- starving ------------------------------------------------------------------------------
-    async def big_tokenize(self) -> None:
+    async def big_prompt(self) -> None:
         node, url = random.choice(list(self.nodes.items()))
-        body = json.dumps({"prompt": "x" * (_BIG - 64)}).encode()
-        await self.call("big_tokenize", "POST", url + "/v1/node/tokenize", content=body,
-                        headers={"Content-Type": "application/json"})
+        sid = secrets.token_hex(16)
+        body = json.dumps({"session": sid, "max_positions": 64, "sampling": {}, "max_new": 1,
+                           "prompt": {"prompt": "x" * (_BIG - 256)}}).encode()
+        await self.call("big_prompt", "POST", url + "/v1/seam/sessions", content=body,
+                        headers={"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid})
 
     async def _connect(self, url: str) -> trio.SocketStream:
         u = urlparse(url)
@@ -405,7 +408,7 @@ class Attacker:
     def _half_body(self, url: str) -> bytes:
         u = urlparse(url)
         # a body each server would read to its end (within its limit), never finished
-        path = "/v1/node/tokenize" if url != self.cfg.tracker else "/v1/completions"
+        path = "/v1/seam/sessions" if url != self.cfg.tracker else "/v1/completions"
         size = _BIG - 1024
         head = (f"POST {path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {size}\r\n\r\n").encode()
@@ -435,7 +438,7 @@ class Attacker:
             nursery.start_soon(self.rounds, self.identities, 1)
             nursery.start_soon(self.rounds, self.report)
             nursery.start_soon(self.rounds, self.seam)
-            nursery.start_soon(self.rounds, self.big_tokenize, 2)
+            nursery.start_soon(self.rounds, self.big_prompt, 2)
             nursery.start_soon(self.rounds, self.browser, 1)
             nursery.start_soon(self.rounds, self.status_poll, 1)
             nursery.start_soon(self.follow_nodes)

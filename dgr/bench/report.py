@@ -292,7 +292,8 @@ def _rtt_markdown(rtt: dict[str, Any]) -> list[str]:
          "N + 1 one-way trips, (N + 1)/2 round trips; a ring (the tail also sends each next step straight to "
          "the head) N one-way trips, N/2 round trips. Expected ms/token = the route's 0 ms figure + that many "
          "RTTs; 'extra RTTs/token' is what was measured. TTFT pays the round trips before the first token "
-         "(open, plus each prefill chunk through the route, plus tokenize for a text prompt) on top of prefill "
+         "(the opens, the head tokenizing inside its own, a second trip where it reused a prefix, plus each "
+         "prefill chunk through the route) on top of prefill "
          "compute, whose spread from run to run can exceed them. "
          f"Each figure is the best of {rtt.get('repeats', 1)} run(s) at that RTT."),
         "",

@@ -54,17 +54,18 @@ def expectations(rows: list[dict[str, Any]], hops: int, ttft_trips: float) -> li
     return out
 
 
-def ttft_round_trips(hops: int, prompt: str | list[int], prompt_tokens: int, prefill_chunk: int) -> float:
+def ttft_round_trips(hops: int, prompt_tokens: int, prefill_chunk: int, reused: bool = False) -> float:
     """Round trips before the first token, on warm connections.
 
-    A text prompt is tokenized by the head node (1), every node opens the
-    session at once (1), and K prefill chunks flow through the hops as a
-    pipeline, the last one leaving the tail with the first token: K - 1
-    trips, plus the last chunk's way gateway -> head -> ... -> tail -> gateway
-    (N + 1 one-way trips).
+    Every node opens the session at once, the head tokenizing a text prompt
+    inside its open (1); where the head reused a prefix, the later hops are
+    told it (1, `reused` on a route of 2 or more); then K prefill chunks flow
+    through the hops as a pipeline, the last one leaving the tail with the
+    first token: K - 1 trips, plus the last chunk's way gateway -> head -> ...
+    -> tail -> gateway (N + 1 one-way trips).
     """
     chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
-    return (0 if isinstance(prompt, list) else 1) + 1 + chunks - 1 + (hops + 1) / 2
+    return 1 + (1 if reused and hops > 1 else 0) + chunks - 1 + (hops + 1) / 2
 
 
 def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[float, ...], prompt: str | list[int],
@@ -108,7 +109,8 @@ def rtt_sweep(*, backend: str, node_counts: tuple[int, ...], rtts_ms: tuple[floa
                 log(f"rtt: {label}, {rtt:g} ms: {best.decode_tok_s:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms")
                 rows.append({"rtt_ms": rtt, "decode_tok_s": best.decode_tok_s, "ttft_s": ttft,
                              "tokens": best.tokens, "prompt_tokens": best.prompt_tokens})
-            trips = ttft_round_trips(n, prompt, rows[0]["prompt_tokens"], route.prefill_chunk)
+            # the warm-up's prompt is the start of the measured one: its kept prefix is reused
+            trips = ttft_round_trips(n, rows[0]["prompt_tokens"], route.prefill_chunk, reused=True)
             out["routes"][label] = {"nodes": n, "threads_per_node": per_node,
                                     "ttft_round_trips": trips, "rows": expectations(rows, n, trips)}
     return out

@@ -20,6 +20,11 @@ Contract:
   prefix's positions held; its first step may start at or before them (the
   route reuses the shortest prefix any of its nodes holds), and the driver
   drops the KV past that step's pos0 before computing it.
+- A later hop opened together with the head, before the prompt is tokenized,
+  does not know the prompt's length: it is opened with `max_new` (the most
+  positions the answer may take), holds the route's context as its bound
+  until the prompt's last chunk arrives (`prompt_ends`), and from then on the
+  prompt's positions plus `max_new`, as a session opened with the length does.
 - The check is complete before anything is assigned; `accept` then moves the
   session as if the step was applied. If computing the step fails after that,
   the driver calls `fail`: the KV no longer matches the counters, so the
@@ -98,6 +103,7 @@ class NodeSession:
     committed: int = 0  # of them, those no later step may drop (all but a speculative step's drafts)
     max_decode: int = 1  # positions a decode step may carry: 1, or the last accepted token and its drafts
     next_seq: int = 0  # seq number the next step must carry
+    max_new: int | None = None  # opened before its prompt's length was known: the answer's positions at most
     last_active: float = 0.0
     failure: Failure | None = None
 
@@ -162,6 +168,13 @@ class NodeSession:
         self.committed = pos0 + 1 if kind is StepKind.DECODE else self.positions
         self.next_seq = seq + 1
         self.last_active = now
+
+    def prompt_ends(self, end: int) -> None:
+        """The prompt's last chunk ends at position `end`: a session opened without the prompt's length
+        (`max_new`) now holds at most the prompt's positions plus `max_new`."""
+        if self.max_new is not None:
+            self.max_positions = min(self.max_positions, end + self.max_new)
+            self.max_new = None
 
     def rewinds(self, pos0: int) -> bool:
         """True when a step at `pos0` starts inside what the KV holds (a reused prefix, or refused drafts):

@@ -1,4 +1,4 @@
-"""The node's HTTP face: seam sessions and steps, tokenizing, status, artifact proofs.
+"""The node's HTTP face: seam sessions (a head's open tokenizing its prompt) and steps, status, artifact proofs.
 
 `POST /v1/seam/step` (a star's steps) and `POST /v1/seam/stream` (a chain
 session's steps from the previous hop, one long-lived request) are served by
@@ -14,7 +14,7 @@ session is named in the path or in `X-Dgr-Route-Session`, never only in a
 body, so the check comes before any body byte is read: a caller without a
 capability is answered 403 having sent a head and nothing else (and its
 connection is closed, dgr.api.http). Steps take any capability for the
-session; open, close, status and tokenize take the gateway's own (CONTROL),
+session; open, close, status and naming a prefix take the gateway's own (CONTROL),
 and an open also the tracker's single-use ticket for its exact body
 (`X-Dgr-Ticket`, dgr.security.tickets), whose digest is checked before the
 body is parsed.
@@ -38,14 +38,14 @@ from quart_trio import QuartTrio
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
                           respond_raw, respond_raw_error, serve_seam_stream)
-from dgr.api.openai import parse_messages
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
+from dgr.node.prompt import PromptPlan
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.node.speculation import DRAFT_SOURCES, SpecPlan
+from dgr.node.speculation import DRAFT_SOURCES, MAX_HISTORY, SpecPlan
 from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
-_MAX_HISTORY = 8192  # prompt tokens a tail's n-gram index takes at open (its window)
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
@@ -82,14 +81,15 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     """The node's app; with an artifact it also answers the tracker's layer-possession challenges."""
     app = QuartTrio("dgr.node")
     # Seam frames (up to max_frame_bytes) never reach Quart: `seam_fast_path` reads them.
-    # Everything else is small JSON; only a tokenize body may be larger (the prompt).
+    # Everything else is small JSON; only an open may be larger (a head's carries the prompt).
     app.config["MAX_CONTENT_LENGTH"] = MAX_TOKENIZE_BYTES
     install_error_handlers(app)
 
     @app.before_request
     async def _body_limit():
-        """1 MiB for every route but tokenize; refused by its announced size before anything is read."""
-        limit = MAX_TOKENIZE_BYTES if request.path == "/v1/node/tokenize" else MAX_CONTROL_BYTES
+        """1 MiB for every route but an open (it may carry the prompt); refused by its announced size before
+        anything is read."""
+        limit = MAX_TOKENIZE_BYTES if request.path == "/v1/seam/sessions" else MAX_CONTROL_BYTES
         request.max_content_length = limit
         if request.content_length is not None and request.content_length > limit:
             raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {limit}")
@@ -102,15 +102,35 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         headers = request.headers
         named = headers.get(ROUTE_SESSION_HEADER)
         ticket = service.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
-        raw = await read_body(_JSON_LIMIT)  # only now: the caller is the gateway, with the tracker's ticket
+        raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
         service.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
         body = parse_json(raw)
         sid, max_positions, params, prefix, lane, marks = _open_args(service, body, named)
         relay = _relay_plan(service, body.get("relay"))
         spec = _spec_plan(service, body.get("spec"))
-        reused = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
-                                            marks=marks, spec=spec)
-        return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused}, 201)
+        prompt = None if "prompt" not in body else PromptPlan.from_json(
+            body["prompt"], root=body.get("root"), max_new=body.get("max_new"), max_prompt=body.get("max_prompt"),
+            vocab_size=service.backend.info.vocab_size)
+        max_new = body.get("max_new") if prompt is None else None
+        if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
+            raise CallerError(Reason.INVALID_REQUEST, "max_new must be a positive integer")
+        reused, tokens = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
+                                                    marks=marks, spec=spec, prompt=prompt, max_new=max_new)
+        answer = {"session": sid, "node": service.node_id, "prefix_positions": reused}
+        return json_response(answer if tokens is None else {**answer, "tokens": tokens}, 201)
+
+    @app.post("/v1/seam/sessions/<sid>/prefix")
+    async def adopt_prefix(sid: str):
+        _authorize(sid)
+        body = await read_json(_JSON_LIMIT)
+        prefix = body.get("prefix") or []
+        if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
+            raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
+        marks = decode_marks(body.get("marks", ""), min(service.max_positions, MAX_MARKS))
+        if marks is None:
+            raise CallerError(Reason.INVALID_REQUEST, "marks must be base64 position marks, at most one a position")
+        reused = await service.adopt_prefix(sid, prefix, marks)
+        return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused})
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
@@ -137,16 +157,6 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     async def session_status(sid: str):
         _authorize(sid)
         return json_response(await service.session_json(sid))
-
-    @app.post("/v1/node/tokenize")
-    async def tokenize():
-        if service.guarded:
-            # tokenizing is work done for a Route Session: only for one the tracker opened, before the prompt is read
-            _authorize(request.headers.get(ROUTE_SESSION_HEADER, ""))
-        body = await read_json(MAX_TOKENIZE_BYTES)
-        messages = list(parse_messages(body["messages"])) if "messages" in body else None
-        tokens, text = await service.tokenize(messages=messages, prompt=body.get("prompt"))
-        return json_response({"tokens": tokens, "text": text})
 
     def _artifact() -> NodeArtifact:
         if artifact is None:
@@ -241,10 +251,10 @@ def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
     if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
         raise CallerError(Reason.INVALID_REQUEST, "spec.fixed_k must be an integer in [0, k_max]")
     vocab = service.backend.info.vocab_size
-    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > _MAX_HISTORY
+    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > MAX_HISTORY
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in history)):
         raise CallerError(Reason.INVALID_REQUEST, f"spec.exact must be a boolean and spec.history at most "
-                                                  f"{_MAX_HISTORY} token ids of this vocabulary")
+                                                  f"{MAX_HISTORY} token ids of this vocabulary")
     if not service.backend.info.drops_positions:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id}'s memory cannot drop positions: it cannot "
                                                   "speculate")

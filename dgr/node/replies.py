@@ -121,6 +121,8 @@ class NodeReplies:
     accounting: NodeAccounting
     authorize: Callable[[str | None, str], None]  # (capability, sid): dgr.node.trust
     fail_session: Callable[[str, Failure], Awaitable[None]]
+    kv_job: Callable[[str], Job | None]  # a waiting session's KV open, to run before its first step (dgr.node.sessions)
+    prompts: dict[str, np.ndarray]  # a head's: sid -> the ids of the prompt it tokenized at open
 
     def _refused(self, exc: CallerError) -> CallerError:
         self.accounting.refuse(exc)
@@ -186,6 +188,13 @@ class NodeReplies:
         elif frame.session != stream:
             raise self._refused(CallerError(Reason.FORBIDDEN,
                                             f"a stream of session {stream} carried a frame of {frame.session}"))
+        kept = self.prompts.get(frame.session)
+        if kept is not None and frame.token_ids is None and frame.kind is FrameKind.PREFILL:
+            # a head that tokenized the prompt at open takes its chunks without ids (it has them), and passes
+            # them on with its output where the next layers need them too
+            ids = kept[frame.pos0 : frame.pos0 + frame.n_tokens]
+            if len(ids) == frame.n_tokens:
+                frame = attrs.evolve(frame, token_ids=ids, flags=frame.flags | Flag.TOKENS)
         try:
             step = check_frame(self.backend, frame)
             session = self.table.get(frame.session)
@@ -193,6 +202,11 @@ class NodeReplies:
             session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
         except CallerError as exc:
             raise self._refused(exc)
+        if step is StepKind.PREFILL and frame.flags & Flag.SAMPLE:  # the prompt's last chunk: its length is known
+            session.prompt_ends(frame.pos0 + frame.n_tokens)
+        opening = self.kv_job(frame.session)
+        if opening is not None:  # opened with the head, its KV waited for a prefix: none came, so it opens empty
+            self.scheduler.submit(opening)
         if rewind:
             # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
             self.scheduler.submit(Job(JobKind.SESSION, frame.session,

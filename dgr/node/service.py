@@ -34,8 +34,9 @@ from dgr.node.accounting import NodeAccounting, SeamStats
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.prefix import PrefixCache
+from dgr.node.prompt import PromptPlan
 from dgr.node.draft import DraftModel
-from dgr.node.speculation import SpecPlan
+from dgr.node.speculation import MAX_HISTORY, SpecPlan
 from dgr.node.relay import RelayPlan
 from dgr.node.replies import NodeReplies
 from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, StepScheduler
@@ -43,6 +44,7 @@ from dgr.node.sessions import ENDED_MEMORY, NodeSessions
 from dgr.node.snapshot import SnapshotDir
 from dgr.node.trust import NodeTrust
 from dgr.sampling import SamplingParams
+from dgr.seam.keys import prompt_offer
 from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 from dgr.seam.wire import MAX_FRAME_BYTES
@@ -114,7 +116,7 @@ class NodeService:
                                       idle_timeout_s=idle_timeout_s)
         self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.lifecycle.samplers,
                                    self.scheduler, self.links, self.accounting, self.trust.authorize,
-                                   self.fail_session)
+                                   self.fail_session, self.lifecycle.kv_job, self.lifecycle.prompts)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler that owns the backend, and the ring sessions' relays, until cancelled."""
@@ -169,8 +171,36 @@ class NodeService:
     # -- sessions (dgr.node.sessions) and the seam (dgr.node.replies) --------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
                            relay: RelayPlan | None = None, prefix: list[str] | None = None,
-                           lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None) -> int:
-        return await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks, spec)
+                           lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None, *,
+                           prompt: PromptPlan | None = None, max_new: int | None = None
+                           ) -> tuple[int, list[int] | None]:
+        """Open a session (dgr.node.sessions): the positions it reused, and a head given `prompt` the ids it
+        tokenized that into (dgr.node.prompt), opened on the prefix it names from them.
+
+        Raises: CallerError (as NodeSessions.open, and PromptPlan.positions); INVALID_REQUEST: a prompt
+        for a shard that is not a head.
+        """
+        if prompt is None:
+            return await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks, spec,
+                                             max_new), None
+        if not self.backend.is_head:
+            raise CallerError(Reason.INVALID_REQUEST, f"{self.node_id} is not a head shard: it takes no prompt")
+        self.table.check_open(sid, 1)  # before the tokenizing: an open refused anyway costs none
+        if prompt.ids is not None:
+            ids = list(prompt.ids)
+        else:
+            ids, _ = await self.tokenize(messages=None if prompt.messages is None else list(prompt.messages),
+                                         prompt=prompt.text)
+        positions = prompt.positions(ids, max_positions)
+        if prompt.root is not None:
+            _, prefix, marks = prompt_offer(ids, prompt.root)
+        if spec is not None and self.backend.is_tail and not spec.history:  # a route of one: it drafts from its own ids
+            spec = attrs.evolve(spec, history=tuple(ids[-MAX_HISTORY:]))
+        return await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec,
+                                         prompt=ids), ids
+
+    async def adopt_prefix(self, sid: str, prefix: list[str], marks: bytes) -> int:
+        return await self.lifecycle.adopt(sid, prefix, marks)
 
     async def close_session(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
         await self.lifecycle.close(sid, keep, tail)

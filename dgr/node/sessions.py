@@ -7,6 +7,9 @@ Rules:
 - An open is registered before its KV is opened (a scheduler job, dgr.node.kv), so a second open of
   the same id is refused while this one is queued, and a step for it queues behind the open. Where
   the KV cannot open, the registration is undone.
+- A later hop opened with the head, before the prompt is tokenized (`max_new`), waits for its KV:
+  the gateway names its prefix (`adopt`) where the head reused one, or it opens empty as the job
+  before the session's first step (`kv_job`). Until then it holds no slot of the backend's.
 - Sessions end by `close` (the gateway is done), by failure (the gateway saw the route break, or
   compute raised) or by idle expiry (on trio's clock, as sessions are stamped). Each frees its KV
   after any of its steps already queued: until then it still counts against capacity and in status,
@@ -21,10 +24,12 @@ import functools
 from typing import Any, Callable
 
 import attrs
+import numpy as np
+import outcome
 import trio
 
 from dgr.backends.base import Compute
-from dgr.errors import DgrError, Failure, Reason
+from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.fsm.node import NodeSession
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
@@ -53,32 +58,44 @@ class NodeSessions:
     idle_timeout_s: float = 120.0
     samplers: dict[str, Sampler] = attrs.field(factory=dict)  # the tail's, by session
     offered: dict[str, bytes] = attrs.field(factory=dict)  # session -> the marks its open offered (dgr.node.prefix)
+    waiting: dict[str, tuple[int, int | None]] = attrs.field(factory=dict)  # sid -> (positions, lane): KV not open
+    prompts: dict[str, np.ndarray] = attrs.field(factory=dict)  # a head's: the ids it tokenized the prompt into
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan | None = None,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
-                   spec: SpecPlan | None = None) -> int:
+                   spec: SpecPlan | None = None, max_new: int | None = None,
+                   prompt: list[int] | None = None) -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
 
         With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
         session starts from the longest kept prefix matching it, to the token; returns the positions it
         holds from there (0: none reused). The marks are remembered, to name the session's KV if it is
         kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases). With `spec`, its
-        decode steps may carry drafts (dgr.node.speculation; a ring's tail drafts them).
+        decode steps may carry drafts (dgr.node.speculation; a ring's tail drafts them). With `max_new`, the
+        prompt's length is not known yet: `max_positions` is a bound, and the KV waits (`adopt`, `kv_job`).
+        A head keeps its `prompt`'s ids: the prompt's chunks come without them (NodeReplies.admit).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
         self.table.open(sid, max_positions,
                         NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
-                                    max_decode=1 if spec is None else spec.k_max + 1))
+                                    max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new))
         if self.backend.is_tail:
             self.samplers[sid] = Sampler(sampling)
-        try:
-            reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, max_positions,
-                                                                              prefix or [], lane, marks))
-        except DgrError:
-            self.table.pop(sid)
-            self.samplers.pop(sid, None)
-            raise
+        if prompt is not None:
+            self.prompts[sid] = np.asarray(prompt, dtype=np.int32)
+        if max_new is not None:
+            self.waiting[sid] = (max_positions, lane)
+            reused = 0
+        else:
+            try:
+                reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, max_positions,
+                                                                                  prefix or [], lane, marks))
+            except DgrError:
+                self.table.pop(sid)
+                self.samplers.pop(sid, None)
+                self.prompts.pop(sid, None)
+                raise
         if relay is not None and sid in self.table:
             self.links.attach(sid, relay, lane, spec)
             tail = self.links.spec.get(sid)
@@ -90,6 +107,51 @@ class NodeSessions:
         if session is not None and marks and self.kv.prefix is not None:
             self.offered[sid] = marks
         return reused
+
+    async def adopt(self, sid: str, prefix: list[str], marks: bytes) -> int:
+        """Open a waiting session's KV on the longest kept prefix of `prefix` and `marks` (as `open` does);
+        the positions it holds from there.
+
+        Raises:
+            CallerError(INVALID_REQUEST): the session's KV is open already (its prefix was its open's to name).
+            CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
+            DgrError: the KV could not open; the session is failed.
+        """
+        session = self.table.get(sid)
+        waiting = self.waiting.pop(sid, None)
+        if waiting is None:
+            raise CallerError(Reason.INVALID_REQUEST, f"session {sid} holds its KV already: its open named its prefix")
+        positions, lane = waiting
+        try:
+            reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, positions, prefix,
+                                                                              lane, marks))
+        except DgrError as exc:
+            await self.fail(sid, exc.failure(node=self.node_id))
+            raise
+        if reused and self.table.is_live(sid):
+            session.positions = reused  # before any step: the gateway waits for this answer to send one
+        if marks and self.kv.prefix is not None:
+            self.offered[sid] = marks
+        return reused
+
+    def kv_job(self, sid: str) -> Job | None:
+        """The job that opens a waiting session's KV empty, to queue before its first step; None where it is
+        open. Where it cannot open, the session fails (its step then finds no KV and is reported too)."""
+        waiting = self.waiting.pop(sid, None)
+        if waiting is None:
+            return None
+        positions, lane = waiting
+
+        def done(job: Job) -> None:
+            if isinstance(job.result, outcome.Error) and self.links.nursery is not None:
+                exc = job.result.error
+                failure = (exc.failure(node=self.node_id) if isinstance(exc, DgrError)
+                           else Failure(Reason.NODE_ERROR, f"{self.node_id}: the KV did not open: {exc}"[:300],
+                                        node=self.node_id))
+                self.links.nursery.start_soon(self.fail, sid, failure)
+
+        return Job(JobKind.SESSION, sid, fn=functools.partial(self.kv.open, sid, positions, [], lane, b""),
+                   on_done=done)
 
     async def close(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
         """End `sid` normally; with `keep` (the hash chain of the tokens in its KV) and `tail` (the marks of
@@ -113,13 +175,15 @@ class NodeSessions:
                       tail: bytes = b"") -> None:
         """End `sid` here: refused from now on, and counted as held until its slot is free."""
         self.samplers.pop(sid, None)
+        self.prompts.pop(sid, None)
         spec = self.links.detach(sid)
         self.table.end(sid, failure)
         head = self.offered.pop(sid, b"")
+        opened = self.waiting.pop(sid, None) is None
         try:
-            keeps = bool(keep or tail) and failure is None
+            keeps = bool(keep or tail) and failure is None and opened
             close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps
-                     else functools.partial(self.backend.close_session, sid))
+                     else functools.partial(self.backend.close_session, sid) if opened else _nothing)
             if spec is not None:  # a draft model's sequence goes in the same job
                 close = functools.partial(_both, spec.close, close)
             # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
@@ -153,7 +217,8 @@ class NodeSessions:
             CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
         """
         session = self.table.get(sid)
-        computed = await self.scheduler.session_call(sid, functools.partial(self.backend.positions_computed, sid))
+        computed = 0 if sid in self.waiting else await self.scheduler.session_call(
+            sid, functools.partial(self.backend.positions_computed, sid))
         return {
             "id": sid,
             "state": session.state.value,
@@ -161,6 +226,10 @@ class NodeSessions:
             "positions_computed": computed,
             "next_seq": session.next_seq,
         }
+
+
+def _nothing() -> None:
+    """A waiting session's close: it holds no KV."""
 
 
 def _both(first: Callable[[], None], then: Callable[[], None]) -> None:

@@ -4,9 +4,9 @@ Rules:
 - A node with a tracker (`joining`) pins the tracker's public key when it joins (`join`), once: another
   key later is refused until the node restarts. Before it has joined, every call that names a
   session is refused.
-- From then on every call that names a session (open, step, close, status, tokenize) must carry the
+- From then on every call that names a session (open, a prefix named, step, close, status) must carry the
   capability the tracker signed for that session, this node and these layers (dgr.security.auth).
-  Steps need any (a neighbour's `STEP` one will do); open, close, status and tokenize need the
+  Steps need any (a neighbour's `STEP` one will do); open, a prefix named, close and status need the
   gateway's `CONTROL` one.
 - An open also needs the tracker's single-use ticket for exactly its body (dgr.security.tickets):
   `admit_open` checks it from the headers, `redeem_open` the body's bytes before they are parsed.

@@ -8,7 +8,8 @@ a mark: the first `MARK_BYTES` bytes of H(key of its block's predecessor ||
 its block's token ids up to and including it) (`token_marks`), so a mark names
 every token before it, and a block's last mark begins its key.
 
-The tracker computes them from the tokens it has (dgr.tracker.admission); a
+The head computes its own from the prompt it tokenized, and the tracker the
+same from the ids the head answers with (`prompt_offer`, dgr.tracker.admission); a
 node, which on a non-head shard never sees token ids, compares them
 (dgr.node.prefix) and checks what the wire brings (`valid_chain`,
 `decode_marks`). Pure: no I/O.
@@ -25,7 +26,7 @@ from typing import Sequence
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 
 __all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_ADVERTISED", "MAX_MARKS", "block_chain", "decode_marks",
-           "encode_marks", "prefix_root", "token_marks", "valid_chain"]
+           "encode_marks", "prefix_root", "prompt_offer", "token_marks", "valid_chain"]
 
 _DOMAIN = b"dgr-prefix-v1"
 
@@ -82,6 +83,17 @@ def decode_marks(text: object, limit: int) -> bytes | None:
         return base64.urlsafe_b64decode(text.encode("ascii"))
     except (binascii.Error, UnicodeEncodeError, ValueError):
         return None
+
+
+def prompt_offer(prompt: Sequence[int], root: str) -> tuple[int, list[str], bytes]:
+    """What a prompt offers to reuse: (its positions, their block keys, their marks).
+
+    Never the last token: its logits give the first answer token. Nor the one before: a lone position
+    would run on other kernels than a chunk (dgr.tracker.live), and giving it back later would need a
+    node to drop a position, which some memories cannot (recurrent, SWA).
+    """
+    offered = prompt[: max(len(prompt) - 2, 0)]
+    return len(offered), block_chain(offered, root), token_marks(offered[:MAX_MARKS], root)
 
 
 def valid_chain(chain: object, limit: int) -> bool:

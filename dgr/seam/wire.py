@@ -55,7 +55,7 @@ CAPABILITY_HEADER = "X-Dgr-Capability"
 STATUS_SCOPE = "status"
 COMPUTE_HEADER = "X-Dgr-Compute-Us"
 # The gateway's answer to a completion names its Route Session (clients follow its telemetry by it); a
-# node's open, tokenize and stream name theirs in it too, so it is checked before any body is read.
+# node's open and stream name theirs in it too, so it is checked before any body is read.
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
 # An open carries the tracker's single-use ticket for it (dgr.security.tickets).
 TICKET_HEADER = "X-Dgr-Ticket"
@@ -87,10 +87,10 @@ CONTENT_TYPE = "application/x-dgr-seam"
 # A 2,048-token prefill chunk of a 7,168-wide model in f32 is 58 MiB; larger
 # chunks must be split by the sender.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-# Every other request body a node reads (open, close, challenges): small JSON.
+# Every other request body a node reads (a later hop's open, a prefix named, challenges): small JSON.
 MAX_CONTROL_BYTES = 1024 * 1024
-# A tokenize request carries the prompt: as large as the gateway's own body
-# limit. The gateway refuses a prompt whose tokenize body would exceed it.
+# A head's open carries the prompt (dgr.node.prompt): as large as the gateway's own body limit. The
+# gateway refuses a prompt whose bytes would exceed it.
 MAX_TOKENIZE_BYTES = 4 * 1024 * 1024
 
 # (name, struct code, meaning); little-endian, no padding.

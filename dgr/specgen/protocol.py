@@ -103,6 +103,18 @@ def render_seam() -> str:
         "kept prefix of them and answers `prefix_positions`, the positions the session then holds; the gateway "
         "starts prefill at the smallest answer on the route, and a node's first step may start before what it "
         "holds (it drops the rest first).",
+        "- The head's `POST /v1/seam/sessions` carries the prompt instead (dgr.node.prompt): `prompt` "
+        "(`{messages}`, `{prompt}` text or `{ids}`), `max_new` (the answer's positions at most), `max_prompt` "
+        "(the gateway's limit, if any) and `root` (the prefix root). The head tokenizes it inside the open, "
+        "refuses a prompt that is empty or leaves no position for the answer "
+        f"(`{Reason.CONTEXT_LENGTH_EXCEEDED.value}`, `param` prompt), opens for the prompt's positions plus "
+        "`max_new` within `max_positions` on the longest kept prefix it names from the ids, keeps the ids, and "
+        "answers them as `tokens` beside `prefix_positions`; the gateway's prefill chunks then come without "
+        "token ids. A later hop's open may carry `max_new` alone: it opens before the prompt's length is known, "
+        "with `max_positions` as a bound until the prompt's last chunk (SAMPLE) arrives, and its KV waits: "
+        "`POST /v1/seam/sessions/{id}/prefix` (`{prefix, marks}`) opens it on the longest kept prefix and "
+        "answers `prefix_positions`, or the first step opens it empty. So a route opens in one round trip, and "
+        "a second names the prefix where the head reused one.",
         "- `POST /v1/seam/sessions` also carries `lane`: the session's phase lane on its route "
         "(dgr.fsm.phases). A node with numbered sequence slots gives the session that slot while it is free, "
         "so sessions of consecutive lanes that arrive together decode as one graph.",
@@ -111,9 +123,9 @@ def render_seam() -> str:
         "instead of freeing them.",
         f"- On a node with a tracker, every call that names a session carries its capability in "
         f"`{wire.CAPABILITY_HEADER}`, and names the session in the path or in `{wire.ROUTE_SESSION_HEADER}` "
-        "(open, tokenize, stream), so both are checked before any of the body is read; a refused caller is "
+        "(open, stream), so both are checked before any of the body is read; a refused caller is "
         "answered 403 with `Connection: close`, its body unread. A capability's scope is `control` (the "
-        "gateway's: open, close, status, tokenize and steps) or `step` (the one a relay plan hands a node for "
+        "gateway's: open, a prefix named, close, status and steps) or `step` (the one a relay plan hands a node for "
         "its next hop or the tail's head, and the delivery one: steps only). An open also carries, in "
         f"`{wire.TICKET_HEADER}`, the tracker's ticket for it (dgr.security.tickets): session, node, layers, an "
         f"expiry {TICKET_TTL_S:g} s after issue and the SHA-256 of the exact body bytes. The node refuses a "
@@ -139,7 +151,8 @@ def render_seam() -> str:
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "
         "a frame kind a node does not accept.", "",
         "## The ring", "",
-        "Every route is a ring. The gateway sends the prompt's chunks to the head; each node forwards to the next "
+        "Every route is a ring. The gateway sends the prompt's chunks to the head (positions only: the head has "
+        "the ids); each node forwards to the next "
         "and the tail delivers each answer to the gateway. After sampling a token, the tail also sends the next "
         "DECODE step (that token's id, `seq + 1`, the next position, SAMPLE) on a stream of its own straight to "
         "the head, unless the token ends generation as the gateway would decide (dgr.fsm.stop): end of generation "

@@ -6,22 +6,27 @@ it before a response starts and the client gets a plain 4xx/5xx:
   when every route is full; its nodes' slots are held from then on, so
   concurrent opens cannot overfill a node;
 - the limits: a prompt past `max_prompt_bytes` is refused before the head
-  tokenizes it (`prompt_too_large`), one past `max_prompt_tokens` or the
-  route's context before any node session opens. The context is the smallest
-  `max_positions` (`--ctx`) a node on the route advertised, so `max_tokens` is
-  clamped to the positions every hop really has, and to `max_tokens_cap`;
-- prefix reuse (dgr.node.prefix): the prompt (less its last two tokens: the
-  last must be prefilled for a first token, and not alone, see
-  LiveSession.chunks) hashed into a chain of whole-block keys and a mark per
-  position, rooted in the model digest and the request's isolation scope. A
-  route whose nodes kept the longest of those keys (`holders`, which this
-  gateway saw closed, or which nodes name in their heartbeats) is preferred.
-  Each node opens on the longest prefix it holds and says how many positions;
-  the route reuses the smallest answer;
-- one node session per hop, opened at once, each with its relay plan, its
-  ticket and its lane in the route's phase groups (dgr.fsm.phases), and,
-  where the session speculates (issue 42, dgr.node.speculation), the
-  drafts a step may carry, and for the tail the prompt to draft from.
+  tokenizes it (`prompt_too_large`); the head refuses one past
+  `max_prompt_tokens` or the route's context inside its open (dgr.node.prompt).
+  The context is the smallest `max_positions` (`--ctx`) a node on the route
+  advertised, so `max_tokens` is clamped to the positions every hop really
+  has, and to `max_tokens_cap`;
+- the head tokenizes the prompt inside its open and answers its ids; without
+  speculation the later hops open in the same round trip, their KV waiting
+  for the prompt's prefix (dgr.tracker.opening);
+- prefix reuse (dgr.node.prefix): the prompt (less its last two tokens,
+  dgr.seam.keys.prompt_offer) hashed into a chain of whole-block keys and a
+  mark per position, rooted in the model digest and the request's isolation
+  scope. A route whose nodes kept the longest of those keys (`holders`, which
+  this gateway saw closed, or which nodes name in their heartbeats) is
+  preferred: chosen before any open where the client sent ids, else once the
+  head answered (what it opened is closed). The head opens on the longest
+  prefix it holds; only where it holds one are the later hops told the chain,
+  and each says how many positions it holds; the route reuses the smallest;
+- each node session with its relay plan, its ticket and its lane in the
+  route's phase groups (dgr.fsm.phases), and, where the session speculates
+  (issue 42, dgr.node.speculation), the drafts a step may carry, and for the
+  tail the prompt to draft from.
 Any failure closes what was opened (what may have opened unseen is owed a
 close), gives the slots back and ends the Route Session as failed.
 
@@ -42,11 +47,12 @@ from dgr.api.openai import GenerationRequest
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop, RouteEvent, RouteSession
-from dgr.seam.keys import MAX_MARKS, block_chain, encode_marks, prefix_root, token_marks
+from dgr.seam.keys import encode_marks, prefix_root, prompt_offer
 from dgr.tracker.accounting import Accounting
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, GatewayConfig, LiveSession
+from dgr.tracker.opening import RouteOpening
 from dgr.tracker.patience import Patience
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
@@ -54,7 +60,6 @@ from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["Admission"]
 
-SPEC_HISTORY = 8192  # prompt tokens a speculating tail indexes (its n-gram window)
 _HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
 
 
@@ -74,7 +79,7 @@ class Admission:
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
 
     async def open(self, req: GenerationRequest, scope: str = "") -> LiveSession:
-        """Route, tokenize, check the context and open node sessions.
+        """Route, open node sessions (the head tokenizing the prompt inside its open), check the context.
 
         `scope` isolates kept prefixes: only requests of the same scope (the API key's hash) reuse
         each other's, unless the gateway shares prefixes.
@@ -86,125 +91,145 @@ class Admission:
         now = trio.current_time()
         rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
         rs.start_routing(now)
-        opened: list[Hop] = []
-        attempted: list[str] = []
         reserved: tuple[NodeEntry, ...] = ()
-        caps: dict[str, str] = {}
-        board: RoutePhases | None = None
+        opening: RouteOpening | None = None
         cfg = self.config
         try:
             choice = await self._admit(req.model)
             reserved = self._hold(choice.nodes, now)
-            caps = self.credentials().capabilities(rs.sid, choice.hops)
             info = choice.nodes[0].model
             # The context is what every hop allocates per session (--ctx), not the training context.
             context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
-            prompt = await self._tokenize(req, rs, choice.hops[0], caps, context)
-            max_tokens = min(req.max_tokens, context - len(prompt))
-            if cfg.max_tokens_cap is not None:
-                max_tokens = min(max_tokens, cfg.max_tokens_cap)
-            positions = len(prompt) + max_tokens
-
+            token_limit = self._check_bytes(req, context)
             root = prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None
-            # Never the last token: its logits give the first answer token. Nor the one before: a lone
-            # position would run on other kernels than a chunk (LiveSession.chunks), and giving it back
-            # later would need a node to drop a position, which some memories cannot (recurrent, SWA).
-            offered = prompt[: max(len(prompt) - 2, 0)]
-            offer = [] if root is None else block_chain(offered, root)
-            marks = "" if root is None else encode_marks(token_marks(offered[:MAX_MARKS], root))
-            better = self._holding_route(offer, choice, context)
-            if better is not None:
-                self.release(reserved)
-                choice, reserved = better, self._hold(better.nodes, now)
-                caps = self.credentials().capabilities(rs.sid, choice.hops)
-            relays = self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos)
-            specs = self._speculation(req, choice.nodes, prompt)
-            board = self._board(choice.hops)
-            lane = board.join(rs.sid)
-            held: dict[str, int] = {}
-
-            async def open_one(hop: Hop) -> None:
-                attempted.append(hop.node_id)
-                try:
-                    held[hop.node_id] = await self.clients.get(hop).open(
-                        rs.sid, positions, req.sampling.to_json(), caps.get(hop.node_id),
-                        relay=relays.get(hop.node_id), prefix=offer, lane=lane,
-                        ticket=self.credentials().ticketer(rs.sid, hop), marks=marks, spec=specs[hop.node_id])
-                except DgrError as refused:
-                    if refused.reason is not Reason.ROUTE_NODE_LOST:
-                        attempted.remove(hop.node_id)  # the node answered: it holds nothing
-                    raise
-                opened.append(hop)
-
-            with self.patience.patient([h.node_id for h in choice.hops], cfg.step_deadline_s) as wait:
-                async with trio.open_nursery() as nursery:
-                    for hop in choice.hops:
-                        nursery.start_soon(open_one, hop)
-            if wait.scope.cancelled_caught:
-                silent = wait.silent or next((h.node_id for h in choice.hops if h.node_id not in held), None)
-                raise wait.failed("did not answer while the route was being opened", silent, phase=rs.state.value)
+            max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
+            common = {"sampling": req.sampling.to_json(), "context": context, "max_new": max_new,
+                      "vocab_size": info.vocab_size}
+            prompt = self._given_ids(req, info.vocab_size)
+            offered, offer, marks = self._offer(prompt, root)
+            if prompt is not None:  # the ids are known: choose the route by its kept prefix before opening any
+                choice, reserved = self._rechoose(choice, reserved, offer, context, now)
+            opening = self._opening(req, rs, choice, common)
+            head, rest = choice.hops[0], choice.hops[1:]
+            first = {head: opening.head(req.prompt_body() if prompt is None else {"ids": prompt}, root,
+                                        cfg.max_prompt_tokens)}
+            # without speculation the later hops open with the head, their KV waiting for the prompt's prefix
+            early = prompt is None and opening.spec is None
+            await opening.open(first | {h: opening.later(h, None, [], "") for h in rest if early})
+            if prompt is None:
+                prompt = self._head_ids(opening.tokens, head, context, token_limit)
+                offered, offer, marks = self._offer(prompt, root)
+                better, reserved = self._rechoose(choice, reserved, offer, context, now)
+                if better is not choice:  # its nodes kept this prompt's prefix: open there instead
+                    await self._abandon(rs, opening)
+                    choice, opening = better, self._opening(req, rs, better, common)
+                    await opening.open({better.hops[0]: opening.head({"ids": prompt}, root, None)}
+                                       | {h: opening.later(h, prompt, offer, marks) for h in better.hops[1:]})
+                elif early and rest and root is not None and opening.held[head.node_id] > 0:
+                    await opening.adopt(list(rest), offer, marks)
+                elif not early:
+                    await opening.open({h: opening.later(h, prompt, offer, marks) for h in rest})
+            elif rest:
+                await opening.open({h: opening.later(h, prompt, offer, marks) for h in rest})
         except BaseException as raised:
-            await self._undo(raised, rs, opened, attempted, reserved, caps, board)
+            await self._undo(raised, rs, opening, reserved)
             raise AssertionError("unreachable")  # _undo always raises
         send, recv = trio.open_memory_channel(math.inf)
         live = LiveSession(
-            rs=rs, request=req, prompt=prompt, max_tokens=max_tokens, nodes=choice.nodes,
+            rs=rs, request=req, prompt=prompt, max_tokens=min(max_new, context - len(prompt)), nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv, caps=caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
-            phases=board, listener=self.accounting.observe,
+            send=send, recv=recv, caps=opening.caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
+            phases=self._board(choice.hops), listener=self.accounting.observe,
         )
         # every node must start from the same position: the shortest prefix any of them holds
-        reused = min([len(offered), *held.values()]) if root is not None else 0
+        reused = min([offered, *opening.held.values()]) if root is not None else 0
         live.publish(RouteEvent.ROUTE_READY,
                      rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         return live
 
-    async def _tokenize(self, req: GenerationRequest, rs: RouteSession, first: Hop, caps: dict[str, str],
-                        context: int) -> list[int]:
-        """The prompt's token ids (the request's own, or the head's for its text), within the limits."""
+    def _opening(self, req: GenerationRequest, rs: RouteSession, choice, common: dict[str, Any]) -> RouteOpening:
+        """The opening of `choice`'s node sessions: its relay plans, speculation and lane in the phase groups."""
+        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials(), self.patience,
+                            self.config.step_deadline_s, lambda: rs.state.value, common,
+                            self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos),
+                            self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid))
+
+    def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: list[str], context: int, now: float):
+        """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or
+        `choice` where there is none."""
+        better = self._holding_route(offer, choice, context)
+        if better is None:
+            return choice, reserved
+        self.release(reserved)
+        return better, self._hold(better.nodes, now)
+
+    @staticmethod
+    def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, list[str], str]:
+        """(positions, block keys, encoded marks) the prompt offers to reuse; none without ids or a root."""
+        if prompt is None or root is None:
+            return 0, [], ""
+        offered, chain, marks = prompt_offer(prompt, root)
+        return offered, chain, encode_marks(marks)
+
+    def _check_bytes(self, req: GenerationRequest, context: int) -> int:
+        """The prompt's token limit, once its text is known to fit it: refused before any node sees it.
+
+        Raises: CallerError(PROMPT_TOO_LARGE).
+        """
         cfg = self.config
-        info = self.registry.nodes[first.node_id].model
         token_limit = min(context - 1, cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else context)
-        param = "messages" if req.kind == "chat" else "prompt"
         byte_limit = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max(token_limit, 1)
         if not req.prompt_ids and req.prompt_bytes() > byte_limit:
             raise CallerError(Reason.PROMPT_TOO_LARGE,
                               f"the prompt has {req.prompt_bytes()} bytes; this gateway tokenizes at most {byte_limit} "
-                              f"(the prompt may have at most {token_limit} tokens)", param=param)
-        with self.patience.patient([first.node_id], cfg.step_deadline_s) as wait:
-            prompt = (list(req.prompt_ids) if req.prompt_ids
-                      else await self.clients.get(first).tokenize(req.tokenize_body(), rs.sid, caps.get(first.node_id),
-                                                                  vocab_size=info.vocab_size))
-        if wait.scope.cancelled_caught:
-            raise wait.failed("did not tokenize the prompt", first.node_id, phase=rs.state.value)
-        if req.prompt_ids and max(prompt) >= info.vocab_size:
+                              f"(the prompt may have at most {token_limit} tokens)", param=_param(req))
+        return token_limit
+
+    def _given_ids(self, req: GenerationRequest, vocab_size: int) -> list[int] | None:
+        """The client's own token ids, checked; None for a prompt the head must tokenize.
+
+        Raises: CallerError(INVALID_REQUEST | CONTEXT_LENGTH_EXCEEDED).
+        """
+        if not req.prompt_ids:
+            return None
+        prompt = list(req.prompt_ids)
+        if max(prompt) >= vocab_size:
             raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
-                              f"of {info.vocab_size}", param="prompt")
-        if not prompt:
-            raise CallerError(Reason.INVALID_REQUEST, "the prompt is empty after tokenizing", param="prompt")
-        if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
-            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt has {len(prompt)} tokens; this gateway "
-                              f"accepts at most {cfg.max_prompt_tokens}", param=param)
-        if len(prompt) >= context:
-            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"the prompt has {len(prompt)} tokens; this route's "
-                              f"context is {context} and at least one must remain for the answer", param=param)
+                              f"of {vocab_size}", param="prompt")
         return prompt
 
-    async def _undo(self, raised: BaseException, rs: RouteSession, opened: list[Hop], attempted: list[str],
-                    reserved: tuple[NodeEntry, ...], caps: dict[str, str], board: RoutePhases | None) -> None:
+    @staticmethod
+    def _head_ids(tokens: list[int] | None, head: Hop, context: int, token_limit: int) -> list[int]:
+        """The head's ids for the prompt, which it was told to hold within `token_limit`: a head that opened
+        more, or none, is at fault, not the client.
+
+        Raises: PeerError(NODE_ERROR).
+        """
+        if not tokens or len(tokens) > token_limit:
+            got = f"{len(tokens)} tokens" if tokens else "no tokens"
+            raise PeerError(Reason.NODE_ERROR, f"{head.node_id} opened a prompt of {got}; it may hold 1 to "
+                                               f"{token_limit} in a context of {context}", node=head.node_id)
+        return tokens
+
+    async def _abandon(self, rs: RouteSession, opening: RouteOpening, failure: Failure | None = None) -> None:
+        """Close what `opening` opened (owing closes where no answer came) and give its lane back."""
+        with trio.CancelScope(shield=True):
+            for node_id in await self.clients.close(rs.sid, opening.opened, failure, opening.caps):
+                self.owe_close(node_id, rs.sid)
+        self.leave(self._board(opening.hops), rs.sid)
+        confirmed = {h.node_id for h in opening.opened}
+        for node_id in opening.attempted:
+            if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
+                self.owe_close(node_id, rs.sid)
+
+    async def _undo(self, raised: BaseException, rs: RouteSession, opening: RouteOpening | None,
+                    reserved: tuple[NodeEntry, ...]) -> None:
         """Take back a failed open (close what opened, owe closes, free slots and lane), then raise."""
         exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
         failure = _failure_of(exc, rs)
-        with trio.CancelScope(shield=True):
-            for node_id in await self.clients.close(rs.sid, opened, failure, caps):
-                self.owe_close(node_id, rs.sid)
+        if opening is not None:
+            await self._abandon(rs, opening, failure)
         self.release(reserved)
-        if board is not None:
-            self.leave(board, rs.sid)
-        confirmed = {h.node_id for h in opened}
-        for node_id in attempted:
-            if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
-                self.owe_close(node_id, rs.sid)
         if failure is not None:
             rs.fail(failure, trio.current_time())
             self.accounting.observe(rs, RouteEvent.FAIL, rs.updated_at)
@@ -215,10 +240,10 @@ class Admission:
             raise exc from None
         raise raised
 
-    def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...], prompt: list[int]
-                     ) -> dict[str, dict[str, Any] | None]:
-        """Each node's "spec" open field: None where the session does not speculate (asked off, or a node's
-        memory cannot drop positions); the tail also gets the prompt's last tokens to draft from.
+    def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...]) -> dict[str, Any] | None:
+        """The session's "spec" open field on every node (the tail's also gets the prompt's last tokens to draft
+        from, dgr.tracker.opening): None where it does not speculate (asked off, or a node's memory cannot
+        drop positions).
 
         Raises:
             CallerError(INVALID_REQUEST): `draft` speculation on a route whose tail has no draft model.
@@ -226,7 +251,7 @@ class Admission:
         cfg = self.config
         mode = req.speculation or cfg.speculation
         if mode == "off" or not all(n.model.drops_positions for n in nodes):
-            return {n.node_id: None for n in nodes}
+            return None
         source = mode.removesuffix("-exact")
         if source == "draft" and not nodes[-1].describe.get("draft_model"):
             raise CallerError(Reason.INVALID_REQUEST, f"speculation {mode!r} needs a route whose tail has a draft "
@@ -235,9 +260,7 @@ class Admission:
                                 "source": source}
         if cfg.spec_k is not None:
             spec["fixed_k"] = cfg.spec_k
-        out: dict[str, dict[str, Any] | None] = {n.node_id: spec for n in nodes}
-        out[nodes[-1].node_id] = {**spec, "history": prompt[-SPEC_HISTORY:]}
-        return out
+        return spec
 
     def _hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
         for n in nodes:
@@ -308,6 +331,10 @@ class Admission:
         board.leave(sid)
         if not board.lanes:
             self.phases = {k: b for k, b in self.phases.items() if b is not board}
+
+
+def _param(req: GenerationRequest) -> str:
+    return "messages" if req.kind == "chat" else "prompt"
 
 
 def _failure_of(exc: BaseException, rs: RouteSession) -> Failure | None:

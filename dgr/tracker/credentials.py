@@ -47,7 +47,7 @@ class Credentials:
         with, and on the tail the head to send each next decode step to.
 
         The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and
-        the tail to its head), never open, close or tokenize there with them.
+        the tail to its head), never open, close or name a prefix there with them.
         """
         now = time.time()
         deliver = None if self.authority is None else self.authority.issue(

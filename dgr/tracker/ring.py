@@ -76,11 +76,10 @@ class Ring:
         window = trio.Semaphore(len(rs.route))
 
         async def feed() -> None:  # every chunk to the head, in order: the ring pipelines them
-            for k, pos0, ids in chunks:
+            for k, pos0, ids in chunks:  # without the ids: the head has them, it tokenized the prompt at open
                 await window.acquire()
                 frame = encode_frame(FrameKind.PREFILL, rs.sid, k, pos0, len(ids), live.model_width,
-                                     dtype=self.config.seam_dtype, flags=Flag.SAMPLE if k == last else Flag(0),
-                                     token_ids=ids)
+                                     dtype=self.config.seam_dtype, flags=Flag.SAMPLE if k == last else Flag(0))
                 await self._send_head(live, frame, len(ids), k)
 
         async with trio.open_nursery() as nursery:

@@ -7,18 +7,16 @@ handle. Deadlines are the caller's cancel scopes.
 
 Every call for a Route Session carries that session's capability for this
 node (`X-Dgr-Capability`, issued by the gateway); `None` sends none, for a
-caller that issues none (an in-process test). Opens and tokenizes name
-their session in `X-Dgr-Route-Session`, so the node checks it before
-reading the body, and an open carries the tracker's ticket for the exact
-bytes it sends (`X-Dgr-Ticket`). An `https://` node is called
+caller that issues none (an in-process test). Opens name their session in
+`X-Dgr-Route-Session`, so the node checks it before reading the body, and
+carry the tracker's ticket for the exact bytes they send (`X-Dgr-Ticket`). An `https://` node is called
 over TLS with `ssl_context` (the node's registered certificate pinned, see
 dgr.security.tls), both on the control client and on the seam's pool.
 
 A node's replies are read with a cap, chunk by chunk, never more than the cap
 held (`read_capped`): MAX_CONTROL_BYTES for open, close and status, and for a
-tokenize reply what the prompt it was sent can yield (`token_bound`: one
-token per byte of the request at most, each a short JSON number, and the
-templated text back). Replies come unencoded (`Accept-Encoding: identity`),
+head's open of a prompt what the prompt can yield besides (`token_bound`: one
+token per byte of the request at most, each a short JSON number). Replies come unencoded (`Accept-Encoding: identity`),
 so no compressed reply expands past the cap. A reply over its cap, or one
 that is not the JSON it should be, is `PeerError(NODE_ERROR)` naming the
 node. The head's token ids are checked too: integers in [0, vocab_size),
@@ -43,8 +41,7 @@ from dgr.security.tls import httpx_default_trust
 
 __all__ = ["NodeClient", "Reply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
 
-# A tokenize reply per byte of its request: a token id (at most 7 digits, a comma and a space) and the
-# templated text back (at most 6 bytes escaped); the template's own text fits the fixed part.
+# A head's open reply per byte of its prompt: a token id (at most 7 digits, a comma and a space).
 _TOKENIZE_REPLY_PER_BYTE = 16
 # Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
 # message's keys and quotes): a default system prompt, the assistant's opening.
@@ -87,8 +84,8 @@ async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit
 
 
 def token_bound(body: dict[str, Any]) -> int:
-    """The most tokens an honest head makes of tokenize request `body`: one per byte of its JSON, and a
-    template's own."""
+    """The most tokens an honest head makes of the prompt `body` (dgr.node.prompt): one per byte of its JSON,
+    and a template's own."""
     return len(json.dumps(body).encode()) + _TEMPLATE_TOKENS
 
 
@@ -120,7 +117,7 @@ class NodeClient:
     node_id: str
     url: str
     ssl_context: ssl.SSLContext | None = None  # https nodes: what to trust (None: the system's CAs)
-    _http: httpx.AsyncClient = attrs.field(init=False)  # control calls: open, close, tokenize, status
+    _http: httpx.AsyncClient = attrs.field(init=False)  # control calls: open, prefix, close, status
     _seam: ConnectionPool = attrs.field(init=False)  # the per-token hot path
 
     def __attrs_post_init__(self) -> None:
@@ -144,10 +141,15 @@ class NodeClient:
             phase=phase,
         )
 
-    def _refused(self, r: Reply | HttpResponse) -> Exception:
+    def _refused(self, r: Reply | HttpResponse, param: str | None = None) -> Exception:
+        """A node's refusal as the gateway raises it; `param`: the request's prompt parameter, where the node
+        was given the prompt, so that a refusal of the prompt itself (dgr.node.prompt) is the client's."""
         body = r.content if isinstance(r, Reply) else r.body
         status = r.status_code if isinstance(r, Reply) else r.status
         code, message = parse_error_body(body)
+        if param is not None and code in (Reason.CONTEXT_LENGTH_EXCEEDED.value, Reason.INVALID_REQUEST.value) \
+                and _error_param(body) == "prompt":
+            return CallerError(Reason(code), message, param=param, node=self.node_id)
         if code == Reason.NODE_AT_CAPACITY.value:
             return CallerError(Reason.NODE_AT_CAPACITY, f"{self.node_id}: {message}", node=self.node_id,
                                retry_after=_retry_after(r.headers.get("retry-after")))
@@ -177,42 +179,51 @@ class NodeClient:
     async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
                    relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
                    lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None,
-                   marks: str = "", spec: dict[str, Any] | None = None) -> int:
+                   marks: str = "", spec: dict[str, Any] | None = None, *, prompt: dict[str, Any] | None = None,
+                   root: str | None = None, max_new: int | None = None, max_prompt: int | None = None,
+                   vocab_size: int | None = None) -> tuple[int, list[int] | None]:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
+        Returns the positions it reused, and for a head given `prompt` the token ids it made of it.
 
         With `prefix` (a block hash chain) and `marks` (its positions' marks, encoded), the node starts
-        from the longest kept prefix it holds of it, to the token; returns the positions it holds from there. `lane` (a chain's phase lane, dgr.fsm.phases) is
-        the sequence slot the node gives the session while it is free. `ticket(body bytes)` is the
-        tracker's ticket for exactly the body sent (dgr.security.tickets); None sends none.
+        from the longest kept prefix it holds of it, to the token. A head given `prompt` (dgr.node.prompt:
+        {"messages"}, {"prompt"} or {"ids"}) tokenizes it, opens for its tokens plus `max_new` within
+        `max_positions` (at most `max_prompt` of them), and names its prefix itself under `root`; its ids
+        are checked (`check_tokens`) against `vocab_size`. A later hop given `max_new` without a prompt
+        opens before the prompt's length is known: its KV waits for `adopt_prefix` or the first step.
+        `lane` (a chain's phase lane, dgr.fsm.phases) is the sequence slot the node gives the session
+        while it is free. `ticket(body bytes)` is the tracker's ticket for exactly the body sent
+        (dgr.security.tickets); None sends none.
         """
-        raw = self.open_body(sid, max_positions, sampling, relay, prefix, lane, marks, spec)
+        body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
+        for key, value in (("relay", relay), ("prefix", prefix or None), ("marks", marks or None), ("lane", lane),
+                           ("spec", spec), ("prompt", prompt), ("root", root), ("max_new", max_new),
+                           ("max_prompt", max_prompt)):
+            if value is not None:
+                body[key] = value
+        raw = json.dumps(body, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
             headers[TICKET_HEADER] = signed
-        r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw)
+        bound = 0 if prompt is None else token_bound(prompt)
+        r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw,
+                                limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * bound)
         if r.status_code != 201:
-            raise self._refused(r)
-        reused = self._json(r).get("prefix_positions", 0)
-        return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
+            raise self._refused(r, None if prompt is None else "messages" if "messages" in prompt else "prompt")
+        answer = self._json(r)
+        tokens = (None if prompt is None
+                  else check_tokens(answer.get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id))
+        return _positions(answer), tokens
 
-    @staticmethod
-    def open_body(sid: str, max_positions: int, sampling: dict[str, Any], relay: dict[str, Any] | None = None,
-                  prefix: list[str] | None = None, lane: int | None = None, marks: str = "",
-                  spec: dict[str, Any] | None = None) -> bytes:
-        """An open's body, as the bytes its ticket is signed over."""
-        body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
-        if relay is not None:
-            body["relay"] = relay
-        if prefix:
-            body["prefix"] = prefix
-        if marks:
-            body["marks"] = marks
-        if lane is not None:
-            body["lane"] = lane
-        if spec is not None:
-            body["spec"] = spec
-        return json.dumps(body, separators=(",", ":")).encode()
+    async def adopt_prefix(self, sid: str, prefix: list[str], marks: str, capability: str | None = None) -> int:
+        """Name the prefix of a session opened before its prompt's length was known (`open` with `max_new`):
+        the node opens its KV on the longest kept prefix of it; returns the positions it holds from there."""
+        r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", headers=_cap(capability),
+                                json={"prefix": prefix, "marks": marks})
+        if r.status_code != 200:
+            raise self._refused(r)
+        return _positions(self._json(r))
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
                     keep: list[str] | None = None, tail: str = "") -> None:
@@ -246,21 +257,6 @@ class NodeClient:
                            phase=phase)
         return self._refused(answer).failure(node=self.node_id, phase=phase)
 
-    async def tokenize(self, body: dict[str, Any], sid: str | None = None, capability: str | None = None,
-                       vocab_size: int | None = None) -> list[int]:
-        """The head's token ids for `body` (a prompt or messages), checked (`check_tokens`) against `vocab_size`.
-
-        Raises:
-            PeerError(NODE_ERROR): a reply too large, malformed, or with token ids that cannot be.
-        """
-        headers = _cap(capability) if sid is None else {ROUTE_SESSION_HEADER: sid, **_cap(capability)}
-        bound = token_bound(body)
-        r = await self._request("POST", "/v1/node/tokenize", limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * bound,
-                                json=body, headers=headers)
-        if r.status_code != 200:
-            raise self._refused(r)
-        return check_tokens(self._json(r).get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id)
-
     async def session_status(self, sid: str, capability: str | None = None) -> dict[str, Any]:
         r = await self._request("GET", f"/v1/seam/sessions/{sid}", headers=_cap(capability))
         if r.status_code != 200:
@@ -280,6 +276,20 @@ class NodeClient:
         if r.status_code != 200:
             raise self._refused(r)
         return self._json(r)
+
+
+def _error_param(body: bytes) -> str | None:
+    try:
+        param = json.loads(body)["error"].get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return param if isinstance(param, str) else None
+
+
+def _positions(answer: dict[str, Any]) -> int:
+    """An open's `prefix_positions`; 0 where it is not a count (the route then reuses nothing)."""
+    reused = answer.get("prefix_positions", 0)
+    return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
 
 
 def _retry_after(value: str | None) -> int:
