@@ -73,12 +73,14 @@ async def test_a_route_opens_in_one_round_trip_and_names_a_held_prefix_in_a_seco
     assert opened == pytest.approx(LATENCY_S) and live.rs.prefix_reused == 0
     assert sorted(log) == sorted([(ids[0], "prompt"), *((i, "waiting") for i in ids[1:])])
     log.clear()
-    # the next turn: the head holds the conversation's prefix, so it is named to the later hops, in one more trip
+    # the next turn: the head may hold the conversation's prefix, so it is named to every hop in one more trip
+    # (a head that is its route's tail too opens on its own at once: no other hop to agree with)
     _, opened, live = await _ask(route, SYSTEM + text + " next")
     assert live.rs.prefix_reused > 0
     assert opened == pytest.approx(LATENCY_S * (2 if nodes > 1 else 1))
-    later = ids[1:]
-    assert sorted(log) == sorted([(ids[0], "prompt"), *((i, "waiting") for i in later), *((i, "adopt") for i in later)])
+    adopted = ids if nodes > 1 else []
+    assert sorted(log) == sorted([(ids[0], "prompt"), *((i, "waiting") for i in ids[1:]),
+                                  *((i, "adopt") for i in adopted)])
 
 
 async def test_without_a_prefix_kept_the_later_hops_are_told_none(autojump_clock, nursery) -> None:
@@ -96,10 +98,14 @@ async def test_a_speculating_tail_opens_once_the_ids_are_known(autojump_clock, n
     route, log = _route(2)
     await nursery.start(route.run)
     text, opened, live = await _ask(route, SYSTEM, speculation="ngram")
-    assert opened == pytest.approx(2 * LATENCY_S)
-    assert log == [(live.rs.route[0].node_id, "prompt"), (live.rs.route[1].node_id, "prefix")]
+    head, tail = (h.node_id for h in live.rs.route)
+    assert opened == pytest.approx(2 * LATENCY_S) and log == [(head, "prompt"), (tail, "prefix")]
     plain, _, _ = await _ask(route, SYSTEM)
     assert text == plain
+    log.clear()  # the next turn's prefix is named to the head while the tail opens on it, in the same trip
+    text, opened, live = await _ask(route, SYSTEM + text + " next", speculation="ngram")
+    assert live.rs.prefix_reused > 0 and opened == pytest.approx(2 * LATENCY_S)
+    assert sorted(log) == [(head, "adopt"), (head, "prompt"), (tail, "prefix")]
 
 
 async def test_a_prompt_the_head_refuses_closes_the_later_hops_waiting(autojump_clock, nursery) -> None:

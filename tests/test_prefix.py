@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import random
@@ -170,6 +171,30 @@ def test_random_operations_keep_the_index_consistent() -> None:
         assert c.nbytes <= 200
         live_keys = {k for e in c.entries.values() for k in e.chain}
         assert set(c._index) == live_keys
+
+
+def test_may_hold_is_never_false_where_a_match_would_find_something() -> None:
+    """The head's check before it answers its open (dgr.node.service): a False must be right, with or without
+    marks, whole blocks or not, as entries come and go."""
+    rng = random.Random(23)
+    root = prefix_root("d", "")
+    c = PrefixCache(max_bytes=400)
+    for _ in range(600):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 3 * B))]
+        chain, marks = block_chain(tokens, root), token_marks(tokens, root)
+        op = rng.random()
+        if op < 0.4:
+            head = marks if rng.random() < 0.5 else b""
+            c.add(Kept(c.new_id(), tuple(chain), 10, head=head, tail=marks[len(chain) * B * MARK_BYTES :]))
+        elif op < 0.9:
+            with_marks = marks if rng.random() < 0.7 else b""
+            may = c.may_hold(chain, with_marks)
+            kept, n = c.match(chain, with_marks)
+            assert may or kept is None, (n, len(tokens))
+        elif c.entries:
+            c.evict()
+        firsts = collections.Counter(f for e in c.entries.values() for f in c._firsts_of(e))
+        assert c._firsts == firsts
 
 
 # -- routes that reuse --------------------------------------------------------------------------------------

@@ -114,10 +114,12 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         max_new = body.get("max_new") if prompt is None else None
         if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
             raise CallerError(Reason.INVALID_REQUEST, "max_new must be a positive integer")
-        reused, tokens = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
-                                                    marks=marks, spec=spec, prompt=prompt, max_new=max_new)
-        answer = {"session": sid, "node": service.node_id, "prefix_positions": reused}
-        return json_response(answer if tokens is None else {**answer, "tokens": tokens}, 201)
+        opened = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
+                                            marks=marks, spec=spec, prompt=prompt, max_new=max_new)
+        answer = {"session": sid, "node": service.node_id, "prefix_positions": opened.reused}
+        if opened.tokens is not None:
+            answer |= {"tokens": opened.tokens, "reusable": opened.reusable}
+        return json_response(answer, 201)
 
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):

@@ -99,6 +99,8 @@ class PrefixCache:
     max_bytes: int | None = None  # None: bounded only by the backend's free sequence slots
     entries: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # id -> Kept, LRU first
     _index: dict[str, dict[str, None]] = attrs.field(factory=dict)  # block key -> ids of entries holding it
+    # each entry's first block key and first position's mark -> how many entries begin with it (`may_hold`)
+    _firsts: collections.Counter = attrs.field(factory=collections.Counter)
     _next_id: int = 0
     hits: int = 0  # opens that reused a prefix
     misses: int = 0  # opens that offered a chain and found none of it
@@ -138,6 +140,21 @@ class PrefixCache:
             self.misses += 1
         return None, 0
 
+    def may_hold(self, chain: Sequence[str], marks: bytes) -> bool:
+        """False where no entry can share a position with the sequence of `chain` and `marks` (none begins with
+        its first block or first position); counts nothing.
+
+        Safe to ask from another thread than the one that changes the cache: two lookups in a dict, never an
+        iteration (CPython). An answer a concurrent change makes stale costs reuse or a trip, never a wrong KV:
+        the open that follows matches in the cache's own thread.
+        """
+        return (bool(chain) and chain[0] in self._firsts) or (len(marks) >= MARK_BYTES
+                                                               and marks[:MARK_BYTES] in self._firsts)
+
+    def _firsts_of(self, kept: Kept) -> list[str | bytes]:
+        first = kept.mark(0)
+        return [*kept.chain[:1], *([first] if first is not None else [])]
+
     def holds(self, chain: Sequence[str]) -> bool:
         """True when some entry holds all of `chain` (its last key names every block before it); counts nothing."""
         return bool(chain) and bool(self._index.get(chain[-1]))
@@ -151,6 +168,7 @@ class PrefixCache:
                 self.superseded += 1
                 dropped.append(old.id)
         self.entries[kept.id] = kept
+        self._firsts.update(self._firsts_of(kept))
         for key in kept.chain:
             self._index.setdefault(key, {})[kept.id] = None
         while self.max_bytes is not None and self.nbytes > self.max_bytes and self.entries:
@@ -160,6 +178,8 @@ class PrefixCache:
     def remove(self, entry_id: str) -> Kept:
         """Forget an entry (its KV is being taken over or freed)."""
         kept = self.entries.pop(entry_id)
+        self._firsts.subtract(self._firsts_of(kept))
+        self._firsts += collections.Counter()  # drops the counts that fell to zero
         for key in kept.chain:
             ids = self._index.get(key)
             if ids is not None:

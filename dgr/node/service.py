@@ -54,7 +54,17 @@ from dgr.security.tickets import OpenTicket, TicketBook
 from dgr.security.tls import TlsTrust
 from dgr.sessions import SessionTable
 
-__all__ = ["NodeService", "SeamStats"]
+__all__ = ["NodeService", "Opened", "SeamStats"]
+
+
+@attrs.frozen
+class Opened:
+    """What an open answers: the positions reused; a head given the prompt, its ids and whether a kept prefix
+    may share their start (the gateway then names the prefix to every hop)."""
+
+    reused: int
+    tokens: list[int] | None = None
+    reusable: bool = False
 
 _KEEP = object()  # `prefix` not given: a default PrefixCache
 
@@ -172,17 +182,21 @@ class NodeService:
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
                            relay: RelayPlan | None = None, prefix: list[str] | None = None,
                            lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None, *,
-                           prompt: PromptPlan | None = None, max_new: int | None = None
-                           ) -> tuple[int, list[int] | None]:
-        """Open a session (dgr.node.sessions): the positions it reused, and a head given `prompt` the ids it
-        tokenized that into (dgr.node.prompt), opened on the prefix it names from them.
+                           prompt: PromptPlan | None = None, max_new: int | None = None) -> Opened:
+        """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.node.prompt).
+
+        Given a `prefix` or `marks` (the gateway had the ids), it opens on them now, as does a head that is
+        its route's tail too, on the prefix it names from the ids under the prompt's `root` (no other hop
+        to agree with). Else its KV waits (for an adopt, or the first step), so it answers as soon as it
+        has the ids, and, with `root`, whether a kept prefix may share the prompt's start (`reusable`:
+        PrefixCache.may_hold).
 
         Raises: CallerError (as NodeSessions.open, and PromptPlan.positions); INVALID_REQUEST: a prompt
         for a shard that is not a head.
         """
         if prompt is None:
-            return await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks, spec,
-                                             max_new), None
+            return Opened(await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks,
+                                                    spec, max_new))
         if not self.backend.is_head:
             raise CallerError(Reason.INVALID_REQUEST, f"{self.node_id} is not a head shard: it takes no prompt")
         self.table.check_open(sid, 1)  # before the tokenizing: an open refused anyway costs none
@@ -192,12 +206,19 @@ class NodeService:
             ids, _ = await self.tokenize(messages=None if prompt.messages is None else list(prompt.messages),
                                          prompt=prompt.text)
         positions = prompt.positions(ids, max_positions)
-        if prompt.root is not None:
-            _, prefix, marks = prompt_offer(ids, prompt.root)
         if spec is not None and self.backend.is_tail and not spec.history:  # a route of one: it drafts from its own ids
             spec = attrs.evolve(spec, history=tuple(ids[-MAX_HISTORY:]))
-        return await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec,
-                                         prompt=ids), ids
+        if prompt.root is not None and self.backend.is_tail and not (prefix or marks):
+            _, prefix, marks = prompt_offer(ids, prompt.root)
+        if prefix or marks:
+            reused = await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec, prompt=ids)
+            return Opened(reused, ids)
+        reusable = False
+        if prompt.root is not None and self.kv.prefix is not None:
+            _, chain, offer = prompt_offer(ids, prompt.root)
+            reusable = self.kv.prefix.may_hold(chain, offer)
+        await self.lifecycle.open(sid, positions, sampling, relay, None, lane, b"", spec, waits=True, prompt=ids)
+        return Opened(0, ids, reusable)
 
     async def adopt_prefix(self, sid: str, prefix: list[str], marks: bytes) -> int:
         return await self.lifecycle.adopt(sid, prefix, marks)

@@ -7,9 +7,10 @@ Rules:
 - An open is registered before its KV is opened (a scheduler job, dgr.node.kv), so a second open of
   the same id is refused while this one is queued, and a step for it queues behind the open. Where
   the KV cannot open, the registration is undone.
-- A later hop opened with the head, before the prompt is tokenized (`max_new`), waits for its KV:
-  the gateway names its prefix (`adopt`) where the head reused one, or it opens empty as the job
-  before the session's first step (`kv_job`). Until then it holds no slot of the backend's.
+- A session may open waiting for its KV (`waits`): a later hop opened with the head, before the prompt
+  is tokenized (`max_new`), and the head itself where it names its own prefix. The gateway names the
+  prefix (`adopt`) where the head may hold one, or the KV opens empty as the job before the session's
+  first step (`kv_job`). Until then it holds no slot of the backend's.
 - Sessions end by `close` (the gateway is done), by failure (the gateway saw the route break, or
   compute raised) or by idle expiry (on trio's clock, as sessions are stamped). Each frees its KV
   after any of its steps already queued: until then it still counts against capacity and in status,
@@ -63,7 +64,7 @@ class NodeSessions:
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan | None = None,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
-                   spec: SpecPlan | None = None, max_new: int | None = None,
+                   spec: SpecPlan | None = None, max_new: int | None = None, waits: bool = False,
                    prompt: list[int] | None = None) -> int:
         """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
 
@@ -72,8 +73,9 @@ class NodeSessions:
         holds from there (0: none reused). The marks are remembered, to name the session's KV if it is
         kept. `lane` is the sequence slot to give it while that is free (dgr.fsm.phases). With `spec`, its
         decode steps may carry drafts (dgr.node.speculation; a ring's tail drafts them). With `max_new`, the
-        prompt's length is not known yet: `max_positions` is a bound, and the KV waits (`adopt`, `kv_job`).
-        A head keeps its `prompt`'s ids: the prompt's chunks come without them (NodeReplies.admit).
+        prompt's length is not known yet: `max_positions` is a bound, and the KV waits (`adopt`, `kv_job`), as
+        it does with `waits`. A head keeps its `prompt`'s ids: the prompt's chunks come without them
+        (NodeReplies.admit).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -84,7 +86,7 @@ class NodeSessions:
             self.samplers[sid] = Sampler(sampling)
         if prompt is not None:
             self.prompts[sid] = np.asarray(prompt, dtype=np.int32)
-        if max_new is not None:
+        if waits or max_new is not None:
             self.waiting[sid] = (max_positions, lane)
             reused = 0
         else:

@@ -107,30 +107,32 @@ class Admission:
                       "vocab_size": info.vocab_size}
             prompt = self._given_ids(req, info.vocab_size)
             offered, offer, marks = self._offer(prompt, root)
-            if prompt is not None:  # the ids are known: choose the route by its kept prefix before opening any
+            if prompt is not None:  # the ids are known: choose the route by its kept prefix, open every hop at once
                 choice, reserved = self._rechoose(choice, reserved, offer, context, now)
-            opening = self._opening(req, rs, choice, common)
-            head, rest = choice.hops[0], choice.hops[1:]
-            first = {head: opening.head(req.prompt_body() if prompt is None else {"ids": prompt}, root,
-                                        cfg.max_prompt_tokens)}
-            # without speculation the later hops open with the head, their KV waiting for the prompt's prefix
-            early = prompt is None and opening.spec is None
-            await opening.open(first | {h: opening.later(h, None, [], "") for h in rest if early})
-            if prompt is None:
+                opening = self._opening(req, rs, choice, common)
+                await opening.open(self._on_prefix(opening, prompt, offer, marks))
+            else:
+                opening = self._opening(req, rs, choice, common)
+                head, rest = choice.hops[0], choice.hops[1:]
+                # the head tokenizes; without speculation the later hops open with it, their KV waiting too
+                early = opening.spec is None
+                await opening.open({head: opening.head(req.prompt_body(), cfg.max_prompt_tokens, root)}
+                                   | {h: opening.later(h, None, [], "") for h in rest if early})
                 prompt = self._head_ids(opening.tokens, head, context, token_limit)
                 offered, offer, marks = self._offer(prompt, root)
                 better, reserved = self._rechoose(choice, reserved, offer, context, now)
                 if better is not choice:  # its nodes kept this prompt's prefix: open there instead
                     await self._abandon(rs, opening)
                     choice, opening = better, self._opening(req, rs, better, common)
-                    await opening.open({better.hops[0]: opening.head({"ids": prompt}, root, None)}
-                                       | {h: opening.later(h, prompt, offer, marks) for h in better.hops[1:]})
-                elif early and rest and root is not None and opening.held[head.node_id] > 0:
-                    await opening.adopt(list(rest), offer, marks)
-                elif not early:
-                    await opening.open({h: opening.later(h, prompt, offer, marks) for h in rest})
-            elif rest:
-                await opening.open({h: opening.later(h, prompt, offer, marks) for h in rest})
+                    await opening.open(self._on_prefix(opening, prompt, offer, marks))
+                else:
+                    reuse = root is not None and opening.reusable
+                    async with trio.open_nursery() as second:  # one more trip, where one is needed
+                        if not early:
+                            second.start_soon(opening.open, {h: opening.later(h, prompt, offer if reuse else [],
+                                                                              marks if reuse else "") for h in rest})
+                        if reuse:
+                            second.start_soon(opening.adopt, [head, *(rest if early else ())], offer, marks)
         except BaseException as raised:
             await self._undo(raised, rs, opening, reserved)
             raise AssertionError("unreachable")  # _undo always raises
@@ -153,6 +155,13 @@ class Admission:
                             self.config.step_deadline_s, lambda: rs.state.value, common,
                             self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos),
                             self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid))
+
+    @staticmethod
+    def _on_prefix(opening: RouteOpening, prompt: list[int], offer: list[str], marks: str) -> dict[Hop, dict]:
+        """Every hop's open on the prefix `prompt` offers, its ids known: the head keeps them."""
+        head, *rest = opening.hops
+        return ({head: opening.head({"ids": prompt}, offer=offer, marks=marks)}
+                | {h: opening.later(h, prompt, offer, marks) for h in rest})
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: list[str], context: int, now: float):
         """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or

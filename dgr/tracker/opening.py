@@ -3,11 +3,14 @@
 The head tokenizes the prompt inside its open (dgr.node.prompt), so the ids are known only when it
 answers. The later hops need them only to name their reusable prefix, and, on a speculating route,
 the tail to draft from. So:
-- without speculation they open with the head, their KV waiting (`max_new`, dgr.node.sessions): one
-  round trip opens the whole route, and only where the head reused a prefix does a second name it to
-  them (`adopt`), as every node must start from the same position;
-- with speculation, or where the ids are known before any open (a client's own, or a route chosen
-  again for the prefix its nodes hold), they open with their prefix and exact positions.
+- without speculation they open with the head, their KV waiting (`max_new`, dgr.node.sessions), and
+  so does the head's, which answers as soon as it has the ids: one round trip opens the whole route,
+  and only where the head may hold a prefix of the prompt does a second name it to every hop
+  (`adopt`), each opening its KV on what it holds, as every node must start from the same position;
+- with speculation the later hops open once the ids are known (the tail drafts from them), in the
+  same second trip;
+- where the ids are known before any open (a client's own, or a route chosen again for the prefix
+  its nodes hold), every hop opens at once on its prefix.
 `RouteOpening` builds each hop's open, and records what opened (to close on failure) and what may
 have opened unseen (a lost answer: owed a close). Which rounds run is dgr.tracker.admission's.
 """
@@ -50,16 +53,19 @@ class RouteOpening:
     attempted: list[str] = attrs.field(factory=list)  # asked and not refused: they may hold the session
     held: dict[str, int] = attrs.field(factory=dict)  # node id -> the prefix positions it opened on
     tokens: list[int] | None = None  # the head's ids for the prompt it was given
+    reusable: bool = False  # the head may hold a prefix of them: it is named to every hop
 
     def __attrs_post_init__(self) -> None:
         self.caps = self.credentials.capabilities(self.sid, self.hops)
 
-    def head(self, prompt: dict[str, Any], root: str | None, max_prompt: int | None) -> dict[str, Any]:
-        """The head's open: the prompt to tokenize (or its ids), the root to name its prefix under."""
-        head = self.hops[0]
+    def head(self, prompt: dict[str, Any], max_prompt: int | None = None, root: str | None = None,
+             offer: list[str] | None = None, marks: str = "") -> dict[str, Any]:
+        """The head's open: the prompt to tokenize (or its ids), and either the prefix the ids offer (it opens
+        on it now) or none, its KV then waiting, with the root to say under which it may hold one."""
         c = self.common
-        return {**self._common(head, None), "max_positions": c["context"], "prompt": prompt, "root": root,
-                "max_new": c["max_new"], "max_prompt": max_prompt, "vocab_size": c["vocab_size"]}
+        return {**self._common(self.hops[0], None), "max_positions": c["context"], "prompt": prompt,
+                "max_new": c["max_new"], "max_prompt": max_prompt, "vocab_size": c["vocab_size"], "root": root,
+                "prefix": offer, "marks": marks}
 
     def later(self, hop: Hop, ids: list[int] | None, offer: list[str], marks: str) -> dict[str, Any]:
         """A later hop's open: with the ids, their prefix and exact positions; without, a bound and `max_new`."""
@@ -84,15 +90,15 @@ class RouteOpening:
         async def one(hop: Hop) -> None:
             self.attempted.append(hop.node_id)
             try:
-                held, tokens = await self.clients.get(hop).open(self.sid, capability=self.caps.get(hop.node_id),
-                                                                **bodies[hop])
+                answer = await self.clients.get(hop).open(self.sid, capability=self.caps.get(hop.node_id),
+                                                          **bodies[hop])
             except DgrError as refused:
                 if refused.reason is not Reason.ROUTE_NODE_LOST:
                     self.attempted.remove(hop.node_id)  # the node answered: it holds nothing
                 raise
-            self.held[hop.node_id] = held
-            if tokens is not None:
-                self.tokens = tokens
+            self.held[hop.node_id] = answer.positions
+            if answer.tokens is not None:
+                self.tokens, self.reusable = answer.tokens, answer.reusable
             self.opened.append(hop)
             answered.add(hop.node_id)
 
@@ -100,8 +106,7 @@ class RouteOpening:
         await self._each(list(bodies), one, answered, "did not answer while the route was being opened")
 
     async def adopt(self, hops: list[Hop], prefix: list[str], marks: str) -> None:
-        """Name the prompt's prefix to hops opened before the ids were known; each answers the positions it
-        opened its KV on."""
+        """Name the prompt's prefix to hops whose KV waits for it; each answers the positions it opened on."""
         async def one(hop: Hop) -> None:
             self.held[hop.node_id] = await self.clients.get(hop).adopt_prefix(self.sid, prefix, marks,
                                                                               self.caps.get(hop.node_id))

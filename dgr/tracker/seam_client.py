@@ -39,13 +39,23 @@ from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, R
                            STREAM_PATH, TICKET_HEADER)
 from dgr.security.tls import httpx_default_trust
 
-__all__ = ["NodeClient", "Reply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
+__all__ = ["NodeClient", "OpenAnswer", "Reply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
 
 # A head's open reply per byte of its prompt: a token id (at most 7 digits, a comma and a space).
 _TOKENIZE_REPLY_PER_BYTE = 16
 # Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
 # message's keys and quotes): a default system prompt, the assistant's opening.
 _TEMPLATE_TOKENS = 1024
+
+
+@attrs.frozen
+class OpenAnswer:
+    """A node's answer to an open: the positions it reused; a head given the prompt, its ids and whether a
+    kept prefix may share their start."""
+
+    positions: int
+    tokens: list[int] | None = None
+    reusable: bool = False
 
 
 @attrs.frozen
@@ -181,16 +191,16 @@ class NodeClient:
                    lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None,
                    marks: str = "", spec: dict[str, Any] | None = None, *, prompt: dict[str, Any] | None = None,
                    root: str | None = None, max_new: int | None = None, max_prompt: int | None = None,
-                   vocab_size: int | None = None) -> tuple[int, list[int] | None]:
+                   vocab_size: int | None = None) -> OpenAnswer:
         """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
-        Returns the positions it reused, and for a head given `prompt` the token ids it made of it.
 
         With `prefix` (a block hash chain) and `marks` (its positions' marks, encoded), the node starts
         from the longest kept prefix it holds of it, to the token. A head given `prompt` (dgr.node.prompt:
-        {"messages"}, {"prompt"} or {"ids"}) tokenizes it, opens for its tokens plus `max_new` within
-        `max_positions` (at most `max_prompt` of them), and names its prefix itself under `root`; its ids
-        are checked (`check_tokens`) against `vocab_size`. A later hop given `max_new` without a prompt
-        opens before the prompt's length is known: its KV waits for `adopt_prefix` or the first step.
+        {"messages"}, {"prompt"} or {"ids"}) tokenizes it and opens for its tokens plus `max_new` within
+        `max_positions` (at most `max_prompt` of them); its ids are checked (`check_tokens`) against
+        `vocab_size`. With `root` it names its prefix itself: its KV waits for `adopt_prefix` (or the first
+        step), and it answers whether a kept prefix may share the prompt's start. A later hop given
+        `max_new` without a prompt opens before the prompt's length is known, its KV waiting too.
         `lane` (a chain's phase lane, dgr.fsm.phases) is the sequence slot the node gives the session
         while it is free. `ticket(body bytes)` is the tracker's ticket for exactly the body sent
         (dgr.security.tickets); None sends none.
@@ -212,9 +222,10 @@ class NodeClient:
         if r.status_code != 201:
             raise self._refused(r, None if prompt is None else "messages" if "messages" in prompt else "prompt")
         answer = self._json(r)
-        tokens = (None if prompt is None
-                  else check_tokens(answer.get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id))
-        return _positions(answer), tokens
+        if prompt is None:
+            return OpenAnswer(_positions(answer))
+        tokens = check_tokens(answer.get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id)
+        return OpenAnswer(_positions(answer), tokens, answer.get("reusable") is True)
 
     async def adopt_prefix(self, sid: str, prefix: list[str], marks: str, capability: str | None = None) -> int:
         """Name the prefix of a session opened before its prompt's length was known (`open` with `max_new`):
