@@ -242,6 +242,7 @@ class NetnsRoute:
     url: str = ""
     secret: str = attrs.field(factory=new_secret)
     api_key: str = attrs.field(factory=lambda: "dgrb-" + secrets.token_hex(16))
+    other_keys: tuple[str, ...] = ()  # more API keys the tracker takes: other scopes of kept prefixes
     _children: list[_Child] = attrs.field(factory=list)
     _delay_line: _Child | None = None
     _namespaces: list[str] = attrs.field(factory=list)
@@ -322,7 +323,8 @@ class NetnsRoute:
 
         targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
         tracker = _Child.spawn("tracker", [*dgr_command(*tracker_args(targs)), "--host", self.tracker_link.addr],
-                               clean_env(**{JOIN_ENV: self.secret, API_KEYS_ENV: self.api_key}))
+                               clean_env(**{JOIN_ENV: self.secret,
+                                            API_KEYS_ENV: ",".join((self.api_key, *self.other_keys))}))
         self._children.append(tracker)
         self.url = tracker.wait(deadline)["url"]
         nargs = types.SimpleNamespace(backend=self.backend, ctx=self.ctx, max_sessions=self.max_sessions,
