@@ -19,7 +19,7 @@ import httpx
 
 from dgr.seam.wire import ROUTE_SESSION_HEADER
 
-__all__ = ["StreamResult", "stream_once", "concurrent", "short_ttft", "hop_stats"]
+__all__ = ["StreamResult", "cached_tokens", "stream_once", "concurrent", "short_ttft", "hop_stats"]
 
 
 @attrs.frozen
@@ -30,6 +30,12 @@ class StreamResult:
     total_s: float
     prompt_tokens: int
     session: str
+    reused: int = 0  # prompt tokens a kept prefix supplied
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens a kept prefix supplied, as a usage block says (`prompt_tokens_details`)."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
@@ -61,7 +67,7 @@ def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
     # chunks can hold several tokens (a UTF-8 character split over tokens); rate over tokens, not chunks
     decode = (n - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     return StreamResult(times[0] - t0 if times else end - t0, decode, n, end - t0,
-                        usage.get("prompt_tokens", 0), sid)
+                        usage.get("prompt_tokens", 0), sid, cached_tokens(usage))
 
 
 def concurrent(api: str, model: str, prompt: str, max_tokens: int, n: int,

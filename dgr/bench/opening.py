@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 
+from dgr.bench.measure import cached_tokens, stream_once
 from dgr.bench.netns import NetnsRoute, prerequisites
+from dgr.bench.prefix import stream_chat
 
 __all__ = ["run_opening", "markdown"]
 
@@ -40,49 +41,34 @@ _WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "har
 _LONG = "The keeper wrote down every ship that passed the light, its flag, its cargo and its hour. " * 40
 
 
-def _stream(api: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """One streamed request: seconds to its first token, and the prompt tokens it had and reused."""
-    body = {**body, "max_tokens": body.get("max_tokens", 8), "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0, first, usage, text = time.perf_counter(), None, {}, []
-    with httpx.stream("POST", f"{api}{path}", json=body, headers=headers, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            usage = data.get("usage") or usage
-            for choice in data.get("choices", []):
-                piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first if first is not None else time.perf_counter() - t0
-                    text.append(piece)
-    return {"ttft_s": first, "prompt_tokens": usage.get("prompt_tokens", 0),
-            "reused": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "text": "".join(text)}
+def _chat(api: str, model: str, messages: list[dict[str, str]], headers: dict[str, str]) -> dict[str, Any]:
+    r = stream_chat(api, model, messages, 8, headers=headers)
+    return {"ttft_s": r["ttft_s"], "prompt_tokens": r["usage"].get("prompt_tokens", 0),
+            "reused": cached_tokens(r["usage"]), "text": r["text"]}
+
+
+def _completion(api: str, model: str, prompt: str, headers: dict[str, str], max_tokens: int = 8) -> dict[str, Any]:
+    r = stream_once(api, model, prompt, max_tokens, headers=headers)
+    return {"ttft_s": r.ttft_s, "prompt_tokens": r.prompt_tokens, "reused": r.reused}
 
 
 def _round(route: NetnsRoute, model: str, n: int, fresh: list[str]) -> dict[str, dict[str, Any]]:
     api, h = route.api, route.headers
     word = f"{_WORDS[n % len(_WORDS)]}{secrets.token_hex(2)}"
-    out = {"cold": _stream(api, "/completions", {"model": model, "prompt": f"{word} is a word I made up. It means"},
-                           {"Authorization": f"Bearer {fresh.pop()}"})}
+    out = {"cold": _completion(api, model, f"{word} is a word I made up. It means",
+                               {"Authorization": f"Bearer {fresh.pop()}"})}
     ask = [{"role": "user", "content": f"In one line: what could a {word} be?"}]
-    out["new key's chat"] = _stream(api, "/chat/completions", {"model": model, "messages": ask},
-                                    {"Authorization": f"Bearer {fresh.pop()}"})
-    out["first turn"] = first = _stream(api, "/chat/completions", {"model": model, "messages": ask}, h)
+    out["new key's chat"] = _chat(api, model, ask, {"Authorization": f"Bearer {fresh.pop()}"})
+    out["first turn"] = first = _chat(api, model, ask, h)
     follow = [*ask, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And why?"}]
-    out["follow-up"] = _stream(api, "/chat/completions", {"model": model, "messages": follow}, h)
+    out["follow-up"] = _chat(api, model, follow, h)
     other = [{"role": "user", "content": f"Name a colour like {word}."}]
-    said = _stream(api, "/chat/completions", {"model": model, "messages": other}, h)["text"]
-    long = threading.Thread(target=_stream, args=(api, "/completions", {"model": model, "prompt": f"{word} {_LONG}",
-                                                                        "max_tokens": 1}, h))
+    said = _chat(api, model, other, h)["text"]
+    long = threading.Thread(target=_completion, args=(api, model, f"{word} {_LONG}", h, 1))
     long.start()
     time.sleep(0.3)  # its prompt is in prefill on the head by now
-    out["follow-up, busy"] = _stream(api, "/chat/completions", {"model": model, "messages": [
-        *other, {"role": "assistant", "content": said}, {"role": "user", "content": "Why that one?"}]}, h)
+    out["follow-up, busy"] = _chat(api, model, [*other, {"role": "assistant", "content": said},
+                                                {"role": "user", "content": "Why that one?"}], h)
     long.join()
     return out
 
@@ -116,7 +102,7 @@ def _measure(log, nodes: int, rtts_ms: tuple[float, ...], rounds: int, tree: str
         model = route.model_id()
         for rtt in rtts_ms:
             route.set_rtt(rtt)
-            _stream(route.api, "/completions", {"model": model, "prompt": "Warm up."}, route.headers)
+            _completion(route.api, model, "Warm up.", route.headers)
             runs = [_round(route, model, n, fresh) for n in range(rounds)]
             for kind in KINDS:
                 got = [r[kind] for r in runs]

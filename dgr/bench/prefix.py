@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import httpx
 
+from dgr.bench.measure import cached_tokens
 from dgr.models import default_model_path
 from dgr.testing.harness import LocalRoute
 
@@ -90,6 +91,8 @@ def stream_chat(api: str, model: str, messages: list[dict[str, str]], max_tokens
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
             usage = data.get("usage") or usage
             timings = data.get("timings") or timings  # llama-server's: prompt_n is what it prefilled
             for choice in data.get("choices", []):
@@ -105,10 +108,6 @@ def _route(per_node: int) -> LocalRoute:
     # no --prefill-chunk: the route cuts prefill as the product does
     return LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
                       extra=("--threads", str(per_node), "--ctx", "4096", "--max-sessions", "4"))
-
-
-def _cached(usage: dict[str, Any]) -> int:
-    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max_tokens: int = 32,
@@ -164,7 +163,7 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
                 srv_ctx.__exit__(None, None, None)
     out["load_after"] = list(os.getloadavg())
     out["prompt_tokens"] = [dgr[0][t]["usage"].get("prompt_tokens", 0) for t in range(turns)]
-    out["dgr_cached_tokens"] = [[_cached(run[t]["usage"]) for run in dgr] for t in range(turns)]
+    out["dgr_cached_tokens"] = [[cached_tokens(run[t]["usage"]) for run in dgr] for t in range(turns)]
     out["dgr_ttft_s"] = [[run[t]["ttft_s"] for run in dgr] for t in range(turns)]
     out["dgr_node_prefill_s"] = [[run[t]["node_prefill_s"] for run in dgr] for t in range(turns)]
     out["answers_equal_across_repeats"] = [len({run[t]["text"] for run in dgr}) == 1 for t in range(turns)]

@@ -42,13 +42,14 @@ from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
-from dgr.node.prompt import PromptPlan
+from dgr.node.prompt import PromptPlan, count_field
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
-from dgr.node.speculation import DRAFT_SOURCES, MAX_HISTORY, SpecPlan
+from dgr.node.speculation import DRAFT_SOURCES, SpecPlan
 from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
+from dgr.spec.ngram import WINDOW
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
@@ -111,9 +112,9 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         prompt = None if "prompt" not in body else PromptPlan.from_json(
             body["prompt"], root=body.get("root"), max_new=body.get("max_new"), max_prompt=body.get("max_prompt"),
             vocab_size=service.backend.info.vocab_size)
-        max_new = body.get("max_new") if prompt is None else None
-        if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
-            raise CallerError(Reason.INVALID_REQUEST, "max_new must be a positive integer")
+        # a later hop opened with the head: the prompt's length is not known, only what the answer may add
+        max_new = None if prompt is not None or body.get("max_new") is None else count_field(body["max_new"],
+                                                                                             "max_new")
         opened = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
                                             marks=marks, spec=spec, prompt=prompt, max_new=max_new)
         answer = {"session": sid, "node": service.node_id, "prefix_positions": opened.reused}
@@ -124,13 +125,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):
         _authorize(sid)
-        body = await read_json(_JSON_LIMIT)
-        prefix = body.get("prefix") or []
-        if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
-            raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
-        marks = decode_marks(body.get("marks", ""), min(service.max_positions, MAX_MARKS))
-        if marks is None:
-            raise CallerError(Reason.INVALID_REQUEST, "marks must be base64 position marks, at most one a position")
+        prefix, marks = _prefix_args(service, await read_json(_JSON_LIMIT))
         reused = await service.adopt_prefix(sid, prefix, marks)
         return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused})
 
@@ -219,16 +214,25 @@ def _open_args(service: NodeService, body: dict[str, Any], named: str | None
     if not isinstance(sampling, dict):
         raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
     params = SamplingParams.from_json(sampling)
+    prefix, marks = _prefix_args(service, body)
+    lane = body.get("lane")
+    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
+        raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
+    return sid, max_positions, params, prefix, lane, marks
+
+
+def _prefix_args(service: NodeService, body: dict[str, Any]) -> tuple[list[str], bytes]:
+    """An open's or an adopt's (prefix, marks): the block keys and position marks it offers to reuse.
+
+    Raises: CallerError(INVALID_REQUEST).
+    """
     prefix = body.get("prefix") or []
     if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
         raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
     marks = decode_marks(body.get("marks", ""), min(service.max_positions, MAX_MARKS))
     if marks is None:
         raise CallerError(Reason.INVALID_REQUEST, "marks must be base64 position marks, at most one a position")
-    lane = body.get("lane")
-    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
-        raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
-    return sid, max_positions, params, prefix, lane, marks
+    return prefix, marks
 
 
 def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
@@ -253,10 +257,10 @@ def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
     if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
         raise CallerError(Reason.INVALID_REQUEST, "spec.fixed_k must be an integer in [0, k_max]")
     vocab = service.backend.info.vocab_size
-    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > MAX_HISTORY
+    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > WINDOW
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in history)):
         raise CallerError(Reason.INVALID_REQUEST, f"spec.exact must be a boolean and spec.history at most "
-                                                  f"{MAX_HISTORY} token ids of this vocabulary")
+                                                  f"{WINDOW} token ids of this vocabulary")
     if not service.backend.info.drops_positions:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id}'s memory cannot drop positions: it cannot "
                                                   "speculate")

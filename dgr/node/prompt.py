@@ -24,15 +24,19 @@ import attrs
 
 from dgr.api.openai import parse_messages
 from dgr.errors import CallerError, Reason
-from dgr.seam.wire import KEY_HEX
+from dgr.seam.keys import KEY_HEX, valid_chain
 
-__all__ = ["PromptPlan"]
-
-_HEX = frozenset("0123456789abcdef")
+__all__ = ["PromptPlan", "count_field"]
 
 
-def _count(value: Any, lo: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+def count_field(value: Any, name: str) -> int:
+    """An open body's field `name`, a positive integer.
+
+    Raises: CallerError(INVALID_REQUEST).
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CallerError(Reason.INVALID_REQUEST, f"{name} must be a positive integer")
+    return value
 
 
 @attrs.frozen
@@ -57,15 +61,15 @@ class PromptPlan:
         text, ids = data.get("prompt"), data.get("ids")
         if "prompt" in data and not isinstance(text, str):
             raise CallerError(Reason.INVALID_REQUEST, "prompt.prompt must be a string")
-        if "ids" in data and (not isinstance(ids, list) or not all(_count(t, 0) and t < vocab_size for t in ids)):
+        if "ids" in data and (not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
             raise CallerError(Reason.INVALID_REQUEST,
                               f"prompt.ids must be token ids of this vocabulary of {vocab_size}")
-        if root is not None and (not isinstance(root, str) or len(root) != KEY_HEX or not set(root) <= _HEX):
+        if root is not None and not valid_chain([root], 1):  # a root is a key's shape
             raise CallerError(Reason.INVALID_REQUEST, f"root must be {KEY_HEX} lowercase hex digits")
-        if not _count(max_new, 1) or (max_prompt is not None and not _count(max_prompt, 1)):
-            raise CallerError(Reason.INVALID_REQUEST, "max_new and max_prompt must be positive integers")
         messages = parse_messages(data["messages"]) if "messages" in data else None
-        return cls(messages, text, None if ids is None else tuple(ids), root, max_new, max_prompt)
+        return cls(messages, text, None if ids is None else tuple(ids), root, count_field(max_new, "max_new"),
+                   None if max_prompt is None else count_field(max_prompt, "max_prompt"))
 
     def positions(self, ids: Sequence[int], max_positions: int) -> int:
         """The session's positions for the prompt's tokens `ids`, where they fit.

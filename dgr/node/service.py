@@ -36,7 +36,7 @@ from dgr.node.links import NodeLinks
 from dgr.node.prefix import PrefixCache
 from dgr.node.prompt import PromptPlan
 from dgr.node.draft import DraftModel
-from dgr.node.speculation import MAX_HISTORY, SpecPlan
+from dgr.node.speculation import SpecPlan
 from dgr.node.relay import RelayPlan
 from dgr.node.replies import NodeReplies
 from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S, StepScheduler
@@ -53,6 +53,7 @@ from dgr.security.identity import Identity
 from dgr.security.tickets import OpenTicket, TicketBook
 from dgr.security.tls import TlsTrust
 from dgr.sessions import SessionTable
+from dgr.spec.ngram import WINDOW
 
 __all__ = ["NodeService", "Opened", "SeamStats"]
 
@@ -207,7 +208,7 @@ class NodeService:
                                          prompt=prompt.text)
         positions = prompt.positions(ids, max_positions)
         if spec is not None and self.backend.is_tail and not spec.history:  # a route of one: it drafts from its own ids
-            spec = attrs.evolve(spec, history=tuple(ids[-MAX_HISTORY:]))
+            spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
         if prompt.root is not None and self.backend.is_tail and not (prefix or marks):
             _, prefix, marks = prompt_offer(ids, prompt.root)
         if prefix or marks:

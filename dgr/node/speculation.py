@@ -59,7 +59,7 @@ from dgr.spec.adapt import K_MAX, Acceptance, RouteCost, Shadow, choose_k
 from dgr.spec.ngram import NgramDrafter
 from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
 
-__all__ = ["DRAFT_SOURCES", "MAX_HISTORY", "SpecPlan", "TailSpec", "Emitted"]
+__all__ = ["DRAFT_SOURCES", "SpecPlan", "TailSpec", "Emitted"]
 
 DRAFT_SOURCES = ("ngram", "draft")  # the session's own tokens; the tail's draft model
 
@@ -90,9 +90,6 @@ class Drafter(Protocol):
     def kind(self) -> str: ...  # the next draft's class: each class has its own acceptance estimate
     def warm(self) -> None: ...  # before the first step: a draft model reads the prompt
     def close(self) -> None: ...  # the session ended: a draft model frees its sequence
-
-
-MAX_HISTORY = 8192  # prompt tokens a tail's n-gram index takes at open (its window)
 
 
 @attrs.frozen

@@ -43,10 +43,11 @@ from typing import Iterable
 
 import attrs
 
-__all__ = ["NgramDrafter", "SHORT_SUPPORT", "SUPPORT_CAP"]
+__all__ = ["NgramDrafter", "SHORT_SUPPORT", "SUPPORT_CAP", "WINDOW"]
 
 SHORT_SUPPORT = 2  # a draft resting on this many tokens of context or fewer is "short"
 SUPPORT_CAP = 16  # context counted back at most (the cost of `kind` and `support`)
+WINDOW = 8192  # tokens an index keeps, and so the most prompt tokens a speculating tail's open carries
 
 
 @attrs.define
@@ -59,7 +60,7 @@ class NgramDrafter:
 
     n_min: int = 2
     n_max: int = 4
-    window: int = 8192
+    window: int = WINDOW
     free = True  # a lookup costs nothing next to a step: drafts are made in the shadow too
     draft_s = 0.0
     _toks: list[int] = attrs.field(init=False, factory=list)

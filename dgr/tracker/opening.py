@@ -24,13 +24,12 @@ import trio
 
 from dgr.errors import DgrError, Reason
 from dgr.fsm.route import Hop
+from dgr.spec.ngram import WINDOW
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.patience import Patience
 
-__all__ = ["SPEC_HISTORY", "RouteOpening"]
-
-SPEC_HISTORY = 8192  # prompt tokens a speculating tail indexes (its n-gram window)
+__all__ = ["RouteOpening"]
 
 
 @attrs.define
@@ -78,7 +77,7 @@ class RouteOpening:
     def _common(self, hop: Hop, ids: list[int] | None) -> dict[str, Any]:
         spec = self.spec
         if spec is not None and hop == self.hops[-1] and ids is not None:
-            spec = {**spec, "history": ids[-SPEC_HISTORY:]}
+            spec = {**spec, "history": ids[-WINDOW:]}  # what its n-gram index keeps
         return {"sampling": self.common["sampling"], "relay": self.relays.get(hop.node_id), "lane": self.lane,
                 "ticket": self.credentials.ticketer(self.sid, hop), "spec": spec}
 
