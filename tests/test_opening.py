@@ -23,8 +23,8 @@ class _Calls:
     """A NodeClient stand-in that records each open (with a prompt or without) and prefix named, and forwards
     it after LATENCY_S: a control call's round trip."""
 
-    def __init__(self, inner, log: list) -> None:
-        self._inner, self._log = inner, log
+    def __init__(self, inner, log: list, latency_s: float = LATENCY_S) -> None:
+        self._inner, self._log, self._latency_s = inner, log, latency_s
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -32,7 +32,7 @@ class _Calls:
     async def open(self, *a, **kw):
         kind = "prompt" if kw.get("prompt") is not None else "waiting" if kw.get("max_new") else "prefix"
         self._log.append((self._inner.node_id, kind))
-        await trio.sleep(LATENCY_S)
+        await trio.sleep(self._latency_s)
         return await self._inner.open(*a, **kw)
 
     async def adopt_prefix(self, *a, **kw):
@@ -41,11 +41,12 @@ class _Calls:
         return await self._inner.adopt_prefix(*a, **kw)
 
 
-def _route(nodes: int = 2, **config) -> tuple[InProcRoute, list]:
+def _route(nodes: int = 2, later_s: float = LATENCY_S, **config) -> tuple[InProcRoute, list]:
+    """A ring of `nodes` stub nodes whose head answers its opens in LATENCY_S and the others in `later_s`."""
     splits = {1: ((0, 30),), 2: ((0, 15), (15, 30)), 3: ((0, 10), (10, 20), (20, 30))}[nodes]
     route = InProcRoute.stub(splits=splits, config=GatewayConfig(sweep_s=3600.0, **config), inline=True)
     log: list = []
-    route.wrap = lambda client: _Calls(client, log)
+    route.wrap = lambda client: _Calls(client, log, LATENCY_S if client.node_id == "n0" else later_s)
     route.register_all()
     return route, log
 
@@ -108,16 +109,18 @@ async def test_a_speculating_tail_opens_once_the_ids_are_known(autojump_clock, n
     assert sorted(log) == [(head, "adopt"), (head, "prompt"), (tail, "prefix")]
 
 
-async def test_a_prompt_the_head_refuses_closes_the_later_hops_waiting(autojump_clock, nursery) -> None:
-    route, log = _route(2, max_prompt_tokens=10)
+@pytest.mark.parametrize("later_s", [LATENCY_S, 3 * LATENCY_S])
+async def test_a_prompt_the_head_refuses_closes_the_later_hops_waiting(autojump_clock, nursery, later_s) -> None:
+    """Also where the refusal comes back before the tail's open has answered: that open is not cut short
+    (which would leave its session there until the tail's next heartbeat), it is closed with the rest."""
+    route, log = _route(2, later_s, max_prompt_tokens=10)
     await nursery.start(route.run)
     with pytest.raises(CallerError) as err:
         await route.gateway.open(_req("y" * 40))
     assert err.value.reason is Reason.CONTEXT_LENGTH_EXCEEDED and err.value.details["param"] == "prompt"
     assert "the prompt has 40 tokens" in err.value.message
     assert sorted(kind for _, kind in log) == ["prompt", "waiting"]  # the tail had opened with the head
-    await trio.sleep(1.0)
-    for s in route.services:  # and holds nothing: no session, no KV, no close owed
+    for s in route.services:  # and, once the refusal is out, holds nothing: no session, no KV, no close owed
         assert s.sessions == {} and s.backend.session_count() == 0
     assert not route.gateway.unclosed
 

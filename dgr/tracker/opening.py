@@ -84,17 +84,25 @@ class RouteOpening:
     async def open(self, bodies: dict[Hop, dict[str, Any]]) -> None:
         """Open each hop with its open's arguments (dgr.tracker.seam_client `NodeClient.open`), at once.
 
-        Raises: what the opens raise; PeerError naming a silent node when the wait ran out.
+        A refusal does not cut the other opens short: each still answers (within the wait), so what opened
+        is closed at once, not owed a close until its node's next heartbeat.
+
+        Raises: the refusal of the first hop to refuse, in route order; else PeerError naming a silent node
+        when the wait ran out.
         """
+        refusals: dict[Hop, DgrError] = {}
+
         async def one(hop: Hop) -> None:
             self.attempted.append(hop.node_id)
             try:
                 answer = await self.clients.get(hop).open(self.sid, capability=self.caps.get(hop.node_id),
                                                           **bodies[hop])
             except DgrError as refused:
+                answered.add(hop.node_id)
                 if refused.reason is not Reason.ROUTE_NODE_LOST:
                     self.attempted.remove(hop.node_id)  # the node answered: it holds nothing
-                raise
+                refusals[hop] = refused
+                return
             self.held[hop.node_id] = answer.positions
             if answer.tokens is not None:
                 self.tokens, self.reusable = answer.tokens, answer.reusable
@@ -102,7 +110,13 @@ class RouteOpening:
             answered.add(hop.node_id)
 
         answered: set[str] = set()
-        await self._each(list(bodies), one, answered, "did not answer while the route was being opened")
+        try:
+            await self._each(list(bodies), one, answered, "did not answer while the route was being opened")
+        except DgrError:
+            if not refusals:
+                raise
+        if refusals:  # the head's refusal names what the client sent: it goes ahead of a later hop gone silent
+            raise next(refusals[h] for h in self.hops if h in refusals)
 
     async def adopt(self, hops: list[Hop], prefix: list[str], marks: str) -> None:
         """Name the prompt's prefix to hops whose KV waits for it; each answers the positions it opened on."""
