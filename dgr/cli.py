@@ -104,7 +104,7 @@ def cmd_node(args) -> int:
 
         artifact = prepare_node_artifact(
             args.manifest, layers, backend=args.backend, model=args.model, fetch=args.fetch, tracker=args.tracker,
-            model_dir=args.model_dir, listen_host=args.host, fetch_timeout_s=args.fetch_timeout,
+            model_dir=args.model_dir, fetch_timeout_s=args.fetch_timeout,
             tls_ca=getattr(args, "tls_ca", None),
         )
         model, layers = artifact.path, artifact.layers

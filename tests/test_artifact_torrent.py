@@ -25,9 +25,10 @@ from fixtures.artifact_helpers import run_artifact_cli as _cli
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
 from dgr.artifact.proof import answer_challenge, check_answer, make_challenge
-from dgr.artifact.swarm import one_port, session_settings
+from dgr.artifact.swarm import AlertTally, one_port, session_settings
 from dgr.artifact.torrent import (
     PeerAddr,
+    _Pardon,
     SeedCheck,
     SeedInfo,
     TransferStatus,
@@ -199,9 +200,8 @@ async def test_corrupt_seeder_is_caught_and_pieces_come_from_the_good_one(
     shutil.copyfile(model_path, bad)
     want = _expected_pieces(manifest, LAYERS)
     dest = tmp_path / "node" / "model.gguf"
-    # A bound on a hang, not a timing claim (the fetch takes about 2 s). Once in 9 full-suite runs
-    # this fetch outlasted it: a connection to the good seeder lost early cost libtorrent's
-    # public-swarm reconnect back-off (see the re-dial test below).
+    # A bound on a hang, not a timing claim (the fetch takes about 2 s). It was outlasted when
+    # libtorrent had banned both seeders and nothing lifted the good one's ban (see the pardon tests).
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             good = await nursery.start(seed, manifest, model_path)
@@ -224,11 +224,86 @@ async def test_corrupt_seeder_is_caught_and_pieces_come_from_the_good_one(
 
     assert result.hash_failures, "the corrupt seeder was never caught"
     assert set(result.hash_failures) <= want - header_pieces
-    assert f"127.0.0.1:{evil.port}" in result.banned_peers
-    assert f"127.0.0.1:{good.port}" not in result.banned_peers
+    assert _peer(evil) in result.banned_peers
+    # Proven from whom each block was asked: the evil seeder was the only one asked for a piece that
+    # failed, the good one never. libtorrent's own bans can name the good seeder too, when it shared
+    # failed pieces with the evil one (its trust rule; about 2 fetches in 100 on a loaded machine):
+    # the fetch then lifts that ban and goes on (`_Pardon`).
+    assert _peer(evil) in result.corrupt_peers and _peer(good) not in result.corrupt_peers
     assert set(result.pieces_have) == want
     assert result.report.ok
     assert verify_file(dest, manifest, LAYERS).ok
+
+
+def test_a_pardon_is_due_once_libtorrent_banned_every_peer_not_proven_corrupt() -> None:
+    evil, good = PeerAddr("127.0.0.1", 1), PeerAddr("127.0.0.1", 2)
+    tally = AlertTally(banned=["127.0.0.1:1"], corrupt=["127.0.0.1:1"])
+    pardon = _Pardon()
+    assert not pardon.due([evil, good], tally, pieces=5)  # the good seeder still serves
+    tally.banned.append("127.0.0.1:2")
+    assert pardon.due([evil, good], tally, pieces=5)
+    assert not _Pardon(since=2).due([evil, good], tally, pieces=5)  # those bans were the torrent before's
+    assert not _Pardon(pieces=5).due([evil, good], tally, pieces=5)  # nothing came in since the last one
+    assert not pardon.due([evil], tally, pieces=5)  # every peer is proven corrupt: none to pardon
+
+
+async def _fetch_from_throttled(manifest: Manifest, model_path: Path, dest: Path, **kw):
+    """(the seeder's address, the fetch's result): ~24 MB at 8 MB/s, so the fetch spans a few redials."""
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(
+            lambda task_status: seed(manifest, model_path, upload_rate_limit=8_000_000, task_status=task_status)
+        )
+        result = await fetch(manifest, LAYERS, dest, [_peer(info)], **kw)
+        nursery.cancel_scope.cancel()
+    return _peer(info), result
+
+
+async def test_a_pardon_adds_the_torrent_again_and_the_fetch_goes_on(
+    manifest: Manifest, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a pardon does, once due (when is the test above): the new torrent keeps what the old one had."""
+    granted: list[int] = []
+
+    def due_once(self, addrs, tally, pieces: int) -> bool:
+        if pieces and not granted:
+            granted.append(pieces)
+            return True
+        return False
+
+    monkeypatch.setattr(_Pardon, "due", due_once)
+    with trio.fail_after(60):
+        _, result = await _fetch_from_throttled(manifest, model_path, tmp_path / "node" / "model.gguf")
+    want = _expected_pieces(manifest, LAYERS)
+    assert granted and granted[0] < len(want) and result.pardons == 1
+    assert set(result.pieces_have) == want and result.report.ok
+    # what came before the pardon was not fetched again: the payload is about the wanted bytes once
+    assert result.payload_bytes < 1.2 * len(want) * manifest.torrent.piece_length
+
+
+async def test_a_ban_kept_in_resume_data_is_lifted(manifest: Manifest, model_path: Path, tmp_path: Path) -> None:
+    """libtorrent saves its bans with the resume data: an interrupted fetch whose only seeder had been
+    banned (beside a corrupt one, say) would otherwise never dial it again."""
+    dest = tmp_path / "node" / "model.gguf"
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            info = await nursery.start(
+                lambda task_status: seed(manifest, model_path, upload_rate_limit=8_000_000, task_status=task_status)
+            )
+            with trio.CancelScope() as scope:
+
+                def watch(st: TransferStatus) -> None:
+                    if st.pieces_have >= 60:
+                        scope.cancel()
+
+                await fetch(manifest, LAYERS, dest, [_peer(info)], on_status=watch, status_interval=0.05)
+            assert scope.cancelled_caught
+            resume = resume_path_for(dest)
+            atp = lt.read_resume_data(resume.read_bytes())
+            atp.banned_peers = [("127.0.0.1", info.port)]
+            resume.write_bytes(bytes(lt.write_resume_data_buf(atp)))
+            result = await fetch(manifest, LAYERS, dest, [_peer(info)])
+            nursery.cancel_scope.cancel()
+    assert set(result.pieces_have) == _expected_pieces(manifest, LAYERS) and result.report.ok
 
 
 async def test_a_seeder_that_comes_up_late_is_dialled_again(

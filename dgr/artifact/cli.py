@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layers", type=layers_arg, required=True)
     p.add_argument("--peer", action="append", required=True, help="HOST:PORT of a seeder; repeatable")
     p.add_argument("--out", type=Path, required=True, help="the (sparse) GGUF to write")
-    p.add_argument("--listen", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--interface", default="", help="the address to connect from (default: the system's route); "
+                   "a fetch dials its peers and listens on nothing")
     p.add_argument(
         "--globals",
         choices=[g.value for g in GlobalNeed],
@@ -186,7 +187,7 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
                     args.out,
                     args.peer,
                     need=GlobalNeed(args.globals),
-                    listen=f"{args.listen}:0",
+                    interface=args.interface,
                     on_status=show,
                 )
 

@@ -57,8 +57,9 @@ def libtorrent() -> Any:
     return libtorrent
 
 
-def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, Any]:
-    """libtorrent settings for a private swarm listening on one interface.
+def session_settings(listen: str, *, upload_rate_limit: int = 0, outgoing: str = "") -> dict[str, Any]:
+    """libtorrent settings for a private swarm listening on one interface (none for `listen=""`), its
+    connections out leaving from `outgoing` ("": where the system routes them).
 
     All of it goes to the session constructor: applied later, a default
     session would already have started DHT, LSD, UPnP and NAT-PMP on every
@@ -68,6 +69,7 @@ def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, An
     cat = lt.alert_category
     return {
         "listen_interfaces": listen,
+        "outgoing_interfaces": outgoing,
         "enable_dht": False,
         "enable_lsd": False,
         "enable_upnp": False,
@@ -91,8 +93,10 @@ def session_settings(listen: str, *, upload_rate_limit: int = 0) -> dict[str, An
         # minutes. `fetch` also re-dials the peers it was given.
         "min_reconnect_time": 1,
         "max_failcount": 100,
-        "alert_mask": cat.error | cat.status | cat.storage | cat.peer,
-        "alert_queue_size": 10000,
+        # block and piece progress name the peer asked for each block (AlertTally.asked); the queue holds
+        # a pump interval's blocks even at several GB/s of 16 KiB blocks (a lost alert stops convictions)
+        "alert_mask": cat.error | cat.status | cat.storage | cat.peer | cat.block_progress | cat.piece_progress,
+        "alert_queue_size": 100_000,
     }
 
 
@@ -122,15 +126,37 @@ def one_port(listen: str) -> str:
 
 @attrs.define
 class AlertTally:
-    """What the alerts told us, copied out of them."""
+    """What the alerts told us, copied out of them.
+
+    libtorrent bans a peer that was the only sender of a piece that failed its hash, and also one
+    whose trust fell (2 points per failed piece it sent blocks of, 1 back per piece passed): an honest
+    seeder that shared pieces with a corrupt one can be banned with it (about 2 in 100 of
+    tests/test_artifact_torrent's corrupt-seeder fetches, on a loaded machine). `corrupt` holds only what
+    is proven: a peer that was the only one asked for any block of a piece, since the piece was last
+    had, when it failed. Requests, not arrivals, are counted: a block's arrival goes unannounced when
+    its peer was disconnected before it reached the disk.
+    """
 
     hash_failures: list[int] = attrs.Factory(list)
-    banned: list[str] = attrs.Factory(list)
+    banned: list[str] = attrs.Factory(list)  # libtorrent's bans, an endpoint per ban (repeats included)
+    corrupt: list[str] = attrs.Factory(list)  # endpoints proven to have sent bad data, once each
+    asked: dict[int, set[str]] = attrs.Factory(dict)  # piece -> who was asked for its blocks since it was had
+    unknown: set[int] = attrs.Factory(set)  # pieces holding blocks from before this session: never proof
+    asked_lost: bool = False  # alerts were dropped: a peer asked may be missing, so no one is convicted after
+    removed: int = 0
     flushed: int = 0
     checked: int = 0
     resume: list[bytes] = attrs.Factory(list)
     resume_failed: list[str] = attrs.Factory(list)
     error: str | None = None
+
+    def failed(self, piece: int) -> None:
+        """`piece` failed its hash: the only peer ever asked for its blocks, if one was, is corrupt."""
+        self.hash_failures.append(piece)
+        asked = self.asked.get(piece, set())
+        if len(asked) == 1 and piece not in self.unknown and not self.asked_lost:
+            if (peer := next(iter(asked))) not in self.corrupt:
+                self.corrupt.append(peer)
 
 
 @attrs.define
@@ -144,10 +170,19 @@ class Swarm:
         lt = libtorrent()
         t = self.tally
         for a in self.ses.pop_alerts():
-            if isinstance(a, lt.hash_failed_alert):
-                t.hash_failures.append(int(a.piece_index))
+            if isinstance(a, lt.block_downloading_alert):
+                t.asked.setdefault(int(a.piece_index), set()).add("%s:%d" % tuple(a.endpoint))
+            elif isinstance(a, lt.piece_finished_alert):
+                t.asked.pop(int(a.piece_index), None)
+                t.unknown.discard(int(a.piece_index))
+            elif isinstance(a, lt.hash_failed_alert):
+                t.failed(int(a.piece_index))
             elif isinstance(a, lt.peer_ban_alert):
                 t.banned.append("%s:%d" % tuple(a.endpoint))
+            elif isinstance(a, lt.alerts_dropped_alert):
+                t.asked_lost = True
+            elif isinstance(a, lt.torrent_removed_alert):
+                t.removed += 1
             elif isinstance(a, lt.cache_flushed_alert):
                 t.flushed += 1
             elif isinstance(a, lt.torrent_checked_alert):
@@ -202,9 +237,9 @@ def in_thread(swarm: Swarm, method: str, *args: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def open_swarm(listen: str, *, upload_rate_limit: int = 0) -> AsyncIterator[Swarm]:
+async def open_swarm(listen: str, *, upload_rate_limit: int = 0, outgoing: str = "") -> AsyncIterator[Swarm]:
     lt = libtorrent()
-    settings = session_settings(one_port(listen), upload_rate_limit=upload_rate_limit)
+    settings = session_settings(one_port(listen), upload_rate_limit=upload_rate_limit, outgoing=outgoing)
     swarm = Swarm(await trio.to_thread.run_sync(lt.session, settings))
     if upload_rate_limit:
         # libtorrent puts LAN and loopback peers in a peer class of their own that the

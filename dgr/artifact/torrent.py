@@ -21,6 +21,7 @@ Left out: peer discovery (the tracker will hand out peers), DHT, encryption.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ import trio
 from dgr.artifact import swarm as _swarm
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
-from dgr.artifact.swarm import AlertTally, in_thread, open_swarm
+from dgr.artifact.swarm import AlertTally, Swarm, in_thread, open_swarm
 from dgr.artifact.verify import VerifyReport, verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
@@ -123,7 +124,9 @@ class FetchResult:
     pieces_fetched: tuple[int, ...]  # completed by this call (not from an earlier, interrupted one)
     pieces_have: tuple[int, ...]  # every piece the file holds now, wanted or not
     hash_failures: tuple[int, ...]  # piece index per failed hash check, repeats included
-    banned_peers: tuple[str, ...]
+    banned_peers: tuple[str, ...]  # libtorrent's bans: its trust rule may name an honest peer (AlertTally)
+    corrupt_peers: tuple[str, ...]  # proven: each was the only peer asked for a piece that failed (AlertTally)
+    pardons: int  # times libtorrent had banned every peer not proven corrupt, and the torrent was added again
     payload_bytes: int  # payload received by this call, redundant and failed bytes included
     seconds: float  # the whole call: session start, file check, transfer, final verify
     transfer_seconds: float  # from connecting to peers to the last wanted piece
@@ -161,18 +164,65 @@ def _flags_active(atp: Any) -> None:
     atp.flags = atp.flags & ~lt.torrent_flags.paused & ~lt.torrent_flags.auto_managed
 
 
-def _redial(h: Any, addrs: Sequence[PeerAddr], tally: AlertTally) -> None:
-    """Dial each given peer that is neither connected nor banned.
+def _redial(h: Any, addrs: Sequence[PeerAddr], tally: AlertTally, since: int) -> None:
+    """Dial each given peer that is neither connected, nor proven corrupt, nor banned since the
+    torrent was last added (`since`: an index into the tally's bans).
 
     The peers a fetch is given are the artifact's known seeders; a refused or
     dropped connection to one is worth retrying at once rather than after
     libtorrent's public-swarm back-off.
     """
     connected = {"%s:%d" % tuple(p.ip) for p in h.get_peer_info()}
+    shut = set(tally.corrupt) | set(tally.banned[since:])
     for a in addrs:
         key = f"{a.host}:{a.port}"
-        if key not in connected and key not in tally.banned:
+        if key not in connected and key not in shut:
             h.connect_peer((a.host, a.port))
+
+
+async def _add(swarm: Swarm, manifest: Manifest, dest: Path, resume: Path, wanted: set[int]) -> Any:
+    """The fetch's torrent, added (from its resume data where there is some) and checked, its bans
+    lifted: resume data keeps libtorrent's, an honest peer's with them (`_Pardon`)."""
+    atp = _add_params(manifest, dest, resume)
+    atp.banned_peers = []
+    atp.piece_priorities = [1 if i in wanted else 0 for i in range(manifest.torrent.piece_count)]
+    checked = swarm.tally.checked
+    h = await trio.to_thread.run_sync(in_thread, swarm, "add_torrent", atp)
+    await swarm.until(lambda: swarm.tally.checked > checked)
+    return h
+
+
+@attrs.define
+class _Pardon:
+    """Lifting libtorrent's bans of peers not proven corrupt, by adding the torrent again.
+
+    libtorrent's bans live in the torrent's peer list, which only a new torrent clears (the bindings
+    have no clear_peers). Without this, a fetch whose honest seeder was banned beside a corrupt one
+    waited for its timeout.
+    """
+
+    count: int = 0
+    since: int = 0  # the tally's bans from this index on are the current torrent's
+    pieces: int = -1  # pieces had at the last pardon: another needs progress since
+    payload: int = 0  # payload the torrents before the current one received
+
+    def due(self, addrs: Sequence[PeerAddr], tally: AlertTally, pieces: int) -> bool:
+        """Every given peer not proven corrupt is banned, and pieces came in since the last pardon."""
+        unproven = {f"{a.host}:{a.port}" for a in addrs} - set(tally.corrupt)
+        return bool(unproven) and unproven <= set(tally.banned[self.since:]) and pieces > self.pieces
+
+    async def grant(self, swarm: Swarm, h: Any, resume: Path, add: Callable[[], Any]) -> Any:
+        """Save what `h` has, remove it, and add it again (`add`); the new handle."""
+        with trio.move_on_after(_FLUSH_TIMEOUT_S):
+            await swarm.save_resume(h, resume)
+        st = h.status()
+        self.count, self.pieces, self.payload = self.count + 1, int(st.num_pieces), self.payload + int(
+            st.total_payload_download)
+        removed = swarm.tally.removed
+        swarm.ses.remove_torrent(h)
+        await swarm.until(lambda: swarm.tally.removed > removed)
+        self.since = len(swarm.tally.banned)
+        return await add()
 
 
 def _status(h: Any, tally: AlertTally, wanted: int) -> TransferStatus:
@@ -273,7 +323,7 @@ async def fetch(
     peers: Sequence[PeerAddr | str],
     *,
     need: GlobalNeed = GlobalNeed.COMPUTE,
-    listen: str = "127.0.0.1:0",
+    interface: str = "",
     resume: Path | None = None,
     on_status: Callable[[TransferStatus], None] | None = None,
     status_interval: float = 0.5,
@@ -302,14 +352,18 @@ async def fetch(
     wanted_set = set(wanted)
     dest.parent.mkdir(parents=True, exist_ok=True)
 
-    async with open_swarm(listen) as swarm:
-        atp = _add_params(manifest, dest, resume)
-        atp.piece_priorities = [1 if i in wanted_set else 0 for i in range(manifest.torrent.piece_count)]
-        h = await trio.to_thread.run_sync(in_thread, swarm, "add_torrent", atp)
+    # The fetch only dials the peers it was given, and listens on nothing: a seeder it banned for
+    # corrupt pieces could otherwise dial back in from a new port, a new peer to libtorrent, and go on
+    # sending them (seeders dial a downloader they know of), muddling which peer sent what.
+    async with open_swarm("", outgoing=interface) as swarm:
+        # Peers only after the check, so `held_before` is what an earlier
+        # (interrupted) fetch left: resume data or a re-hash of the file.
+        add = functools.partial(_add, swarm, manifest, dest, resume, wanted_set)
+        h = await add()
+        # blocks an earlier fetch left in a piece came from peers no alert here names
+        swarm.tally.unknown = {int(p["piece_index"]) for p in h.get_download_queue()}
+        pardon = _Pardon()
         try:
-            # Peers only after the check, so `held_before` is what an earlier
-            # (interrupted) fetch left: resume data or a re-hash of the file.
-            await swarm.until(lambda: swarm.tally.checked > 0)
             held_before = {i for i in wanted if h.have_piece(i)}
             connected = time.perf_counter()
             next_redial = 0.0
@@ -318,7 +372,9 @@ async def fetch(
             while True:
                 swarm.raise_on_error()
                 st = h.status()
-                complete = st.total_wanted > 0 and st.total_wanted_done == st.total_wanted
+                # the totals count a piece once it passed its hash, have_piece once it is on disk too
+                complete = (st.total_wanted > 0 and st.total_wanted_done == st.total_wanted
+                            and all(h.have_piece(i) for i in wanted))
                 now = time.monotonic()
                 if on_status is not None and (complete or now >= next_report):
                     on_status(_status(h, swarm.tally, len(wanted)))
@@ -326,7 +382,9 @@ async def fetch(
                 if complete:
                     break
                 if now >= next_redial:
-                    _redial(h, addrs, swarm.tally)
+                    if pardon.due(addrs, swarm.tally, st.num_pieces):
+                        h = await pardon.grant(swarm, h, resume, add)
+                    _redial(h, addrs, swarm.tally, pardon.since)
                     next_redial = now + _REDIAL_INTERVAL_S
                 if now >= next_save:
                     # Bounded: a missed checkpoint only costs a re-hash after a crash.
@@ -335,13 +393,14 @@ async def fetch(
                     next_save = time.monotonic() + _RESUME_SAVE_INTERVAL_S
                 await swarm.pump()
             transfer_seconds = time.perf_counter() - connected
-            payload = int(h.status().total_payload_download)
+            payload = pardon.payload + int(h.status().total_payload_download)
         finally:
             # Shielded so a cancelled fetch still records its pieces; bounded,
             # and giving up is safe: without resume data the next fetch
             # re-hashes the partial file and still fetches only what is missing.
             with trio.move_on_after(_FLUSH_TIMEOUT_S, shield=True):
-                await swarm.save_resume(h, resume)
+                if h.is_valid():  # not while a pardon has it removed
+                    await swarm.save_resume(h, resume)
 
         have = tuple(i for i in range(manifest.torrent.piece_count) if h.have_piece(i))
         missing = wanted_set - set(have)
@@ -353,6 +412,7 @@ async def fetch(
         fetched = tuple(sorted(wanted_set - held_before))
         failures = tuple(swarm.tally.hash_failures)
         banned = tuple(swarm.tally.banned)
+        corrupt = tuple(swarm.tally.corrupt)
 
     report = await trio.to_thread.run_sync(lambda: verify_file(dest, manifest, layers, need=need))
     report.raise_for_mismatch()
@@ -364,6 +424,8 @@ async def fetch(
         pieces_have=have,
         hash_failures=failures,
         banned_peers=banned,
+        corrupt_peers=corrupt,
+        pardons=pardon.count,
         payload_bytes=payload,
         seconds=time.perf_counter() - started,
         transfer_seconds=transfer_seconds,

@@ -214,7 +214,6 @@ async def fetch_layers(
     tracker: str,
     model_dir: Path,
     *,
-    listen_host: str = "127.0.0.1",
     timeout_s: float | None = None,
     tls: TlsTrust = TlsTrust(),
 ) -> NodeArtifact:
@@ -252,7 +251,7 @@ async def fetch_layers(
 
             result = await fetch(
                 manifest, layers, dest, [p["seed"] for p in peers],
-                need=GlobalNeed.COMPUTE, listen=f"{listen_host}:0", on_status=show,
+                need=GlobalNeed.COMPUTE, on_status=show,
             )
     if scope.cancelled_caught:
         raise PeerError(
@@ -277,6 +276,8 @@ async def fetch_layers(
         "payload_bytes": result.payload_bytes,
         "hash_failures": len(result.hash_failures),
         "banned_peers": list(result.banned_peers),
+        "corrupt_peers": list(result.corrupt_peers),
+        "pardons": result.pardons,
         "transfer_s": round(result.transfer_seconds, 4),
     }
     art.verify = result.report.to_json()
@@ -335,7 +336,6 @@ def prepare_node_artifact(
     fetch: bool = False,
     tracker: str | None = None,
     model_dir: str | Path | None = None,
-    listen_host: str = "127.0.0.1",
     fetch_timeout_s: float | None = None,
     tls_ca: str | None = None,
 ) -> NodeArtifact:
@@ -343,7 +343,7 @@ def prepare_node_artifact(
 
     `layers` None means every layer of the manifest. With `fetch`, the layers
     come from `tracker`'s proven peers into `model_dir` (default: beside the
-    digest cache), listening on `listen_host`; otherwise `model` (or the
+    digest cache), dialling them (it listens on nothing); otherwise `model` (or the
     backend's default model) is verified in place.
 
     Raises:
@@ -366,8 +366,8 @@ def prepare_node_artifact(
             raise CallerError(Reason.INVALID_REQUEST, "--fetch asks the tracker for peers: give --tracker")
         into = Path(model_dir) if model_dir else default_model_dir(manifest)
         art = _run_interruptible(
-            functools.partial(fetch_layers, manifest, layers, tracker, into, listen_host=listen_host,
-                              timeout_s=fetch_timeout_s, tls=TlsTrust(tls_ca))
+            functools.partial(fetch_layers, manifest, layers, tracker, into, timeout_s=fetch_timeout_s,
+                              tls=TlsTrust(tls_ca))
         )
     else:
         from dgr.backends.factory import resolve_model
