@@ -22,7 +22,7 @@ from dgr.errors import CallerError, Reason
 from dgr.sampling import SamplingParams
 
 __all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body",
-           "DEFAULT_MAX_TOKENS", "SPECULATION"]
+           "are_token_ids", "DEFAULT_MAX_TOKENS", "SPECULATION"]
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
@@ -80,6 +80,12 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
+def are_token_ids(value: Any, limit: int) -> bool:
+    """`value` is a list of token ids in [0, limit) (bools are not ids)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
+                                           for t in value)
+
+
 def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     """Chat messages as {"role", "content"} objects with string contents.
 
@@ -125,8 +131,7 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in prompt):
+        if prompt and are_token_ids(prompt, 2 ** 31):
             prompt_ids = tuple(prompt)
             prompt = None
         elif not isinstance(prompt, str) or not prompt:

@@ -37,7 +37,8 @@ import trio
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["AlertTally", "Swarm", "in_thread", "libtorrent", "one_port", "open_swarm", "session_settings"]
+__all__ = ["AlertTally", "Swarm", "endpoint_key", "in_thread", "libtorrent", "one_port", "open_swarm",
+           "session_settings"]
 
 # How long one wait for alerts may block a worker thread; also the worst
 # extra latency of a cancellation.
@@ -124,14 +125,19 @@ def one_port(listen: str) -> str:
 
 
 
+def endpoint_key(host: str, port: int) -> str:
+    """A peer as the tally names it: HOST:PORT, an IPv6 host unbracketed."""
+    return f"{host}:{port}"
+
+
 @attrs.define
 class AlertTally:
     """What the alerts told us, copied out of them.
 
     libtorrent bans a peer that was the only sender of a piece that failed its hash, and also one
     whose trust fell (2 points per failed piece it sent blocks of, 1 back per piece passed): an honest
-    seeder that shared pieces with a corrupt one can be banned with it (about 2 in 100 of
-    tests/test_artifact_torrent's corrupt-seeder fetches, on a loaded machine). `corrupt` holds only what
+    seeder that shared pieces with a corrupt one can be banned with it, mostly when hashing lags behind
+    the transfer (`python -m dgr.bench.corrupt_seeder --busy 6` counts it). `corrupt` holds only what
     is proven: a peer that was the only one asked for any block of a piece, since the piece was last
     had, when it failed. Requests, not arrivals, are counted: a block's arrival goes unannounced when
     its peer was disconnected before it reached the disk.
@@ -171,14 +177,14 @@ class Swarm:
         t = self.tally
         for a in self.ses.pop_alerts():
             if isinstance(a, lt.block_downloading_alert):
-                t.asked.setdefault(int(a.piece_index), set()).add("%s:%d" % tuple(a.endpoint))
+                t.asked.setdefault(int(a.piece_index), set()).add(endpoint_key(*a.endpoint))
             elif isinstance(a, lt.piece_finished_alert):
                 t.asked.pop(int(a.piece_index), None)
                 t.unknown.discard(int(a.piece_index))
             elif isinstance(a, lt.hash_failed_alert):
                 t.failed(int(a.piece_index))
             elif isinstance(a, lt.peer_ban_alert):
-                t.banned.append("%s:%d" % tuple(a.endpoint))
+                t.banned.append(endpoint_key(*a.endpoint))
             elif isinstance(a, lt.alerts_dropped_alert):
                 t.asked_lost = True
             elif isinstance(a, lt.torrent_removed_alert):

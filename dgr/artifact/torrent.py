@@ -33,7 +33,7 @@ import trio
 from dgr.artifact import swarm as _swarm
 from dgr.artifact.constants import GlobalNeed
 from dgr.artifact.manifest import Manifest
-from dgr.artifact.swarm import AlertTally, Swarm, in_thread, open_swarm
+from dgr.artifact.swarm import AlertTally, Swarm, endpoint_key, in_thread, open_swarm
 from dgr.artifact.verify import VerifyReport, verify_file
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
@@ -76,6 +76,11 @@ class PeerAddr:
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def key(self) -> str:
+        """As the alerts name it (AlertTally)."""
+        return endpoint_key(self.host, self.port)
 
 
 class SeedCheck(enum.Enum):
@@ -172,11 +177,9 @@ def _redial(h: Any, addrs: Sequence[PeerAddr], tally: AlertTally, since: int) ->
     dropped connection to one is worth retrying at once rather than after
     libtorrent's public-swarm back-off.
     """
-    connected = {"%s:%d" % tuple(p.ip) for p in h.get_peer_info()}
-    shut = set(tally.corrupt) | set(tally.banned[since:])
+    shut = {endpoint_key(*p.ip) for p in h.get_peer_info()} | set(tally.corrupt) | set(tally.banned[since:])
     for a in addrs:
-        key = f"{a.host}:{a.port}"
-        if key not in connected and key not in shut:
+        if a.key not in shut:
             h.connect_peer((a.host, a.port))
 
 
@@ -208,7 +211,7 @@ class _Pardon:
 
     def due(self, addrs: Sequence[PeerAddr], tally: AlertTally, pieces: int) -> bool:
         """Every given peer not proven corrupt is banned, and pieces came in since the last pardon."""
-        unproven = {f"{a.host}:{a.port}" for a in addrs} - set(tally.corrupt)
+        unproven = {a.key for a in addrs} - set(tally.corrupt)
         return bool(unproven) and unproven <= set(tally.banned[self.since:]) and pieces > self.pieces
 
     async def grant(self, swarm: Swarm, h: Any, resume: Path, add: Callable[[], Any]) -> Any:

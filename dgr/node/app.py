@@ -38,6 +38,7 @@ from quart_trio import QuartTrio
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
                           respond_raw, respond_raw_error, serve_seam_stream)
+from dgr.api.openai import are_token_ids
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
@@ -257,8 +258,7 @@ def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
     if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
         raise CallerError(Reason.INVALID_REQUEST, "spec.fixed_k must be an integer in [0, k_max]")
     vocab = service.backend.info.vocab_size
-    if (not isinstance(exact, bool) or not isinstance(history, list) or len(history) > WINDOW
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in history)):
+    if not isinstance(exact, bool) or not are_token_ids(history, vocab) or len(history) > WINDOW:
         raise CallerError(Reason.INVALID_REQUEST, f"spec.exact must be a boolean and spec.history at most "
                                                   f"{WINDOW} token ids of this vocabulary")
     if not service.backend.info.drops_positions:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from dgr.api.openai import parse_messages
+from dgr.api.openai import are_token_ids, parse_messages
 from dgr.errors import CallerError, Reason
 from dgr.seam.keys import KEY_HEX, valid_chain
 
@@ -61,8 +61,7 @@ class PromptPlan:
         text, ids = data.get("prompt"), data.get("ids")
         if "prompt" in data and not isinstance(text, str):
             raise CallerError(Reason.INVALID_REQUEST, "prompt.prompt must be a string")
-        if "ids" in data and (not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+        if "ids" in data and not are_token_ids(ids, vocab_size):
             raise CallerError(Reason.INVALID_REQUEST,
                               f"prompt.ids must be token ids of this vocabulary of {vocab_size}")
         if root is not None and not valid_chain([root], 1):  # a root is a key's shape
