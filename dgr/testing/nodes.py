@@ -28,13 +28,17 @@ async def running(*services: NodeService) -> AsyncIterator[tuple[NodeService, ..
 
 
 async def settled(*services: NodeService) -> None:
-    """Return once every backend job queued so far on these nodes has run.
+    """Return once every backend job queued so far on these nodes has run, and what awaited them has
+    gone on as far as it can.
 
     `trio.testing.wait_all_tasks_blocked` is not enough: a scheduler waiting on
     its worker thread counts as blocked while the job still runs. A no-op job
     queued now runs after every job already queued (an iteration runs its
-    control jobs in queue order), so waiting for it waits for them.
+    control jobs in queue order), so waiting for it waits for them. The tasks
+    those jobs wake (a gateway noting a close was answered, say) may not have
+    run yet when the no-op returns: the last wait lets them.
     """
     await trio.testing.wait_all_tasks_blocked()
     for s in services:
         await s.scheduler.call(lambda: None)
+    await trio.testing.wait_all_tasks_blocked()
