@@ -201,6 +201,11 @@ def test_a_stranger_flood_costs_a_route_nothing_and_healthz_stays_fast() -> None
                   f"{rss_held:.0f} MB held, {rss_after:.0f} MB after; all cut {cut_s:.1f} s after the flood "
                   f"({time.monotonic() - t0:.1f} s in all)")
             assert p99 < 0.1, times
+            # 80 MiB of bodies were sent: a node that buffered what it was sent would hold them. It holds a read
+            # buffer a connection at most (7 MB more while held, in the run that set this bound).
+            sent_mb = 40 * (MAX_TOKENIZE_BYTES // 2) / 2**20
+            assert rss_held - rss0 < sent_mb / 4, (rss0, rss_held)
+            assert rss_after - rss0 < sent_mb / 4, (rss0, rss_after)
             assert route.http.get(f"{node['url']}/healthz", timeout=5).status_code == 200
         finally:
             for s in held:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,7 +21,9 @@ import httpx
 
 from dgr.seam.wire import ROUTE_SESSION_HEADER
 
-__all__ = ["StreamResult", "cached_tokens", "stream_once", "concurrent", "short_ttft", "hop_stats"]
+__all__ = ["StreamResult", "cached_tokens", "stream_once", "concurrent", "short_ttft", "hop_stats", "tree_commit"]
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 @attrs.frozen
@@ -108,3 +112,16 @@ def short_ttft(api: str, model: str, prompt: list[int], extra: dict[str, Any] | 
 
 def hop_stats(api_root: str) -> dict[str, Any]:
     return httpx.get(f"{api_root}/v1/stats", timeout=10).json()["hops"]
+
+
+def tree_commit() -> str:
+    """The commit of the tree a bench measures (its HEAD, "+dirty" with uncommitted changes), so that a result says
+    which code it measured; "unknown" outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"

@@ -18,7 +18,7 @@ import attrs
 import httpx
 
 from dgr.bench.direct import direct_llama
-from dgr.bench.measure import concurrent, hop_stats, short_ttft, stream_once
+from dgr.bench.measure import concurrent, hop_stats, short_ttft, stream_once, tree_commit
 from dgr.models import default_model_path
 from dgr.seam.wire import HEADER_SIZE
 from dgr.testing.harness import LocalRoute
@@ -76,7 +76,8 @@ def _route(backend: str, nodes: int, threads: int, ctx: int = 4096, extra: tuple
 def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     model = str(default_model_path())
     name = "SmolLM2-135M-Instruct.Q4_1"
-    results: dict[str, Any] = {"config": attrs.asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    results: dict[str, Any] = {"config": attrs.asdict(cfg), "commit": tree_commit(),
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "setups": {}, "ttft": {}, "seam": {}, "concurrency": {}, "inprocess": {},
                                "torch": {}, "big": {}}
     prompt = {n: _prompt_tokens(n) for n in cfg.prompt_lengths}

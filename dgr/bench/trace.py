@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -39,6 +38,7 @@ import trio
 import trio.testing
 
 import dgr
+from dgr.bench.measure import tree_commit
 
 __all__ = ["Trace", "trace_one_request", "main"]
 
@@ -130,16 +130,8 @@ def trace_one_request() -> dict[str, Any]:
     trace = Trace()
     tokens = trio.run(_run, trace, clock=trio.testing.MockClock(autojump_threshold=0))
     return {"request": {**REQUEST, "completion_tokens": tokens}, "route": "2-node stub ring, in process",
-            "commit": _commit(), **trace.report()}
+            "commit": tree_commit(), **trace.report()}
 
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def render(result: dict[str, Any]) -> str:
