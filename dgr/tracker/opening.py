@@ -99,7 +99,7 @@ class RouteOpening:
                                                                         max_prompt=None))
         if call is Call.WAITING:
             return attrs.evolve(base, max_new=b.max_new)
-        assert ids is not None  # the plan gives a later hop its ids only once they are known
+        ids = ids or []  # the plan gives a later hop these calls only once the ids are known
         spec = self.spec
         if spec is not None and hop == self.hops[-1]:  # the tail drafts from what its n-gram index keeps
             spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
