@@ -13,7 +13,10 @@ it before a response starts and the client gets a plain 4xx/5xx:
   has, and to `max_tokens_cap`;
 - the head tokenizes the prompt inside its open and answers its ids; without
   speculation the later hops open in the same round trip, their KV waiting
-  for the prompt's prefix (dgr.tracker.opening);
+  for the prompt's prefix. Which trips run, and what each hop gets in each,
+  is dgr.fsm.opening's table, planned from what is known (the client's ids,
+  the head's answer, a route that kept the prefix); dgr.tracker.opening runs
+  each trip;
 - prefix reuse (dgr.node.prefix): the prompt (less its last two tokens,
   dgr.seam.keys.prompt_offer) hashed into a chain of whole-block keys and a
   mark per position, rooted in the model digest and the request's isolation
