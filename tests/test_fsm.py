@@ -371,7 +371,7 @@ TestRouteSessionMachine = RouteSessionMachine.TestCase
 def test_fsm_core_imports_no_io_libraries() -> None:
     code = (
         "import sys, dgr.fsm, dgr.fsm.node, dgr.fsm.route, dgr.fsm.proof, dgr.fsm.machine, dgr.fsm.phases, "
-        "dgr.fsm.stop, dgr.errors\n"
+        "dgr.fsm.stop, dgr.fsm.opening, dgr.errors\n"
         "bad = [m for m in ('trio', 'torch', 'llama_cpp', 'httpx', 'quart', 'numpy') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -103,10 +103,10 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def open(self, *a, **kw):
-        if kw.get("prompt") is not None:
-            self._calls.append(kw["prompt"])
-        return await self._inner.open(*a, **kw)
+    async def open(self, req, *a, **kw):
+        if req.prompt is not None:
+            self._calls.append(req.prompt)
+        return await self._inner.open(req, *a, **kw)
 
 
 # -- lost nodes and lost replies do not keep KV -------------------------------------------------------------

@@ -29,11 +29,11 @@ class _Calls:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def open(self, *a, **kw):
-        kind = "prompt" if kw.get("prompt") is not None else "waiting" if kw.get("max_new") else "prefix"
+    async def open(self, req, *a, **kw):
+        kind = "prompt" if req.prompt is not None else "waiting" if req.max_new else "prefix"
         self._log.append((self._inner.node_id, kind))
         await trio.sleep(self._latency_s)
-        return await self._inner.open(*a, **kw)
+        return await self._inner.open(req, *a, **kw)
 
     async def adopt_prefix(self, *a, **kw):
         self._log.append((self._inner.node_id, "adopt"))

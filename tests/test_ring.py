@@ -394,14 +394,23 @@ def test_a_relay_plan_names_its_route_and_node_count_or_is_refused() -> None:
     from dgr.errors import CallerError, Reason
     from dgr.node.app import _relay_plan
     from dgr.node.service import NodeService
+    from dgr.seam.opening import RelayOrder
 
     node = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 15)), node_id="n0",
                        tracker_url="http://gateway")
     nxt = {"node": "n1", "url": "http://n1"}
-    plan = _relay_plan(node, {"next": nxt, "route": "n0,n1", "nodes": 2})
+
+    def read(body: dict):  # as an open reads its relay: its shape, then what this node can follow
+        return _relay_plan(node, RelayOrder.from_json(body))
+
+    plan = read({"next": nxt, "route": "n0,n1", "nodes": 2})
     assert (plan.route, plan.nodes, plan.next.node) == ("n0,n1", 2, "n1")
-    assert (_relay_plan(node, {"next": nxt}).route, _relay_plan(node, {"next": nxt}).nodes) == ("", 1)
+    assert (read({"next": nxt}).route, read({"next": nxt}).nodes) == ("", 1)
     for bad in ({"nodes": 0}, {"nodes": True}, {"nodes": "2"}, {"route": 5}, {"route": "x" * 10_000}):
         with pytest.raises(CallerError) as refused:
-            _relay_plan(node, {"next": nxt, **bad})
-        assert refused.value.reason is Reason.INVALID_REQUEST
+            read({"next": nxt, **bad})
+        assert refused.value.reason is Reason.INVALID_REQUEST and refused.value.details["param"] == "relay.route"
+    with pytest.raises(CallerError) as refused:  # a next hop where this node is the tail: the node's own check
+        _relay_plan(NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(15, 30)), node_id="n1",
+                                tracker_url="http://gateway"), RelayOrder.from_json({"next": nxt}))
+    assert refused.value.reason is Reason.INVALID_REQUEST and "tail delivers" in refused.value.message

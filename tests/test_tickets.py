@@ -48,7 +48,8 @@ def _plans(route: LocalRoute, sid: str) -> dict:
     for n in route.node_table():
         a, b = n["layers"].split(":")
         hops.append(Hop(n["node"], n["url"], int(a), int(b)))
-    return gateway.relay_plans(sid, tuple(sorted(hops, key=lambda h: h.start)))
+    plans = gateway.relay_plans(sid, tuple(sorted(hops, key=lambda h: h.start)))
+    return {node: order.to_json() for node, order in plans.items()}  # as an open's body carries them
 
 
 def _refused(r: httpx.Response, status: int, code: str, words: str) -> None:

@@ -231,6 +231,7 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
     import tracemalloc
 
     from dgr.errors import PeerError
+    from dgr.seam.opening import OpenRequest, PromptPlan
     from dgr.seam.wire import MAX_CONTROL_BYTES
     from dgr.tracker.seam_client import NodeClient
 
@@ -244,9 +245,9 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
         async with trio.open_nursery() as nursery:
             client = NodeClient("liar", await fake.start(nursery))
             calls = {"status": client.status,
-                     "prompt": lambda: client.open("a" * 32, 64, {}, prompt={"prompt": "hi"}, max_new=1,
-                                                   vocab_size=300),
-                     "open": lambda: client.open("a" * 32, 64, {})}
+                     "prompt": lambda: client.open(OpenRequest("a" * 32, 64, prompt=PromptPlan.of(
+                         {"prompt": "hi"}, root=None, max_new=1, max_prompt=None)), vocab_size=300),
+                     "open": lambda: client.open(OpenRequest("a" * 32, 64))}
             for name, call in calls.items():
                 fake.sent, announce[0] = 0, name == "open"
                 tracemalloc.start()
@@ -283,6 +284,7 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
 ])
 def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None:
     from dgr.errors import PeerError
+    from dgr.seam.opening import OpenRequest, PromptPlan
     from dgr.tracker.seam_client import NodeClient
 
     opened = {"session": "a" * 32, "node": "n", "prefix_positions": 0}
@@ -292,12 +294,13 @@ def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             liar, ok = NodeClient("liar", await fake.start(nursery)), NodeClient("ok", await honest.start(nursery))
-            prompt = {"prompt": {"prompt": "hi"}, "max_new": 1, "vocab_size": 300}
+            req = OpenRequest("a" * 32, 64, prompt=PromptPlan.of({"prompt": "hi"}, root=None, max_new=1,
+                                                                 max_prompt=None))
             with pytest.raises(PeerError) as err:
-                await liar.open("a" * 32, 64, {}, **prompt)
+                await liar.open(req, vocab_size=300)
             assert err.value.reason is Reason.NODE_ERROR and err.value.details.get("node") == "liar"
             assert err.value.message.startswith("liar ") and words in err.value.message, err.value.message
-            assert (await ok.open("a" * 32, 64, {}, **prompt)).tokens == [1, 299]
+            assert (await ok.open(req, vocab_size=300)).tokens == [1, 299]
             await liar.aclose(), await ok.aclose()
             nursery.cancel_scope.cancel()
 

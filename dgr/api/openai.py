@@ -59,7 +59,7 @@ class GenerationRequest:
         return len((self.prompt or "").encode("utf-8", "surrogatepass"))
 
     def prompt_body(self) -> dict[str, Any]:
-        """The prompt as the route's head tokenizes it inside its open (dgr.node.prompt)."""
+        """The prompt as the route's head tokenizes it inside its open (dgr.seam.opening)."""
         if self.kind == "chat":
             return {"messages": list(self.messages or ())}
         return {"prompt": self.prompt}

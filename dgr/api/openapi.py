@@ -158,7 +158,7 @@ def node_openapi_document() -> dict[str, Any]:
                     # block keys of the prompt (dgr.node.prefix): open on the longest kept prefix of them
                     "prefix": {"type": "array", "maxItems": 64,
                                "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
-                    # a head's: the prompt it tokenizes inside its open (dgr.node.prompt), the root it names its
+                    # a head's: the prompt it tokenizes inside its open (dgr.seam.opening), the root it names its
                     # prefix under, the answer's positions and the prompt's limit; a later hop's max_new alone:
                     # opened before the prompt's length is known, its KV waiting
                     "prompt": {"type": "object", "properties": {

@@ -28,8 +28,7 @@ node's answers as its own.
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 from quart import Response, request
@@ -38,25 +37,20 @@ from quart_trio import QuartTrio
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
 from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
                           respond_raw, respond_raw_error, serve_seam_stream)
-from dgr.api.openai import are_token_ids
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
-from dgr.node.prompt import PromptPlan, count_field
+from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, decode_marks, valid_chain
+from dgr.seam.opening import AdoptRequest, OpenAnswer, OpenRequest, RelayOrder, SpecPlan
 from dgr.node.service import NodeService
-from dgr.sampling import SamplingParams
-from dgr.node.speculation import DRAFT_SOURCES, SpecPlan
-from dgr.node.relay import Loop, NextHop, RelayPlan
+from dgr.node.relay import RelayPlan
 from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
-from dgr.spec.ngram import WINDOW
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
     COMPUTE_HEADER,
     CONTENT_TYPE,
     MAX_CONTROL_BYTES,
-    MAX_DRAFTS,
     MAX_TOKENIZE_BYTES,
     ROUTE_SESSION_HEADER,
     STEP_PATH,
@@ -67,16 +61,12 @@ from dgr.seam.wire import (
 
 if TYPE_CHECKING:
     from dgr.node.artifact import NodeArtifact
-    from dgr.security.tls import TlsTrust
 
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
 _COMPUTE_RAW = raw_header(COMPUTE_HEADER)
-_SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
-_MAX_LANE = 1 << 16  # a phase lane (dgr.fsm.phases) is a small sequence slot number
-_MAX_ROUTE = 8192  # a ring's route key: its node ids, comma-separated
 
 
 def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None) -> QuartTrio:
@@ -106,29 +96,21 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         ticket = service.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
         raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
         service.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
-        body = parse_json(raw)
-        sid, max_positions, params, prefix, lane, marks = _open_args(service, body, named)
-        relay = _relay_plan(service, body.get("relay"))
-        spec = _spec_plan(service, body.get("spec"))
-        prompt = None if "prompt" not in body else PromptPlan.from_json(
-            body["prompt"], root=body.get("root"), max_new=body.get("max_new"), max_prompt=body.get("max_prompt"),
-            vocab_size=service.backend.info.vocab_size)
-        # a later hop opened with the head: the prompt's length is not known, only what the answer may add
-        max_new = None if prompt is not None or body.get("max_new") is None else count_field(body["max_new"],
-                                                                                             "max_new")
-        opened = await service.open_session(sid, max_positions, params, relay=relay, prefix=prefix, lane=lane,
-                                            marks=marks, spec=spec, prompt=prompt, max_new=max_new)
-        answer = {"session": sid, "node": service.node_id, "prefix_positions": opened.reused}
-        if opened.tokens is not None:
-            answer |= {"tokens": opened.tokens, "reusable": opened.reusable}
-        return json_response(answer, 201)
+        req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.max_positions,
+                                    vocab_size=service.backend.info.vocab_size)
+        opened = await service.open_session(req.session, req.max_positions, req.sampling,
+                                            relay=_relay_plan(service, req.relay), prefix=list(req.reuse.prefix),
+                                            lane=req.lane, marks=req.reuse.marks, spec=_spec_plan(service, req.spec),
+                                            prompt=req.prompt, max_new=req.max_new)
+        return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens,
+                                        opened.reusable).to_json(), 201)
 
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):
         _authorize(sid)
-        prefix, marks = _prefix_args(service, await read_json(_JSON_LIMIT))
-        reused = await service.adopt_prefix(sid, prefix, marks)
-        return json_response({"session": sid, "node": service.node_id, "prefix_positions": reused})
+        named = AdoptRequest.from_json(await read_json(_JSON_LIMIT), service.max_positions)
+        reused = await service.adopt_prefix(sid, list(named.prefix), named.marks)
+        return json_response(OpenAnswer(sid, service.node_id, reused).to_json())
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
@@ -196,121 +178,48 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     return seam_fast_path(service, app)
 
 
-def _open_args(service: NodeService, body: dict[str, Any], named: str | None
-               ) -> tuple[str, int, SamplingParams, list[str], int | None, bytes]:
-    """An open body's (session, max_positions, sampling, prefix, lane, marks); the session must be the one named in
-    the header, where there is one (a node without a tracker also takes an open that names it in the body only).
+def _spec_plan(service: NodeService, spec: SpecPlan | None) -> SpecPlan | None:
+    """An open's speculation, where this node can give it (its shape is dgr.seam.opening's to check).
 
-    Raises: CallerError(BAD_FRAME | INVALID_REQUEST).
+    Raises: CallerError(INVALID_REQUEST): drafts from a draft model this tail lacks, or memory that cannot
+    drop the refused drafts.
     """
-    sid = body.get("session")
-    if named is not None and sid != named:
-        raise CallerError(Reason.INVALID_REQUEST, f"the body opens another session than {ROUTE_SESSION_HEADER} names")
-    if not isinstance(sid, str) or not _SID.fullmatch(sid):
-        raise CallerError(Reason.BAD_FRAME, "session must be 32 lowercase hex digits")
-    max_positions = body.get("max_positions")
-    if not isinstance(max_positions, int) or isinstance(max_positions, bool):
-        raise CallerError(Reason.INVALID_REQUEST, "max_positions must be an integer")
-    sampling = body.get("sampling") or {}
-    if not isinstance(sampling, dict):
-        raise CallerError(Reason.INVALID_REQUEST, "sampling must be an object")
-    params = SamplingParams.from_json(sampling)
-    prefix, marks = _prefix_args(service, body)
-    lane = body.get("lane")
-    if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < _MAX_LANE):
-        raise CallerError(Reason.INVALID_REQUEST, f"lane must be an integer in [0, {_MAX_LANE})")
-    return sid, max_positions, params, prefix, lane, marks
-
-
-def _prefix_args(service: NodeService, body: dict[str, Any]) -> tuple[list[str], bytes]:
-    """An open's or an adopt's (prefix, marks): the block keys and position marks it offers to reuse.
-
-    Raises: CallerError(INVALID_REQUEST).
-    """
-    prefix = body.get("prefix") or []
-    if not valid_chain(prefix, service.max_positions // BLOCK_TOKENS + 1):
-        raise CallerError(Reason.INVALID_REQUEST, f"prefix must be a list of {KEY_HEX}-digit hex block keys")
-    marks = decode_marks(body.get("marks", ""), min(service.max_positions, MAX_MARKS))
-    if marks is None:
-        raise CallerError(Reason.INVALID_REQUEST, "marks must be base64 position marks, at most one a position")
-    return prefix, marks
-
-
-def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
-    """An open body's "spec" object (issue 42): {k_max, exact, fixed_k?, history?, source?}; None: no speculation.
-
-    Raises:
-        CallerError(INVALID_REQUEST): malformed, or this node's memory cannot drop the refused drafts.
-    """
-    if data is None:
+    if spec is None:
         return None
-    if not isinstance(data, dict) or set(data) - {"k_max", "exact", "fixed_k", "history", "source"}:
-        raise CallerError(Reason.INVALID_REQUEST, "spec must be an object of k_max, exact, fixed_k, history and "
-                                                  "source")
-    k_max, exact, fixed, history = data.get("k_max"), data.get("exact", False), data.get("fixed_k"), data.get("history", [])
-    source = data.get("source", "ngram")
-    if source not in DRAFT_SOURCES:
-        raise CallerError(Reason.INVALID_REQUEST, f"spec.source must be one of {', '.join(DRAFT_SOURCES)}")
-    if source == "draft" and service.backend.is_tail and service.links.draft is None:
-        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no draft model (--draft-model)")
-    if not isinstance(k_max, int) or isinstance(k_max, bool) or not 1 <= k_max <= MAX_DRAFTS:
-        raise CallerError(Reason.INVALID_REQUEST, f"spec.k_max must be an integer in [1, {MAX_DRAFTS}]")
-    if fixed is not None and (not isinstance(fixed, int) or isinstance(fixed, bool) or not 0 <= fixed <= k_max):
-        raise CallerError(Reason.INVALID_REQUEST, "spec.fixed_k must be an integer in [0, k_max]")
-    vocab = service.backend.info.vocab_size
-    if not isinstance(exact, bool) or not are_token_ids(history, vocab) or len(history) > WINDOW:
-        raise CallerError(Reason.INVALID_REQUEST, f"spec.exact must be a boolean and spec.history at most "
-                                                  f"{WINDOW} token ids of this vocabulary")
+    if spec.source == "draft" and service.backend.is_tail and service.links.draft is None:
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no draft model (--draft-model)",
+                          param="spec.source")
     if not service.backend.info.drops_positions:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id}'s memory cannot drop positions: it cannot "
-                                                  "speculate")
-    return SpecPlan(k_max=k_max, fixed_k=fixed, exact=exact, history=tuple(history), source=source)
+                                                  "speculate", param="spec")
+    return spec
 
 
-def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
-    """A chain session's relay plan from an open body's "relay" object; None for a star session.
-
-    Answers always go to this node's own tracker, never to an address the caller names.
+def _relay_plan(service: NodeService, order: RelayOrder | None) -> RelayPlan | None:
+    """A chain session's relay plan from an open's `relay`, where this node can follow it; None for a star
+    session. Answers always go to this node's own tracker, never to an address the caller names.
 
     Raises:
-        CallerError(INVALID_REQUEST): malformed, or this node has no tracker to deliver to.
+        CallerError(INVALID_REQUEST): no tracker to deliver to, a next hop where this node is the tail (or
+            none where it is not), a loop on a node that is not the tail;
+        CallerError(FORBIDDEN): an http:// url under --require-tls.
     """
-    if data is None:
+    if order is None:
         return None
-    if not isinstance(data, dict):
-        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object")
     if service.tracker_url is None:
-        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a chain's answers to")
-    nxt, cap = data.get("next"), data.get("deliver_capability")
-    if cap is not None and not isinstance(cap, str):
-        raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
-    hop = None if nxt is None else _next_hop(nxt, "relay.next", service.tls)
-    route, nodes = data.get("route", ""), data.get("nodes", 1)
-    if (not isinstance(route, str) or len(route) > _MAX_ROUTE
-            or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
-        raise CallerError(Reason.INVALID_REQUEST, "relay.route is the route's node ids, relay.nodes their count")
-    if (hop is None) != service.backend.is_tail:
-        raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
-    loop = data.get("loop")
-    if loop is not None:
-        if (not service.backend.is_tail or not isinstance(loop, dict)
-                or not isinstance(loop.get("ignore_eos", False), bool)):
-            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
-        loop = Loop(_next_hop(loop.get("head"), "relay.loop.head", service.tls), loop.get("ignore_eos", False))
-    return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
-
-
-def _next_hop(data: Any, what: str, tls: TlsTrust) -> NextHop:
-    """A node to send steps on to, from {node, url, capability, tls_cert}.
-
-    Raises: CallerError(INVALID_REQUEST) if malformed; (FORBIDDEN) an http:// url under --require-tls.
-    """
-    if (not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("node", "url"))
-            or not data["url"].startswith(("http://", "https://"))
-            or any(data.get(k) is not None and not isinstance(data[k], str) for k in ("capability", "tls_cert"))):
-        raise CallerError(Reason.INVALID_REQUEST, f"{what} needs a node id and an http(s):// url")
-    tls.check(data["url"], what)
-    return NextHop(data["node"], data["url"], data.get("capability"), data.get("tls_cert"))
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a chain's answers to",
+                          param="relay")
+    if order.next is not None:
+        service.tls.check(order.next.url, "relay.next")
+    if (order.next is None) != service.backend.is_tail:
+        raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards",
+                          param="relay.next")
+    if order.loop is not None:
+        if not service.backend.is_tail:
+            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}",
+                              param="relay.loop")
+        service.tls.check(order.loop.head.url, "relay.loop.head")
+    return RelayPlan(order.next, service.tracker_url, order.deliver_capability, order.loop, order.route, order.nodes)
 
 
 def _checked(service: NodeService, scope):

@@ -42,6 +42,7 @@ import trio
 from dgr.errors import DgrError, Failure, Reason, parse_error_body
 from dgr.node import steptrace
 from dgr.seam.link import Link, LinkBroken, LinkEnd
+from dgr.seam.opening import Loop, NextHop  # an open's relay names them (dgr.seam.opening.RelayOrder)
 from dgr.seam.stream import Record, encode_record
 from dgr.seam.transport import ConnectionPool, OutStream, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
@@ -51,29 +52,6 @@ __all__ = ["NextHop", "Loop", "RelayPlan", "Relay", "SelfLoop", "Outgoing", "Rep
 
 log = logging.getLogger("dgr.node")
 
-
-
-@attrs.frozen
-class NextHop:
-    """The node after this one on a chain, and this session's capability there."""
-
-    node: str
-    url: str
-    capability: str | None
-    tls_cert: str | None = None  # its registered certificate, pinned when `url` is https
-
-
-@attrs.frozen
-class Loop:
-    """On a ring, the tail's second link: each next decode step goes straight to the head.
-
-    The tail decides what the gateway would: it sends the step for the token it sampled unless that
-    token ends generation (end of generation without `ignore_eos`, or the session's last position).
-    Stops only the gateway sees (stop strings, a client gone) end the session from there instead.
-    """
-
-    head: NextHop
-    ignore_eos: bool = False
 
 
 @attrs.frozen

@@ -34,7 +34,7 @@ from dgr.node.accounting import NodeAccounting, SeamStats
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks
 from dgr.node.prefix import PrefixCache
-from dgr.node.prompt import PromptPlan
+from dgr.seam.opening import PromptPlan
 from dgr.node.draft import DraftModel
 from dgr.node.speculation import SpecPlan
 from dgr.node.relay import RelayPlan
@@ -184,7 +184,7 @@ class NodeService:
                            relay: RelayPlan | None = None, prefix: list[str] | None = None,
                            lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None, *,
                            prompt: PromptPlan | None = None, max_new: int | None = None) -> Opened:
-        """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.node.prompt).
+        """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.seam.opening.PromptPlan).
 
         Given a `prefix` or `marks` (the gateway had the ids), it opens on them now, as does a head that is
         its route's tail too, on the prefix it names from the ids under the prompt's `root` (no other hop

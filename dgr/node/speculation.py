@@ -55,13 +55,13 @@ import numpy as np
 from dgr.node.draft import DraftModel, ModelDrafter
 from dgr.sampling import Sampler
 from dgr.spec.accept import Verdict, accept_with_sampler
-from dgr.spec.adapt import K_MAX, Acceptance, RouteCost, Shadow, choose_k
+from dgr.spec.adapt import Acceptance, RouteCost, Shadow, choose_k
 from dgr.spec.ngram import NgramDrafter
 from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
+from dgr.seam.opening import SpecPlan  # an open carries the plan (dgr.seam.opening)
 
-__all__ = ["DRAFT_SOURCES", "SpecPlan", "TailSpec", "Emitted"]
+__all__ = ["SpecPlan", "TailSpec", "Emitted"]
 
-DRAFT_SOURCES = ("ngram", "draft")  # the session's own tokens; the tail's draft model
 
 _WEIGHT = 0.2  # the newest measurement's weight in the route cost's running means
 _POSITION_PRIOR = 0.25  # before any multi-position step: an extra position costs this share of a step's compute
@@ -90,18 +90,6 @@ class Drafter(Protocol):
     def kind(self) -> str: ...  # the next draft's class: each class has its own acceptance estimate
     def warm(self) -> None: ...  # before the first step: a draft model reads the prompt
     def close(self) -> None: ...  # the session ended: a draft model frees its sequence
-
-
-@attrs.frozen
-class SpecPlan:
-    """What a session's open asks of speculation: the drafts a step may carry, whether k is fixed, whether
-    steps compute their rows one at a time (`exact`), and, for the tail, the prompt's tokens."""
-
-    k_max: int = K_MAX
-    fixed_k: int | None = None
-    exact: bool = False
-    history: tuple[int, ...] = ()
-    source: str = "ngram"  # or "draft": the tail's draft model
 
 
 @attrs.frozen

@@ -89,7 +89,7 @@ CONTENT_TYPE = "application/x-dgr-seam"
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 # Every other request body a node reads (a later hop's open, a prefix named, challenges): small JSON.
 MAX_CONTROL_BYTES = 1024 * 1024
-# A head's open carries the prompt (dgr.node.prompt): as large as the gateway's own body limit. The
+# A head's open carries the prompt (dgr.seam.opening): as large as the gateway's own body limit. The
 # gateway refuses a prompt whose bytes would exceed it.
 MAX_TOKENIZE_BYTES = 4 * 1024 * 1024
 

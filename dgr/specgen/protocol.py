@@ -10,6 +10,7 @@ from __future__ import annotations
 from dgr.errors import HTTP_TABLE, Reason
 from dgr.fsm.machine import TransitionTable
 from dgr.fsm.node import NODE_TABLE
+from dgr.fsm.opening import PLAN, Call
 from dgr.fsm.proof import PROOF_TABLE
 from dgr.fsm.route import ROUTE_TABLE
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
@@ -37,10 +38,30 @@ def _machine(table: TransitionTable) -> str:
     return "\n".join(lines)
 
 
+def _opening() -> str:
+    """dgr.fsm.opening's PLAN: the next trip of a route's opening for what is known."""
+    lines = ["## Opening a route", "",
+             "The gateway plans each round trip of an opening from what it knows (dgr.fsm.opening `PLAN`): the "
+             "head's call, every later hop's, and what follows. A row whose calls are all `none` makes no trip. "
+             "`head_answers`: plan again with what the head answered (`answered`, `reusable` or "
+             "`held_elsewhere`); `reopen`: close what opened and plan again as `ids` on the route whose nodes "
+             "kept the prompt's prefix; `ready`: every hop is open.", "",
+             "| known | speculates | head alone | head | later hops | then | why |", "|---|---|---|---|---|---|---|"]
+    for (known, speculates, alone), trip in PLAN.items():
+        lines.append(f"| {known.value} | {'yes' if speculates else 'no'} | {'yes' if alone else 'no'} | "
+                     f"{trip.head.value} | {trip.later.value} | {trip.then.value} | {trip.why} |")
+    calls = {Call.NONE: "nothing", Call.PROMPT: "the prompt to tokenize (and the prefix root); its KV waits",
+             Call.ON_PREFIX: "the ids and the prefix they offer: it opens now on what it holds of it",
+             Call.WAITING: "`max_new`, before the prompt's length is known; its KV waits",
+             Call.IDS: "the ids and no prefix", Call.ADOPT: "the prefix, named to a session whose KV waits"}
+    lines += ["", "| call | the hop gets |", "|---|---|"] + [f"| {c.value} | {calls[c]} |" for c in Call]
+    return "\n".join(lines + [""])
+
+
 def render_states() -> str:
     return (
         "# State machines\n\n" + _GENERATED
-        + _machine(ROUTE_TABLE) + "\n" + _machine(NODE_TABLE) + "\n" + _machine(PROOF_TABLE)
+        + _machine(ROUTE_TABLE) + "\n" + _machine(NODE_TABLE) + "\n" + _machine(PROOF_TABLE) + "\n" + _opening()
     )
 
 
@@ -88,7 +109,10 @@ def render_seam() -> str:
         "Models whose seam needs token ids (DeepSeek-V4) add 4 bytes per position.",
         "", "## Exchanges", "",
         "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling[, relay]}`) opens a node session: "
-        "201, or 409/429. `relay` is `{next: {node, url, capability} | null, "
+        "201, or 409/429. The body is dgr.seam.opening's `OpenRequest`, the answer its `OpenAnswer` "
+        "(`{session, node, prefix_positions[, tokens, reusable]}`), and the prefix named later its `AdoptRequest`; "
+        "the node checks a body only in their `from_json`, a refusal naming the field in `param`. Which hop "
+        "gets which open in which round trip is the opening table of states.md. `relay` is `{next: {node, url, capability} | null, "
         "deliver_capability, route, nodes[, loop]}`: where this node sends its results (the tail's `next` is "
         "null), and the route (its node ids, comma-separated) and its length, for which the node batches the "
         "decode steps of one phase group at a time. The tail also gets `loop: {head: {node, url, "
@@ -103,7 +127,7 @@ def render_seam() -> str:
         "kept prefix of them and answers `prefix_positions`, the positions the session then holds; the gateway "
         "starts prefill at the smallest answer on the route, and a node's first step may start before what it "
         "holds (it drops the rest first).",
-        "- The head's `POST /v1/seam/sessions` carries the prompt instead (dgr.node.prompt): `prompt` "
+        "- The head's `POST /v1/seam/sessions` carries the prompt instead (dgr.seam.opening `PromptPlan`): `prompt` "
         "(`{messages}`, `{prompt}` text or `{ids}`), `max_new` (the answer's positions at most), `max_prompt` "
         "(the gateway's limit, if any) and `root` (the prefix root). The head tokenizes it inside the open, "
         "refuses a prompt that is empty or leaves no position for the answer "

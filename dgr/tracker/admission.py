@@ -7,13 +7,16 @@ it before a response starts and the client gets a plain 4xx/5xx:
   concurrent opens cannot overfill a node;
 - the limits: a prompt past `max_prompt_bytes` is refused before the head
   tokenizes it (`prompt_too_large`); the head refuses one past
-  `max_prompt_tokens` or the route's context inside its open (dgr.node.prompt).
+  `max_prompt_tokens` or the route's context inside its open (dgr.seam.opening).
   The context is the smallest `max_positions` (`--ctx`) a node on the route
   advertised, so `max_tokens` is clamped to the positions every hop really
   has, and to `max_tokens_cap`;
 - the head tokenizes the prompt inside its open and answers its ids; without
   speculation the later hops open in the same round trip, their KV waiting
-  for the prompt's prefix (dgr.tracker.opening);
+  for the prompt's prefix. Which trips run, and what each hop gets in each,
+  is dgr.fsm.opening's table, planned from what is known (the client's ids,
+  the head's answer, a route that kept the prefix); dgr.tracker.opening runs
+  each trip;
 - prefix reuse (dgr.node.prefix): the prompt (less its last two tokens,
   dgr.seam.keys.prompt_offer) hashed into a chain of whole-block keys and a
   mark per position, rooted in the model digest and the request's isolation
@@ -38,7 +41,7 @@ from __future__ import annotations
 import collections
 import math
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import attrs
 import trio
@@ -47,12 +50,14 @@ from dgr.api.openai import GenerationRequest
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop, RouteEvent, RouteSession
-from dgr.seam.keys import encode_marks, prefix_root, prompt_offer
+from dgr.fsm.opening import Known, Then, plan
+from dgr.seam.keys import prefix_root, prompt_offer
+from dgr.seam.opening import AdoptRequest, SpecPlan
 from dgr.tracker.accounting import Accounting
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, GatewayConfig, LiveSession
-from dgr.tracker.opening import RouteOpening
+from dgr.tracker.opening import Bounds, RouteOpening
 from dgr.tracker.patience import Patience
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.routing import choose_route, prefer_holders
@@ -103,36 +108,28 @@ class Admission:
             token_limit = self._check_bytes(req, context)
             root = prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None
             max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
-            common = {"sampling": req.sampling.to_json(), "context": context, "max_new": max_new,
-                      "vocab_size": info.vocab_size}
+            bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens, root)
             prompt = self._given_ids(req, info.vocab_size)
-            offered, offer, marks = self._offer(prompt, root)
-            if prompt is not None:  # the ids are known: choose the route by its kept prefix, open every hop at once
+            offered, offer = self._offer(prompt, root)
+            if prompt is not None:  # the ids are known: choose the route by its kept prefix before any open
                 choice, reserved = self._rechoose(choice, reserved, offer, context, now)
-                opening = self._opening(req, rs, choice, common)
-                await opening.open(self._on_prefix(opening, prompt, offer, marks))
-            else:
-                opening = self._opening(req, rs, choice, common)
-                head, rest = choice.hops[0], choice.hops[1:]
-                # the head tokenizes; without speculation the later hops open with it, their KV waiting too
-                early = opening.spec is None
-                await opening.open({head: opening.head(req.prompt_body(), cfg.max_prompt_tokens, root)}
-                                   | {h: opening.later(h, None, [], "") for h in rest if early})
-                prompt = self._head_ids(opening.tokens, head, context, token_limit)
-                offered, offer, marks = self._offer(prompt, root)
-                better, reserved = self._rechoose(choice, reserved, offer, context, now)
-                if better is not choice:  # its nodes kept this prompt's prefix: open there instead
+            known = Known.IDS if prompt is not None else Known.TEXT
+            opening = self._opening(req, rs, choice, bounds)
+            while True:  # the trips dgr.fsm.opening plans, from what is known
+                trip = plan(known, opening.spec is not None, len(opening.hops) == 1)
+                if not trip.empty:
+                    await opening.trip(trip, req.prompt_body(), prompt, offer)
+                if trip.then is Then.READY:
+                    break
+                if trip.then is Then.REOPEN:  # its nodes kept this prompt's prefix: open there instead
                     await self._abandon(rs, opening)
-                    choice, opening = better, self._opening(req, rs, better, common)
-                    await opening.open(self._on_prefix(opening, prompt, offer, marks))
-                else:
-                    reuse = root is not None and opening.reusable
-                    async with trio.open_nursery() as second:  # one more trip, where one is needed
-                        if not early:
-                            second.start_soon(opening.open, {h: opening.later(h, prompt, offer if reuse else [],
-                                                                              marks if reuse else "") for h in rest})
-                        if reuse:
-                            second.start_soon(opening.adopt, [head, *(rest if early else ())], offer, marks)
+                    choice, opening, known = better, self._opening(req, rs, better, bounds), Known.IDS
+                    continue
+                prompt = self._head_ids(opening.tokens, choice.hops[0], context, token_limit)
+                offered, offer = self._offer(prompt, root)
+                better, reserved = self._rechoose(choice, reserved, offer, context, now)
+                known = (Known.HELD_ELSEWHERE if better is not choice
+                         else Known.REUSABLE if root is not None and opening.reusable else Known.ANSWERED)
         except BaseException as raised:
             await self._undo(raised, rs, opening, reserved)
             raise AssertionError("unreachable")  # _undo always raises
@@ -149,36 +146,30 @@ class Admission:
                      rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         return live
 
-    def _opening(self, req: GenerationRequest, rs: RouteSession, choice, common: dict[str, Any]) -> RouteOpening:
+    def _opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds) -> RouteOpening:
         """The opening of `choice`'s node sessions: its relay plans, speculation and lane in the phase groups."""
         return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials(), self.patience,
-                            self.config.step_deadline_s, lambda: rs.state.value, common,
+                            self.config.step_deadline_s, lambda: rs.state.value, bounds,
                             self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos),
                             self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid))
 
-    @staticmethod
-    def _on_prefix(opening: RouteOpening, prompt: list[int], offer: list[str], marks: str) -> dict[Hop, dict]:
-        """Every hop's open on the prefix `prompt` offers, its ids known: the head keeps them."""
-        head, *rest = opening.hops
-        return ({head: opening.head({"ids": prompt}, offer=offer, marks=marks)}
-                | {h: opening.later(h, prompt, offer, marks) for h in rest})
-
-    def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: list[str], context: int, now: float):
+    def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
         """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or
         `choice` where there is none."""
-        better = self._holding_route(offer, choice, context)
+        better = self._holding_route(list(offer.prefix), choice, context)
         if better is None:
             return choice, reserved
         self.release(reserved)
         return better, self._hold(better.nodes, now)
 
     @staticmethod
-    def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, list[str], str]:
-        """(positions, block keys, encoded marks) the prompt offers to reuse; none without ids or a root."""
+    def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
+        """(positions, the prefix: their block keys and marks) the prompt offers to reuse; none without ids or a
+        root."""
         if prompt is None or root is None:
-            return 0, [], ""
+            return 0, AdoptRequest()
         offered, chain, marks = prompt_offer(prompt, root)
-        return offered, chain, encode_marks(marks)
+        return offered, AdoptRequest(tuple(chain), marks)
 
     def _check_bytes(self, req: GenerationRequest, context: int) -> int:
         """The prompt's token limit, once its text is known to fit it: refused before any node sees it.
@@ -249,8 +240,8 @@ class Admission:
             raise exc from None
         raise raised
 
-    def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...]) -> dict[str, Any] | None:
-        """The session's "spec" open field on every node (the tail's also gets the prompt's last tokens to draft
+    def _speculation(self, req: GenerationRequest, nodes: tuple[NodeEntry, ...]) -> SpecPlan | None:
+        """The session's speculation on every node (the tail's also gets the prompt's last tokens to draft
         from, dgr.tracker.opening): None where it does not speculate (asked off, or a node's memory cannot
         drop positions).
 
@@ -265,11 +256,8 @@ class Admission:
         if source == "draft" and not nodes[-1].describe.get("draft_model"):
             raise CallerError(Reason.INVALID_REQUEST, f"speculation {mode!r} needs a route whose tail has a draft "
                                                       f"model (dgr node --draft-model); {nodes[-1].node_id} has none")
-        spec: dict[str, Any] = {"k_max": cfg.spec_k_max, "exact": cfg.spec_exact or mode.endswith("-exact"),
-                                "source": source}
-        if cfg.spec_k is not None:
-            spec["fixed_k"] = cfg.spec_k
-        return spec
+        return SpecPlan(k_max=cfg.spec_k_max, fixed_k=cfg.spec_k, exact=cfg.spec_exact or mode.endswith("-exact"),
+                        source=source)
 
     def _hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
         for n in nodes:

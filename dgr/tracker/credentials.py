@@ -16,11 +16,12 @@ Left out: who the route is (dgr.tracker.routing) and the calls themselves
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import attrs
 
 from dgr.fsm.route import Hop
+from dgr.seam.opening import Loop, NextHop, RelayOrder
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
 from dgr.tracker.registry import GATEWAY_ID
@@ -42,8 +43,8 @@ class Credentials:
         return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=self.life_s,
                                                 scope=Scope.CONTROL) for h in hops}
 
-    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
-        """Each node's relay plan on the ring: the next hop (none for the tail), the capability to deliver
+    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, RelayOrder]:
+        """Each node's relay on the ring: the next hop (none for the tail), the capability to deliver
         with, and on the tail the head to send each next decode step to.
 
         The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and
@@ -53,20 +54,16 @@ class Credentials:
         deliver = None if self.authority is None else self.authority.issue(
             sid, GATEWAY_ID, 0, 1, now, ttl_s=self.life_s, scope=Scope.STEP)
 
-        def to(hop: Hop) -> dict[str, Any]:
+        def to(hop: Hop) -> NextHop:
             cap = None if self.authority is None else self.authority.issue(
                 sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP)
-            return {"node": hop.node_id, "url": hop.url, "capability": cap, "tls_cert": self.pinned(hop.node_id)}
+            return NextHop(hop.node_id, hop.url, cap, self.pinned(hop.node_id))
 
-        out = {}
         route = ",".join(h.node_id for h in hops)
-        for i, hop in enumerate(hops):
-            nxt = hops[i + 1] if i + 1 < len(hops) else None
-            # route and nodes: each node batches one phase group of the route at a time, and the tail
-            # holds each next step for its group
-            out[hop.node_id] = {"next": None if nxt is None else to(nxt), "deliver_capability": deliver,
-                                "route": route, "nodes": len(hops)}
-        out[hops[-1].node_id]["loop"] = {"head": to(hops[0]), "ignore_eos": ignore_eos}
+        # route and nodes: each node batches one phase group of the route at a time, and the tail holds each
+        # next step for its group
+        out = {hop.node_id: RelayOrder(to(nxt), deliver, route, len(hops)) for hop, nxt in zip(hops, hops[1:])}
+        out[hops[-1].node_id] = RelayOrder(None, deliver, route, len(hops), Loop(to(hops[0]), ignore_eos))
         return out
 
     def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:

@@ -59,6 +59,7 @@ from dgr.fsm.route import Hop, RouteEvent, RouteSession, RouteState
 from dgr.fsm.stop import next_step
 from dgr.metrics import gauge
 from dgr.seam.frame import TokenResult
+from dgr.seam.opening import RelayOrder
 from dgr.seam.stream import Record
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tls import TlsTrust
@@ -279,7 +280,7 @@ class Gateway:
         return Credentials(self.authority, (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s,
                            self._pinned)
 
-    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, dict[str, Any]]:
+    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, RelayOrder]:
         return self.credentials().relay_plans(sid, hops, ignore_eos)
 
     def _pinned(self, node_id: str) -> str | None:

@@ -1,18 +1,11 @@
-"""One chosen route's node sessions, opened in as few round trips as the prompt allows.
+"""One chosen route's node sessions, opened in the round trips dgr.fsm.opening's table plans.
 
-The head tokenizes the prompt inside its open (dgr.node.prompt), so the ids are known only when it
-answers. The later hops need them only to name their reusable prefix, and, on a speculating route,
-the tail to draft from. So:
-- without speculation they open with the head, their KV waiting (`max_new`, dgr.node.sessions), and
-  so does the head's, which answers as soon as it has the ids: one round trip opens the whole route,
-  and only where the head may hold a prefix of the prompt does a second name it to every hop
-  (`adopt`), each opening its KV on what it holds, as every node must start from the same position;
-- with speculation the later hops open once the ids are known (the tail drafts from them), in the
-  same second trip;
-- where the ids are known before any open (a client's own, or a route chosen again for the prefix
-  its nodes hold), every hop opens at once on its prefix.
-`RouteOpening` builds each hop's open, and records what opened (to close on failure) and what may
-have opened unseen (a lost answer: owed a close). Which rounds run is dgr.tracker.admission's.
+The head tokenizes the prompt inside its open (dgr.seam.opening), so the ids are known only when it
+answers; which hop gets what in each trip, from what is known, is dgr.fsm.opening's `PLAN`.
+`RouteOpening` runs one planned trip (`trip`): it builds each hop's `OpenRequest` (or names the
+prefix, `AdoptRequest`), makes the calls at once, and records what opened (to close on failure),
+what may have opened unseen (a lost answer: owed a close), the positions each holds, and the head's
+ids. What is known, and so which trip comes next, is dgr.tracker.admission's.
 """
 
 from __future__ import annotations
@@ -23,13 +16,28 @@ import attrs
 import trio
 
 from dgr.errors import DgrError, Reason
+from dgr.fsm.opening import Call, Trip
 from dgr.fsm.route import Hop
+from dgr.sampling import SamplingParams
+from dgr.seam.opening import AdoptRequest, OpenRequest, PromptPlan, RelayOrder, SpecPlan
 from dgr.spec.ngram import WINDOW
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.patience import Patience
 
-__all__ = ["RouteOpening"]
+__all__ = ["RouteOpening", "Bounds"]
+
+
+@attrs.frozen
+class Bounds:
+    """What every open of a Route Session shares: its sampling, and what bounds the prompt."""
+
+    sampling: SamplingParams
+    context: int  # the positions every hop has (the smallest --ctx on the route)
+    max_new: int  # the answer's positions at most
+    vocab_size: int
+    max_prompt: int | None  # the gateway's limit on the prompt's tokens
+    root: str | None  # the prefix root; None: no prefix reuse
 
 
 @attrs.define
@@ -43,9 +51,9 @@ class RouteOpening:
     patience: Patience
     deadline_s: float
     phase: Callable[[], str]  # the Route Session's state, named in a failure
-    common: dict[str, Any]  # every open's: sampling, and what bounds the prompt (context, max_new, vocab_size)
-    relays: dict[str, dict[str, Any]]  # node id -> its relay plan
-    spec: dict[str, Any] | None  # the session's speculation (dgr.node.speculation); None: none
+    bounds: Bounds
+    relays: dict[str, RelayOrder]  # node id -> its relay
+    spec: SpecPlan | None  # the session's speculation (dgr.node.speculation); None: none
     lane: int  # the session's lane in the route's phase groups
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> the session's capability there
     opened: list[Hop] = attrs.field(factory=list)
@@ -57,32 +65,49 @@ class RouteOpening:
     def __attrs_post_init__(self) -> None:
         self.caps = self.credentials.capabilities(self.sid, self.hops)
 
-    def head(self, prompt: dict[str, Any], max_prompt: int | None = None, root: str | None = None,
-             offer: list[str] | None = None, marks: str = "") -> dict[str, Any]:
-        """The head's open: the prompt to tokenize (or its ids), and either the prefix the ids offer (it opens
-        on it now) or none, its KV then waiting, with the root to say under which it may hold one."""
-        c = self.common
-        return {**self._common(self.hops[0], None), "max_positions": c["context"], "prompt": prompt,
-                "max_new": c["max_new"], "max_prompt": max_prompt, "vocab_size": c["vocab_size"], "root": root,
-                "prefix": offer, "marks": marks}
+    async def trip(self, trip: Trip, prompt: dict[str, Any], ids: list[int] | None, offer: AdoptRequest) -> None:
+        """Run one planned trip: each hop's call (`trip.head` for the head, `trip.later` for the rest) at once.
 
-    def later(self, hop: Hop, ids: list[int] | None, offer: list[str], marks: str) -> dict[str, Any]:
-        """A later hop's open: with the ids, their prefix and exact positions; without, a bound and `max_new`."""
-        c = self.common
-        if ids is None:
-            return {**self._common(hop, None), "max_positions": c["context"], "max_new": c["max_new"]}
-        return {**self._common(hop, ids), "max_positions": len(ids) + min(c["max_new"], c["context"] - len(ids)),
-                "prefix": offer, "marks": marks}
+        `prompt` is the request's prompt (dgr.api.openai `prompt_body`), `ids` its ids where they are known,
+        `offer` the prefix they offer (none without ids or a root).
 
-    def _common(self, hop: Hop, ids: list[int] | None) -> dict[str, Any]:
+        Raises: as `open` and `adopt`.
+        """
+        head, rest = self.hops[0], self.hops[1:]
+        calls = {head: trip.head} | {h: trip.later for h in rest}
+        opens = {h: self._request(h, call, prompt, ids, offer) for h, call in calls.items()
+                 if call not in (Call.NONE, Call.ADOPT)}
+        adopts = [h for h, call in calls.items() if call is Call.ADOPT]
+        async with trio.open_nursery() as nursery:
+            if opens:
+                nursery.start_soon(self.open, opens)
+            if adopts:
+                nursery.start_soon(self.adopt, adopts, offer)
+
+    def _request(self, hop: Hop, call: Call, prompt: dict[str, Any], ids: list[int] | None,
+                 offer: AdoptRequest) -> OpenRequest:
+        """`hop`'s open for `call` (dgr.fsm.opening): the head's of the prompt (or its ids, on their prefix); a
+        later hop's waiting (a bound and `max_new`), or with the ids, their exact positions and prefix."""
+        b = self.bounds
+        base = OpenRequest(self.sid, b.context, b.sampling, self.relays.get(hop.node_id), lane=self.lane,
+                           spec=self.spec)
+        if hop == self.hops[0]:
+            if call is Call.PROMPT:  # its KV waits, the root saying under which it may hold a prefix
+                return attrs.evolve(base, prompt=PromptPlan.of(prompt, root=b.root, max_new=b.max_new,
+                                                               max_prompt=b.max_prompt))
+            return attrs.evolve(base, reuse=offer, prompt=PromptPlan.of({"ids": ids}, root=None, max_new=b.max_new,
+                                                                        max_prompt=None))
+        if call is Call.WAITING:
+            return attrs.evolve(base, max_new=b.max_new)
+        ids = ids or []  # the plan gives a later hop these calls only once the ids are known
         spec = self.spec
-        if spec is not None and hop == self.hops[-1] and ids is not None:
-            spec = {**spec, "history": ids[-WINDOW:]}  # what its n-gram index keeps
-        return {"sampling": self.common["sampling"], "relay": self.relays.get(hop.node_id), "lane": self.lane,
-                "ticket": self.credentials.ticketer(self.sid, hop), "spec": spec}
+        if spec is not None and hop == self.hops[-1]:  # the tail drafts from what its n-gram index keeps
+            spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
+        return attrs.evolve(base, max_positions=len(ids) + min(b.max_new, b.context - len(ids)), spec=spec,
+                            reuse=offer if call is Call.ON_PREFIX else AdoptRequest())
 
-    async def open(self, bodies: dict[Hop, dict[str, Any]]) -> None:
-        """Open each hop with its open's arguments (dgr.tracker.seam_client `NodeClient.open`), at once.
+    async def open(self, bodies: dict[Hop, OpenRequest]) -> None:
+        """Open each hop with its request (dgr.tracker.seam_client `NodeClient.open`), at once.
 
         A refusal does not cut the other opens short: each still answers (within the wait), so what opened
         is closed at once, not owed a close until its node's next heartbeat.
@@ -95,8 +120,9 @@ class RouteOpening:
         async def one(hop: Hop) -> None:
             self.attempted.append(hop.node_id)
             try:
-                answer = await self.clients.get(hop).open(self.sid, capability=self.caps.get(hop.node_id),
-                                                          **bodies[hop])
+                answer = await self.clients.get(hop).open(
+                    bodies[hop], self.caps.get(hop.node_id), self.credentials.ticketer(self.sid, hop),
+                    vocab_size=self.bounds.vocab_size)
             except DgrError as refused:
                 answered.add(hop.node_id)
                 if refused.reason is not Reason.ROUTE_NODE_LOST:
@@ -118,10 +144,10 @@ class RouteOpening:
         if refusals:  # the head's refusal names what the client sent: it goes ahead of a later hop gone silent
             raise next(refusals[h] for h in self.hops if h in refusals)
 
-    async def adopt(self, hops: list[Hop], prefix: list[str], marks: str) -> None:
+    async def adopt(self, hops: list[Hop], offer: AdoptRequest) -> None:
         """Name the prompt's prefix to hops whose KV waits for it; each answers the positions it opened on."""
         async def one(hop: Hop) -> None:
-            self.held[hop.node_id] = await self.clients.get(hop).adopt_prefix(self.sid, prefix, marks,
+            self.held[hop.node_id] = await self.clients.get(hop).adopt_prefix(self.sid, offer,
                                                                               self.caps.get(hop.node_id))
             answered.add(hop.node_id)
 

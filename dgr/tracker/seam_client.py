@@ -34,28 +34,16 @@ import attrs
 import httpx
 
 from dgr.errors import CallerError, Failure, PeerError, Reason, parse_error_body
+from dgr.seam.opening import AdoptRequest, OpenAnswer, OpenRequest, token_bound
 from dgr.seam.transport import ConnectionPool, HttpResponse, OutStream, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, ROUTE_SESSION_HEADER,
                            STREAM_PATH, TICKET_HEADER)
 from dgr.security.tls import httpx_default_trust
 
-__all__ = ["NodeClient", "OpenAnswer", "Reply", "CAPABILITY_HEADER", "read_capped", "token_bound", "check_tokens"]
+__all__ = ["NodeClient", "Reply", "CAPABILITY_HEADER", "read_capped"]
 
 # A head's open reply per byte of its prompt: a token id (at most 7 digits, a comma and a space).
 _TOKENIZE_REPLY_PER_BYTE = 16
-# Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
-# message's keys and quotes): a default system prompt, the assistant's opening.
-_TEMPLATE_TOKENS = 1024
-
-
-@attrs.frozen
-class OpenAnswer:
-    """A node's answer to an open: the positions it reused; a head given the prompt, its ids and whether a
-    kept prefix may share their start."""
-
-    positions: int
-    tokens: list[int] | None = None
-    reusable: bool = False
 
 
 @attrs.frozen
@@ -93,31 +81,6 @@ async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit
         return Reply(r.status_code, r.headers, b"".join(body))
 
 
-def token_bound(body: dict[str, Any]) -> int:
-    """The most tokens an honest head makes of the prompt `body` (dgr.node.prompt): one per byte of its JSON,
-    and a template's own."""
-    return len(json.dumps(body).encode()) + _TEMPLATE_TOKENS
-
-
-def check_tokens(tokens: Any, *, vocab_size: int | None, bound: int, node: str) -> list[int]:
-    """The head's token ids, if they can be: a list of at most `bound` integers in [0, vocab_size).
-
-    Raises:
-        PeerError(NODE_ERROR): anything else, naming the node.
-    """
-    if not isinstance(tokens, list) or len(tokens) > bound:
-        got = f"{len(tokens)} tokens" if isinstance(tokens, list) else type(tokens).__name__
-        raise PeerError(Reason.NODE_ERROR, f"{node} tokenized the prompt into {got}; at most {bound} "
-                                           "token ids can come of it", node=node)
-    top = vocab_size if vocab_size is not None else 2 ** 31
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top:
-            raise PeerError(Reason.NODE_ERROR, f"{node} sent token id {str(t)[:40]!r}, not one of its "
-                                               f"vocabulary of {top}", node=node)
-    return tokens
-
-
-
 def _cap(capability: str | None) -> dict[str, str]:
     return {} if capability is None else {CAPABILITY_HEADER: capability}
 
@@ -153,7 +116,7 @@ class NodeClient:
 
     def _refused(self, r: Reply | HttpResponse, param: str | None = None) -> Exception:
         """A node's refusal as the gateway raises it; `param`: the request's prompt parameter, where the node
-        was given the prompt, so that a refusal of the prompt itself (dgr.node.prompt) is the client's."""
+        was given the prompt, so that a refusal of the prompt itself (dgr.seam.opening.PromptPlan.positions) is the client's."""
         body = r.content if isinstance(r, Reply) else r.body
         status = r.status_code if isinstance(r, Reply) else r.status
         code, message = parse_error_body(body)
@@ -186,55 +149,35 @@ class NodeClient:
                             node=self.node_id)
         return data
 
-    async def open(self, sid: str, max_positions: int, sampling: dict[str, Any], capability: str | None = None,
-                   relay: dict[str, Any] | None = None, prefix: list[str] | None = None,
-                   lane: int | None = None, ticket: Callable[[bytes], str | None] | None = None,
-                   marks: str = "", spec: dict[str, Any] | None = None, *, prompt: dict[str, Any] | None = None,
-                   root: str | None = None, max_new: int | None = None, max_prompt: int | None = None,
-                   vocab_size: int | None = None) -> OpenAnswer:
-        """Open `sid` on the node; with `relay` (a chain), the node sends its results on instead of answering.
+    async def open(self, req: OpenRequest, capability: str | None = None,
+                   ticket: Callable[[bytes], str | None] | None = None, vocab_size: int | None = None
+                   ) -> OpenAnswer:
+        """Open `req.session` on the node (dgr.seam.opening); a head given the prompt answers its ids, checked
+        (`OpenAnswer.from_json`) against the model's `vocab_size` and what the prompt can yield (`token_bound`).
 
-        With `prefix` (a block hash chain) and `marks` (its positions' marks, encoded), the node starts
-        from the longest kept prefix it holds of it, to the token. A head given `prompt` (dgr.node.prompt:
-        {"messages"}, {"prompt"} or {"ids"}) tokenizes it and opens for its tokens plus `max_new` within
-        `max_positions` (at most `max_prompt` of them); its ids are checked (`check_tokens`) against
-        `vocab_size`. With `root` it names its prefix itself: its KV waits for `adopt_prefix` (or the first
-        step), and it answers whether a kept prefix may share the prompt's start. A later hop given
-        `max_new` without a prompt opens before the prompt's length is known, its KV waiting too.
-        `lane` (a chain's phase lane, dgr.fsm.phases) is the sequence slot the node gives the session
-        while it is free. `ticket(body bytes)` is the tracker's ticket for exactly the body sent
-        (dgr.security.tickets); None sends none.
+        `ticket(body bytes)` is the tracker's ticket for exactly the body sent (dgr.security.tickets); None
+        sends none.
         """
-        body: dict[str, Any] = {"session": sid, "max_positions": max_positions, "sampling": sampling}
-        for key, value in (("relay", relay), ("prefix", prefix or None), ("marks", marks or None), ("lane", lane),
-                           ("spec", spec), ("prompt", prompt), ("root", root), ("max_new", max_new),
-                           ("max_prompt", max_prompt)):
-            if value is not None:
-                body[key] = value
-        raw = json.dumps(body, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, **_cap(capability)}
+        raw = req.encode()
+        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: req.session, **_cap(capability)}
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
             headers[TICKET_HEADER] = signed
-        bound = 0 if prompt is None else token_bound(prompt)
+        bound = None if req.prompt is None else token_bound(req.prompt)
         r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw,
-                                limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * bound)
+                                limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * (bound or 0))
         if r.status_code != 201:
-            raise self._refused(r, None if prompt is None else "messages" if "messages" in prompt else "prompt")
-        answer = self._json(r)
-        if prompt is None:
-            return OpenAnswer(_positions(answer))
-        tokens = check_tokens(answer.get("tokens"), vocab_size=vocab_size, bound=bound, node=self.node_id)
-        return OpenAnswer(_positions(answer), tokens, answer.get("reusable") is True)
+            raise self._refused(r, None if req.prompt is None else req.prompt.param())
+        return OpenAnswer.from_json(self._json(r), node=self.node_id, tokens_bound=bound, vocab_size=vocab_size)
 
-    async def adopt_prefix(self, sid: str, prefix: list[str], marks: str, capability: str | None = None) -> int:
-        """Name the prefix of a session opened before its prompt's length was known (`open` with `max_new`):
+    async def adopt_prefix(self, sid: str, named: AdoptRequest, capability: str | None = None) -> int:
+        """Name the prefix of a session opened before its prompt's length was known (an open with `max_new`):
         the node opens its KV on the longest kept prefix of it; returns the positions it holds from there."""
         r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", headers=_cap(capability),
-                                json={"prefix": prefix, "marks": marks})
+                                json=named.to_json())
         if r.status_code != 200:
             raise self._refused(r)
-        return _positions(self._json(r))
+        return OpenAnswer.from_json(self._json(r), node=self.node_id).positions
 
     async def close(self, sid: str, failure: Failure | None = None, capability: str | None = None,
                     keep: list[str] | None = None, tail: str = "") -> None:
@@ -295,12 +238,6 @@ def _error_param(body: bytes) -> str | None:
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return param if isinstance(param, str) else None
-
-
-def _positions(answer: dict[str, Any]) -> int:
-    """An open's `prefix_positions`; 0 where it is not a count (the route then reuses nothing)."""
-    reused = answer.get("prefix_positions", 0)
-    return reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
 
 
 def _retry_after(value: str | None) -> int:
