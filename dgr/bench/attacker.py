@@ -3,7 +3,8 @@
 The attacker is a member node's operator gone bad: it holds the route's join token (JOIN_ENV, as every
 node operator does) and knows the tracker's and the nodes' URLs. Until SIGTERM or `--time-limit` it runs
 every attack of dgr.bench.attacks (each its own trio task, a bounded number of requests at a time), then
-prints the tally of how each was answered as one JSON line on stdout, the last one at exit.
+prints the tally of how each was answered as one JSON line on stdout, the last one at exit. Before it, one line
+HOLDING says every held connection has been opened once.
 
 One job: the process: its settings from the command line, its file limit and CPU priority, its time limit
 and signals. What it attacks and how an answer is judged are dgr.bench.attacks.
@@ -23,7 +24,9 @@ import trio
 from dgr.bench.attacks import AttackConfig, Attacker, Tally
 from dgr.security.secrets import JOIN_ENV
 
-__all__ = ["main", "register", "run_attacker"]
+__all__ = ["main", "register", "run_attacker", "HOLDING"]
+
+HOLDING = "holding"
 
 
 def _raise_nofile() -> None:
@@ -48,8 +51,15 @@ async def run_attacker(cfg: AttackConfig, token: bytes) -> Tally:
                         return
 
                 nursery.start_soon(stop_on_signal)
+                nursery.start_soon(_say_holding, attacker)
                 await attacker.run()
     return tally
+
+
+async def _say_holding(attacker: Attacker) -> None:
+    """One line, HOLDING, once the floods are at full strength (`Attacker.holding`): `dgr soak` waits for it."""
+    await attacker.holding.wait()
+    print(HOLDING, flush=True)
 
 
 def _main(args) -> int:

@@ -131,9 +131,18 @@ class Attacker:
     sessions: list[str] = attrs.field(factory=list)  # live session ids the tracker shows
     seen: set[str] = attrs.field(factory=set)
     urls: dict[str, str] = attrs.field(factory=dict)  # "tracker" and each node id -> its URL now (nodes restart)
+    # Set once every held connection has been opened once (and begins to send): the floods are at full
+    # strength, and what they cost a server is in its memory from here on (`dgr soak` takes RSS baselines after)
+    holding: trio.Event = attrs.field(factory=trio.Event)
+    _to_hold: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.urls = {"tracker": self.cfg.tracker, **self.cfg.nodes}
+
+    def _held_one(self) -> None:
+        self._to_hold -= 1
+        if self._to_hold <= 0:
+            self.holding.set()
 
     @property
     def nodes(self) -> dict[str, str]:
@@ -370,6 +379,7 @@ class Attacker:
         reopen those the server closes."""
 
         async def one() -> None:
+            first_time = True
             while True:
                 url = self.urls[server]
                 try:
@@ -384,6 +394,9 @@ class Attacker:
                 async with stream:
                     try:
                         data = first(url)
+                        if first_time:  # counted as it starts sending: a server may never read a half body whole
+                            first_time = False
+                            self._held_one()
                         if data:
                             await stream.send_all(data)
                         while True:  # until the server closes it (an answer, if any, then end of file)
@@ -443,6 +456,7 @@ class Attacker:
             nursery.start_soon(self.rounds, self.status_poll, 1)
             nursery.start_soon(self.follow_nodes)
             servers = list(self.urls)
+            self._to_hold = self.cfg.idle_conns * len(servers) + self.cfg.half_bodies
             for server in servers:
                 nursery.start_soon(self.hold, "idle_conns", server, self.cfg.idle_conns, lambda u: b"")
             for i in range(self.cfg.half_bodies):
