@@ -1,10 +1,9 @@
 """The node's HTTP face: seam sessions (a head's open tokenizing its prompt) and steps, status, artifact proofs.
 
-`POST /v1/seam/step` (a star's steps) and `POST /v1/seam/stream` (a chain
-session's steps from the previous hop, one long-lived request) are served by
-bare ASGI handlers in front of Quart: they run once per token per hop, and
-Quart's request and response objects cost more than the step's own
-bookkeeping. Everything else goes through Quart.
+Every session is on a ring: its open names its relay (the tail's with its loop back to the head), and its
+steps come on `POST /v1/seam/stream` (from the previous hop, one long-lived request), served by a bare
+ASGI handler in front of Quart: it runs once per token per hop, and Quart's request and response objects
+cost more than the step's own bookkeeping. Everything else goes through Quart.
 
 Every call that names a Route Session carries its capability in
 `X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
@@ -36,33 +35,27 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
-                          respond_raw, respond_raw_error, serve_seam_stream)
+from dgr.api.http import install_error_handlers, json_response, parse_json, read_body, read_json, serve_seam_stream
 from dgr.api.openai import are_token_ids
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
-from dgr.errors import CallerError, DgrError, Failure, Reason
+from dgr.errors import CallerError, Failure, Reason
 from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, MAX_MARKS, decode_marks, valid_chain
 from dgr.node.prompt import PromptPlan, count_field
 from dgr.node.service import NodeService
 from dgr.sampling import SamplingParams
 from dgr.node.speculation import DRAFT_SOURCES, SpecPlan
 from dgr.node.relay import Loop, NextHop, RelayPlan
-from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
 from dgr.spec.ngram import WINDOW
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
-    COMPUTE_HEADER,
-    CONTENT_TYPE,
     MAX_CONTROL_BYTES,
     MAX_DRAFTS,
     MAX_TOKENIZE_BYTES,
     ROUTE_SESSION_HEADER,
-    STEP_PATH,
     STREAM_PATH,
     TICKET_HEADER,
-    raw_header,
 )
 
 if TYPE_CHECKING:
@@ -72,7 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
-_COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _SID = re.compile(r"[0-9a-f]{32}")
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 _MAX_LANE = 1 << 16  # a phase lane (dgr.fsm.phases) is a small sequence slot number
@@ -267,20 +259,20 @@ def _spec_plan(service: NodeService, data: Any) -> SpecPlan | None:
     return SpecPlan(k_max=k_max, fixed_k=fixed, exact=exact, history=tuple(history), source=source)
 
 
-def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
-    """A chain session's relay plan from an open body's "relay" object; None for a star session.
+def _relay_plan(service: NodeService, data: Any) -> RelayPlan:
+    """A ring session's relay plan from an open body's "relay" object: every session is on a ring, so an
+    open without one is refused.
 
     Answers always go to this node's own tracker, never to an address the caller names.
 
     Raises:
-        CallerError(INVALID_REQUEST): malformed, or this node has no tracker to deliver to.
+        CallerError(INVALID_REQUEST): missing or malformed (a tail's without its loop to the head), or this
+            node has no tracker to deliver to.
     """
-    if data is None:
-        return None
     if not isinstance(data, dict):
-        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object")
+        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object: every session is on a ring")
     if service.tracker_url is None:
-        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a chain's answers to")
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a ring's answers to")
     nxt, cap = data.get("next"), data.get("deliver_capability")
     if cap is not None and not isinstance(cap, str):
         raise CallerError(Reason.INVALID_REQUEST, "relay.deliver_capability must be a string")
@@ -290,11 +282,12 @@ def _relay_plan(service: NodeService, data: Any) -> RelayPlan | None:
             or not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= _MAX_LANE):
         raise CallerError(Reason.INVALID_REQUEST, "relay.route is the route's node ids, relay.nodes their count")
     if (hop is None) != service.backend.is_tail:
-        raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards")
+        raise CallerError(Reason.INVALID_REQUEST, "a ring's tail delivers to the gateway; every other node forwards")
     loop = data.get("loop")
+    if (loop is None) == service.backend.is_tail:
+        raise CallerError(Reason.INVALID_REQUEST, "a ring's tail, and it only, loops back to the head (relay.loop)")
     if loop is not None:
-        if (not service.backend.is_tail or not isinstance(loop, dict)
-                or not isinstance(loop.get("ignore_eos", False), bool)):
+        if not isinstance(loop, dict) or not isinstance(loop.get("ignore_eos", False), bool):
             raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}")
         loop = Loop(_next_hop(loop.get("head"), "relay.loop.head", service.tls), loop.get("ignore_eos", False))
     return RelayPlan(hop, service.tracker_url, cap, loop, route, nodes)
@@ -325,11 +318,11 @@ def _checked(service: NodeService, scope):
 
 
 def seam_fast_path(service: NodeService, app):
-    """Wrap `app` so that POST /v1/seam/step and /v1/seam/stream skip the framework."""
+    """Wrap `app` so that POST /v1/seam/stream skips the framework."""
 
     async def asgi(scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in (STEP_PATH, STREAM_PATH):
-            await (_step if scope["path"] == STEP_PATH else _stream)(service, scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == STREAM_PATH:
+            await _stream(service, scope, receive, send)
         else:
             await app(scope, receive, send)
 
@@ -337,19 +330,6 @@ def seam_fast_path(service: NodeService, app):
 
 
 async def _stream(service: NodeService, scope, receive, send) -> None:
-    """A chain session's steps from the previous hop, checked against this node's capability for it."""
+    """A ring session's steps from the previous hop, checked against this node's capability for it."""
     await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
                             authorize=_checked(service, scope), apply=service.accept_streamed)
-
-
-async def _step(service: NodeService, scope, receive, send) -> None:
-    try:
-        req = await read_raw_seam(scope, receive, service.max_frame_bytes, "frame",
-                                  on_header=lambda head, cap: _checked(service, scope)(cap, frame_session(head)))
-        if req is None:
-            return  # the sender went away mid-frame: nothing was applied
-        reply, compute_s = await service.step(req.body, req.capability)
-    except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, "request")
-        return
-    await respond_raw(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])
