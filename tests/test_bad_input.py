@@ -10,7 +10,7 @@ import pytest
 
 from dgr.seam.frame import encode_frame
 from dgr.seam.wire import FrameKind
-from dgr.testing.harness import LocalRoute, cut_mid_frame
+from dgr.testing.harness import LocalRoute, cut_mid_frame, stream_steps
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +74,27 @@ def test_malformed_and_cut_frames_leave_nodes_serving(route) -> None:
     sid = uuid.uuid4().hex
     cap = route.capability(sid, "node1")  # the route's nodes pinned its tracker's key: every session call needs one
     frame = encode_frame(FrameKind.PREFILL, sid, 0, 0, 64, 576, hidden=np.ones((64, 576), np.float32))
-    r = httpx.post(f"{url}/v1/seam/step", content=frame, headers=cap)
+    r = stream_steps(url, sid, [frame], cap)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session"
-    r = httpx.post(f"{url}/v1/seam/step", content=b"garbage", headers=cap)
+    r = stream_steps(url, sid, [b"garbage"], cap)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame"
     # each open carries the tracker's single-use ticket for its body: a refused one is not opened again
-    raw, headers = route.opening(uuid.uuid4().hex, "node1", {"max_positions": 10 ** 9})
+    other = uuid.uuid4().hex
+    raw, headers = route.opening(other, "node1", {"max_positions": 10 ** 9, "relay": route.relay(other, "node1")})
     r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    raw, headers = route.opening(uuid.uuid4().hex, "node1", {"max_positions": 100, "sampling": {"bogus": 1}})
+    other = uuid.uuid4().hex
+    raw, headers = route.opening(other, "node1", {"max_positions": 100, "sampling": {"bogus": 1},
+                                                  "relay": route.relay(other, "node1")})
     assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 400
-    raw, headers = route.opening(sid, "node1", {"max_positions": 100})
+    raw, headers = route.opening(uuid.uuid4().hex, "node1", {"max_positions": 100})  # every session is on a ring
+    r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_error" and "ring" in r.text
+    raw, headers = route.opening(sid, "node1", {"max_positions": 100, "relay": route.relay(sid, "node1")})
     r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers)
     assert r.status_code == 201
     for fraction in (0.1, 0.5, 0.99):
-        cut_mid_frame(url, frame, fraction)
+        cut_mid_frame(url, sid, frame, cap, fraction)
     status = httpx.get(f"{url}/v1/node/status").json()
     assert httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=cap).json()["positions"] == 0  # no partial frame applied
     assert status["sessions"] == 1

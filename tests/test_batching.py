@@ -29,6 +29,7 @@ from dgr.seam.stream import Record
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.wire import Flag, FrameKind
 from dgr.testing.nodes import running, settled
+from dgr.testing.onering import OneNodeRing
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width
@@ -168,15 +169,12 @@ def _frames(sid: str, prompt: list[int], pos0: int, seq: int, kind: FrameKind) -
 
 
 async def _generate(node: NodeService, sid: str, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of a whole-model node: prefill, then n - 1 decode steps."""
-    await node.open_session(sid, len(prompt) + n, SamplingParams(temperature=0.0))
-    reply, _ = await node.step(_frames(sid, prompt, 0, 0, FrameKind.PREFILL))
-    out = [TokenResult.from_frame(decode_frame(reply)).token]
-    pos = len(prompt)
-    for k in range(n - 1):
-        reply, _ = await node.step(_frames(sid, [out[-1]], pos, k + 1, FrameKind.DECODE))
-        out.append(TokenResult.from_frame(decode_frame(reply)).token)
-        pos += 1
+    """Greedy tokens of a whole-model node, a ring of itself: prefill, then the n - 1 decode steps its loop
+    makes (to the session's last position)."""
+    ring = OneNodeRing.of(node)
+    await ring.open(sid, len(prompt) + n, ignore_eos=True)
+    ring.send(_frames(sid, prompt, 0, 0, FrameKind.PREFILL))
+    out = [TokenResult.from_frame(decode_frame(await ring.answer(sid))).token for _ in range(n)]
     await node.close_session(sid)
     return out
 
@@ -197,9 +195,10 @@ async def test_concurrent_sessions_with_cancels_never_overlap_the_backend_and_ma
             # a client that goes away mid-prefill or mid-decode: its caller is cancelled, the
             # job already submitted still runs, and the close that follows frees the slot
             sid = uuid.UUID(int=100 + k).hex
-            await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+            ring = OneNodeRing.of(node)
+            await ring.open(sid, 64)
             with trio.move_on_after(0):  # cancelled at its first checkpoint, after submitting
-                await node.step(_frames(sid, [5, 6, 7], 0, 0, FrameKind.PREFILL))
+                await ring.step(_frames(sid, [5, 6, 7], 0, 0, FrameKind.PREFILL))
             await node.close_session(sid)
 
         async with trio.open_nursery() as nursery:
@@ -265,21 +264,23 @@ async def test_every_call_off_the_loop_comes_from_one_thread_whatever_else_uses_
 async def test_steps_that_arrive_together_run_as_one_batch() -> None:
     """Frames read from several connections at once reach the scheduler over a few scheduling rounds
     (each reader hops from its socket to its handler): they join one iteration instead of the first
-    of them running alone and the rest waiting a whole iteration."""
-    backend = Watched(spec=SPEC, layers=LayerRange(0, 6), trio_thread=threading.get_ident())
+    of them running alone and the rest waiting a whole iteration. (A ring's head: its decode steps come
+    from the tail's loop, here the test's.)"""
+    backend = Watched(spec=SPEC, layers=LayerRange(0, 3), trio_thread=threading.get_ident())
     node = NodeService(backend=backend, node_id="n")
     sids = [uuid.UUID(int=10 + k).hex for k in range(4)]
+    ring = OneNodeRing(node)
     async with running(node):
         for sid in sids:
-            await node.open_session(sid, 8, SamplingParams(temperature=0.0))
-            await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+            await ring.open(sid, 8)
+            await ring.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         backend.batches.clear()
         busy, summed = node.scheduler.busy_s, node.stats.compute_s
 
         async def arrive(k: int, sid: str) -> None:
             for _ in range(k + 1):  # reader k needs k + 1 rounds to hand its frame over
                 await trio.sleep(0)
-            await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))
+            await ring.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))  # from the tail's loop
 
         async with trio.open_nursery() as nursery:
             for k, sid in enumerate(sids):
@@ -316,25 +317,26 @@ async def test_after_a_step_the_scheduler_busy_polls_for_its_window_then_sleeps(
     for I/O has no timeout), and the next step is picked up from it; past the window, or with every session
     closed, or with busy polling off, the loop sleeps again."""
     sid, other = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
-    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=0.4)
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 3)), node_id="n", busy_poll_s=0.4)
     node.scheduler.yield_core = lambda: 0.0  # an idle machine: every yield comes straight back
-    off = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="off")
+    off = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 3)), node_id="off")
+    ring, off_ring = OneNodeRing(node), OneNodeRing(off)  # a ring's head: its decode steps come from the tail
     async with running(node, off):
-        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
-        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        await ring.open(sid, 16)
+        await ring.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         hot = await _io_waits_during(0.05)
         assert len(hot) > 10 and max(hot) == 0, "polled, never slept"
-        reply, _ = await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))  # taken off the hot loop
-        assert decode_frame(reply).kind is FrameKind.TOKEN
+        reply = await ring.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))  # taken off the hot loop
+        assert decode_frame(reply).kind is FrameKind.DECODE  # on to the next hop
         await trio.sleep(0.45)  # past the window the decode opened
         assert max(await _io_waits_during(0.05)) > 0, "slept once the window was over"
 
-        await node.step(_frames(sid, [8], 4, 2, FrameKind.DECODE))
+        await ring.step(_frames(sid, [8], 4, 2, FrameKind.DECODE))
         await node.close_session(sid)  # a new window, but no session left to wait for
         assert max(await _io_waits_during(0.05)) > 0
 
-        await off.open_session(other, 16, SamplingParams(temperature=0.0))
-        await off.step(_frames(other, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        await off_ring.open(other, 16)
+        await off_ring.step(_frames(other, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         assert max(await _io_waits_during(0.05)) > 0, "busy polling is off by default"
         await off.close_session(other)
 
@@ -343,18 +345,19 @@ async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_ba
     """A yield that kept the loop off its core for longer than `contended_s` ends the window: the loop
     sleeps at once instead of polling on, and the next computed step opens a new window."""
     sid = uuid.UUID(int=1).hex
-    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=10.0)
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 3)), node_id="n", busy_poll_s=10.0)
     away = [0.0] * 5 + [0.003]  # five yields come straight back, then another process holds the core 3 ms
     node.scheduler.yield_core = lambda: away.pop(0) if away else 0.0
+    ring = OneNodeRing(node)  # a ring's head: its decode steps come from the tail
     async with running(node):
-        await node.open_session(sid, 16, SamplingParams(temperature=0.0))
-        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
+        await ring.open(sid, 16)
+        await ring.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         assert max(await _io_waits_during(0.05)) > 0, "slept after the long yield, well inside the window"
         assert not away and node.scheduler.polls_given_up == 1
         assert node.status()["scheduler"]["polls_given_up"] == 1
 
-        reply, _ = await node.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))
-        assert decode_frame(reply).kind is FrameKind.TOKEN
+        reply = await ring.step(_frames(sid, [7], 3, 1, FrameKind.DECODE))
+        assert decode_frame(reply).kind is FrameKind.DECODE  # on to the next hop
         hot = await _io_waits_during(0.05)
         assert len(hot) > 10 and max(hot) == 0, "a computed step opened a new window"
         assert node.scheduler.polls_given_up == 1
@@ -366,7 +369,7 @@ async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_t
     waiting for it, the busy poll never yields the core: another process could then hold it for a time
     slice before the step was computed or its results sent."""
     sid = uuid.UUID(int=1).hex
-    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n", busy_poll_s=10.0)
+    node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 3)), node_id="n", busy_poll_s=10.0)
     loop_busy = False
     offered: list[bool] = []  # at each yield: did the loop still have work?
 
@@ -375,9 +378,10 @@ async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_t
         return 0.0
 
     node.scheduler.yield_core = yield_core
+    ring = OneNodeRing(node)  # a ring's head: its decode steps come from the tail
     async with running(node):
-        await node.open_session(sid, 32, SamplingParams(temperature=0.0))
-        await node.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))  # opens the window
+        await ring.open(sid, 32)
+        await ring.step(_frames(sid, [3, 14, 15], 0, 0, FrameKind.PREFILL))  # opens the window
         offered.clear()
         loop_busy = True
         for _ in range(50):  # work of this loop, runnable at every round
@@ -387,7 +391,7 @@ async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_t
         assert offered, "the hot loop went on polling"
         assert not any(offered), f"yielded the core {sum(offered)} times while this loop had work"
         for k in range(20):  # steps arriving while the loop polls
-            await node.step(_frames(sid, [7 + k], 3 + k, 1 + k, FrameKind.DECODE))
+            await ring.step(_frames(sid, [7 + k], 3 + k, 1 + k, FrameKind.DECODE))
         assert not any(offered), f"yielded the core {sum(offered)} times with a step waiting"
         await node.close_session(sid)
 
@@ -396,7 +400,7 @@ async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reuse
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6)), node_id="n")
     a, b = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
     async with running(node):
-        await node.open_session(a, 32, SamplingParams(temperature=0.0))
+        await OneNodeRing(node).open(a, 32)
         sched = node.scheduler
         # Queued in this order at once: a's step, a's close, b's open (which may get a's freed
         # slot), then a late step for a. The late step must not compute into b.
@@ -417,13 +421,15 @@ async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reuse
 async def test_node_ops_wait_for_the_scheduler_and_a_cancelled_caller_leaves_consistent_state() -> None:
     node = NodeService(backend=StubBackend(spec=SPEC, layers=LayerRange(0, 6), delay_s=0.001), node_id="n")
     sid = uuid.uuid4().hex
+    ring = OneNodeRing(node)
     async with running(node):
-        await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+        await ring.open(sid, 5)  # the prompt's 4 positions and the one its loop's decode step computes
         with trio.move_on_after(0):
-            await node.step(_frames(sid, [1, 2, 3, 4], 0, 0, FrameKind.PREFILL))
-        # the cancelled step still ran: the KV and the session's counters agree, so the next step fits
-        reply, _ = await node.step(_frames(sid, [7], 4, 1, FrameKind.DECODE))
-        assert decode_frame(reply).kind is FrameKind.TOKEN
+            await ring.step(_frames(sid, [1, 2, 3, 4], 0, 0, FrameKind.PREFILL))
+        # the cancelled wait's step still ran: the KV and the session's counters agree, and the loop's next
+        # step fits
+        await ring.answer(sid)
+        assert decode_frame(await ring.answer(sid)).kind is FrameKind.TOKEN
         assert (await node.session_json(sid))["positions_computed"] == 5
 
 
@@ -479,7 +485,7 @@ def test_only_a_session_that_could_still_send_is_waited_for() -> None:
     assert not may_gather([], 0)
 
 
-async def test_a_chain_node_computes_one_phase_group_of_its_route_at_a_time() -> None:
+async def test_a_ring_node_computes_one_phase_group_of_its_route_at_a_time() -> None:
     """8 sessions of a 2-node route open on a node: decode steps of all 8 that arrive together (two
     groups released at once) run as two batches of 4, not one of 8 that would leave the next node idle."""
     from dgr.node.relay import NextHop, RelayPlan

@@ -25,7 +25,7 @@ from dgr.api.http import parse_json
 from dgr.api.openai import GenerationRequest, parse_request
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
-from dgr.errors import CallerError, PeerError
+from dgr.errors import CallerError
 from dgr.node.app import make_node_app
 from dgr.node.membership import registration
 from dgr.node.service import NodeService
@@ -33,7 +33,8 @@ from dgr.sampling import SamplingParams
 from dgr.security.auth import CapabilityAuthority, Signer
 from dgr.security.identity import Identity
 from dgr.testing.inproc import http_scope, receive_once
-from dgr.testing.nodes import running
+from dgr.testing.nodes import running, settled
+from dgr.testing.onering import OneNodeRing
 from dgr.seam.frame import Frame, decode_frame, encode_frame
 from dgr.seam.wire import HEADER, HEADER_SIZE, MAGIC, NODE_HEADER, VERSION, DType, Flag, FrameKind
 from dgr.tracker.app import make_tracker_app
@@ -137,8 +138,9 @@ def _services(authority: CapabilityAuthority | None = None) -> list[NodeService]
 
 
 async def _open(services: list[NodeService]) -> None:
+    """A ring of the three: each node's output comes to the test (dgr.testing.onering), which hands it on."""
     for s in services:
-        await s.open_session(SID, 16, SamplingParams(temperature=0.0))
+        await OneNodeRing.of(s).open(SID, 16)
 
 
 async def _prefill(services: list[NodeService]) -> None:
@@ -148,7 +150,7 @@ async def _prefill(services: list[NodeService]) -> None:
         ids = [5, 6] if i == 0 else None
         raw = encode_frame(FrameKind.PREFILL, SID, 0, 0, 2, W, token_ids=ids, hidden=hidden,
                            flags=Flag.SAMPLE if i == 2 else Flag(0))
-        reply, _ = await s.step(raw)
+        reply = await OneNodeRing.of(s).step(raw)
         hidden = decode_frame(reply).hidden
 
 
@@ -163,15 +165,17 @@ def test_node_step_answers_or_refuses_and_refusals_change_nothing(raws: list[byt
                 await _prefill(services)
             for raw in raws:
                 for s in services:
+                    ring = OneNodeRing.of(s)
                     before = (await s.session_json(SID), s.scheduler.kv_bytes, len(s.sessions))
                     try:
-                        reply, _ = await s.step(raw)
+                        ring.send(raw, SID)  # on the session's stream
                     except CallerError:
                         assert (await s.session_json(SID), s.scheduler.kv_bytes, len(s.sessions)) == before
                         continue
-                    except PeerError as exc:  # a frame that passed every check must not break compute
-                        pytest.fail(f"{s.node_id} accepted a frame its backend then failed on: {exc!r}")
-                    assert decode_frame(reply).session == SID
+                    await settled(s)
+                    # a frame that passed every check must not break compute (its failure would be reported)
+                    assert not ring.reports, f"{s.node_id} accepted a frame its backend then failed on"
+                    assert decode_frame(await ring.answer(SID)).session == SID
 
     trio.run(run)
 
@@ -188,10 +192,12 @@ def test_node_step_with_a_tracker_key_refuses_without_the_right_capability(raw: 
 
     async def run() -> bool:
         async with running(s):
-            await s.open_session(SID, 16, SamplingParams(temperature=0.0))
+            ring = OneNodeRing(s)
+            await ring.open(SID, 16)
             before = await s.session_json(SID)
-            try:
-                await s.step(raw, token)
+            try:  # what a stream of SID does: its capability checked from the headers, then each frame
+                s.authorize(token, SID)
+                ring.send(raw, SID)
             except CallerError:
                 assert await s.session_json(SID) == before
                 return False
@@ -261,7 +267,7 @@ def test_node_control_routes_answer_below_500(route, body, sid, query) -> None:
 
     async def run() -> int:
         async with running(service):
-            await service.open_session(SID, 16, SamplingParams())
+            await OneNodeRing(service).open(SID, 16, SamplingParams())
             return await _asgi(app, method, path, json.dumps(body).encode(), (), query_string)
 
     status = trio.run(run)

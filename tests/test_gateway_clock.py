@@ -22,7 +22,9 @@ from dgr.api.openai import parse_request
 from dgr.errors import DgrError, Reason
 from dgr.fsm.phases import MAX_HOLD_S
 from dgr.sampling import SamplingParams
+from dgr.node.relay import Loop, NextHop, RelayPlan
 from dgr.seam.frame import encode_frame
+from dgr.seam.stream import Record
 from dgr.seam.wire import HEADER_SIZE, Flag, FrameKind
 from dgr.testing.inproc import TRACKER_URL, InProcRoute, asgi_client, http_scope, receive_once
 from dgr.testing.nodes import settled
@@ -244,7 +246,8 @@ async def test_a_full_node_answers_429_and_its_idle_session_is_freed(autojump_cl
         service.idle_timeout_s = 1.0
     await nursery.start(route.run)
     foreign = uuid.UUID(int=7).hex
-    await route.services[0].open_session(foreign, 8, SamplingParams(temperature=0.0))
+    await route.services[0].open_session(foreign, 8, SamplingParams(temperature=0.0),
+                                         RelayPlan(NextHop("n1", route.urls[1], None), TRACKER_URL, None))
     body = {"model": "stub", "prompt": "hi", "max_tokens": 2}
     async with asgi_client(route.tracker, TRACKER_URL) as http:
         r = await http.post("/v1/completions", json=body)
@@ -391,14 +394,15 @@ async def test_a_node_session_left_idle_is_failed_and_its_kv_freed_on_the_trio_c
     node.idle_timeout_s = 30.0
     idle, busy = uuid.UUID(int=1).hex, uuid.UUID(int=2).hex
     await nursery.start(route.run)
+    alone = RelayPlan(None, TRACKER_URL, None, Loop(NextHop("n0", route.urls[0], None)))  # a ring of itself
     for sid in (idle, busy):
-        await node.open_session(sid, 64, SamplingParams(temperature=0.0))
+        await node.open_session(sid, 64, SamplingParams(temperature=0.0), alone)
     await settled(node)
     opened = trio.current_time()
     await trio.sleep(29.0)
     assert set(node.sessions) == {idle, busy}
     width = node.backend.info.seam_width
-    await node.step(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15], flags=Flag.SAMPLE))
+    node.accept_streamed(busy, Record(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15])))
     await trio.sleep(2.1)
     await settled(node)
     assert idle not in node.sessions and node.ended[idle].reason is Reason.SESSION_TIMEOUT

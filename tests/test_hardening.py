@@ -161,14 +161,17 @@ async def test_an_open_whose_reply_was_lost_is_closed_on_the_next_heartbeat(nurs
 
 
 async def test_sessions_running_or_opened_by_someone_else_are_left_alone(nursery) -> None:
+    from dgr.node.relay import NextHop, RelayPlan
     from dgr.sampling import SamplingParams
+    from dgr.testing.inproc import TRACKER_URL
 
     route = InProcRoute.stub(delay_s=0.001, config=QUIET)
     route.register_all()
     await nursery.start(route.run)
     live = await route.gateway.open(_req(max_tokens=100_000, ignore_eos=True, stream=True))
     await live.recv.receive()
-    await route.services[0].open_session("f" * 32, 8, SamplingParams())  # not this gateway's
+    plan = RelayPlan(NextHop("n1", route.urls[1], None), TRACKER_URL, None)
+    await route.services[0].open_session("f" * 32, 8, SamplingParams(), plan)  # not this gateway's
     route.heartbeat(0)
     route.heartbeat(1)
     assert route.gateway.reconcile() == []
@@ -393,7 +396,8 @@ async def test_node_routes_other_than_the_seam_take_small_bodies(nursery) -> Non
             assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (method, path, r.text)
         # a prompt may be larger, up to the gateway's own body limit: the head tokenizes it inside its open
         r = await http.post("/v1/seam/sessions", json={"session": "b" * 32, "max_positions": 64, "sampling": {},
-                                                       "prompt": {"prompt": "y" * (2 * 1024 * 1024)}, "max_new": 1})
+                                                       "prompt": {"prompt": "y" * (2 * 1024 * 1024)}, "max_new": 1,
+                                                       "relay": {"next": {"node": "n1", "url": route.urls[1]}}})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert f"the prompt has {2 * 1024 * 1024} tokens" in r.json()["error"]["message"]
         big = b'{"pad": "' + b"x" * (5 * 1024 * 1024) + b'"}'  # past that limit, even an open is refused unread

@@ -25,7 +25,7 @@ from dgr.seam.frame import TokenResult, decode_frame, encode_frame
 from dgr.seam.stream import Record, encode_record
 from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
-                           ROUTE_SESSION_HEADER, STEP_PATH, STREAM_PATH, FrameKind)
+                           ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind)
 from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
@@ -110,9 +110,10 @@ def test_a_members_report_fails_only_its_session_in_the_trackers_words(ring) -> 
     assert all(n["alive"] for n in ring.node_table()), ring.node_table()
 
 
-def test_a_ring_sessions_step_sent_alone_is_refused_and_the_session_goes_on(ring) -> None:
-    """A ring session's steps come on its stream: one posted to a node's single-step path is refused
-    before it touches the session, which answers as if nothing had come."""
+def test_a_ring_sessions_step_sent_out_of_its_order_is_refused_and_the_session_goes_on(ring) -> None:
+    """A step of a live ring session on a second stream (with node1's capability) that is not the session's
+    next is refused before it touches the session, which answers as if nothing had come. (Before issue 57 a
+    node also had a single-step path, which refused a ring session's steps: it is gone.)"""
     stub = StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))
     want = expected_greedy([stub], stub.tokenize("a long one", add_special=True, parse_special=True), 300).text
     node1 = ring.node("node1")["url"]
@@ -125,10 +126,12 @@ def test_a_ring_sessions_step_sent_alone_is_refused_and_the_session_goes_on(ring
                 text += "".join(c.get("text") or "" for c in data.get("choices", []))
             if text and refused is None:  # the session is decoding: a step of it, alone, with node1's capability
                 frame = encode_frame(FrameKind.DECODE, sid, 10_000, 0, 1, 576, hidden=np.zeros((1, 576), np.float32))
-                refused = httpx.post(f"{node1}{STEP_PATH}", content=frame, timeout=5,
-                                     headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "node1")})
+                refused = httpx.post(f"{node1}{STREAM_PATH}", content=encode_record((), frame), timeout=5,
+                                     headers={"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid,
+                                              **ring.capability(sid, "node1")})
+                assert httpx.post(f"{node1}/v1/seam/step", content=frame, timeout=5).status_code == 404
     assert refused is not None
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request_error", refused.text
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "step_out_of_order", refused.text
     assert text == want
 
 

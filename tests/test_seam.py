@@ -14,12 +14,13 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, Reason
 from dgr.node.service import NodeService
-from dgr.testing.nodes import running
+from dgr.testing.nodes import running, settled
+from dgr.testing.onering import OneNodeRing
 from dgr.sampling import SamplingParams
 from dgr.seam.frame import decode_frame, encode_frame
 from dgr.seam.stream import Record, RecordReader, encode_record
 from dgr.seam.wire import (HEADER_FIELDS, HEADER_SIZE, HOP_COMPUTE, KIND_OFFSET, MAX_HOPS, RECORD_PREFIX, DType, Flag,
-                           FrameKind, frame_kind)
+                           ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind, frame_kind, raw_header)
 
 SPEC = StubSpec(n_layers=6, hidden_size=32)
 W = SPEC.seam_width
@@ -109,9 +110,11 @@ def test_any_frame_sequence_is_correct_or_refused(seq_actions) -> None:
 
 
 async def _any_sequence(head: NodeService, mid: NodeService, seq_actions) -> None:
+    """A ring of two: the head's output goes on to the harness, which hands it to the tail (`mid`)."""
     sid = uuid.uuid4().hex
-    for s in (head, mid):
-        await s.open_session(sid, 64, SamplingParams(temperature=0.0))
+    rings = OneNodeRing.of(head), OneNodeRing.of(mid)
+    for ring in rings:
+        await ring.open(sid, 64)
     tokens_fed: list[int] = []
     positions, next_seq, state = 0, 0, "created"
     rng = np.random.default_rng(0)
@@ -134,21 +137,22 @@ async def _any_sequence(head: NodeService, mid: NodeService, seq_actions) -> Non
               and n >= 1 and not (kind is FrameKind.DECODE and n != 1) and pos0 + n <= 64)
         before = await head.session_json(sid)
         try:
-            reply, _ = await head.step(bytes(raw))
+            reply = await rings[0].step(bytes(raw), sid)  # on the session's stream
         except CallerError:
             assert not ok
             assert await head.session_json(sid) == before  # a refusal changes nothing
             continue
         assert ok
         out = decode_frame(reply)
-        assert out.kind is FrameKind.HIDDEN and out.hidden.shape == (n, W)
+        assert out.kind is kind and out.hidden.shape == (n, W)  # the next hop's input
         tokens_fed += ids
         positions += n
         next_seq += 1
         state = "prefill" if kind is FrameKind.PREFILL else "decode"
         # the next shard accepts exactly what the head produced
         f = encode_frame(kind, sid, next_seq - 1, positions - n, n, W, hidden=out.hidden)
-        await mid.step(f)
+        rings[1].send(f)
+    await settled(mid)
     assert (await head.session_json(sid))["positions_computed"] == positions
     assert (await mid.session_json(sid))["positions_computed"] == positions
     if tokens_fed:
@@ -165,7 +169,8 @@ async def test_nan_hidden_and_missing_parts_refused() -> None:
 
 async def _nan_and_missing(mid: NodeService) -> None:
     sid = uuid.uuid4().hex
-    await mid.open_session(sid, 64, SamplingParams())
+    ring = OneNodeRing.of(mid)
+    await ring.open(sid, 64, SamplingParams())
     bad = np.full((1, W), np.nan, np.float32)
     for raw, reason in [
         (encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=bad), Reason.BAD_FRAME),
@@ -174,12 +179,12 @@ async def _nan_and_missing(mid: NodeService) -> None:
         (encode_frame(FrameKind.PREFILL, uuid.uuid4().hex, 0, 0, 1, W, hidden=np.ones((1, W))), Reason.UNKNOWN_SESSION),
     ]:
         with pytest.raises(CallerError) as info:
-            await mid.step(raw)
+            ring.send(raw)  # on the stream of the session the frame names
         assert info.value.reason is reason
     assert (await mid.session_json(sid))["positions"] == 0
     await mid.close_session(sid)
     with pytest.raises(CallerError) as info:
-        await mid.step(encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=np.ones((1, W))))
+        ring.send(encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=np.ones((1, W))))
     assert info.value.reason is Reason.SESSION_ENDED
 
 
@@ -205,9 +210,9 @@ def test_stub_chunking_and_sharding_do_not_change_results() -> None:
     assert not np.array_equal(c.forward("a", 9, tokens[7:8], None, True), ref)
 
 
-async def test_a_frame_without_a_capability_is_refused_from_its_header_and_never_buffered() -> None:
-    """An unauthorized sender of a 60 MiB frame costs the node a header: the rest is read and dropped,
-    never kept or checksummed, and the 403 comes once the body has ended."""
+async def test_a_stream_without_a_capability_is_refused_from_its_headers_and_never_read() -> None:
+    """An unauthorized sender of a 60 MiB stream costs the node its headers: the 403 comes before any
+    of the body is read, and nothing of it is kept or checksummed."""
     import tracemalloc
 
     from dgr.node.app import seam_fast_path
@@ -232,17 +237,17 @@ async def test_a_frame_without_a_capability_is_refused_from_its_header_and_never
         sent.append(message)
 
     async def unreachable(scope, receive, send):
-        raise AssertionError("the seam step went to the framework")
+        raise AssertionError("the seam stream went to the framework")
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/seam/step",
-             "headers": [(b"content-length", str(HEADER_SIZE + n * mib).encode())]}
+    scope = {"type": "http", "method": "POST", "path": STREAM_PATH,
+             "headers": [(raw_header(ROUTE_SESSION_HEADER), decode_frame(raw).session.encode())]}
     tracemalloc.start()
     try:
         await seam_fast_path(service, unreachable)(scope, receive, send)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert sent[0]["status"] == 403 and reads == n + 1  # answered once the body ended
+    assert sent[0]["status"] == 403 and reads == 0  # answered from the headers
     assert dict(service.stats.refused) == {Reason.FORBIDDEN.value: 1}  # once: the service never saw it
     assert peak < 8 * mib, f"{peak / mib:.1f} MiB held for a refused frame"
 

@@ -31,7 +31,7 @@ from dgr.security.identity import Identity, node_id_for
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.seam.frame import encode_frame
 from dgr.seam.wire import NODE_HEADER, FrameKind
-from dgr.testing.harness import LocalRoute
+from dgr.testing.harness import LocalRoute, stream_steps
 
 W = 576  # the default stub's seam width
 
@@ -66,10 +66,10 @@ def victim(route: LocalRoute):
     url = route.node("node1")["url"]
     sid = uuid.uuid4().hex
     cap = route.capability(sid, "node1")
-    raw, headers = route.opening(sid, "node1", {"max_positions": 64})
+    raw, headers = route.opening(sid, "node1", {"max_positions": 64, "relay": route.relay(sid, "node1")})
     assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     first = _frame(sid, 0, 0, 4)
-    assert httpx.post(f"{url}/v1/seam/step", content=first, headers=cap).status_code == 200
+    assert stream_steps(url, sid, [first], cap).status_code == 200
     yield url, sid, first
     httpx.delete(f"{url}/v1/seam/sessions/{sid}", headers=cap)
 
@@ -103,7 +103,7 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     }
     nxt = _frame(sid, 1, 4, 2)
     for name, (headers, words) in attacks.items():
-        _refused(httpx.post(f"{url}/v1/seam/step", content=nxt, headers=headers), 403, "forbidden", words)
+        _refused(stream_steps(url, sid, [nxt], headers), 403, "forbidden", words)
         _refused(httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=headers), 403, "forbidden", words)
         _refused(httpx.delete(f"{url}/v1/seam/sessions/{sid}", params={"reason": "cancelled"}, headers=headers),
                  403, "forbidden", words)
@@ -111,7 +111,7 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     # opening a session needs one too (and the tracker's ticket, tests/test_tickets.py), and a refused open
     # leaves no trace: the id stays usable
     fresh = uuid.uuid4().hex
-    raw, ok = route.opening(fresh, "node1", {"max_positions": 8})
+    raw, ok = route.opening(fresh, "node1", {"max_positions": 8, "relay": route.relay(fresh, "node1")})
     for cap_headers, words in [({}, "required"), (route.capability(sid, "node1"), "another Route Session"),
                                (route.capability(fresh, "node1", ttl_s=-1), "expired")]:
         headers = {k: v for k, v in ok.items() if k != "X-Dgr-Capability"} | cap_headers
@@ -121,7 +121,8 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     assert httpx.delete(f"{url}/v1/seam/sessions/{fresh}", headers=ok).status_code == 200
     # tokenizing at the head is work for a session: it happens inside an open, guarded the same way
     head, prompted = route.node("node0")["url"], uuid.uuid4().hex
-    raw, ok = route.opening(prompted, "node0", {"max_positions": 64, "prompt": {"prompt": "x"}, "max_new": 1})
+    raw, ok = route.opening(prompted, "node0", {"max_positions": 64, "prompt": {"prompt": "x"}, "max_new": 1,
+                                                 "relay": route.relay(prompted, "node0")})
     no_cap = {k: v for k, v in ok.items() if k != "X-Dgr-Capability"}
     _refused(httpx.post(f"{head}/v1/seam/sessions", content=raw, headers=no_cap), 403, "forbidden", "required")
     r = httpx.post(f"{head}/v1/seam/sessions", content=raw, headers=ok)
@@ -130,7 +131,7 @@ def test_seam_calls_without_a_valid_capability_are_forbidden_and_change_nothing(
     refused = route.node_status("node1")["seam"]["refused"]["forbidden"]
     assert refused - refused_before == 3 * len(attacks) + 3
     # and the session still works for its rightful holder
-    assert httpx.post(f"{url}/v1/seam/step", content=nxt, headers=route.capability(sid, "node1")).status_code == 200
+    assert stream_steps(url, sid, [nxt], route.capability(sid, "node1")).status_code == 200
     assert _state(route, url, sid)[2:] == (6, 2)
 
 
@@ -147,8 +148,7 @@ def test_replayed_frame_is_refused_and_changes_nothing(route, victim) -> None:
     url, sid, first = victim
     before = _state(route, url, sid)
     # a captured frame sent again, even with a valid capability, is a replay of step 0
-    _refused(httpx.post(f"{url}/v1/seam/step", content=first, headers=route.capability(sid, "node1")),
-             409, "step_out_of_order", "replayed")
+    _refused(stream_steps(url, sid, [first], route.capability(sid, "node1")), 409, "step_out_of_order", "replayed")
     assert _state(route, url, sid) == before
 
 

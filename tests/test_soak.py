@@ -84,7 +84,7 @@ def test_short_soak_beside_an_attacker() -> None:
     assert attack is not None, done.stderr[-3000:]
     # the attacker ran every attack (each tallied), and no honest call ever reached its node
     for name in ("report_none", "report_self_signed", "capture_register", "capture_heartbeat", "hijack_heartbeat",
-                 "hijack_register", "gateway_id", "replay_register", "seam_open_self_signed", "seam_step_expired",
+                 "hijack_register", "gateway_id", "replay_register", "seam_open_self_signed", "seam_stream_expired",
                  "seam_close_keep_other_session", "seam_prompt_none", "idle_conns", "big_prompt", "half_bodies",
                  "browser_plain", "status_poll"):
         assert any(k.startswith(name) for k in attack["attacks"]), (name, attack["attacks"])

@@ -26,7 +26,7 @@ from dgr.seam.stream import encode_record
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, MAX_CONTROL_BYTES, MAX_TOKENIZE_BYTES,
                            ROUTE_SESSION_HEADER, STREAM_PATH, Flag, FrameKind)
 from dgr.security.auth import CapabilityAuthority
-from dgr.testing.harness import LocalRoute
+from dgr.testing.harness import LocalRoute, stream_steps
 from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.registry import Registry
 
@@ -112,11 +112,11 @@ def test_a_ring_tail_is_not_reopened_toward_an_address_of_the_holders_choosing(r
 def test_a_neighbours_capability_cannot_close_a_session_or_plant_kept_kv(route) -> None:
     sid = uuid.uuid4().hex
     tail = route.node("node1")["url"]
-    raw, headers = route.opening(sid, "node1", {"max_positions": 128})
+    raw, headers = route.opening(sid, "node1", {"max_positions": 128, "relay": route.relay(sid, "node1")})
     assert httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     own = route.capability(sid, "node1")
     frame = encode_frame(FrameKind.PREFILL, sid, 0, 0, 64, W, hidden=np.full((64, W), 0.25, np.float32))
-    assert httpx.post(f"{tail}/v1/seam/step", content=frame, headers=own).status_code == 200
+    assert stream_steps(tail, sid, [frame], own).status_code == 200
     kept = route.node_status("node1")["prefix"]["entries"]
     held_by_head = _plans(route, sid)["node0"]["next"]["capability"]
     victims_key = "ab" * 16  # a key of the victim's scope: its next turn would reuse what is kept under it
@@ -167,13 +167,13 @@ def test_a_genuine_open_ticket_is_used_once_and_expires(route) -> None:
     """Last in this module: it restarts node1."""
     tail = route.node("node1")["url"]
     sid = uuid.uuid4().hex
-    raw, headers = route.opening(sid, "node1", {"max_positions": 64})
+    raw, headers = route.opening(sid, "node1", {"max_positions": 64, "relay": route.relay(sid, "node1")})
     assert httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     assert httpx.delete(f"{tail}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1")).status_code == 200
     _refused(httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", "used once")
     # a node that restarts forgets what it opened, but by then the ticket has expired
     old, issued = uuid.uuid4().hex, time.monotonic()
-    raw, headers = route.opening(old, "node1", {"max_positions": 64}, ttl_s=2.0)
+    raw, headers = route.opening(old, "node1", {"max_positions": 64, "relay": route.relay(old, "node1")}, ttl_s=2.0)
     assert httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     assert httpx.delete(f"{tail}/v1/seam/sessions/{old}", headers=route.capability(old, "node1")).status_code == 200
     layers = route.node("node1")["layers"]

@@ -347,7 +347,7 @@ def test_an_oversize_seam_answer_breaks_the_connection_at_its_cap() -> None:
         async with trio.open_nursery() as nursery:
             pool = ConnectionPool(await fake.start(nursery), max_answer=1 << 20)
             with pytest.raises(TransportError) as err, trio.fail_after(30):
-                await pool.request("POST", "/v1/seam/step", b"x")
+                await pool.request("POST", "/v1/seam/deliver", b"x")
             await pool.aclose()
             await trio.sleep(0.05)
             nursery.cancel_scope.cancel()

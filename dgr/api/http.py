@@ -28,7 +28,7 @@ from quart import Response, request
 
 from dgr.errors import CallerError, DgrError, Failure, Reason, http_status, openai_error_body
 from dgr.seam.stream import Record, RecordReader
-from dgr.seam.wire import CAPABILITY_HEADER, HEADER_SIZE, ROUTE_SESSION_HEADER, raw_header
+from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
            "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
@@ -153,7 +153,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 # -- the seam's fast paths: bare ASGI in front of Quart ----------------------------------------------
-# A node's POST /v1/seam/step and /v1/seam/stream and the tracker's POST /v1/seam/deliver and
+# A node's POST /v1/seam/stream and the tracker's POST /v1/seam/deliver and
 # /v1/seam/deliver/stream run once per token per hop, so they skip the framework; these are the readers
 # and the writer they use.
 
@@ -171,20 +171,11 @@ class RawSeamRequest:
     is_json: bool  # Content-Type application/json (a failure report, not a frame)
 
 
-async def read_raw_seam(scope, receive, limit: int, what: str,
-                        on_header: Callable[[bytes, str | None], None] | None = None) -> RawSeamRequest | None:
+async def read_raw_seam(scope, receive, limit: int, what: str) -> RawSeamRequest | None:
     """Read a bare ASGI request's seam headers and its body, refusing more than `limit` bytes.
 
-    `what` names the body in errors ("frame", "a delivery"). None when the
-    sender went away mid-body: nothing was read that may be applied.
-    `on_header(first HEADER_SIZE bytes, capability)` runs once that much of
-    the body has come, before the rest is read: it authorizes a frame from
-    its header alone, and raises a DgrError to refuse. A refused frame's
-    other bytes are read and dropped, never kept or checksummed, so such a
-    sender costs a header, not a `limit`-sized buffer. The refusal is raised
-    once the body has ended: answering mid-body raced the server's own error
-    answer to the cut request under hypercorn (trio.BusyResourceError, which
-    took the whole node down), and a peer mid-body cannot read an answer yet.
+    `what` names the body in errors ("a delivery"). None when the sender went
+    away mid-body: nothing was read that may be applied.
 
     Raises:
         CallerError(FRAME_TOO_LARGE): announced or sent past `limit`.
@@ -198,7 +189,7 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
             capability = value.decode("latin-1")
         elif name == b"content-type":
             is_json = value.split(b";")[0].strip() == b"application/json"
-    chunks, size, refused = [], 0, None
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -207,27 +198,16 @@ async def read_raw_seam(scope, receive, limit: int, what: str,
         size += len(chunk)
         if size > limit:
             raise CallerError(Reason.FRAME_TOO_LARGE, f"{what} exceeds {limit} bytes")
-        if refused is None:
-            chunks.append(chunk)
-        if on_header is not None and size >= HEADER_SIZE:
-            head = b"".join(chunks)
-            chunks = [head]
-            try:
-                on_header(head[:HEADER_SIZE], capability)
-            except DgrError as exc:
-                refused, chunks = exc, []
-            on_header = None
+        chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    if refused is not None:
-        raise refused
     return RawSeamRequest(b"".join(chunks), capability, is_json)
 
 
 async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
                             authorize: Callable[[str | None, str], None],
                             apply: Callable[[str, Record], None]) -> None:
-    """Serve one chain link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
+    """Serve one ring link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
 
     The session (`X-Dgr-Route-Session`) and its capability come in the headers: `authorize(capability,
     session)` checks them before any of the body is read. `apply(session, record)` takes each

@@ -1,7 +1,7 @@
 """dgr's HTTP/1.1 server for ASGI apps: h11 over trio, one task per connection.
 
 Why not hypercorn (the stack we started with): a node answers one seam step
-per token per hop, and the tracker takes one delivery per token on a chain.
+per token per hop, and the tracker takes one delivery per token from a ring's tail.
 hypercorn's per-request machinery (a task group, protocol and stream objects,
 events between them) cost about 0.15 to 0.25 ms a request on these cores, as
 much as the rest of a small step. Here each connection is one task that
@@ -36,7 +36,7 @@ What it serves:
   `http.disconnect` and the connection closes (a half-sent body held open no
   longer pins its buffer). Once authenticated, a connection keeps
   `keep_alive_s` and its bodies may stream for as long as they need (a
-  chain's step stream lives as long as its session).
+  ring's step stream lives as long as its session).
 - Connection caps: at most `max_connections` at once, and `max_per_peer`
   from one address (one IPv6 /64); a connection over either cap is closed at
   once, before any of it is read. The counts are two integers and a dict

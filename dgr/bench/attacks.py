@@ -53,7 +53,9 @@ import trio
 from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Signer, join_proof
 from dgr.security.identity import Identity
 from dgr.seam.frame import FrameKind, encode_frame
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, NODE_HEADER, ROUTE_SESSION_HEADER, STEP_PATH
+from dgr.seam.stream import encode_record
+from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, NODE_HEADER, ROUTE_SESSION_HEADER,
+                           STREAM_PATH)
 
 __all__ = ["AttackConfig", "Attacker", "Tally"]
 
@@ -342,7 +344,7 @@ class Attacker:
         sid = secrets.token_hex(16)
         kind = random.choice(("none", "self_signed", "expired", "other_session", "garbage"))
         cap = self.forged(sid, node, kind)
-        which = random.choice(("open", "close_keep", "prompt", "step"))
+        which = random.choice(("open", "close_keep", "prompt", "stream"))
         if which == "open":
             body = {"session": sid, "max_positions": 64, "sampling": {},
                     "relay": {"next": {"node": "x", "url": self.trap_url}, "loop": {"head": {"url": self.trap_url}}}}
@@ -358,8 +360,9 @@ class Attacker:
         else:
             width = int(self.model.get("seam_width", 1))
             frame = encode_frame(FrameKind.DECODE, sid, 1, 0, 1, width, hidden=np.zeros((1, width), np.float32))
-            await self.call(f"seam_step_{kind}", "POST", url + STEP_PATH, content=frame,
-                            headers={"Content-Type": CONTENT_TYPE, **cap})
+            # a session's steps come only on its stream, which names the session for its capability
+            await self.call(f"seam_stream_{kind}", "POST", url + STREAM_PATH, content=encode_record((), frame),
+                            headers={"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid, **cap})
 
     # -- starving ------------------------------------------------------------------------------
     async def big_prompt(self) -> None:

@@ -1,10 +1,9 @@
 """The node's HTTP face: seam sessions (a head's open tokenizing its prompt) and steps, status, artifact proofs.
 
-`POST /v1/seam/step` (a star's steps) and `POST /v1/seam/stream` (a chain
-session's steps from the previous hop, one long-lived request) are served by
-bare ASGI handlers in front of Quart: they run once per token per hop, and
-Quart's request and response objects cost more than the step's own
-bookkeeping. Everything else goes through Quart.
+Every session is on a ring: its open names its relay (the tail's with its loop back to the head), and its
+steps come on `POST /v1/seam/stream` (from the previous hop, one long-lived request), served by a bare
+ASGI handler in front of Quart: it runs once per token per hop, and Quart's request and response objects
+cost more than the step's own bookkeeping. Everything else goes through Quart.
 
 Every call that names a Route Session carries its capability in
 `X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
@@ -35,28 +34,22 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import (install_error_handlers, json_response, parse_json, read_body, read_json, read_raw_seam,
-                          respond_raw, respond_raw_error, serve_seam_stream)
+from dgr.api.http import install_error_handlers, json_response, parse_json, read_body, read_json, serve_seam_stream
 from dgr.api.openapi import node_openapi_document
 from dgr.api.server import authenticated
-from dgr.errors import CallerError, DgrError, Failure, Reason
+from dgr.errors import CallerError, Failure, Reason
 from dgr.seam.keys import BLOCK_TOKENS, KEY_HEX, decode_marks, valid_chain
 from dgr.seam.opening import AdoptRequest, OpenAnswer, OpenRequest, RelayOrder, SpecPlan
 from dgr.node.service import NodeService
 from dgr.node.relay import RelayPlan
-from dgr.seam.frame import frame_session
 from dgr.security.auth import Scope
 from dgr.seam.wire import (
     CAPABILITY_HEADER,
-    COMPUTE_HEADER,
-    CONTENT_TYPE,
     MAX_CONTROL_BYTES,
     MAX_TOKENIZE_BYTES,
     ROUTE_SESSION_HEADER,
-    STEP_PATH,
     STREAM_PATH,
     TICKET_HEADER,
-    raw_header,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["make_node_app", "seam_fast_path", "CAPABILITY_HEADER"]
 
 _JSON_LIMIT = MAX_CONTROL_BYTES
-_COMPUTE_RAW = raw_header(COMPUTE_HEADER)
 _JOIN_WAIT_S = 5.0  # a challenge may overtake the registration reply that carries the tracker's key
 
 
@@ -195,29 +187,31 @@ def _spec_plan(service: NodeService, spec: SpecPlan | None) -> SpecPlan | None:
     return spec
 
 
-def _relay_plan(service: NodeService, order: RelayOrder | None) -> RelayPlan | None:
-    """A chain session's relay plan from an open's `relay`, where this node can follow it; None for a star
-    session. Answers always go to this node's own tracker, never to an address the caller names.
+def _relay_plan(service: NodeService, order: RelayOrder | None) -> RelayPlan:
+    """A ring session's relay plan from an open's `relay`, where this node can follow it: every session is on
+    a ring, so an open without one is refused. Answers always go to this node's own tracker, never to an
+    address the caller names.
 
     Raises:
-        CallerError(INVALID_REQUEST): no tracker to deliver to, a next hop where this node is the tail (or
-            none where it is not), a loop on a node that is not the tail;
+        CallerError(INVALID_REQUEST): no relay, no tracker to deliver to, a next hop where this node is the
+            tail (or none where it is not), a loop on a node that is not the tail (or none on the tail);
         CallerError(FORBIDDEN): an http:// url under --require-tls.
     """
     if order is None:
-        return None
+        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object: every session is on a ring",
+                          param="relay")
     if service.tracker_url is None:
-        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a chain's answers to",
+        raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a ring's answers to",
                           param="relay")
     if order.next is not None:
         service.tls.check(order.next.url, "relay.next")
     if (order.next is None) != service.backend.is_tail:
-        raise CallerError(Reason.INVALID_REQUEST, "a chain's tail delivers to the gateway; every other node forwards",
+        raise CallerError(Reason.INVALID_REQUEST, "a ring's tail delivers to the gateway; every other node forwards",
                           param="relay.next")
+    if (order.loop is None) == service.backend.is_tail:
+        raise CallerError(Reason.INVALID_REQUEST, "a ring's tail, and it only, loops back to the head (relay.loop)",
+                          param="relay.loop")
     if order.loop is not None:
-        if not service.backend.is_tail:
-            raise CallerError(Reason.INVALID_REQUEST, "relay.loop is a ring tail's {head, ignore_eos}",
-                              param="relay.loop")
         service.tls.check(order.loop.head.url, "relay.loop.head")
     return RelayPlan(order.next, service.tracker_url, order.deliver_capability, order.loop, order.route, order.nodes)
 
@@ -234,11 +228,11 @@ def _checked(service: NodeService, scope):
 
 
 def seam_fast_path(service: NodeService, app):
-    """Wrap `app` so that POST /v1/seam/step and /v1/seam/stream skip the framework."""
+    """Wrap `app` so that POST /v1/seam/stream skips the framework."""
 
     async def asgi(scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in (STEP_PATH, STREAM_PATH):
-            await (_step if scope["path"] == STEP_PATH else _stream)(service, scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == STREAM_PATH:
+            await _stream(service, scope, receive, send)
         else:
             await app(scope, receive, send)
 
@@ -246,19 +240,6 @@ def seam_fast_path(service: NodeService, app):
 
 
 async def _stream(service: NodeService, scope, receive, send) -> None:
-    """A chain session's steps from the previous hop, checked against this node's capability for it."""
+    """A ring session's steps from the previous hop, checked against this node's capability for it."""
     await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
                             authorize=_checked(service, scope), apply=service.accept_streamed)
-
-
-async def _step(service: NodeService, scope, receive, send) -> None:
-    try:
-        req = await read_raw_seam(scope, receive, service.max_frame_bytes, "frame",
-                                  on_header=lambda head, cap: _checked(service, scope)(cap, frame_session(head)))
-        if req is None:
-            return  # the sender went away mid-frame: nothing was applied
-        reply, compute_s = await service.step(req.body, req.capability)
-    except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, "request")
-        return
-    await respond_raw(send, 200, reply, CONTENT_TYPE.encode(), [(_COMPUTE_RAW, str(int(compute_s * 1e6)).encode())])

@@ -35,14 +35,14 @@ __all__ = ["NodeLinks"]
 
 @attrs.define
 class NodeLinks:
-    """Chain sessions' relays, ring tails' loops back to the head, and their phase groups."""
+    """Ring sessions' relays, their tails' loops back to the head, and their phase groups."""
 
     node_id: str
     pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
     accept_streamed: Callable[[str, Record], None]  # the node's reader of stream records (a ring of one)
-    relays: dict[str, Relay] = attrs.field(factory=dict)  # chain sessions: sid -> its relay
+    relays: dict[str, Relay] = attrs.field(factory=dict)  # sid -> its relay on (every session has one)
     loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
-    on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its chain sessions open here
+    on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its sessions open here
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
     spec: dict[str, TailSpec] = attrs.field(factory=dict)  # a ring's tail: sid -> its drafts and verdicts
     exact: set[str] = attrs.field(factory=set)  # sessions whose steps compute one position at a time
@@ -84,11 +84,11 @@ class NodeLinks:
     def detach(self, sid: str) -> TailSpec | None:
         """Close `sid`'s relays and leave its phase group (nothing where it had none); its speculation, if it
         had one, for the caller to close in the scheduler's thread."""
-        chain = self.relays.get(sid)
-        if chain is not None:
-            self.on_route[chain.plan.route] -= 1
-            if self.on_route[chain.plan.route] <= 0:
-                del self.on_route[chain.plan.route]
+        relay = self.relays.get(sid)
+        if relay is not None:
+            self.on_route[relay.plan.route] -= 1
+            if self.on_route[relay.plan.route] <= 0:
+                del self.on_route[relay.plan.route]
         for relays in (self.relays, self.loops):
             relay = relays.pop(sid, None)
             if relay is not None:

@@ -56,7 +56,7 @@ log = logging.getLogger("dgr.node")
 
 @attrs.frozen
 class RelayPlan:
-    """Where a chain session's results go: the next node (None on the tail) and the gateway."""
+    """Where a ring session's results go: the next node (None on the tail) and the gateway."""
 
     next: NextHop | None
     deliver_url: str  # the tracker's DELIVER_PATH
@@ -100,7 +100,7 @@ class Relay:
 
     def __attrs_post_init__(self) -> None:
         # Unbounded: each item is a step the session's FSM already accepted and computed; dropping
-        # one would break the chain's order. A session has at most its prompt's chunks in flight.
+        # one would break the session's order. A session has at most its prompt's chunks in flight.
         self._send, self._recv = trio.open_memory_channel(math.inf)
 
     def put(self, item: Outgoing | Report) -> None:

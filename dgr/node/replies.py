@@ -7,16 +7,14 @@ with other sessions' steps. A step whose caller has gone still runs to its end: 
 counters were advanced when it was accepted, so the KV and the counters agree either way.
 
 Rules:
-- A session opened with a relay plan (the ring's) takes its steps on its stream (`accept_streamed`)
-  and its results go on through its relay; one opened without takes them one per call (`step`, POST
-  /v1/seam/step) and its reply goes back to the caller. Either way is refused for the other kind of
-  session, and a stream carries the frames of its own session only.
-- The reply is built in the scheduler's thread (sampling and token text are backend work): the hidden
-  state for the next shard (in the dtype it arrived in), an ACK, or the tail's sampled TOKEN.
+- Every session is on a ring: it takes its steps on its stream (`accept_streamed`), which carries the
+  frames of its own session only, and its results go on through its relay.
+- The result is built in the scheduler's thread (sampling and token text are backend work): the next
+  hop's input (this shard's output as its hidden state, in the dtype it arrived in), an ACK, or the
+  tail's sampled TOKEN.
 - A ring's tail also builds the next decode step for the token it sampled, unless the route stops
   there (dgr.fsm.stop, counted in positions), and hands it to its phase group (dgr.node.links).
-- Compute that fails fails the session (and frees it) and is reported: to the caller as
-  `PeerError(NODE_ERROR)`, or on the session's relay.
+- Compute that fails fails the session (and frees it) and is reported on the session's relay.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import numpy as np
 import trio
 
 from dgr.backends.base import COMPUTE_ERRORS, Compute, ShardBackend, Step
-from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
+from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.fsm.node import NodeSession, StepKind
 from dgr.fsm.stop import next_step
 from dgr.node import steptrace
@@ -101,6 +99,11 @@ def token_frame(frame: Frame, result: TokenResult) -> bytes:
                         extra=result.payload())
 
 
+def ack_frame(frame: Frame) -> bytes:
+    """A tail's answer to a step it samples nothing for (a prompt chunk before the last)."""
+    return encode_frame(FrameKind.ACK, frame.session, frame.seq, frame.pos0, 0, frame.width)
+
+
 def spec_step_frame(frame: Frame, step: SpecStep) -> bytes:
     """A ring tail's next decode step: the last accepted token at pos0, then its drafts."""
     return encode_frame(FrameKind.DECODE, frame.session, step.seq, step.pos0, len(step.tokens), frame.width,
@@ -119,7 +122,6 @@ class NodeReplies:
     scheduler: StepScheduler
     links: NodeLinks
     accounting: NodeAccounting
-    authorize: Callable[[str | None, str], None]  # (capability, sid): dgr.node.trust
     fail_session: Callable[[str, Failure], Awaitable[None]]
     kv_job: Callable[[str], Job | None]  # a waiting session's KV open, to run before its first step (dgr.node.sessions)
     prompts: dict[str, np.ndarray]  # a head's: sid -> the ids of the prompt it tokenized at open
@@ -128,50 +130,26 @@ class NodeReplies:
         self.accounting.refuse(exc)
         return exc
 
-    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
-        """Apply one frame of a session opened without a relay plan; return (response frame, compute seconds).
-
-        Raises:
-            CallerError: the frame was refused (FORBIDDEN without a valid capability; INVALID_REQUEST
-                for a session with a relay, whose steps come on its stream); nothing changed.
-            PeerError(NODE_ERROR): compute failed; the session is failed and freed.
-        """
-        frame = self.admit(body, capability)
-        want = bool(frame.flags & Flag.SAMPLE)
-        # the tail samples in the scheduler's thread too, with this session's own sampler
-        finish = functools.partial(self.reply, frame, want, self.samplers.get(frame.session))
-        try:
-            reply, compute = await self.scheduler.forward(to_step(frame), finish)
-        except DgrError as exc:
-            await self.fail_session(frame.session, exc.failure(node=self.node_id))
-            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: {exc.message}", node=self.node_id) from exc
-        except COMPUTE_ERRORS as exc:
-            await self.fail_session(frame.session, Failure(Reason.NODE_ERROR, str(exc), node=self.node_id))
-            raise PeerError(Reason.NODE_ERROR, f"{self.node_id}: compute failed: {exc}", node=self.node_id) from exc
-        self.accounting.count(frame, reply, compute)
-        return reply, compute
-
     def accept_streamed(self, sid: str, record: Record) -> None:
         """A step from a stream record, for `sid` (whose capability the stream carried): accepted and
         queued; its result goes on through the session's relay, or its failure is reported.
 
         Raises:
-            CallerError: refused (a session without a relay takes no stream); nothing changed.
+            CallerError: refused (a session whose open has not finished has no relay yet); nothing changed.
         """
         if self.table.is_live(sid) and sid not in self.links.relays:
-            raise self._refused(CallerError(Reason.INVALID_REQUEST,
-                                            f"session {sid} is not on a chain: it takes single steps"))
+            raise self._refused(CallerError(Reason.INVALID_REQUEST, f"session {sid} is still opening"))
         if steptrace.ON:
             steptrace.mark_frame("read", sid, record.frame)
-        frame = self.admit(record.frame, None, stream=sid)
+        frame = self.admit(record.frame, sid)
         if steptrace.ON:
             steptrace.mark("admitted", sid, frame.pos0)
         self._relay_step(frame, self.links.relays[sid], record.compute_us)
 
-    def admit(self, body: bytes, capability: str | None, *, stream: str | None = None) -> Frame:
-        """Decode a frame, authorize it and apply its bookkeeping to its session (queuing a rewind first if needed).
+    def admit(self, body: bytes, stream: str) -> Frame:
+        """Decode a frame and apply its bookkeeping to its session (queuing a rewind first if needed).
 
-        `stream`: the frame came on a stream already authorized for this session, and must be of it.
+        `stream`: the session whose stream (authorized for it already) carried the frame: it must be of it.
 
         Raises:
             CallerError: refused; nothing changed.
@@ -180,12 +158,7 @@ class NodeReplies:
             frame = decode_frame(body, max_bytes=self.max_frame_bytes)
         except CallerError as exc:
             raise self._refused(exc)
-        if stream is None:
-            self.authorize(capability, frame.session)
-            if frame.session in self.links.relays:
-                raise self._refused(CallerError(Reason.INVALID_REQUEST,
-                                                f"session {frame.session} is on a chain: its steps come on its stream"))
-        elif frame.session != stream:
+        if frame.session != stream:
             raise self._refused(CallerError(Reason.FORBIDDEN,
                                             f"a stream of session {stream} carried a frame of {frame.session}"))
         kept = self.prompts.get(frame.session)
@@ -226,9 +199,9 @@ class NodeReplies:
         spec = links.spec.get(frame.session)
 
         def finish(out: np.ndarray | None) -> tuple[bytes | list[bytes], bytes | None]:  # in the scheduler's thread
-            if backend.is_tail:
-                if not (want and loop is not None):
-                    return self.reply(frame, want, sampler, out), None  # the answer, for the gateway
+            if backend.is_tail:  # every tail has its loop back to the head
+                if not want:
+                    return ack_frame(frame), None  # a prompt chunk's answer, for the gateway
                 if spec is not None:
                     return self._speculate(frame, out, sampler, spec, plan, session.max_positions)
                 result = self.sample(frame, sampler, out)
@@ -294,18 +267,6 @@ class NodeReplies:
         if not more:
             return replies, None
         return replies, spec_step_frame(frame, spec.next_step(frame.seq + 1, keep, last, max_positions))
-
-    def reply(self, frame: Frame, want: bool, sampler: Sampler | None, out: np.ndarray | None) -> bytes:
-        """The response frame; runs in the scheduler's thread (sampling and token text are backend work)."""
-        common = dict(session=frame.session, seq=frame.seq, pos0=frame.pos0)
-        if not self.backend.is_tail:
-            # the hidden state leaves in the dtype it arrived in (f16 routes stay f16)
-            return encode_frame(
-                FrameKind.HIDDEN, n_tokens=frame.n_tokens, width=frame.width, dtype=frame.dtype, hidden=out, **common
-            )
-        if not want:
-            return encode_frame(FrameKind.ACK, n_tokens=0, width=frame.width, **common)
-        return token_frame(frame, self.sample(frame, sampler, out))
 
     def sample(self, frame: Frame, sampler: Sampler | None, out: np.ndarray | None) -> TokenResult:
         """The tail's token for a step's logits, with the session's own sampler (in the scheduler's thread)."""

@@ -126,8 +126,7 @@ class NodeService:
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,
                                       idle_timeout_s=idle_timeout_s)
         self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.lifecycle.samplers,
-                                   self.scheduler, self.links, self.accounting, self.trust.authorize,
-                                   self.fail_session, self.lifecycle.kv_job, self.lifecycle.prompts)
+                                   self.scheduler, self.links, self.accounting, self.fail_session, self.lifecycle.kv_job, self.lifecycle.prompts)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler that owns the backend, and the ring sessions' relays, until cancelled."""
@@ -181,7 +180,7 @@ class NodeService:
 
     # -- sessions (dgr.node.sessions) and the seam (dgr.node.replies) --------------------------------
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
-                           relay: RelayPlan | None = None, prefix: list[str] | None = None,
+                           relay: RelayPlan, prefix: list[str] | None = None,
                            lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None, *,
                            prompt: PromptPlan | None = None, max_new: int | None = None) -> Opened:
         """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.seam.opening.PromptPlan).
@@ -235,9 +234,6 @@ class NodeService:
 
     async def session_json(self, sid: str) -> dict[str, Any]:
         return await self.lifecycle.json(sid)
-
-    async def step(self, body: bytes, capability: str | None = None) -> tuple[bytes, float]:
-        return await self.replies.step(body, capability)
 
     def accept_streamed(self, sid: str, record: Record) -> None:
         self.replies.accept_streamed(sid, record)

@@ -62,11 +62,11 @@ class NodeSessions:
     waiting: dict[str, tuple[int, int | None]] = attrs.field(factory=dict)  # sid -> (positions, lane): KV not open
     prompts: dict[str, np.ndarray] = attrs.field(factory=dict)  # a head's: the ids it tokenized the prompt into
 
-    async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan | None = None,
+    async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
                    spec: SpecPlan | None = None, max_new: int | None = None, waits: bool = False,
                    prompt: list[int] | None = None) -> int:
-        """Open a session; with a relay plan, its results go on along a chain instead of back to the caller.
+        """Open a ring session: its results go on through its `relay` (a tail's loops back to the head too).
 
         With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
         session starts from the longest kept prefix matching it, to the token; returns the positions it
@@ -98,7 +98,7 @@ class NodeSessions:
                 self.samplers.pop(sid, None)
                 self.prompts.pop(sid, None)
                 raise
-        if relay is not None and sid in self.table:
+        if sid in self.table:
             self.links.attach(sid, relay, lane, spec)
             tail = self.links.spec.get(sid)
             if tail is not None and tail.reads_prompt:  # while the route's first hops compute the prompt

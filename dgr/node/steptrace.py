@@ -1,7 +1,7 @@
 """Stage timestamps of a node's chain steps: where a decoded token's time goes, arrival to departure.
 
 Off unless the node starts with DGR_STEP_TRACE naming a folder (`dgr bench --only steps` sets it).
-Then every stage a chain step passes is kept in memory as (stage, session, position, monotonic ns),
+Then every stage a ring step passes is kept in memory as (stage, session, position, monotonic ns),
 and the node writes them to FOLDER/NODE.tsv when it stops. CLOCK_MONOTONIC is one clock for every
 process of a machine, so the stages of one step on two nodes of a local route line up, and the
 gaps between them (a frame on the wire, a task waiting its turn) can be read off.

@@ -32,7 +32,7 @@ from dgr.seam.wire import (
     FrameKind,
 )
 
-__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame", "frame_session", "session_bytes", "session_str"]
+__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame", "session_bytes", "session_str"]
 
 
 def session_bytes(sid: str) -> bytes:
@@ -144,22 +144,6 @@ def encode_frame(
         seq, pos0, n_tokens, width, len(payload), zlib.crc32(payload),
     )
     return header + payload
-
-
-def frame_session(header: bytes | bytearray | memoryview) -> str:
-    """The session a frame is for, from its first HEADER_SIZE bytes alone.
-
-    Lets a receiver authorize a frame before it reads (or checksums) the payload.
-
-    Raises:
-        CallerError(BAD_FRAME): fewer bytes than a header, or not a seam frame of this version.
-    """
-    if len(header) < HEADER_SIZE:
-        raise CallerError(Reason.BAD_FRAME, f"{len(header)} bytes are shorter than the {HEADER_SIZE}-byte header")
-    magic, version, _kind, _dtype, _flags, session = HEADER.unpack_from(header)[:6]
-    if magic != MAGIC or version != VERSION:
-        raise CallerError(Reason.BAD_FRAME, f"not a seam v{VERSION} frame (magic {magic!r}, version {version})")
-    return session_str(session)
 
 
 def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:

@@ -67,7 +67,7 @@ def _drop_none(fields: dict[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen
 class NextHop:
-    """The node after this one on a chain, and this session's capability there."""
+    """The node after this one on a ring, and this session's capability there."""
 
     node: str
     url: str

@@ -10,7 +10,7 @@ An `https://` URL is spoken over TLS (trio.SSLStream) with the caller's
 SSL context (dgr.security.tls decides what it trusts); the handshake is part
 of opening a connection, so it is paid once per pooled connection.
 
-A chain link's steps go as one streamed request (`ConnectionPool.open_stream`):
+A ring link's steps go as one streamed request (`ConnectionPool.open_stream`):
 the body is chunked, one chunk a step, and the server answers only when the
 stream ends or when it refuses a step; the connection then goes back to the pool.
 

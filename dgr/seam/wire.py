@@ -29,12 +29,10 @@ __all__ = [
     "CONTENT_TYPE",
     "CAPABILITY_HEADER",
     "STATUS_SCOPE",
-    "COMPUTE_HEADER",
     "ROUTE_SESSION_HEADER",
     "TICKET_HEADER",
     "NODE_HEADER",
     "DELIVER_PATH",
-    "STEP_PATH",
     "STREAM_PATH",
     "DELIVER_STREAM_PATH",
     "RECORD_PREFIX",
@@ -47,13 +45,12 @@ __all__ = [
     "KEY_HEX",
 ]
 
-# HTTP headers of the seam. A step carries its Route Session capability; a node's answer says how
-# long its compute took. (On a chain, each hop's compute rides in its stream records instead.)
+# HTTP headers of the seam. A stream carries its Route Session capability (each hop's compute rides in
+# its stream records).
 CAPABILITY_HEADER = "X-Dgr-Capability"
 # The "session" a capability names to see a node's per-kind counters on /v1/node/status. Route Session
 # ids are 32 hex digits, so no capability the gateway issues for a session can pass for it.
 STATUS_SCOPE = "status"
-COMPUTE_HEADER = "X-Dgr-Compute-Us"
 # The gateway's answer to a completion names its Route Session (clients follow its telemetry by it); a
 # node's open and stream name theirs in it too, so it is checked before any body is read.
 ROUTE_SESSION_HEADER = "X-Dgr-Route-Session"
@@ -62,9 +59,8 @@ TICKET_HEADER = "X-Dgr-Ticket"
 # A node's heartbeat names its node id here, so that the tracker checks the signing key owns the id before it
 # parses the body (whose "node" must agree).
 NODE_HEADER = "X-Dgr-Node"
-STEP_PATH = "/v1/seam/step"  # on a node: a PREFILL or DECODE frame
-DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a chain's answers and failure reports
-# A chain session's steps along one link travel as one long-lived request whose chunked body is a
+DELIVER_PATH = "/v1/seam/deliver"  # on the tracker: a ring's failure reports
+# A ring session's steps along one link travel as one long-lived request whose chunked body is a
 # sequence of records (below): to the next node, or from the tail to the tracker. No answer per step.
 STREAM_PATH = "/v1/seam/stream"  # on a node
 DELIVER_STREAM_PATH = "/v1/seam/deliver/stream"  # on the tracker

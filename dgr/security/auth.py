@@ -202,7 +202,7 @@ class Admission:
 class Scope(enum.Enum):
     """What a capability lets its holder do with its session on its node."""
 
-    STEP = "step"  # send the session's steps (a star's step, a chain's stream): what a neighbour holds
+    STEP = "step"  # send the session's steps on its stream: what a neighbour holds
     CONTROL = "control"  # steps, and open, close (with keep), status and tokenize: the gateway's own
 
     def allows(self, need: Scope) -> bool:

@@ -5,7 +5,7 @@ Servers (tracker, node) take `--tls-cert`/`--tls-key` and serve https
 chain relays, artifact peers) and trust, in this order:
 1. the certificate a node registered (its PEM arrives inside the node's
    signed registration, so it is as trustworthy as the node's key): the
-   tracker, and a chain's previous node, pin exactly that certificate, self-
+   tracker, and a ring's previous node, pin exactly that certificate, self-
    signed or not, and skip the host name check (the pin is stronger);
 2. otherwise `--tls-ca FILE` (a CA bundle, or a self-signed certificate used
    as its own anchor);

@@ -108,8 +108,9 @@ def render_seam() -> str:
         f"(SmolLM2-135M, f32: {wire.HEADER_SIZE} + 576 x 4 = {wire.HEADER_SIZE + 576 * 4}), whatever the context length. "
         "Models whose seam needs token ids (DeepSeek-V4) add 4 bytes per position.",
         "", "## Exchanges", "",
-        "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling[, relay]}`) opens a node session: "
-        "201, or 409/429. The body is dgr.seam.opening's `OpenRequest`, the answer its `OpenAnswer` "
+        "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling, relay}`) opens a node session: "
+        "201, or 409/429. Every session is on a ring, so an open without `relay` is refused. The body is "
+        "dgr.seam.opening's `OpenRequest`, the answer its `OpenAnswer` "
         "(`{session, node, prefix_positions[, tokens, reusable]}`), and the prefix named later its `AdoptRequest`; "
         "the node checks a body only in their `from_json`, a refusal naming the field in `param`. Which hop "
         "gets which open in which round trip is the opening table of states.md. `relay` is `{next: {node, url, capability} | null, "
@@ -118,10 +119,6 @@ def render_seam() -> str:
         "decode steps of one phase group at a time. The tail also gets `loop: {head: {node, url, "
         "capability}, ignore_eos}`: where it sends each next decode step; it holds each one until its phase "
         "group has its tokens (dgr.fsm.phases).",
-        "- `POST /v1/seam/step` with a PREFILL or DECODE frame, for a session opened without `relay` (one node "
-        "driven call by call: tests and `dgr bench`'s per-node figures; the gateway never opens one), answers "
-        "HIDDEN (non-tail), ACK (tail, no sample) or TOKEN (tail, flag SAMPLE); a refusal is a 4xx OpenAI-style "
-        "JSON error with a reason code, and changes nothing.",
         "- `POST /v1/seam/sessions` may carry `prefix`: the prompt's block keys (dgr.node.prefix, "
         f"{KEY_HEX} hex digits each, one per {BLOCK_TOKENS} tokens). The node opens the session on the longest "
         "kept prefix of them and answers `prefix_positions`, the positions the session then holds; the gateway "
@@ -168,7 +165,7 @@ def render_seam() -> str:
         "refused, or whose link drops while the session lives, posts a JSON failure report to "
         f"`{wire.DELIVER_PATH}` with the session's delivery capability (`route_node_lost` naming the node it could "
         "not reach, or `node_error` naming the node that refused). The gateway keeps at most one prefill chunk a "
-        f"node in flight. `{wire.STEP_PATH}` refuses a step of a session opened with `relay` (`{Reason.INVALID_REQUEST.value}`), and "
+        f"node in flight. "
         f"`{wire.DELIVER_PATH}` takes only failure reports (a frame there is `{Reason.BAD_FRAME.value}`).",
         "", "## What a node refuses (4xx, state unchanged)", "",
         "unknown or ended session; a step out of order or replayed (`seq`); a position that does not continue its KV "
@@ -187,7 +184,7 @@ def render_seam() -> str:
         "client gone) end the session from there; the steps the tail sent on meanwhile are refused or discarded "
         "with it. A lost head is reported by the tail. Each node keeps one ordered relay per session and link, "
         "since a step out of order is refused.", "",
-        "Every hop keeps long-lived HTTP/1.1 keep-alive connections; a chain's stream goes back to its pool "
+        "Every hop keeps long-lived HTTP/1.1 keep-alive connections; a ring's stream goes back to its pool "
         "when it ends cleanly.",
     ]
     return "\n".join(lines) + "\n"

@@ -32,8 +32,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
 from urllib.parse import urlparse
+from typing import Any, Callable
 
 import attrs
 import httpx
@@ -44,10 +44,11 @@ from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Scope, Signer, j
 from dgr.security.identity import Identity
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
 from dgr.security.tickets import TICKET_TTL_S, issue_ticket
-from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STATUS_SCOPE, STEP_PATH, TICKET_HEADER
+from dgr.seam.stream import encode_record
+from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STATUS_SCOPE, STREAM_PATH, TICKET_HEADER
 from dgr.testing.launcher import LaunchedProcess, launch
 
-__all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "sse_events", "first_error", "first_text"]
+__all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port", "cut_mid_frame", "stream_steps", "sse_events", "first_error", "first_text"]
 
 
 # Node loss must end a Route Session promptly: at once for a reset socket, within the heartbeat
@@ -76,15 +77,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cut_mid_frame(url: str, frame: bytes, fraction: float = 0.5) -> None:
-    """POST a seam frame but close the connection after `fraction` of its bytes."""
+def stream_steps(url: str, sid: str, frames: list[bytes], headers: dict[str, str]) -> httpx.Response:
+    """A stream of session `sid`'s steps to the node at `url` (one record a frame, as its previous hop sends
+    them), ended: 200 once every frame was applied, or the first refusal's error."""
+    body = b"".join(encode_record((), f) for f in frames)
+    return httpx.post(f"{url}{STREAM_PATH}", content=body, timeout=30,
+                      headers={"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid, **headers})
+
+
+def cut_mid_frame(url: str, sid: str, frame: bytes, headers: dict[str, str], fraction: float = 0.5) -> None:
+    """Stream a seam frame of `sid` but close the connection after `fraction` of its record's bytes."""
     u = urlparse(url)
-    head = (
-        f"POST {STEP_PATH} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-        f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(frame)}\r\n\r\n"
-    ).encode()
+    record = encode_record((), frame)
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid,
+                                                  **headers}.items())
+    head = (f"POST {STREAM_PATH} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n{head}"
+            f"Content-Length: {len(record)}\r\n\r\n").encode()
     with socket.create_connection((u.hostname, u.port), timeout=5) as s:
-        s.sendall(head + frame[: int(len(frame) * fraction)])
+        s.sendall(head + record[: int(len(record) * fraction)])
         s.shutdown(socket.SHUT_WR)
         s.settimeout(5)
         try:
@@ -175,6 +185,17 @@ class LocalRoute:
         ticket = issue_ticket(self.tracker_identity, sid, name, start, stop, raw, time.time(), ttl_s=ttl_s)
         return raw, {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, TICKET_HEADER: ticket,
                      **self.capability(sid, name)}
+
+    def relay(self, sid: str, name: str) -> dict[str, Any]:
+        """The relay plan the gateway gives node `name` ("nodeK") of this ring for `sid`: the next node, or,
+        on the tail, its loop back to the head, each with the capability the gateway would hand it."""
+        k = int(name.removeprefix("node"))
+        hop = f"node{(k + 1) % self.nodes}"
+        nxt = {"node": hop, "url": self.node(hop)["url"],
+               "capability": self.capability(sid, hop, scope=Scope.STEP)[CAPABILITY_HEADER]}
+        if k + 1 < self.nodes:
+            return {"next": nxt}
+        return {"next": None, "loop": {"head": nxt}}
 
     def _layers(self, name: str) -> tuple[int, int]:
         a, b = self.node(name)["layers"].split(":")

@@ -4,7 +4,7 @@ One job: wrap the tracker's app so that POST DELIVER_STREAM_PATH (a record
 per token, for one session) and POST DELIVER_PATH (a JSON failure report)
 skip Quart. Rules: both are read up to one frame's size limit; each is
 authorized by the session's delivery capability (`Gateway.authorize_delivery`,
-`Gateway.report`) before its connection is marked authenticated; a chain's
+`Gateway.report`) before its connection is marked authenticated; a ring's
 answers never come as JSON on DELIVER_PATH (BAD_FRAME). Every other request
 goes to the app untouched. What a delivery means is dgr.tracker.deliveries'.
 """
