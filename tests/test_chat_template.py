@@ -12,6 +12,7 @@ from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
 from dgr.node.service import NodeService
+from dgr.testing.onering import NEXT_URL, OneNodeRing
 from dgr.testing.inproc import asgi_client
 from dgr.testing.nodes import running
 
@@ -98,11 +99,13 @@ async def test_a_role_marker_in_a_message_is_tokenized_as_text(gguf) -> None:
     (im_start,) = gguf.tokenize("<|im_start|>", add_special=False, parse_special=True)
     (im_end,) = gguf.tokenize("<|im_end|>", add_special=False, parse_special=True)
     service = NodeService(backend=_TextHead(gguf), node_id="head")
+    OneNodeRing.of(service)  # the head of a ring whose next hop and tracker are in memory
     app = make_node_app(service)
+    relay = {"next": {"node": "next", "url": NEXT_URL}, "deliver_capability": None}
 
     async def opened(http, n: int, prompt: dict) -> dict:
         r = await http.post("/v1/seam/sessions", json={"session": f"{n:032x}", "max_positions": 512, "sampling": {},
-                                                       "prompt": prompt, "max_new": 1})
+                                                       "prompt": prompt, "max_new": 1, "relay": relay})
         assert r.status_code == 201, r.text
         return r.json()
 

@@ -70,6 +70,10 @@ def victim(route: LocalRoute):
     assert httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     first = _frame(sid, 0, 0, 4)
     assert stream_steps(url, sid, [first], cap).status_code == 200
+    # a stream is answered once its frames are admitted, not computed; a session's status call queues behind
+    # its steps, so this returns once the prefill holds its KV (the tests compare state before and after)
+    s = httpx.get(f"{url}/v1/seam/sessions/{sid}", headers=cap, timeout=10).json()
+    assert s["positions_computed"] == 4, s
     yield url, sid, first
     httpx.delete(f"{url}/v1/seam/sessions/{sid}", headers=cap)
 
