@@ -52,6 +52,9 @@ __all__ = ["NextHop", "Loop", "RelayPlan", "Relay", "SelfLoop", "Outgoing", "Rep
 
 log = logging.getLogger("dgr.node")
 
+REPORT_TRY_S = 5.0  # one try of a failure report to the gateway
+REPORT_S = 30.0  # all the tries of one report: well within a step's capped deadline (80 s at the defaults)
+
 
 
 @attrs.frozen
@@ -160,13 +163,19 @@ class Relay:
 
     def _ended(self, end: LinkEnd, scope: trio.CancelScope | None) -> None:
         """The link ended early: the next node refused a step (NODE_ERROR naming it) or was lost
-        (ROUTE_NODE_LOST naming it); the gateway refusing or dropping answers is only logged (its
-        deadline fails the session)."""
+        (ROUTE_NODE_LOST naming it). The gateway refusing answers of a session it has ended is only logged;
+        any other end of the answers' link is reported (NODE_ERROR naming this node), so the session fails
+        at once, naming where its answers stopped, instead of waiting for its deadline's cap and ending
+        `session_timeout` naming nobody."""
         nxt = self.plan.next
         if nxt is None:
-            why = (f"it refused session {self.sid}'s answers ({end.answer.status})" if end.answer is not None
-                   else f"cannot deliver session {self.sid}: {end.lost}")
+            code, text = parse_error_body(end.answer.body) if end.answer is not None else (None, "")
+            why = (f"it refused session {self.sid}'s answers ({end.answer.status} {code}: {text})"
+                   if end.answer is not None else f"cannot deliver session {self.sid}: {end.lost}")
             log.warning("%s: the gateway: %s", self.node_id, why)
+            if code not in (Reason.UNKNOWN_SESSION.value, Reason.SESSION_ENDED.value):
+                self._failure = self._failure or Failure(
+                    Reason.NODE_ERROR, f"{self.node_id}: the gateway: {why}"[:300], node=self.node_id)
         elif end.answer is not None:
             code, text = parse_error_body(end.answer.body)
             message = text if code is None else f"{code}: {text}"
@@ -181,15 +190,31 @@ class Relay:
             scope.cancel()
 
     async def _report(self, failure: Failure) -> None:
+        """Tell the gateway, which otherwise waits for the step's deadline and its cap: sent again until it is
+        answered (a report is idempotent, unlike a step: the gateway fails a session once), for at most
+        REPORT_S; an answer other than 2xx is logged (the gateway refused it, or has ended the session)."""
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()
         headers = [("Content-Type", "application/json")]
         if self.plan.deliver_capability is not None:
             headers.append((CAPABILITY_HEADER, self.plan.deliver_capability))
-        try:
-            with trio.move_on_after(5.0):
-                await self.pool(self.plan.deliver_url).request("POST", DELIVER_PATH, body, headers)
-        except TransportError as exc:
-            log.warning("%s: cannot report %s for session %s: %s", self.node_id, failure.reason.value, self.sid, exc)
+        why, pause = "no answer", 0.05
+        with trio.move_on_after(REPORT_S):
+            while True:
+                with trio.move_on_after(REPORT_TRY_S):
+                    try:
+                        answer = await self.pool(self.plan.deliver_url).request("POST", DELIVER_PATH, body, headers)
+                    except TransportError as exc:
+                        why = str(exc)
+                    else:
+                        if answer.status >= 300:
+                            code, text = parse_error_body(answer.body)
+                            log.warning("%s: the gateway refused the report of %s for session %s (%d %s: %s)",
+                                        self.node_id, failure.reason.value, self.sid, answer.status, code, text)
+                        return
+                await trio.sleep(pause)
+                pause = min(1.0, 2 * pause)
+        log.warning("%s: cannot report %s for session %s within %gs: %s", self.node_id, failure.reason.value,
+                    self.sid, REPORT_S, why)
 
 
 @attrs.define(eq=False)
