@@ -91,9 +91,9 @@ def test_a_waiting_session_opens_its_kv_once_by_an_adopt_or_before_its_first_chu
     the prefix reused); a first chunk accepted while waiting goes to `prefill` (its KV opens empty before it);
     either way it waits no more, and a second open is refused, changing nothing."""
     adopted = _node_in(NodeState.WAITING)
-    assert adopted.waiting and adopted.positions == 0
+    assert adopted.positions == 0
     adopted.kv_opened()
-    assert adopted.state is NodeState.CREATED and not adopted.waiting
+    assert adopted.state is NodeState.CREATED
     adopted.positions = 8  # the prefix it reused, as the driver sets it
     adopted.accept(StepKind.PREFILL, 0, 5, 4, now=1.0)  # the route reuses 5 of them
     assert (adopted.state, adopted.positions) == (NodeState.PREFILL, 9)
@@ -101,7 +101,7 @@ def test_a_waiting_session_opens_its_kv_once_by_an_adopt_or_before_its_first_chu
     empty = _node_in(NodeState.WAITING)
     with pytest.raises(CallerError) as info:
         empty.accept(StepKind.DECODE, 0, 0, 1, now=1.0)  # no decode before a prompt, waiting or not
-    assert isinstance(info.value, IllegalTransition) and empty.waiting
+    assert isinstance(info.value, IllegalTransition) and empty.state is NodeState.WAITING
     empty.accept(StepKind.PREFILL, 0, 0, 4, now=1.0)
     assert (empty.state, empty.positions, empty.next_seq) == (NodeState.PREFILL, 4, 1)
     for s in (adopted, empty):

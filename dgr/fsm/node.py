@@ -203,11 +203,6 @@ class NodeSession:
         self._check_live()
         self.state = NODE_TABLE.next(self.state, NodeEvent.KV_OPEN)
 
-    @property
-    def waiting(self) -> bool:
-        """Holds no KV yet: it opens at an adopt or before the first step."""
-        return self.state is NodeState.WAITING
-
     def close(self) -> None:
         """End normally. Raises IllegalTransition when already ended."""
         self._check_live()

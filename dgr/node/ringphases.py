@@ -31,96 +31,107 @@ import trio
 
 from dgr.fsm.phases import RoutePhases, hold_for
 
-__all__ = ["RingPhases"]
+__all__ = ["Hold", "RingPhases"]
+
+
+@attrs.define(eq=False)
+class Hold:
+    """One session's place in its phase groups: on its node session record (dgr.node.sessions), not in a
+    table of the ring's keyed by session, so it goes when the session does."""
+
+    route: str | None = None  # its route's board; None: it holds nothing back (not a ring's tail)
+    step: bytes | None = None  # its next step, waiting for its group
+    wake: trio.Event | None = None  # what ends its hold early
+    last: float | None = None  # when its last step went out (trio clock)
 
 
 @attrs.define(eq=False)
 class RingPhases:
     send: Callable[[str, bytes], None]  # (sid, step): to the session's loop relay
     boards: dict[str, RoutePhases] = attrs.field(factory=dict)  # route -> its board
-    route_of: dict[str, str] = attrs.field(factory=dict)  # sid -> route
-    held: dict[str, bytes] = attrs.field(factory=dict)  # sid -> its step, waiting for its group
-    _wake: dict[str, trio.Event] = attrs.field(factory=dict)  # sid -> what ends its hold early
-    _last: dict[str, float] = attrs.field(factory=dict)  # sid -> when its last step went out (trio clock)
+    # route -> its board's sessions' holds (each on its session's record): a released group's steps
+    members: dict[str, dict[str, Hold]] = attrs.field(factory=dict)
     released: int = 0  # steps sent with their group
     alone: int = 0  # steps sent alone, after their hold
 
-    def join(self, sid: str, route: str, nodes: int, lane: int | None) -> None:
+    def join(self, sid: str, hold: Hold, route: str, nodes: int, lane: int | None) -> None:
         board = self.boards.get(route)
         if board is None:
             board = self.boards[route] = RoutePhases(max(1, nodes))
+            self.members[route] = {}
         if lane is None or lane in board.lanes.values():
             board.join(sid)
         else:
             board.lanes[sid] = lane
-        self.route_of[sid] = route
+        self.members[route][sid] = hold
+        hold.route = route
 
-    def go(self, sid: str, step: bytes, nursery: trio.Nursery) -> None:
+    def go(self, sid: str, hold: Hold, step: bytes, nursery: trio.Nursery) -> None:
         """`sid`'s next step is ready: sent now with its group, or held (a bounded wait in `nursery`)."""
-        board = self.boards.get(self.route_of.get(sid, ""))
+        board = self.boards.get(hold.route) if hold.route is not None else None
         if board is None:
             self.send(sid, step)
             return
         now = trio.current_time()
-        last = self._last.get(sid)
-        self.held[sid] = step
+        last = hold.last
+        hold.step = step
         out = board.arrive(sid)
         if sid in out:
-            self._release(out)
+            self._release(hold.route, out)
             return
-        self._wake[sid] = trio.Event()
-        nursery.start_soon(self._hold, sid, hold_for(now, last))
+        wake = hold.wake = trio.Event()
+        nursery.start_soon(self._hold, sid, hold, wake, hold_for(now, last))
 
-    def stop(self, sid: str) -> None:
+    def stop(self, sid: str, hold: Hold) -> None:
         """`sid` sends no more steps (its last token): its group may go without it."""
-        board = self.boards.get(self.route_of.get(sid, ""))
+        board = self.boards.get(hold.route) if hold.route is not None else None
         if board is not None:
-            self._release(board.stop(sid))
+            self._release(hold.route, board.stop(sid))
 
-    def leave(self, sid: str) -> None:
+    def leave(self, sid: str, hold: Hold) -> None:
         """`sid` ended here: its lane is free, a step it held is dropped."""
-        route = self.route_of.pop(sid, None)
-        self.held.pop(sid, None)
-        self._last.pop(sid, None)
-        wake = self._wake.pop(sid, None)
+        route, hold.route, hold.step, hold.last = hold.route, None, None, None
+        wake, hold.wake = hold.wake, None
         if wake is not None:
             wake.set()
         board = self.boards.get(route) if route is not None else None
         if board is None:
             return
-        self._release(board.leave(sid))
+        self.members[route].pop(sid, None)
+        self._release(route, board.leave(sid))
         if not board.lanes:
-            del self.boards[route]
+            del self.boards[route], self.members[route]
 
-    def _release(self, sids: list[str]) -> None:
+    def _release(self, route: str, sids: list[str]) -> None:
+        members = self.members[route]
         for s in sids:
-            step = self.held.pop(s, None)
-            wake = self._wake.pop(s, None)
+            hold = members.get(s)
+            if hold is None:
+                continue
+            step, hold.step = hold.step, None
+            wake, hold.wake = hold.wake, None
             if wake is not None:
                 wake.set()
             if step is not None:
                 self.released += 1
-                self._out(s, step)
+                self._out(s, hold, step)
 
-    async def _hold(self, sid: str, hold_s: float) -> None:
-        wake = self._wake.get(sid)
-        if wake is None:
-            return
+    async def _hold(self, sid: str, hold: Hold, wake: trio.Event, hold_s: float) -> None:
         with trio.move_on_after(hold_s):
             await wake.wait()
-        if self._wake.get(sid) is not wake:
+        if hold.wake is not wake:
             return  # released with its group, or ended
-        del self._wake[sid]
-        board = self.boards.get(self.route_of.get(sid, ""))
+        hold.wake = None
+        board = self.boards.get(hold.route) if hold.route is not None else None
         if board is not None:
             board.withdraw(sid)
-        step = self.held.pop(sid, None)
+        step, hold.step = hold.step, None
         if step is not None:
             self.alone += 1
-            self._out(sid, step)
+            self._out(sid, hold, step)
 
-    def _out(self, sid: str, step: bytes) -> None:
+    def _out(self, sid: str, hold: Hold, step: bytes) -> None:
         """Send a held step, noting when it went: its session's next hold counts from here."""
-        if sid in self.route_of:
-            self._last[sid] = trio.current_time()
+        if hold.route is not None:
+            hold.last = trio.current_time()
         self.send(sid, step)
