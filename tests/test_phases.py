@@ -104,11 +104,11 @@ def test_a_routes_board_lives_while_its_sessions_hold_lanes() -> None:
 
 
 def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_bound() -> None:
-    """The tail of a ring keeps the same groups on the same board (dgr.node.ringphases): a step waits
+    """The tail of a ring keeps the same groups on the same board (dgr.node.links): a step waits
     for its group, goes alone after its bound, and a session that stops or ends frees its group."""
     from trio.testing import MockClock
 
-    from dgr.node.ringphases import Hold, RingPhases
+    from dgr.node.links import Hold, RingPhases
     from dgr.fsm.phases import FIRST_HOLD_S
 
     sent: list[tuple[str, bytes]] = []

@@ -269,7 +269,7 @@ def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
 
 
 def test_ring_sessions_at_once_travel_in_phase_groups_and_answer_as_alone(ring) -> None:
-    """On a ring the tail holds each next step for its phase group (dgr.node.ringphases), as the
+    """On a ring the tail holds each next step for its phase group (dgr.node.links), as the
     gateway did on a chain; it counts the steps it sent with their group."""
     before = ring.node_status("node2")["ring_phases"]["released"]
     _assert_at_once_as_alone(ring, [f"ring member {i}" for i in range(6)])

@@ -142,10 +142,10 @@ def test_a_stalled_group_member_makes_holds_neither_grow_nor_exceed_the_cap() ->
 
 
 def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
-    """The ring tail's driver (dgr.node.ringphases) on trio's MockClock: s1 stalls, s0 steps on alone."""
+    """The ring tail's driver (dgr.node.links) on trio's MockClock: s1 stalls, s0 steps on alone."""
     from trio.testing import MockClock
 
-    from dgr.node.ringphases import Hold, RingPhases
+    from dgr.node.links import Hold, RingPhases
 
     went: list[float] = []
     holds: list[float] = []
