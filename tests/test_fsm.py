@@ -9,7 +9,7 @@ import sys
 import attrs
 import pytest
 from hypothesis import given, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from dgr.errors import CallerError, Failure, IllegalTransition, Reason
 from dgr.fsm.node import NODE_TABLE, NodeEvent, NodeSession, NodeState, StepKind
@@ -22,6 +22,8 @@ HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
 
 # -- node session ----------------------------------------------------------------
 def _node_in(state: NodeState) -> NodeSession:
+    if state is NodeState.WAITING:  # opened before its KV may open
+        return NodeSession(sid="s", max_positions=100, created_at=0.0, state=NodeState.WAITING)
     s = NodeSession(sid="s", max_positions=100, created_at=0.0)
     if state in (NodeState.PREFILL, NodeState.DECODE):
         s.accept(StepKind.PREFILL, 0, 0, 4, now=1.0)
@@ -35,7 +37,9 @@ def _node_in(state: NodeState) -> NodeSession:
 
 
 def _apply_node(s: NodeSession, event: NodeEvent) -> None:
-    if event is NodeEvent.PREFILL_CHUNK:
+    if event is NodeEvent.KV_OPEN:
+        s.kv_opened()
+    elif event is NodeEvent.PREFILL_CHUNK:
         s.accept(StepKind.PREFILL, s.next_seq, s.positions, 3, now=5.0)
     elif event is NodeEvent.DECODE_STEP:
         s.accept(StepKind.DECODE, s.next_seq, s.positions, 1, now=5.0)
@@ -79,6 +83,31 @@ def test_node_refusals_change_nothing() -> None:
         with pytest.raises(CallerError) as info:
             s.accept(*args, now=9.0)
         assert info.value.reason is reason, args
+        assert attrs.asdict(s, recurse=False) == before
+
+
+def test_a_waiting_session_opens_its_kv_once_by_an_adopt_or_before_its_first_chunk() -> None:
+    """Issue 57: waiting for KV is a state. An adopt opens it (to `created`, whose first chunk may start inside
+    the prefix reused); a first chunk accepted while waiting goes to `prefill` (its KV opens empty before it);
+    either way it waits no more, and a second open is refused, changing nothing."""
+    adopted = _node_in(NodeState.WAITING)
+    assert adopted.positions == 0
+    adopted.kv_opened()
+    assert adopted.state is NodeState.CREATED
+    adopted.positions = 8  # the prefix it reused, as the driver sets it
+    adopted.accept(StepKind.PREFILL, 0, 5, 4, now=1.0)  # the route reuses 5 of them
+    assert (adopted.state, adopted.positions) == (NodeState.PREFILL, 9)
+
+    empty = _node_in(NodeState.WAITING)
+    with pytest.raises(CallerError) as info:
+        empty.accept(StepKind.DECODE, 0, 0, 1, now=1.0)  # no decode before a prompt, waiting or not
+    assert isinstance(info.value, IllegalTransition) and empty.state is NodeState.WAITING
+    empty.accept(StepKind.PREFILL, 0, 0, 4, now=1.0)
+    assert (empty.state, empty.positions, empty.next_seq) == (NodeState.PREFILL, 4, 1)
+    for s in (adopted, empty):
+        before = attrs.asdict(s, recurse=False)
+        with pytest.raises(IllegalTransition):
+            s.kv_opened()
         assert attrs.asdict(s, recurse=False) == before
 
 
@@ -217,18 +246,22 @@ class NodeSessionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.s = NodeSession(sid="s", max_positions=64, created_at=0.0)
         self.positions = 0
         self.seq = 0
-        self.state = "created"
+
+    @initialize(waits=st.booleans())
+    def open(self, waits: bool) -> None:
+        state = NodeState.WAITING if waits else NodeState.CREATED
+        self.s = NodeSession(sid="s", max_positions=64, created_at=0.0, state=state)
+        self.state = state.value
 
     @rule(kind=st.sampled_from(list(StepKind)), dseq=st.integers(-2, 2), dpos=st.integers(-2, 2),
           n=st.integers(0, 20))
     def step(self, kind: StepKind, dseq: int, dpos: int, n: int) -> None:
         seq, pos0 = self.seq + dseq, self.positions + dpos
         ok = (
-            self.state in ("created", "prefill", "decode")
-            and not (kind is StepKind.DECODE and self.state == "created")
+            self.state in ("waiting", "created", "prefill", "decode")
+            and not (kind is StepKind.DECODE and self.state in ("waiting", "created"))
             and not (kind is StepKind.PREFILL and self.state == "decode")
             and dseq == 0 and dpos == 0 and n >= 1
             and not (kind is StepKind.DECODE and n != 1)
@@ -242,6 +275,15 @@ class NodeSessionMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(CallerError):
                 self.s.accept(kind, seq, pos0, n, now=1.0)
+
+    @rule()
+    def kv_open(self) -> None:
+        if self.state == "waiting":
+            self.s.kv_opened()
+            self.state = "created"
+        else:
+            with pytest.raises(CallerError):
+                self.s.kv_opened()
 
     @rule()
     def close(self) -> None:

@@ -269,7 +269,7 @@ def test_ring_answers_equal_the_stub_wherever_generation_stops(ring) -> None:
 
 
 def test_ring_sessions_at_once_travel_in_phase_groups_and_answer_as_alone(ring) -> None:
-    """On a ring the tail holds each next step for its phase group (dgr.node.ringphases), as the
+    """On a ring the tail holds each next step for its phase group (dgr.node.links), as the
     gateway did on a chain; it counts the steps it sent with their group."""
     before = ring.node_status("node2")["ring_phases"]["released"]
     _assert_at_once_as_alone(ring, [f"ring member {i}" for i in range(6)])
@@ -366,7 +366,7 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     plan = RelayPlan(None, "http://gateway", None, Loop(NextHop("solo", "http://solo", None), ignore_eos=True))
     async with running(node):
         await node.open_session(sid, len(prompt) + max_tokens, SamplingParams(temperature=0.0), relay=plan)
-        assert isinstance(node.loops[sid], SelfLoop)
+        assert isinstance(node.sessions[sid].loop, SelfLoop)
         node.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576,
                                                       token_ids=prompt, flags=Flag.SAMPLE)))
         want = Pipeline([StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))]).generate_greedy(
@@ -379,9 +379,9 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
 
         other = uuid.uuid4().hex
         await node.open_session(other, 64, SamplingParams(temperature=0.0), relay=plan)
-        node.loops[other].put(Outgoing(encode_frame(FrameKind.DECODE, other, 3, 9, 1, 576, token_ids=[7],
+        node.sessions[other].loop.put(Outgoing(encode_frame(FrameKind.DECODE, other, 3, 9, 1, 576, token_ids=[7],
                                                     flags=Flag.SAMPLE), ()))  # out of order: refused
-        node.loops[other].put(Outgoing(b"never admitted", ()))
+        node.sessions[other].loop.put(Outgoing(b"never admitted", ()))
         with trio.fail_after(10):
             while not reports:
                 await trio.sleep(0.001)

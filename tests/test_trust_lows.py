@@ -142,26 +142,27 @@ def test_a_stalled_group_member_makes_holds_neither_grow_nor_exceed_the_cap() ->
 
 
 def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
-    """The ring tail's driver (dgr.node.ringphases) on trio's MockClock: s1 stalls, s0 steps on alone."""
+    """The ring tail's driver (dgr.node.links) on trio's MockClock: s1 stalls, s0 steps on alone."""
     from trio.testing import MockClock
 
-    from dgr.node.ringphases import RingPhases
+    from dgr.node.links import Hold, RingPhases
 
     went: list[float] = []
     holds: list[float] = []
+    h = {"s0": Hold(), "s1": Hold()}  # on each session's record, on a node
     ring = RingPhases(lambda sid, step: went.append(trio.current_time()) if sid == "s0" else None)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ring.join("s0", "a,b", 1, lane=0), ring.join("s1", "a,b", 1, lane=1)
+            ring.join("s0", h["s0"], "a,b", 1, lane=0), ring.join("s1", h["s1"], "a,b", 1, lane=1)
             ring.boards["a,b"].decoding.update(("s0", "s1"))
-            ring.go("s1", b"1", nursery)
-            ring.go("s0", b"0", nursery)  # one pass together; s1 stalls from here
+            ring.go("s1", h["s1"], b"1", nursery)
+            ring.go("s0", h["s0"], b"0", nursery)  # one pass together; s1 stalls from here
             for _ in range(12):
                 await trio.sleep(0.05)  # s0's round trip: its next step is ready
                 ready = trio.current_time()
                 n = len(went)
-                ring.go("s0", b"0", nursery)
+                ring.go("s0", h["s0"], b"0", nursery)
                 while len(went) == n:
                     await trio.sleep(0.001)
                 holds.append(went[-1] - ready)

@@ -39,6 +39,8 @@ class TransitionTable(Generic[S, E]):
     events: type[E]
     initial: S
     transitions: tuple[Transition[S, E], ...]
+    # other states a machine may start in (a node session opened before its KV may open starts waiting)
+    also_initial: tuple[S, ...] = ()
     _index: dict[tuple[S, E], S] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -3,6 +3,13 @@
 Contract:
 - States: created -> prefill -> decode -> done | failed. done and failed are
   terminal; failure is sticky and records a `Failure`.
+- A session opened before its KV may open (a later hop opened with the head,
+  before the prompt is known; a head whose KV waits for the prefix the gateway
+  names) starts `waiting`: it holds no KV. `kv_opened` (the driver opened its
+  KV on a kept prefix: an adopt) takes it to `created`; or its first prompt
+  chunk is accepted in `waiting`, the driver queuing the KV's empty open
+  before that step. Close and fail are legal while it waits; the driver then
+  has no KV to free.
 - A prefill step carries a chunk of n >= 1 positions; a decode step carries
   one, or, on a session opened for speculation (`max_decode` > 1), up to
   `max_decode`: the last accepted token and its drafts (issue 42). Decode
@@ -52,6 +59,7 @@ __all__ = ["NodeState", "NodeEvent", "NODE_TABLE", "NodeSession", "StepKind"]
 
 
 class NodeState(enum.Enum):
+    WAITING = "waiting"
     CREATED = "created"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -60,6 +68,7 @@ class NodeState(enum.Enum):
 
 
 class NodeEvent(enum.Enum):
+    KV_OPEN = "kv_open"
     PREFILL_CHUNK = "prefill_chunk"
     DECODE_STEP = "decode_step"
     CLOSE = "close"
@@ -71,14 +80,18 @@ class StepKind(enum.Enum):
     DECODE = "decode"
 
 
-_LIVE = (NodeState.CREATED, NodeState.PREFILL, NodeState.DECODE)
+_LIVE = (NodeState.WAITING, NodeState.CREATED, NodeState.PREFILL, NodeState.DECODE)
 
 NODE_TABLE: TransitionTable[NodeState, NodeEvent] = TransitionTable(
     machine="node_session",
     states=NodeState,
     events=NodeEvent,
     initial=NodeState.CREATED,
+    also_initial=(NodeState.WAITING,),
     transitions=(
+        Transition(NodeState.WAITING, NodeEvent.KV_OPEN, NodeState.CREATED, "its KV opened on a kept prefix (adopt)"),
+        Transition(NodeState.WAITING, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL,
+                   "first prompt chunk; its KV opens empty before it"),
         Transition(NodeState.CREATED, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL, "first prompt chunk"),
         Transition(NodeState.PREFILL, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL, "next prompt chunk"),
         Transition(NodeState.PREFILL, NodeEvent.DECODE_STEP, NodeState.DECODE, "first generated token's step"),
@@ -180,6 +193,15 @@ class NodeSession:
         """True when a step at `pos0` starts inside what the KV holds (a reused prefix, or refused drafts):
         the KV from pos0 on must go first."""
         return pos0 < self.positions
+
+    def kv_opened(self) -> None:
+        """A waiting session's KV opened (on a kept prefix): it may take its first step from `created`.
+
+        Raises:
+            CallerError(SESSION_ENDED): ended. IllegalTransition: not waiting (its KV is open already).
+        """
+        self._check_live()
+        self.state = NODE_TABLE.next(self.state, NodeEvent.KV_OPEN)
 
     def close(self) -> None:
         """End normally. Raises IllegalTransition when already ended."""

@@ -22,7 +22,7 @@ from dgr.errors import CallerError
 from dgr.metrics import NodeMetrics, gauge
 from dgr.node.draft import DraftModel
 from dgr.node.kv import NodeKV
-from dgr.node.ringphases import RingPhases
+from dgr.node.links import RingPhases
 from dgr.node.scheduler import StepScheduler
 from dgr.seam.frame import Frame
 from dgr.seam.wire import FrameKind

@@ -1,14 +1,41 @@
-"""The node's links: the relays a ring session's results leave by, and a ring tail's phase groups.
+"""The node's links: the relays a ring session's results leave by, a ring tail's phase groups, and the one
+record a node session's facts live in.
 
 Rules:
+- Everything the node holds for one session is one `NodeSessionRecord`, the value of the node's one
+  session table (dgr.sessions): its state machine (dgr.fsm.node), sampler, prompt ids, offered marks,
+  lane, relays, speculation and phase-group hold. A step's path looks the session up once and reads it
+  all there; `detach` closes what it owns, so nothing of a session outlives it in a table of its own.
 - A session opened with a relay plan sends its results on along its route (dgr.node.relay) instead of
   back to the caller; a ring's tail also holds a loop relay back to the head, or a `SelfLoop` where
   the ring is this node alone (no link to itself).
-- A ring tail holds its next steps for their phase group (dgr.node.ringphases) and sends them to the
+- A ring tail holds its next steps for their phase group (`RingPhases`, below) and sends them to the
   head through the session's loop relay.
-- `detach` closes a session's relays and leaves its phase group; it is safe to call for any id.
+- `detach` closes a session's relays and leaves its phase group; it is safe to call once for any record.
 - The route's count of sessions open here (`on_route`) sizes one phase group's decode rows
   (`group_rows`), as the gateway and a ring's tail cut them (dgr.fsm.phases).
+
+Phase groups (`RingPhases`, `Hold`): a ring tail's decode steps go back to the head in groups of
+consecutive lanes.
+
+Why: on a chain the gateway holds each session's next decode step until every
+decoding session of its phase group has its token (dgr.fsm.phases), so a
+group reaches every node as one pass over consecutive sequence ids. On a ring
+the steps never pass the gateway: the tail sends them to the head. Without a
+hold, 8 sessions on a 2-node SmolLM2 ring decoded at 0.924x the chain's rate
+(paired rounds, 0.79x to 1.01x); with it, at 0.977x (0.91x to 1.14x). So the
+tail holds them instead, by the same rules and the same pure board
+(`RoutePhases`, from the tracker's module: it is pure and shared), keyed by
+the route the gateway names in the session's relay plan; lanes are the ones the
+gateway gave at open.
+
+Phase-group rules:
+- A session's step waits until its group is complete, or at most `hold_for`
+  its round trip since its last step went out, after which it goes alone (it
+  only costs speed); a later step waits again.
+- A session that sends no next step (its last token, end of generation), or
+  that ends here, stops counting for its group, which may then go.
+- Steps go out through `send`, in the order they are released.
 
 Left out: the stream itself (dgr.node.relay, dgr.seam) and the connection pools (the node's `pool`).
 """
@@ -20,17 +47,139 @@ import math
 from collections.abc import Callable
 
 import attrs
+import numpy as np
 import trio
 
 from dgr.errors import CallerError, Reason
+from dgr.fsm.phases import RoutePhases, hold_for
+from dgr.fsm.node import NodeSession
 from dgr.node.relay import Outgoing, Relay, RelayPlan, SelfLoop
-from dgr.node.ringphases import RingPhases
 from dgr.node.draft import DraftModel
 from dgr.node.speculation import SpecPlan, TailSpec
+from dgr.sampling import Sampler
 from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 
-__all__ = ["NodeLinks"]
+__all__ = ["Hold", "NodeLinks", "NodeSessionRecord", "RingPhases"]
+
+
+@attrs.define(eq=False)
+class Hold:
+    """One session's place in its phase groups: on its node session record (dgr.node.sessions), not in a
+    table of the ring's keyed by session, so it goes when the session does."""
+
+    route: str | None = None  # its route's board; None: it holds nothing back (not a ring's tail)
+    step: bytes | None = None  # its next step, waiting for its group
+    wake: trio.Event | None = None  # what ends its hold early
+    last: float | None = None  # when its last step went out (trio clock)
+
+
+@attrs.define(eq=False)
+class RingPhases:
+    send: Callable[[str, bytes], None]  # (sid, step): to the session's loop relay
+    boards: dict[str, RoutePhases] = attrs.field(factory=dict)  # route -> its board
+    # route -> its board's sessions' holds (each on its session's record): a released group's steps
+    members: dict[str, dict[str, Hold]] = attrs.field(factory=dict)
+    released: int = 0  # steps sent with their group
+    alone: int = 0  # steps sent alone, after their hold
+
+    def join(self, sid: str, hold: Hold, route: str, nodes: int, lane: int | None) -> None:
+        board = self.boards.get(route)
+        if board is None:
+            board = self.boards[route] = RoutePhases(max(1, nodes))
+            self.members[route] = {}
+        if lane is None or lane in board.lanes.values():
+            board.join(sid)
+        else:
+            board.lanes[sid] = lane
+        self.members[route][sid] = hold
+        hold.route = route
+
+    def go(self, sid: str, hold: Hold, step: bytes, nursery: trio.Nursery) -> None:
+        """`sid`'s next step is ready: sent now with its group, or held (a bounded wait in `nursery`)."""
+        board = self.boards.get(hold.route) if hold.route is not None else None
+        if board is None:
+            self.send(sid, step)
+            return
+        now = trio.current_time()
+        last = hold.last
+        hold.step = step
+        out = board.arrive(sid)
+        if sid in out:
+            self._release(hold.route, out)
+            return
+        wake = hold.wake = trio.Event()
+        nursery.start_soon(self._hold, sid, hold, wake, hold_for(now, last))
+
+    def stop(self, sid: str, hold: Hold) -> None:
+        """`sid` sends no more steps (its last token): its group may go without it."""
+        board = self.boards.get(hold.route) if hold.route is not None else None
+        if board is not None:
+            self._release(hold.route, board.stop(sid))
+
+    def leave(self, sid: str, hold: Hold) -> None:
+        """`sid` ended here: its lane is free, a step it held is dropped."""
+        route, hold.route, hold.step, hold.last = hold.route, None, None, None
+        wake, hold.wake = hold.wake, None
+        if wake is not None:
+            wake.set()
+        board = self.boards.get(route) if route is not None else None
+        if board is None:
+            return
+        self.members[route].pop(sid, None)
+        self._release(route, board.leave(sid))
+        if not board.lanes:
+            del self.boards[route], self.members[route]
+
+    def _release(self, route: str, sids: list[str]) -> None:
+        members = self.members[route]
+        for s in sids:
+            hold = members.get(s)
+            if hold is None:
+                continue
+            step, hold.step = hold.step, None
+            wake, hold.wake = hold.wake, None
+            if wake is not None:
+                wake.set()
+            if step is not None:
+                self.released += 1
+                self._out(s, hold, step)
+
+    async def _hold(self, sid: str, hold: Hold, wake: trio.Event, hold_s: float) -> None:
+        with trio.move_on_after(hold_s):
+            await wake.wait()
+        if hold.wake is not wake:
+            return  # released with its group, or ended
+        hold.wake = None
+        board = self.boards.get(hold.route) if hold.route is not None else None
+        if board is not None:
+            board.withdraw(sid)
+        step, hold.step = hold.step, None
+        if step is not None:
+            self.alone += 1
+            self._out(sid, hold, step)
+
+    def _out(self, sid: str, hold: Hold, step: bytes) -> None:
+        """Send a held step, noting when it went: its session's next hold counts from here."""
+        if hold.route is not None:
+            hold.last = trio.current_time()
+        self.send(sid, step)
+
+
+@attrs.define(eq=False)
+class NodeSessionRecord:
+    """One node session: its state machine and everything the node holds for it, from open to its KV freed."""
+
+    fsm: NodeSession
+    lane: int | None = None  # the sequence slot the gateway gave it (dgr.fsm.phases); its KV opens on it
+    sampler: Sampler | None = None  # the tail's
+    prompt: np.ndarray | None = None  # a head's: the ids it tokenized the prompt into at open
+    offered: bytes = b""  # the marks its open (or adopt) offered, to name its KV if it is kept (dgr.node.prefix)
+    relay: Relay | None = None  # its results' way on; None while its open has not finished
+    loop: Relay | SelfLoop | None = None  # a ring's tail: its way back to the head
+    spec: TailSpec | None = None  # a ring's tail: its drafts and verdicts
+    exact: bool = False  # its steps compute one position at a time
+    hold: Hold = attrs.field(factory=Hold)  # a ring's tail: its next step, held for its phase group
 
 
 @attrs.define
@@ -40,20 +189,17 @@ class NodeLinks:
     node_id: str
     pool: Callable[..., ConnectionPool]  # (url[, pinned cert]) -> the node's pooled connections to it
     accept_streamed: Callable[[str, Record], None]  # the node's reader of stream records (a ring of one)
-    relays: dict[str, Relay] = attrs.field(factory=dict)  # sid -> its relay on (every session has one)
-    loops: dict[str, Relay | SelfLoop] = attrs.field(factory=dict)  # a ring's tail: sid -> its way back to the head
+    find: Callable[[str], NodeSessionRecord | None]  # sid -> its record, while the node holds it
     on_route: collections.Counter = attrs.field(factory=collections.Counter)  # route -> its sessions open here
     ring: RingPhases = attrs.field(init=False)  # a ring's tail: its steps to the head, held for their phase group
-    spec: dict[str, TailSpec] = attrs.field(factory=dict)  # a ring's tail: sid -> its drafts and verdicts
-    exact: set[str] = attrs.field(factory=set)  # sessions whose steps compute one position at a time
     draft: DraftModel | None = None  # the tail's draft model (`--draft-model`), for sessions that ask for it
     nursery: trio.Nursery | None = None  # the node's, while it runs: relays run in it
 
     def __attrs_post_init__(self) -> None:
         self.ring = RingPhases(self._loop_send)
 
-    def attach(self, sid: str, relay: RelayPlan, lane: int | None, spec: SpecPlan | None = None) -> None:
-        """Start `sid`'s relay (and a ring tail's loop back to the head) in the node's nursery; with `spec`,
+    def attach(self, rec: NodeSessionRecord, relay: RelayPlan, spec: SpecPlan | None = None) -> None:
+        """Start a session's relay (and a ring tail's loop back to the head) in the node's nursery; with `spec`,
         its steps may carry drafts, which a ring's tail makes and verifies (dgr.node.speculation).
 
         Raises:
@@ -61,41 +207,40 @@ class NodeLinks:
         """
         if self.nursery is None:
             raise CallerError(Reason.INTERNAL, f"{self.node_id} is not running")
+        sid = rec.fsm.sid
         # a ring of this node alone has no link to itself, and its answers give way to no step
         alone = relay.loop is not None and relay.loop.head.node == self.node_id
-        r = self.relays[sid] = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None and not alone)
+        r = rec.relay = Relay(sid, self.node_id, relay, self.pool, defer=relay.loop is not None and not alone)
         self.nursery.start_soon(r.run)
         self.on_route[relay.route] += 1
-        if spec is not None and spec.exact:
-            self.exact.add(sid)
+        rec.exact = spec is not None and spec.exact
         if relay.loop is None:
             return
         if spec is not None:
-            self.spec[sid] = TailSpec.for_plan(sid, spec, self.draft)
+            rec.spec = TailSpec.for_plan(sid, spec, self.draft)
         if alone:
-            self.loops[sid] = SelfLoop(sid, self.node_id, self.accept_streamed, r)
+            rec.loop = SelfLoop(sid, self.node_id, self.accept_streamed, r)
         else:
             back = RelayPlan(relay.loop.head, relay.deliver_url, relay.deliver_capability)
-            loop = self.loops[sid] = Relay(sid, self.node_id, back, self.pool)
+            loop = rec.loop = Relay(sid, self.node_id, back, self.pool)
             self.nursery.start_soon(loop.run)
         if relay.route:
-            self.ring.join(sid, relay.route, relay.nodes, lane)
+            self.ring.join(sid, rec.hold, relay.route, relay.nodes, rec.lane)
 
-    def detach(self, sid: str) -> TailSpec | None:
-        """Close `sid`'s relays and leave its phase group (nothing where it had none); its speculation, if it
-        had one, for the caller to close in the scheduler's thread."""
-        relay = self.relays.get(sid)
-        if relay is not None:
-            self.on_route[relay.plan.route] -= 1
-            if self.on_route[relay.plan.route] <= 0:
-                del self.on_route[relay.plan.route]
-        for relays in (self.relays, self.loops):
-            relay = relays.pop(sid, None)
-            if relay is not None:
-                relay.close()
-        spec = self.spec.pop(sid, None)
-        self.exact.discard(sid)
-        self.ring.leave(sid)
+    def detach(self, rec: NodeSessionRecord) -> TailSpec | None:
+        """Close what a session's record holds open: its relays, its place in its route's count and phase group
+        (nothing where it had none); its speculation, if it had one, for the caller to close in the scheduler's
+        thread (with its KV)."""
+        if rec.relay is not None:
+            route = rec.relay.plan.route
+            self.on_route[route] -= 1
+            if self.on_route[route] <= 0:
+                del self.on_route[route]
+            rec.relay.close()
+        if rec.loop is not None:
+            rec.loop.close()
+        self.ring.leave(rec.fsm.sid, rec.hold)
+        spec, rec.spec = rec.spec, None
         return spec
 
     def group_rows(self, plan: RelayPlan) -> int | None:
@@ -106,6 +251,6 @@ class NodeLinks:
         return max(1, math.ceil(self.on_route[plan.route] / plan.nodes))
 
     def _loop_send(self, sid: str, step: bytes) -> None:
-        loop = self.loops.get(sid)
-        if loop is not None:
-            loop.put(Outgoing(step, ()))  # the head is the first hop of the next step
+        rec = self.find(sid)
+        if rec is not None and rec.loop is not None:
+            rec.loop.put(Outgoing(step, ()))  # the head is the first hop of the next step

@@ -67,7 +67,7 @@ class RelayPlan:
     loop: Loop | None = None  # the tail of a ring only
     # the route's nodes, as the gateway names them, and how many: a node batches the decode steps of
     # one phase group of the route at a time (dgr.node.service), and a ring's tail holds each step for
-    # its group (dgr.node.ringphases); "" and 1: no groups
+    # its group (dgr.node.links); "" and 1: no groups
     route: str = ""
     nodes: int = 1
 

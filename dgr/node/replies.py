@@ -28,12 +28,12 @@ import trio
 
 from dgr.backends.base import COMPUTE_ERRORS, Compute, ShardBackend, Step
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.fsm.node import NodeSession, StepKind
+from dgr.fsm.node import NodeState, StepKind
 from dgr.fsm.stop import next_step
 from dgr.node import steptrace
 from dgr.node.accounting import NodeAccounting
-from dgr.node.links import NodeLinks
-from dgr.node.relay import Loop, Outgoing, Relay, Report
+from dgr.node.links import NodeLinks, NodeSessionRecord
+from dgr.node.relay import Loop, Outgoing, Report
 from dgr.node.speculation import TailSpec
 from dgr.spec.step import SpecStep
 from dgr.node.iteration import Job, JobKind
@@ -117,14 +117,12 @@ class NodeReplies:
     backend: ShardBackend
     node_id: str
     max_frame_bytes: int
-    table: SessionTable[NodeSession]
-    samplers: dict[str, Sampler]  # the tail's, by session (dgr.node.sessions)
+    table: SessionTable[NodeSessionRecord]
     scheduler: StepScheduler
     links: NodeLinks
     accounting: NodeAccounting
     fail_session: Callable[[str, Failure], Awaitable[None]]
-    kv_job: Callable[[str], Job | None]  # a waiting session's KV open, to run before its first step (dgr.node.sessions)
-    prompts: dict[str, np.ndarray]  # a head's: sid -> the ids of the prompt it tokenized at open
+    kv_job: Callable[[NodeSessionRecord], Job]  # a waiting session's KV open, before its first step (dgr.node.sessions)
 
     def _refused(self, exc: CallerError) -> CallerError:
         self.accounting.refuse(exc)
@@ -137,19 +135,22 @@ class NodeReplies:
         Raises:
             CallerError: refused (a session whose open has not finished has no relay yet); nothing changed.
         """
-        if self.table.is_live(sid) and sid not in self.links.relays:
+        rec = self.table.live.get(sid)
+        if rec is not None and rec.relay is None and sid not in self.table.ended:
             raise self._refused(CallerError(Reason.INVALID_REQUEST, f"session {sid} is still opening"))
         if steptrace.ON:
             steptrace.mark_frame("read", sid, record.frame)
-        frame = self.admit(record.frame, sid)
+        frame, rec = self.admit(record.frame, sid, rec)
         if steptrace.ON:
             steptrace.mark("admitted", sid, frame.pos0)
-        self._relay_step(frame, self.links.relays[sid], record.compute_us)
+        self._relay_step(frame, rec, record.compute_us)
 
-    def admit(self, body: bytes, stream: str) -> Frame:
-        """Decode a frame and apply its bookkeeping to its session (queuing a rewind first if needed).
+    def admit(self, body: bytes, stream: str, rec: NodeSessionRecord | None) -> tuple[Frame, NodeSessionRecord]:
+        """Decode a frame and apply its bookkeeping to its session (queuing its KV's open or a rewind first if
+        needed); the frame and the session's record.
 
-        `stream`: the session whose stream (authorized for it already) carried the frame: it must be of it.
+        `stream`: the session whose stream (authorized for it already) carried the frame: it must be of it;
+        `rec`: its record, if the node holds it (the table refuses it here if it has ended).
 
         Raises:
             CallerError: refused; nothing changed.
@@ -161,7 +162,7 @@ class NodeReplies:
         if frame.session != stream:
             raise self._refused(CallerError(Reason.FORBIDDEN,
                                             f"a stream of session {stream} carried a frame of {frame.session}"))
-        kept = self.prompts.get(frame.session)
+        kept = None if rec is None else rec.prompt
         if kept is not None and frame.token_ids is None and frame.kind is FrameKind.PREFILL:
             # a head that tokenized the prompt at open takes its chunks without ids (it has them), and passes
             # them on with its output where the next layers need them too
@@ -170,33 +171,32 @@ class NodeReplies:
                 frame = attrs.evolve(frame, token_ids=ids, flags=frame.flags | Flag.TOKENS)
         try:
             step = check_frame(self.backend, frame)
-            session = self.table.get(frame.session)
-            rewind = session.rewinds(frame.pos0)
+            rec = self.table.get(frame.session)  # SESSION_ENDED before its record goes, else UNKNOWN_SESSION
+            session = rec.fsm
+            rewind, opening = session.rewinds(frame.pos0), session.state is NodeState.WAITING
             session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
         except CallerError as exc:
             raise self._refused(exc)
         if step is StepKind.PREFILL and frame.flags & Flag.SAMPLE:  # the prompt's last chunk: its length is known
             session.prompt_ends(frame.pos0 + frame.n_tokens)
-        opening = self.kv_job(frame.session)
-        if opening is not None:  # opened with the head, its KV waited for a prefix: none came, so it opens empty
-            self.scheduler.submit(opening)
+        if opening:  # opened with the head, its KV waited for a prefix: none came, so it opens empty, first
+            self.scheduler.submit(self.kv_job(rec))
         if rewind:
             # the route reuses less of the prefix than this node holds: queued before the step, so it runs first
             self.scheduler.submit(Job(JobKind.SESSION, frame.session,
                                       fn=functools.partial(self.backend.trim_session, frame.session, frame.pos0)))
         self.accounting.admitted(frame)
-        return frame
+        return frame, rec
 
-    def _relay_step(self, frame: Frame, relay: Relay, compute_us: tuple[int, ...]) -> None:
+    def _relay_step(self, frame: Frame, rec: NodeSessionRecord, compute_us: tuple[int, ...]) -> None:
         """Queue a streamed step; when computed, its result goes to the relay (or its failure is reported).
 
         On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
         """
-        sampler, want = self.samplers.get(frame.session), bool(frame.flags & Flag.SAMPLE)
-        loop, plan = self.links.loops.get(frame.session), relay.plan.loop
-        session = self.table.live[frame.session]
+        sampler, want, session, spec = rec.sampler, bool(frame.flags & Flag.SAMPLE), rec.fsm, rec.spec
+        relay, loop = rec.relay, rec.loop
+        plan = relay.plan.loop
         backend, links = self.backend, self.links
-        spec = links.spec.get(frame.session)
 
         def finish(out: np.ndarray | None) -> tuple[bytes | list[bytes], bytes | None]:  # in the scheduler's thread
             if backend.is_tail:  # every tail has its loop back to the head
@@ -226,9 +226,9 @@ class NodeReplies:
                 return
             if loop is not None and want and links.nursery is not None:  # first: the next token's path
                 if step is not None:
-                    links.ring.go(frame.session, step, links.nursery)
+                    links.ring.go(frame.session, rec.hold, step, links.nursery)
                 else:
-                    links.ring.stop(frame.session)
+                    links.ring.stop(frame.session, rec.hold)
             if spec is not None:  # the route's cost of the step just verified
                 spec.measured((sum(compute_us) + j.compute_s * 1e6) / 1e6)
             times = (*compute_us, int(j.compute_s * 1e6))
@@ -239,7 +239,7 @@ class NodeReplies:
                     self.accounting.sent(reply)
                 relay.put(Outgoing(reply, times))
 
-        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame, frame.session in links.exact),
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame, rec.exact),
                                   finish=finish, on_done=done, max_rows=links.group_rows(relay.plan)))
 
     def _speculate(self, frame: Frame, out: np.ndarray | None, sampler: Sampler | None, spec: TailSpec, loop: Loop,

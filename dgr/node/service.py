@@ -28,11 +28,10 @@ import trio
 
 from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Failure, Reason
-from dgr.fsm.node import NodeSession
 from dgr.metrics import NodeMetrics
 from dgr.node.accounting import NodeAccounting, SeamStats
 from dgr.node.kv import NodeKV
-from dgr.node.links import NodeLinks
+from dgr.node.links import NodeLinks, NodeSessionRecord
 from dgr.node.prefix import PrefixCache
 from dgr.seam.opening import PromptPlan
 from dgr.node.draft import DraftModel
@@ -80,7 +79,7 @@ class NodeService:
     tracker_url: str | None  # where a ring session's answers and failure reports go
     described: dict[str, Any]  # read once, before the scheduler owns the backend
     scheduler: StepScheduler
-    table: SessionTable[NodeSession]
+    table: SessionTable[NodeSessionRecord]
     accounting: NodeAccounting
     trust: NodeTrust
     kv: NodeKV
@@ -117,7 +116,7 @@ class NodeService:
         if draft is not None:
             self.described["draft_model"] = draft.describe()  # the tracker routes `draft` speculation by it
         self.kv = NodeKV(backend, PrefixCache() if prefix is _KEEP else prefix, snapshots)
-        self.links = NodeLinks(node_id, self.pool, self.accept_streamed, draft=draft)
+        self.links = NodeLinks(node_id, self.pool, self.accept_streamed, self.table.live.get, draft=draft)
         self.accounting = NodeAccounting(node_id, backend, self.described, self.table, self.scheduler, self.kv,
                                          self.links.ring, metrics=NodeMetrics() if metrics is None else metrics,
                                          draft=draft)
@@ -125,8 +124,8 @@ class NodeService:
                                tickets=tickets, joining=joining, identity=identity)
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,
                                       idle_timeout_s=idle_timeout_s)
-        self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.lifecycle.samplers,
-                                   self.scheduler, self.links, self.accounting, self.fail_session, self.lifecycle.kv_job, self.lifecycle.prompts)
+        self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.scheduler, self.links,
+                                   self.accounting, self.fail_session, self.lifecycle.kv_job)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler that owns the backend, and the ring sessions' relays, until cancelled."""
@@ -271,7 +270,7 @@ class NodeService:
         return await self.scheduler.call(work)
 
     # -- what callers read: each part's own state ---------------------------------------------------
-    sessions = property(lambda self: self.table.live, doc="sid -> NodeSession, held until its KV is freed")
+    sessions = property(lambda self: self.table.live, doc="sid -> its NodeSessionRecord, held until its KV is freed")
     ended = property(lambda self: self.table.ended, doc="ended ids remembered -> their failure or None")
     max_positions = property(lambda self: self.table.max_positions, doc="KV positions per session (--ctx)")
     max_frame_bytes = property(lambda self: self.replies.max_frame_bytes)
@@ -279,7 +278,6 @@ class NodeService:
     metrics = property(lambda self: self.accounting.metrics)
     prefix = property(lambda self: self.kv.prefix)
     prefix_bytes = property(lambda self: self.kv.prefix_bytes)
-    loops = property(lambda self: self.links.loops)
     on_route = property(lambda self: self.links.on_route)
     ring = property(lambda self: self.links.ring)
     authority = property(lambda self: self.trust.authority)

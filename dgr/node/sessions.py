@@ -7,10 +7,13 @@ Rules:
 - An open is registered before its KV is opened (a scheduler job, dgr.node.kv), so a second open of
   the same id is refused while this one is queued, and a step for it queues behind the open. Where
   the KV cannot open, the registration is undone.
-- A session may open waiting for its KV (`waits`): a later hop opened with the head, before the prompt
-  is tokenized (`max_new`), and the head itself where it names its own prefix. The gateway names the
-  prefix (`adopt`) where the head may hold one, or the KV opens empty as the job before the session's
-  first step (`kv_job`). Until then it holds no slot of the backend's.
+- A session may open waiting for its KV (`waits`; dgr.fsm.node's `waiting` state): a later hop opened
+  with the head, before the prompt is tokenized (`max_new`), and the head itself where it names its own
+  prefix. The gateway names the prefix (`adopt`) where the head may hold one, or the KV opens empty as
+  the job before the session's first step (`kv_job`), for the positions its open asked (the table's
+  limit) on its lane (its record's). Until then it holds no slot of the backend's.
+- Everything held for a session is its one record (dgr.node.links `NodeSessionRecord`), the table's
+  value; ending it closes what the record owns.
 - Sessions end by `close` (the gateway is done), by failure (the gateway saw the route break, or
   compute raised) or by idle expiry (on trio's clock, as sessions are stamped). Each frees its KV
   after any of its steps already queued: until then it still counts against capacity and in status,
@@ -31,9 +34,9 @@ import trio
 
 from dgr.backends.base import Compute
 from dgr.errors import CallerError, DgrError, Failure, Reason
-from dgr.fsm.node import NodeSession
+from dgr.fsm.node import NodeSession, NodeState
 from dgr.node.kv import NodeKV
-from dgr.node.links import NodeLinks
+from dgr.node.links import NodeLinks, NodeSessionRecord
 from dgr.node.relay import RelayPlan
 from dgr.node.speculation import SpecPlan
 from dgr.node.iteration import Job, JobKind
@@ -52,15 +55,11 @@ class NodeSessions:
 
     backend: Compute
     node_id: str
-    table: SessionTable[NodeSession]
+    table: SessionTable[NodeSessionRecord]
     scheduler: StepScheduler
     kv: NodeKV
     links: NodeLinks
     idle_timeout_s: float = 120.0
-    samplers: dict[str, Sampler] = attrs.field(factory=dict)  # the tail's, by session
-    offered: dict[str, bytes] = attrs.field(factory=dict)  # session -> the marks its open offered (dgr.node.prefix)
-    waiting: dict[str, tuple[int, int | None]] = attrs.field(factory=dict)  # sid -> (positions, lane): KV not open
-    prompts: dict[str, np.ndarray] = attrs.field(factory=dict)  # a head's: the ids it tokenized the prompt into
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
@@ -79,35 +78,29 @@ class NodeSessions:
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
-        self.table.open(sid, max_positions,
-                        NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
-                                    max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new))
-        if self.backend.is_tail:
-            self.samplers[sid] = Sampler(sampling)
-        if prompt is not None:
-            self.prompts[sid] = np.asarray(prompt, dtype=np.int32)
-        if waits or max_new is not None:
-            self.waiting[sid] = (max_positions, lane)
-            reused = 0
-        else:
+        waits = waits or max_new is not None
+        session = NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
+                              state=NodeState.WAITING if waits else NodeState.CREATED,
+                              max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new)
+        rec = self.table.open(sid, max_positions, NodeSessionRecord(
+            session, lane, Sampler(sampling) if self.backend.is_tail else None,
+            None if prompt is None else np.asarray(prompt, dtype=np.int32)))
+        reused = 0
+        if not waits:
             try:
                 reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, max_positions,
                                                                                   prefix or [], lane, marks))
             except DgrError:
                 self.table.pop(sid)
-                self.samplers.pop(sid, None)
-                self.prompts.pop(sid, None)
                 raise
-        if sid in self.table:
-            self.links.attach(sid, relay, lane, spec)
-            tail = self.links.spec.get(sid)
-            if tail is not None and tail.reads_prompt:  # while the route's first hops compute the prompt
-                self.scheduler.submit(Job(JobKind.SESSION, sid, fn=tail.warm))
-        session = self.table.live.get(sid)
-        if session is not None and reused:
-            session.positions = reused  # before any step: the gateway waits for this answer to send one
-        if session is not None and marks and self.kv.prefix is not None:
-            self.offered[sid] = marks
+        if self.table.live.get(sid) is rec:
+            self.links.attach(rec, relay, spec)
+            if rec.spec is not None and rec.spec.reads_prompt:  # while the route's first hops compute the prompt
+                self.scheduler.submit(Job(JobKind.SESSION, sid, fn=rec.spec.warm))
+            if reused:
+                session.positions = reused  # before any step: the gateway waits for this answer to send one
+            if marks and self.kv.prefix is not None:
+                rec.offered = marks
         return reused
 
     async def adopt(self, sid: str, prefix: list[str], marks: bytes) -> int:
@@ -119,30 +112,28 @@ class NodeSessions:
             CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
             DgrError: the KV could not open; the session is failed.
         """
-        session = self.table.get(sid)
-        waiting = self.waiting.pop(sid, None)
-        if waiting is None:
+        rec = self.table.get(sid)
+        session = rec.fsm
+        if session.state is not NodeState.WAITING:
             raise CallerError(Reason.INVALID_REQUEST, f"session {sid} holds its KV already: its open named its prefix")
-        positions, lane = waiting
+        session.kv_opened()  # before the open's job runs: a step from here on queues behind it
         try:
-            reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, positions, prefix,
-                                                                              lane, marks))
+            reused = await self.scheduler.session_call(sid, functools.partial(
+                self.kv.open, sid, self.table.limits[sid], prefix, rec.lane, marks))
         except DgrError as exc:
             await self.fail(sid, exc.failure(node=self.node_id))
             raise
         if reused and self.table.is_live(sid):
             session.positions = reused  # before any step: the gateway waits for this answer to send one
         if marks and self.kv.prefix is not None:
-            self.offered[sid] = marks
+            rec.offered = marks
         return reused
 
-    def kv_job(self, sid: str) -> Job | None:
-        """The job that opens a waiting session's KV empty, to queue before its first step; None where it is
-        open. Where it cannot open, the session fails (its step then finds no KV and is reported too)."""
-        waiting = self.waiting.pop(sid, None)
-        if waiting is None:
-            return None
-        positions, lane = waiting
+    def kv_job(self, rec: NodeSessionRecord) -> Job:
+        """The job that opens a waiting session's KV empty, queued before its first step (which the session
+        accepted while waiting). Where it cannot open, the session fails (its step then finds no KV and is
+        reported too)."""
+        sid = rec.fsm.sid
 
         def done(job: Job) -> None:
             if isinstance(job.result, outcome.Error) and self.links.nursery is not None:
@@ -152,8 +143,8 @@ class NodeSessions:
                                         node=self.node_id))
                 self.links.nursery.start_soon(self.fail, sid, failure)
 
-        return Job(JobKind.SESSION, sid, fn=functools.partial(self.kv.open, sid, positions, [], lane, b""),
-                   on_done=done)
+        return Job(JobKind.SESSION, sid, fn=functools.partial(self.kv.open, sid, self.table.limits[sid], [],
+                                                              rec.lane, b""), on_done=done)
 
     async def close(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
         """End `sid` normally; with `keep` (the hash chain of the tokens in its KV) and `tail` (the marks of
@@ -162,26 +153,27 @@ class NodeSessions:
         Raises:
             CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
         """
-        session = self.table.get(sid)
-        session.close()
-        await self._forget(sid, None, keep, tail)
+        rec = self.table.get(sid)
+        opened = rec.fsm.state is not NodeState.WAITING
+        rec.fsm.close()
+        await self._forget(rec, None, opened, keep, tail)
 
     async def fail(self, sid: str, failure: Failure) -> None:
         """End `sid` with `failure` (a no-op where it is not live)."""
         if not self.table.is_live(sid):
             return
-        self.table.live[sid].fail(failure)
-        await self._forget(sid, failure)
+        rec = self.table.live[sid]
+        opened = rec.fsm.state is not NodeState.WAITING
+        rec.fsm.fail(failure)
+        await self._forget(rec, failure, opened)
 
-    async def _forget(self, sid: str, failure: Failure | None, keep: list[str] | None = None,
-                      tail: bytes = b"") -> None:
-        """End `sid` here: refused from now on, and counted as held until its slot is free."""
-        self.samplers.pop(sid, None)
-        self.prompts.pop(sid, None)
-        spec = self.links.detach(sid)
+    async def _forget(self, rec: NodeSessionRecord, failure: Failure | None, opened: bool,
+                      keep: list[str] | None = None, tail: bytes = b"") -> None:
+        """End a session here: refused from now on, and counted as held until its slot is free. `opened`:
+        its KV is open (it was not waiting), so there is one to free or keep."""
+        sid, head = rec.fsm.sid, rec.offered
+        spec = self.links.detach(rec)
         self.table.end(sid, failure)
-        head = self.offered.pop(sid, b"")
-        opened = self.waiting.pop(sid, None) is None
         try:
             keeps = bool(keep or tail) and failure is None and opened
             close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps
@@ -195,8 +187,8 @@ class NodeSessions:
 
     def _close_kv(self, sid: str, keep: list[str], tail: bytes, head: bytes) -> None:
         """In the scheduler's thread: close `sid`, keeping what it holds (none, where its close was cancelled)."""
-        session = self.table.live.get(sid)
-        self.kv.close(sid, session.positions if session is not None else 0, keep, tail, head)
+        rec = self.table.live.get(sid)
+        self.kv.close(sid, rec.fsm.positions if rec is not None else 0, keep, tail, head)
 
     async def expire_idle_forever(self) -> None:
         """Every second, fail the sessions idle for over `idle_timeout_s` (on trio's clock, as they are stamped)."""
@@ -205,8 +197,8 @@ class NodeSessions:
             await self.expire_idle(trio.current_time())
 
     async def expire_idle(self, now: float) -> list[str]:
-        expired = [sid for sid, s in self.table.live.items()
-                   if sid not in self.table.ended and s.idle_for(now) > self.idle_timeout_s]
+        expired = [sid for sid, rec in self.table.live.items()
+                   if sid not in self.table.ended and rec.fsm.idle_for(now) > self.idle_timeout_s]
         for sid in expired:
             await self.fail(
                 sid, Failure(Reason.SESSION_TIMEOUT, f"idle for over {self.idle_timeout_s:g}s", node=self.node_id))
@@ -218,8 +210,8 @@ class NodeSessions:
         Raises:
             CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
         """
-        session = self.table.get(sid)
-        computed = 0 if sid in self.waiting else await self.scheduler.session_call(
+        session = self.table.get(sid).fsm
+        computed = 0 if session.state is NodeState.WAITING else await self.scheduler.session_call(
             sid, functools.partial(self.backend.positions_computed, sid))
         return {
             "id": sid,
