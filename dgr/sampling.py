@@ -82,7 +82,7 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
 
     Temperature 0 is a point mass on the argmax. Else temperature over float64
     logits, then top-p's nucleus. `Sampler.sample` draws `ids[rng.choice(m, p=probs)]`
-    from it; speculative acceptance (dgr.spec.accept) needs the probabilities themselves.
+    from it; speculative acceptance (dgr.speculative.accept) needs the probabilities themselves.
     """
     z = logits.astype(np.float32, copy=False)
     best = int(np.argmax(z))

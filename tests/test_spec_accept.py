@@ -1,8 +1,8 @@
-"""Acceptance (dgr.spec.accept): exact answers, greedy and sampled, against decoding one token at a time.
+"""Acceptance (dgr.speculative.accept): exact answers, greedy and sampled, against decoding one token at a time.
 
 The "model" is a tiny deterministic table: the logits at a position are a fixed random row for the token
 there plus another for the token before it, read from each node's own KV, so a node that kept a refused
-position computes wrong logits from then on. The route is simulated with dgr.spec.step's bookkeeping.
+position computes wrong logits from then on. The route is simulated with dgr.speculative.step's bookkeeping.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dgr.sampling import Sampler, SamplingParams
-from dgr.spec.accept import (
+from dgr.speculative.accept import (
     Verdict,
     accept_drafts,
     accept_greedy,
@@ -23,8 +23,8 @@ from dgr.spec.accept import (
     accept_with_sampler,
     target,
 )
-from dgr.spec.ngram import NgramDrafter
-from dgr.spec.step import KvWindow, plan_step, settle
+from dgr.speculative.ngram import NgramDrafter
+from dgr.speculative.step import KvWindow, plan_step, settle
 
 V = 12
 _R = np.random.default_rng(1234)

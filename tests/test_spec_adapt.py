@@ -1,4 +1,4 @@
-"""Adaptive k (dgr.spec.adapt): speculation where it pays, none where it would slow a session."""
+"""Adaptive k (dgr.speculative.adapt): speculation where it pays, none where it would slow a session."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from dgr.spec.accept import accept_greedy
-from dgr.spec.adapt import Acceptance, RouteCost, Shadow, choose_k, expected_tokens, rate
-from dgr.spec.ngram import NgramDrafter
-from dgr.spec.step import plan_step, settle
+from dgr.speculative.accept import accept_greedy
+from dgr.speculative.adapt import Acceptance, RouteCost, Shadow, choose_k, expected_tokens, rate
+from dgr.speculative.ngram import NgramDrafter
+from dgr.speculative.step import plan_step, settle
 
 POOR = Acceptance(rates=(0.2,))
 GOOD = Acceptance(rates=(0.8,))

@@ -1,11 +1,11 @@
-"""n-gram drafts (dgr.spec.ngram): the incremental index drafts what a brute-force search of the history finds."""
+"""n-gram drafts (dgr.speculative.ngram): the incremental index drafts what a brute-force search of the history finds."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dgr.spec.ngram import SUPPORT_CAP, NgramDrafter
+from dgr.speculative.ngram import SUPPORT_CAP, NgramDrafter
 
 
 def brute_force(seq: list[int], k: int, n_min: int, n_max: int, window: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""A speculative step's bookkeeping (dgr.spec.step): no node keeps a refused position; counters add up."""
+"""A speculative step's bookkeeping (dgr.speculative.step): no node keeps a refused position; counters add up."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from dgr.errors import CallerError, Reason
-from dgr.spec.accept import Verdict
-from dgr.spec.step import KvWindow, SpecCounters, SpecStep, plan_step, settle
+from dgr.speculative.accept import Verdict
+from dgr.speculative.step import KvWindow, SpecCounters, SpecStep, plan_step, settle
 
 
 def test_a_step_carries_the_last_token_and_its_drafts() -> None:
@@ -89,12 +89,12 @@ def test_counters_report_the_rate_and_k() -> None:
 
 
 def test_the_spec_package_loads_no_io_or_compute_library() -> None:
-    """dgr.spec is pure: importing it loads neither trio nor torch nor llama.cpp, so the tail can call it anywhere."""
+    """dgr.speculative is pure: importing it loads neither trio nor torch nor llama.cpp, so the tail can call it anywhere."""
     import subprocess
     import sys
 
     code = (
-        "import sys, dgr.spec, dgr.spec.ngram, dgr.spec.accept, dgr.spec.adapt, dgr.spec.step\n"
+        "import sys, dgr.speculative, dgr.speculative.ngram, dgr.speculative.accept, dgr.speculative.adapt, dgr.speculative.step\n"
         "print(sorted(m for m in ('trio', 'torch', 'llama_cpp', 'httpx') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

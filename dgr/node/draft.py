@@ -6,7 +6,7 @@ session, holding the KV of the session's tokens as the draft model saw them.
 A step's drafts are the draft model's greedy continuation of the tokens
 accepted so far. That is a deterministic function of them, so the tail's
 acceptance (the session's own sampler draws each row and a draft stands
-while it equals the draw, dgr.spec.accept) leaves the answer's distribution
+while it equals the draw, dgr.speculative.accept) leaves the answer's distribution
 the target's, greedy or sampled.
 
 KV: after a step, a session's sequence holds the tokens it was fed, the
@@ -18,7 +18,7 @@ scheduler job as the shard's own close), so a node ends at 0 KV here too.
 
 Cost: what drafting one token takes, a running mean over single-token
 calls, which the tail's choice of k weighs against the trip it saves
-(dgr.spec.adapt `RouteCost.draft_s`).
+(dgr.speculative.adapt `RouteCost.draft_s`).
 
 Left out: draft models run by the tracker, and the model's own MTP layers.
 """

@@ -35,7 +35,7 @@ from dgr.node.accounting import NodeAccounting
 from dgr.node.links import NodeLinks, NodeSessionRecord
 from dgr.node.relay import Loop, Outgoing, Report
 from dgr.node.speculation import TailSpec
-from dgr.spec.step import SpecStep
+from dgr.speculative.step import SpecStep
 from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler

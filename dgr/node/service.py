@@ -52,7 +52,7 @@ from dgr.security.identity import Identity
 from dgr.security.tickets import OpenTicket, TicketBook
 from dgr.security.tls import TlsTrust
 from dgr.sessions import SessionTable
-from dgr.spec.ngram import WINDOW
+from dgr.speculative.ngram import WINDOW
 
 __all__ = ["NodeService", "Opened", "SeamStats"]
 

@@ -3,7 +3,7 @@
 The tail is where the tokens are, so drafting and verifying both run here
 (issue 42), in the node's backend thread, after the step's logits:
 
-- The tail keeps an n-gram index of the session's tokens (dgr.spec.ngram):
+- The tail keeps an n-gram index of the session's tokens (dgr.speculative.ngram):
   the prompt's, which its open carried (`SpecPlan.history`), then every
   token it emits. Or, where the session asked for `draft` and the node has
   one, its draft model drafts them (dgr.node.draft), from the same tokens.
@@ -11,10 +11,10 @@ The tail is where the tokens are, so drafting and verifying both run here
   drafts after it; every node computes them as one step. Its logits come
   back here as k + 1 rows: the session's own sampler draws each row's token
   in order and the drafts are accepted while they equal it
-  (dgr.spec.accept), so a seeded or greedy request emits the tokens it
+  (dgr.speculative.accept), so a seeded or greedy request emits the tokens it
   would without speculation, given the same logits.
 - The stop rule (dgr.fsm.stop, in positions, as `next_step_frame` counts
-  them) is applied to each emitted token in turn (dgr.spec.step `settle`);
+  them) is applied to each emitted token in turn (dgr.speculative.step `settle`);
   each emitted token leaves as a TOKEN frame whose SPEC_RESULT says how many
   of the step's tokens follow it.
 - The next step starts at the first refused draft's position (`keep`): every
@@ -22,9 +22,9 @@ The tail is where the tokens are, so drafting and verifying both run here
   keeps a refused position.
 - k: fixed where the tracker fixed it, else from the measured acceptance of
   drafts of the next draft's class and the route's measured cost
-  (dgr.spec.adapt `choose_k`). The classes are the drafter's (`kind`): an
+  (dgr.speculative.adapt `choose_k`). The classes are the drafter's (`kind`): an
   n-gram draft resting on one or two tokens of context is "short", on more
-  "long", and each keeps its own estimate (dgr.spec.ngram says why). The
+  "long", and each keeps its own estimate (dgr.speculative.ngram says why). The
   cost: the time
   from building a step to having its logits here (every link and node on
   the way), less the extra positions' share, is `step_s`; an extra
@@ -54,10 +54,10 @@ import numpy as np
 
 from dgr.node.draft import DraftModel, ModelDrafter
 from dgr.sampling import Sampler
-from dgr.spec.accept import Verdict, accept_with_sampler
-from dgr.spec.adapt import Acceptance, RouteCost, Shadow, choose_k
-from dgr.spec.ngram import NgramDrafter
-from dgr.spec.step import Settled, SpecCounters, SpecStep, plan_step, settle
+from dgr.speculative.accept import Verdict, accept_with_sampler
+from dgr.speculative.adapt import Acceptance, RouteCost, Shadow, choose_k
+from dgr.speculative.ngram import NgramDrafter
+from dgr.speculative.step import Settled, SpecCounters, SpecStep, plan_step, settle
 from dgr.seam.opening import SpecPlan  # an open carries the plan (dgr.seam.opening)
 
 __all__ = ["SpecPlan", "TailSpec", "Emitted"]
@@ -79,7 +79,7 @@ _CATCH_UP = 0.25
 
 
 class Drafter(Protocol):
-    """A session's source of drafts: dgr.spec.ngram's index or the node's draft model (dgr.node.draft)."""
+    """A session's source of drafts: dgr.speculative.ngram's index or the node's draft model (dgr.node.draft)."""
 
     free: bool  # drafting costs nothing to speak of, so drafts are made in the shadow at k = 0
     draft_s: float  # what drafting a token costs, measured

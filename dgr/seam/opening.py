@@ -35,8 +35,8 @@ from dgr.errors import CallerError, PeerError, Reason
 from dgr.sampling import SamplingParams
 from dgr.seam.keys import MAX_MARKS, decode_marks, encode_marks, valid_chain
 from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX, MAX_DRAFTS, ROUTE_SESSION_HEADER
-from dgr.spec.adapt import K_MAX
-from dgr.spec.ngram import WINDOW
+from dgr.speculative.adapt import K_MAX
+from dgr.speculative.ngram import WINDOW
 
 __all__ = ["DRAFT_SOURCES", "NextHop", "Loop", "RelayOrder", "SpecPlan", "PromptPlan", "OpenRequest",
            "AdoptRequest", "OpenAnswer", "token_bound"]

@@ -20,7 +20,7 @@ from dgr.fsm.opening import Call, Trip
 from dgr.fsm.route import Hop
 from dgr.sampling import SamplingParams
 from dgr.seam.opening import AdoptRequest, OpenRequest, PromptPlan, RelayOrder, SpecPlan
-from dgr.spec.ngram import WINDOW
+from dgr.speculative.ngram import WINDOW
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.patience import Patience

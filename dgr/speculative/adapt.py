@@ -32,7 +32,7 @@ session at k = 0 still learns: the tail drafts in the shadow (`Shadow`)
 and observes whether (greedy) or with what probability (sampling: p(d),
 the acceptance probability itself) each shadow draft would have been
 accepted, as the real tokens arrive. With the coupled rule of
-dgr.spec.accept a draft is accepted exactly when the sampled token equals
+dgr.speculative.accept a draft is accepted exactly when the sampled token equals
 it, so the shadow reaches position j exactly when a real step would, and
 p(d_j) there is the real step's acceptance probability: the estimate it
 feeds is the one real steps would feed (for greedy, the very same values).

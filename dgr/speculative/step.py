@@ -4,7 +4,7 @@ A step carries k + 1 positions pos0..pos0+k: the last accepted token (at
 pos0, not yet in any node's KV) and k drafts. Every node computes them as
 one batch and appends them to its KV, so after the step each node holds
 positions [0, pos0 + k + 1). The tail accepts n drafts and emits n + 1
-tokens (dgr.spec.accept); the next step starts at pos0' = pos0 + n + 1 with
+tokens (dgr.speculative.accept); the next step starts at pos0' = pos0 + n + 1 with
 the extra token. Its pos0' is the seam's statement "accepted through
 position pos0' - 1": every node drops positions >= pos0' before computing
 it, so no node ever computes on, or keeps, a refused position. A session
@@ -22,8 +22,8 @@ tokens after the one that stops are dropped.
 
 Pure: attrs values and functions; no I/O.
 
-Left out: drafting (dgr.spec.ngram), acceptance (dgr.spec.accept), the
-choice of k (dgr.spec.adapt), and the frames themselves (dgr.seam, once
+Left out: drafting (dgr.speculative.ngram), acceptance (dgr.speculative.accept), the
+choice of k (dgr.speculative.adapt), and the frames themselves (dgr.seam, once
 the lead adds the step kind: docs/spec-decoding.md).
 """
 
@@ -35,7 +35,7 @@ import attrs
 
 from dgr.errors import CallerError, Reason
 from dgr.fsm.stop import next_step
-from dgr.spec.accept import Verdict
+from dgr.speculative.accept import Verdict
 
 __all__ = ["SpecStep", "Settled", "KvWindow", "SpecCounters", "plan_step", "settle"]
 

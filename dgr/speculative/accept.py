@@ -40,8 +40,8 @@ session's own, seeded by SamplingParams.seed), so a seeded request is
 reproducible. Rows are drawn lazily: a step refused at its first draft
 draws from two rows, not k + 1.
 
-Left out: where drafts come from (dgr.spec.ngram) and what the seam and the
-KV keep (dgr.spec.step).
+Left out: where drafts come from (dgr.speculative.ngram) and what the seam and the
+KV keep (dgr.speculative.step).
 """
 
 from __future__ import annotations
