@@ -20,6 +20,7 @@ import attrs
 
 from dgr.errors import CallerError, Reason
 from dgr.sampling import SamplingParams
+from dgr.seam.opening import are_token_ids, parse_messages  # an open carries the prompt: the seam checks it
 
 __all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body",
            "are_token_ids", "DEFAULT_MAX_TOKENS", "SPECULATION"]
@@ -80,38 +81,6 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def are_token_ids(value: Any, limit: int) -> bool:
-    """`value` is a list of token ids in [0, limit) (bools are not ids)."""
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
-                                           for t in value)
-
-
-def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
-    """Chat messages as {"role", "content"} objects with string contents.
-
-    Raises:
-        CallerError(INVALID_REQUEST) with `param` naming the bad message or field.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty array", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise _bad(f"messages[{i}].role must be system, user, assistant, developer or tool", f"messages[{i}].role")
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return tuple(out)
 
 
 def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> GenerationRequest:

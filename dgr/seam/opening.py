@@ -30,7 +30,6 @@ from typing import Any, Sequence
 
 import attrs
 
-from dgr.api.openai import are_token_ids, parse_messages
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.sampling import SamplingParams
 from dgr.seam.keys import MAX_MARKS, decode_marks, encode_marks, valid_chain
@@ -38,7 +37,7 @@ from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX, MAX_DRAFTS, ROUTE_SESSION_HEADE
 from dgr.speculative.adapt import K_MAX
 from dgr.speculative.ngram import WINDOW
 
-__all__ = ["DRAFT_SOURCES", "NextHop", "Loop", "RelayOrder", "SpecPlan", "PromptPlan", "OpenRequest",
+__all__ = ["are_token_ids", "parse_messages", "DRAFT_SOURCES", "NextHop", "Loop", "RelayOrder", "SpecPlan", "PromptPlan", "OpenRequest",
            "AdoptRequest", "OpenAnswer", "token_bound"]
 
 DRAFT_SOURCES = ("ngram", "draft")  # the session's own tokens; the tail's draft model
@@ -52,6 +51,40 @@ _TEMPLATE_TOKENS = 1024
 
 def _bad(message: str, param: str, reason: Reason = Reason.INVALID_REQUEST) -> CallerError:
     return CallerError(reason, message, param=param)
+
+
+def are_token_ids(value: Any, limit: int) -> bool:
+    """`value` is a list of token ids in [0, limit) (bools are not ids)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit
+                                           for t in value)
+
+
+def parse_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """Chat messages as {"role", "content"} objects with string contents.
+
+    Raises:
+        CallerError(INVALID_REQUEST) with `param` naming the bad message or field.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise _bad(f"messages[{i}].role must be system, user, assistant, developer or tool", f"messages[{i}].role")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return tuple(out)
 
 
 def _count(value: Any, name: str) -> int:
