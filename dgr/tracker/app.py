@@ -16,7 +16,7 @@ Who may call what (spec/security.md):
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
   (which nodes fetching layers read) stay open.
 
-A route's deliveries skip the framework (dgr.tracker.deliver_path), and a
+A route's deliveries skip the framework (dgr.tracker.deliveries `deliver_fast_path`), and a
 streaming completion's body is dgr.tracker.sse.
 
 A request that passed an API key, a node's signature or a delivery
@@ -28,7 +28,6 @@ deadlines.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from importlib import resources
 from typing import Any, AsyncIterator
@@ -50,7 +49,7 @@ from dgr.security.api_keys import check_bearer
 from dgr.security.browsers import loopback_only
 from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
 from dgr.security.identity import Identity
-from dgr.tracker.deliver_path import deliver_fast_path
+from dgr.tracker.deliveries import deliver_fast_path
 from dgr.tracker.proofs import Prover
 from dgr.tracker.sse import completion_stream, sse
 
@@ -309,7 +308,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         page = resources.files("dgr.tracker").joinpath("dashboard.html").read_bytes()
         return Response(page, 200, content_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
-    served = deliver_fast_path(gateway, app)
+    served = deliver_fast_path(gateway.deliveries, app)
     # without API keys (a loopback tracker), no web page may drive it: the key would be the guard otherwise
     return served if api_keys else loopback_only(served)
 

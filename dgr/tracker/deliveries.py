@@ -5,6 +5,13 @@ A tail delivers a session's answers on one stream (dgr.api.http
 any of the body is read; each record's answer goes into the session's inbox
 with every hop's compute, where the ring driver takes it (dgr.tracker.ring).
 
+Both skip the framework (`deliver_fast_path`, wrapping the tracker's app):
+POST DELIVER_STREAM_PATH (a record per token, for one session) and POST
+DELIVER_PATH (a JSON failure report) are read up to one frame's size limit
+and authorized by the session's delivery capability before their connection
+is marked authenticated; a ring's answers never come as JSON on
+DELIVER_PATH (BAD_FRAME). Every other request goes to the app untouched.
+
 A report is scoped to its session: the reporter and the node it names must be
 hops of that session's route, only that session fails, and no node is marked
 dead on a member's word. A node reported lost is probed with the tracker's
@@ -22,20 +29,23 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.api.http import parse_json
-from dgr.errors import CallerError, Failure, PeerError, Reason
+from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
+from dgr.api.server import authenticated
+from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.seam.frame import Frame, decode_frame
 from dgr.seam.stream import Record
-from dgr.seam.wire import FrameKind
+from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.live import Answer, LiveSession
 from dgr.tracker.patience import PROBE_S
 from dgr.tracker.registry import GATEWAY_ID, NodeEntry
 
-__all__ = ["Deliveries"]
+__all__ = ["Deliveries", "deliver_fast_path"]
 
 log = logging.getLogger("dgr.gateway")
+
+_DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
 
 
 @attrs.define
@@ -121,3 +131,39 @@ def _answer_frame(body: bytes) -> Frame:
     if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
         raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
     return frame
+
+
+def deliver_fast_path(deliveries: Deliveries, app):
+    """Wrap `app` so that a route's answers (POST DELIVER_STREAM_PATH, a record per token) and its nodes'
+    failure reports (POST DELIVER_PATH, JSON) skip the framework."""
+
+    async def asgi(scope, receive, send):
+        if not (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in (DELIVER_PATH, DELIVER_STREAM_PATH)):
+            await app(scope, receive, send)
+            return
+        if scope["path"] == DELIVER_STREAM_PATH:  # a tail's answers for one session
+
+            def authorize(capability: str | None, sid: str) -> None:
+                deliveries.authorize(capability, sid)
+                authenticated(scope)
+
+            await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
+                                    authorize=authorize, apply=deliveries.deliver)
+            return
+        try:
+            req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
+            if req is None:
+                return
+            if not req.is_json:
+                raise CallerError(Reason.BAD_FRAME, f"a route's answers come on {DELIVER_STREAM_PATH}; "
+                                                    f"{DELIVER_PATH} takes JSON failure reports")
+            deliveries.report(req.body, req.capability)
+            authenticated(scope)  # the report held the session's delivery capability
+        except (DgrError, ValueError) as exc:
+            await respond_raw_error(send, exc, "delivery")
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    return asgi

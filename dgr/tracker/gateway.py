@@ -60,7 +60,6 @@ from dgr.fsm.stop import next_step
 from dgr.metrics import gauge
 from dgr.seam.frame import TokenResult
 from dgr.seam.opening import RelayOrder
-from dgr.seam.stream import Record
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tls import TlsTrust
 from dgr.tracker.accounting import Accounting
@@ -289,15 +288,6 @@ class Gateway:
         return None if entry is None else entry.tls_cert
 
     # -- what members send (dgr.tracker.deliveries) -----------------------------------
-    def authorize_delivery(self, capability: str | None, sid: str) -> None:
-        self.deliveries.authorize(capability, sid)
-
-    def deliver_frame(self, sid: str, record: Record) -> None:
-        self.deliveries.deliver(sid, record)
-
-    def report(self, body: bytes, capability: str | None) -> None:
-        self.deliveries.report(body, capability)
-
     # -- the driver: one loop --------------------------------------------------------
     async def _drive(self, live: LiveSession) -> None:
         rs = live.rs
