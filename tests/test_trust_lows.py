@@ -19,6 +19,7 @@ import trio
 from dgr.errors import CallerError, Reason
 from dgr.fsm.phases import FIRST_HOLD_S, MAX_HOLD_S, RoutePhases, hold_for
 from dgr.seam.wire import NODE_HEADER
+from dgr.seam.opening import RelayOrder
 from dgr.security.identity import Identity, node_id_for
 from dgr.testing.harness import LocalRoute
 from dgr.tracker.registry import Registry
@@ -176,6 +177,7 @@ def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
 # -- node replies the tracker reads are capped; the head's token ids are checked -----------------------------------
 
 _HUGE = 48 * 1024 * 1024  # what the lying node sends, unless cut first
+_TAIL = RelayOrder(None)  # an open's relay: a tail's, delivering to its tracker
 
 
 class _FakeNode:
@@ -246,9 +248,9 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
         async with trio.open_nursery() as nursery:
             client = NodeClient("liar", await fake.start(nursery))
             calls = {"status": client.status,
-                     "prompt": lambda: client.open(OpenRequest("a" * 32, 64, prompt=PromptPlan.of(
+                     "prompt": lambda: client.open(OpenRequest("a" * 32, 64, _TAIL, prompt=PromptPlan.of(
                          {"prompt": "hi"}, root=None, max_new=1, max_prompt=None)), vocab_size=300),
-                     "open": lambda: client.open(OpenRequest("a" * 32, 64))}
+                     "open": lambda: client.open(OpenRequest("a" * 32, 64, _TAIL))}
             for name, call in calls.items():
                 fake.sent, announce[0] = 0, name == "open"
                 tracemalloc.start()
@@ -295,7 +297,7 @@ def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             liar, ok = NodeClient("liar", await fake.start(nursery)), NodeClient("ok", await honest.start(nursery))
-            req = OpenRequest("a" * 32, 64, prompt=PromptPlan.of({"prompt": "hi"}, root=None, max_new=1,
+            req = OpenRequest("a" * 32, 64, _TAIL, prompt=PromptPlan.of({"prompt": "hi"}, root=None, max_new=1,
                                                                  max_prompt=None))
             with pytest.raises(PeerError) as err:
                 await liar.open(req, vocab_size=300)

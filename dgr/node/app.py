@@ -187,19 +187,15 @@ def _spec_plan(service: NodeService, spec: SpecPlan | None) -> SpecPlan | None:
     return spec
 
 
-def _relay_plan(service: NodeService, order: RelayOrder | None) -> RelayPlan:
-    """A ring session's relay plan from an open's `relay`, where this node can follow it: every session is on
-    a ring, so an open without one is refused. Answers always go to this node's own tracker, never to an
-    address the caller names.
+def _relay_plan(service: NodeService, order: RelayOrder) -> RelayPlan:
+    """A ring session's relay plan from an open's `relay` (which every open has: dgr.seam.opening), where this
+    node can follow it. Answers always go to this node's own tracker, never to an address the caller names.
 
     Raises:
-        CallerError(INVALID_REQUEST): no relay, no tracker to deliver to, a next hop where this node is the
-            tail (or none where it is not), a loop on a node that is not the tail (or none on the tail);
+        CallerError(INVALID_REQUEST): no tracker to deliver to, a next hop where this node is the tail (or
+            none where it is not), a loop on a node that is not the tail (or none on the tail);
         CallerError(FORBIDDEN): an http:// url under --require-tls.
     """
-    if order is None:
-        raise CallerError(Reason.INVALID_REQUEST, "relay must be an object: every session is on a ring",
-                          param="relay")
     if service.tracker_url is None:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no tracker to deliver a ring's answers to",
                           param="relay")

@@ -6,9 +6,8 @@ Rules:
   session table (dgr.sessions): its state machine (dgr.fsm.node), sampler, prompt ids, offered marks,
   lane, relays, speculation and phase-group hold. A step's path looks the session up once and reads it
   all there; `detach` closes what it owns, so nothing of a session outlives it in a table of its own.
-- A session opened with a relay plan sends its results on along its route (dgr.node.relay) instead of
-  back to the caller; a ring's tail also holds a loop relay back to the head, or a `SelfLoop` where
-  the ring is this node alone (no link to itself).
+- Every session sends its results on along its ring (dgr.node.relay); a ring's tail also holds a loop
+  relay back to the head, or a `SelfLoop` where the ring is this node alone (no link to itself).
 - A ring tail holds its next steps for their phase group (`RingPhases`, below) and sends them to the
   head through the session's loop relay.
 - `detach` closes a session's relays and leaves its phase group; it is safe to call once for any record.

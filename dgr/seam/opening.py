@@ -156,7 +156,7 @@ class RelayOrder:
     def from_json(cls, data: Any) -> RelayOrder:
         """Raises: CallerError(INVALID_REQUEST), naming the field."""
         if not isinstance(data, dict):
-            raise _bad("relay must be an object", "relay")
+            raise _bad("relay must be an object: every session is on a ring", "relay")
         nxt, cap = data.get("next"), data.get("deliver_capability")
         if cap is not None and not isinstance(cap, str):
             raise _bad("relay.deliver_capability must be a string", "relay.deliver_capability")
@@ -313,8 +313,8 @@ class OpenRequest:
 
     session: str  # 32 lowercase hex digits; the header `X-Dgr-Route-Session` names it too
     max_positions: int  # the session's positions (a head's: the route's context, its prompt's plus max_new)
+    relay: RelayOrder  # every session is on a ring
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
-    relay: RelayOrder | None = None  # None: a session driven call by call (no gateway opens one)
     reuse: AdoptRequest = AdoptRequest()  # the prefix to open on now; none: a head's KV waits for an adopt
     lane: int | None = None  # the session's phase lane (dgr.fsm.phases)
     spec: SpecPlan | None = None  # None: the session does not speculate
@@ -325,7 +325,7 @@ class OpenRequest:
         p = self.prompt
         return _drop_none({
             "session": self.session, "max_positions": self.max_positions, "sampling": self.sampling.to_json(),
-            "relay": None if self.relay is None else self.relay.to_json(),
+            "relay": self.relay.to_json(),
             "prefix": list(self.reuse.prefix) or None, "marks": encode_marks(self.reuse.marks) or None,
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
             "prompt": None if p is None else p.body(), "root": None if p is None else p.root,
@@ -362,14 +362,14 @@ class OpenRequest:
         lane = data.get("lane")
         if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANE):
             raise _bad(f"lane must be an integer in [0, {MAX_LANE})", "lane")
-        relay = None if data.get("relay") is None else RelayOrder.from_json(data["relay"])
+        relay = RelayOrder.from_json(data.get("relay"))
         spec = None if data.get("spec") is None else SpecPlan.from_json(data["spec"], vocab_size)
         prompt = None if "prompt" not in data else PromptPlan.from_json(
             data["prompt"], root=data.get("root"), max_new=data.get("max_new"), max_prompt=data.get("max_prompt"),
             vocab_size=vocab_size)
         # a later hop opened with the head: the prompt's length is not known, only what the answer may add
         max_new = None if prompt is not None or data.get("max_new") is None else _count(data["max_new"], "max_new")
-        return cls(sid, positions, params, relay, reuse, lane, spec, prompt, max_new)
+        return cls(sid, positions, relay, params, reuse, lane, spec, prompt, max_new)
 
 
 @attrs.frozen

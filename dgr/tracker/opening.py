@@ -89,7 +89,7 @@ class RouteOpening:
         """`hop`'s open for `call` (dgr.fsm.opening): the head's of the prompt (or its ids, on their prefix); a
         later hop's waiting (a bound and `max_new`), or with the ids, their exact positions and prefix."""
         b = self.bounds
-        base = OpenRequest(self.sid, b.context, b.sampling, self.relays.get(hop.node_id), lane=self.lane,
+        base = OpenRequest(self.sid, b.context, self.relays[hop.node_id], b.sampling, lane=self.lane,
                            spec=self.spec)
         if hop == self.hops[0]:
             if call is Call.PROMPT:  # its KV waits, the root saying under which it may hold a prefix
