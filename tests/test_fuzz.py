@@ -196,7 +196,7 @@ def test_node_step_with_a_tracker_key_refuses_without_the_right_capability(raw: 
             await ring.open(SID, 16)
             before = await s.session_json(SID)
             try:  # what a stream of SID does: its capability checked from the headers, then each frame
-                s.authorize(token, SID)
+                s.trust.authorize(token, SID)
                 ring.send(raw, SID)
             except CallerError:
                 assert await s.session_json(SID) == before

@@ -131,15 +131,15 @@ def test_a_node_cannot_mint_capabilities_and_pins_one_tracker_key() -> None:
     service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0",
                           identity=node, joining=True)
     with pytest.raises(CallerError, match="not joined") as err:  # before it joins, nothing is authorized
-        service.authorize(None, "a" * 32)
+        service.trust.authorize(None, "a" * 32)
     assert err.value.reason is Reason.FORBIDDEN
     service.join(tracker.public)
     with pytest.raises(CallerError, match="only the tracker"):
         service.authority.issue("a" * 32, "n0", 0, 30, now=0.0)
     own = CapabilityAuthority.issuer(node).issue("a" * 32, "n0", 0, 30, now=1e12)  # signed with the node's key
     with pytest.raises(CallerError, match="does not verify"):
-        service.authorize(own, "a" * 32)
-    service.authorize(CapabilityAuthority.issuer(tracker).issue("a" * 32, "n0", 0, 30, now=1e12), "a" * 32)
+        service.trust.authorize(own, "a" * 32)
+    service.trust.authorize(CapabilityAuthority.issuer(tracker).issue("a" * 32, "n0", 0, 30, now=1e12), "a" * 32)
     with pytest.raises(CallerError, match="another key") as err:  # an impostor tracker later on
         service.join(Identity.generate().public)
     assert err.value.reason is Reason.FORBIDDEN and service.tracker_key == tracker.public

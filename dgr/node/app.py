@@ -6,7 +6,7 @@ ASGI handler in front of Quart: it runs once per token per hop, and Quart's requ
 cost more than the step's own bookkeeping. Everything else goes through Quart.
 
 Every call that names a Route Session carries its capability in
-`X-Dgr-Capability`; `NodeService.authorize` checks it with the tracker key
+`X-Dgr-Capability`; `NodeTrust.authorize` checks it with the tracker key
 pinned at join (a node that has not joined refuses them; one with no
 tracker, on loopback, asks for none) before the session is touched. The
 session is named in the path or in `X-Dgr-Route-Session`, never only in a
@@ -27,6 +27,7 @@ node's answers as its own.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import trio
@@ -78,16 +79,13 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         if request.content_length is not None and request.content_length > limit:
             raise CallerError(Reason.BODY_TOO_LARGE, f"body of {request.content_length} bytes exceeds {limit}")
 
-    def _authorize(sid: str, need: Scope = Scope.CONTROL) -> None:
-        _checked(service, request.scope)(request.headers.get(CAPABILITY_HEADER), sid, need)
-
     @app.post("/v1/seam/sessions")
     async def open_session():
         headers = request.headers
         named = headers.get(ROUTE_SESSION_HEADER)
-        ticket = service.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
+        ticket = service.trust.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
         raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
-        service.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
+        service.trust.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
         req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.max_positions,
                                     vocab_size=service.backend.info.vocab_size)
         opened = await service.open_session(req.session, req.max_positions, req.sampling,
@@ -99,14 +97,14 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):
-        _authorize(sid)
+        _authorize(service, request.scope, request.headers.get(CAPABILITY_HEADER), sid, Scope.CONTROL)
         named = AdoptRequest.from_json(await read_json(_JSON_LIMIT), service.max_positions)
         reused = await service.adopt_prefix(sid, list(named.prefix), named.marks)
         return json_response(OpenAnswer(sid, service.node_id, reused).to_json())
 
     @app.delete("/v1/seam/sessions/<sid>")
     async def close_session(sid: str):
-        _authorize(sid)
+        _authorize(service, request.scope, request.headers.get(CAPABILITY_HEADER), sid, Scope.CONTROL)
         reason = request.args.get("reason")
         if reason:
             try:
@@ -127,7 +125,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.get("/v1/seam/sessions/<sid>")
     async def session_status(sid: str):
-        _authorize(sid)
+        _authorize(service, request.scope, request.headers.get(CAPABILITY_HEADER), sid, Scope.CONTROL)
         return json_response(await service.session_json(sid))
 
     def _artifact() -> NodeArtifact:
@@ -212,15 +210,11 @@ def _relay_plan(service: NodeService, order: RelayOrder) -> RelayPlan:
     return RelayPlan(order.next, service.tracker_url, order.deliver_capability, order.loop, order.route, order.nodes)
 
 
-def _checked(service: NodeService, scope):
-    """`service.authorize`, and once a capability holds, the connection leaves the server's guest limits
+def _authorize(service: NodeService, scope, capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
+    """`NodeTrust.authorize`, and once a capability holds, the connection leaves the server's guest limits
     (dgr.api.server `authenticated`): the one place the node's routes mark it."""
-
-    def authorize(capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
-        service.authorize(capability, sid, need)
-        authenticated(scope)
-
-    return authorize
+    service.trust.authorize(capability, sid, need)
+    authenticated(scope)
 
 
 def seam_fast_path(service: NodeService, app):
@@ -238,4 +232,4 @@ def seam_fast_path(service: NodeService, app):
 async def _stream(service: NodeService, scope, receive, send) -> None:
     """A ring session's steps from the previous hop, checked against this node's capability for it."""
     await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
-                            authorize=_checked(service, scope), apply=service.accept_streamed)
+                            authorize=functools.partial(_authorize, service, scope), apply=service.accept_streamed)

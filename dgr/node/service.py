@@ -47,9 +47,9 @@ from dgr.seam.keys import prompt_offer
 from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 from dgr.seam.wire import MAX_FRAME_BYTES
-from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.security.auth import CapabilityAuthority
 from dgr.security.identity import Identity
-from dgr.security.tickets import OpenTicket, TicketBook
+from dgr.security.tickets import TicketBook
 from dgr.security.tls import TlsTrust
 from dgr.sessions import SessionTable
 from dgr.speculative.ngram import WINDOW
@@ -164,15 +164,6 @@ class NodeService:
 
     def sign_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
         return self.trust.sign_answer(body, answer)
-
-    def authorize(self, capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
-        self.trust.authorize(capability, sid, need)
-
-    def admit_open(self, capability: str | None, ticket: str | None, sid: str) -> OpenTicket | None:
-        return self.trust.admit_open(capability, ticket, sid)
-
-    def redeem_open(self, ticket: OpenTicket | None, body: bytes) -> None:
-        self.trust.redeem_open(ticket, body)
 
     def status_detail(self, capability: str | None) -> bool:
         return self.trust.status_detail(capability)
