@@ -175,7 +175,7 @@ async def _generate(node: NodeService, sid: str, prompt: list[int], n: int) -> l
     await ring.open(sid, len(prompt) + n, ignore_eos=True)
     ring.send(_frames(sid, prompt, 0, 0, FrameKind.PREFILL))
     out = [TokenResult.from_frame(decode_frame(await ring.answer(sid))).token for _ in range(n)]
-    await node.close_session(sid)
+    await node.lifecycle.close(sid)
     return out
 
 
@@ -199,7 +199,7 @@ async def test_concurrent_sessions_with_cancels_never_overlap_the_backend_and_ma
             await ring.open(sid, 64)
             with trio.move_on_after(0):  # cancelled at its first checkpoint, after submitting
                 await ring.step(_frames(sid, [5, 6, 7], 0, 0, FrameKind.PREFILL))
-            await node.close_session(sid)
+            await node.lifecycle.close(sid)
 
         async with trio.open_nursery() as nursery:
             for sid in prompts:
@@ -332,13 +332,13 @@ async def test_after_a_step_the_scheduler_busy_polls_for_its_window_then_sleeps(
         assert max(await _io_waits_during(0.05)) > 0, "slept once the window was over"
 
         await ring.step(_frames(sid, [8], 4, 2, FrameKind.DECODE))
-        await node.close_session(sid)  # a new window, but no session left to wait for
+        await node.lifecycle.close(sid)  # a new window, but no session left to wait for
         assert max(await _io_waits_during(0.05)) > 0
 
         await off_ring.open(other, 16)
         await off_ring.step(_frames(other, [3, 14, 15], 0, 0, FrameKind.PREFILL))
         assert max(await _io_waits_during(0.05)) > 0, "busy polling is off by default"
-        await off.close_session(other)
+        await off.lifecycle.close(other)
 
 
 async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_batch() -> None:
@@ -361,7 +361,7 @@ async def test_a_busy_poll_that_loses_its_core_for_long_sleeps_until_the_next_ba
         hot = await _io_waits_during(0.05)
         assert len(hot) > 10 and max(hot) == 0, "a computed step opened a new window"
         assert node.scheduler.polls_given_up == 1
-        await node.close_session(sid)
+        await node.lifecycle.close(sid)
 
 
 async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_to_run() -> None:
@@ -393,7 +393,7 @@ async def test_a_busy_poll_offers_the_core_only_when_the_loop_has_nothing_else_t
         for k in range(20):  # steps arriving while the loop polls
             await ring.step(_frames(sid, [7 + k], 3 + k, 1 + k, FrameKind.DECODE))
         assert not any(offered), f"yielded the core {sum(offered)} times with a step waiting"
-        await node.close_session(sid)
+        await node.lifecycle.close(sid)
 
 
 async def test_a_step_queued_behind_its_close_finds_the_session_gone_not_a_reused_slot() -> None:
@@ -501,13 +501,13 @@ async def test_a_ring_node_computes_one_phase_group_of_its_route_at_a_time() -> 
     async with running(node):
         for lane, sid in enumerate(sids):
             await node.open_session(sid, 16, SamplingParams(temperature=0.0), relay=plan, lane=lane)
-            node.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, 3, W, token_ids=[3, 14, 15])))
+            node.replies.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, 3, W, token_ids=[3, 14, 15])))
         await settled(node)
         backend.batches.clear()
         for sid in sids:  # both groups at once
-            node.accept_streamed(sid, Record(encode_frame(FrameKind.DECODE, sid, 1, 3, 1, W, token_ids=[7])))
+            node.replies.accept_streamed(sid, Record(encode_frame(FrameKind.DECODE, sid, 1, 3, 1, W, token_ids=[7])))
         await settled(node)
         assert backend.batches == [4, 4] and backend.violations == []
         for sid in sids:
-            await node.close_session(sid)
+            await node.lifecycle.close(sid)
     assert not node.on_route

@@ -130,7 +130,7 @@ async def _decoder(node: NodeService, sid: str, n: int, gaps: list[float], start
         now = trio.current_time()
         gaps.append(now - last)
         last = now
-    await node.close_session(sid)
+    await node.lifecycle.close(sid)
     return out
 
 
@@ -139,7 +139,7 @@ async def _long_prompt(node: NodeService, sid: str, chunks: int) -> int:
     await ring.open(sid, 512 * chunks + 1)
     for c in range(chunks):
         reply = await ring.step(_frame(sid, PROMPT, 512 * c, c, FrameKind.PREFILL, sample=c == chunks - 1))
-    await node.close_session(sid)
+    await node.lifecycle.close(sid)
     return TokenResult.from_frame(decode_frame(reply)).token
 
 
@@ -198,9 +198,9 @@ async def test_controls_are_answered_within_an_iteration_while_prefill_is_queued
             await trio.sleep(0.15)  # the prompts are queued, one chunk computing
             sid = uuid.UUID(int=30).hex
             nursery.start_soon(timed, "open", lambda: OneNodeRing.of(node).open(sid, 16))
-            nursery.start_soon(timed, "close", lambda: node.close_session(idle))
+            nursery.start_soon(timed, "close", lambda: node.lifecycle.close(idle))
             nursery.start_soon(timed, "tokenize", lambda: node.tokenize(prompt="hello there"))
-        await node.close_session(sid)
+        await node.lifecycle.close(sid)
     assert max(waits.values()) < 0.5, waits
 
 

@@ -402,14 +402,14 @@ async def test_a_node_session_left_idle_is_failed_and_its_kv_freed_on_the_trio_c
     await trio.sleep(29.0)
     assert set(node.sessions) == {idle, busy}
     width = node.backend.info.seam_width
-    node.accept_streamed(busy, Record(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15])))
+    node.replies.accept_streamed(busy, Record(encode_frame(FrameKind.PREFILL, busy, 0, 0, 3, width, token_ids=[3, 14, 15])))
     await trio.sleep(2.1)
     await settled(node)
     assert idle not in node.sessions and node.ended[idle].reason is Reason.SESSION_TIMEOUT
     assert busy in node.sessions, "a session stepped within the timeout stays"
     assert 30.0 < trio.current_time() - opened <= 31.1
     assert node.scheduler.kv_bytes > 0
-    await node.close_session(busy)
+    await node.lifecycle.close(busy)
     await settled(node)
     assert node.scheduler.session_count == 0 and node.scheduler.kv_bytes == 0
 

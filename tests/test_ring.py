@@ -367,7 +367,7 @@ async def test_a_one_node_rings_loop_admits_its_next_step_in_process_and_reports
     async with running(node):
         await node.open_session(sid, len(prompt) + max_tokens, SamplingParams(temperature=0.0), relay=plan)
         assert isinstance(node.sessions[sid].loop, SelfLoop)
-        node.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576,
+        node.replies.accept_streamed(sid, Record(encode_frame(FrameKind.PREFILL, sid, 0, 0, len(prompt), 576,
                                                       token_ids=prompt, flags=Flag.SAMPLE)))
         want = Pipeline([StubBackend(spec=StubSpec(), layers=LayerRange(0, 30))]).generate_greedy(
             prompt, max_tokens, sid="0" * 32).tokens

@@ -182,7 +182,7 @@ async def _nan_and_missing(mid: NodeService) -> None:
             ring.send(raw)  # on the stream of the session the frame names
         assert info.value.reason is reason
     assert (await mid.session_json(sid))["positions"] == 0
-    await mid.close_session(sid)
+    await mid.lifecycle.close(sid)
     with pytest.raises(CallerError) as info:
         ring.send(encode_frame(FrameKind.PREFILL, sid, 0, 0, 1, W, hidden=np.ones((1, W))))
     assert info.value.reason is Reason.SESSION_ENDED

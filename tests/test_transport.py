@@ -146,7 +146,7 @@ async def test_a_require_tls_node_refuses_an_http_next_hop_or_loop_head(nursery)
                 assert service.sessions == {} and service.backend.session_count() == 0
             else:
                 assert r.status_code == 201, r.text  # the same plan, TLS not required: opened
-                await service.close_session(sid, [])
+                await service.lifecycle.close(sid, [])
 
     tls = TlsTrust(required=True)
     with pytest.raises(CallerError, match="the tracker 'http://") as err:

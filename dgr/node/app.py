@@ -86,7 +86,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         ticket = service.trust.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
         raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
         service.trust.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
-        req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.max_positions,
+        req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.table.max_positions,
                                     vocab_size=service.backend.info.vocab_size)
         opened = await service.open_session(req.session, req.max_positions, req.sampling,
                                             relay=_relay_plan(service, req.relay), prefix=list(req.reuse.prefix),
@@ -98,8 +98,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):
         _authorize(service, request.scope, request.headers.get(CAPABILITY_HEADER), sid, Scope.CONTROL)
-        named = AdoptRequest.from_json(await read_json(_JSON_LIMIT), service.max_positions)
-        reused = await service.adopt_prefix(sid, list(named.prefix), named.marks)
+        named = AdoptRequest.from_json(await read_json(_JSON_LIMIT), service.table.max_positions)
+        reused = await service.lifecycle.adopt(sid, list(named.prefix), named.marks)
         return json_response(OpenAnswer(sid, service.node_id, reused).to_json())
 
     @app.delete("/v1/seam/sessions/<sid>")
@@ -114,13 +114,13 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
             await service.fail_session(sid, Failure(why, request.args.get("message", ""), node=service.node_id))
         else:
             keep = [k for k in request.args.get("keep", "").split(".") if k]
-            if not valid_chain(keep, service.max_positions // BLOCK_TOKENS + 1):
+            if not valid_chain(keep, service.table.max_positions // BLOCK_TOKENS + 1):
                 raise CallerError(Reason.INVALID_REQUEST, f"keep must be {KEY_HEX}-digit hex block keys joined by '.'")
             tail = decode_marks(request.args.get("tail", ""), BLOCK_TOKENS - 1)
             if tail is None:
                 raise CallerError(Reason.INVALID_REQUEST, f"tail must be the base64 marks of under {BLOCK_TOKENS} "
                                                           "positions")
-            await service.close_session(sid, keep, tail)
+            await service.lifecycle.close(sid, keep, tail)
         return json_response({"session": sid, "closed": True})
 
     @app.get("/v1/seam/sessions/<sid>")
@@ -222,14 +222,12 @@ def seam_fast_path(service: NodeService, app):
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == STREAM_PATH:
-            await _stream(service, scope, receive, send)
+            # a ring session's steps from the previous hop, checked against this node's capability for it
+            await serve_seam_stream(scope, receive, send, limit=service.replies.max_frame_bytes, what="stream",
+                                    authorize=functools.partial(_authorize, service, scope),
+                                    apply=service.replies.accept_streamed)
         else:
             await app(scope, receive, send)
 
     return asgi
 
-
-async def _stream(service: NodeService, scope, receive, send) -> None:
-    """A ring session's steps from the previous hop, checked against this node's capability for it."""
-    await serve_seam_stream(scope, receive, send, limit=service.max_frame_bytes, what="stream",
-                            authorize=functools.partial(_authorize, service, scope), apply=service.accept_streamed)

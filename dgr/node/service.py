@@ -2,7 +2,9 @@
 
 A node serves one Shard: seam frames in, backend compute, seam frames out. `NodeService` builds and
 wires its parts, runs them, and is what the HTTP routes (dgr.node.app), membership
-(dgr.node.membership) and tests call. It holds no rule of its own; each part states its rules:
+(dgr.node.membership) and tests are given; a session's own calls (its capability and ticket checked, a
+prefix adopted, a close, its steps) go straight to the part that owns them (`service.trust`,
+`service.lifecycle`, `service.replies`). It holds no rule of its own; each part states its rules:
 
 - trust (dgr.node.trust): the pinned tracker key, capabilities and open tickets;
 - the session table (dgr.sessions) and the sessions' lifecycle (dgr.node.sessions): open, close,
@@ -44,7 +46,6 @@ from dgr.node.snapshot import SnapshotDir
 from dgr.node.trust import NodeTrust
 from dgr.sampling import SamplingParams
 from dgr.seam.keys import prompt_offer
-from dgr.seam.stream import Record
 from dgr.seam.transport import ConnectionPool
 from dgr.seam.wire import MAX_FRAME_BYTES
 from dgr.security.auth import CapabilityAuthority
@@ -116,7 +117,9 @@ class NodeService:
         if draft is not None:
             self.described["draft_model"] = draft.describe()  # the tracker routes `draft` speculation by it
         self.kv = NodeKV(backend, PrefixCache() if prefix is _KEEP else prefix, snapshots)
-        self.links = NodeLinks(node_id, self.pool, self.accept_streamed, self.table.live.get, draft=draft)
+        # links and replies need each other: replies send on through links, and on a ring of this node alone
+        # links hand its own steps back to replies; the reader is tied in once replies exists, below
+        self.links = NodeLinks(node_id, self.pool, None, self.table.live.get, draft=draft)
         self.accounting = NodeAccounting(node_id, backend, self.described, self.table, self.scheduler, self.kv,
                                          self.links.ring, metrics=NodeMetrics() if metrics is None else metrics,
                                          draft=draft)
@@ -126,6 +129,7 @@ class NodeService:
                                       idle_timeout_s=idle_timeout_s)
         self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.scheduler, self.links,
                                    self.accounting, self.fail_session, self.lifecycle.kv_job)
+        self.links.accept_streamed = self.replies.accept_streamed
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler that owns the backend, and the ring sessions' relays, until cancelled."""
@@ -210,12 +214,6 @@ class NodeService:
         await self.lifecycle.open(sid, positions, sampling, relay, None, lane, b"", spec, waits=True, prompt=ids)
         return Opened(0, ids, reusable)
 
-    async def adopt_prefix(self, sid: str, prefix: list[str], marks: bytes) -> int:
-        return await self.lifecycle.adopt(sid, prefix, marks)
-
-    async def close_session(self, sid: str, keep: list[str] | None = None, tail: bytes = b"") -> None:
-        await self.lifecycle.close(sid, keep, tail)
-
     async def fail_session(self, sid: str, failure: Failure) -> None:
         await self.lifecycle.fail(sid, failure)
 
@@ -224,9 +222,6 @@ class NodeService:
 
     async def session_json(self, sid: str) -> dict[str, Any]:
         return await self.lifecycle.json(sid)
-
-    def accept_streamed(self, sid: str, record: Record) -> None:
-        self.replies.accept_streamed(sid, record)
 
     def status(self, detail: bool = True) -> dict[str, Any]:
         return self.accounting.status(detail)
@@ -264,7 +259,6 @@ class NodeService:
     sessions = property(lambda self: self.table.live, doc="sid -> its NodeSessionRecord, held until its KV is freed")
     ended = property(lambda self: self.table.ended, doc="ended ids remembered -> their failure or None")
     max_positions = property(lambda self: self.table.max_positions, doc="KV positions per session (--ctx)")
-    max_frame_bytes = property(lambda self: self.replies.max_frame_bytes)
     stats = property(lambda self: self.accounting.stats)
     metrics = property(lambda self: self.accounting.metrics)
     prefix = property(lambda self: self.kv.prefix)

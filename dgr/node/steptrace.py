@@ -7,7 +7,7 @@ process of a machine, so the stages of one step on two nodes of a local route li
 gaps between them (a frame on the wire, a task waiting its turn) can be read off.
 
 Stages, in the order a step passes them:
-- `read`: its stream record is cut out (NodeService.accept_streamed);
+- `read`: its stream record is cut out (NodeReplies.accept_streamed);
 - `admitted`: decoded, authorized and accepted by its session's state machine;
 - `iterate`: an iteration of the step scheduler takes it (dgr.node.scheduler);
 - `compute` and `computed`: around the backend's forward call for its batch;

@@ -4,7 +4,7 @@ Every session on a node is on a ring (dgr.node.app): its open names a relay, and
 to the head. `OneNodeRing` opens sessions as the gateway opens them (`plan`): a node that is the whole
 model is a ring of itself (no next hop, its loop back to itself: `SelfLoop`, dgr.node.relay), and a node
 that is not has a next hop that is this harness. It hands the node steps as the previous hop's stream
-would (`send`: `NodeService.accept_streamed`) and reads what the node's relays send out (`answer`): a
+would (`send`: `NodeReplies.accept_streamed`) and reads what the node's relays send out (`answer`): a
 tail's answers to the tracker (ACK and TOKEN frames) or a head's output to its next hop, one frame a
 record, in order, by session; failure reports land in `reports`.
 
@@ -134,7 +134,8 @@ class OneNodeRing:
     def send(self, frame: bytes, sid: str | None = None, compute_us: tuple[int, ...] = ()) -> None:
         """A step, as the stream of session `sid` (by default the frame's own) brings it from the previous hop;
         refusals raise CallerError, as there."""
-        self.service.accept_streamed(decode_frame(frame).session if sid is None else sid, Record(frame, compute_us))
+        sid = decode_frame(frame).session if sid is None else sid
+        self.service.replies.accept_streamed(sid, Record(frame, compute_us))
 
     async def answer(self, sid: str) -> bytes:
         """The next frame the node sent out for `sid`: a tail's answer to the tracker, or a head's (or middle
