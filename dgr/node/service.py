@@ -23,6 +23,7 @@ llama.cpp never sees two calls at once.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import attrs
@@ -240,20 +241,20 @@ class NodeService:
             raise CallerError(Reason.INVALID_REQUEST, f"{self.node_id} is not a head shard")
         if messages is None and not isinstance(prompt, str):
             raise CallerError(Reason.INVALID_REQUEST, "tokenize needs messages or a prompt string")
-
-        def work() -> tuple[list[int], str]:
-            if messages is not None:
-                # message contents never yield control tokens; only the template's markup does
-                return backend.tokenize_chat(messages)
+        if messages is not None:
+            # message contents never yield control tokens; only the template's markup does
+            work = functools.partial(backend.tokenize_chat, messages)
+        else:
             # a completions prompt has no template and no roles: its sender writes the whole
             # prompt, control tokens included, as llama.cpp's server and vLLM allow
-            return backend.tokenize(prompt, add_special=True, parse_special=True), prompt
-
+            work = functools.partial(backend.tokenize, prompt, add_special=True, parse_special=True)
         if backend.text_apart and not self.scheduler.inline:
             # the text holds nothing the compute touches: not behind any queued iteration (one at a time).
             # An inline scheduler (tests on a MockClock) uses no thread: a thread's wait would let the clock jump.
-            return await trio.to_thread.run_sync(work, limiter=self._text_calls)
-        return await self.scheduler.call(work)
+            done = await trio.to_thread.run_sync(work, limiter=self._text_calls)
+        else:
+            done = await self.scheduler.call(work)
+        return done if messages is not None else (done, prompt)  # tokenize_chat gives its rendered text too
 
     # -- what callers read: each part's own state ---------------------------------------------------
     sessions = property(lambda self: self.table.live, doc="sid -> its NodeSessionRecord, held until its KV is freed")
