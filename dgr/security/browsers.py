@@ -26,11 +26,6 @@ __all__ = ["check_browser_request", "loopback_only"]
 _POST_TYPES = ("application/json", SEAM_CONTENT_TYPE)
 
 
-def _host_of(authority: str) -> str:
-    """The host of a Host header value (`name`, `name:port`, `[v6]:port`)."""
-    return urlsplit("//" + authority).hostname or ""
-
-
 def check_browser_request(method: str, headers: dict[str, str]) -> None:
     """Refuse a request a web page could have made to a keyless loopback tracker.
 
@@ -40,8 +35,8 @@ def check_browser_request(method: str, headers: dict[str, str]) -> None:
         CallerError(FORBIDDEN): a Host that is not loopback, or an Origin that is not loopback.
         CallerError(INVALID_REQUEST): a POST whose Content-Type is not JSON or a seam frame.
     """
-    host = headers.get("host", "")
-    if not is_loopback(_host_of(host)):
+    host = headers.get("host", "")  # `name`, `name:port` or `[v6]:port`: a URL's authority, read as one
+    if not is_loopback(urlsplit("//" + host).hostname or ""):
         raise CallerError(Reason.FORBIDDEN, f"this tracker has no API keys and answers loopback hosts only, not {host[:64]!r}")
     origin = headers.get("origin")  # "null" for a sandboxed page or a file: no host, refused like a foreign one
     if origin is not None and not is_loopback(urlsplit(origin).hostname or ""):
