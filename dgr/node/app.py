@@ -90,7 +90,8 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
                                     vocab_size=service.backend.info.vocab_size)
         opened = await service.open_session(req.session, req.max_positions, req.sampling,
                                             relay=_relay_plan(service, req.relay), prefix=list(req.reuse.prefix),
-                                            lane=req.lane, marks=req.reuse.marks, spec=_spec_plan(service, req.spec),
+                                            lane=req.lane, marks=req.reuse.marks,
+                                            spec=None if req.spec is None else _spec_plan(service, req.spec),
                                             prompt=req.prompt, max_new=req.max_new)
         return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens,
                                         opened.reusable).to_json(), 201)
@@ -168,14 +169,12 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
     return seam_fast_path(service, app)
 
 
-def _spec_plan(service: NodeService, spec: SpecPlan | None) -> SpecPlan | None:
+def _spec_plan(service: NodeService, spec: SpecPlan) -> SpecPlan:
     """An open's speculation, where this node can give it (its shape is dgr.seam.opening's to check).
 
     Raises: CallerError(INVALID_REQUEST): drafts from a draft model this tail lacks, or memory that cannot
     drop the refused drafts.
     """
-    if spec is None:
-        return None
     if spec.source == "draft" and service.backend.is_tail and service.links.draft is None:
         raise CallerError(Reason.INVALID_REQUEST, f"{service.node_id} has no draft model (--draft-model)",
                           param="spec.source")
