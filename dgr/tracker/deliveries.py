@@ -32,7 +32,7 @@ import trio
 from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
-from dgr.seam.frame import Frame, decode_frame
+from dgr.seam.frame import decode_frame
 from dgr.seam.stream import Record
 from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
 from dgr.security.auth import CapabilityAuthority, Scope
@@ -71,7 +71,9 @@ class Deliveries:
         Raises:
             CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed.
         """
-        frame = _answer_frame(record.frame)
+        frame = decode_frame(record.frame)
+        if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
+            raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
         if frame.session != sid:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
         self._live(sid).inbox[0].send_nowait(Answer(frame, record.compute_us))
@@ -124,13 +126,6 @@ class Deliveries:
             self.node_lost(entry.node_id, "the tracker's probe could not reach it")
         finally:
             self._probing.discard(entry.node_id)
-
-
-def _answer_frame(body: bytes) -> Frame:
-    frame = decode_frame(body)
-    if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
-        raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
-    return frame
 
 
 def deliver_fast_path(deliveries: Deliveries, app):
