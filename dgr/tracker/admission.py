@@ -74,7 +74,7 @@ class Admission:
     config: GatewayConfig
     clients: NodeClients
     patience: Patience
-    credentials: Callable[[], Credentials]
+    credentials: Credentials
     owe_close: Callable[[str, str], None]  # (node id, sid): it may hold the session; close it when it is back
     accounting: Accounting  # hears every Route Session's events
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
@@ -148,10 +148,11 @@ class Admission:
 
     def _opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds) -> RouteOpening:
         """The opening of `choice`'s node sessions: its relay plans, speculation and lane in the phase groups."""
-        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials(), self.patience,
+        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials, self.patience,
                             self.config.step_deadline_s, lambda: rs.state.value, bounds,
-                            self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos),
-                            self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid))
+                            self.credentials.relay_plans(rs.sid, choice.hops, req.ignore_eos),
+                            self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid),
+                            self.credentials.capabilities(rs.sid, choice.hops))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
         """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or
