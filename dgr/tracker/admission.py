@@ -47,6 +47,7 @@ import attrs
 import trio
 
 from dgr.api.openai import GenerationRequest
+from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop, RouteEvent, RouteSession
@@ -137,8 +138,8 @@ class Admission:
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=min(max_new, context - len(prompt)), nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv, caps=opening.caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
-            phases=self._board(choice.hops), listener=self.accounting.observe,
+            send=send, recv=recv, text=TextAssembler(stop=req.stop), caps=opening.caps, prefix_root=root,
+            keep_generated=cfg.prefix_keep_generated, phases=self._board(choice.hops), listener=self.accounting.observe,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([offered, *opening.held.values()]) if root is not None else 0
