@@ -106,11 +106,10 @@ class Admission:
             info = choice.nodes[0].model
             # The context is what every hop allocates per session (--ctx), not the training context.
             context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
-            token_limit = self._check_bytes(req, context)
+            token_limit, prompt = self._client_prompt(req, context, info.vocab_size)
             root = prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None
             max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
             bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens, root)
-            prompt = self._given_ids(req, info.vocab_size)
             offered, offer = self._offer(prompt, root)
             if prompt is not None:  # the ids are known: choose the route by its kept prefix before any open
                 choice, reserved = self._rechoose(choice, reserved, offer, context, now)
@@ -156,13 +155,21 @@ class Admission:
                             self.credentials.capabilities(rs.sid, choice.hops))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
-        """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or
-        `choice` where there is none."""
-        better = self._holding_route(list(offer.prefix), choice, context)
-        if better is None:
-            return choice, reserved
-        self.release(reserved)
-        return better, self._hold(better.nodes, now)
+        """(route, its held slots): a route whose nodes all kept the longest prefix of `offer`'s blocks that this
+        gateway saw closed or its nodes name in their heartbeats (what survives a restart), when it is not
+        `choice` and has room and the context `choice` has; else `choice` and `reserved`."""
+        keys = list(offer.prefix)
+        named = self.registry.holding(keys) if keys else {}
+        for i in range(len(keys) - 1, -1, -1):
+            nodes = self.holders.get(keys[i], frozenset()) | {n for n, at in named.items() if at >= i}
+            if nodes:
+                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
+                                        trusted=self.registry.trusted_ends)
+                if better is None or min(n.max_positions for n in better.nodes) < context:
+                    return choice, reserved
+                self.release(reserved)
+                return better, self._hold(better.nodes, now)
+        return choice, reserved
 
     @staticmethod
     def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
@@ -173,32 +180,27 @@ class Admission:
         offered, chain, marks = prompt_offer(prompt, root)
         return offered, AdoptRequest(tuple(chain), marks)
 
-    def _check_bytes(self, req: GenerationRequest, context: int) -> int:
-        """The prompt's token limit, once its text is known to fit it: refused before any node sees it.
+    def _client_prompt(self, req: GenerationRequest, context: int, vocab_size: int) -> tuple[int, list[int] | None]:
+        """(the prompt's token limit, the client's own ids or None for a prompt the head must tokenize): the
+        prompt as the client sent it, checked before any node sees it (its text's bytes against the limit,
+        its ids against the vocabulary).
 
-        Raises: CallerError(PROMPT_TOO_LARGE).
+        Raises: CallerError(PROMPT_TOO_LARGE | INVALID_REQUEST).
         """
         cfg = self.config
         token_limit = min(context - 1, cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else context)
+        if req.prompt_ids:
+            prompt = list(req.prompt_ids)
+            if max(prompt) >= vocab_size:
+                raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
+                                  f"of {vocab_size}", param="prompt")
+            return token_limit, prompt
         byte_limit = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max(token_limit, 1)
-        if not req.prompt_ids and req.prompt_bytes() > byte_limit:
+        if req.prompt_bytes() > byte_limit:
             raise CallerError(Reason.PROMPT_TOO_LARGE,
                               f"the prompt has {req.prompt_bytes()} bytes; this gateway tokenizes at most {byte_limit} "
                               f"(the prompt may have at most {token_limit} tokens)", param=_param(req))
-        return token_limit
-
-    def _given_ids(self, req: GenerationRequest, vocab_size: int) -> list[int] | None:
-        """The client's own token ids, checked; None for a prompt the head must tokenize.
-
-        Raises: CallerError(INVALID_REQUEST | CONTEXT_LENGTH_EXCEEDED).
-        """
-        if not req.prompt_ids:
-            return None
-        prompt = list(req.prompt_ids)
-        if max(prompt) >= vocab_size:
-            raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
-                              f"of {vocab_size}", param="prompt")
-        return prompt
+        return token_limit, None
 
     @staticmethod
     def _head_ids(tokens: list[int] | None, head: Hop, context: int, token_limit: int) -> list[int]:
@@ -290,21 +292,6 @@ class Admission:
                     raise
             with trio.move_on_at(deadline):
                 await self._freed.wait()
-
-    def _holding_route(self, offer: list[str], choice, context: int):
-        """A route whose nodes all kept the longest prefix of `offer` that this gateway saw closed or its nodes
-        name in their heartbeats (what survives a restart), when it is not `choice` and has room and the
-        context `choice` has; else None."""
-        named = self.registry.holding(offer) if offer else {}
-        for i in range(len(offer) - 1, -1, -1):
-            nodes = self.holders.get(offer[i], frozenset()) | {n for n, at in named.items() if at >= i}
-            if nodes:
-                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
-                                        trusted=self.registry.trusted_ends)
-                if better is not None and min(n.max_positions for n in better.nodes) < context:
-                    return None
-                return better
-        return None
 
     def kept(self, route: tuple[Hop, ...], chain: list[str] | None) -> None:
         """A session on `route` closed keeping the blocks of `chain`: prefer that route for prompts that extend them."""
