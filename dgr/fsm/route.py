@@ -94,9 +94,6 @@ class Hop:
     start: int
     stop: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node_id, "url": self.url, "layers": f"{self.start}:{self.stop}"}
-
 
 @attrs.define
 class RouteSession:
@@ -107,6 +104,7 @@ class RouteSession:
     created_at: float
     state: RouteState = ROUTE_TABLE.initial
     route: tuple[Hop, ...] = ()
+    route_json: list[dict[str, Any]] = attrs.field(factory=list)  # the route as snapshots show it, made with it
     prompt_tokens: int = 0
     prefix_reused: int = 0  # prompt positions whose KV came from a kept prefix on every node (not prefilled)
     prefill_done: int = 0
@@ -157,6 +155,7 @@ class RouteSession:
                                                       "at least one must be prefilled")
         self._move(RouteEvent.ROUTE_READY, now)
         self.route = route
+        self.route_json = [{"node": h.node_id, "url": h.url, "layers": f"{h.start}:{h.stop}"} for h in route]
         self.prompt_tokens = prompt_tokens
         self.prefix_reused = self.prefill_done = prefix_reused
         return self.snapshot(now)
@@ -235,7 +234,7 @@ class RouteSession:
             "id": self.sid,
             "model": self.model,
             "phase": self.state.value,
-            "route": [h.to_json() for h in self.route],
+            "route": self.route_json,
             "prefill": {"done": self.prefill_done, "total": self.prompt_tokens},
             "prefix_reused_tokens": self.prefix_reused,
             "tokens": self.generated,
