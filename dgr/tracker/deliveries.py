@@ -22,6 +22,7 @@ to the tracker's log only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -57,13 +58,16 @@ class Deliveries:
     nursery: trio.Nursery | None = None  # where probes run
     _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
 
-    def authorize(self, capability: str | None, sid: str) -> None:
-        """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
+    def authorize(self, capability: str | None, sid: str, connection: dict[str, Any] | None = None) -> None:
+        """Check a delivery capability for session `sid`; once it holds, mark `connection` (the request's ASGI
+        scope, where given) authenticated. Raises CallerError(FORBIDDEN)."""
         if self.authority is not None:
             # a route's delivery capability names this "node" (layers 0:1): one for the whole route, since
             # any of its nodes may have to report
             self.authority.check(capability, session=sid, node=GATEWAY_ID, start=0, stop=1, now=time.time(),
                                  need=Scope.STEP)
+        if connection is not None:
+            authenticated(connection)
 
     def deliver(self, sid: str, record: Record) -> None:
         """An answer from a delivery stream already authorized for `sid`.
@@ -138,13 +142,9 @@ def deliver_fast_path(deliveries: Deliveries, app):
             await app(scope, receive, send)
             return
         if scope["path"] == DELIVER_STREAM_PATH:  # a tail's answers for one session
-
-            def authorize(capability: str | None, sid: str) -> None:
-                deliveries.authorize(capability, sid)
-                authenticated(scope)
-
             await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
-                                    authorize=authorize, apply=deliveries.deliver)
+                                    authorize=functools.partial(deliveries.authorize, connection=scope),
+                                    apply=deliveries.deliver)
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
