@@ -138,7 +138,7 @@ class Admission:
             rs=rs, request=req, prompt=prompt, max_tokens=min(max_new, context - len(prompt)), nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
             send=send, recv=recv, text=TextAssembler(stop=req.stop), caps=opening.caps, prefix_root=root,
-            keep_generated=cfg.prefix_keep_generated, phases=self._board(choice.hops), listener=self.accounting.observe,
+            keep_generated=cfg.prefix_keep_generated, phases=opening.board, listener=self.accounting.observe,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([offered, *opening.held.values()]) if root is not None else 0
@@ -147,12 +147,17 @@ class Admission:
         return live
 
     def _opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds) -> RouteOpening:
-        """The opening of `choice`'s node sessions: its relay plans, speculation and lane in the phase groups."""
+        """The opening of `choice`'s node sessions: its relay plans, speculation, capabilities and lane on the
+        route's phase board (one a route, made on first use)."""
+        relays = self.credentials.relay_plans(rs.sid, choice.hops, req.ignore_eos)
+        spec = self._speculation(req, choice.nodes)
+        key = tuple(h.node_id for h in choice.hops)
+        board = self.phases.get(key)
+        if board is None:
+            board = self.phases[key] = RoutePhases(len(choice.hops))
         return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials, self.patience,
-                            self.config.step_deadline_s, lambda: rs.state.value, bounds,
-                            self.credentials.relay_plans(rs.sid, choice.hops, req.ignore_eos),
-                            self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid),
-                            self.credentials.capabilities(rs.sid, choice.hops))
+                            self.config.step_deadline_s, lambda: rs.state.value, bounds, relays, spec, board,
+                            board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
         """(route, its held slots): a route whose nodes all kept the longest prefix of `offer`'s blocks that this
@@ -220,7 +225,7 @@ class Admission:
         with trio.CancelScope(shield=True):
             for node_id in await self.clients.close(rs.sid, opening.opened, failure, opening.caps):
                 self.owe_close(node_id, rs.sid)
-        self.leave(self._board(opening.hops), rs.sid)
+        self.leave(opening.board, rs.sid)
         confirmed = {h.node_id for h in opening.opened}
         for node_id in opening.attempted:
             if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
@@ -303,14 +308,6 @@ class Admission:
             self.holders.move_to_end(key)
         while len(self.holders) > _HOLDER_KEYS:
             self.holders.popitem(last=False)
-
-    def _board(self, hops: tuple[Hop, ...]) -> RoutePhases:
-        """The phase board of the route through `hops` (made on first use)."""
-        key = tuple(h.node_id for h in hops)
-        board = self.phases.get(key)
-        if board is None:
-            board = self.phases[key] = RoutePhases(len(hops))
-        return board
 
     def leave(self, board: RoutePhases, sid: str) -> None:
         """`sid`'s node sessions are closed: its lane is free, and a board with no lanes goes."""

@@ -17,6 +17,7 @@ import trio
 
 from dgr.errors import DgrError, Reason
 from dgr.fsm.opening import Call, Trip
+from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop
 from dgr.sampling import SamplingParams
 from dgr.seam.opening import AdoptRequest, OpenRequest, PromptPlan, RelayOrder, SpecPlan
@@ -54,7 +55,8 @@ class RouteOpening:
     bounds: Bounds
     relays: dict[str, RelayOrder]  # node id -> its relay
     spec: SpecPlan | None  # the session's speculation (dgr.node.speculation); None: none
-    lane: int  # the session's lane in the route's phase groups
+    board: RoutePhases  # the route's phase groups (dgr.fsm.phases), which the session holds a lane of
+    lane: int  # that lane
     caps: dict[str, str]  # node id -> the session's capability there (dgr.tracker.credentials)
     opened: list[Hop] = attrs.field(factory=list)
     attempted: list[str] = attrs.field(factory=list)  # asked and not refused: they may hold the session
