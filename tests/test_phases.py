@@ -89,13 +89,18 @@ def test_a_session_not_on_the_board_never_waits() -> None:
 
 
 def test_a_routes_board_lives_while_its_sessions_hold_lanes() -> None:
-    """Admission keeps one board a route (made on first use) and drops it with its last lane."""
-    from dgr.fsm.route import Hop
+    """Admission keeps one board a route (made on its first opening) and drops it with its last lane."""
+    from dgr.api.openai import parse_request
+    from dgr.fsm.route import Hop, RouteSession
+    from dgr.tracker.routing import RouteChoice
 
     gw = Gateway(Registry())
     hops = (Hop("n0", "http://n0", 0, 15), Hop("n1", "http://n1", 15, 30))
-    board = gw.admission._board(hops)
-    assert gw.admission._board(hops) is board and [board.join(s) for s in ("s0", "s1", "s2")] == [0, 1, 2]
+    req = parse_request({"model": "stub", "prompt": "hi"}, "completion")
+    openings = [gw.admission._opening(req, RouteSession(sid, "stub", 0.0), RouteChoice(hops, (), "digest"), None)
+                for sid in ("s0", "s1", "s2")]
+    board = openings[0].board
+    assert all(o.board is board for o in openings) and [o.lane for o in openings] == [0, 1, 2]
     gw.admission.leave(board, "s1")
     assert board.join("s3") == 1 and ("n0", "n1") in gw.admission.phases  # s1's lane came back
     for sid in ("s0", "s2", "s3"):

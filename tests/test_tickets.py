@@ -3,10 +3,10 @@
 The route is `dgr up` (stub backend, ring topology) with a tracker, a join
 token and a key folder, so every node checks capabilities. The attacker is a
 route member: it holds what the gateway's relay plans hand a node for its
-neighbour, built here by the gateway's own `relay_plans` with the route's
-tracker key. A session id node1 has never seen stands for an old one after
-node1 restarted (a restarted node remembers no ended session); the last test
-restarts it for real.
+neighbour, built here by the gateway's own `credentials.relay_plans` with
+the route's tracker key. A session id node1 has never seen stands for an old
+one after node1 restarted (a restarted node remembers no ended session); the
+last test restarts it for real.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _plans(route: LocalRoute, sid: str) -> dict:
     for n in route.node_table():
         a, b = n["layers"].split(":")
         hops.append(Hop(n["node"], n["url"], int(a), int(b)))
-    plans = gateway.relay_plans(sid, tuple(sorted(hops, key=lambda h: h.start)))
+    plans = gateway.credentials.relay_plans(sid, tuple(sorted(hops, key=lambda h: h.start)))
     return {node: order.to_json() for node, order in plans.items()}  # as an open's body carries them
 
 

@@ -9,6 +9,7 @@ stream never shows the start of a stop string it later removes.
 from __future__ import annotations
 
 import codecs
+import functools
 
 import attrs
 
@@ -18,7 +19,8 @@ __all__ = ["TextAssembler"]
 @attrs.define
 class TextAssembler:
     stop: tuple[str, ...] = ()
-    _decoder: codecs.IncrementalDecoder = attrs.field(factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    _decoder: codecs.IncrementalDecoder = attrs.field(
+        factory=functools.partial(codecs.getincrementaldecoder("utf-8"), "replace"))
     _pending: str = ""  # decoded, not yet emitted
     emitted: str = ""
     stopped: bool = False
@@ -33,7 +35,12 @@ class TextAssembler:
             if at >= 0:
                 self.stopped = True
                 return self._emit(self._pending[:at])
-        keep = self._longest_stop_prefix_suffix()
+        keep = 0  # the longest end of the pending text that begins a stop string: held back
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self._pending)), keep, -1):
+                if self._pending.endswith(s[:k]):
+                    keep = k
+                    break
         cut = len(self._pending) - keep
         return self._emit(self._pending[:cut], rest=self._pending[cut:])
 
@@ -48,12 +55,3 @@ class TextAssembler:
         self._pending = rest
         self.emitted += text
         return text
-
-    def _longest_stop_prefix_suffix(self) -> int:
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self._pending)), 0, -1):
-                if self._pending.endswith(s[:k]):
-                    best = max(best, k)
-                    break
-        return best

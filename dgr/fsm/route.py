@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 from typing import Any
 
 import attrs
@@ -62,6 +63,8 @@ class RouteEvent(enum.Enum):
 
 
 _LIVE = (RouteState.CREATED, RouteState.ROUTING, RouteState.PREFILL, RouteState.DECODE)
+# a snapshot's health by state; a live session past routing is "ok" once it has its route, else "unknown"
+_HEALTH = {RouteState.CREATED: "ok", RouteState.ROUTING: "ok", RouteState.DONE: "closed", RouteState.FAILED: "failed"}
 
 ROUTE_TABLE: TransitionTable[RouteState, RouteEvent] = TransitionTable(
     machine="route_session",
@@ -91,9 +94,6 @@ class Hop:
     start: int
     stop: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node_id, "url": self.url, "layers": f"{self.start}:{self.stop}"}
-
 
 @attrs.define
 class RouteSession:
@@ -104,6 +104,7 @@ class RouteSession:
     created_at: float
     state: RouteState = ROUTE_TABLE.initial
     route: tuple[Hop, ...] = ()
+    route_json: list[dict[str, Any]] = attrs.field(factory=list)  # the route as snapshots show it, made with it
     prompt_tokens: int = 0
     prefix_reused: int = 0  # prompt positions whose KV came from a kept prefix on every node (not prefilled)
     prefill_done: int = 0
@@ -123,7 +124,9 @@ class RouteSession:
     drafted: int = 0
     accepted: int = 0
     spec_k: int = 0
-    _token_times: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=RATE_WINDOW))
+    tokens_per_second: float = 0.0  # over the last RATE_WINDOW token times: it changes only when a token comes
+    _token_times: collections.deque[float] = attrs.field(
+        factory=functools.partial(collections.deque, maxlen=RATE_WINDOW))
 
     def _move(self, event: RouteEvent, now: float) -> RouteState:
         if self.state is RouteState.FAILED:
@@ -152,6 +155,7 @@ class RouteSession:
                                                       "at least one must be prefilled")
         self._move(RouteEvent.ROUTE_READY, now)
         self.route = route
+        self.route_json = [{"node": h.node_id, "url": h.url, "layers": f"{h.start}:{h.stop}"} for h in route]
         self.prompt_tokens = prompt_tokens
         self.prefix_reused = self.prefill_done = prefix_reused
         return self.snapshot(now)
@@ -178,7 +182,9 @@ class RouteSession:
         self.completion_tokens += completion
         if hop_ms:
             self.hop_latency_ms.update(hop_ms)
-        self._token_times.append(now)
+        times = self._token_times
+        times.append(now)
+        self.tokens_per_second = (len(times) - 1) / (times[-1] - times[0]) if times[-1] > times[0] else 0.0
         return self.snapshot(now)
 
     def speculated(self, k: int, accepted: int) -> None:
@@ -218,22 +224,9 @@ class RouteSession:
             self.lost = self.lost | {failure.node}
 
     # -- telemetry ------------------------------------------------------------
-    def tokens_per_second(self) -> float:
-        times = self._token_times
-        if len(times) < 2 or times[-1] <= times[0]:
-            return 0.0
-        return (len(times) - 1) / (times[-1] - times[0])
-
     @property
     def ended(self) -> bool:
         return self.state in ROUTE_TABLE.terminal
-
-    def health(self) -> str:
-        if self.state is RouteState.FAILED:
-            return "failed"
-        if self.state is RouteState.DONE:
-            return "closed"
-        return "ok" if self.route or self.state in (RouteState.CREATED, RouteState.ROUTING) else "unknown"
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Generation Telemetry: everything a client may want to see right now."""
@@ -241,18 +234,18 @@ class RouteSession:
             "id": self.sid,
             "model": self.model,
             "phase": self.state.value,
-            "route": [h.to_json() for h in self.route],
+            "route": self.route_json,
             "prefill": {"done": self.prefill_done, "total": self.prompt_tokens},
             "prefix_reused_tokens": self.prefix_reused,
             "tokens": self.generated,
-            "tokens_per_second": round(self.tokens_per_second(), 3),
+            "tokens_per_second": round(self.tokens_per_second, 3),
             "ttft_ms": None if self.first_token_at is None else round((self.first_token_at - self.created_at) * 1e3, 3),
             "hop_latency_ms": dict(self.hop_latency_ms),
             "speculation": {"steps": self.spec_steps, "drafted": self.drafted, "accepted": self.accepted,
                             "rejected": self.drafted - self.accepted,
                             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
                             "k": self.spec_k},
-            "health": self.health(),
+            "health": _HEALTH.get(self.state, "ok" if self.route else "unknown"),
             "finish_reason": self.finish_reason,
             "failure": None if self.failure is None else self.failure.to_json(),
             "elapsed_ms": round(((self.ended_at or now) - self.created_at) * 1e3, 3),

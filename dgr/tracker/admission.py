@@ -47,6 +47,7 @@ import attrs
 import trio
 
 from dgr.api.openai import GenerationRequest
+from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop, RouteEvent, RouteSession
@@ -74,7 +75,7 @@ class Admission:
     config: GatewayConfig
     clients: NodeClients
     patience: Patience
-    credentials: Callable[[], Credentials]
+    credentials: Credentials
     owe_close: Callable[[str, str], None]  # (node id, sid): it may hold the session; close it when it is back
     accounting: Accounting  # hears every Route Session's events
     # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
@@ -105,11 +106,10 @@ class Admission:
             info = choice.nodes[0].model
             # The context is what every hop allocates per session (--ctx), not the training context.
             context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
-            token_limit = self._check_bytes(req, context)
+            token_limit, prompt = self._client_prompt(req, context, info.vocab_size)
             root = prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None
             max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
             bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens, root)
-            prompt = self._given_ids(req, info.vocab_size)
             offered, offer = self._offer(prompt, root)
             if prompt is not None:  # the ids are known: choose the route by its kept prefix before any open
                 choice, reserved = self._rechoose(choice, reserved, offer, context, now)
@@ -137,8 +137,8 @@ class Admission:
         live = LiveSession(
             rs=rs, request=req, prompt=prompt, max_tokens=min(max_new, context - len(prompt)), nodes=choice.nodes,
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
-            send=send, recv=recv, caps=opening.caps, prefix_root=root, keep_generated=cfg.prefix_keep_generated,
-            phases=self._board(choice.hops), listener=self.accounting.observe,
+            send=send, recv=recv, text=TextAssembler(stop=req.stop), caps=opening.caps, prefix_root=root,
+            keep_generated=cfg.prefix_keep_generated, phases=opening.board, listener=self.accounting.observe,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([offered, *opening.held.values()]) if root is not None else 0
@@ -147,20 +147,34 @@ class Admission:
         return live
 
     def _opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds) -> RouteOpening:
-        """The opening of `choice`'s node sessions: its relay plans, speculation and lane in the phase groups."""
-        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials(), self.patience,
-                            self.config.step_deadline_s, lambda: rs.state.value, bounds,
-                            self.credentials().relay_plans(rs.sid, choice.hops, req.ignore_eos),
-                            self._speculation(req, choice.nodes), self._board(choice.hops).join(rs.sid))
+        """The opening of `choice`'s node sessions: its relay plans, speculation, capabilities and lane on the
+        route's phase board (one a route, made on first use)."""
+        relays = self.credentials.relay_plans(rs.sid, choice.hops, req.ignore_eos)
+        spec = self._speculation(req, choice.nodes)
+        key = tuple(h.node_id for h in choice.hops)
+        board = self.phases.get(key)
+        if board is None:
+            board = self.phases[key] = RoutePhases(len(choice.hops))
+        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials, self.patience,
+                            self.config.step_deadline_s, lambda: rs.state.value, bounds, relays, spec, board,
+                            board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
-        """(route, its held slots): a route that kept the longest of `offer`'s blocks (`_holding_route`), or
-        `choice` where there is none."""
-        better = self._holding_route(list(offer.prefix), choice, context)
-        if better is None:
-            return choice, reserved
-        self.release(reserved)
-        return better, self._hold(better.nodes, now)
+        """(route, its held slots): a route whose nodes all kept the longest prefix of `offer`'s blocks that this
+        gateway saw closed or its nodes name in their heartbeats (what survives a restart), when it is not
+        `choice` and has room and the context `choice` has; else `choice` and `reserved`."""
+        keys = list(offer.prefix)
+        named = self.registry.holding(keys) if keys else {}
+        for i in range(len(keys) - 1, -1, -1):
+            nodes = self.holders.get(keys[i], frozenset()) | {n for n, at in named.items() if at >= i}
+            if nodes:
+                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
+                                        trusted=self.registry.trusted_ends)
+                if better is None or min(n.max_positions for n in better.nodes) < context:
+                    return choice, reserved
+                self.release(reserved)
+                return better, self._hold(better.nodes, now)
+        return choice, reserved
 
     @staticmethod
     def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
@@ -171,32 +185,27 @@ class Admission:
         offered, chain, marks = prompt_offer(prompt, root)
         return offered, AdoptRequest(tuple(chain), marks)
 
-    def _check_bytes(self, req: GenerationRequest, context: int) -> int:
-        """The prompt's token limit, once its text is known to fit it: refused before any node sees it.
+    def _client_prompt(self, req: GenerationRequest, context: int, vocab_size: int) -> tuple[int, list[int] | None]:
+        """(the prompt's token limit, the client's own ids or None for a prompt the head must tokenize): the
+        prompt as the client sent it, checked before any node sees it (its text's bytes against the limit,
+        its ids against the vocabulary).
 
-        Raises: CallerError(PROMPT_TOO_LARGE).
+        Raises: CallerError(PROMPT_TOO_LARGE | INVALID_REQUEST).
         """
         cfg = self.config
         token_limit = min(context - 1, cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else context)
+        if req.prompt_ids:
+            prompt = list(req.prompt_ids)
+            if max(prompt) >= vocab_size:
+                raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
+                                  f"of {vocab_size}", param="prompt")
+            return token_limit, prompt
         byte_limit = cfg.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max(token_limit, 1)
-        if not req.prompt_ids and req.prompt_bytes() > byte_limit:
+        if req.prompt_bytes() > byte_limit:
             raise CallerError(Reason.PROMPT_TOO_LARGE,
                               f"the prompt has {req.prompt_bytes()} bytes; this gateway tokenizes at most {byte_limit} "
                               f"(the prompt may have at most {token_limit} tokens)", param=_param(req))
-        return token_limit
-
-    def _given_ids(self, req: GenerationRequest, vocab_size: int) -> list[int] | None:
-        """The client's own token ids, checked; None for a prompt the head must tokenize.
-
-        Raises: CallerError(INVALID_REQUEST | CONTEXT_LENGTH_EXCEEDED).
-        """
-        if not req.prompt_ids:
-            return None
-        prompt = list(req.prompt_ids)
-        if max(prompt) >= vocab_size:
-            raise CallerError(Reason.INVALID_REQUEST, f"token id {max(prompt)} is outside the vocabulary "
-                              f"of {vocab_size}", param="prompt")
-        return prompt
+        return token_limit, None
 
     @staticmethod
     def _head_ids(tokens: list[int] | None, head: Hop, context: int, token_limit: int) -> list[int]:
@@ -216,7 +225,7 @@ class Admission:
         with trio.CancelScope(shield=True):
             for node_id in await self.clients.close(rs.sid, opening.opened, failure, opening.caps):
                 self.owe_close(node_id, rs.sid)
-        self.leave(self._board(opening.hops), rs.sid)
+        self.leave(opening.board, rs.sid)
         confirmed = {h.node_id for h in opening.opened}
         for node_id in opening.attempted:
             if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
@@ -289,21 +298,6 @@ class Admission:
             with trio.move_on_at(deadline):
                 await self._freed.wait()
 
-    def _holding_route(self, offer: list[str], choice, context: int):
-        """A route whose nodes all kept the longest prefix of `offer` that this gateway saw closed or its nodes
-        name in their heartbeats (what survives a restart), when it is not `choice` and has room and the
-        context `choice` has; else None."""
-        named = self.registry.holding(offer) if offer else {}
-        for i in range(len(offer) - 1, -1, -1):
-            nodes = self.holders.get(offer[i], frozenset()) | {n for n, at in named.items() if at >= i}
-            if nodes:
-                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
-                                        trusted=self.registry.trusted_ends)
-                if better is not None and min(n.max_positions for n in better.nodes) < context:
-                    return None
-                return better
-        return None
-
     def kept(self, route: tuple[Hop, ...], chain: list[str] | None) -> None:
         """A session on `route` closed keeping the blocks of `chain`: prefer that route for prompts that extend them."""
         if not chain:
@@ -314,14 +308,6 @@ class Admission:
             self.holders.move_to_end(key)
         while len(self.holders) > _HOLDER_KEYS:
             self.holders.popitem(last=False)
-
-    def _board(self, hops: tuple[Hop, ...]) -> RoutePhases:
-        """The phase board of the route through `hops` (made on first use)."""
-        key = tuple(h.node_id for h in hops)
-        board = self.phases.get(key)
-        if board is None:
-            board = self.phases[key] = RoutePhases(len(hops))
-        return board
 
     def leave(self, board: RoutePhases, sid: str) -> None:
         """`sid`'s node sessions are closed: its lane is free, and a board with no lanes goes."""

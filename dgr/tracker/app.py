@@ -243,13 +243,9 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
             headers=headers,
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions():
-        return await generate("chat")
-
-    @app.post("/v1/completions")
-    async def completions():
-        return await generate("completion")
+    # one view for both, the route giving its kind
+    app.add_url_rule("/v1/chat/completions", "chat_completions", generate, methods=["POST"], defaults={"kind": "chat"})
+    app.add_url_rule("/v1/completions", "completions", generate, methods=["POST"], defaults={"kind": "completion"})
 
     # -- Route Sessions ---------------------------------------------------------
     @app.get("/v1/route-sessions")

@@ -6,8 +6,9 @@ relay plan, STEP capabilities for its next hop and, on the tail, for the head
 (they let a node send the session's steps there and nothing else), and the
 delivery capability the nodes answer the tracker with; and for each open, a
 single-use ticket over its exact body (dgr.security.tickets). Without the
-tracker's key (in-process routes) there are none. Pure: the wall clock is
-read here because nodes check expiry against theirs.
+tracker's key (in-process routes) there are none. Pure but for two reads:
+the wall clock, because nodes check expiry against theirs, and the
+registry's entries, for the certificate each next hop registered.
 
 Left out: who the route is (dgr.tracker.routing) and the calls themselves
 (dgr.tracker.seam_client).
@@ -24,7 +25,7 @@ from dgr.fsm.route import Hop
 from dgr.seam.opening import Loop, NextHop, RelayOrder
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
-from dgr.tracker.registry import GATEWAY_ID
+from dgr.tracker.registry import GATEWAY_ID, NodeEntry
 
 __all__ = ["Credentials"]
 
@@ -33,7 +34,9 @@ __all__ = ["Credentials"]
 class Credentials:
     authority: CapabilityAuthority | None  # the tracker's key; None: no capabilities, no tickets
     life_s: float  # a capability's life: the session's longest plus a margin for the close after it
-    pinned: Callable[[str], str | None]  # a node id's registered TLS certificate, for the node before it
+    # the registry's entries (shared, not copied): the TLS certificate a node registered is pinned by the node
+    # before it on a route
+    nodes: dict[str, NodeEntry]
 
     def capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
         """The gateway's CONTROL capability for `sid` on each hop; none without an authority."""
@@ -54,16 +57,18 @@ class Credentials:
         deliver = None if self.authority is None else self.authority.issue(
             sid, GATEWAY_ID, 0, 1, now, ttl_s=self.life_s, scope=Scope.STEP)
 
-        def to(hop: Hop) -> NextHop:
+        to: dict[str, NextHop] = {}  # node id -> how the node before it on the ring reaches it
+        for hop in hops:
             cap = None if self.authority is None else self.authority.issue(
                 sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP)
-            return NextHop(hop.node_id, hop.url, cap, self.pinned(hop.node_id))
-
+            entry = self.nodes.get(hop.node_id)
+            to[hop.node_id] = NextHop(hop.node_id, hop.url, cap, None if entry is None else entry.tls_cert)
         route = ",".join(h.node_id for h in hops)
         # route and nodes: each node batches one phase group of the route at a time, and the tail holds each
         # next step for its group
-        out = {hop.node_id: RelayOrder(to(nxt), deliver, route, len(hops)) for hop, nxt in zip(hops, hops[1:])}
-        out[hops[-1].node_id] = RelayOrder(None, deliver, route, len(hops), Loop(to(hops[0]), ignore_eos))
+        out = {hop.node_id: RelayOrder(to[nxt.node_id], deliver, route, len(hops))
+               for hop, nxt in zip(hops, hops[1:])}
+        out[hops[-1].node_id] = RelayOrder(None, deliver, route, len(hops), Loop(to[hops[0].node_id], ignore_eos))
         return out
 
     def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:

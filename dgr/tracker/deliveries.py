@@ -22,6 +22,7 @@ to the tracker's log only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -32,7 +33,7 @@ import trio
 from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
-from dgr.seam.frame import Frame, decode_frame
+from dgr.seam.frame import decode_frame
 from dgr.seam.stream import Record
 from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
 from dgr.security.auth import CapabilityAuthority, Scope
@@ -57,13 +58,16 @@ class Deliveries:
     nursery: trio.Nursery | None = None  # where probes run
     _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
 
-    def authorize(self, capability: str | None, sid: str) -> None:
-        """Check a delivery capability for session `sid`. Raises CallerError(FORBIDDEN)."""
+    def authorize(self, capability: str | None, sid: str, connection: dict[str, Any] | None = None) -> None:
+        """Check a delivery capability for session `sid`; once it holds, mark `connection` (the request's ASGI
+        scope, where given) authenticated. Raises CallerError(FORBIDDEN)."""
         if self.authority is not None:
             # a route's delivery capability names this "node" (layers 0:1): one for the whole route, since
             # any of its nodes may have to report
             self.authority.check(capability, session=sid, node=GATEWAY_ID, start=0, stop=1, now=time.time(),
                                  need=Scope.STEP)
+        if connection is not None:
+            authenticated(connection)
 
     def deliver(self, sid: str, record: Record) -> None:
         """An answer from a delivery stream already authorized for `sid`.
@@ -71,7 +75,9 @@ class Deliveries:
         Raises:
             CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed.
         """
-        frame = _answer_frame(record.frame)
+        frame = decode_frame(record.frame)
+        if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
+            raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
         if frame.session != sid:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
         self._live(sid).inbox[0].send_nowait(Answer(frame, record.compute_us))
@@ -126,13 +132,6 @@ class Deliveries:
             self._probing.discard(entry.node_id)
 
 
-def _answer_frame(body: bytes) -> Frame:
-    frame = decode_frame(body)
-    if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
-        raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
-    return frame
-
-
 def deliver_fast_path(deliveries: Deliveries, app):
     """Wrap `app` so that a route's answers (POST DELIVER_STREAM_PATH, a record per token) and its nodes'
     failure reports (POST DELIVER_PATH, JSON) skip the framework."""
@@ -143,13 +142,9 @@ def deliver_fast_path(deliveries: Deliveries, app):
             await app(scope, receive, send)
             return
         if scope["path"] == DELIVER_STREAM_PATH:  # a tail's answers for one session
-
-            def authorize(capability: str | None, sid: str) -> None:
-                deliveries.authorize(capability, sid)
-                authenticated(scope)
-
             await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
-                                    authorize=authorize, apply=deliveries.deliver)
+                                    authorize=functools.partial(deliveries.authorize, connection=scope),
+                                    apply=deliveries.deliver)
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")

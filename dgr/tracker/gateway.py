@@ -55,11 +55,10 @@ import trio
 
 from dgr.api.openai import GenerationRequest
 from dgr.errors import DgrError, Failure, PeerError, Reason, first_dgr_error
-from dgr.fsm.route import Hop, RouteEvent, RouteSession, RouteState
+from dgr.fsm.route import RouteEvent, RouteSession, RouteState
 from dgr.fsm.stop import next_step
 from dgr.metrics import gauge
 from dgr.seam.frame import TokenResult
-from dgr.seam.opening import RelayOrder
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tls import TlsTrust
 from dgr.tracker.accounting import Accounting
@@ -90,6 +89,7 @@ class Gateway:
     accounting: Accounting = attrs.field(init=False)
     clients: NodeClients = attrs.field(init=False)
     patience: Patience = attrs.field(init=False)
+    credentials: Credentials = attrs.field(init=False)  # what it signs a session's calls with
     admission: Admission = attrs.field(init=False)
     deliveries: Deliveries = attrs.field(init=False)
     driver: Driver = attrs.field(init=False)
@@ -103,6 +103,9 @@ class Gateway:
         self.clients = NodeClients(self.registry, tls=self.tls)
         self.patience = Patience(self.clients.silent, cfg.slow_cap)
         self.owed = OwedCloses(cfg.unclosed_ttl_s)
+        # a capability outlives the longest session by a margin, for the close after it
+        self.credentials = Credentials(self.authority, (cfg.max_session_s or 24 * 3600.0) + cfg.capability_margin_s,
+                                       self.registry.nodes)
         self.admission = Admission(self.registry, cfg, self.clients, self.patience, self.credentials, self.owe_close,
                                    self.accounting)
         self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self.authority)
@@ -273,19 +276,6 @@ class Gateway:
         for n in self.registry.alive():
             out.setdefault(n.model.name, []).append(n)
         return out
-
-    def credentials(self) -> Credentials:
-        """What this gateway signs a session's calls with (dgr.tracker.credentials)."""
-        return Credentials(self.authority, (self.config.max_session_s or 24 * 3600.0) + self.config.capability_margin_s,
-                           self._pinned)
-
-    def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, RelayOrder]:
-        return self.credentials().relay_plans(sid, hops, ignore_eos)
-
-    def _pinned(self, node_id: str) -> str | None:
-        """The TLS certificate a node registered: the node before it on a route pins it to call this one."""
-        entry = self.registry.nodes.get(node_id)
-        return None if entry is None else entry.tls_cert
 
     # -- what members send (dgr.tracker.deliveries) -----------------------------------
     # -- the driver: one loop --------------------------------------------------------

@@ -12,6 +12,7 @@ overhead. dgr.tracker.gateway drives them.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import statistics
 from typing import Any, Callable
@@ -119,15 +120,15 @@ class LiveSession:
     telemetry: Broadcast
     send: trio.MemorySendChannel
     recv: trio.MemoryReceiveChannel
+    text: TextAssembler  # the answer's bytes to the client's text, held back at the request's stop strings
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    text: TextAssembler = attrs.field(init=False)
     caps: dict[str, str] = attrs.field(factory=dict)  # node id -> this session's capability there
     writing_since: float | None = None  # trio time a stream chunk was handed to a client not yet taking it
     unclaimed_since: float | None = None  # trio time a stream's response was made, until its body starts
     # the answers (`Answer`) and failure reports the route's nodes delivered, in order; unbounded: a
     # session has at most its prompt's chunks, then one decode step, in flight
     inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel] = attrs.field(
-        factory=lambda: trio.open_memory_channel(math.inf))
+        factory=functools.partial(trio.open_memory_channel, math.inf))
     prefix_root: str | None = None  # the root of this session's block chains; None: no prefix reuse
     keep_generated: bool = False  # the chain it closes with covers generated tokens too (GatewayConfig)
     fed: list[int] = attrs.field(factory=list)  # generated tokens sent into the KV by decode steps
@@ -153,13 +154,9 @@ class LiveSession:
             return None
         tokens = self.prompt + self.fed if self.keep_generated else self.prompt
         chain = block_chain(tokens, self.prefix_root)
-        tail = self._tail_marks(tokens, chain)
+        # the marks of the positions after the last whole block, chained from that block's key
+        tail = token_marks(tokens[len(chain) * BLOCK_TOKENS:], chain[-1] if chain else self.prefix_root)
         return (chain, encode_marks(tail)) if chain or tail else None
-
-    def _tail_marks(self, tokens: list[int], chain: list[str]) -> bytes:
-        """The marks of `tokens`' positions after its last whole block, chained from that block's key."""
-        start = len(chain) * BLOCK_TOKENS
-        return token_marks(tokens[start:], chain[-1] if chain else self.prefix_root)
 
     def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
         """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
@@ -173,9 +170,6 @@ class LiveSession:
         if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
             bounds[-2] -= 1
         return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-
-    def __attrs_post_init__(self) -> None:
-        self.text = TextAssembler(stop=self.request.stop)
 
     def usage(self) -> dict[str, Any]:
         return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)

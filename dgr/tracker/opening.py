@@ -17,6 +17,7 @@ import trio
 
 from dgr.errors import DgrError, Reason
 from dgr.fsm.opening import Call, Trip
+from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop
 from dgr.sampling import SamplingParams
 from dgr.seam.opening import AdoptRequest, OpenRequest, PromptPlan, RelayOrder, SpecPlan
@@ -54,16 +55,14 @@ class RouteOpening:
     bounds: Bounds
     relays: dict[str, RelayOrder]  # node id -> its relay
     spec: SpecPlan | None  # the session's speculation (dgr.node.speculation); None: none
-    lane: int  # the session's lane in the route's phase groups
-    caps: dict[str, str] = attrs.field(factory=dict)  # node id -> the session's capability there
+    board: RoutePhases  # the route's phase groups (dgr.fsm.phases), which the session holds a lane of
+    lane: int  # that lane
+    caps: dict[str, str]  # node id -> the session's capability there (dgr.tracker.credentials)
     opened: list[Hop] = attrs.field(factory=list)
     attempted: list[str] = attrs.field(factory=list)  # asked and not refused: they may hold the session
     held: dict[str, int] = attrs.field(factory=dict)  # node id -> the prefix positions it opened on
     tokens: list[int] | None = None  # the head's ids for the prompt it was given
     reusable: bool = False  # the head may hold a prefix of them: it is named to every hop
-
-    def __attrs_post_init__(self) -> None:
-        self.caps = self.credentials.capabilities(self.sid, self.hops)
 
     async def trip(self, trip: Trip, prompt: dict[str, Any], ids: list[int] | None, offer: AdoptRequest) -> None:
         """Run one planned trip: each hop's call (`trip.head` for the head, `trip.later` for the rest) at once.

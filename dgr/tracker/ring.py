@@ -26,6 +26,7 @@ session through its inbox, whatever step the driver waits on.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import attrs
@@ -72,7 +73,8 @@ class Ring:
         def early(end: LinkEnd) -> None:  # the head refused a step, or was lost, while the link was open
             live.inbox[0].send_nowait(self._head_failure(live, end))
 
-        live.head = Link(lambda: client.open_stream(rs.sid, live.caps.get(head.node_id)), links, on_early=early)
+        live.head = Link(functools.partial(client.open_stream, rs.sid, live.caps.get(head.node_id)), links,
+                         on_early=early)
         window = trio.Semaphore(len(rs.route))
 
         async def feed() -> None:  # every chunk to the head, in order: the ring pipelines them
@@ -118,7 +120,7 @@ class Ring:
         """
         route = live.rs.route
         got = await self.patience.until_answer(
-            lambda: self._take(live, seq), [h.node_id for h in route], route[-1].node_id,
+            functools.partial(self._take, live, seq), [h.node_id for h in route], route[-1].node_id,
             self.deadline(n_tokens) * len(route), f"gave no answer to step {seq}", step=seq,
             phase=live.rs.state.value)
         now = trio.current_time()

@@ -33,6 +33,7 @@ among those nodes. It is a hint: the nodes still answer what they hold.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Callable
 
 import attrs
@@ -100,15 +101,15 @@ def _shortest(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | 
     return None if found is None else found[1]
 
 
-def _lowest(values: set, covers: Callable[[Any], bool]) -> Any:
-    """The lowest of `values` for which `covers` holds, or None; `covers` only turns true as values grow
-    (a higher ceiling admits more nodes), so a binary search: an open on a large swarm costs a few
-    `_shortest`s, not one per distinct value."""
-    ordered = sorted(values)
+def _lowest(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], Any]) -> Any:
+    """The lowest ceiling on `key` under which `nodes` still cover [0, n_layers), or None; a higher ceiling
+    only admits more nodes, so a binary search: an open on a large swarm costs a few `_shortest`s, not one
+    per distinct value."""
+    ordered = sorted({key(n) for n in nodes})
     lo, hi = 0, len(ordered)
     while lo < hi:
         mid = (lo + hi) // 2
-        if covers(ordered[mid]):
+        if _shortest([n for n in nodes if key(n) <= ordered[mid]], n_layers) is not None:
             hi = mid
         else:
             lo = mid + 1
@@ -118,13 +119,11 @@ def _lowest(values: set, covers: Callable[[Any], bool]) -> Any:
 def _best_path(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
     """The cover whose busiest node holds the fewest sessions; then the one whose most recently routed node
     was routed longest ago; then `_shortest`'s."""
-    most = _lowest({n.reserved for n in nodes},
-                   lambda c: _shortest([n for n in nodes if n.reserved <= c], n_layers) is not None)
+    most = _lowest(nodes, n_layers, attrgetter("reserved"))
     if most is None:
         return None
     calm = [n for n in nodes if n.reserved <= most]
-    latest = _lowest({n.routed_at for n in calm},
-                     lambda t: _shortest([n for n in calm if n.routed_at <= t], n_layers) is not None)
+    latest = _lowest(calm, n_layers, attrgetter("routed_at"))
     return _shortest([n for n in calm if n.routed_at <= latest], n_layers)
 
 

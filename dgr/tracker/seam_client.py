@@ -81,10 +81,6 @@ async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit
         return Reply(r.status_code, r.headers, b"".join(body))
 
 
-def _cap(capability: str | None) -> dict[str, str]:
-    return {} if capability is None else {CAPABILITY_HEADER: capability}
-
-
 @attrs.define
 class NodeClient:
     node_id: str
@@ -131,8 +127,14 @@ class NodeClient:
         return PeerError(Reason.NODE_ERROR, f"{self.node_id} refused ({status} {code}): {message}",
                          node=self.node_id, node_code=code)
 
-    async def _request(self, method: str, path: str, limit: int = MAX_CONTROL_BYTES, **kw: Any) -> Reply:
-        """One control call, its reply read up to `limit` bytes. Raises PeerError (ROUTE_NODE_LOST, NODE_ERROR)."""
+    async def _request(self, method: str, path: str, capability: str | None = None, limit: int = MAX_CONTROL_BYTES,
+                       **kw: Any) -> Reply:
+        """One control call, carrying the session's `capability` where given, its reply read up to `limit` bytes.
+
+        Raises: PeerError (ROUTE_NODE_LOST, NODE_ERROR).
+        """
+        if capability is not None:
+            kw["headers"] = {**kw.get("headers", {}), CAPABILITY_HEADER: capability}
         try:
             return await read_capped(self._http, method, path, limit=limit, node=self.node_id, **kw)
         except httpx.TransportError as exc:
@@ -159,12 +161,12 @@ class NodeClient:
         sends none.
         """
         raw = req.encode()
-        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: req.session, **_cap(capability)}
+        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: req.session}
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
             headers[TICKET_HEADER] = signed
         bound = None if req.prompt is None else token_bound(req.prompt)
-        r = await self._request("POST", "/v1/seam/sessions", headers=headers, content=raw,
+        r = await self._request("POST", "/v1/seam/sessions", capability, headers=headers, content=raw,
                                 limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * (bound or 0))
         if r.status_code != 201:
             raise self._refused(r, None if req.prompt is None else req.prompt.param())
@@ -173,8 +175,7 @@ class NodeClient:
     async def adopt_prefix(self, sid: str, named: AdoptRequest, capability: str | None = None) -> int:
         """Name the prefix of a session opened before its prompt's length was known (an open with `max_new`):
         the node opens its KV on the longest kept prefix of it; returns the positions it holds from there."""
-        r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", headers=_cap(capability),
-                                json=named.to_json())
+        r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", capability, json=named.to_json())
         if r.status_code != 200:
             raise self._refused(r)
         return OpenAnswer.from_json(self._json(r), node=self.node_id).positions
@@ -188,7 +189,7 @@ class NodeClient:
             params["keep"] = ".".join(keep)
         if failure is None and tail:
             params["tail"] = tail
-        r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", params=params, headers=_cap(capability))
+        r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", capability, params=params)
         if r.status_code not in (200, 404, 410):
             raise self._refused(r)
 
@@ -212,7 +213,7 @@ class NodeClient:
         return self._refused(answer).failure(node=self.node_id, phase=phase)
 
     async def session_status(self, sid: str, capability: str | None = None) -> dict[str, Any]:
-        r = await self._request("GET", f"/v1/seam/sessions/{sid}", headers=_cap(capability))
+        r = await self._request("GET", f"/v1/seam/sessions/{sid}", capability)
         if r.status_code != 200:
             raise self._refused(r)
         return self._json(r)
