@@ -94,10 +94,6 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
-def _drop_none(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
-
-
 @attrs.frozen
 class NextHop:
     """The node after this one on a ring, and this session's capability there."""
@@ -323,14 +319,15 @@ class OpenRequest:
 
     def to_json(self) -> dict[str, Any]:
         p = self.prompt
-        return _drop_none({
+        fields = {
             "session": self.session, "max_positions": self.max_positions, "sampling": self.sampling.to_json(),
             "relay": self.relay.to_json(),
             "prefix": list(self.reuse.prefix) or None, "marks": encode_marks(self.reuse.marks) or None,
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
             "prompt": None if p is None else p.body(), "root": None if p is None else p.root,
             "max_new": self.max_new if p is None else p.max_new, "max_prompt": None if p is None else p.max_prompt,
-        })
+        }
+        return {k: v for k, v in fields.items() if v is not None}  # what this open does not carry is left out
 
     def encode(self) -> bytes:
         """The exact bytes sent (the tracker's ticket signs them)."""
