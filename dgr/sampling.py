@@ -39,12 +39,9 @@ class SamplingParams:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
             raise CallerError(Reason.INVALID_REQUEST, "'seed' must be an integer in [0, 2^63)", param="seed")
 
-    def to_json(self) -> dict:
-        return attrs.asdict(self)
-
     @classmethod
     def from_json(cls, data: dict) -> SamplingParams:
-        """Parameters a peer sent (`to_json`'s shape).
+        """Parameters a peer sent: an object of the fields by name (an open's `sampling`, dgr.seam.opening).
 
         Raises:
             CallerError(INVALID_REQUEST): unknown fields, wrong types or values out of range.

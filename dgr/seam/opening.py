@@ -15,6 +15,8 @@ Rules:
 - An open carries at most one of `prompt` (a head given the prompt: it tokenizes it) and `max_new`
   alone (a later hop opened before the prompt's length is known, its KV waiting). A head's prompt
   brings its own `max_new` (required), `max_prompt` and `root` (`PromptPlan`).
+- One encoder, `_to_json`, is every message's `to_json` but the open's: it writes the fields as their
+  metadata declares. The open writes itself: it flattens the prefix and the prompt it carries.
 - The answer is read leniently where a lie costs nothing (`prefix_positions` not a count reads as 0:
   the route then reuses nothing) and strictly where it would cost the client (a head's token ids:
   PeerError naming the node, never the client's fault).
@@ -47,6 +49,25 @@ _SID = re.compile(r"[0-9a-f]{32}")
 # Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
 # message's keys and quotes): a default system prompt, the assistant's opening.
 _TEMPLATE_TOKENS = 1024
+
+
+def _to_json(message: Any) -> dict[str, Any]:
+    """`message`'s JSON object: its attrs fields in order, each under its name or its metadata's `wire` name,
+    left out at its `omit` value or while the field it goes `beside` is None; the value through its `encode`,
+    else a message (any attrs class: SamplingParams too) as its own object, a tuple as a list."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(message)):
+        value, how = getattr(message, f.name), f.metadata
+        if ("omit" in how and value == how["omit"]) or ("beside" in how and getattr(message, how["beside"]) is None):
+            continue
+        if "encode" in how:
+            value = how["encode"](value)
+        elif attrs.has(type(value)):
+            value = _to_json(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[how.get("wire", f.name)] = value
+    return out
 
 
 def _bad(message: str, param: str, reason: Reason = Reason.INVALID_REQUEST) -> CallerError:
@@ -103,8 +124,7 @@ class NextHop:
     capability: str | None
     tls_cert: str | None = None  # its registered certificate, pinned when `url` is https
 
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "url": self.url, "capability": self.capability, "tls_cert": self.tls_cert}
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any, what: str) -> NextHop:
@@ -139,14 +159,9 @@ class RelayOrder:
     deliver_capability: str | None = None
     route: str = ""
     nodes: int = 1
-    loop: Loop | None = None
+    loop: Loop | None = attrs.field(default=None, metadata={"omit": None})  # a ring's tail's only
 
-    def to_json(self) -> dict[str, Any]:
-        out = {"next": None if self.next is None else self.next.to_json(),
-               "deliver_capability": self.deliver_capability, "route": self.route, "nodes": self.nodes}
-        if self.loop is not None:
-            out["loop"] = {"head": self.loop.head.to_json(), "ignore_eos": self.loop.ignore_eos}
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any) -> RelayOrder:
@@ -176,18 +191,12 @@ class SpecPlan:
     from, and, for the tail, the prompt's tokens to draft from."""
 
     k_max: int = K_MAX
-    fixed_k: int | None = None
     exact: bool = False
-    history: tuple[int, ...] = ()
     source: str = "ngram"  # or "draft": the tail's draft model
+    fixed_k: int | None = attrs.field(default=None, metadata={"omit": None})
+    history: tuple[int, ...] = attrs.field(default=(), metadata={"omit": ()})
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"k_max": self.k_max, "exact": self.exact, "source": self.source}
-        if self.fixed_k is not None:
-            out["fixed_k"] = self.fixed_k
-        if self.history:
-            out["history"] = list(self.history)
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any, vocab_size: int) -> SpecPlan:
@@ -283,10 +292,10 @@ class AdoptRequest:
     its positions. An adopt's whole body; an open carries it too."""
 
     prefix: tuple[str, ...] = ()
-    marks: bytes = b""  # MARK_BYTES a position (dgr.seam.keys.token_marks)
+    # MARK_BYTES a position (dgr.seam.keys.token_marks), in base64 on the wire
+    marks: bytes = attrs.field(default=b"", metadata={"encode": encode_marks})
 
-    def to_json(self) -> dict[str, Any]:
-        return {"prefix": list(self.prefix), "marks": encode_marks(self.marks)}
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: dict[str, Any], max_positions: int) -> AdoptRequest:
@@ -320,7 +329,7 @@ class OpenRequest:
     def to_json(self) -> dict[str, Any]:
         p = self.prompt
         fields = {
-            "session": self.session, "max_positions": self.max_positions, "sampling": self.sampling.to_json(),
+            "session": self.session, "max_positions": self.max_positions, "sampling": _to_json(self.sampling),
             "relay": self.relay.to_json(),
             "prefix": list(self.reuse.prefix) or None, "marks": encode_marks(self.reuse.marks) or None,
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
@@ -376,15 +385,11 @@ class OpenAnswer:
 
     session: str
     node: str
-    positions: int
-    tokens: list[int] | None = None
-    reusable: bool = False
+    positions: int = attrs.field(metadata={"wire": "prefix_positions"})
+    tokens: list[int] | None = attrs.field(default=None, metadata={"omit": None})  # a head's given the prompt
+    reusable: bool = attrs.field(default=False, metadata={"beside": "tokens"})
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"session": self.session, "node": self.node, "prefix_positions": self.positions}
-        if self.tokens is not None:
-            out |= {"tokens": self.tokens, "reusable": self.reusable}
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, node: str, tokens_bound: int | None = None,
