@@ -20,7 +20,8 @@ SEED_LIMIT = 2**63
 
 @attrs.frozen
 class SamplingParams:
-    """How the tail picks a token. The one validator of sampling parameters, on the gateway and on nodes.
+    """How the tail picks a token. The one validator of sampling parameters, on the gateway and on nodes (an
+    open's `sampling`, which dgr.seam.opening writes and reads).
 
     Raises:
         CallerError(INVALID_REQUEST): a value out of range; `param` names it.
@@ -38,18 +39,6 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
             raise CallerError(Reason.INVALID_REQUEST, "'seed' must be an integer in [0, 2^63)", param="seed")
-
-    @classmethod
-    def from_json(cls, data: dict) -> SamplingParams:
-        """Parameters a peer sent: an object of the fields by name (an open's `sampling`, dgr.seam.opening).
-
-        Raises:
-            CallerError(INVALID_REQUEST): unknown fields, wrong types or values out of range.
-        """
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
 
 
 @attrs.define

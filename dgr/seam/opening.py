@@ -292,8 +292,7 @@ class AdoptRequest:
     its positions. An adopt's whole body; an open carries it too."""
 
     prefix: tuple[str, ...] = ()
-    # MARK_BYTES a position (dgr.seam.keys.token_marks), in base64 on the wire
-    marks: bytes = attrs.field(default=b"", metadata={"encode": encode_marks})
+    marks: bytes = attrs.field(default=b"", metadata={"encode": encode_marks})  # MARK_BYTES a position (token_marks)
 
     to_json = _to_json
 
@@ -363,7 +362,10 @@ class OpenRequest:
         sampling = data.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise _bad("sampling must be an object", "sampling")
-        params = SamplingParams.from_json(sampling)
+        try:  # SamplingParams checks each value, the one validator the gateway uses too
+            params = SamplingParams(**sampling)
+        except TypeError as exc:  # a field it does not have, or a value no range check can compare
+            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
         reuse = AdoptRequest.from_json(data, max_positions)
         lane = data.get("lane")
         if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANE):
