@@ -12,7 +12,7 @@ import numpy as np
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["SEED_LIMIT", "SamplingParams", "Sampler", "distribution", "logprob"]
+__all__ = ["SEED_LIMIT", "SamplingParams", "Sampler", "distribution"]
 
 # Seeds are non-negative int64 values (OpenAI's `seed` is an int64): one bound for the API and nodes.
 SEED_LIMIT = 2**63
@@ -20,7 +20,8 @@ SEED_LIMIT = 2**63
 
 @attrs.frozen
 class SamplingParams:
-    """How the tail picks a token. The one validator of sampling parameters, on the gateway and on nodes.
+    """How the tail picks a token. The one validator of sampling parameters, on the gateway and on nodes (an
+    open's `sampling`, which dgr.seam.opening writes and reads).
 
     Raises:
         CallerError(INVALID_REQUEST): a value out of range; `param` names it.
@@ -39,21 +40,6 @@ class SamplingParams:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
             raise CallerError(Reason.INVALID_REQUEST, "'seed' must be an integer in [0, 2^63)", param="seed")
 
-    def to_json(self) -> dict:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> SamplingParams:
-        """Parameters a peer sent (`to_json`'s shape).
-
-        Raises:
-            CallerError(INVALID_REQUEST): unknown fields, wrong types or values out of range.
-        """
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
-
 
 @attrs.define
 class Sampler:
@@ -64,17 +50,16 @@ class Sampler:
         self._rng = np.random.default_rng(self.params.seed)
 
     def sample(self, logits: np.ndarray) -> tuple[int, float]:
-        """Return (token, log-probability under the model's distribution). logits: [vocab]."""
+        """Return (token, log-probability under the model's distribution). logits: [vocab].
+
+        The log-probability is the model's own (softmax of the raw logits), whatever temperature and top-p
+        drew the token.
+        """
         ids, probs = distribution(logits, self.params)
         tok = int(ids[0]) if ids.shape[0] == 1 else int(ids[self._rng.choice(ids.shape[0], p=probs)])
-        return tok, logprob(logits, tok)
-
-
-def logprob(logits: np.ndarray, token: int) -> float:
-    """`token`'s log-probability under the model's own distribution (softmax of the raw logits)."""
-    z = logits.astype(np.float32, copy=False)
-    top = float(z.max())
-    return float(z[token]) - (top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64))))
+        z = logits.astype(np.float32, copy=False)
+        top = float(z.max())
+        return tok, float(z[tok]) - (top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64))))
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ from dgr.api.openai import parse_request
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.node.membership import HEARTBEAT_RANGE_S, HEARTBEAT_S, RETRY_MIN_S, stay_registered
 from dgr.sampling import SamplingParams
+from dgr.seam.opening import OpenRequest
 from dgr.seam.wire import NODE_HEADER
 from dgr.security.identity import Identity
 from dgr.testing.inproc import InProcRoute, http_scope, receive_once
@@ -43,19 +44,25 @@ async def _drain(live) -> str:
 # -- one sampling validator --------------------------------------------------------------------------------
 
 
+def _node_sampling(sampling: dict) -> SamplingParams:
+    """The sampling a node reads from an open that carries `sampling`."""
+    body = {"session": "a" * 32, "max_positions": 64, "relay": {"next": None}, "sampling": sampling}
+    return OpenRequest.from_json(body, named=None, max_positions=64, vocab_size=98).sampling
+
+
 @pytest.mark.parametrize("seed", [-1, 2**63, 2**64 - 1, True, 1.5, "7"])
 def test_gateway_and_nodes_refuse_the_same_seeds(seed) -> None:
     with pytest.raises(CallerError) as api:
         _req(seed=seed)
     with pytest.raises(CallerError) as node:
-        SamplingParams.from_json({"seed": seed})
+        _node_sampling({"seed": seed})
     assert api.value.reason is node.value.reason is Reason.INVALID_REQUEST
     assert api.value.details.get("param") == "seed" and api.value.message == node.value.message
 
 
 def test_gateway_and_nodes_accept_the_same_seeds() -> None:
     for seed in (None, 0, 2**63 - 1):
-        assert _req(seed=seed).sampling == SamplingParams.from_json({"temperature": 0, "seed": seed})
+        assert _req(seed=seed).sampling == _node_sampling({"temperature": 0, "seed": seed})
 
 
 # -- context clamp ------------------------------------------------------------------------------------------

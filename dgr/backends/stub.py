@@ -54,11 +54,6 @@ def _softsign(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.abs(x))
 
 
-def _phase(pos: np.ndarray, layer: int) -> np.ndarray:
-    # a RoPE-like dependence on the absolute position, from exact arithmetic
-    return (pos * (layer + 1) % 97.0) / 97.0 - 0.5
-
-
 @attrs.frozen
 class StubSpec:
     name: str = "stub"
@@ -251,8 +246,8 @@ class StubBackend(ShardBackend):
         if self.is_head:
             h = self._embed[np.asarray(token_ids, dtype=np.int64)]  # [n, W]
         else:
-            if hidden is None or hidden.ndim != 2 or hidden.shape[1] != self.spec.seam_width:
-                raise CallerError(Reason.WRONG_WIDTH, f"expected hidden [n, {self.spec.seam_width}]")
+            if hidden is None or hidden.ndim != 2 or hidden.shape[1] != self.info.seam_width:
+                raise CallerError(Reason.WRONG_WIDTH, f"expected hidden [n, {self.info.seam_width}]")
             h = np.array(hidden, dtype=np.float32)
         h = self._layers(s, pos0, None if token_ids is None else np.asarray(token_ids, np.int32), h)
         n = h.shape[0]
@@ -274,11 +269,11 @@ class StubBackend(ShardBackend):
         s.inputs.extend(h.astype(np.float32))
         s.ids.extend([-1] * n if token_ids is None else [int(t) for t in token_ids])
         pos = np.arange(pos0, pos0 + n, dtype=np.float32)[:, None]  # [n, 1]
-        for i in range(len(self.layers)):
-            il = self.layers.start + i
+        for i, il in enumerate(range(self.layers.start, self.layers.stop)):
             if il < self.spec.hash_layers:
                 h = h + 0.25 * self._embed[np.asarray(token_ids, dtype=np.int64)]
-            k = _softsign(h * self._a[i] + self._b[i] + _phase(pos, il))  # [n, W]: this layer's KV entries
+            phase = (pos * (il + 1) % 97.0) / 97.0 - 0.5  # [n, 1]: a RoPE-like dependence on the absolute position
+            k = _softsign(h * self._a[i] + self._b[i] + phase)  # [n, W]: this layer's KV entries
             # sequential running sum: identical whatever the chunking
             run = np.cumsum(np.vstack([s.kv_sum[i : i + 1], k]), axis=0)[1:]  # [n, W]
             s.kv_sum[i] = run[-1]

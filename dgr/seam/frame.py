@@ -32,18 +32,7 @@ from dgr.seam.wire import (
     FrameKind,
 )
 
-__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame", "session_bytes", "session_str"]
-
-
-def session_bytes(sid: str) -> bytes:
-    try:
-        return uuid.UUID(hex=sid).bytes
-    except ValueError:
-        raise CallerError(Reason.BAD_FRAME, f"session id {sid!r} is not a 32-hex-digit UUID") from None
-
-
-def session_str(raw: bytes) -> str:
-    return raw.hex()
+__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame"]
 
 
 @attrs.frozen
@@ -117,7 +106,12 @@ def encode_frame(
     hidden: np.ndarray | bytes | None = None,  # [n_tokens, width] or its raw bytes
     extra: bytes = b"",
 ) -> bytes:
-    """Build a frame's bytes. Sets the TOKENS/HIDDEN flags from what is given."""
+    """Build a frame's bytes. Sets the TOKENS/HIDDEN flags from what is given.
+
+    Raises:
+        CallerError(WRONG_SIZE): the ids or hidden states do not fit `n_tokens` x `width`.
+        CallerError(BAD_FRAME): `session` is not a UUID's hex digits.
+    """
     parts: list[bytes] = []
     if token_ids is not None:
         ids = np.ascontiguousarray(token_ids, dtype="<i4").reshape(-1)
@@ -139,8 +133,12 @@ def encode_frame(
         flags |= Flag.HIDDEN
     parts.append(extra)
     payload = b"".join(parts)
+    try:
+        sid = uuid.UUID(hex=session).bytes  # the header's 16 bytes; decode_frame gives them back as hex
+    except ValueError:
+        raise CallerError(Reason.BAD_FRAME, f"session id {session!r} is not a 32-hex-digit UUID") from None
     header = HEADER.pack(
-        MAGIC, VERSION, int(kind), int(dtype), int(flags), session_bytes(session),
+        MAGIC, VERSION, int(kind), int(dtype), int(flags), sid,
         seq, pos0, n_tokens, width, len(payload), zlib.crc32(payload),
     )
     return header + payload
@@ -202,6 +200,6 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_F
     if extra and kind is not FrameKind.TOKEN:
         raise CallerError(Reason.WRONG_SIZE, f"{len(extra)} unexpected trailing payload bytes")
     return Frame(
-        kind=kind, session=session_str(session), seq=seq, pos0=pos0, n_tokens=n_tokens, width=width,
+        kind=kind, session=session.hex(), seq=seq, pos0=pos0, n_tokens=n_tokens, width=width,
         dtype=dtype, flags=flags, token_ids=token_ids, hidden=hidden, extra=extra, crc32=crc, size=size,
     )

@@ -15,6 +15,8 @@ Rules:
 - An open carries at most one of `prompt` (a head given the prompt: it tokenizes it) and `max_new`
   alone (a later hop opened before the prompt's length is known, its KV waiting). A head's prompt
   brings its own `max_new` (required), `max_prompt` and `root` (`PromptPlan`).
+- One encoder, `_to_json`, is every message's `to_json` but the open's: it writes the fields as their
+  metadata declares. The open writes itself: it flattens the prefix and the prompt it carries.
 - The answer is read leniently where a lie costs nothing (`prefix_positions` not a count reads as 0:
   the route then reuses nothing) and strictly where it would cost the client (a head's token ids:
   PeerError naming the node, never the client's fault).
@@ -47,6 +49,25 @@ _SID = re.compile(r"[0-9a-f]{32}")
 # Tokens a chat template may add beyond one per byte of the request's JSON (which already counts each
 # message's keys and quotes): a default system prompt, the assistant's opening.
 _TEMPLATE_TOKENS = 1024
+
+
+def _to_json(message: Any) -> dict[str, Any]:
+    """`message`'s JSON object: its attrs fields in order, each under its name or its metadata's `wire` name,
+    left out at its `omit` value or while the field it goes `beside` is None; the value through its `encode`,
+    else a message (any attrs class: SamplingParams too) as its own object, a tuple as a list."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(message)):
+        value, how = getattr(message, f.name), f.metadata
+        if ("omit" in how and value == how["omit"]) or ("beside" in how and getattr(message, how["beside"]) is None):
+            continue
+        if "encode" in how:
+            value = how["encode"](value)
+        elif attrs.has(type(value)):
+            value = _to_json(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[how.get("wire", f.name)] = value
+    return out
 
 
 def _bad(message: str, param: str, reason: Reason = Reason.INVALID_REQUEST) -> CallerError:
@@ -94,10 +115,6 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
-def _drop_none(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
-
-
 @attrs.frozen
 class NextHop:
     """The node after this one on a ring, and this session's capability there."""
@@ -107,8 +124,7 @@ class NextHop:
     capability: str | None
     tls_cert: str | None = None  # its registered certificate, pinned when `url` is https
 
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "url": self.url, "capability": self.capability, "tls_cert": self.tls_cert}
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any, what: str) -> NextHop:
@@ -143,14 +159,9 @@ class RelayOrder:
     deliver_capability: str | None = None
     route: str = ""
     nodes: int = 1
-    loop: Loop | None = None
+    loop: Loop | None = attrs.field(default=None, metadata={"omit": None})  # a ring's tail's only
 
-    def to_json(self) -> dict[str, Any]:
-        out = {"next": None if self.next is None else self.next.to_json(),
-               "deliver_capability": self.deliver_capability, "route": self.route, "nodes": self.nodes}
-        if self.loop is not None:
-            out["loop"] = {"head": self.loop.head.to_json(), "ignore_eos": self.loop.ignore_eos}
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any) -> RelayOrder:
@@ -180,18 +191,12 @@ class SpecPlan:
     from, and, for the tail, the prompt's tokens to draft from."""
 
     k_max: int = K_MAX
-    fixed_k: int | None = None
     exact: bool = False
-    history: tuple[int, ...] = ()
     source: str = "ngram"  # or "draft": the tail's draft model
+    fixed_k: int | None = attrs.field(default=None, metadata={"omit": None})
+    history: tuple[int, ...] = attrs.field(default=(), metadata={"omit": ()})
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"k_max": self.k_max, "exact": self.exact, "source": self.source}
-        if self.fixed_k is not None:
-            out["fixed_k"] = self.fixed_k
-        if self.history:
-            out["history"] = list(self.history)
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: Any, vocab_size: int) -> SpecPlan:
@@ -287,10 +292,9 @@ class AdoptRequest:
     its positions. An adopt's whole body; an open carries it too."""
 
     prefix: tuple[str, ...] = ()
-    marks: bytes = b""  # MARK_BYTES a position (dgr.seam.keys.token_marks)
+    marks: bytes = attrs.field(default=b"", metadata={"encode": encode_marks})  # MARK_BYTES a position (token_marks)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"prefix": list(self.prefix), "marks": encode_marks(self.marks)}
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: dict[str, Any], max_positions: int) -> AdoptRequest:
@@ -323,14 +327,15 @@ class OpenRequest:
 
     def to_json(self) -> dict[str, Any]:
         p = self.prompt
-        return _drop_none({
-            "session": self.session, "max_positions": self.max_positions, "sampling": self.sampling.to_json(),
+        fields = {
+            "session": self.session, "max_positions": self.max_positions, "sampling": _to_json(self.sampling),
             "relay": self.relay.to_json(),
             "prefix": list(self.reuse.prefix) or None, "marks": encode_marks(self.reuse.marks) or None,
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
             "prompt": None if p is None else p.body(), "root": None if p is None else p.root,
             "max_new": self.max_new if p is None else p.max_new, "max_prompt": None if p is None else p.max_prompt,
-        })
+        }
+        return {k: v for k, v in fields.items() if v is not None}  # what this open does not carry is left out
 
     def encode(self) -> bytes:
         """The exact bytes sent (the tracker's ticket signs them)."""
@@ -357,7 +362,10 @@ class OpenRequest:
         sampling = data.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise _bad("sampling must be an object", "sampling")
-        params = SamplingParams.from_json(sampling)
+        try:  # SamplingParams checks each value, the one validator the gateway uses too
+            params = SamplingParams(**sampling)
+        except TypeError as exc:  # a field it does not have, or a value no range check can compare
+            raise CallerError(Reason.INVALID_REQUEST, f"bad sampling parameters: {exc}") from None
         reuse = AdoptRequest.from_json(data, max_positions)
         lane = data.get("lane")
         if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANE):
@@ -379,15 +387,11 @@ class OpenAnswer:
 
     session: str
     node: str
-    positions: int
-    tokens: list[int] | None = None
-    reusable: bool = False
+    positions: int = attrs.field(metadata={"wire": "prefix_positions"})
+    tokens: list[int] | None = attrs.field(default=None, metadata={"omit": None})  # a head's given the prompt
+    reusable: bool = attrs.field(default=False, metadata={"beside": "tokens"})
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"session": self.session, "node": self.node, "prefix_positions": self.positions}
-        if self.tokens is not None:
-            out |= {"tokens": self.tokens, "reusable": self.reusable}
-        return out
+    to_json = _to_json
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, node: str, tokens_bound: int | None = None,

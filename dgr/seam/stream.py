@@ -54,7 +54,6 @@ class RecordReader:
 
     max_frame_bytes: int = MAX_FRAME_BYTES
     _buf: bytearray = attrs.field(factory=bytearray)
-    _need: int = 0  # bytes the record at the front needs in all, once its header is known; 0: not yet
 
     @property
     def pending(self) -> int:
@@ -64,41 +63,34 @@ class RecordReader:
     def feed(self, data: bytes) -> list[Record]:
         """The records `data` completes, in order.
 
+        Each part of the record at the front (its hop count, its frame's header) is checked as soon as it
+        has come, before the rest of the record is waited for.
+
         Raises:
             CallerError(BAD_FRAME): more hops than MAX_HOPS, or no frame magic where a frame starts.
             CallerError(FRAME_TOO_LARGE): a frame whose header announces more than `max_frame_bytes`.
         """
-        self._buf += data
-        out = []
-        while True:
-            need = self._need or self._measure()
-            if need == 0 or len(self._buf) < need:
-                self._need = need
-                return out
-            n_hops = RECORD_PREFIX.unpack_from(self._buf)[0]
-            start = RECORD_PREFIX.size + n_hops * HOP_COMPUTE.size
-            times = tuple(HOP_COMPUTE.unpack_from(self._buf, RECORD_PREFIX.size + i * HOP_COMPUTE.size)[0]
-                          for i in range(n_hops))
-            out.append(Record(bytes(self._buf[start:need]), times))
-            del self._buf[:need]
-            self._need = 0
-
-    def _measure(self) -> int:
-        """The length of the record at the front, once enough of it has come to know; 0 before."""
         buf = self._buf
-        if len(buf) < RECORD_PREFIX.size:
-            return 0
-        n_hops = RECORD_PREFIX.unpack_from(buf)[0]
-        if n_hops > MAX_HOPS:
-            raise CallerError(Reason.BAD_FRAME, f"a stream record names {n_hops} hops; at most {MAX_HOPS}")
-        start = RECORD_PREFIX.size + n_hops * HOP_COMPUTE.size
-        if len(buf) < start + HEADER_SIZE:
-            return 0
-        header = HEADER.unpack_from(buf, start)
-        if header[_MAGIC_AT] != MAGIC:
-            raise CallerError(Reason.BAD_FRAME, "a stream record does not hold a seam frame (bad magic)")
-        payload = header[_PAYLOAD_LEN_AT]
-        if HEADER_SIZE + payload > self.max_frame_bytes:
-            raise CallerError(Reason.FRAME_TOO_LARGE,
-                              f"frame of {HEADER_SIZE + payload} bytes exceeds {self.max_frame_bytes}")
-        return start + HEADER_SIZE + payload
+        buf += data
+        out = []
+        while len(buf) >= RECORD_PREFIX.size:
+            n_hops = RECORD_PREFIX.unpack_from(buf)[0]
+            if n_hops > MAX_HOPS:
+                raise CallerError(Reason.BAD_FRAME, f"a stream record names {n_hops} hops; at most {MAX_HOPS}")
+            start = RECORD_PREFIX.size + n_hops * HOP_COMPUTE.size
+            if len(buf) < start + HEADER_SIZE:
+                break
+            header = HEADER.unpack_from(buf, start)
+            if header[_MAGIC_AT] != MAGIC:
+                raise CallerError(Reason.BAD_FRAME, "a stream record does not hold a seam frame (bad magic)")
+            size = HEADER_SIZE + header[_PAYLOAD_LEN_AT]
+            if size > self.max_frame_bytes:
+                raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self.max_frame_bytes}")
+            end = start + size
+            if len(buf) < end:
+                break
+            times = tuple(HOP_COMPUTE.unpack_from(buf, RECORD_PREFIX.size + i * HOP_COMPUTE.size)[0]
+                          for i in range(n_hops))
+            out.append(Record(bytes(buf[start:end]), times))
+            del buf[:end]
+        return out
