@@ -173,12 +173,12 @@ class NodeReplies:
             step = check_frame(self.backend, frame)
             rec = self.table.get(frame.session)  # SESSION_ENDED before its record goes, else UNKNOWN_SESSION
             session = rec.fsm
-            rewind, opening = session.rewinds(frame.pos0), session.state is NodeState.WAITING
-            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
+            opening = session.state is NodeState.WAITING
+            # a prompt chunk that samples is the prompt's last: its length is known
+            rewind = session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time(),
+                                    last_chunk=step is StepKind.PREFILL and bool(frame.flags & Flag.SAMPLE))
         except CallerError as exc:
             raise self._refused(exc)
-        if step is StepKind.PREFILL and frame.flags & Flag.SAMPLE:  # the prompt's last chunk: its length is known
-            session.prompt_ends(frame.pos0 + frame.n_tokens)
         if opening:  # opened with the head, its KV waited for a prefix: none came, so it opens empty, first
             self.scheduler.submit(self.kv_job(rec))
         if rewind:

@@ -79,7 +79,7 @@ class NodeSessions:
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
         waits = waits or max_new is not None
-        session = NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
+        session = NodeSession(sid=sid, max_positions=max_positions, last_active=trio.current_time(),
                               state=NodeState.WAITING if waits else NodeState.CREATED,
                               max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new)
         rec = self.table.open(sid, max_positions, NodeSessionRecord(
