@@ -134,7 +134,7 @@ def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_
             assert sent[-1] == ("s2", b"2b") and ring.released == 3
             ring.go("s0", holds["s0"], b"0b", nursery)
             assert sent[-1] == ("s2", b"2b")  # s0 waits for s1
-            ring.stop("s1", holds["s1"])  # s1 sent its last step
+            ring.go("s1", holds["s1"], None, nursery)  # s1 sent its last step
             assert sent[-1] == ("s0", b"0b")
             ring.leave("s0", holds["s0"]), ring.leave("s1", holds["s1"]), ring.leave("s2", holds["s2"])
             assert ring.boards == {} == ring.members and all(h.step is None and h.wake is None for h in holds.values())

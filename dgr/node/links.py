@@ -87,34 +87,27 @@ class RingPhases:
         if board is None:
             board = self.boards[route] = RoutePhases(max(1, nodes))
             self.members[route] = {}
-        if lane is None or lane in board.lanes.values():
-            board.join(sid)
-        else:
-            board.lanes[sid] = lane
+        board.join(sid, lane)
         self.members[route][sid] = hold
         hold.route = route
 
-    def go(self, sid: str, hold: Hold, step: bytes, nursery: trio.Nursery) -> None:
-        """`sid`'s next step is ready: sent now with its group, or held (a bounded wait in `nursery`)."""
+    def go(self, sid: str, hold: Hold, step: bytes | None, nursery: trio.Nursery) -> None:
+        """`sid` has its token: its next `step` is sent now with its group, or held (a bounded wait in
+        `nursery`); None: it sends no more steps (its last token), and its group may go without it."""
         board = self.boards.get(hold.route) if hold.route is not None else None
         if board is None:
-            self.send(sid, step)
-            return
-        now = trio.current_time()
-        last = hold.last
-        hold.step = step
-        out = board.arrive(sid)
-        if sid in out:
-            self._release(hold.route, out)
-            return
-        wake = hold.wake = trio.Event()
-        nursery.start_soon(self._hold, sid, hold, wake, hold_for(now, last))
-
-    def stop(self, sid: str, hold: Hold) -> None:
-        """`sid` sends no more steps (its last token): its group may go without it."""
-        board = self.boards.get(hold.route) if hold.route is not None else None
-        if board is not None:
+            if step is not None:
+                self.send(sid, step)
+        elif step is None:
             self._release(hold.route, board.stop(sid))
+        else:
+            hold.step = step
+            out = board.arrive(sid)
+            if sid in out:
+                self._release(hold.route, out)
+                return
+            wake = hold.wake = trio.Event()
+            nursery.start_soon(self._hold, sid, hold, wake, hold_for(trio.current_time(), hold.last))
 
     def leave(self, sid: str, hold: Hold) -> None:
         """`sid` ended here: its lane is free, a step it held is dropped."""
@@ -142,7 +135,8 @@ class RingPhases:
                 wake.set()
             if step is not None:
                 self.released += 1
-                self._out(s, hold, step)
+                hold.last = trio.current_time()  # its session's next hold counts from here
+                self.send(s, step)
 
     async def _hold(self, sid: str, hold: Hold, wake: trio.Event, hold_s: float) -> None:
         with trio.move_on_after(hold_s):
@@ -156,13 +150,8 @@ class RingPhases:
         step, hold.step = hold.step, None
         if step is not None:
             self.alone += 1
-            self._out(sid, hold, step)
-
-    def _out(self, sid: str, hold: Hold, step: bytes) -> None:
-        """Send a held step, noting when it went: its session's next hold counts from here."""
-        if hold.route is not None:
-            hold.last = trio.current_time()
-        self.send(sid, step)
+            hold.last = trio.current_time()  # its session's next hold counts from here
+            self.send(sid, step)
 
 
 @attrs.define(eq=False)
