@@ -228,7 +228,7 @@ class NodeReplies:
                 links.nursery.start_soon(self.fail_session, frame.session, failure)
             return
         if rec.loop is not None and frame.flags & Flag.SAMPLE and links.nursery is not None:
-            links.ring.go(frame.session, rec.hold, step, links.nursery)
+            links.ring.go(rec, step, links.nursery)
         if spec is not None:  # the route's cost of the step just verified
             spec.measured((sum(compute_us) + job.compute_s * 1e6) / 1e6)
         times = (*compute_us, int(job.compute_s * 1e6))
