@@ -201,65 +201,55 @@ class StepScheduler:
         Every iteration that leaves the loop runs in one thread for the driver's life
         (dgr.node.backend_thread says why it is always the same one).
         """
+        pending: list[Job] = []
         with BackendThread() as thread:
             task_status.started()
-            await self._loop(thread)
-
-    async def _loop(self, thread: BackendThread) -> None:
-        pending: list[Job] = []
-        while True:
-            await self._take(pending)
-            if may_gather(pending, self.session_count):
-                # Steps of other sessions may have arrived with these, still unread in their
-                # connections: let every runnable task (those readers) run first, so they join this
-                # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
-                with trio.move_on_after(self.gather_s):
-                    await wait_all_tasks_blocked()
+            while True:
                 await self._take(pending)
-            plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
-                                  target_s=self.iteration_target_s, open_sessions=self.session_count)
-            controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
-            if plan.dropped:
-                self._drop([pending[i] for i in plan.dropped])
-            if controls:
-                # answered before the batch starts: an open or a status never waits for a prefill chunk
-                if self.inline:
-                    self._iterate(controls, [])
-                else:
-                    await thread.run_sync(self._iterate, controls, [])
-                self._done(controls)
-            cut: Job | None = None
-            if plan.cut:
-                k = next(k for k, job in enumerate(batch) if not job.step.decode)
-                cut, batch[k] = batch[k], first_part(batch[k], plan.cut)
-            decode_only = bool(batch) and all(job.step.decode for job in batch)
-            if batch and (self.inline or (decode_only and self._may_inline
-                                          and self._last_decode_s < self.inline_below_s)):
-                self._iterate([], batch)
-            elif batch:
-                await thread.run_sync(self._iterate, [], batch)
-            if batch and self.busy_poll_s > 0:
-                self._hot_until = trio.current_time() + self.busy_poll_s
-            keep = set(plan.deferred)
-            if cut is not None:
-                if self._rejoin(cut, batch[k], plan.cut):
-                    keep.add(plan.batch[k])  # its rest waits for a later iteration
-                    batch.pop(k)
-                else:
-                    batch[k] = cut  # the chunk failed part-way: its caller hears it now
-            self._done(batch)
-            pending = [pending[i] for i in sorted(keep)]
-            # The results' relays and replies go out before anything else that could block the loop: a
-            # one-thread backend's next iteration may run on it. After control jobs (an open, a close)
-            # the accounting is already fresh for whoever they wake; after forwards alone it only feeds
-            # status and metrics, and waits for this: it cost 60 us of a route's token. A backend whose
-            # iterations always leave the loop has its next one (a step its results queued here: a ring
-            # of this node alone) start first, and the relays run while it computes: waiting for them
-            # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
-            if batch and (self.inline or self._may_inline):
-                await trio.lowlevel.checkpoint()
-            if batch:
-                self._account()
+                plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
+                                      target_s=self.iteration_target_s, open_sessions=self.session_count)
+                controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
+                if plan.dropped:
+                    self._drop([pending[i] for i in plan.dropped])
+                if controls:
+                    # answered before the batch starts: an open or a status never waits for a prefill chunk
+                    if self.inline:
+                        self._iterate(controls, [])
+                    else:
+                        await thread.run_sync(self._iterate, controls, [])
+                    self._done(controls)
+                cut: Job | None = None
+                if plan.cut:
+                    k = next(k for k, job in enumerate(batch) if not job.step.decode)
+                    cut, batch[k] = batch[k], first_part(batch[k], plan.cut)
+                decode_only = bool(batch) and all(job.step.decode for job in batch)
+                if batch and (self.inline or (decode_only and self._may_inline
+                                              and self._last_decode_s < self.inline_below_s)):
+                    self._iterate([], batch)
+                elif batch:
+                    await thread.run_sync(self._iterate, [], batch)
+                if batch and self.busy_poll_s > 0:
+                    self._hot_until = trio.current_time() + self.busy_poll_s
+                keep = set(plan.deferred)
+                if cut is not None:
+                    if self._rejoin(cut, batch[k], plan.cut):
+                        keep.add(plan.batch[k])  # its rest waits for a later iteration
+                        batch.pop(k)
+                    else:
+                        batch[k] = cut  # the chunk failed part-way: its caller hears it now
+                self._done(batch)
+                pending = [pending[i] for i in sorted(keep)]
+                # The results' relays and replies go out before anything else that could block the loop: a
+                # one-thread backend's next iteration may run on it. After control jobs (an open, a close)
+                # the accounting is already fresh for whoever they wake; after forwards alone it only feeds
+                # status and metrics, and waits for this: it cost 60 us of a route's token. A backend whose
+                # iterations always leave the loop has its next one (a step its results queued here: a ring
+                # of this node alone) start first, and the relays run while it computes: waiting for them
+                # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
+                if batch and (self.inline or self._may_inline):
+                    await trio.lowlevel.checkpoint()
+                if batch:
+                    self._account()
 
     @staticmethod
     def _done(jobs: list[Job]) -> None:
@@ -297,8 +287,10 @@ class StepScheduler:
         return self.backend.n_threads == 1
 
     async def _take(self, pending: list[Job]) -> None:
-        """Every job submitted so far, onto the end of `pending`, in order; with none pending and none
-        submitted, the next one first, waited for (inside the busy-poll window, without sleeping)."""
+        """The jobs for the next iteration, onto the end of `pending` in order: every job submitted so far; with
+        none pending and none submitted, the next one first, waited for (inside the busy-poll window, without
+        sleeping); then, where another session's step could still join them (`may_gather`), what the tasks
+        that can run bring within `gather_s`."""
         recv = self._recv
         while (not pending and not recv.statistics().current_buffer_used and self.session_count
                and trio.current_time() < self._hot_until):
@@ -313,11 +305,21 @@ class StepScheduler:
                 self.polls_given_up += 1
         if not pending and not recv.statistics().current_buffer_used:
             pending.append(await recv.receive())
+        gathered = False
         while True:
             try:
                 pending.append(recv.receive_nowait())
+                continue
             except trio.WouldBlock:
+                pass
+            if gathered or not may_gather(pending, self.session_count):
                 return
+            # Steps of other sessions may have arrived with these, still unread in their
+            # connections: let every runnable task (those readers) run first, so they join this
+            # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
+            with trio.move_on_after(self.gather_s):
+                await wait_all_tasks_blocked()
+            gathered = True
 
     def _iterate(self, controls: list[Job], batch: list[Job]) -> None:
         """One iteration (in the backend thread, or inline): controls, the batch, and after controls the accounting.
