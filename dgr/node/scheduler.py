@@ -172,16 +172,11 @@ class StepScheduler:
         self._send.send_nowait(job)  # never blocks, so never cancelled half-way
         return job
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` (a backend call outside any session's order) in the scheduler's thread."""
-        job = self.submit(Job(JobKind.CALL, None, fn=fn))
-        await job.done.wait()
-        return job.result.unwrap()
-
-    async def session_call(self, sid: str, fn: Callable[[], Any], *, ends: bool = False) -> Any:
-        """Run `fn` for session `sid`, after every job of `sid` submitted before it; with `ends` (`fn` frees
-        the session and keeps none of its KV), its forwards still queued are dropped instead."""
-        job = self.submit(Job(JobKind.SESSION, sid, fn=fn, ends=ends))
+    async def call(self, fn: Callable[[], Any], *, sid: str | None = None, ends: bool = False) -> Any:
+        """Run `fn` (a backend call) in the scheduler's thread: outside any session's order, or with `sid`,
+        after every job of `sid` submitted before it; with `ends` (`fn` frees the session and keeps none of
+        its KV), the session's forwards still queued are dropped instead."""
+        job = self.submit(Job(JobKind.CALL if sid is None else JobKind.SESSION, sid, fn=fn, ends=ends))
         await job.done.wait()
         return job.result.unwrap()
 
