@@ -69,9 +69,9 @@ async def test_the_step_scheduler_needs_nothing_but_compute(nursery) -> None:
     backend = _OnlyCompute()
     sched = StepScheduler(backend)
     await nursery.start(sched.run)
-    await sched.session_call("s", functools.partial(backend.open_session, "s", 8))
+    await sched.call(functools.partial(backend.open_session, "s", 8), sid="s")
     out, compute_s = await sched.forward(Step("s", 0, np.array([3, 4], np.int32), None, False), lambda out: out)
     assert out.shape == (2, backend.info.seam_width) and float(out[0, 0]) == 7.0 and compute_s >= 0
-    assert await sched.session_call("s", functools.partial(backend.positions_computed, "s")) == 2
-    await sched.session_call("s", functools.partial(backend.close_session, "s"))
+    assert await sched.call(functools.partial(backend.positions_computed, "s"), sid="s") == 2
+    await sched.call(functools.partial(backend.close_session, "s"), sid="s")
     assert sched.session_count == 0

@@ -68,16 +68,17 @@ def test_plan_makes_progress_keeps_each_sessions_order_and_fills_the_budget(queu
     first = {}
     for i, job in enumerate(queue):
         first.setdefault(job.sid, i)
-    eligible_decodes = [i for i, j in enumerate(queue) if j.is_decode and (j.sid is None or first[j.sid] == i)]
+    eligible_decodes = [i for i, j in enumerate(queue)
+                        if j.step is not None and j.step.decode and (j.sid is None or first[j.sid] == i)]
     taken: list[int] = []  # decode steps go first, in queue order, each into a batch smaller than its max_rows
     for i in eligible_decodes:
         if queue[i].max_rows is None or len(taken) < queue[i].max_rows:
             taken.append(i)
-    assert [i for i in plan.batch if queue[i].is_decode] == taken
-    prefills = [i for i in plan.batch if not queue[i].is_decode]
+    assert [i for i in plan.batch if queue[i].step.decode] == taken
+    prefills = [i for i in plan.batch if not queue[i].step.decode]
     if len(prefills) > 1:  # beyond the first chunk, prefill stays inside the budget
-        assert sum(queue[i].n_tokens for i in plan.batch) <= budget
-    decodes_in = [k for k, i in enumerate(plan.batch) if queue[i].is_decode]
+        assert sum(queue[i].step.n_tokens for i in plan.batch) <= budget
+    decodes_in = [k for k, i in enumerate(plan.batch) if queue[i].step.decode]
     assert decodes_in == list(range(len(decodes_in))), "decodes lead the batch"
 
 

@@ -84,19 +84,19 @@ def test_while_others_wait_an_iteration_holds_what_the_target_allows(queue, rate
     plain = plan_iteration(queue, 512)
     assert sorted(plan.controls + plan.batch + plan.deferred) == list(range(len(queue)))
     assert plan.controls == plain.controls
-    assert [i for i in plan.batch if queue[i].is_decode] == [i for i in plain.batch if queue[i].is_decode]
-    prefills = [i for i in plan.batch if not queue[i].is_decode]
+    assert [i for i in plan.batch if queue[i].step.decode] == [i for i in plain.batch if queue[i].step.decode]
+    prefills = [i for i in plan.batch if not queue[i].step.decode]
     if queue:
         assert plan.controls or plan.batch, "a non-empty queue always makes progress"
     if plan.cut:
-        n = queue[prefills[0]].n_tokens
+        n = queue[prefills[0]].step.n_tokens
         assert prefills == prefills[:1], "a cut chunk runs alone among prefill"
         assert MIN_CUT <= plan.cut <= n - MIN_CUT and plan.cut % MIN_CUT == 0 or plan.cut == n - MIN_CUT
         room = prefill_room(rate, target_s, 512)
-        decodes = sum(1 for i in plan.batch if queue[i].is_decode)
+        decodes = sum(1 for i in plan.batch if queue[i].step.decode)
         assert plan.cut <= max(MIN_CUT, room - decodes)
-    waiting = any(j.is_decode for j in queue) or open_sessions > len({queue[i].sid for i in plain.batch
-                                                                      if not queue[i].is_decode})
+    waiting = any(j.step is not None and j.step.decode for j in queue) or open_sessions > len(
+        {queue[i].sid for i in plain.batch if not queue[i].step.decode})
     if rate is None or target_s == 0 or not waiting:
         assert plan.cut == 0
 

@@ -126,11 +126,10 @@ async def test_a_prompt_the_head_refuses_closes_the_later_hops_waiting(autojump_
 
 
 def test_a_session_opened_before_its_prompt_s_length_is_bounded_at_the_prompt_s_last_chunk() -> None:
-    s = NodeSession(sid="a" * 32, max_positions=64, created_at=0.0, max_new=5)
+    s = NodeSession(sid="a" * 32, max_positions=64, last_active=0.0, max_new=5)
     s.accept(StepKind.PREFILL, 0, 0, 8, now=0.0)
     assert s.max_positions == 64  # the prompt may go on
-    s.accept(StepKind.PREFILL, 1, 8, 2, now=0.0)
-    s.prompt_ends(10)
+    s.accept(StepKind.PREFILL, 1, 8, 2, now=0.0, last_chunk=True)
     assert s.max_positions == 15 and s.max_new is None
     for seq, pos in enumerate(range(10, 15), start=2):
         s.accept(StepKind.DECODE, seq, pos, 1, now=0.0)

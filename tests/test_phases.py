@@ -113,35 +113,46 @@ def test_a_ring_tail_holds_each_step_for_its_group_and_sends_it_alone_after_the_
     for its group, goes alone after its bound, and a session that stops or ends frees its group."""
     from trio.testing import MockClock
 
-    from dgr.node.links import Hold, RingPhases
+    from dgr.fsm.node import NodeSession
+    from dgr.node.links import NodeSessionRecord, RingPhases
     from dgr.fsm.phases import FIRST_HOLD_S
 
     sent: list[tuple[str, bytes]] = []
-    holds = {f"s{i}": Hold() for i in range(4)}  # on each session's record, on a node
-    ring = RingPhases(lambda sid, step: sent.append((sid, step)))
+
+    class Loop:  # a session's loop relay, to the head
+        def __init__(self, sid: str) -> None:
+            self.sid = sid
+
+        def put(self, item) -> None:
+            sent.append((self.sid, item.frame))
+
+    # each session's record, on a node, in the lane the gateway gave it
+    recs = {f"s{i}": NodeSessionRecord(NodeSession(f"s{i}", 64, last_active=0.0), lane=i, loop=Loop(f"s{i}"))
+            for i in range(4)}
+    ring = RingPhases(recs.get)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             for i in range(4):
-                ring.join(f"s{i}", holds[f"s{i}"], "a,b", 2, lane=i)
+                ring.join(recs[f"s{i}"], "a,b", 2)
             ring.boards["a,b"].decoding.update(f"s{i}" for i in range(4))  # every one decoding: groups s0-s1, s2-s3
-            ring.go("s1", holds["s1"], b"1", nursery)
+            ring.go(recs["s1"], b"1", nursery)
             assert sent == []  # waits for s0
-            ring.go("s0", holds["s0"], b"0", nursery)
+            ring.go(recs["s0"], b"0", nursery)
             assert sorted(sent) == [("s0", b"0"), ("s1", b"1")] and ring.released == 2
-            ring.go("s2", holds["s2"], b"2", nursery)  # s3 does not come
+            ring.go(recs["s2"], b"2", nursery)  # s3 does not come
             await trio.sleep(FIRST_HOLD_S - 0.01)
             assert len(sent) == 2
             await trio.sleep(0.02)
             assert sent[-1] == ("s2", b"2") and ring.alone == 1
-            ring.go("s2", holds["s2"], b"2b", nursery)  # held again, for twice the time since its last step
-            ring.leave("s3", holds["s3"])  # s3 ended here: s2's group is s2 alone now
+            ring.go(recs["s2"], b"2b", nursery)  # held again, for twice the time since its last step
+            ring.leave(recs["s3"])  # s3 ended here: s2's group is s2 alone now
             assert sent[-1] == ("s2", b"2b") and ring.released == 3
-            ring.go("s0", holds["s0"], b"0b", nursery)
+            ring.go(recs["s0"], b"0b", nursery)
             assert sent[-1] == ("s2", b"2b")  # s0 waits for s1
-            ring.stop("s1", holds["s1"])  # s1 sent its last step
+            ring.go(recs["s1"], None, nursery)  # s1 sent its last step
             assert sent[-1] == ("s0", b"0b")
-            ring.leave("s0", holds["s0"]), ring.leave("s1", holds["s1"]), ring.leave("s2", holds["s2"])
-            assert ring.boards == {} == ring.members and all(h.step is None and h.wake is None for h in holds.values())
+            ring.leave(recs["s0"]), ring.leave(recs["s1"]), ring.leave(recs["s2"])
+            assert ring.boards == {} and all(r.hold.step is None and r.hold.wake is None for r in recs.values())
 
     trio.run(main, clock=MockClock(autojump_threshold=0))

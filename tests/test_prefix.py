@@ -193,7 +193,7 @@ def test_may_hold_is_never_false_where_a_match_would_find_something() -> None:
             assert may or kept is None, (n, len(tokens))
         elif c.entries:
             c.evict()
-        firsts = collections.Counter(f for e in c.entries.values() for f in c._firsts_of(e))
+        firsts = collections.Counter(f for e in c.entries.values() for f in e.firsts)
         assert c._firsts == firsts
 
 

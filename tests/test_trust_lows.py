@@ -146,24 +146,36 @@ def test_a_ring_tails_holds_stay_bounded_while_a_group_member_stalls() -> None:
     """The ring tail's driver (dgr.node.links) on trio's MockClock: s1 stalls, s0 steps on alone."""
     from trio.testing import MockClock
 
-    from dgr.node.links import Hold, RingPhases
+    from dgr.fsm.node import NodeSession
+    from dgr.node.links import NodeSessionRecord, RingPhases
 
     went: list[float] = []
     holds: list[float] = []
-    h = {"s0": Hold(), "s1": Hold()}  # on each session's record, on a node
-    ring = RingPhases(lambda sid, step: went.append(trio.current_time()) if sid == "s0" else None)
+
+    class Loop:  # s0's loop relay, to the head (s1's steps go nowhere)
+        def __init__(self, sid: str) -> None:
+            self.sid = sid
+
+        def put(self, item) -> None:
+            if self.sid == "s0":
+                went.append(trio.current_time())
+
+    # each session's record, on a node, in the lane the gateway gave it
+    h = {sid: NodeSessionRecord(NodeSession(sid, 64, last_active=0.0), lane=i, loop=Loop(sid))
+         for i, sid in enumerate(("s0", "s1"))}
+    ring = RingPhases(h.get)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            ring.join("s0", h["s0"], "a,b", 1, lane=0), ring.join("s1", h["s1"], "a,b", 1, lane=1)
+            ring.join(h["s0"], "a,b", 1), ring.join(h["s1"], "a,b", 1)
             ring.boards["a,b"].decoding.update(("s0", "s1"))
-            ring.go("s1", h["s1"], b"1", nursery)
-            ring.go("s0", h["s0"], b"0", nursery)  # one pass together; s1 stalls from here
+            ring.go(h["s1"], b"1", nursery)
+            ring.go(h["s0"], b"0", nursery)  # one pass together; s1 stalls from here
             for _ in range(12):
                 await trio.sleep(0.05)  # s0's round trip: its next step is ready
                 ready = trio.current_time()
                 n = len(went)
-                ring.go("s0", h["s0"], b"0", nursery)
+                ring.go(h["s0"], b"0", nursery)
                 while len(went) == n:
                     await trio.sleep(0.001)
                 holds.append(went[-1] - ready)

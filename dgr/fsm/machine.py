@@ -42,6 +42,8 @@ class TransitionTable(Generic[S, E]):
     # other states a machine may start in (a node session opened before its KV may open starts waiting)
     also_initial: tuple[S, ...] = ()
     _index: dict[tuple[S, E], S] = attrs.field(init=False, eq=False, repr=False)
+    # the states with no outgoing entry: fixed with the table, so drawn once (every `ended` check reads it)
+    terminal: frozenset[S] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         index: dict[tuple[S, E], S] = {}
@@ -51,6 +53,8 @@ class TransitionTable(Generic[S, E]):
                 raise ValueError(f"{self.machine}: duplicate transition {key}")
             index[key] = t.target
         object.__setattr__(self, "_index", index)
+        sources = {source for source, _ in index}
+        object.__setattr__(self, "terminal", frozenset(s for s in self.states if s not in sources))
 
     def next(self, state: S, event: E) -> S:
         """The state after `event` in `state`.
@@ -65,8 +69,3 @@ class TransitionTable(Generic[S, E]):
 
     def allows(self, state: S, event: E) -> bool:
         return (state, event) in self._index
-
-    @property
-    def terminal(self) -> frozenset[S]:
-        sources = {t.source for t in self.transitions}
-        return frozenset(s for s in self.states if s not in sources)

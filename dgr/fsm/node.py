@@ -19,8 +19,8 @@ Contract:
   (`pos0 == positions`), or, after a speculative step, anywhere from that
   step's first position + 1 (`committed`: its last accepted token is never
   taken back) to `positions`: the drafts the tail refused are the positions
-  from pos0 on, and the driver drops them before computing the step
-  (`rewinds`), so no node keeps a refused position. A replayed, skipped or
+  from pos0 on, and the driver drops them before computing the step (`accept`
+  says so), so no node keeps a refused position. A replayed, skipped or
   reordered step, or a position gap, is refused with a typed `CallerError`
   and changes nothing.
 - A session opened on a reused prefix (dgr.node.prefix) starts with that
@@ -30,7 +30,7 @@ Contract:
 - A later hop opened together with the head, before the prompt is tokenized,
   does not know the prompt's length: it is opened with `max_new` (the most
   positions the answer may take), holds the route's context as its bound
-  until the prompt's last chunk arrives (`prompt_ends`), and from then on the
+  until the prompt's last chunk is accepted (`last_chunk`), and from then on the
   prompt's positions plus `max_new`, as a session opened with the length does.
 - The check is complete before anything is assigned; `accept` then moves the
   session as if the step was applied. If computing the step fails after that,
@@ -110,18 +110,14 @@ class NodeSession:
 
     sid: str
     max_positions: int
-    created_at: float
+    last_active: float  # when it last took a step, or opened (the driver's clock: idle expiry reads it)
     state: NodeState = NODE_TABLE.initial
     positions: int = 0  # positions held in Hot KV State
     committed: int = 0  # of them, those no later step may drop (all but a speculative step's drafts)
     max_decode: int = 1  # positions a decode step may carry: 1, or the last accepted token and its drafts
     next_seq: int = 0  # seq number the next step must carry
     max_new: int | None = None  # opened before its prompt's length was known: the answer's positions at most
-    last_active: float = 0.0
     failure: Failure | None = None
-
-    def __attrs_post_init__(self) -> None:
-        self.last_active = self.created_at
 
     def _check_live(self) -> None:
         if self.state is NodeState.FAILED:
@@ -172,27 +168,28 @@ class NodeSession:
             )
         return target
 
-    def accept(self, kind: StepKind, seq: int, pos0: int, n_tokens: int, now: float) -> None:
-        """Apply a step's bookkeeping. Validates first; on refusal nothing changes."""
+    def accept(self, kind: StepKind, seq: int, pos0: int, n_tokens: int, now: float, *,
+               last_chunk: bool = False) -> bool:
+        """Apply a step's bookkeeping. Validates first; on refusal nothing changes.
+
+        `last_chunk`: the step is the prompt's last chunk, so the prompt's length is known: a session
+        opened without it (`max_new`) holds at most the prompt's positions plus `max_new` from here.
+
+        Returns True when the step starts inside what the KV holds (a reused prefix, or refused drafts):
+        the driver drops the KV from pos0 on before computing it.
+        """
         target = self.check_step(kind, seq, pos0, n_tokens)
+        rewinds = pos0 < self.positions
         self.state = target
         self.positions = pos0 + n_tokens
         # a decode step's first position is the last accepted token; the rest are drafts until the next step
         self.committed = pos0 + 1 if kind is StepKind.DECODE else self.positions
         self.next_seq = seq + 1
         self.last_active = now
-
-    def prompt_ends(self, end: int) -> None:
-        """The prompt's last chunk ends at position `end`: a session opened without the prompt's length
-        (`max_new`) now holds at most the prompt's positions plus `max_new`."""
-        if self.max_new is not None:
-            self.max_positions = min(self.max_positions, end + self.max_new)
+        if last_chunk and self.max_new is not None:
+            self.max_positions = min(self.max_positions, self.positions + self.max_new)
             self.max_new = None
-
-    def rewinds(self, pos0: int) -> bool:
-        """True when a step at `pos0` starts inside what the KV holds (a reused prefix, or refused drafts):
-        the KV from pos0 on must go first."""
-        return pos0 < self.positions
+        return rewinds
 
     def kv_opened(self) -> None:
         """A waiting session's KV opened (on a kept prefix): it may take its first step from `created`.

@@ -16,8 +16,10 @@ sessions, in lane order, are cut into one group per node (a 2-node route with
 every decoding session of its group has its token: a group then reaches each
 node together, as one pass, while the other groups are on the other nodes.
 
-Theory: `RoutePhases` is pure (who may go now); the gateway's driver waits on
-it with a bound, after which a session goes alone (it only costs speed).
+Theory: `RoutePhases` is pure (which lane, who may go now); the gateway gives
+each session its lane, and a ring's tail (dgr.node.links, its driver) takes the
+same lane on its own board and waits on it with a bound, after which a session
+goes alone (it only costs speed).
 
 The bound (`hold_for`) is twice the session's own round trip: the time from
 when its last step went out, after any hold, to its next token. Counting from
@@ -59,10 +61,12 @@ class RoutePhases:
     decoding: set[str] = attrs.field(factory=set)  # sessions in their decode loop
     waiting: set[str] = attrs.field(factory=set)  # decoding sessions with their token, waiting for their group
 
-    def join(self, sid: str) -> int:
-        """A new session of the route: its lane, the lowest free."""
+    def join(self, sid: str, lane: int | None = None) -> int:
+        """A new session of the route: its lane, `lane` where that is free (a ring's tail takes the one the
+        gateway gave), else the lowest free."""
         used = set(self.lanes.values())
-        lane = next(i for i in range(len(used) + 1) if i not in used)
+        if lane is None or lane in used:
+            lane = next(i for i in range(len(used) + 1) if i not in used)
         self.lanes[sid] = lane
         return lane
 

@@ -80,14 +80,6 @@ class Job:
     # FORWARD cut across iterations (`Plan.cut`): the outputs of its parts that have run, in order
     parts: list = attrs.field(factory=list)
 
-    @property
-    def n_tokens(self) -> int:
-        return 0 if self.step is None else self.step.n_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.step is not None and self.step.decode
-
 
 @attrs.frozen
 class Plan:
@@ -153,7 +145,7 @@ def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: flo
                 continue
             seen.add(job.sid)
         if job.kind is JobKind.FORWARD:
-            (decodes if job.is_decode else prefills).append(i)
+            (decodes if job.step.decode else prefills).append(i)
         else:
             controls.append(i)
     batch: list[int] = []
@@ -163,14 +155,14 @@ def plan_iteration(queue: Sequence[Job], token_budget: int, *, prefill_rate: flo
             deferred.add(i)
         else:
             batch.append(i)
-    used = sum(queue[i].n_tokens for i in batch)
+    used = sum(queue[i].step.n_tokens for i in batch)
     budget, cut = token_budget, 0
     waiting = bool(decodes) or open_sessions > len({queue[i].sid for i in prefills})
     if waiting and prefills and prefill_rate and target_s > 0:  # else nothing to size a cut by
         budget = min(token_budget, prefill_room(prefill_rate, target_s, token_budget))
-        cut = _cut_at(queue[prefills[0]].n_tokens, max(0, budget - used))
+        cut = _cut_at(queue[prefills[0]].step.n_tokens, max(0, budget - used))
     for k, i in enumerate(prefills):
-        n = queue[i].n_tokens
+        n = queue[i].step.n_tokens
         if k == 0 or (not cut and used + n <= budget):
             batch.append(i)
             used += cut or n

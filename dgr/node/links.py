@@ -34,7 +34,7 @@ Phase-group rules:
   only costs speed); a later step waits again.
 - A session that sends no next step (its last token, end of generation), or
   that ends here, stops counting for its group, which may then go.
-- Steps go out through `send`, in the order they are released.
+- Steps go out through the session's loop relay, in the order they are released.
 
 Left out: the stream itself (dgr.node.relay, dgr.seam) and the connection pools (the node's `pool`).
 """
@@ -65,7 +65,8 @@ __all__ = ["Hold", "NodeLinks", "NodeSessionRecord", "RingPhases"]
 @attrs.define(eq=False)
 class Hold:
     """One session's place in its phase groups: on its node session record (dgr.node.sessions), not in a
-    table of the ring's keyed by session, so it goes when the session does."""
+    table of the ring's keyed by session, so it goes when the session does (`RingPhases` finds a released
+    session's record in the node's session table)."""
 
     route: str | None = None  # its route's board; None: it holds nothing back (not a ring's tail)
     step: bytes | None = None  # its next step, waiting for its group
@@ -75,49 +76,44 @@ class Hold:
 
 @attrs.define(eq=False)
 class RingPhases:
-    send: Callable[[str, bytes], None]  # (sid, step): to the session's loop relay
+    """A ring tail's phase groups: each route's board, and its sessions' steps held on their records (their
+    `Hold`), found through the node's one session table, and sent to the head through their loop relays."""
+
+    find: Callable[[str], NodeSessionRecord | None]  # sid -> its record, while the node holds it
     boards: dict[str, RoutePhases] = attrs.field(factory=dict)  # route -> its board
-    # route -> its board's sessions' holds (each on its session's record): a released group's steps
-    members: dict[str, dict[str, Hold]] = attrs.field(factory=dict)
     released: int = 0  # steps sent with their group
     alone: int = 0  # steps sent alone, after their hold
 
-    def join(self, sid: str, hold: Hold, route: str, nodes: int, lane: int | None) -> None:
+    def join(self, rec: NodeSessionRecord, route: str, nodes: int) -> None:
+        """A ring tail's session of `route` (of `nodes` nodes) joins its board, in the lane the gateway gave it."""
         board = self.boards.get(route)
         if board is None:
             board = self.boards[route] = RoutePhases(max(1, nodes))
-            self.members[route] = {}
-        if lane is None or lane in board.lanes.values():
-            board.join(sid)
-        else:
-            board.lanes[sid] = lane
-        self.members[route][sid] = hold
-        hold.route = route
+        board.join(rec.fsm.sid, rec.lane)
+        rec.hold.route = route
 
-    def go(self, sid: str, hold: Hold, step: bytes, nursery: trio.Nursery) -> None:
-        """`sid`'s next step is ready: sent now with its group, or held (a bounded wait in `nursery`)."""
+    def go(self, rec: NodeSessionRecord, step: bytes | None, nursery: trio.Nursery) -> None:
+        """`rec`'s session has its token: its next `step` is sent now with its group, or held (a bounded wait in
+        `nursery`); None: it sends no more steps (its last token), and its group may go without it."""
+        sid, hold = rec.fsm.sid, rec.hold
         board = self.boards.get(hold.route) if hold.route is not None else None
         if board is None:
-            self.send(sid, step)
-            return
-        now = trio.current_time()
-        last = hold.last
-        hold.step = step
-        out = board.arrive(sid)
-        if sid in out:
-            self._release(hold.route, out)
-            return
-        wake = hold.wake = trio.Event()
-        nursery.start_soon(self._hold, sid, hold, wake, hold_for(now, last))
+            if step is not None:
+                rec.loop.put(Outgoing(step, ()))  # the head is the first hop of the next step
+        elif step is None:
+            self._release(board.stop(sid))
+        else:
+            hold.step = step
+            out = board.arrive(sid)
+            if sid in out:
+                self._release(out)
+                return
+            wake = hold.wake = trio.Event()
+            nursery.start_soon(self._hold, rec, wake, hold_for(trio.current_time(), hold.last))
 
-    def stop(self, sid: str, hold: Hold) -> None:
-        """`sid` sends no more steps (its last token): its group may go without it."""
-        board = self.boards.get(hold.route) if hold.route is not None else None
-        if board is not None:
-            self._release(hold.route, board.stop(sid))
-
-    def leave(self, sid: str, hold: Hold) -> None:
-        """`sid` ended here: its lane is free, a step it held is dropped."""
+    def leave(self, rec: NodeSessionRecord) -> None:
+        """`rec`'s session ended here: its lane is free, a step it held is dropped."""
+        hold = rec.hold
         route, hold.route, hold.step, hold.last = hold.route, None, None, None
         wake, hold.wake = hold.wake, None
         if wake is not None:
@@ -125,26 +121,27 @@ class RingPhases:
         board = self.boards.get(route) if route is not None else None
         if board is None:
             return
-        self.members[route].pop(sid, None)
-        self._release(route, board.leave(sid))
+        self._release(board.leave(rec.fsm.sid))
         if not board.lanes:
-            del self.boards[route], self.members[route]
+            del self.boards[route]
 
-    def _release(self, route: str, sids: list[str]) -> None:
-        members = self.members[route]
-        for s in sids:
-            hold = members.get(s)
-            if hold is None:
+    def _release(self, sids: list[str]) -> None:
+        for sid in sids:
+            rec = self.find(sid)
+            if rec is None:
                 continue
+            hold = rec.hold
             step, hold.step = hold.step, None
             wake, hold.wake = hold.wake, None
             if wake is not None:
                 wake.set()
             if step is not None:
                 self.released += 1
-                self._out(s, hold, step)
+                hold.last = trio.current_time()  # its session's next hold counts from here
+                rec.loop.put(Outgoing(step, ()))
 
-    async def _hold(self, sid: str, hold: Hold, wake: trio.Event, hold_s: float) -> None:
+    async def _hold(self, rec: NodeSessionRecord, wake: trio.Event, hold_s: float) -> None:
+        hold = rec.hold
         with trio.move_on_after(hold_s):
             await wake.wait()
         if hold.wake is not wake:
@@ -152,17 +149,12 @@ class RingPhases:
         hold.wake = None
         board = self.boards.get(hold.route) if hold.route is not None else None
         if board is not None:
-            board.withdraw(sid)
+            board.withdraw(rec.fsm.sid)
         step, hold.step = hold.step, None
         if step is not None:
             self.alone += 1
-            self._out(sid, hold, step)
-
-    def _out(self, sid: str, hold: Hold, step: bytes) -> None:
-        """Send a held step, noting when it went: its session's next hold counts from here."""
-        if hold.route is not None:
-            hold.last = trio.current_time()
-        self.send(sid, step)
+            hold.last = trio.current_time()  # its session's next hold counts from here
+            rec.loop.put(Outgoing(step, ()))
 
 
 @attrs.define(eq=False)
@@ -195,7 +187,7 @@ class NodeLinks:
     nursery: trio.Nursery | None = None  # the node's, while it runs: relays run in it
 
     def __attrs_post_init__(self) -> None:
-        self.ring = RingPhases(self._loop_send)
+        self.ring = RingPhases(self.find)
 
     def attach(self, rec: NodeSessionRecord, relay: RelayPlan, spec: SpecPlan | None = None) -> None:
         """Start a session's relay (and a ring tail's loop back to the head) in the node's nursery; with `spec`,
@@ -224,7 +216,7 @@ class NodeLinks:
             loop = rec.loop = Relay(sid, self.node_id, back, self.pool)
             self.nursery.start_soon(loop.run)
         if relay.route:
-            self.ring.join(sid, rec.hold, relay.route, relay.nodes, rec.lane)
+            self.ring.join(rec, relay.route, relay.nodes)
 
     def detach(self, rec: NodeSessionRecord) -> TailSpec | None:
         """Close what a session's record holds open: its relays, its place in its route's count and phase group
@@ -238,7 +230,7 @@ class NodeLinks:
             rec.relay.close()
         if rec.loop is not None:
             rec.loop.close()
-        self.ring.leave(rec.fsm.sid, rec.hold)
+        self.ring.leave(rec)
         spec, rec.spec = rec.spec, None
         return spec
 
@@ -248,8 +240,3 @@ class NodeLinks:
         if plan.nodes < 2:
             return None
         return max(1, math.ceil(self.on_route[plan.route] / plan.nodes))
-
-    def _loop_send(self, sid: str, step: bytes) -> None:
-        rec = self.find(sid)
-        if rec is not None and rec.loop is not None:
-            rec.loop.put(Outgoing(step, ()))  # the head is the first hop of the next step

@@ -53,7 +53,8 @@ class Kept:
     """One cached prefix: `positions` positions of KV held by the backend under `id`.
 
     `chain` names its whole blocks; `head` marks its first positions (as far as its session was
-    offered them) and `tail` those after its last whole block.
+    offered them) and `tail` those after its last whole block. An entry never changes, so what follows
+    from these is drawn once, when it is made.
     """
 
     id: str
@@ -61,10 +62,14 @@ class Kept:
     nbytes: int
     head: bytes = b""
     tail: bytes = b""
+    positions: int = attrs.field(init=False)  # its whole blocks' and its tail's
+    # its first block key and its first position's mark, where it has them: what `PrefixCache.may_hold` asks
+    firsts: tuple[str | bytes, ...] = attrs.field(init=False)
 
-    @property
-    def positions(self) -> int:
-        return len(self.chain) * BLOCK_TOKENS + len(self.tail) // MARK_BYTES
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "positions", len(self.chain) * BLOCK_TOKENS + len(self.tail) // MARK_BYTES)
+        first = self.mark(0)
+        object.__setattr__(self, "firsts", (*self.chain[:1], *([first] if first is not None else [])))
 
     def mark(self, pos: int) -> bytes | None:
         """Position `pos`'s mark, or None where this entry was not told it."""
@@ -151,10 +156,6 @@ class PrefixCache:
         return (bool(chain) and chain[0] in self._firsts) or (len(marks) >= MARK_BYTES
                                                                and marks[:MARK_BYTES] in self._firsts)
 
-    def _firsts_of(self, kept: Kept) -> list[str | bytes]:
-        first = kept.mark(0)
-        return [*kept.chain[:1], *([first] if first is not None else [])]
-
     def holds(self, chain: Sequence[str]) -> bool:
         """True when some entry holds all of `chain` (its last key names every block before it); counts nothing."""
         return bool(chain) and bool(self._index.get(chain[-1]))
@@ -168,7 +169,7 @@ class PrefixCache:
                 self.superseded += 1
                 dropped.append(old.id)
         self.entries[kept.id] = kept
-        self._firsts.update(self._firsts_of(kept))
+        self._firsts.update(kept.firsts)
         for key in kept.chain:
             self._index.setdefault(key, {})[kept.id] = None
         while self.max_bytes is not None and self.nbytes > self.max_bytes and self.entries:
@@ -178,7 +179,7 @@ class PrefixCache:
     def remove(self, entry_id: str) -> Kept:
         """Forget an entry (its KV is being taken over or freed)."""
         kept = self.entries.pop(entry_id)
-        self._firsts.subtract(self._firsts_of(kept))
+        self._firsts.subtract(kept.firsts)
         self._firsts += collections.Counter()  # drops the counts that fell to zero
         for key in kept.chain:
             ids = self._index.get(key)

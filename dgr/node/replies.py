@@ -44,7 +44,7 @@ from dgr.seam.stream import Record
 from dgr.seam.wire import Flag, FrameKind
 from dgr.sessions import SessionTable
 
-__all__ = ["NodeReplies", "check_frame", "next_step_frame", "to_step"]
+__all__ = ["NodeReplies", "check_frame", "next_step_frame"]
 
 _KIND_STEP = {FrameKind.PREFILL: StepKind.PREFILL, FrameKind.DECODE: StepKind.DECODE}
 
@@ -72,15 +72,6 @@ def check_frame(backend: Compute, frame: Frame) -> StepKind:
         if not np.isfinite(frame.hidden).all():
             raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
     return step
-
-
-def to_step(frame: Frame, one_row: bool = False) -> Step:
-    """The backend's step for an admitted frame: a decode step that samples wants every row's logits (its
-    last accepted token's and its drafts', dgr.node.speculation); `one_row`: its positions one at a time."""
-    decode = frame.kind is FrameKind.DECODE
-    rows = (frame.n_tokens if decode else 1) if frame.flags & Flag.SAMPLE else 0
-    return Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), rows, decode=decode,
-                one_row=one_row and decode)  # a prompt's chunks compute as they do without speculation
 
 
 def next_step_frame(frame: Frame, result: TokenResult, loop: Loop, max_positions: int) -> bytes | None:
@@ -130,7 +121,9 @@ class NodeReplies:
 
     def accept_streamed(self, sid: str, record: Record) -> None:
         """A step from a stream record, for `sid` (whose capability the stream carried): accepted and
-        queued; its result goes on through the session's relay, or its failure is reported.
+        queued as the backend's step; when computed, its result goes on through the session's relay (on a
+        ring's tail, the step for the sampled token also goes to the head, through its loop), or its failure
+        is reported.
 
         Raises:
             CallerError: refused (a session whose open has not finished has no relay yet); nothing changed.
@@ -143,7 +136,18 @@ class NodeReplies:
         frame, rec = self.admit(record.frame, sid, rec)
         if steptrace.ON:
             steptrace.mark("admitted", sid, frame.pos0)
-        self._relay_step(frame, rec, record.compute_us)
+        # a decode step that samples wants every row's logits (its last accepted token's and its drafts',
+        # dgr.node.speculation); an `exact` session's decode steps compute one position at a time (a prompt's
+        # chunks compute as they do without speculation)
+        decode = frame.kind is FrameKind.DECODE
+        rows = (frame.n_tokens if decode else 1) if frame.flags & Flag.SAMPLE else 0
+        step = Step(frame.session, frame.pos0, frame.token_ids, frame.hidden_f32(), rows, decode=decode,
+                    one_row=rec.exact and decode)
+        # its speculation as the step was accepted: the record lets it go at detach, before its close job runs
+        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=step,
+                                  finish=functools.partial(self._finish, frame, rec, rec.spec),
+                                  on_done=functools.partial(self._send_on, frame, rec, rec.spec, record.compute_us),
+                                  max_rows=self.links.group_rows(rec.relay.plan)))
 
     def admit(self, body: bytes, stream: str, rec: NodeSessionRecord | None) -> tuple[Frame, NodeSessionRecord]:
         """Decode a frame and apply its bookkeeping to its session (queuing its KV's open or a rewind first if
@@ -173,12 +177,12 @@ class NodeReplies:
             step = check_frame(self.backend, frame)
             rec = self.table.get(frame.session)  # SESSION_ENDED before its record goes, else UNKNOWN_SESSION
             session = rec.fsm
-            rewind, opening = session.rewinds(frame.pos0), session.state is NodeState.WAITING
-            session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time())
+            opening = session.state is NodeState.WAITING
+            # a prompt chunk that samples is the prompt's last: its length is known
+            rewind = session.accept(step, frame.seq, frame.pos0, frame.n_tokens, now=trio.current_time(),
+                                    last_chunk=step is StepKind.PREFILL and bool(frame.flags & Flag.SAMPLE))
         except CallerError as exc:
             raise self._refused(exc)
-        if step is StepKind.PREFILL and frame.flags & Flag.SAMPLE:  # the prompt's last chunk: its length is known
-            session.prompt_ends(frame.pos0 + frame.n_tokens)
         if opening:  # opened with the head, its KV waited for a prefix: none came, so it opens empty, first
             self.scheduler.submit(self.kv_job(rec))
         if rewind:
@@ -188,59 +192,52 @@ class NodeReplies:
         self.accounting.admitted(frame)
         return frame, rec
 
-    def _relay_step(self, frame: Frame, rec: NodeSessionRecord, compute_us: tuple[int, ...]) -> None:
-        """Queue a streamed step; when computed, its result goes to the relay (or its failure is reported).
+    def _finish(self, frame: Frame, rec: NodeSessionRecord, spec: TailSpec | None, out: np.ndarray | None
+                ) -> tuple[bytes | list[bytes], bytes | None]:
+        """A computed step's replies and, on a ring's tail, the next step for its token (or None). Runs in the
+        scheduler's thread."""
+        backend = self.backend
+        if backend.is_tail:  # every tail has its loop back to the head
+            if not frame.flags & Flag.SAMPLE:
+                return ack_frame(frame), None  # a prompt chunk's answer, for the gateway
+            loop, max_positions = rec.relay.plan.loop, rec.fsm.max_positions
+            if spec is not None:
+                return self._speculate(frame, out, rec.sampler, spec, loop, max_positions)
+            result = self.sample(frame, rec.sampler, out)
+            return token_frame(frame, result), next_step_frame(frame, result, loop, max_positions)
+        # the next hop's input: the same step, with this shard's output as its hidden state
+        return encode_frame(frame.kind, frame.session, frame.seq, frame.pos0, frame.n_tokens, frame.width,
+                            dtype=frame.dtype, flags=frame.flags & Flag.SAMPLE,
+                            token_ids=frame.token_ids if backend.info.needs_token_ids else None,
+                            hidden=out), None
 
-        On a ring's tail, the step for the sampled token also goes to the loop relay, to the head.
-        """
-        sampler, want, session, spec = rec.sampler, bool(frame.flags & Flag.SAMPLE), rec.fsm, rec.spec
-        relay, loop = rec.relay, rec.loop
-        plan = relay.plan.loop
-        backend, links = self.backend, self.links
-
-        def finish(out: np.ndarray | None) -> tuple[bytes | list[bytes], bytes | None]:  # in the scheduler's thread
-            if backend.is_tail:  # every tail has its loop back to the head
-                if not want:
-                    return ack_frame(frame), None  # a prompt chunk's answer, for the gateway
-                if spec is not None:
-                    return self._speculate(frame, out, sampler, spec, plan, session.max_positions)
-                result = self.sample(frame, sampler, out)
-                return token_frame(frame, result), next_step_frame(frame, result, plan, session.max_positions)
-            # the next hop's input: the same step, with this shard's output as its hidden state
-            return encode_frame(frame.kind, frame.session, frame.seq, frame.pos0, frame.n_tokens, frame.width,
-                                dtype=frame.dtype, flags=frame.flags & Flag.SAMPLE,
-                                token_ids=frame.token_ids if backend.info.needs_token_ids else None,
-                                hidden=out), None
-
-        def done(j: Job) -> None:  # on the loop, after the iteration
-            if steptrace.ON:
-                steptrace.mark("done", frame.session, frame.pos0)
-            try:
-                out, step = j.result.unwrap()
-            except COMPUTE_ERRORS as exc:
-                why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
-                failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
-                relay.put(Report(failure))
-                if links.nursery is not None:
-                    links.nursery.start_soon(self.fail_session, frame.session, failure)
-                return
-            if loop is not None and want and links.nursery is not None:  # first: the next token's path
-                if step is not None:
-                    links.ring.go(frame.session, rec.hold, step, links.nursery)
-                else:
-                    links.ring.stop(frame.session, rec.hold)
-            if spec is not None:  # the route's cost of the step just verified
-                spec.measured((sum(compute_us) + j.compute_s * 1e6) / 1e6)
-            times = (*compute_us, int(j.compute_s * 1e6))
-            replies = out if isinstance(out, list) else [out]  # a speculative step's tokens, one a frame
-            self.accounting.count(frame, replies[0], j.compute_s)
-            for i, reply in enumerate(replies):
-                if i:
-                    self.accounting.sent(reply)
-                relay.put(Outgoing(reply, times))
-
-        self.scheduler.submit(Job(JobKind.FORWARD, frame.session, step=to_step(frame, rec.exact),
-                                  finish=finish, on_done=done, max_rows=links.group_rows(relay.plan)))
+    def _send_on(self, frame: Frame, rec: NodeSessionRecord, spec: TailSpec | None, compute_us: tuple[int, ...],
+                 job: Job) -> None:
+        """On the loop, after the iteration: a computed step's replies go to the session's relay, and a ring
+        tail's next step to its phase group (first: the next token's path); a failure is reported."""
+        if steptrace.ON:
+            steptrace.mark("done", frame.session, frame.pos0)
+        relay, links = rec.relay, self.links
+        try:
+            out, step = job.result.unwrap()
+        except COMPUTE_ERRORS as exc:
+            why = exc.message if isinstance(exc, DgrError) else f"compute failed: {exc}"
+            failure = Failure(Reason.NODE_ERROR, f"{self.node_id}: {why}"[:300], node=self.node_id)
+            relay.put(Report(failure))
+            if links.nursery is not None:
+                links.nursery.start_soon(self.fail_session, frame.session, failure)
+            return
+        if rec.loop is not None and frame.flags & Flag.SAMPLE and links.nursery is not None:
+            links.ring.go(rec, step, links.nursery)
+        if spec is not None:  # the route's cost of the step just verified
+            spec.measured((sum(compute_us) + job.compute_s * 1e6) / 1e6)
+        times = (*compute_us, int(job.compute_s * 1e6))
+        replies = out if isinstance(out, list) else [out]  # a speculative step's tokens, one a frame
+        self.accounting.count(frame, replies[0], job.compute_s)
+        for i, reply in enumerate(replies):
+            if i:
+                self.accounting.sent(reply)
+            relay.put(Outgoing(reply, times))
 
     def _speculate(self, frame: Frame, out: np.ndarray | None, sampler: Sampler | None, spec: TailSpec, loop: Loop,
                    max_positions: int) -> tuple[list[bytes], bytes | None]:

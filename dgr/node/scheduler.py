@@ -172,26 +172,21 @@ class StepScheduler:
         self._send.send_nowait(job)  # never blocks, so never cancelled half-way
         return job
 
-    async def _submit(self, job: Job) -> Job:
-        self.submit(job)
+    async def call(self, fn: Callable[[], Any], *, sid: str | None = None, ends: bool = False) -> Any:
+        """Run `fn` (a backend call) in the scheduler's thread: outside any session's order, or with `sid`,
+        after every job of `sid` submitted before it; with `ends` (`fn` frees the session and keeps none of
+        its KV), the session's forwards still queued are dropped instead."""
+        job = self.submit(Job(JobKind.CALL if sid is None else JobKind.SESSION, sid, fn=fn, ends=ends))
         await job.done.wait()
-        return job
-
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` (a backend call outside any session's order) in the scheduler's thread."""
-        return (await self._submit(Job(JobKind.CALL, None, fn=fn))).result.unwrap()
-
-    async def session_call(self, sid: str, fn: Callable[[], Any], *, ends: bool = False) -> Any:
-        """Run `fn` for session `sid`, after every job of `sid` submitted before it; with `ends` (`fn` frees
-        the session and keeps none of its KV), its forwards still queued are dropped instead."""
-        return (await self._submit(Job(JobKind.SESSION, sid, fn=fn, ends=ends))).result.unwrap()
+        return job.result.unwrap()
 
     async def forward(self, step: Step, finish: Callable[[np.ndarray | None], Any]) -> tuple[Any, float]:
         """Compute `step` (batched with other sessions' steps); return (finish(output), compute seconds).
 
         Raises: whatever the backend raised for this step.
         """
-        job = await self._submit(Job(JobKind.FORWARD, step.sid, step=step, finish=finish))
+        job = self.submit(Job(JobKind.FORWARD, step.sid, step=step, finish=finish))
+        await job.done.wait()
         return job.result.unwrap(), job.compute_s
 
     # -- the driver ---------------------------------------------------------------------
@@ -201,83 +196,55 @@ class StepScheduler:
         Every iteration that leaves the loop runs in one thread for the driver's life
         (dgr.node.backend_thread says why it is always the same one).
         """
+        pending: list[Job] = []
         with BackendThread() as thread:
             task_status.started()
-            await self._loop(thread)
-
-    async def _loop(self, thread: BackendThread) -> None:
-        pending: list[Job] = []
-        while True:
-            if not pending:
-                pending.append(await self._next_job())
-            self._drain(pending)
-            if may_gather(pending, self.session_count):
-                # Steps of other sessions may have arrived with these, still unread in their
-                # connections: let every runnable task (those readers) run first, so they join this
-                # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
-                with trio.move_on_after(self.gather_s):
-                    await wait_all_tasks_blocked()
-                self._drain(pending)
-            plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
-                                  target_s=self.iteration_target_s, open_sessions=self.session_count)
-            controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
-            if plan.dropped:
-                dropped = [pending[i] for i in plan.dropped]
-                for job in dropped:
-                    job.result = outcome.Error(CallerError(Reason.SESSION_ENDED,
-                                                           f"session {job.sid} ended before this step ran"))
-                self.dropped += len(dropped)
-                self._done(dropped)
-            if controls:
-                # answered before the batch starts: an open or a status never waits for a prefill chunk
-                if self.inline:
-                    self._iterate(controls, [])
-                else:
-                    await thread.run_sync(self._iterate, controls, [])
-                self._done(controls)
-            cut: Job | None = None
-            if plan.cut:
-                k = next(k for k, job in enumerate(batch) if not job.is_decode)
-                cut, batch[k] = batch[k], first_part(batch[k], plan.cut)
-            decode_only = bool(batch) and all(job.is_decode for job in batch)
-            compute = 0.0
-            if batch and (self.inline or (decode_only and self._may_inline
-                                          and self._last_decode_s < self.inline_below_s)):
-                compute = self._iterate([], batch)
-            elif batch:
-                compute = await thread.run_sync(self._iterate, [], batch)
-            if decode_only:
-                self._last_decode_s = compute
-            elif batch:
-                self._note_rate(sum(job.n_tokens for job in batch), compute)
-            if batch and self.busy_poll_s > 0:
-                self._hot_until = trio.current_time() + self.busy_poll_s
-            keep = set(plan.deferred)
-            if cut is not None:
-                part = batch[k]
-                batch[k] = cut
-                cut.compute_s += part.compute_s
-                if part.result is not None and isinstance(part.result, outcome.Error):
-                    cut.result = part.result  # the chunk failed part-way: its caller hears it now
-                else:
-                    cut.parts.append(part.result.unwrap() if part.result is not None else None)
-                    cut.step = rest(cut.step, plan.cut)
-                    keep.add(plan.batch[k])
-                    self.cuts += 1
-                    batch.pop(k)
-            self._done(batch)
-            pending = [pending[i] for i in sorted(keep)]
-            # The results' relays and replies go out before anything else that could block the loop: a
-            # one-thread backend's next iteration may run on it. After control jobs (an open, a close)
-            # the accounting is already fresh for whoever they wake; after forwards alone it only feeds
-            # status and metrics, and waits for this: it cost 60 us of a route's token. A backend whose
-            # iterations always leave the loop has its next one (a step its results queued here: a ring
-            # of this node alone) start first, and the relays run while it computes: waiting for them
-            # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
-            if batch and (self.inline or self._may_inline):
-                await trio.lowlevel.checkpoint()
-            if batch:
-                self._account()
+            while True:
+                await self._take(pending)
+                plan = plan_iteration(pending, self.token_budget, prefill_rate=self.prefill_rate,
+                                      target_s=self.iteration_target_s, open_sessions=self.session_count)
+                controls, batch = [pending[i] for i in plan.controls], [pending[i] for i in plan.batch]
+                if plan.dropped:
+                    self._drop([pending[i] for i in plan.dropped])
+                if controls:
+                    # answered before the batch starts: an open or a status never waits for a prefill chunk
+                    if self.inline:
+                        self._iterate(controls, [])
+                    else:
+                        await thread.run_sync(self._iterate, controls, [])
+                    self._done(controls)
+                cut: Job | None = None
+                if plan.cut:
+                    k = next(k for k, job in enumerate(batch) if not job.step.decode)
+                    cut, batch[k] = batch[k], first_part(batch[k], plan.cut)
+                decode_only = bool(batch) and all(job.step.decode for job in batch)
+                if batch and (self.inline or (decode_only and self._may_inline
+                                              and self._last_decode_s < self.inline_below_s)):
+                    self._iterate([], batch)
+                elif batch:
+                    await thread.run_sync(self._iterate, [], batch)
+                if batch and self.busy_poll_s > 0:
+                    self._hot_until = trio.current_time() + self.busy_poll_s
+                keep = set(plan.deferred)
+                if cut is not None:
+                    if self._rejoin(cut, batch[k], plan.cut):
+                        keep.add(plan.batch[k])  # its rest waits for a later iteration
+                        batch.pop(k)
+                    else:
+                        batch[k] = cut  # the chunk failed part-way: its caller hears it now
+                self._done(batch)
+                pending = [pending[i] for i in sorted(keep)]
+                # The results' relays and replies go out before anything else that could block the loop: a
+                # one-thread backend's next iteration may run on it. After control jobs (an open, a close)
+                # the accounting is already fresh for whoever they wake; after forwards alone it only feeds
+                # status and metrics, and waits for this: it cost 60 us of a route's token. A backend whose
+                # iterations always leave the loop has its next one (a step its results queued here: a ring
+                # of this node alone) start first, and the relays run while it computes: waiting for them
+                # held that step 0.4 to 0.5 ms (the answer to the gateway, its encoding and send).
+                if batch and (self.inline or self._may_inline):
+                    await trio.lowlevel.checkpoint()
+                if batch:
+                    self._account()
 
     @staticmethod
     def _done(jobs: list[Job]) -> None:
@@ -287,13 +254,26 @@ class StepScheduler:
             if job.on_done is not None:
                 job.on_done(job)
 
-    def _note_rate(self, positions: int, compute: float) -> None:
-        """One iteration with prefill: `positions` in `compute` seconds, into the prefill rate's EWMA."""
-        if positions < MIN_CUT or compute <= 0:
-            return  # a few positions say more about the call's fixed cost than about the rate
-        sample = positions / compute
-        r = self.prefill_rate
-        self.prefill_rate = sample if r is None else r + _RATE_WEIGHT * (sample - r)
+    def _drop(self, jobs: list[Job]) -> None:
+        """Answer, unrun, the forwards of a session that a job queued behind them ends (`Job.ends`)."""
+        for job in jobs:
+            job.result = outcome.Error(CallerError(Reason.SESSION_ENDED,
+                                                   f"session {job.sid} ended before this step ran"))
+        self.dropped += len(jobs)
+        self._done(jobs)
+
+    def _rejoin(self, chunk: Job, part: Job, cut: int) -> bool:
+        """A cut chunk's first `cut` positions have run (`part`): True when its rest waits for a later
+        iteration (the chunk keeps the part's output and steps on to its rest); False when the part failed,
+        which the chunk's caller hears as its result."""
+        chunk.compute_s += part.compute_s
+        if part.result is not None and isinstance(part.result, outcome.Error):
+            chunk.result = part.result
+            return False
+        chunk.parts.append(part.result.unwrap() if part.result is not None else None)
+        chunk.step = rest(chunk.step, cut)
+        self.cuts += 1
+        return True
 
     @property
     def _may_inline(self) -> bool:
@@ -301,46 +281,53 @@ class StepScheduler:
         pool called from two threads makes two OpenMP teams, dgr.node.backend_thread)."""
         return self.backend.n_threads == 1
 
-    async def _next_job(self) -> Job:
-        """The next submitted job; inside the busy-poll window, waited for without sleeping."""
-        try:
-            return self._recv.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        while self.session_count and trio.current_time() < self._hot_until:
+    async def _take(self, pending: list[Job]) -> None:
+        """The jobs for the next iteration, onto the end of `pending` in order: every job submitted so far; with
+        none pending and none submitted, the next one first, waited for (inside the busy-poll window, without
+        sleeping); then, where another session's step could still join them (`may_gather`), what the tasks
+        that can run bring within `gather_s`."""
+        recv = self._recv
+        while (not pending and not recv.statistics().current_buffer_used and self.session_count
+               and trio.current_time() < self._hot_until):
             # A round of the loop (sockets polled with no timeout, readers run) that ends only once every
             # other task is blocked: the core is offered to other processes only when this loop has
             # nothing left to do. After a plain checkpoint, a relay woken by the last results could
             # wait a whole time slice of another process before it sent them on.
             await wait_all_tasks_blocked()
-            try:
-                return self._recv.receive_nowait()  # a step that round's readers brought: before any yield
-            except trio.WouldBlock:
-                pass
-            if self.yield_core() > self.contended_s:
+            # a step that round's readers brought is taken before any yield
+            if not recv.statistics().current_buffer_used and self.yield_core() > self.contended_s:
                 self._hot_until = -math.inf
                 self.polls_given_up += 1
-        return await self._recv.receive()
-
-    def _drain(self, pending: list[Job]) -> None:
-        """Every job submitted so far, onto the end of `pending`, in order."""
+        if not pending and not recv.statistics().current_buffer_used:
+            pending.append(await recv.receive())
+        gathered = False
         while True:
             try:
-                pending.append(self._recv.receive_nowait())
+                pending.append(recv.receive_nowait())
+                continue
             except trio.WouldBlock:
+                pass
+            if gathered or not may_gather(pending, self.session_count):
                 return
+            # Steps of other sessions may have arrived with these, still unread in their
+            # connections: let every runnable task (those readers) run first, so they join this
+            # batch instead of waiting a whole iteration for the next. Bounded, for a busy loop.
+            with trio.move_on_after(self.gather_s):
+                await wait_all_tasks_blocked()
+            gathered = True
 
-    def _iterate(self, controls: list[Job], batch: list[Job]) -> float:
+    def _iterate(self, controls: list[Job], batch: list[Job]) -> None:
         """One iteration (in the backend thread, or inline): controls, the batch, and after controls the accounting.
 
-        Returns the seconds the batch's backend call took (0 without a batch).
+        A decode-only batch's compute is what the next decides inlining by; one with prefill goes into the
+        prefill rate's EWMA, unless it holds fewer than MIN_CUT positions (a few positions say more about the
+        call's fixed cost than about the rate).
         """
         trace = steptrace.ON and bool(batch)
         if trace:
             _mark("iterate", batch)
         for job in controls:
             job.result = outcome.capture(job.fn)
-        compute = 0.0
         if batch:
             if trace:
                 _mark("compute", batch)
@@ -359,10 +346,15 @@ class StepScheduler:
             if trace:
                 _mark("finished", batch)
             self.batched_steps += len(batch) if len(batch) > 1 else 0
+            positions = sum(job.step.n_tokens for job in batch)
+            if all(job.step.decode for job in batch):
+                self._last_decode_s = compute
+            elif positions >= MIN_CUT and compute > 0:
+                r, sample = self.prefill_rate, positions / compute
+                self.prefill_rate = sample if r is None else r + _RATE_WEIGHT * (sample - r)
         self.iterations += 1
         if controls:
             self._account()
-        return compute
 
     def _account(self) -> None:
         """What the backend holds now, for status and metrics (between iterations: nothing else calls it)."""

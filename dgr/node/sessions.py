@@ -79,7 +79,7 @@ class NodeSessions:
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
         waits = waits or max_new is not None
-        session = NodeSession(sid=sid, max_positions=max_positions, created_at=trio.current_time(),
+        session = NodeSession(sid=sid, max_positions=max_positions, last_active=trio.current_time(),
                               state=NodeState.WAITING if waits else NodeState.CREATED,
                               max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new)
         rec = self.table.open(sid, max_positions, NodeSessionRecord(
@@ -88,8 +88,8 @@ class NodeSessions:
         reused = 0
         if not waits:
             try:
-                reused = await self.scheduler.session_call(sid, functools.partial(self.kv.open, sid, max_positions,
-                                                                                  prefix or [], lane, marks))
+                reused = await self.scheduler.call(functools.partial(self.kv.open, sid, max_positions, prefix or [],
+                                                                     lane, marks), sid=sid)
             except DgrError:
                 self.table.pop(sid)
                 raise
@@ -118,8 +118,8 @@ class NodeSessions:
             raise CallerError(Reason.INVALID_REQUEST, f"session {sid} holds its KV already: its open named its prefix")
         session.kv_opened()  # before the open's job runs: a step from here on queues behind it
         try:
-            reused = await self.scheduler.session_call(sid, functools.partial(
-                self.kv.open, sid, self.table.limits[sid], prefix, rec.lane, marks))
+            reused = await self.scheduler.call(functools.partial(
+                self.kv.open, sid, self.table.limits[sid], prefix, rec.lane, marks), sid=sid)
         except DgrError as exc:
             await self.fail(sid, exc.failure(node=self.node_id))
             raise
@@ -181,7 +181,7 @@ class NodeSessions:
             if spec is not None:  # a draft model's sequence goes in the same job
                 close = functools.partial(_both, spec.close, close)
             # a close that keeps nothing needs none of the session's queued compute: dropped, not waited for
-            await self.scheduler.session_call(sid, close, ends=not keeps)
+            await self.scheduler.call(close, sid=sid, ends=not keeps)
         finally:
             self.table.pop(sid)  # the job runs even if this caller is cancelled
 
@@ -211,8 +211,8 @@ class NodeSessions:
             CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live session `sid`.
         """
         session = self.table.get(sid).fsm
-        computed = 0 if session.state is NodeState.WAITING else await self.scheduler.session_call(
-            sid, functools.partial(self.backend.positions_computed, sid))
+        computed = 0 if session.state is NodeState.WAITING else await self.scheduler.call(
+            functools.partial(self.backend.positions_computed, sid), sid=sid)
         return {
             "id": sid,
             "state": session.state.value,
