@@ -35,7 +35,6 @@ transport (dgr.seam).
 from __future__ import annotations
 
 import abc
-import functools
 from typing import Any, Sequence
 
 import attrs
@@ -109,14 +108,11 @@ class Compute(abc.ABC):
     name: str  # backend name: stub, torch, llama, llama_shard
     n_threads: int = 1  # threads one backend call computes with (llama.cpp's and torch's own pools)
 
-    # A backend serves the same layers of the same model all its life, and the node asks both of every
-    # frame: each is worked out at its first use and kept (in the instance's __dict__, which every
-    # backend has: Compute declares no __slots__).
-    @functools.cached_property
+    @property
     def is_head(self) -> bool:
         return self.layers.start == 0
 
-    @functools.cached_property
+    @property
     def is_tail(self) -> bool:
         return self.layers.stop == self.info.n_layers
 
