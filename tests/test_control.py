@@ -242,3 +242,30 @@ async def test_a_client_that_leaves_mid_prefill_frees_its_slot_without_waiting_f
     assert freed_after < 1.5, freed_after  # at most the chunk already computing, not all three
     assert node.scheduler.dropped == 2  # the chunk computing when it left ran to its end
     assert ring.reports == [] and ring.pending(sid) <= 1  # its answer (an ACK) at most, nothing failed reported
+
+
+async def test_a_session_closed_while_its_kv_opens_leaves_no_relay_behind() -> None:
+    """The open's KV job waits behind a chunk of about 1 s; the gateway closes the session meanwhile. Once the
+    open returns, the ended session must not get its relays started after its close detached them: the node
+    holds no route count and no session."""
+    node = _node(DELAY, 0.0)
+    sid = uuid.UUID(int=50).hex
+    async with running(node):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_long_prompt, node, uuid.UUID(int=51).hex, 1)
+            await trio.sleep(0.1)  # its chunk computing
+            opened = trio.Event()
+
+            async def open_() -> None:
+                try:
+                    await OneNodeRing.of(node).open(sid, 16)
+                finally:
+                    opened.set()
+
+            nursery.start_soon(open_)
+            await trio.sleep(0.05)  # the open's KV job queued behind the chunk
+            assert sid in node.sessions and node.sessions[sid].relay is None
+            await node.lifecycle.close(sid)
+            await opened.wait()
+        assert node.links.on_route == {} and not node.sessions
+        assert node.scheduler.session_count == 0

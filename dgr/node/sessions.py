@@ -93,7 +93,9 @@ class NodeSessions:
             except DgrError:
                 self.table.pop(sid)
                 raise
-        if self.table.live.get(sid) is rec:
+        # a close while the KV opened detached the record already (its record stays held until its close job
+        # runs): relays started now would never be closed
+        if self.table.live.get(sid) is rec and not session.ended:
             self.links.attach(rec, relay, spec)
             if rec.spec is not None and rec.spec.reads_prompt:  # while the route's first hops compute the prompt
                 self.scheduler.submit(Job(JobKind.SESSION, sid, fn=rec.spec.warm))
