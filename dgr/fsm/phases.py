@@ -1,4 +1,4 @@
-"""Phase groups: the decoding sessions of one chain route travel it in groups of consecutive lanes.
+"""Phase groups: the decoding sessions of one route travel its ring in groups of consecutive lanes.
 
 Why: a llama.cpp node keeps one KV stream per sequence, and then computes a
 batch as one graph only over consecutive sequence ids
@@ -28,7 +28,7 @@ with one member of a group stalled, every other member waited its whole hold
 each step, and each hold was twice the last (0.1 s, 0.2 s, 0.4 s ... past a
 second within 4 steps). A bound never exceeds MAX_HOLD_S either, whatever a
 driver passes in.
-Left out: star routes (every hop is a round trip from the gateway).
+Left out: the driver that holds steps (dgr.node.links).
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ MAX_HOLD_S = 1.0
 def hold_for(now: float, sent: float | None) -> float:
     """How long a session's step ready at `now` may wait for its group: twice its round trip since its last
     step went out at `sent` (after that step's own hold, so a hold never lengthens the next), at most
-    MAX_HOLD_S; FIRST_HOLD_S for its first. The gateway (chain) and a ring's tail hold by this rule."""
+    MAX_HOLD_S; FIRST_HOLD_S for its first. A ring's tail holds by this rule."""
     return min(MAX_HOLD_S, 2.0 * max(0.0, now - sent)) if sent is not None else FIRST_HOLD_S
 
 
 @attrs.define
 class RoutePhases:
-    """The lanes of one chain route's sessions and which decoding sessions wait for their group."""
+    """The lanes of one route's sessions and which decoding sessions wait for their group."""
 
     n_nodes: int
     lanes: dict[str, int] = attrs.field(factory=dict)  # every open session of the route -> its lane

@@ -20,7 +20,7 @@ A relay's marks carry the position of the frame it sends: on a ring's tail the n
 
 Why in memory and written at the end: a mark then costs about a microsecond, where a write per
 mark would be a system call on the very path being measured. `MAX_MARKS` bounds the memory.
-Left out: the gateway's side, and star routes (dgr.tracker.gateway times those round trips).
+Left out: the gateway's side (dgr.tracker.gateway times its round trips).
 """
 
 from __future__ import annotations
