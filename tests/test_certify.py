@@ -56,3 +56,36 @@ def test_every_certified_architecture_splits_bit_for_bit():
     print(f"{len(got)} cases of {len(names)} architectures split bit for bit at every boundary")
     assert bad == {}
     assert all(len(r["per_split"]) >= 2 for r in got.values())
+
+
+_GATE = """
+import sys, tempfile
+from pathlib import Path
+from dgr.backends.llama_engine import LlamaEngine
+from dgr.errors import CallerError
+from dgr.testing.arch_models import write_arch_gguf
+for arch in sys.argv[1:]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_arch_gguf(arch, Path(folder) / "model.gguf")
+        LlamaEngine.load(path, layers=None, n_threads=1, n_seq_max=1, n_ctx_seq=64).close()
+        try:
+            LlamaEngine.load(path, layers=(0, 1), n_threads=1, n_seq_max=1, n_ctx_seq=64).close()
+            print("LOADED " + arch, flush=True)
+        except CallerError as e:
+            print("REFUSED " + arch + " " + e.message.replace(chr(10), " "), flush=True)
+"""
+
+
+def test_libllama_refuses_a_range_of_an_architecture_that_has_not_opted_in():
+    """The gate is libllama's own (llm_arch_supports_layer_range): a range of an architecture dgr refuses fails to
+    load with libllama's reason, while the whole model loads; a range of a certified one loads."""
+    refused = ["talkie", "rwkv7", "arwkv7", "kimi-k3", "cogvlm"]
+    out = subprocess.run([sys.executable, "-c", _GATE, *refused, "llama"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-1500:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "LOADED llama"
+    assert len(lines) == len(refused) + 1
+    for arch, line in zip(refused, lines):
+        assert line.startswith(f"REFUSED {arch} "), line
+        assert f"architecture {arch} does not support loading a layer range" in line, line

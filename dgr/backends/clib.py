@@ -4,20 +4,19 @@
   llama.cpp's log routed into a small ring buffer (printed only with DGR_LLAMA_LOG=1), so load errors
   can quote llama.cpp's own reason (`llama_log_tail`).
 - libllama's layer-range API (`range_api`): dgr carries one patch series for llama.cpp
-  (llama/patches/, written to be sent upstream; spec/llama-layer-boundary.md). It adds:
-  - `llama_model_load_range_from_file(path, params, il_start, il_end)`: load only layers
-    [il_start, il_end) of the unmodified GGUF, with the token embedding only where the range needs it
-    and the output head only on the range that ends at the last layer;
-  - `llama_model_layer_range(model, &start, &end)`: what a model holds;
-  - `llama_get_hidden(ctx)`: the residual stream after the last loaded layer, for every row of the
-    last batch, when the range stops early;
-  - `llama_model_n_embd_seam(model)`: that stream's width, `n_embd` for most models and
-    hc_mult x n_embd for DeepSeek-V4's hyper-connection streams;
-  - `llama_model_seam_tokens(model)`: whether layers past layer 0 read token ids (DeepSeek-V4's
-    hash-routed experts), so that a range starting after layer 0 takes them beside its hidden states.
-  llama-cpp-python's own ctypes module does not declare them, so they are declared here on its
-  library handle. A stock llama-cpp-python build lacks the symbols, and `range_api` refuses it with
-  the way to get the patched build.
+  (llama/patches/, written to be sent upstream; spec/llama-layer-boundary.md). Its public API is two
+  fields of `llama_model_params`, `layer_start` and `layer_end`, honoured by every loader: only the
+  tensors of layers [layer_start, layer_end) of the unmodified GGUF are loaded, the token embedding
+  only where the range needs it and the output head only on the range that ends at the last layer.
+  A range that starts late takes `batch.embd` rows `llama_model_n_embd_inp` wide; one that ends early
+  is an embeddings context that outputs every row (`llama_get_embeddings`), `llama_model_n_embd_out`
+  wide: n_embd for most models, hc_mult x n_embd for DeepSeek-V4's hyper-connection streams.
+  `llama_model_seam_tokens(model)` says whether layers past layer 0 read token ids (DeepSeek-V4's
+  hash-routed experts), so that a range starting late takes them beside its hidden states.
+  llama-cpp-python's ctypes module mirrors the stock `llama_model_params`, so `llama_lib` declares
+  the patched layout (`ModelParams`) on every function that takes or returns it, and checks it
+  against libllama's own defaults. A stock llama-cpp-python build lacks the range API, and
+  `range_api` refuses it with the way to get the patched build.
 - libggml-base (`ggml_lib`): from llama-cpp-python's lib folder: type names, and the gguf writer the
   tiny test models are written with; `model_builder_api` adds libllama's build-from-memory functions.
 
@@ -40,7 +39,7 @@ from typing import Any
 from dgr.errors import CallerError, Reason
 
 __all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "ggml_lib", "llama_lib", "llama_log_tail", "model_builder_api",
-           "model_layer_range", "model_seam", "range_api"]
+           "model_reads_tokens", "range_api", "seam_width"]
 
 _LOG: collections.deque[str] = collections.deque(maxlen=40)
 _LIB: dict[str, Any] = {}
@@ -64,8 +63,37 @@ def llama_lib() -> Any:
     lib.llama_log_set(_log, ctypes.c_void_p(0))
     lib.llama_backend_init()
     _LIB["log_cb"] = _log  # a freed callback would crash the next log call
+    if hasattr(lib._lib, "llama_model_seam_tokens"):
+        _declare_range_api(lib)
     _LIB["lib"] = lib
     return lib
+
+
+def _declare_range_api(llama: Any) -> None:
+    """Declare `llama_model_seam_tokens`, and the patched `llama_model_params` (layer_start, layer_end before the
+    booleans) on every libllama function that takes or returns it, llama-cpp-python's callers included (they share
+    the CDLL's function objects): a struct of the wrong size passed by value would read, or be written, past its end."""
+    fields = list(llama.llama_model_params._fields_)
+    at = [name for name, _ in fields].index("vocab_only")
+
+    class ModelParams(ctypes.Structure):
+        _fields_ = [*fields[:at], ("layer_start", ctypes.c_int32), ("layer_end", ctypes.c_int32), *fields[at:]]
+
+    lib, vp = llama._lib, ctypes.c_void_p
+    lib.llama_model_seam_tokens.argtypes, lib.llama_model_seam_tokens.restype = [vp], ctypes.c_bool
+    lib.llama_model_default_params.restype = ModelParams
+    for name, args in [
+        ("llama_model_load_from_file", [ctypes.c_char_p, ModelParams]),
+        ("llama_model_load_from_splits", [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ModelParams]),
+        ("llama_model_load_from_file_ptr", [vp, ModelParams]),
+        ("llama_model_init_from_user", [vp, llama.llama_model_set_tensor_data_t, vp, ModelParams]),
+    ]:
+        getattr(lib, name).argtypes = args
+    llama.llama_model_params = ModelParams
+    d = lib.llama_model_default_params()
+    if (d.layer_start, d.layer_end, d.use_extra_bufts, d.load_mtp) != (0, -1, True, False):
+        raise CallerError(Reason.MODEL_LOAD_FAILED, "libllama's llama_model_params is not the layout dgr's patches give "
+                          f"it (defaults read {d.layer_start}, {d.layer_end}); {PATCHED_BUILD_HINT}")
 
 
 def llama_log_tail(n: int = 6) -> str:
@@ -82,54 +110,31 @@ _API: dict[str, Any] = {}
 
 
 def range_api() -> Any:
-    """libllama's CDLL with the layer-range functions declared.
+    """llama-cpp-python's ctypes module, where libllama has the layer-range API (`llama_lib`'s, declared).
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): the installed libllama has no
         layer-range API (a stock build); the message says how to get it.
     """
-    lib = _API.get("lib")
-    if lib is not None:
-        return lib
-    import llama_cpp.llama_cpp as llama
-
-    lib = llama._lib
-    if not hasattr(lib, "llama_model_seam_tokens"):
+    lib = llama_lib()
+    if not hasattr(lib._lib, "llama_model_seam_tokens"):
         raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
-    vp, i32 = ctypes.c_void_p, ctypes.c_int32
-    fp = ctypes.POINTER(ctypes.c_float)
-    for name, args, res in [
-        ("llama_model_load_range_from_file", [ctypes.c_char_p, llama.llama_model_params, i32, i32], vp),
-        ("llama_model_layer_range", [vp, ctypes.POINTER(i32), ctypes.POINTER(i32)], None),
-        ("llama_get_hidden", [vp], fp),
-        ("llama_get_hidden_ith", [vp, i32], fp),
-        ("llama_model_n_embd_seam", [vp], i32),
-        ("llama_model_seam_tokens", [vp], ctypes.c_bool),
-    ]:
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    _API["lib"] = lib
     return lib
 
 
-def model_layer_range(model: int) -> tuple[int, int]:
-    """The layers [start, stop) a loaded llama_model holds, in the file's numbering."""
-    start, stop = ctypes.c_int32(), ctypes.c_int32()
-    range_api().llama_model_layer_range(model, ctypes.byref(start), ctypes.byref(stop))
-    return start.value, stop.value
+def model_reads_tokens(model: int) -> bool:
+    """Whether layers past layer 0 read token ids (DeepSeek-V4's hash routing); no on a stock build (no ranges)."""
+    lib = llama_lib()._lib
+    return hasattr(lib, "llama_model_seam_tokens") and bool(lib.llama_model_seam_tokens(model))
 
 
-def model_seam(model: int) -> tuple[int, bool]:
-    """(width of the residual stream between two layers, whether ranges after layer 0 take token ids beside it).
-
-    A stock libllama loads whole models only: their seam is n_embd and nothing crosses it.
-    """
-    import llama_cpp.llama_cpp as llama
-
-    if not hasattr(llama._lib, "llama_model_seam_tokens"):
-        return llama._lib.llama_model_n_embd(model), False
-    lib = range_api()
-    return lib.llama_model_n_embd_seam(model), bool(lib.llama_model_seam_tokens(model))
+def seam_width(model: int, start: int, stop: int) -> int:
+    """Floats per position crossing a boundary of the range [start, stop) of a loaded model: what a range ending
+    early outputs, else what one starting late takes; n_embd for a whole model (nothing crosses)."""
+    lib = llama_lib()
+    if stop < lib.llama_model_n_layer(model):
+        return lib.llama_model_n_embd_out(model)
+    return lib.llama_model_n_embd_inp(model) if start > 0 else lib.llama_model_n_embd(model)
 
 
 _GGML: dict[str, Any] = {}
@@ -191,16 +196,8 @@ def model_builder_api() -> Any:
     lib = _API.get("builder")
     if lib is not None:
         return lib
-    import llama_cpp.llama_cpp as llama
-
-    llama_lib()  # backend init and dgr's log callback
-    lib = range_api()
+    lib = range_api()._lib  # llama_model_init_from_user is declared with the patched params there
     for name, args, res in [
-        (
-            "llama_model_init_from_user",
-            [ctypes.c_void_p, llama.llama_model_set_tensor_data_t, ctypes.c_void_p, llama.llama_model_params],
-            ctypes.c_void_p,
-        ),
         ("llama_model_save_to_file", [ctypes.c_void_p, ctypes.c_char_p], None),
         ("llama_model_free", [ctypes.c_void_p], None),
     ]:

@@ -21,6 +21,11 @@ to split an architecture; this module only says which ones may be split:
   as dgr.bench.certify found it;
 - any other architecture is refused as not yet certified.
 
+libllama holds the same line itself: the patch series opts each certified
+architecture in (`llm_arch_supports_layer_range`), and loading a range of any
+other fails with its reason (tests/test_certify.py). This module says why, and
+what dgr admits.
+
 `shard_rule` is called by `dgr up` before it starts any process and by each
 node at start, so a refusal is a clear error, never a crash in llama.cpp.
 

@@ -2,17 +2,17 @@
 
 A shard is layers [a, b) of the user's unmodified GGUF, loaded through the
 layer-range API that dgr's patch series adds to libllama
-(`llama_model_load_range_from_file`, llama/patches/, spec/llama-layer-boundary.md),
+(`llama_model_params.layer_start`/`layer_end`, llama/patches/, spec/llama-layer-boundary.md),
 and driven through llama-cpp-python's ctypes module:
 - input is token ids (head, a == 0) or float32 hidden states via `batch.embd`
   (any later range), the residual stream entering layer a, taken as is;
-  that stream is `n_embd_seam` wide (DeepSeek-V4: its hc_mult streams), and
+  that stream is `llama_model_n_embd_inp` wide (DeepSeek-V4: its hc_mult streams), and
   where the model's layers read token ids (`seam_tokens`: DeepSeek-V4's
   hash-routed experts) a later range takes them too, in `batch.token`;
 - positions are explicit and continue across chunks and decode steps;
 - a range that stops before the last layer (`hidden_out`) outputs the residual
-  stream after layer b-1 for every row (`llama_get_hidden`), with no output
-  norm, no LM head and no logits buffer;
+  stream after layer b-1 for every row as embeddings (`llama_get_embeddings`,
+  `llama_model_n_embd_out` wide), with no output norm, no LM head and no logits buffer;
 - the range that holds the last layer returns the logits of the last position.
 The engine knows no architecture: llama.cpp's builders compute the range with
 the file's layer numbering, so sliding-window patterns, dense-first layers
@@ -45,7 +45,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dgr.backends.clib import llama_lib, llama_log_tail, model_layer_range, model_seam, range_api
+from dgr.backends.clib import llama_lib, llama_log_tail, model_reads_tokens, range_api, seam_width
 from dgr.backends.llama_batch import LlamaBatch
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
@@ -116,15 +116,17 @@ class LlamaEngine:
         # next-token-prediction layers (DeepSeek-V4, GLM-4.5 MTP) load where the last layer is, for drafting;
         # plain decoding never reads them, and a range that stops earlier skips them
         mparams.load_mtp = True
-        if layers is None:
-            model = lib.llama_model_load_from_file(str(p).encode(), mparams)
-        else:
-            model = range_api().llama_model_load_range_from_file(str(p).encode(), mparams, layers[0], layers[1])
+        if layers is not None:
+            range_api()  # refuses a stock build, saying how to get the patched one
+            mparams.layer_start, mparams.layer_end = layers
+        model = lib.llama_model_load_from_file(str(p).encode(), mparams)
         if not model:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
-        start, stop = (0, lib.llama_model_n_layer(model)) if layers is None else model_layer_range(model)
-        hidden_out = stop < lib.llama_model_n_layer(model)
-        seam, seam_tokens = model_seam(model)
+        n_layer = lib.llama_model_n_layer(model)
+        start, stop = (0, n_layer) if layers is None else (layers[0], n_layer if layers[1] < 0 else layers[1])
+        hidden_out = stop < n_layer
+        seam = seam_width(model, start, stop)
+        seam_tokens = model_reads_tokens(model)
         n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = n_ctx_seq * n_seq_max
@@ -358,9 +360,9 @@ class LlamaEngine:
 
     def _take_hidden(self, m: int) -> np.ndarray:
         """The hidden states of the last llama_decode, one row per batch row: float32 [m, n_embd_out]."""
-        ptr = range_api().llama_get_hidden(self._ctx)
+        ptr = llama_lib().llama_get_embeddings(self._ctx)  # a range that ends early outputs every row
         if not ptr:
-            raise PeerError(Reason.INTERNAL, f"llama_get_hidden gave nothing: {llama_log_tail()}")
+            raise PeerError(Reason.INTERNAL, f"llama_get_embeddings gave nothing: {llama_log_tail()}")
         return np.ctypeslib.as_array(ptr, shape=(m, self.n_embd_out)).copy()
 
     def _needs_tokens(self) -> str:

@@ -162,11 +162,14 @@ def _whole(arch: str, moe: bool, mtp: bool, folder: Path) -> dict[str, Any]:
         e = _load(path, None)
         try:
             tokens, logits = _greedy([e], _prompt(e.n_vocab))
-            # what crosses a boundary of this model: floats per position, token ids, positions per row
-            seam = {"width": e.n_embd_out, "n_embd": llama_lib().llama_model_n_embd(e._model),
-                    "token_ids": e.seam_tokens, "positions": e.n_pos_per_row}
+            seam = {"n_embd": llama_lib().llama_model_n_embd(e._model), "token_ids": e.seam_tokens,
+                    "positions": e.n_pos_per_row}
         finally:
             e.close()
+        # what crosses a boundary of this model, as libllama reports it for a range that ends early
+        head = _load(path, (0, 1))
+        seam["width"] = head.n_embd_out
+        head.close()
     except DgrError as exc:
         return {"result": "no-whole", "detail": exc.message}
     np.savez(folder / "ref.npz", tokens=np.array(tokens), logits=logits)

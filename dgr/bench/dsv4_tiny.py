@@ -134,9 +134,9 @@ def main() -> int:
         lib.llama_free(ctx)
 
         # 3. layer ranges: the seam llama.cpp reports, what each range holds, every split against the whole.
-        from dgr.backends.clib import model_seam
-
-        width, tokens = model_seam(e._model)
+        head = LlamaEngine.load(path, layers=(0, 2), n_threads=1, n_seq_max=1, n_ctx_seq=64)
+        width, tokens = head.n_embd_out, head.seam_tokens
+        head.close()
         print(f"3. seam between layers: {width} floats (= {width // TINY.hidden} x {TINY.hidden}), "
               f"token ids beside it: {'yes' if tokens else 'NO'}")
         failures += (width, tokens) != (TINY.hc * TINY.hidden, True)
