@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install llama-cpp-python built from its sdist with dgr's layer-range patches (llama/patches/).
+# Install llama-cpp-python built from its sdist with dgr's layer-range patches (llama/patches/) and its
+# ctypes mirror of the struct they change (llama/bindings/).
 #
 # usage: llama/build.sh PYTHON VERSION "CMAKE_ARGS"
 #
 # The wheel is cached under $DGR_WHEEL_CACHE (default ~/.cache/dgr/wheels), keyed by the sha256 of the
-# sdist, of the patches and of the CMake arguments: a second install, and CI on a machine that built
+# sdist, of the patches (both folders) and of the CMake arguments: a second install, and CI on a machine that built
 # it once, only unpacks it. An installed build whose key matches is left alone.
 set -euo pipefail
 
@@ -24,7 +25,7 @@ if [ ! -f "$sdist" ]; then
 fi
 
 key="$( { sha256sum "$sdist" | cut -d' ' -f1; cat "$HERE"/patches/*.patch | sha256sum | cut -d' ' -f1; \
-          echo "$CMAKE_ARGS_IN"; } | sha256sum | cut -c1-16)"
+          cat "$HERE"/bindings/*.patch | sha256sum | cut -d' ' -f1; echo "$CMAKE_ARGS_IN"; } | sha256sum | cut -c1-16)"
 site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 marker="$site/llama_cpp/.dgr-layer-range-$key"
 if [ -f "$marker" ]; then
@@ -41,6 +42,11 @@ if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         echo "applying $(basename "$p")"
         patch -s -p1 -d "$src/vendor/llama.cpp" < "$p"
     done
+    # the binding's ctypes mirror of what the series changes in llama.h
+    for p in "$HERE"/bindings/*.patch; do
+        echo "applying $(basename "$p")"
+        patch -s -p1 -d "$src" < "$p"
+    done
     echo "building llama-cpp-python $VERSION with the layer-range patches (3 to 8 minutes on 2 cores)"
     mkdir -p "$wheels.tmp"
     CMAKE_ARGS="$CMAKE_ARGS_IN" "$PY" -m pip wheel -q --no-deps "$src" -w "$wheels.tmp"
@@ -50,4 +56,5 @@ fi
 wheel="$(ls "$wheels"/llama_cpp_python-*.whl)"
 "$PY" -m pip install -q --no-deps --force-reinstall "$wheel"
 "$PY" -m pip install -q "$wheel"  # its own dependencies, where missing
+rm -f "$site"/llama_cpp/.dgr-layer-range-*  # another build's, outside the wheel's RECORD: pip leaves it
 touch "$marker"

@@ -13,9 +13,8 @@
   wide: n_embd for most models, hc_mult x n_embd for DeepSeek-V4's hyper-connection streams.
   `llama_model_seam_tokens(model)` says whether layers past layer 0 read token ids (DeepSeek-V4's
   hash-routed experts), so that a range starting late takes them beside its hidden states.
-  llama-cpp-python's ctypes module mirrors the stock `llama_model_params`, so `llama_lib` declares
-  the patched layout (`ModelParams`) on every function that takes or returns it, and checks it
-  against libllama's own defaults. A stock llama-cpp-python build lacks the range API, and
+  llama-cpp-python is built with a mirror of the patched struct (llama/bindings/), which `llama_lib`
+  checks against libllama's own defaults. A stock llama-cpp-python build lacks the range API, and
   `range_api` refuses it with the way to get the patched build.
 - libggml-base (`ggml_lib`): from llama-cpp-python's lib folder: type names, and the gguf writer the
   tiny test models are written with; `model_builder_api` adds libllama's build-from-memory functions.
@@ -70,30 +69,15 @@ def llama_lib() -> Any:
 
 
 def _declare_range_api(llama: Any) -> None:
-    """Declare `llama_model_seam_tokens`, and the patched `llama_model_params` (layer_start, layer_end before the
-    booleans) on every libllama function that takes or returns it, llama-cpp-python's callers included (they share
-    the CDLL's function objects): a struct of the wrong size passed by value would read, or be written, past its end."""
-    fields = list(llama.llama_model_params._fields_)
-    at = [name for name, _ in fields].index("vocab_only")
-
-    class ModelParams(ctypes.Structure):
-        _fields_ = [*fields[:at], ("layer_start", ctypes.c_int32), ("layer_end", ctypes.c_int32), *fields[at:]]
-
+    """Declare `llama_model_seam_tokens`, and check that llama-cpp-python's `llama_model_params` is the patched
+    layout (layer_start, layer_end before the booleans: llama/bindings/): a struct of another size passed by
+    value would be read, or written, past its end."""
     lib, vp = llama._lib, ctypes.c_void_p
     lib.llama_model_seam_tokens.argtypes, lib.llama_model_seam_tokens.restype = [vp], ctypes.c_bool
-    lib.llama_model_default_params.restype = ModelParams
-    for name, args in [
-        ("llama_model_load_from_file", [ctypes.c_char_p, ModelParams]),
-        ("llama_model_load_from_splits", [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ModelParams]),
-        ("llama_model_load_from_file_ptr", [vp, ModelParams]),
-        ("llama_model_init_from_user", [vp, llama.llama_model_set_tensor_data_t, vp, ModelParams]),
-    ]:
-        getattr(lib, name).argtypes = args
-    llama.llama_model_params = ModelParams
-    d = lib.llama_model_default_params()
-    if (d.layer_start, d.layer_end, d.use_extra_bufts, d.load_mtp) != (0, -1, True, False):
-        raise CallerError(Reason.MODEL_LOAD_FAILED, "libllama's llama_model_params is not the layout dgr's patches give "
-                          f"it (defaults read {d.layer_start}, {d.layer_end}); {PATCHED_BUILD_HINT}")
+    d = lib.llama_model_default_params() if "layer_end" in dict(llama.llama_model_params._fields_) else None
+    if d is None or (d.layer_start, d.layer_end, d.use_extra_bufts, d.load_mtp) != (0, -1, True, False):
+        raise CallerError(Reason.MODEL_LOAD_FAILED, "llama-cpp-python's llama_model_params is not the layout of "
+                          f"dgr's patched libllama; {PATCHED_BUILD_HINT}")
 
 
 def llama_log_tail(n: int = 6) -> str:
