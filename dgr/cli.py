@@ -77,6 +77,7 @@ def cmd_tracker(args) -> int:
 
 def cmd_node(args) -> int:
     from dgr.backends.factory import make_backend, resolve_model
+    from dgr.backends.placement import Placement
     from dgr.node.run import run_node
     from dgr.node.run import advertised_url, check_transport
     from dgr.security.identity import claim_identity, parse_public_key
@@ -112,7 +113,7 @@ def cmd_node(args) -> int:
         model = resolve_model(args.backend, args.model)
     backend = make_backend(
         args.backend, layers, model, threads=args.threads, n_ctx=args.ctx, max_sessions=args.max_sessions,
-        stub_delay_s=args.stub_delay, stub_model=args.stub_model,
+        stub_delay_s=args.stub_delay, stub_model=args.stub_model, placement=Placement.from_args(args),
     )
     if artifact is not None:
         artifact.check_backend(backend)
@@ -239,6 +240,15 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
                         "runs it beside its layers to draft tokens (dgr up: the last node)")
     p.add_argument("--draft-threads", type=positive_int, default=None, metavar="N",
                    help="threads the draft model computes with (default: --threads)")
+    p.add_argument("--gpu-layers", default="0", metavar="N|all",
+                   help="llama.cpp backends: the layers of the node's range on its GPU, counted from the range's "
+                        "end ('all': every one; 0, the default: the CPU alone). dgr up: one value for every node, "
+                        "or one per node, comma-separated (all,0: node0 on the GPU, node1 on the CPU)")
+    p.add_argument("--device", help="with --gpu-layers: the ggml device, e.g. CUDA0 or Vulkan0 (default: llama.cpp's "
+                                    "choice; a wrong name is refused with the devices this build sees)")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="with --gpu-layers: the routed experts of the range's layers stay in host memory (attention, "
+                        "shared experts and the KV cache on the GPU), as llama.cpp's own --cpu-moe")
     p.add_argument("--stub-model", default="default", choices=("default", "dsv4"),
                    help="stub: 'dsv4' has a 4 x hidden seam and needs token ids, like DeepSeek-V4")
     p.add_argument("--busy-poll-ms", type=float, default=None, metavar="MS",

@@ -38,6 +38,7 @@ import trio
 from dgr.api.server import listening_socket
 from dgr.backends.base import LayerRange
 from dgr.backends.factory import model_layer_count, resolve_model
+from dgr.backends.placement import Placement
 from dgr.errors import CallerError, Reason
 from dgr.forks import ForkedProcess, fork_dgr, preload
 from dgr.procs import run_child
@@ -96,8 +97,8 @@ async def _print_example(url: str) -> None:
 
 
 def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None,
-              tail: bool = False) -> list[str]:
-    """The arguments of `dgr` (after the command itself) that start one node of the route; the `tail` also
+              tail: bool = False, index: int = 0) -> list[str]:
+    """The arguments of `dgr` (after the command itself) that start node `index` of the route; the `tail` also
     takes the draft model."""
     cmd = [
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
@@ -117,6 +118,11 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
+    placement = Placement.from_args(args, index)
+    if placement.offloads:
+        cmd += ["--gpu-layers", str(placement.to_json()["gpu_layers"])]
+        cmd += ["--device", placement.device] if placement.device else []
+        cmd += ["--cpu-moe"] if placement.cpu_moe else []
     if tail and getattr(args, "draft_model", None):
         cmd += ["--draft-model", str(args.draft_model)]
         if getattr(args, "draft_threads", None):
@@ -198,7 +204,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
         with listening:
             roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))]
             roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key",
-                                             tail=i == len(splits) - 1))
+                                             tail=i == len(splits) - 1, index=i))
                       for i, layers in enumerate(splits)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]

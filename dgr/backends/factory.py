@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dgr.backends.base import LayerRange, ShardBackend
+from dgr.backends.placement import Placement
 from dgr.errors import CallerError, Reason
 
 __all__ = ["BACKENDS", "make_backend", "model_layer_count", "resolve_model"]
@@ -45,12 +46,18 @@ def make_backend(
     max_sessions: int = 8,
     stub_delay_s: float = 0.0,
     stub_model: str = "default",
+    placement: Placement = Placement(),
 ) -> ShardBackend:
-    """Raises: CallerError(INVALID_REQUEST | MODEL_LOAD_FAILED)."""
+    """`placement`: where a llama.cpp backend puts its layers (dgr.backends.placement); the others compute on the CPU.
+
+    Raises: CallerError(INVALID_REQUEST | MODEL_LOAD_FAILED)."""
     n_layers = model_layer_count(name, model, stub_model)
     layers = layers or LayerRange(0, n_layers)
     if layers.stop > n_layers:
         raise CallerError(Reason.INVALID_REQUEST, f"layers {layers} exceed the model's {n_layers} layers")
+    if placement.offloads and name not in ("llama", "llama_shard"):
+        raise CallerError(Reason.INVALID_REQUEST, f"--gpu-layers is for the llama.cpp backends, not {name}",
+                          param="gpu_layers")
     if name == "stub":
         from dgr.backends.stub import DEEPSEEK_LIKE, StubBackend, StubSpec
 
@@ -65,9 +72,10 @@ def make_backend(
 
         if (layers.start, layers.stop) != (0, n_layers):
             raise CallerError(Reason.INVALID_REQUEST, "the llama backend serves the whole model; use llama_shard")
-        return LlamaBackend(model, n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions)
+        return LlamaBackend(model, n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions, placement=placement)
     if name == "llama_shard":
         from dgr.backends.llama_shard import LlamaShardBackend
 
-        return LlamaShardBackend(model, layers, n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions)
+        return LlamaShardBackend(model, layers, n_threads=threads, n_ctx=n_ctx, max_sessions=max_sessions,
+                                 placement=placement)
     raise CallerError(Reason.INVALID_REQUEST, f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

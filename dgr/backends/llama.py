@@ -30,6 +30,7 @@ from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBack
 from dgr.backends.clib import llama_lib
 from dgr.backends.gguf_text import GgufText
 from dgr.backends.llama_engine import DEFAULT_N_BATCH, LlamaEngine
+from dgr.backends.placement import Placement, devices
 from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, GgufHeader, read_header
@@ -102,8 +103,10 @@ class LlamaCppBackend(ShardBackend):
         max_sessions: int,
         n_batch: int,
         name: str | None,
+        placement: Placement = Placement(),
     ) -> None:
-        """Load `layers` of `source`: the whole model through llama.cpp's own loader, a range through the range API."""
+        """Load `layers` of `source` where `placement` puts them: the whole model through llama.cpp's own loader, a
+        range through the range API."""
         self.source = source
         self.header = header
         self.layers = layers
@@ -125,7 +128,9 @@ class LlamaCppBackend(ShardBackend):
                 n_ctx_seq=n_ctx,
                 n_batch=n_batch,
                 swa_full=header.architecture not in WINDOW_SIZED,
+                placement=placement,
             )
+            self.placement = placement
         except BaseException as exc:
             if self.text is not None:
                 self.text.close()
@@ -380,6 +385,8 @@ class LlamaCppBackend(ShardBackend):
             "sha256": self.info.digest,
             "layers_loaded": [self.engine.layer_start, self.engine.layer_start + self.engine.n_layer],
             "threads": self.n_threads,
+            "placement": self.placement.to_json(),
+            "devices": devices() if self.placement.offloads else [],
             "n_batch": self.engine.n_batch,
             "n_ctx_per_session": self.engine.n_ctx_seq,
             "max_sessions": self.engine.n_seq_max,
@@ -413,8 +420,10 @@ class LlamaBackend(LlamaCppBackend):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         n_batch: int = DEFAULT_N_BATCH,
         name: str | None = None,
+        placement: Placement = Placement(),
     ) -> None:
-        """Load `model` whole. `n_ctx` is positions per session; n_batch, positions per llama_decode.
+        """Load `model` whole, on the devices `placement` names. `n_ctx` is positions per session; n_batch,
+        positions per llama_decode.
 
         Raises:
             CallerError(MODEL_LOAD_FAILED): the file is missing, unreadable,
@@ -430,5 +439,6 @@ class LlamaBackend(LlamaCppBackend):
             n_ctx=n_ctx,
             max_sessions=max_sessions,
             n_batch=n_batch,
+            placement=placement,
             name=name,
         )

@@ -47,6 +47,7 @@ import numpy as np
 
 from dgr.backends.clib import llama_lib, llama_log_tail, model_reads_tokens, range_api, seam_width
 from dgr.backends.llama_batch import LlamaBatch
+from dgr.backends.placement import Placement
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, arch_key
 from dgr.models import check_gguf_file
@@ -102,17 +103,20 @@ class LlamaEngine:
         n_ctx_seq: int,
         n_batch: int = DEFAULT_N_BATCH,
         swa_full: bool = True,
+        placement: Placement = Placement(),
     ) -> LlamaEngine:
-        """Load layers [start, stop) of the GGUF at `path` (None: all of them) and make its context.
+        """Load layers [start, stop) of the GGUF at `path` (None: all of them) on the devices `placement` names
+        (dgr.backends.placement; the CPU by default) and make its context.
 
         Raises:
             CallerError(MODEL_LOAD_FAILED): llama.cpp refused the file or the
-            range, or the installed libllama lacks the layer-range API.
+            range, or the installed libllama lacks the layer-range API;
+            CallerError(INVALID_REQUEST): a GPU placement this build cannot give.
         """
         p = check_gguf_file(path)
         lib = llama_lib()
         mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = 0
+        held = placement.apply(mparams)  # the C arrays it points mparams at, held until the model is loaded
         # next-token-prediction layers (DeepSeek-V4, GLM-4.5 MTP) load where the last layer is, for drafting;
         # plain decoding never reads them, and a range that stops earlier skips them
         mparams.load_mtp = True
@@ -120,6 +124,7 @@ class LlamaEngine:
             range_api()  # refuses a stock build, saying how to get the patched one
             mparams.layer_start, mparams.layer_end = layers
         model = lib.llama_model_load_from_file(str(p).encode(), mparams)
+        del held
         if not model:
             raise CallerError(Reason.MODEL_LOAD_FAILED, f"llama.cpp cannot load {p}: {llama_log_tail()}")
         n_layer = lib.llama_model_n_layer(model)

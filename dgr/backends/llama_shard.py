@@ -29,6 +29,7 @@ from dgr.backends.llama import (
 from dgr.backends.llama_arch import shard_rule
 from dgr.backends.clib import range_api
 from dgr.backends.llama_engine import DEFAULT_N_BATCH
+from dgr.backends.placement import Placement
 from dgr.gguf_meta import GgufHeader
 from dgr.errors import CallerError, Reason
 from dgr.models import check_gguf_file
@@ -74,8 +75,10 @@ class LlamaShardBackend(LlamaCppBackend):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         n_batch: int = DEFAULT_N_BATCH,
         name: str | None = None,
+        placement: Placement = Placement(),
     ) -> None:
-        """Load `layers` of `model` through the layer-range API.
+        """Load `layers` of `model` through the layer-range API, on the devices `placement` names (its
+        `gpu_layers` count from the range's end: dgr.backends.placement).
 
         Use the same n_batch on every stage of a route: it decides how a
         prefill is split, and so the exact float sums.
@@ -98,4 +101,5 @@ class LlamaShardBackend(LlamaCppBackend):
             max_sessions=max_sessions,
             n_batch=n_batch,
             name=name,
+            placement=placement,
         )

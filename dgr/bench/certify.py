@@ -128,9 +128,13 @@ def _greedy(engines: list[Any], prompt: np.ndarray) -> tuple[list[int], np.ndarr
 
 
 def _load(path: Path, layers: tuple[int, int] | None) -> Any:
+    """Layers `layers` of the model at `path`; every layer on the GPU where DGR_CERTIFY_GPU=1 (`make test-gpu`
+    certifies split against whole there, each side on the same device)."""
     from dgr.backends.llama_engine import LlamaEngine
+    from dgr.backends.placement import Placement
 
-    return LlamaEngine.load(path, layers=layers, n_threads=1, n_seq_max=1, n_ctx_seq=N_CTX_SEQ)
+    placement = Placement(gpu_layers=-1) if os.environ.get("DGR_CERTIFY_GPU") == "1" else Placement()
+    return LlamaEngine.load(path, layers=layers, n_threads=1, n_seq_max=1, n_ctx_seq=N_CTX_SEQ, placement=placement)
 
 
 def _emit(obj: dict[str, Any]) -> None:

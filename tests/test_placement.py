@@ -1,0 +1,52 @@
+"""A node's device placement (dgr.backends.placement): the flags, their refusals, and what `dgr up` passes on."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dgr.backends.base import LayerRange
+from dgr.backends.factory import make_backend
+from dgr.backends.placement import Placement, devices, parse_gpu_layers
+from dgr.errors import CallerError, Reason
+from dgr.up import node_args
+
+pytestmark = [pytest.mark.llama]
+
+
+def test_gpu_layers_is_all_or_a_count():
+    assert [parse_gpu_layers(v) for v in ("all", "0", "7")] == [-1, 0, 7]
+    for bad in ("-1", "some", "1.5", ""):
+        with pytest.raises(ValueError, match="--gpu-layers takes 'all' or a count"):
+            parse_gpu_layers(bad)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(gpu_layers="0", device=None, cpu_moe=False, backend="llama_shard", ctx=256, max_sessions=2,
+                stub_delay=0.0, stub_model="default", model=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_dgr_up_gives_each_node_its_own_gpu_layers():
+    args = _args(gpu_layers="all,0", device="Vulkan0", cpu_moe=True)
+    assert Placement.from_args(args, 0) == Placement(-1, "Vulkan0", True)
+    assert Placement.from_args(args, 1) == Placement(0, "Vulkan0", True)
+    first = node_args(args, LayerRange(0, 15), "http://t", "node0", 1, index=0)
+    second = node_args(args, LayerRange(15, 30), "http://t", "node1", 1, index=1)
+    assert first[first.index("--gpu-layers") + 1] == "all" and "--cpu-moe" in first and "--device" in first
+    assert "--gpu-layers" not in second and "--cpu-moe" not in second  # the CPU node takes no device flags
+    assert Placement.from_args(_args(gpu_layers="5"), 3).gpu_layers == 5  # one value: every node
+    with pytest.raises(CallerError, match="names 2 nodes; node 2 has no value") as e:
+        Placement.from_args(args, 2)
+    assert e.value.reason is Reason.INVALID_REQUEST
+
+
+def test_a_cpu_only_build_refuses_a_gpu_with_the_command_that_fixes_it(model_path):
+    if devices():
+        pytest.skip("this build sees a GPU")
+    with pytest.raises(CallerError, match=r"sees none: install a GPU build with `make install GPU=cuda`") as e:
+        make_backend("llama_shard", LayerRange(0, 15), model_path, placement=Placement(gpu_layers=-1))
+    assert e.value.reason is Reason.INVALID_REQUEST
+    with pytest.raises(CallerError, match="--gpu-layers is for the llama.cpp backends, not stub"):
+        make_backend("stub", None, None, placement=Placement(gpu_layers=2))
