@@ -204,3 +204,34 @@ def test_dgr_up_with_one_node_on_the_gpu_and_one_on_the_cpu_answers_as_its_stage
     assert got == want and got
     assert gpu_node["placement"]["gpu_layers"] == "all" and gpu_node["devices"][0]["name"] == "Vulkan0", gpu_node
     assert cpu_node["placement"]["gpu_layers"] == 0 and cpu_node["devices"] == []
+
+
+_PARTIAL = """
+import sys
+from dgr.backends.llama_engine import LlamaEngine
+from dgr.backends.placement import Placement
+for layers, n in (((0, 15), 3), ((15, 30), 4), ((10, 20), -1)):
+    print(f"LOAD {layers[0]} {layers[1]} {n}", file=sys.stderr, flush=True)
+    LlamaEngine.load(sys.argv[1], layers=layers, n_threads=1, n_seq_max=1, n_ctx_seq=64,
+                     placement=Placement(gpu_layers=n)).close()
+"""
+
+
+def test_gpu_layers_counts_a_ranges_own_layers_back_from_its_end(model_path):
+    """`--gpu-layers N` offloads the last N layers of the node's range, by their global index; a range that holds
+    the output counts it as one, as llama.cpp does for a whole model; 'all' is every layer of the range."""
+    out = subprocess.run([sys.executable, "-c", _PARTIAL, str(model_path)], capture_output=True, text=True,
+                         timeout=300, check=False, env=_env(DGR_LLAMA_LOG="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    parts = re.split(r"LOAD (\d+) (\d+) (-?\d+)\n", out.stderr)[1:]
+    for a, b, n, log in zip(parts[0::4], parts[1::4], parts[2::4], parts[3::4]):
+        on_gpu = sorted(int(m) for m in re.findall(r"layer +(\d+) assigned to device Vulkan0", log))
+        offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", log).groups()
+        print(a, b, n, on_gpu, offloaded)
+        a, b, n = int(a), int(b), int(n)
+        if (a, b, n) == (0, 15, 3):
+            assert on_gpu == [12, 13, 14] and offloaded == ("3", "15")
+        elif (a, b, n) == (15, 30, 4):  # the output is one of the 4: layers 27, 28, 29 and the head
+            assert on_gpu == [27, 28, 29, 30] and offloaded == ("4", "16")
+        else:
+            assert on_gpu == list(range(10, 20)) and offloaded == ("10", "10")
