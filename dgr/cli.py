@@ -113,7 +113,7 @@ def cmd_node(args) -> int:
         model = resolve_model(args.backend, args.model)
     backend = make_backend(
         args.backend, layers, model, threads=args.threads, n_ctx=args.ctx, max_sessions=args.max_sessions,
-        stub_delay_s=args.stub_delay, stub_model=args.stub_model, placement=Placement.from_args(args),
+        stub_delay_s=args.stub_delay, stub_model=args.stub_model, placement=Placement.per_node(args)[0],
     )
     if artifact is not None:
         artifact.check_backend(backend)

@@ -97,9 +97,9 @@ async def _print_example(url: str) -> None:
 
 
 def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None,
-              tail: bool = False, index: int = 0) -> list[str]:
-    """The arguments of `dgr` (after the command itself) that start node `index` of the route; the `tail` also
-    takes the draft model."""
+              tail: bool = False, placement: Placement = Placement()) -> list[str]:
+    """The arguments of `dgr` (after the command itself) that start one node of the route, on the devices
+    `placement` names; the `tail` also takes the draft model."""
     cmd = [
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
@@ -118,7 +118,6 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--iteration-target-ms", str(args.iteration_target_ms)]
     if args.model:
         cmd += ["--model", str(args.model)]
-    placement = Placement.from_args(args, index)
     if placement.offloads:
         cmd += ["--gpu-layers", str(placement.to_json()["gpu_layers"])]
         cmd += ["--device", placement.device] if placement.device else []
@@ -186,6 +185,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     if args.backend == "llama_shard":
         check_shard_ranges(model, splits)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    placements = Placement.per_node(args, len(splits))  # refused before any process starts
     try:
         listening = listening_socket(TRACKER_HOST, args.port)
     except OSError as exc:
@@ -204,7 +204,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
         with listening:
             roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))]
             roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key",
-                                             tail=i == len(splits) - 1, index=i))
+                                             tail=i == len(splits) - 1, placement=placements[i]))
                       for i, layers in enumerate(splits)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]

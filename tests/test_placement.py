@@ -30,16 +30,20 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_dgr_up_gives_each_node_its_own_gpu_layers():
     args = _args(gpu_layers="all,0", device="Vulkan0", cpu_moe=True)
-    assert Placement.from_args(args, 0) == Placement(-1, "Vulkan0", True)
-    assert Placement.from_args(args, 1) == Placement(0, "Vulkan0", True)
-    first = node_args(args, LayerRange(0, 15), "http://t", "node0", 1, index=0)
-    second = node_args(args, LayerRange(15, 30), "http://t", "node1", 1, index=1)
+    gpu, cpu = Placement.per_node(args, 2)
+    assert gpu == Placement(-1, "Vulkan0", True) and cpu == Placement()  # device flags go with what offloads
+    first = node_args(args, LayerRange(0, 15), "http://t", "node0", 1, placement=gpu)
+    second = node_args(args, LayerRange(15, 30), "http://t", "node1", 1, placement=cpu)
     assert first[first.index("--gpu-layers") + 1] == "all" and "--cpu-moe" in first and "--device" in first
-    assert "--gpu-layers" not in second and "--cpu-moe" not in second  # the CPU node takes no device flags
-    assert Placement.from_args(_args(gpu_layers="5"), 3).gpu_layers == 5  # one value: every node
-    with pytest.raises(CallerError, match="names 2 nodes; node 2 has no value") as e:
-        Placement.from_args(args, 2)
-    assert e.value.reason is Reason.INVALID_REQUEST
+    assert "--gpu-layers" not in second and "--cpu-moe" not in second and "--device" not in second
+    assert [p.gpu_layers for p in Placement.per_node(_args(gpu_layers="5"), 3)] == [5, 5, 5]  # one value: all
+    for bad, why in ((args, "gives 2 values for 3 nodes"),
+                     (_args(device="CUDA0"), "--gpu-layers puts nothing there"),
+                     (_args(gpu_layers="0,0", cpu_moe=True), "--gpu-layers puts nothing there"),
+                     (_args(gpu_layers="all,x"), "takes 'all' or a count")):
+        with pytest.raises(CallerError, match=why) as e:
+            Placement.per_node(bad, 3 if bad is args else 2)
+        assert e.value.reason is Reason.INVALID_REQUEST
 
 
 def test_a_cpu_only_build_refuses_a_gpu_with_the_command_that_fixes_it(model_path):

@@ -2,12 +2,12 @@
 
 A range's own layers are offloaded by their global indices (the patch series counts `n_gpu_layers`
 back from the range's end: llama/patches/0001): `--gpu-layers all` puts every layer of the range
-on the device, `N` its last N, 0 none. The output head and the KV cache of offloaded layers go
+on the device, `N` its last N; 0 none, and no device at all. The output head and the KV cache of offloaded layers go
 where llama.cpp puts them for a whole model; the token embedding stays in host memory, as
 llama.cpp keeps it. `--cpu-moe` keeps the routed experts of the range's layers in host memory
 (llama.cpp's own `--cpu-moe` pattern), so a large MoE range fits a small card: attention, shared
 experts and the KV cache on the GPU, the experts read from RAM. `--device` names the ggml device
-(`Vulkan0`, `CUDA0`; `dgr node --list-devices` prints them); by default llama.cpp's own choice.
+(`Vulkan0`, `CUDA0`; a wrong name is refused with the devices the build sees); by default llama.cpp's own choice.
 
 The hidden states between nodes are host float32 either way: ggml's scheduler copies a range's
 input to its first layer's device and its output back, so the seam does not change.
@@ -51,8 +51,13 @@ class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+_DECLARED: list[Any] = []
+
+
 def _ggml() -> Any:
     """libggml's device registry (libggml.so) and device calls (libggml-base.so), declared once."""
+    if _DECLARED:
+        return _DECLARED[0]
     from dgr.backends.clib import ggml_lib, llama_lib
 
     lib = llama_lib()  # loads libggml.so too, and registers the built backends
@@ -73,6 +78,7 @@ def _ggml() -> Any:
     ]:
         fn = getattr(owner, name)
         fn.argtypes, fn.restype = args, res
+    _DECLARED.append((reg, base))
     return reg, base
 
 
@@ -105,21 +111,26 @@ class Placement:
     cpu_moe: bool = False
 
     @classmethod
-    def from_args(cls, args: Any, index: int = 0) -> Placement:
-        """`--gpu-layers` (node `index`'s, where `dgr up` gives one per node, comma-separated), `--device`,
-        `--cpu-moe`.
+    def per_node(cls, args: Any, nodes: int = 1) -> list[Placement]:
+        """Each of `nodes` nodes' `--gpu-layers` (one value for all, or one per node, comma-separated, as `dgr up`
+        takes them), with `--device` and `--cpu-moe` for those that offload.
 
-        Raises: CallerError(INVALID_REQUEST): a value that is not 'all' or a count, or no value for node `index`.
+        Raises: CallerError(INVALID_REQUEST): a value that is not 'all' or a count, a list of another length
+        than the nodes, or --device or --cpu-moe where no node offloads.
         """
         values = str(getattr(args, "gpu_layers", "0")).split(",")
+        if len(values) not in (1, nodes):
+            raise CallerError(Reason.INVALID_REQUEST, f"--gpu-layers gives {len(values)} values for {nodes} nodes: "
+                              "give one for all, or one per node", param="gpu_layers")
         try:
-            gpu_layers = parse_gpu_layers(values[index] if len(values) > 1 else values[0])
+            counts = [parse_gpu_layers(values[i if len(values) > 1 else 0]) for i in range(nodes)]
         except ValueError as exc:
             raise CallerError(Reason.INVALID_REQUEST, str(exc), param="gpu_layers") from None
-        except IndexError:
-            raise CallerError(Reason.INVALID_REQUEST, f"--gpu-layers names {len(values)} nodes; node {index} has "
-                              "no value", param="gpu_layers") from None
-        return cls(gpu_layers, getattr(args, "device", None), bool(getattr(args, "cpu_moe", False)))
+        device, cpu_moe = getattr(args, "device", None), bool(getattr(args, "cpu_moe", False))
+        if (device is not None or cpu_moe) and not any(counts):
+            raise CallerError(Reason.INVALID_REQUEST, "--device and --cpu-moe place what --gpu-layers puts on a GPU, "
+                              "and --gpu-layers puts nothing there", param="gpu_layers")
+        return [cls(n, device, cpu_moe) if n else cls() for n in counts]
 
     @property
     def offloads(self) -> bool:
@@ -139,7 +150,11 @@ class Placement:
         """
         mparams.n_gpu_layers = self.gpu_layers
         if not self.offloads:
-            return []
+            # no device at all, not only no layer: else a GPU build's device still takes large batches' matmuls
+            # (llama.cpp's op offload)
+            none = (ctypes.c_void_p * 1)(None)
+            mparams.devices = ctypes.cast(none, ctypes.c_void_p)
+            return [none]
         seen = devices()
         if not seen:
             raise CallerError(Reason.INVALID_REQUEST, "--gpu-layers asks for a GPU, and this llama.cpp build sees none: "
