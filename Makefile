@@ -35,7 +35,7 @@ BACKEND ?= llama_shard
 # took 19.8 s a worker with it and 8.9 s without (the second run, caches written by the first).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run test test-gpu test-slow bench specs clean
+.PHONY: install run test test-gpu test-slow bench specs clean check-series
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ test: install
 test-gpu:
 	$(MAKE) install GPU=vulkan
 	GGML_VK_VISIBLE_DEVICES=0 $(PY) -m pytest -q -rs -p no:cacheprovider --durations=10 tests_gpu
+
+# dgr's llama.cpp series applies with no fuzz, patch by patch, on the llama.cpp it ships and on the newest on
+# the registries (llama/check-series.sh; BUILD=1 also builds and runs test-llama-archs after every patch)
+check-series: | $(PY)
+	bash llama/check-series.sh $(if $(BUILD),--build) $(PY)
 
 test-slow: install
 	DGR_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install llama-cpp-python built from its sdist with dgr's layer-range patches (llama/patches/) and its
-# ctypes mirror of the struct they change (llama/bindings/).
+# ctypes mirror of the struct they change (llama/bindings/), and, for a CPU build, llama.cpp's own
+# test-llama-archs from the same patched source (tests/test_llama_archs.py runs it).
 #
 # usage: llama/build.sh PYTHON VERSION "CMAKE_ARGS"
 #
@@ -27,17 +28,22 @@ fi
 key="$( { sha256sum "$sdist" | cut -d' ' -f1; cat "$HERE"/patches/*.patch | sha256sum | cut -d' ' -f1; \
           cat "$HERE"/bindings/*.patch | sha256sum | cut -d' ' -f1; echo "$CMAKE_ARGS_IN"; } | sha256sum | cut -c1-16)"
 site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+bindir="$(dirname "$PY")"
 marker="$site/llama_cpp/.dgr-layer-range-$key"
-if [ -f "$marker" ]; then
+# the test binary is built for the CPU only: a GPU build leaves the CPU build's in place
+case "$CMAKE_ARGS_IN" in *GGML_VULKAN=ON*|*GGML_CUDA=ON*) with_test=0 ;; *) with_test=1 ;; esac
+if [ -f "$marker" ] && { [ "$with_test" = 0 ] || [ -x "$bindir/test-llama-archs" ]; }; then
     exit 0
 fi
 
 wheels="$CACHE/$VERSION-$key"
-if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    work="$(mktemp -d)"
-    trap 'rm -rf "$work"' EXIT
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+src="$work/llama_cpp_python-$VERSION"
+patched=0
+patch_source() {
+    [ "$patched" = 1 ] && return
     tar -xzf "$sdist" -C "$work"
-    src="$work/llama_cpp_python-$VERSION"
     for p in "$HERE"/patches/*.patch; do
         echo "applying $(basename "$p")"
         patch -s -p1 -d "$src/vendor/llama.cpp" < "$p"
@@ -47,14 +53,36 @@ if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         echo "applying $(basename "$p")"
         patch -s -p1 -d "$src" < "$p"
     done
+    patched=1
+}
+
+if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    patch_source
     echo "building llama-cpp-python $VERSION with the layer-range patches (3 to 8 minutes on 2 cores)"
     mkdir -p "$wheels.tmp"
     CMAKE_ARGS="$CMAKE_ARGS_IN" "$PY" -m pip wheel -q --no-deps "$src" -w "$wheels.tmp"
     rm -rf "$wheels"
     mv "$wheels.tmp" "$wheels"
 fi
-wheel="$(ls "$wheels"/llama_cpp_python-*.whl)"
-"$PY" -m pip install -q --no-deps --force-reinstall "$wheel"
-"$PY" -m pip install -q "$wheel"  # its own dependencies, where missing
-rm -f "$site"/llama_cpp/.dgr-layer-range-*  # another build's, outside the wheel's RECORD: pip leaves it
-touch "$marker"
+if [ "$with_test" = 1 ] && [ ! -x "$wheels/test-llama-archs" ]; then
+    patch_source
+    echo "building llama.cpp's test-llama-archs from the same source (3 to 8 minutes on 2 cores)"
+    # static, so that it needs no library beside it; the wheel's own CPU flags
+    # shellcheck disable=SC2086
+    cmake -S "$src/vendor/llama.cpp" -B "$work/tests" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $CMAKE_ARGS_IN >/dev/null
+    cmake --build "$work/tests" --target test-llama-archs -j "$(nproc)" >/dev/null
+    cp "$work/tests/bin/test-llama-archs" "$wheels/test-llama-archs.tmp"
+    mv "$wheels/test-llama-archs.tmp" "$wheels/test-llama-archs"
+fi
+if [ ! -f "$marker" ]; then
+    wheel="$(ls "$wheels"/llama_cpp_python-*.whl)"
+    "$PY" -m pip install -q --no-deps --force-reinstall "$wheel"
+    "$PY" -m pip install -q "$wheel"  # its own dependencies, where missing
+    rm -f "$site"/llama_cpp/.dgr-layer-range-*  # another build's, outside the wheel's RECORD: pip leaves it
+    touch "$marker"
+fi
+if [ "$with_test" = 1 ]; then
+    cp "$wheels/test-llama-archs" "$bindir/test-llama-archs"
+fi

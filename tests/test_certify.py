@@ -1,6 +1,7 @@
 """Every architecture certified for layer ranges splits bit for bit, on a tiny model libllama makes itself.
 
-For each architecture in dgr.backends.llama_arch.TINY_CERTIFIED, and each
+For each architecture libllama opts in to layer ranges that dgr's tiny-model
+table holds (dgr.backends.llama_arch.tiny_certified), and each
 variant of its tiny model (dense, MoE) in dgr.testing.arch_models: the model
 is written from the one metadata table, decoded whole (8 greedy tokens after
 24 prompt ids), then cut at every boundary of its table (one inside any
@@ -38,12 +39,22 @@ for case in cases():
 
 
 def test_at_least_seventy_architectures_are_certified():
-    assert len(llama_arch.CERTIFIED.keys() | llama_arch.TINY_CERTIFIED) >= 70
-    assert not llama_arch.TINY_CERTIFIED & llama_arch.REFUSED.keys()
+    assert len(llama_arch.CERTIFIED.keys() | llama_arch.tiny_certified()) >= 70
+
+
+def test_libllama_gate_and_dgr_agree():
+    """libllama's list is the one list: it opts in every family dgr certified and none that dgr refuses, and every
+    architecture it opts in is in dgr's table, so that the certification below splits it."""
+    from dgr.backends.clib import arch_takes_ranges
+    from dgr.testing.arch_table import ARCHS
+
+    assert all(arch_takes_ranges(a) for a in llama_arch.CERTIFIED)
+    assert not [a for a in llama_arch.REFUSED if arch_takes_ranges(a)]
+    assert llama_arch.tiny_certified() == {a for a in ARCHS if a not in llama_arch.REFUSED}
 
 
 def test_every_certified_architecture_splits_bit_for_bit():
-    names = sorted(llama_arch.TINY_CERTIFIED)
+    names = sorted(llama_arch.tiny_certified())
     want = [c.name for c in cases() if c.arch in names]
     out = subprocess.run([sys.executable, "-c", _SCRIPT, *names], capture_output=True, text=True, timeout=300,
                          check=False)

@@ -441,7 +441,7 @@ def test_seam_is_four_streams_wide(dsv4):
 
 
 def test_dsv4_shards_of_one_layer_are_planned(dsv4):
-    """Any range of DeepSeek-V4 runs (llama.cpp patch 0003; tests/test_dsv4_route.py), so one node a layer
+    """Any range of DeepSeek-V4 runs (llama.cpp patches 0001 and 0009; tests/test_dsv4_route.py), so one node a layer
     is a plan; a 44th node has no layer to hold."""
     assert [s.stop - s.start for s in plan_even(dsv4, 43)] == [1] * 43
     with pytest.raises(CallerError):

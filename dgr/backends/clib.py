@@ -11,8 +11,11 @@
   A range that starts late takes `batch.embd` rows `llama_model_n_embd_inp` wide; one that ends early
   is an embeddings context that outputs every row (`llama_get_embeddings`), `llama_model_n_embd_out`
   wide: n_embd for most models, hc_mult x n_embd for DeepSeek-V4's hyper-connection streams.
-  `llama_model_seam_tokens(model)` says whether layers past layer 0 read token ids (DeepSeek-V4's
-  hash-routed experts), so that a range starting late takes them beside its hidden states.
+  Two functions staged in libllama's `src/llama-ext.h`, not in `llama.h`: `llama_arch_supports_layer_range`
+  says which architectures libllama loads a range of (each opts in where a test proves its split), and
+  `llama_model_layers_read_tokens(model)` whether layers past layer 0 read token ids (DeepSeek-V4's
+  hash-routed experts), so that a range starting late takes them beside its hidden states
+  (dgr.backends.llama_batch).
   llama-cpp-python is built with a mirror of the patched struct (llama/bindings/), which `llama_lib`
   checks against libllama's own defaults. A stock llama-cpp-python build lacks the range API, and
   `range_api` refuses it with the way to get the patched build.
@@ -37,8 +40,8 @@ from typing import Any
 
 from dgr.errors import CallerError, Reason
 
-__all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "ggml_lib", "llama_lib", "llama_log_tail", "model_builder_api",
-           "model_reads_tokens", "range_api", "seam_width"]
+__all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "arch_takes_ranges", "ggml_lib", "llama_lib", "llama_log_tail",
+           "model_builder_api", "model_reads_tokens", "range_api", "seam_width"]
 
 _LOG: collections.deque[str] = collections.deque(maxlen=40)
 _LIB: dict[str, Any] = {}
@@ -62,18 +65,23 @@ def llama_lib() -> Any:
     lib.llama_log_set(_log, ctypes.c_void_p(0))
     lib.llama_backend_init()
     _LIB["log_cb"] = _log  # a freed callback would crash the next log call
-    if hasattr(lib._lib, "llama_model_seam_tokens"):
+    if hasattr(lib._lib, _RANGE_SYMBOL):
         _declare_range_api(lib)
     _LIB["lib"] = lib
     return lib
 
 
+_RANGE_SYMBOL = "llama_arch_supports_layer_range"  # a libllama built with dgr's patch series exports it
+
+
 def _declare_range_api(llama: Any) -> None:
-    """Declare `llama_model_seam_tokens`, and check that llama-cpp-python's `llama_model_params` is the patched
+    """Declare the range functions of `llama-ext.h`, and check that llama-cpp-python's `llama_model_params` is the patched
     layout (layer_start, layer_end before the booleans: llama/bindings/): a struct of another size passed by
     value would be read, or written, past its end."""
     lib, vp = llama._lib, ctypes.c_void_p
-    lib.llama_model_seam_tokens.argtypes, lib.llama_model_seam_tokens.restype = [vp], ctypes.c_bool
+    lib.llama_model_layers_read_tokens.argtypes, lib.llama_model_layers_read_tokens.restype = [vp], ctypes.c_bool
+    lib.llama_arch_supports_layer_range.argtypes = [ctypes.c_char_p]
+    lib.llama_arch_supports_layer_range.restype = ctypes.c_bool
     d = lib.llama_model_default_params() if "layer_end" in dict(llama.llama_model_params._fields_) else None
     if d is None or (d.layer_start, d.layer_end, d.use_extra_bufts, d.load_mtp) != (0, -1, True, False):
         raise CallerError(Reason.MODEL_LOAD_FAILED, "llama-cpp-python's llama_model_params is not the layout of "
@@ -101,15 +109,21 @@ def range_api() -> Any:
         layer-range API (a stock build); the message says how to get it.
     """
     lib = llama_lib()
-    if not hasattr(lib._lib, "llama_model_seam_tokens"):
+    if not hasattr(lib._lib, _RANGE_SYMBOL):
         raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
     return lib
+
+
+def arch_takes_ranges(arch: str) -> bool:
+    """Whether libllama loads a layer range of `arch` (its GGUF general.architecture); no on a stock build."""
+    lib = llama_lib()._lib
+    return hasattr(lib, _RANGE_SYMBOL) and bool(lib.llama_arch_supports_layer_range(arch.encode()))
 
 
 def model_reads_tokens(model: int) -> bool:
     """Whether layers past layer 0 read token ids (DeepSeek-V4's hash routing); no on a stock build (no ranges)."""
     lib = llama_lib()._lib
-    return hasattr(lib, "llama_model_seam_tokens") and bool(lib.llama_model_seam_tokens(model))
+    return hasattr(lib, _RANGE_SYMBOL) and bool(lib.llama_model_layers_read_tokens(model))
 
 
 def seam_width(model: int, start: int, stop: int) -> int:

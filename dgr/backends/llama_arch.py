@@ -6,25 +6,26 @@ the unmodified file, every builder computes layers [a, b) with the file's
 numbering, input work (embedding scaling, position embeddings, input norms)
 runs only on the range that starts at layer 0, and a range that stops early
 returns the residual stream before the output norm. So no rule here says how
-to split an architecture; this module only says which ones may be split:
+to split an architecture, only which ones dgr admits.
+
+The list of what may be split is libllama's own: the patch series opts each
+architecture in (`llm_arch_supports_layer_range`, read through
+`llama_arch_supports_layer_range`) where a test proves its split, and loading
+a range of any other fails with its reason. dgr keeps no copy of it. What
+dgr adds, and what decides what it admits, is its certification:
 
 - `CERTIFIED`: the families checked on real files or hand-made tiny models
   (tests/test_llama_shard.py, tests/test_families.py,
   tests/test_gemma3_270m.py, tests/test_dsv4_route.py);
-- `TINY_CERTIFIED`: architectures whose tiny random model, made by libllama
-  itself from one metadata table (dgr.testing.arch_models), splits at every
-  boundary of its table bit for bit like the whole model
-  (tests/test_certify.py runs them all; dgr.bench.certify reports every
-  architecture, docs/perf/certify/);
-  hybrids included, cut into stages of one layer kind too;
-- `REFUSED`: architectures that do not split today, each with its reason,
-  as dgr.bench.certify found it;
+- `tiny_certified()`: the architectures of the tiny-model table
+  (dgr.testing.arch_table) that libllama opts in: tests/test_certify.py
+  splits each, made by libllama itself, at every boundary of its table and
+  requires the whole model's bits (hybrids also cut into stages of one
+  layer kind); dgr.bench.certify reports every architecture
+  (docs/perf/certify/);
+- `REFUSED`: architectures that do not split today, each with its reason, as
+  dgr.bench.certify found it; libllama refuses them too (tests/test_certify.py);
 - any other architecture is refused as not yet certified.
-
-libllama holds the same line itself: the patch series opts each certified
-architecture in (`llm_arch_supports_layer_range`), and loading a range of any
-other fails with its reason (tests/test_certify.py). This module says why, and
-what dgr admits.
 
 `shard_rule` is called by `dgr up` before it starts any process and by each
 node at start, so a refusal is a clear error, never a crash in llama.cpp.
@@ -35,9 +36,10 @@ pricing (dgr.plan.rules).
 
 from __future__ import annotations
 
+from dgr.backends.clib import arch_takes_ranges
 from dgr.errors import CallerError, Reason
 
-__all__ = ["CERTIFIED", "REFUSED", "TINY_CERTIFIED", "shard_rule"]
+__all__ = ["CERTIFIED", "REFUSED", "shard_rule", "tiny_certified"]
 
 # architecture -> what its certification covers (tests/test_families.py builds a tiny model of each)
 CERTIFIED: dict[str, str] = {
@@ -53,24 +55,6 @@ CERTIFIED: dict[str, str] = {
     "beside the hidden states, window/CSA/HCA layers, MTP on the tail; split at every boundary, and a 3-node dgr up "
     "answers as one node (tests/test_dsv4_route.py)",
 }
-
-# every variant (dense, MoE) of the table's tiny model split bit for bit at each boundary (tests/test_certify.py);
-# hybrids at stages of one layer kind too
-TINY_CERTIFIED: frozenset[str] = frozenset({
-    "afmoe", "apertus", "arcee", "arctic", "baichuan", "bailingmoe", "bailingmoe2", "bailingmoe3", "bitnet",
-    "bloom", "chatglm", "codeshell", "cohere2", "cohere2moe", "command-r", "dbrx", "deci", "deepseek",
-    "deepseek2", "deepseek32", "deepseek4", "dots1", "dots3note", "ernie4_5", "ernie4_5-moe", "exaone",
-    "exaone-moe", "exaone4", "falcon", "falcon-h1", "gemma", "gemma2", "gemma3", "glm-dsa", "glm4", "glm4moe",
-    "gpt-oss", "gpt2", "gptneox", "granite", "granite_swa", "granitehybrid", "granitemoe", "grok", "grovemoe",
-    "hunyuan-dense", "hunyuan-moe", "hunyuan_vl", "hy_v3", "internlm2", "jais", "jais2", "jamba", "kimi-linear",
-    "laguna", "lfm2", "lfm2moe", "llama", "llama4", "maincoder", "mamba", "mamba2", "maple", "mellum", "mimo2",
-    "minicpm", "minicpm3", "minimax-01", "minimax-m2", "minimax-m3", "mistral3", "mistral4", "mpt",
-    "muse-glimmer", "nanbeige", "nemotron", "nemotron_h", "nemotron_h_moe", "olmo", "olmo2", "olmoe", "openelm",
-    "orion", "paddleocr", "pangu-embedded", "phi2", "phi3", "phimoe", "plamo", "plamo2", "plamo3", "plm",
-    "qwen", "qwen2", "qwen2moe", "qwen2vl", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vl",
-    "qwen3vlmoe", "refact", "rwkv6", "seed_oss", "smallthinker", "smollm3", "spark2_5", "stablelm", "starcoder",
-    "starcoder2", "step35", "xverse",
-})
 
 _STREAMS = ("its residual stream is several streams (hyper-connections), and dgr's patch series gives only deepseek4's "
             "builder the wider seam")
@@ -91,31 +75,42 @@ REFUSED: dict[str, str] = {
     "graniteswitch": "its input path picks adapter tokens before the first layer",
     "dflash": "a draft model fed by its target's hidden states",
     "eagle3": "a draft model fed by its target's hidden states",
+    "rwkv6qwen2": "its whole tiny model crashes in llama.cpp itself (SIGSEGV when the graph is reserved), so no split "
+    "can be compared with it",
     "t5": "an encoder-decoder: the decoder's layers read the encoder's output",
     "t5encoder": "an encoder",
     "bert": "an encoder",
 }
 
 
+def tiny_certified() -> frozenset[str]:
+    """The architectures of the tiny-model table (dgr.testing.arch_table) that libllama loads ranges of:
+    tests/test_certify.py splits each at every boundary of its table and requires the whole model's bits."""
+    from dgr.testing.arch_table import ARCHS  # data only; deferred so that a node imports it when it checks
+
+    return frozenset(a for a in ARCHS if a not in REFUSED and arch_takes_ranges(a))
+
+
 def shard_rule(arch: str) -> str:
-    """What a layer range of `arch` is certified by.
+    """What a layer range of `arch` is certified by: libllama must load ranges of it (its own gate) and dgr's
+    certification must cover it.
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): `arch` is refused (the message gives
         the reason) or not certified yet; `--backend llama` serves it whole.
     """
-    if arch in CERTIFIED:
+    from dgr.testing.arch_table import ARCHS
+
+    takes = arch_takes_ranges(arch)
+    if takes and arch in CERTIFIED:
         return CERTIFIED[arch]
-    if arch in TINY_CERTIFIED:
+    if takes and arch in ARCHS and arch not in REFUSED:
         return "its tiny model splits bit for bit at every tested boundary (tests/test_certify.py)"
-    why = REFUSED.get(
-        arch,
-        "no test compares its splits with the whole model yet (tests/test_certify.py certifies each family)",
-    )
-    n = len(CERTIFIED.keys() | TINY_CERTIFIED)
+    why = REFUSED.get(arch) or (
+        "no test compares its splits with the whole model yet (tests/test_certify.py certifies each family)" if takes
+        else "the installed libllama does not load a layer range of it")
     raise CallerError(
         Reason.MODEL_LOAD_FAILED,
-        f"architecture {arch!r} cannot be split into layer ranges: {why} ({n} architectures are certified for "
-        "ranges, see spec/layer-ranges.md; --backend llama serves it whole)",
+        f"architecture {arch!r} cannot be split into layer ranges: {why} (see spec/layer-ranges.md for the "
+        "certified architectures; --backend llama serves it whole)",
     )
-

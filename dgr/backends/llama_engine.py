@@ -171,7 +171,7 @@ class LlamaEngine:
             ctx=ctx,
             mem=lib.llama_get_memory(ctx),
         )
-        self._batch = LlamaBatch(self.n_batch, self.n_pos_per_row, self.takes_tokens)
+        self._batch = LlamaBatch(self.n_batch, self.n_pos_per_row, self.takes_tokens, ctx)
         return self
 
     @property
@@ -344,7 +344,7 @@ class LlamaEngine:
 
     def _decode_rows(self, seqs: list[int], positions: list[int], batch: Any) -> None:
         lib = llama_lib()
-        rc = lib.llama_decode(self._ctx, batch)
+        rc = self._batch.submit(self._ctx, batch)
         lib.llama_synchronize(self._ctx)
         if rc != 0:
             # llama.cpp has taken back what it placed of this batch: every row stays where it was
@@ -355,7 +355,7 @@ class LlamaEngine:
 
     def _decode(self, seq: int, pos: int, m: int, batch: Any) -> None:
         lib = llama_lib()
-        rc = lib.llama_decode(self._ctx, batch)
+        rc = self._batch.submit(self._ctx, batch)
         lib.llama_synchronize(self._ctx)  # also settles llama.cpp's perf counters for this call
         if rc != 0:
             # llama.cpp has removed this chunk's positions [pos, ...) from the KV.
@@ -499,6 +499,8 @@ class LlamaEngine:
     def close(self) -> None:
         """Free the context and the model. Idempotent."""
         lib = llama_lib()
+        if self._batch is not None:
+            self._batch.free()
         if self._ctx:
             lib.llama_free(self._ctx)
             self._ctx = None

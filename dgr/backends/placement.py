@@ -1,7 +1,7 @@
 """Where a llama.cpp node puts its range's tensors: the CPU, or a GPU (CUDA, Vulkan) beside it.
 
 A range's own layers are offloaded by their global indices (the patch series counts `n_gpu_layers`
-back from the range's end: llama/patches/0001): `--gpu-layers all` puts every layer of the range
+back from the range's end: llama/patches/0002): `--gpu-layers all` puts every layer of the range
 on the device, `N` its last N; 0 none, and no device at all. The output head and the KV cache of offloaded layers go
 where llama.cpp puts them for a whole model; the token embedding stays in host memory, as
 llama.cpp keeps it. `--cpu-moe` keeps the routed experts of the range's layers in host memory

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-1b", action="store_true", help="also the 1B llama shape (dgr.bench.shapes)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
-    todo = [c for c in cases(args.arch) if c.arch in llama_arch.TINY_CERTIFIED]
+    certified = llama_arch.tiny_certified()
+    todo = [c for c in cases(args.arch) if c.arch in certified]
     print(f"{'case':18} {'range':6} {'weights':>11} {'planned':>11}  {'state MiB':>9} {'planned':>8}  "
           f"{'compute MiB':>11} {'planned':>8}  kinds")
     records, bad = {}, 0

@@ -14,7 +14,7 @@ tiny models' tokenizer and chat template, so dgr serves it
    its deepseek4 loader creates;
 2. KV per layer kind: the cache sizes llama.cpp logs against
    dgr.plan.rules's KV terms for the same model, with swa_full on and off;
-3. layer ranges (llama.cpp patch 0003): the seam width and token-id
+3. layer ranges (llama.cpp patch 0009): the seam width and token-id
    sideband llama.cpp reports, what each range holds against the planner's
    charge, and every split at each layer boundary against the whole model
    (tests/test_dsv4_route.py asserts the same).

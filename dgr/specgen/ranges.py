@@ -47,7 +47,7 @@ def render() -> str:
     from dgr.backends import llama_arch
     from dgr.testing.arch_table import ARCHS
 
-    accepted = sorted(llama_arch.CERTIFIED.keys() | llama_arch.TINY_CERTIFIED)
+    accepted = sorted(llama_arch.CERTIFIED.keys() | llama_arch.tiny_certified())
     runs: dict[str, list[dict]] = {}
     for case in json.loads(RESULTS.read_text())["cases"]:
         runs.setdefault(case["arch"], []).append(case)
@@ -65,7 +65,7 @@ def render() -> str:
         "[0, 2) [2, 4) [4, n). Hybrids are also cut into stages of one layer kind.",
         "",
         "The seam column is what crosses each boundary per position, as llama.cpp reports it for the",
-        "model (`llama_model_n_embd_out` of a range that ends early, `llama_model_seam_tokens`, the rope type): `n_embd` float32 for",
+        "model (`llama_model_n_embd_out` of a range that ends early, `llama_model_layers_read_tokens`, the rope type): `n_embd` float32 for",
         "most; DeepSeek-V4 carries its 4 hyper-connection streams and the token ids; M-RoPE models give",
         "llama.cpp each hidden-state row's position once per rope section (4 positions), which dgr's engine",
         "does.",
