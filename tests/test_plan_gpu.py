@@ -139,9 +139,9 @@ def test_every_buffer_of_the_must_show_is_the_sum_of_its_tensors(data, dsv4, mus
         assert (pl.gpu.kv, pl.cpu.kv) == (want["gpu_kv"], want["host_kv"])
         assert pl.gpu.compute == rule + largest_expert
         # inputs: 512 positions x 4 bytes x (the embedding or the 4 streams in, the masks of a 768-cell window,
-        # a 1024-cell ratio-4 cache and a 256-cell ratio-128 cache, 4 ints)
+        # a 1024-cell ratio-4 cache, its 1024-cell indexer cache and a 256-cell ratio-128 cache, 4 ints)
         width = 4096 if s.layers.start == 0 else 4 * 4096
-        assert pl.cpu.compute == 512 * 4 * (width + 768 + 1024 + 256 + 4)
+        assert pl.cpu.compute == 512 * 4 * (width + 768 + 1024 + 1024 + 256 + 4)
         assert pl.cpu.output == (0 if s.layers.stop == 43 else 512 * 4 * 4096 * 4)  # the 4 streams out
         assert pl.reserve_bytes == 512 * MIB and s.runtime_bytes == 100 * MIB
         assert s.weight_bytes + s.global_bytes == pl.gpu.model + pl.cpu.model

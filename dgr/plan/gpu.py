@@ -214,16 +214,16 @@ def host_input_bytes(layout: ModelLayout, params: PlanParams, layers: LayerRange
     """The graph's inputs, which stay in host memory when every slot of the range is on the GPU.
 
     Per ubatch position: the embedding looked up (a head; n_embd f32) or the hidden states taken (a later
-    range; the seam's width); one f32 attention-mask row per cache geometry (a full cache, a window, each
-    compression ratio: as many columns as that cache's cells); and four ints (token id, position, output
-    id and one spare).
+    range; the seam's width); an f32 attention-mask row per cache (as many columns as its cells: one for a
+    full cache's K and V, one for a window's, and DeepSeek-V4's raw window, CSA, HCA and lightning-indexer
+    caches one each, llama-graph.cpp build_inp_dsv4); and four ints (token id, position, output id, spare).
     """
     width = layout.hidden_size if layers.start == 0 else layout.seam_width
-    geometries: dict[tuple[int, int], KvTerm] = {}
+    geometries: dict[tuple[int, int, bool], KvTerm] = {}
     for layer in layout.layers[layers.start : layers.stop]:
         for t in layer.kv:
-            if not t.fixed:
-                geometries.setdefault((t.every, t.window), t)
+            if not t.fixed:  # K and V of a cache share its mask; an indexer's cache has its own
+                geometries.setdefault((t.every, t.window, t.name.startswith("indexer")), t)
     cells = sum(t.rows(params.context, params.ubatch, params.swa_full) for t in geometries.values())
     return params.ubatch * 4 * (width + cells + 4)
 

@@ -104,7 +104,8 @@ class Plan:
             seam_width=int(d["seam_width"]),
             params=PlanParams(**d["params"]),
             shards=tuple(ShardCost.from_json(s) for s in d["shards"]),
-            unused=tuple(Node(n["node"], int(n["memory_bytes"]), int(n.get("gpu_memory_bytes", 0))) for n in d["unused"]),
+            unused=tuple(Node(n["node"], int(n["memory_bytes"]), int(n.get("gpu_memory_bytes", 0)))
+                         for n in d["unused"]),
             hops=tuple(SeamHop(**h) for h in d["hops"]),
         )
 

@@ -73,7 +73,9 @@ def _node_spec(spec: str, gpu: int) -> Node:
     return Node(name, parse_size(size), parse_size(gpu_size) if extra else gpu)
 
 
-def parse_nodes(count: int | None, memory: str | None, specs: Sequence[str], gpu_memory: str | None = None) -> list[Node]:
+def parse_nodes(
+    count: int | None, memory: str | None, specs: Sequence[str], gpu_memory: str | None = None
+) -> list[Node]:
     """Nodes from `--nodes N --memory SIZE` or from `--node name=SIZE[,gpu=SIZE]` (repeated); `--gpu-memory SIZE`
     gives each node a GPU of that size (a `--node`'s own gpu= wins).
 
