@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
-from dgr.errors import DgrError
-from dgr.plan.cost import LLAMA_CPU_RUNTIME_BYTES, PlanParams
+from dgr.errors import CallerError, DgrError, Reason
+from dgr.plan.cost import GPU_RESERVE_BYTES, LLAMA_CPU_RUNTIME_BYTES, PlanParams
 from dgr.plan.latency import decode_latency
 from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES
-from dgr.plan.render import render_plan
+from dgr.plan.render import gpu_layers_flag, render_plan
 from dgr.plan.search import plan
 from dgr.plan.sizes import parse_nodes, parse_size
 from dgr.plan.sources import load_layout
@@ -31,7 +31,7 @@ def _handler(args: argparse.Namespace) -> int:
 
             model = default_model_path()
         layout = load_layout(Path(model), recipe=args.recipe)
-        nodes = parse_nodes(args.nodes, args.memory, args.node or [])
+        nodes = parse_nodes(args.nodes, args.memory, args.node or [], args.gpu_memory)
         params = PlanParams(
             context=args.context,
             sessions=args.sessions,
@@ -44,7 +44,12 @@ def _handler(args: argparse.Namespace) -> int:
             seam_dtype=args.seam_dtype,
             prefill_chunk=args.prefill_chunk,
             fewest=not args.all_nodes,
+            cpu_moe=args.cpu_moe,
+            gpu_reserve_bytes=parse_size(args.gpu_reserve) if args.gpu_reserve else GPU_RESERVE_BYTES,
         )
+        if (args.cpu_moe or args.gpu_reserve) and not any(n.gpu_bytes for n in nodes):
+            raise CallerError(Reason.INVALID_REQUEST, "--cpu-moe and --gpu-reserve place what a GPU holds: "
+                              "give --gpu-memory SIZE, or gpu=SIZE in a --node")
         result = plan(layout, nodes, params)
     except DgrError as exc:
         print(f"dgr plan: {exc.message}", file=sys.stderr)
@@ -65,6 +70,7 @@ def _handler(args: argparse.Namespace) -> int:
             "plan": result.to_json(),
             "estimates": [e.to_json() for e in estimates],
             "assumptions": {"mem_bw_gbs": args.mem_bw, "rtt_ms": args.rtt_ms, "frame_ms": args.frame_ms},
+            "gpu_layers": gpu_layers_flag(result),
         }
         print(json.dumps(out, indent=2))
     else:
@@ -87,7 +93,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recipe", help="quantization recipe of a layout JSON (default: the layout's own)")
     p.add_argument("--nodes", type=int, help="how many identical nodes (with --memory)")
     p.add_argument("--memory", help="memory per node, e.g. 24GiB (with --nodes)")
-    p.add_argument("--node", action="append", metavar="NAME=SIZE", help="one node, in route order (repeatable)")
+    p.add_argument("--node", action="append", metavar="NAME=SIZE[,gpu=SIZE]",
+                   help="one node, in route order (repeatable); gpu=SIZE: its GPU's memory")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="each node's GPU memory, e.g. 24GiB: each range gets the most of its layers (counted "
+                   "from its end, as --gpu-layers counts them) whose buffers fit it, the rest in --memory")
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="a GPU node keeps its routed experts in host memory, as `dgr node --cpu-moe` does")
+    p.add_argument("--gpu-reserve", metavar="SIZE",
+                   help="device memory the GPU backend takes besides llama.cpp's buffers (default 512MiB, an "
+                   "allowance)")
     p.add_argument("--context", type=int, default=4096, help="positions per session (default 4096)")
     p.add_argument("--sessions", type=int, default=1, help="concurrent sessions per node (default 1)")
     p.add_argument("--kv-dtype", default="f16", choices=KV_DTYPES, help="KV cache type (default f16)")

@@ -16,8 +16,14 @@ The seam: `seam_hops` prices the frames that cross each boundary, with the
 model's seam width (DeepSeek-V4: 4 x hidden_size, its hyper-connection
 streams) and the token ids that hash-routed layers need.
 
+A node with a GPU (Node.gpu_bytes) gets a placement (dgr.plan.gpu): the
+most of its range's slots, counted back from its end as `--gpu-layers`
+counts them, whose GPU buffers fit its GPU; the rest, and every host buffer,
+is charged to its memory.
+
 Left out: measuring nodes. A plan predicts; `python -m dgr.bench.plan_overhead`
-checks the prediction against the RSS of real llama.cpp shards.
+checks the prediction against the RSS of real llama.cpp shards, and
+tests_gpu/test_plan_buffers.py each buffer of a GPU placement against llama.cpp's log.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from dgr.artifact.constants import GlobalNeed
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.gguf_meta import Role, layer_of
+from dgr.plan.gpu import GpuPlacement, fit
 from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES, ModelLayout
 from dgr.plan.sizes import Node
 from dgr.seam.wire import DTYPE_SIZE, HEADER_SIZE, MAX_FRAME_BYTES, DType
 
 __all__ = [
+    "GPU_RESERVE_BYTES",
     "LLAMA_CPU_RUNTIME_BYTES",
     "PlanParams",
     "SeamHop",
@@ -55,6 +63,11 @@ __all__ = [
 # `make test` (what CI runs): budgeted at the fresh figure, rounded up.
 LLAMA_CPU_RUNTIME_BYTES = 100 * 2**20
 
+# Device memory a node's GPU backend takes besides llama.cpp's buffers (the driver's context, the
+# kernels, a BLAS workspace). An allowance, not measured here: it varies with the driver and the card,
+# and is a few hundred MiB for CUDA; `dgr plan --gpu-reserve` changes it.
+GPU_RESERVE_BYTES = 512 * 2**20
+
 
 @attrs.frozen
 class PlanParams:
@@ -73,10 +86,14 @@ class PlanParams:
     seam_dtype: str = "f32"
     prefill_chunk: int = 512
     fewest: bool = True  # False: use every node given
+    cpu_moe: bool = False  # a GPU node keeps its routed experts in host memory (`--cpu-moe`)
+    gpu_reserve_bytes: int = GPU_RESERVE_BYTES
 
     def __attrs_post_init__(self) -> None:
         if self.context < 1 or self.sessions < 1 or self.ubatch < 1 or self.prefill_chunk < 1:
             raise CallerError(Reason.INVALID_REQUEST, "context, sessions, ubatch and prefill chunk must be positive")
+        if self.gpu_reserve_bytes < 0:
+            raise CallerError(Reason.INVALID_REQUEST, "the GPU reserve cannot be negative")
         if self.kv_dtype not in KV_DTYPES:
             raise CallerError(Reason.INVALID_REQUEST, f"KV dtype must be one of {', '.join(KV_DTYPES)}")
         if self.seam_dtype.upper() not in DType.__members__:
@@ -90,30 +107,40 @@ class PlanParams:
 
 @attrs.frozen
 class ShardCost:
-    """One node's shard and every byte it is charged."""
+    """One node's shard and every byte it is charged: in host memory, and on a GPU node in its GPU too."""
 
     node: Node
     layers: LayerRange
     weight_bytes: int  # the layers' tensors
-    global_bytes: int  # global tensors this shard loads
+    global_bytes: int  # global tensors this shard loads (a tied head on the GPU: both copies)
     kv_bytes: int  # Hot KV State for all sessions at full context
-    compute_bytes: int  # llama.cpp compute and output buffers (shard_compute_bytes)
+    compute_bytes: int  # llama.cpp compute and output buffers (shard_compute_bytes; a GPU node: both devices')
     runtime_bytes: int
     kv_by_kind: dict[str, int]  # layer kind -> KV bytes, so per-kind rates show
     active_bytes: int  # weight bytes one decode token reads on this shard
+    placement: GpuPlacement | None = None  # a GPU node's: what its GPU holds, and each buffer (dgr.plan.gpu)
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.global_bytes + self.kv_bytes + self.compute_bytes + self.runtime_bytes
+        reserve = self.placement.reserve_bytes if self.placement else 0
+        return (self.weight_bytes + self.global_bytes + self.kv_bytes + self.compute_bytes + self.runtime_bytes
+                + reserve)  # fmt: skip
+
+    @property
+    def host_bytes(self) -> int:
+        """What the node's host memory holds."""
+        return self.placement.cpu.total + self.runtime_bytes if self.placement else self.total_bytes
 
     @property
     def headroom_bytes(self) -> int:
-        return self.node.memory_bytes - self.total_bytes
+        """Memory left on the node: host and GPU together (a placement fits each on its own)."""
+        return self.node.memory_bytes + self.node.gpu_bytes - self.total_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {
             "node": self.node.name,
             "memory_bytes": self.node.memory_bytes,
+            "gpu_memory_bytes": self.node.gpu_bytes,
             "layers": str(self.layers),
             "weight_bytes": self.weight_bytes,
             "global_bytes": self.global_bytes,
@@ -123,13 +150,16 @@ class ShardCost:
             "kv_by_kind": dict(self.kv_by_kind),
             "active_bytes": self.active_bytes,
             "total_bytes": self.total_bytes,
+            "host_bytes": self.host_bytes,
             "headroom_bytes": self.headroom_bytes,
+            "placement": self.placement.to_json() if self.placement else None,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardCost:
+        placement = d.get("placement")
         return cls(
-            node=Node(d["node"], int(d["memory_bytes"])),
+            node=Node(d["node"], int(d["memory_bytes"]), int(d.get("gpu_memory_bytes", 0))),
             layers=LayerRange.parse(d["layers"]),
             weight_bytes=int(d["weight_bytes"]),
             global_bytes=int(d["global_bytes"]),
@@ -138,6 +168,7 @@ class ShardCost:
             runtime_bytes=int(d["runtime_bytes"]),
             kv_by_kind={k: int(v) for k, v in d["kv_by_kind"].items()},
             active_bytes=int(d["active_bytes"]),
+            placement=GpuPlacement.from_json(placement) if placement else None,
         )
 
 
@@ -187,7 +218,8 @@ def shard_compute_bytes(layout: ModelLayout, params: PlanParams, *, is_tail: boo
 
 
 def shard_cost(layout: ModelLayout, params: PlanParams, node: Node, layers: LayerRange) -> ShardCost:
-    """Every byte `node` is charged for serving `layers` of `layout`."""
+    """Every byte `node` is charged for serving `layers` of `layout`; on a node with a GPU, placed by
+    dgr.plan.gpu.fit (the most slots its GPU holds)."""
     is_head, is_tail = layers.start == 0, layers.stop == layout.n_layers
     g_loaded, g_active = shard_global_bytes(layout, params, is_head=is_head, is_tail=is_tail)
     weights = active = 0
@@ -197,16 +229,21 @@ def shard_cost(layout: ModelLayout, params: PlanParams, node: Node, layers: Laye
         active += layer.active_bytes
         kv = layer.kv_bytes(params.context, params.sessions, params.kv_dtype, params.ubatch, params.swa_full)
         kinds[layer.kind] = kinds.get(layer.kind, 0) + kv
+    placement = fit(layout, params, layers, node.gpu_bytes) if node.gpu_bytes else None
+    if placement is not None:
+        g_loaded = placement.gpu.model + placement.cpu.model - weights
     return ShardCost(
         node=node,
         layers=layers,
         weight_bytes=weights,
         global_bytes=g_loaded,
         kv_bytes=sum(kinds.values()),
-        compute_bytes=shard_compute_bytes(layout, params, is_tail=is_tail),
+        compute_bytes=(shard_compute_bytes(layout, params, is_tail=is_tail) if placement is None else
+                       placement.gpu.compute + placement.cpu.compute + placement.cpu.output),
         runtime_bytes=params.runtime_bytes,
         kv_by_kind=kinds,
         active_bytes=active + g_active,
+        placement=placement,
     )
 
 

@@ -155,6 +155,11 @@ class LayerInfo:
     weight_bytes: int
     active_bytes: int  # weight bytes one decode token reads (routed experts: the used share)
     kv: tuple[KvTerm, ...]
+    # for a GPU placement (dgr.plan.gpu): the routed-expert bytes `--cpu-moe` keeps in host memory, the
+    # largest tensor an op reads as a weight (not a lookup table), and the largest expert tensor
+    expert_bytes: int = 0
+    largest_bytes: int = 0
+    largest_expert_bytes: int = 0
 
     def kv_bytes(
         self, context: int, sessions: int, kv_dtype: str, ubatch: int = DEFAULT_UBATCH, swa_full: bool = False

@@ -22,6 +22,13 @@ The rule, in order:
    non-tail shard also pays llama.cpp's logits buffer.
 3. If even every node cannot hold the model, it refuses with a CallerError
 
+A node with a GPU (Node.gpu_bytes) places each candidate range as
+dgr.plan.gpu.fit does (the most slots its GPU holds); the range fits when
+what is left fits the node's memory, and its headroom is what is left of
+both. Whether it fits is then no longer monotone in the range's end (a range
+wholly on the GPU sheds the host's compute buffer), so the dynamic program
+decides it.
+
 Also here: `plan_even(layout, n)` balances decode work over n nodes, for
 `dgr up`. The prices are dgr.plan.cost's.
 
@@ -41,6 +48,7 @@ import numpy as np
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.plan.cost import PlanParams, SeamHop, ShardCost, shard_compute_bytes, shard_global_bytes, seam_hops, shard_cost
+from dgr.plan.gpu import tables as gpu_tables
 from dgr.plan.layout import ModelLayout
 from dgr.plan.sizes import Node, format_size
 
@@ -80,7 +88,8 @@ class Plan:
             "seam_width": self.seam_width,
             "params": self.params.to_json(),
             "shards": [s.to_json() for s in self.shards],
-            "unused": [{"node": n.name, "memory_bytes": n.memory_bytes} for n in self.unused],
+            "unused": [{"node": n.name, "memory_bytes": n.memory_bytes, "gpu_memory_bytes": n.gpu_bytes}
+                       for n in self.unused],
             "hops": [h.to_json() for h in self.hops],
         }
 
@@ -95,7 +104,8 @@ class Plan:
             seam_width=int(d["seam_width"]),
             params=PlanParams(**d["params"]),
             shards=tuple(ShardCost.from_json(s) for s in d["shards"]),
-            unused=tuple(Node(n["node"], int(n["memory_bytes"])) for n in d["unused"]),
+            unused=tuple(Node(n["node"], int(n["memory_bytes"]), int(n.get("gpu_memory_bytes", 0)))
+                         for n in d["unused"]),
             hops=tuple(SeamHop(**h) for h in d["hops"]),
         )
 
@@ -126,6 +136,8 @@ class _Pricer:
     """Headroom of node j holding [a, b) when it is the head and/or tail of a k-node route."""
 
     def __init__(self, layout: ModelLayout, params: PlanParams) -> None:
+        self.layout, self.params = layout, params
+        self.gpu: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # GPU size -> (host need, GPU free)[a, b]
         self.n = layout.n_layers
         self.whole_only = layout.whole_only
         self.pre = _Prefix.of(layout, params)
@@ -147,7 +159,18 @@ class _Pricer:
         return p.weights[b] - p.weights[a] + p.kv[b] - p.kv[a] + self.fixed[(a == 0, b == self.n)]
 
     def headroom(self, node: Node, a: int, b: int) -> int:
-        return node.memory_bytes - self.need(a, b)
+        return int(self.headroom_table(node)[a, b]) if node.gpu_bytes else node.memory_bytes - self.need(a, b)
+
+    def headroom_table(self, node: Node) -> np.ndarray:
+        """int64[a, b]: the node's headroom holding [a, b); on a GPU node, host and GPU memory left where the
+        host holds what the GPU does not, else (negative) what the host lacks."""
+        if not node.gpu_bytes:
+            return node.memory_bytes - self.need_table
+        if node.gpu_bytes not in self.gpu:
+            self.gpu[node.gpu_bytes] = gpu_tables(self.layout, self.params, node.gpu_bytes)
+        host, free = self.gpu[node.gpu_bytes]
+        left = node.memory_bytes - self.params.runtime_bytes - host
+        return np.where(left >= 0, left + free, left)
 
     def valid(self, a: int, b: int) -> bool:
         """Whether [a, b) may be a shard: it starts where a shard may (ModelLayout.shard_starts),
@@ -158,7 +181,7 @@ class _Pricer:
 
     def score_table(self, node: Node) -> np.ndarray:
         """score(node, a, b) for every range at once: float64[a, b], -inf where [a, b) may not be a shard."""
-        return np.where(self.valid_table, node.memory_bytes - self.need_table, -math.inf)
+        return np.where(self.valid_table, self.headroom_table(node), -math.inf)
 
     @property
     def constrained(self) -> bool:
@@ -174,9 +197,10 @@ class _Pricer:
 
     def fits(self, nodes: Sequence[Node]) -> bool:
         """Whether `nodes`, in order, can hold the model (greedy, then the DP when kinds are required)."""
-        if not _fits_greedy(self, nodes):
+        gpu = any(x.gpu_bytes for x in nodes)
+        if not gpu and not _fits_greedy(self, nodes):
             return False
-        return not self.constrained or self.best_split(nodes)[0] >= 0
+        return not (self.constrained or gpu) or self.best_split(nodes)[0] >= 0
 
 
 def _fits_greedy(pricer: _Pricer, nodes: Sequence[Node]) -> bool:
@@ -251,7 +275,7 @@ def _max_min_split(n: int, k: int, score: Callable[[int, int, int], float],
 
 def _largest(nodes: Sequence[Node], k: int) -> list[Node]:
     """The k largest nodes (ties: the order given), kept in the order given."""
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].memory_bytes, i))[:k]
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].memory_bytes - nodes[i].gpu_bytes, i))[:k]
     return [nodes[i] for i in sorted(order)]
 
 
@@ -277,7 +301,7 @@ def _refusal(layout: ModelLayout, params: PlanParams, pricer: _Pricer, nodes: Se
         )
     costs = [shard_cost(layout, params, use[j], LayerRange(cuts[j], cuts[j + 1])) for j in range(k)]
     need = sum(c.total_bytes for c in costs)
-    have = sum(n.memory_bytes for n in use)
+    have = sum(n.memory_bytes + n.gpu_bytes for n in use)
     what = (
         f"{layout.name} ({layout.recipe or layout.architecture}) at context {params.context} x "
         f"{params.sessions} session(s), KV {params.kv_dtype}"
@@ -291,24 +315,26 @@ def _refusal(layout: ModelLayout, params: PlanParams, pricer: _Pricer, nodes: Se
             f"and the nodes have {format_size(have)}: {format_size(need - have)} missing"
         )
     else:
-        worst = min(costs, key=lambda c: c.headroom_bytes)
+        # a GPU node's host memory is what falls short: its GPU holds what fits it
+        worst = min(costs, key=lambda c: c.node.memory_bytes - c.host_bytes)
         msg = (
             f"{what} does not fit: the {k} node(s) have enough memory in total but no contiguous split "
             f"fits; the best split leaves {worst.node.name} (layers {worst.layers}) "
-            f"{format_size(-worst.headroom_bytes)} short"
+            f"{format_size(worst.host_bytes - worst.node.memory_bytes)} short"
         )
-    sizes = {n.memory_bytes for n in nodes}
+    sizes = {(n.memory_bytes, n.gpu_bytes) for n in nodes}
     if len(sizes) == 1:
-        size = sizes.pop()
+        size, gpu = sizes.pop()
         fit = next(
             (m for m in range(len(nodes) + 1, layout.n_layers + 1)
-             if pricer.fits([Node("n", size)] * m)),
+             if pricer.fits([Node("n", size, gpu)] * m)),
             None,
         )  # fmt: skip
+        what = format_size(size) + (f" with a {format_size(gpu)} GPU" if gpu else "")
         msg += (
-            f"; {fit} nodes of {format_size(size)} would hold it"
+            f"; {fit} nodes of {what} would hold it"
             if fit
-            else f"; no number of {format_size(size)} nodes holds it (one layer per node is too much)"
+            else f"; no number of {what} nodes holds it (one layer per node is too much)"
         )
     return CallerError(Reason.INVALID_REQUEST, msg, missing_bytes=max(need - have, -min(head_room, 0)))
 

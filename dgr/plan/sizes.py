@@ -1,4 +1,5 @@
-"""Sizes and nodes as people type them: `24GiB`, `--nodes 4 --memory 128GiB`, `--node a=24GiB`.
+"""Sizes and nodes as people type them: `24GiB`, `--nodes 4 --memory 128GiB --gpu-memory 24GiB`, `--node a=24GiB`,
+`--node a=128GiB,gpu=24GiB`.
 
 Binary units without a `B` (24G) and with `iB` (24GiB); decimal with `B` (24GB).
 """
@@ -55,27 +56,37 @@ def format_size(n: float) -> str:
 
 @attrs.frozen
 class Node:
-    """A machine that can serve one shard: a name and the memory dgr may use on it."""
+    """A machine that can serve one shard: a name, the host memory dgr may use on it, and its GPU's (0: none)."""
 
     name: str
     memory_bytes: int
+    gpu_bytes: int = 0
 
 
-def parse_nodes(count: int | None, memory: str | None, specs: Sequence[str]) -> list[Node]:
-    """Nodes from `--nodes N --memory SIZE` or from `--node name=SIZE` (repeated).
+def _node_spec(spec: str, gpu: int) -> Node:
+    """`name=SIZE` or `name=SIZE,gpu=SIZE` (its own GPU memory instead of --gpu-memory's)."""
+    name, sep, rest = spec.partition("=")
+    size, _, extra = rest.partition(",")
+    key, sep2, gpu_size = extra.partition("=")
+    if not sep or not name or (extra and (key != "gpu" or not sep2)):
+        raise CallerError(Reason.INVALID_REQUEST, f"--node wants name=SIZE or name=SIZE,gpu=SIZE, got {spec!r}")
+    return Node(name, parse_size(size), parse_size(gpu_size) if extra else gpu)
+
+
+def parse_nodes(
+    count: int | None, memory: str | None, specs: Sequence[str], gpu_memory: str | None = None
+) -> list[Node]:
+    """Nodes from `--nodes N --memory SIZE` or from `--node name=SIZE[,gpu=SIZE]` (repeated); `--gpu-memory SIZE`
+    gives each node a GPU of that size (a `--node`'s own gpu= wins).
 
     Raises:
         CallerError(INVALID_REQUEST)
     """
+    gpu = parse_size(gpu_memory) if gpu_memory is not None else 0
     if specs and (count is not None or memory is not None):
         raise CallerError(Reason.INVALID_REQUEST, "give either --node name=SIZE ... or --nodes N --memory SIZE")
     if specs:
-        nodes = []
-        for spec in specs:
-            name, sep, size = spec.partition("=")
-            if not sep or not name:
-                raise CallerError(Reason.INVALID_REQUEST, f"--node wants name=SIZE, got {spec!r}")
-            nodes.append(Node(name, parse_size(size)))
+        nodes = [_node_spec(spec, gpu) for spec in specs]
         if len({n.name for n in nodes}) != len(nodes):
             raise CallerError(Reason.INVALID_REQUEST, "node names must be distinct")
         return nodes
@@ -84,4 +95,4 @@ def parse_nodes(count: int | None, memory: str | None, specs: Sequence[str]) -> 
     if count < 1:
         raise CallerError(Reason.INVALID_REQUEST, f"--nodes must be at least 1, got {count}")
     size = parse_size(memory)
-    return [Node(f"node{i + 1}", size) for i in range(count)]
+    return [Node(f"node{i + 1}", size, gpu) for i in range(count)]

@@ -34,6 +34,7 @@ from dgr.gguf_meta import (
     metadata,
     read_header,
 )
+from dgr.plan.gpu import is_cpu_moe_tensor, is_lookup_tensor
 from dgr.plan.layout import (
     LAYOUT_FORMAT,
     ComputeRule,
@@ -67,7 +68,7 @@ def _active_bytes(t: TensorInfo, used_share: float) -> int:
     """Bytes of `t` one decode token reads: routed experts in their used share, lookup tables not at all."""
     if _ROUTED.search(t.name + "."):
         return int(t.n_bytes * used_share)
-    if "tid2eid" in t.name or t.name.startswith("token_embd."):
+    if is_lookup_tensor(t.name):
         return 0  # one row per token
     return t.n_bytes
 
@@ -131,6 +132,7 @@ def build_layout(
         kind, kv = kv_terms_for_layer(arch, meta, il, ts)
         if kv_override is not None and kind in kv_override:
             kv = kv_override[kind]
+        experts = [t.n_bytes for t in ts if is_cpu_moe_tensor(t.name)]
         layers.append(
             LayerInfo(
                 index=il,
@@ -138,6 +140,9 @@ def build_layout(
                 weight_bytes=sum(t.n_bytes for t in ts),
                 active_bytes=sum(_active_bytes(t, used_share) for t in ts),
                 kv=kv,
+                expert_bytes=sum(experts),
+                largest_bytes=max((t.n_bytes for t in ts if not is_lookup_tensor(t.name)), default=0),
+                largest_expert_bytes=max(experts, default=0),
             )
         )
     return ModelLayout(
