@@ -127,9 +127,10 @@ def test_without_cpu_moe_fewer_layers_fit_on_the_gpu(dsv4, must_show):
 
 
 def test_every_buffer_of_the_must_show_is_the_sum_of_its_tensors(data, dsv4, must_show):
-    """Model and KV bytes against sums of the fixture's tensors; compute against llama.cpp's rules: the GPU holds
-    the activations (the fixture's compute rule) and one copy of the largest expert tensor a host-held op reads
-    (Q4_K, 4096 x 2048 x 256 / 256 x 144 bytes); the host, with every slot on the GPU, only the graph's inputs."""
+    """Model and KV bytes against sums of the fixture's tensors; compute against llama.cpp's rules: the host, with
+    every slot on the GPU, holds only the graph's inputs; the GPU the activations (the fixture's compute rule) and
+    the op-offload allowance for the experts its ops read from host memory: one copy of the largest expert tensor
+    (Q4_K, 4096 x 2048 x 256 / 256 x 144 bytes) and the graph's inputs once more."""
     rule = dsv4.compute.nbytes(4096)
     largest_expert = 4096 * 2048 * 256 // 256 * 144
     for s in must_show.shards:
@@ -137,11 +138,18 @@ def test_every_buffer_of_the_must_show_is_the_sum_of_its_tensors(data, dsv4, mus
         want = _hand(data, s.layers, set(range(s.layers.start, s.layers.stop)), True, pl.output_on_gpu)
         assert (pl.gpu.model, pl.cpu.model) == (want["gpu_model"], want["host_model"])
         assert (pl.gpu.kv, pl.cpu.kv) == (want["gpu_kv"], want["host_kv"])
-        assert pl.gpu.compute == rule + largest_expert
-        # inputs: 512 positions x 4 bytes x (the embedding or the 4 streams in, the masks of a 768-cell window,
-        # a 1024-cell ratio-4 cache, its 1024-cell indexer cache and a 256-cell ratio-128 cache, 4 ints)
-        width = 4096 if s.layers.start == 0 else 4 * 4096
-        assert pl.cpu.compute == 512 * 4 * (width + 768 + 1024 + 1024 + 256 + 4)
+        # inputs, per position of 512: f32 rows, the embeddings input and the lookup's output (the head) or the 4
+        # streams in (the tail); i32 ids: the position, the token (the hash layers' routing reads it on every
+        # range), the output (the tail); the f32 masks of a 768-cell window, a 1024-cell ratio-4 cache and a
+        # 256-cell ratio-128 cache and the f16 mask of its 1024-cell indexer cache, with the window's i64 slot and
+        # 16 bytes of slots for each compressed cache; and the indexer's 128 x 128 f32 Hadamard matrix (the
+        # other caches' keys are 512 wide, not the indexer's 128: not rotated)
+        head = s.layers.start == 0
+        rows, ids = (4 * 2 * 4096, 2) if head else (4 * 4 * 4096, 3)
+        masks = (768 * 4 + 8) + (1024 * 4 + 16) + (256 * 4 + 16) + (1024 * 2 + 16)
+        inputs = 512 * (rows + 4 * ids + masks) + 128 * 128 * 4
+        assert pl.cpu.compute == inputs
+        assert pl.gpu.compute == rule + largest_expert + inputs
         assert pl.cpu.output == (0 if s.layers.stop == 43 else 512 * 4 * 4096 * 4)  # the 4 streams out
         assert pl.reserve_bytes == 512 * MIB and s.runtime_bytes == 100 * MIB
         assert s.weight_bytes + s.global_bytes == pl.gpu.model + pl.cpu.model
@@ -150,16 +158,18 @@ def test_every_buffer_of_the_must_show_is_the_sum_of_its_tensors(data, dsv4, mus
 
 def test_a_partial_placement_is_the_sum_of_its_tensors(data, dsv4):
     """Without --cpu-moe, 3 slots of the tail: the output and layers 41, 42 whole on the GPU; the GPU's compute
-    buffer holds a copy of the largest host tensor (an expert of layer 40, the same Q4_K size)."""
+    buffer holds the op-offload allowance for the layers on the host: a copy of the largest host tensor (an
+    expert of layer 40, the same Q4_K size) and the graph's inputs."""
     prm = PlanParams()
     pl = place(dsv4, prm, LayerRange(30, 43), 3)
     assert pl.on_gpu == (41, 42, 43) and pl.output_on_gpu and pl.flag == "3"
     want = _hand(data, LayerRange(30, 43), {41, 42}, False, True)
     assert (pl.gpu.model, pl.cpu.model, pl.gpu.kv, pl.cpu.kv) == (
         want["gpu_model"], want["host_model"], want["gpu_kv"], want["host_kv"])
-    assert pl.gpu.compute == dsv4.compute.nbytes(4096) + 4096 * 2048 * 256 // 256 * 144
+    inputs = host_input_bytes(dsv4, prm, LayerRange(30, 43))
+    assert pl.gpu.compute == dsv4.compute.nbytes(4096) + 4096 * 2048 * 256 // 256 * 144 + inputs
     assert pl.cpu.compute == dsv4.compute.nbytes(4096)  # the host still runs layers 30 to 40
-    # below ggml's op-offload batch no weight is copied
+    # below ggml's op-offload batch no op is offloaded: no weight is copied, no split moves an input
     small = place(dsv4, PlanParams(ubatch=OP_OFFLOAD_MIN_BATCH - 1), LayerRange(30, 43), 3)
     assert small.gpu.compute == dsv4.compute.nbytes(4096)
 

@@ -27,17 +27,30 @@ scheduler):
 - Compute. Each backend reserves a buffer for its part of the graph at ubatch
   tokens. The GPU's is charged the model's compute rule (the activations of a
   ubatch: buffers are reused layer to layer, so a layer's peak is the
-  graph's) plus one copy of the largest host tensor that an op reads as a
-  weight: from a batch of 32 (GGML_OP_OFFLOAD_MIN_BATCH) the scheduler runs
-  such an op on the GPU and copies the weight into the GPU's compute buffer,
-  one weight per split (a split starts at each). The host's is charged the
-  whole rule while any slot stays there, else only the graph's inputs (the
-  ubatch's embeddings or hidden states, one f32 mask per cache geometry,
-  positions and ids).
+  graph's), plus an allowance for ggml's op offload wherever an op reads a
+  weight from host memory: from a batch of 32 (GGML_OP_OFFLOAD_MIN_BATCH; the
+  batch is a MUL_MAT's ne[1], a MUL_MAT_ID's ne[2], and never a GET_ROWS's)
+  the scheduler (ggml_backend_sched_split_graph) runs the op on the GPU,
+  starting a split at it whose input is a copy of the weight in the GPU's
+  compute buffer. ggml-alloc allocates that copy as the op starts and frees it
+  when the op ends, often in memory the activations left free (a tiny
+  qwen3moe's --cpu-moe copies cost it nothing); and each such split moves the
+  copies of the graph inputs read first after it (a later layer kind's mask,
+  its indices) from the graph's start to the split's, which repacks
+  ggml-alloc's best fit (a tiny deepseek4's buffer grew by ten times its
+  expert copy). The bytes depend on that packing, so the allowance bounds
+  them rather than predicting them: one copy of the largest such weight (the
+  op's moment), plus the graph's inputs once more (what the moved copies can
+  displace, each at most its own bytes: a reckoning, as best fit promises no
+  tighter bound; tests_gpu/test_plan_buffers.py holds llama.cpp's log to it).
+  The host's is charged the whole rule while any slot stays there, else only
+  the graph's inputs (host_input_bytes).
 - Output. The output buffer (hidden states or logits out) is host memory.
 
 Left out: several GPUs in one node (llama.cpp's tensor split); the device's
 own context, an allowance (PlanParams.gpu_reserve_bytes) rather than a rule;
+among the graph's inputs, M-RoPE's four positions a token (one is counted)
+and the Hadamard matrices of a quantized K cache;
 and mmap's view of the file: llama.cpp reports host weights as the mapped span
 of the file (CPU_Mapped), which also covers GPU tensors lying between host
 ones, pages read once at load. The plan charges the tensors held.
@@ -210,22 +223,53 @@ def _slots(layout: ModelLayout, params: PlanParams, layers: LayerRange) -> _Slot
     return _Slots(*cols[:6], cols[6].astype(bool), host=host, shared=shared, dup=dup, tail=is_tail)
 
 
+# the architectures whose indexer caches llama.cpp rotates (llama-kv-cache.cpp: a Hadamard matrix per cache)
+_ROTATED_INDEXERS = frozenset({"deepseek32", "deepseek4", "glm-dsa", "dots3note"})
+
+
+def _rotation_bytes(head: int) -> int:
+    """The f32 Hadamard matrix llama.cpp rotates a cache's `head`-wide keys with (build_input_k_rot): the
+    largest power of two from 128 up dividing the head, else 64, square."""
+    n = 128
+    while head % n == 0:
+        n *= 2
+    return 4 * (n // 2) ** 2
+
+
 def host_input_bytes(layout: ModelLayout, params: PlanParams, layers: LayerRange) -> int:
     """The graph's inputs, which stay in host memory when every slot of the range is on the GPU.
 
-    Per ubatch position: the embedding looked up (a head; n_embd f32) or the hidden states taken (a later
-    range; the seam's width); an f32 attention-mask row per cache (as many columns as its cells: one for a
-    full cache's K and V, one for a window's, and DeepSeek-V4's raw window, CSA, HCA and lightning-indexer
-    caches one each, llama-graph.cpp build_inp_dsv4); and four ints (token id, position, output id, spare).
+    Per ubatch position (llama-graph.cpp, llama-kv-cache.cpp, dgr's flash attention off):
+    - the range's input row, f32: a head allocates the embeddings input (inp_embd, for a batch of
+      embeddings) and the token embedding's lookup output too, since the lookup runs where the table is
+      (host memory) and ggml never offloads a GET_ROWS; a later range takes the seam's hidden states;
+    - i32 ids: the position, the token (a head, or layers that read token ids), the output (a tail);
+    - per cache (a full one, a window, each DeepSeek-V4 compressed cache; an indexer's is its own): its
+      mask, a row as wide as its cells (f32; an indexer's f16, the fused lightning indexer's); its slot,
+      an i64 (a compressed cache's state positions and read and write slots instead, about 16 bytes); and
+      with a V cache, stored transposed without flash attention, an i64 per value of the widest V row.
+    Besides: the Hadamard matrices of a DeepSeek indexer's cache, and of each other cache whose keys are
+    the indexer's width.
     """
-    width = layout.hidden_size if layers.start == 0 else layout.seam_width
-    geometries: dict[tuple[int, int, bool], KvTerm] = {}
+    u, is_head, is_tail = params.ubatch, layers.start == 0, layers.stop == layout.n_layers
+    per_pos = 4 * (2 * layout.hidden_size if is_head else layout.seam_width)
+    per_pos += 4 * (1 + int(is_head or layout.needs_token_ids) + int(is_tail))
+    caches: dict[tuple[int, int, bool], list[KvTerm]] = {}  # K and V of a cache share its inputs
     for layer in layout.layers[layers.start : layers.stop]:
         for t in layer.kv:
-            if not t.fixed:  # K and V of a cache share its mask; an indexer's cache has its own
-                geometries.setdefault((t.every, t.window, t.name.startswith("indexer")), t)
-    cells = sum(t.rows(params.context, params.ubatch, params.swa_full) for t in geometries.values())
-    return params.ubatch * 4 * (width + cells + 4)
+            if not t.fixed:
+                caches.setdefault((t.every, t.window, t.name.startswith("indexer")), []).append(t)
+    # llama.cpp's n_embd_v_gqa_max: the widest V row of any layer of the model, not only the range's
+    v_width = max((t.width for layer in layout.layers for t in layer.kv if t.name == "v"), default=0)
+    indexer = next((ts[0].width for (_, _, is_indexer), ts in caches.items() if is_indexer), 0)
+    rotated = 0
+    for (every, _, is_indexer), ts in caches.items():
+        per_pos += ts[0].rows(params.context, u, params.swa_full) * (2 if is_indexer else 4)
+        per_pos += 16 if every > 1 else 8
+        per_pos += 8 * v_width if any(t.name == "v" for t in ts) else 0
+        if layout.architecture in _ROTATED_INDEXERS and indexer and (is_indexer or ts[0].width == indexer):
+            rotated += _rotation_bytes(ts[0].width)
+    return u * per_pos + rotated
 
 
 # -- pricing every placement of a range at once -------------------------------------------------------
@@ -276,14 +320,16 @@ def _curves(layout: ModelLayout, params: PlanParams, layers: LayerRange) -> _Cur
     host_largest = np.concatenate([np.maximum.accumulate(s.largest[::-1])[::-1], [0]])
     gpu_expert = np.concatenate([[0], np.maximum.accumulate(s.largest_expert)]) * moe
     copy = np.maximum(host_largest, gpu_expert) * (params.ubatch >= OP_OFFLOAD_MIN_BATCH)
+    inputs = host_input_bytes(layout, params, layers)
+    offload = np.where(copy > 0, copy + inputs, 0)  # the op-offload allowance (the module's Compute)
     return _Curves(
         slots=s,
         gpu_model=gpu_model,
         gpu_kv=kv_first,
-        gpu_compute=np.where(g > 0, rule + copy, 0),
+        gpu_compute=np.where(g > 0, rule + offload, 0),
         host_model=host_model,
         host_kv=kv_first[-1] - kv_first,
-        host_compute=np.where(g < n, rule, host_input_bytes(layout, params, layers)),
+        host_compute=np.where(g < n, rule, inputs),
         output=0 if s.tail else params.ubatch * layout.seam_width * 4,
         reserve=np.where(g > 0, params.gpu_reserve_bytes, 0),
     )
