@@ -97,7 +97,7 @@ def cmd_node(args) -> int:
         pin = TrackerPin.beside(identity.path, args.tracker, parse_public_key(args.tracker_key)
                                 if args.tracker_key else None)
     layers = args.layers
-    if layers is None and (args.memory or (args.tracker and args.manifest)):
+    if layers is None and (args.memory or args.gpu_memory or (args.tracker and args.manifest)):
         layers = _assigned_layers(args)
     artifact = None
     if args.manifest or args.fetch:
@@ -192,10 +192,16 @@ def _assigned_layers(args):
         print(f"dgr node: no --layers or --memory: asking the tracker for layers that fit {format_size(memory)}, "
               f"{assign.MEMORY_SHARE:.0%} of the {format_size(available)} this machine has available",
               file=sys.stderr)
+    gpu = parse_size(args.gpu_memory) if args.gpu_memory else 0
     layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
-                                       sessions=args.max_sessions, tls=TlsTrust(args.tls_ca, args.require_tls))
-    print(f"dgr node: the tracker assigned layers {layers} ({answer.get('newly_covered', 0)} not served before)",
-          file=sys.stderr)
+                                       sessions=args.max_sessions, gpu_memory_bytes=gpu, cpu_moe=args.cpu_moe,
+                                       tls=TlsTrust(args.tls_ca, args.require_tls))
+    placed = ""
+    if gpu and str(answer.get("gpu_layers", "0")) != "0" and args.gpu_layers == "0":
+        args.gpu_layers = str(answer["gpu_layers"])  # checked with the other placement flags (Placement.per_node)
+        placed = f", --gpu-layers {args.gpu_layers}"
+    print(f"dgr node: the tracker assigned layers {layers}{placed} ({answer.get('newly_covered', 0)} not served "
+          "before)", file=sys.stderr)
     return layers
 
 
@@ -401,6 +407,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="with --tracker and --manifest and no --layers: memory this node may use, e.g. 24GiB; the "
                         "tracker assigns the contiguous layers that fit it and most improve the route's coverage "
                         f"(default: {MEMORY_SHARE * 100:.0f}%% of MemAvailable in /proc/meminfo)")
+    p.add_argument("--gpu-memory", metavar="SIZE",
+                   help="with --tracker and --manifest and no --layers: this node's GPU memory, e.g. 24GiB; the "
+                        "tracker prices the range with as many of its layers on the GPU as fit (and --cpu-moe's "
+                        "experts in host memory), and the node starts with the --gpu-layers it answers unless given")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", help="node id (default: derived from the node's public key); the first key to "

@@ -104,9 +104,56 @@ async def test_the_tracker_answers_an_assignment(tiny: Manifest) -> None:
         assert r.json()["layers"] == "2:4" and r.json()["coverage"] == [1, 1, 0, 0]
         r = await http.post("/v1/assign", json={"manifest_id": "0" * 64, "memory_bytes": memory})
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        for bad in ({"memory_bytes": "lots"}, {"memory_bytes": 0}, {"memory_bytes": memory, "context": True}):
+        for bad in ({"memory_bytes": "lots"}, {"memory_bytes": 0}, {"memory_bytes": memory, "context": True},
+                    {"memory_bytes": memory, "gpu_memory_bytes": -1}, {"memory_bytes": memory, "gpu_memory_bytes": "1"},
+                    {"memory_bytes": memory, "cpu_moe": True}, {"memory_bytes": memory, "gpu_memory_bytes": 2**30,
+                                                                  "cpu_moe": "yes"}):
             r = await http.post("/v1/assign", json={"manifest_id": tiny.id, **bad})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_error", r.text
+
+
+async def test_a_node_with_a_gpu_is_assigned_more_layers_and_its_gpu_layers(manifest: Manifest) -> None:
+    """SmolLM2 at 4096 x 8: host memory for part of it alone, and the whole model with a GPU that holds it."""
+    layout = layout_from_manifest(manifest.to_json())
+    params, budget = PlanParams(context=4096, sessions=8), 390 * 2**20
+    cpu_only = assign_layers(layout, params, budget, [0] * 30)
+    with_gpu = assign_layers(layout, params, budget, [0] * 30, gpu_bytes=8 * 2**30)
+    assert len(cpu_only.layers) < len(with_gpu.layers) == 30
+    assert (cpu_only.gpu_layers, with_gpu.gpu_layers) == (None, "all")
+    app = make_tracker_app(Gateway(registry=Registry()), prover=Prover.from_manifests([manifest]))
+    body = {"manifest_id": manifest.id, "memory_bytes": budget, "context": 4096, "sessions": 8}
+    async with asgi_client(app, "http://127.0.0.1:8000") as http:
+        r = await http.post("/v1/assign", json={**body, "gpu_memory_bytes": 8 * 2**30})
+        assert r.status_code == 200, r.text
+        assert (r.json()["layers"], r.json()["gpu_layers"]) == ("0:30", "all")
+        r = await http.post("/v1/assign", json=body)
+        assert r.json()["layers"] == str(cpu_only.layers) and "gpu_layers" not in r.json()
+
+
+def test_a_node_with_gpu_memory_asks_with_it_and_starts_with_the_gpu_layers_it_is_given(
+        tiny: Manifest, tmp_path: Path, monkeypatch, capsys) -> None:
+    from dgr.node import assign
+
+    manifest = tmp_path / "m.json"
+    tiny.save(manifest)
+    asked: list[dict] = []
+
+    def ask(tracker, manifest_id, memory_bytes, **kw):
+        asked.append(kw)
+        return LayerRange(0, 4), {"layers": "0:4", "gpu_layers": "all", "newly_covered": 4}
+
+    monkeypatch.setattr(assign, "ask_layers", ask)
+    base = ["node", "--tracker", "http://t.test", "--manifest", str(manifest), "--backend", "stub", "--memory",
+            "1GiB", "--gpu-memory", "8GiB"]
+    args = build_parser().parse_args(base)
+    from dgr.cli import _assigned_layers
+
+    assert _assigned_layers(args) == LayerRange(0, 4)
+    assert (asked[0]["gpu_memory_bytes"], asked[0]["cpu_moe"], args.gpu_layers) == (8 * 2**30, False, "all")
+    assert "--gpu-layers all" in capsys.readouterr().err
+    args = build_parser().parse_args([*base, "--gpu-layers", "2"])  # the node's own flag wins
+    _assigned_layers(args)
+    assert args.gpu_layers == "2"
 
 
 def test_memory_without_layers_needs_a_tracker_and_a_manifest() -> None:
@@ -168,7 +215,7 @@ def test_a_node_with_a_tracker_and_a_manifest_asks_for_layers_with_its_free_memo
         cmd_node(build_parser().parse_args(base))
     budget, _ = memory_budget(MEMINFO)
     assert asked == [{"tracker": "http://t.test", "manifest_id": tiny.id, "memory_bytes": budget, "context": 256,
-                      "sessions": 8, "tls": asked[0]["tls"]}]
+                      "sessions": 8, "gpu_memory_bytes": 0, "cpu_moe": False, "tls": asked[0]["tls"]}]
     err = capsys.readouterr().err
     share = f"{MEMORY_SHARE:.0%} of the 10.00 GiB this machine has available"
     assert f"layers that fit {format_size(budget)}, {share}" in err

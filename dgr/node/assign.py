@@ -65,14 +65,17 @@ def read_memory_budget(path: str | None = None) -> tuple[int, int]:
 
 
 def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: int, sessions: int,
-               tls: TlsTrust = TlsTrust(), timeout_s: float = 30.0) -> tuple[LayerRange, dict]:
-    """The layer range the tracker assigns this node, and its whole answer.
+               gpu_memory_bytes: int = 0, cpu_moe: bool = False, tls: TlsTrust = TlsTrust(),
+               timeout_s: float = 30.0) -> tuple[LayerRange, dict]:
+    """The layer range the tracker assigns this node, and its whole answer (with a GPU, its `gpu_layers`).
 
     Raises:
         CallerError: the tracker refused (an unknown manifest, memory that holds no layer), with its reason.
         PeerError(NODE_ERROR): the tracker could not be reached or answered nonsense.
     """
     body = {"manifest_id": manifest_id, "memory_bytes": memory_bytes, "context": context, "sessions": sessions}
+    if gpu_memory_bytes:
+        body |= {"gpu_memory_bytes": gpu_memory_bytes, "cpu_moe": cpu_moe}
     try:
         r = httpx.post(tracker.rstrip("/") + ASSIGN_PATH, json=body, timeout=timeout_s,
                        verify=tls.httpx_verify(tracker))

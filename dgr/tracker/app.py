@@ -176,12 +176,18 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         numbers = {k: body.get(k, d) for k, d in (("memory_bytes", None), ("context", 4096), ("sessions", 1))}
         if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2 ** 62 for v in numbers.values()):
             raise CallerError(Reason.INVALID_REQUEST, "memory_bytes, context and sessions must be positive integers")
+        gpu_bytes, cpu_moe = body.get("gpu_memory_bytes", 0), body.get("cpu_moe", False)
+        if isinstance(gpu_bytes, bool) or not isinstance(gpu_bytes, int) or not 0 <= gpu_bytes < 2 ** 62:
+            raise CallerError(Reason.INVALID_REQUEST, "gpu_memory_bytes must be a non-negative integer")
+        if not isinstance(cpu_moe, bool) or (cpu_moe and not gpu_bytes):
+            raise CallerError(Reason.INVALID_REQUEST, "cpu_moe is a boolean, for a node with gpu_memory_bytes")
         layout = layouts.get(manifest.id)
         if layout is None:
             layout = layouts[manifest.id] = layout_from_manifest(manifest.to_json())
-        params = PlanParams(context=numbers["context"], sessions=numbers["sessions"])
+        params = PlanParams(context=numbers["context"], sessions=numbers["sessions"], cpu_moe=cpu_moe)
         counts = coverage(registry.nodes.values(), manifest.id, layout.n_layers)
-        chosen = await trio.to_thread.run_sync(assign_layers, layout, params, numbers["memory_bytes"], counts)
+        chosen = await trio.to_thread.run_sync(assign_layers, layout, params, numbers["memory_bytes"], counts,
+                                               gpu_bytes)
         return json_response({**chosen.to_json(), "manifest_id": manifest.id, "coverage": counts})
 
     # -- OpenAI API -------------------------------------------------------------

@@ -19,6 +19,11 @@ that fits the node's memory and most improves coverage:
    layers count more than well served ones);
 4. then the earliest start.
 
+A node with a GPU also gives its GPU memory (and whether it keeps routed
+experts in host memory, `--cpu-moe`): a range then fits where what its GPU
+does not hold fits the host, with as many of its layers on the GPU as fit
+there (dgr.plan.gpu), and the answer names the `--gpu-layers` to start with.
+
 Pure functions over values; the tracker's app does the I/O. Left out: a
 node's speed (every node is priced by memory alone), and reassigning nodes
 that already serve.
@@ -33,6 +38,7 @@ import attrs
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.plan import Node, PlanParams, fitting_ranges, format_size, shard_cost
+from dgr.plan.gpu import fit
 from dgr.plan.layout import ModelLayout
 from dgr.fsm.proof import ProofState
 from dgr.tracker.registry import NodeEntry
@@ -44,10 +50,15 @@ __all__ = ["Assignment", "coverage", "assign_layers"]
 class Assignment:
     layers: LayerRange
     newly_covered: int  # layers nobody served before
-    headroom_bytes: int  # the node's memory left over under the cost model
+    headroom_bytes: int  # the node's memory left over under the cost model (host and GPU)
+    gpu_layers: str | None = None  # a GPU node's --gpu-layers for the range ("all" or a count); None: no GPU
 
     def to_json(self) -> dict[str, object]:
-        return {"layers": str(self.layers), "newly_covered": self.newly_covered, "headroom_bytes": self.headroom_bytes}
+        out: dict[str, object] = {"layers": str(self.layers), "newly_covered": self.newly_covered,
+                                  "headroom_bytes": self.headroom_bytes}
+        if self.gpu_layers is not None:
+            out["gpu_layers"] = self.gpu_layers
+        return out
 
 
 def coverage(entries: Iterable[NodeEntry], manifest_id: str, n_layers: int) -> list[int]:
@@ -60,13 +71,15 @@ def coverage(entries: Iterable[NodeEntry], manifest_id: str, n_layers: int) -> l
     return counts
 
 
-def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, counts: Sequence[int]) -> Assignment:
-    """The range a node with `memory_bytes` should serve, given how many nodes serve each layer.
+def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, counts: Sequence[int],
+                  gpu_bytes: int = 0) -> Assignment:
+    """The range a node with `memory_bytes` of host memory (and `gpu_bytes` of GPU memory) should serve, given how
+    many nodes serve each layer.
 
     Raises:
         CallerError(INVALID_REQUEST): not even one layer fits the memory.
     """
-    node = Node("joining", memory_bytes)
+    node = Node("joining", memory_bytes, gpu_bytes)
     best: tuple[tuple[bool, int, float, int], LayerRange, int] | None = None
     for layers, headroom in fitting_ranges(layout, params, node):
         held = counts[layers.start:layers.stop]
@@ -77,8 +90,11 @@ def assign_layers(layout: ModelLayout, params: PlanParams, memory_bytes: int, co
     if best is None:
         smallest = min(shard_cost(layout, params, node, LayerRange(i, i + 1)).total_bytes
                        for i in range(layout.n_layers))
+        gpu = f" and a GPU of {format_size(gpu_bytes)}" if gpu_bytes else ""
         raise CallerError(Reason.INVALID_REQUEST,
-                          f"{format_size(memory_bytes)} holds no layer of {layout.name} at context {params.context} "
-                          f"x {params.sessions} sessions: the smallest shard needs {format_size(smallest)}")
+                          f"{format_size(memory_bytes)}{gpu} holds no layer of {layout.name} at context "
+                          f"{params.context} x {params.sessions} sessions: the smallest shard needs "
+                          f"{format_size(smallest)} of host memory without a GPU")
     key, layers, headroom = best
-    return Assignment(layers, key[1], headroom)
+    flag = fit(layout, params, layers, gpu_bytes).flag if gpu_bytes else None
+    return Assignment(layers, key[1], headroom, flag)
