@@ -156,12 +156,13 @@ def test_refuses_what_llama_cpp_cannot_load(tmp_path):
 
 
 def test_shard_refuses_unproven_architecture(tmp_path):
-    path = tmp_path / "tiny-rwkv6qwen2.gguf"
-    _tiny_gguf(path, "rwkv6qwen2")
+    path = tmp_path / "tiny-chameleon.gguf"
+    _tiny_gguf(path, "chameleon")
     with pytest.raises(CallerError) as e:
         LlamaShardBackend(path, LayerRange(0, 1))
     assert e.value.reason is Reason.MODEL_LOAD_FAILED
-    assert "'rwkv6qwen2'" in e.value.message and "certified for ranges" in e.value.message
+    assert "'chameleon'" in e.value.message and "libllama does not load a layer range" in e.value.message
+    assert "certified architectures" in e.value.message
 
 
 def test_refuses_bad_files(tmp_path):
