@@ -7,7 +7,9 @@ state (sessions by state, node up/down, KV bytes) are read at scrape time by
 a collector, so they can never drift from the state they describe.
 
 Names follow Prometheus conventions: `dgr_` prefix, base units in the name,
-`_total` on counters.
+`_total` on counters. A node's accelerators (`device_gauges`) are the same
+families on the node (labelled by device) and on the tracker (by node and
+device, from heartbeats).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["TrackerMetrics", "NodeMetrics", "render", "CONTENT_TYPE"]
+from dgr.seam.types import DeviceMemory
+
+__all__ = ["TrackerMetrics", "NodeMetrics", "render", "gauge", "device_gauges", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -110,6 +114,28 @@ def gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str]
     for values, v in rows:
         g.add_metric(values, v)
     return g
+
+
+def device_gauges(labels: list[str], rows: Iterable[tuple[list[str], DeviceMemory]]) -> list[GaugeMetricFamily]:
+    """Accelerators' memory in bytes, one series per (`labels` values, device): total, free, and used (total less
+    free: every process's buffers on the device, not the node's alone), and an info series naming each by its
+    driver's description."""
+    rows = list(rows)
+    names = labels + ["device"]
+
+    def each(value: Callable[[DeviceMemory], float]) -> list[tuple[list[str], float]]:
+        return [(values + [d.name], value(d)) for values, d in rows]
+
+    return [
+        gauge("dgr_node_device_memory_total_bytes", "Memory of an accelerator holding the node's layers", names,
+              each(lambda d: float(d.memory_total))),
+        gauge("dgr_node_device_memory_free_bytes", "Free memory of the accelerator, as its driver reports", names,
+              each(lambda d: float(d.memory_free))),
+        gauge("dgr_node_device_memory_used_bytes", "Total less free memory of the accelerator, all processes'",
+              names, each(lambda d: float(d.memory_used))),
+        gauge("dgr_node_device_info", "An accelerator holding the node's layers, by its driver's description (value 1)",
+              names + ["description"], [(values + [d.name, d.description], 1.0) for values, d in rows]),
+    ]
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -6,13 +6,17 @@ nodes with layer bars laid out over [0, n_layers), a live Route Session whose
 token count grows, then, after a node is SIGKILLed, that node marked down and
 the failure with its reason. Without the browser the test skips, unless
 DGR_REQUIRE_CHROMIUM is set (.ci/run sets it: CI installs Chromium, so a
-missing one there is a failure, not a skip).
+missing one there is a failure, not a skip). The node table's device column
+is checked on its own, against canned tracker answers (no route: a stub node
+has no GPU).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from importlib import resources
 from pathlib import Path
 
 import httpx
@@ -146,3 +150,74 @@ def test_dashboard_shows_nodes_live_session_and_node_loss(tmp_path: Path) -> Non
         stream.thread.join(timeout=10)
         assert not stream.thread.is_alive(), "the stream did not end after the node was killed"
         assert stream.error is not None and stream.error["code"] == "route_node_lost"
+
+
+GIB = 1 << 30
+
+
+def _listed(node: str, layers: str, **kw) -> dict:
+    """A node as GET /v1/nodes lists it, with what the page reads."""
+    return {"node": node, "url": f"http://{node}.test:1", "layers": layers, "backend": "llama_shard",
+            "model": "m", "n_layers": 30, "capacity": 4, "limit": 4, "sessions": 1, "kv_bytes": 3 * 1024 * 1024,
+            "alive": True, "heartbeat_age_s": 0.2, "devices": [], "devices_dropped": None, **kw}
+
+
+def test_dashboard_shows_each_nodes_device_and_vram_used_of_total() -> None:
+    """The page served from the package's file, its polls answered with canned JSON: a GPU node shows its device
+    (name and description) and VRAM used / total (used: total less free) with a bar; a CPU node says CPU; a node
+    whose devices the tracker dropped says so, with the reason on hover."""
+    expect = sync_api.expect
+    gpu = [{"name": "CUDA0", "description": "NVIDIA H100 80GB HBM3", "memory_free": 70 * GIB,
+            "memory_total": 80 * GIB},
+           {"name": "CUDA1", "description": "NVIDIA H100 80GB HBM3", "memory_free": 4 * GIB,
+            "memory_total": 80 * GIB}]
+    answers = {
+        "/": (resources.files("dgr.tracker").joinpath("dashboard.html").read_bytes(), "text/html"),
+        "/v1/nodes": (json.dumps({"nodes": [
+            _listed("g0", "0:10", devices=gpu), _listed("c1", "10:20"),
+            _listed("x2", "20:30", devices_dropped="devices must be a list of at most 16 objects")]}).encode(),
+            "application/json"),
+        "/v1/route-sessions": (b'{"active": [], "recent": []}', "application/json"),
+        "/v1/stats": (b'{"sessions": {}, "failures": {}, "recent_failures": [], "hops": {}}', "application/json"),
+    }
+
+    def answer(route) -> None:
+        path = route.request.url.removeprefix("http://dashboard.test").split("?")[0]
+        body, kind = answers[path]
+        route.fulfill(status=200, body=body, content_type=kind)
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True, timeout=30_000)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page.route("http://dashboard.test/**", answer)
+            page.goto("http://dashboard.test/", timeout=WAIT_MS)
+            expect(page.locator("#nodes tr[data-node]")).to_have_count(3, timeout=WAIT_MS)
+            expect(page.locator("#nodes th")).to_contain_text(["Device · VRAM"])
+
+            first = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA0"]')
+            expect(first).to_have_attribute("data-memory-used", str(10 * GIB))
+            expect(first).to_have_attribute("data-memory-total", str(80 * GIB))
+            expect(first).to_contain_text("CUDA0 NVIDIA H100 80GB HBM3")
+            expect(first).to_contain_text("10.0 GiB / 80.0 GiB")
+            expect(first).to_have_attribute("title", "CUDA0: 70.0 GiB free")
+            full = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA1"]')
+            expect(full).to_contain_text("76.0 GiB / 80.0 GiB")
+            expect(full.locator(".bar.hot")).to_have_count(1)  # past 90% used
+            widths = page.evaluate("""() => [...document.querySelectorAll("#nodes tr[data-node='g0'] .device")]
+                .map(d => d.querySelector('.bar').getBoundingClientRect().width
+                          / d.querySelector('.track').getBoundingClientRect().width)""")
+            assert widths == pytest.approx([10 / 80, 76 / 80], abs=0.01)
+
+            cpu = page.locator('#nodes tr[data-node="c1"]')
+            expect(cpu.locator(".device")).to_have_count(0)
+            expect(cpu).to_contain_text("CPU")
+            dropped = page.locator('#nodes tr[data-node="x2"] .pill.warn')
+            expect(dropped).to_have_text("devices unreadable")
+            expect(dropped).to_have_attribute("title", "devices must be a list of at most 16 objects")
+            assert not errors, errors
+        finally:
+            browser.close()

@@ -288,17 +288,30 @@ registrations = st.one_of(json_values, st.builds(
     lambda changes: {**_good_registration(), **changes},
     st.dictionaries(st.sampled_from(["node", "url", "pid", "layers", "backend", "model", "capacity", "describe",
                                      "artifact", "max_positions"]), json_values, max_size=3)))
+# devices: well formed, with any printable name and description (what reaches metric labels and the listing),
+# or broken in one field or more
+printable = st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cn", "Co", "Cs", "Zl", "Zp", "Zs")), min_size=1,
+                    max_size=12)  # str.isprintable: no "Other" nor "Separator" character
+good_device = st.fixed_dictionaries({
+    "name": st.sampled_from(["CUDA0", 'a"b\\{}=', "RPC[10.0.0.1:50052]"]) | printable,
+    "description": printable, "memory_free": st.integers(0, 2 ** 40), "memory_total": st.just(2 ** 40)})
+bad_device = st.fixed_dictionaries({}, optional={
+    "name": st.sampled_from(["CUDA0", "x\n", ""]) | json_values, "description": json_values,
+    "memory_free": st.sampled_from([-1, 1.5, 2 ** 63]) | json_values, "memory_total": json_values})
+devices = st.lists(good_device, max_size=3) | st.lists(good_device | bad_device | json_values, max_size=3)
 heartbeats = st.one_of(json_values, st.fixed_dictionaries(
     {"node": st.sampled_from(["n0", "n0", "n0", "x"]) | json_values},
     optional={"sessions": json_values, "kv_bytes": json_values,
-              "session_ids": json_values | st.lists(st.sampled_from([SID, "x", "A" * 32]), max_size=3)}))
+              "session_ids": json_values | st.lists(st.sampled_from([SID, "x", "A" * 32]), max_size=3),
+              "devices": json_values | devices}))
 
 
 @FUZZ
-@given(registrations, heartbeats)
-def test_membership_routes_answer_below_500(reg, beat) -> None:
+@given(registrations, heartbeats, devices)
+def test_membership_routes_answer_below_500(reg, beat, devs) -> None:
     """Registration and heartbeats, signed with a node key (an open loopback tracker admits any key), so
-    bodies get past the signature and the admission check."""
+    bodies get past the signature and the admission check; then a beat whose devices alone vary, so that
+    many are well formed and reach the listing and /metrics."""
     app = make_tracker_app(Gateway(registry=Registry()), identity=TRACKER)
 
     async def signed(path: str, data) -> int:
@@ -312,11 +325,13 @@ def test_membership_routes_answer_below_500(reg, beat) -> None:
         await signed("/v1/nodes/register", _good_registration())
         return [await signed("/v1/nodes/register", reg),
                 await signed("/v1/nodes/heartbeat", beat),
+                await signed("/v1/nodes/heartbeat", {"node": "n0", "devices": devs}),
                 await _asgi(app, "GET", "/v1/nodes", b""),  # whatever was accepted must render
-                await _asgi(app, "GET", "/v1/models", b"")]
+                await _asgi(app, "GET", "/v1/models", b""),
+                await _asgi(app, "GET", "/metrics", b"")]
 
     statuses = trio.run(run)
-    assert all(s < 500 for s in statuses), (statuses, reg, beat)
+    assert all(s < 500 for s in statuses), (statuses, reg, beat, devs)
 
 
 # -- OpenAI bodies ------------------------------------------------------------------------------------

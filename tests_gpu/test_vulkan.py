@@ -192,11 +192,20 @@ def test_dgr_up_with_one_node_on_the_gpu_and_one_on_the_cpu_answers(model_path):
         reply = r.http.post(f"{r.api}/chat/completions", json=body, headers=r.headers, timeout=300)
         assert reply.status_code == 200, reply.text
         got = reply.json()["choices"][0]["message"]["content"]
-        gpu_node, cpu_node = (r.node_status(f"node{i}")["backend"] for i in range(2))
+        statuses = [r.node_status(f"node{i}") for i in range(2)]
+        gpu_node, cpu_node = (st["backend"] for st in statuses)
+        # the devices' memory, from the node to its status, its heartbeats, the tracker's listing and /metrics
+        listed = {n["node"]: n for n in r.node_table()}
+        metrics = r.http.get(f"{r.url}/metrics", timeout=5, headers=r.headers).text
     cut = gpu_node["layers_loaded"][1]
     assert got
     assert gpu_node["placement"]["gpu_layers"] == "all" and gpu_node["devices"][0]["name"] == "Vulkan0", gpu_node
     assert cpu_node["placement"]["gpu_layers"] == 0 and cpu_node["devices"] == []
+    assert [d["name"] for d in statuses[0]["devices"]] == ["Vulkan0"] and statuses[1]["devices"] == []
+    assert [d["name"] for d in listed["node0"]["devices"]] == ["Vulkan0"] and listed["node1"]["devices"] == []
+    assert 0 <= listed["node0"]["devices"][0]["memory_free"] <= listed["node0"]["devices"][0]["memory_total"]
+    assert 'dgr_node_device_memory_total_bytes{device="Vulkan0",node="node0"}' in metrics
+    assert 'node="node1"' not in "".join(line for line in metrics.splitlines() if line.startswith("dgr_node_device"))
     # after the route: this process's own Vulkan device is not inherited by the route's processes
     text = GgufText.load(model_path)
     ids, _ = text.tokenize_chat(messages)

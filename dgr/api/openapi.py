@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dgr.seam.types import MAX_DEVICE_DESCRIPTION, MAX_DEVICE_NAME, MAX_DEVICES
 from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, NODE_HEADER, TICKET_HEADER
 
 __all__ = ["openapi_document", "node_openapi_document"]
@@ -130,9 +131,15 @@ _REGISTRATION = {"type": "object", "required": ["node", "url", "layers", "backen
 _ASSIGN = {"type": "object", "required": ["manifest_id", "memory_bytes"], "properties": {
     "manifest_id": {"type": "string"}, "memory_bytes": {"type": "integer"}, "context": {"type": "integer"},
     "sessions": {"type": "integer"}}}
+# a node's accelerators (none on the CPU: the field is left out); malformed ones are dropped, the beat kept
+_DEVICE = {"type": "object", "required": ["name", "description", "memory_free", "memory_total"], "properties": {
+    "name": {"type": "string", "minLength": 1, "maxLength": MAX_DEVICE_NAME},
+    "description": {"type": "string", "maxLength": MAX_DEVICE_DESCRIPTION},
+    "memory_free": {"type": "integer", "minimum": 0}, "memory_total": {"type": "integer", "minimum": 0}}}
 _HEARTBEAT = {"type": "object", "required": ["node"], "properties": {
     "node": {"type": "string"}, "sessions": {"type": "integer"}, "kv_bytes": {"type": "integer"},
-    "session_ids": {"type": "array", "items": _SID}}}
+    "session_ids": {"type": "array", "items": _SID},
+    "devices": {"type": "array", "maxItems": MAX_DEVICES, "items": _DEVICE}}}
 
 
 def node_openapi_document() -> dict[str, Any]:

@@ -42,7 +42,7 @@ import numpy as np
 import outcome
 
 from dgr.errors import DgrError
-from dgr.seam.types import ModelInfo
+from dgr.seam.types import DeviceMemory, ModelInfo
 
 __all__ = ["LayerRange", "Compute", "PrefixSlots", "Vocabulary", "ShardBackend", "ChatMessage", "Step",
            "COMPUTE_ERRORS", "layers_arg", "forward_by_rows"]
@@ -188,6 +188,14 @@ class Compute(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Backend metadata for /v1/models and node status."""
         return {"backend": self.name, "layers": str(self.layers)}
+
+    def device_memory(self) -> list[DeviceMemory]:
+        """The accelerators holding this shard's layers, with their memory as of now; empty on the CPU.
+
+        A backend call like any other (the node's scheduler makes it), read again every few seconds for the
+        node's status, heartbeats and /metrics, so it must be cheap: a driver query, no allocation.
+        """
+        return []
 
 
 class PrefixSlots(abc.ABC):

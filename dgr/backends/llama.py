@@ -35,7 +35,7 @@ from dgr.digest import file_sha256
 from dgr.errors import CallerError, Reason
 from dgr.gguf_meta import ARCHITECTURE_KEY, GgufHeader, read_header
 from dgr.models import check_gguf_file
-from dgr.seam.types import ModelInfo
+from dgr.seam.types import MAX_DEVICES, DeviceMemory, ModelInfo
 from dgr.sessions import SessionTable
 
 __all__ = [
@@ -366,6 +366,9 @@ class LlamaCppBackend(ShardBackend):
         self.engine.close()
         if self.text is not None:
             self.text.close()
+
+    def device_memory(self) -> list[DeviceMemory]:
+        return [DeviceMemory.from_ggml(d) for d in self.placement.devices_used()[:MAX_DEVICES]]
 
     def describe(self) -> dict[str, Any]:
         import llama_cpp

@@ -136,6 +136,13 @@ class Placement:
     def offloads(self) -> bool:
         return self.gpu_layers != 0
 
+    def devices_used(self) -> list[dict[str, Any]]:
+        """The devices (as `devices()` reads them now) this placement may put layers on: none when it offloads
+        nothing, the one `device` names, else every one the build sees (llama.cpp splits layers over them)."""
+        if not self.offloads:
+            return []
+        return [d for d in devices() if self.device in (None, d["name"])]
+
     def to_json(self) -> dict[str, Any]:
         return {"gpu_layers": "all" if self.gpu_layers < 0 else self.gpu_layers, "device": self.device,
                 "cpu_moe": self.cpu_moe}

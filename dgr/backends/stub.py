@@ -16,7 +16,8 @@ matters to the runtime:
   position's input, and recomputes the positions past the block before the
   cut (bit-identical, since chunking does not change a result);
 - `delay_s` per position makes it slow on purpose for telemetry and fault
-  tests.
+  tests; `devices` gives it a fake accelerator's memory to report, for the
+  tests of what a GPU node tells the tracker.
 
 `StubSpec` describes the fake model. Its seam width may differ from its
 hidden size, and it may need token ids beside the hidden state in its first
@@ -35,7 +36,7 @@ import numpy as np
 
 from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
 from dgr.errors import CallerError, Reason
-from dgr.seam.types import ModelInfo
+from dgr.seam.types import DeviceMemory, ModelInfo
 from dgr.seam.wire import BLOCK_TOKENS
 from dgr.sessions import SessionTable
 
@@ -106,6 +107,7 @@ class StubBackend(ShardBackend):
     capacity: int = 64
     n_ctx: int | None = None  # positions per session (--ctx); None: the spec's context_length
     name: str = "stub"
+    devices: tuple[DeviceMemory, ...] = ()  # what device_memory reports (a test's fake GPU; none on the CPU)
     info: ModelInfo = attrs.field(init=False)
     _a: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
     _b: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
@@ -298,6 +300,9 @@ class StubBackend(ShardBackend):
 
     def is_eog(self, token: int) -> bool:
         return token == _EOS
+
+    def device_memory(self) -> list[DeviceMemory]:
+        return list(self.devices)
 
     def describe(self) -> dict[str, Any]:
         return {

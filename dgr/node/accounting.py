@@ -5,30 +5,43 @@ Rules:
   admitted frame once (`admitted`), a computed step once with its compute time and reply (`count`).
 - `status` and the gauges read the node's parts (its session table, scheduler, prefix cache, ring
   phases) as of the scheduler's last iteration; they change none of them.
-- Without `detail`, status says only what a load balancer needs (sessions, capacity, KV bytes): the
-  per-kind counters split each request into its prompt and output, not for anyone who can reach the port.
+- Without `detail`, status says only what a load balancer needs (sessions, capacity, KV bytes, the
+  devices' memory): the per-kind counters split each request into its prompt and output, not for anyone
+  who can reach the port.
+- The accelerators' memory (`devices`) is read at start, before the scheduler owns the backend, and
+  again every `DEVICE_READ_S` as a scheduler job (`watch_devices`); status, gauges and heartbeats show
+  the last reading. A node with none at start (the CPU) never reads again and reports none.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any
 
 import attrs
+import trio
 
-from dgr.backends.base import Compute
+from dgr.backends.base import COMPUTE_ERRORS, Compute
 from dgr.errors import CallerError
-from dgr.metrics import NodeMetrics, gauge
+from dgr.metrics import NodeMetrics, device_gauges, gauge
 from dgr.node.draft import DraftModel
 from dgr.node.kv import NodeKV
 from dgr.node.links import RingPhases
 from dgr.node.scheduler import StepScheduler
 from dgr.seam.frame import Frame
+from dgr.seam.types import DeviceMemory
 from dgr.seam.wire import FrameKind
 from dgr.sessions import SessionTable
 
-__all__ = ["NodeAccounting", "SeamStats"]
+__all__ = ["DEVICE_READ_S", "NodeAccounting", "SeamStats"]
+
+log = logging.getLogger("dgr.node")
+
+# How often a node reads its accelerators' memory. llama.cpp allocates a node's buffers at load, so what moves
+# is mostly other processes on the card; a reading costs a scheduler job (a driver query between iterations).
+DEVICE_READ_S = 2.0
 
 
 @attrs.define
@@ -70,9 +83,30 @@ class NodeAccounting:
     metrics: NodeMetrics = attrs.field(factory=NodeMetrics)
     started_at: float = attrs.field(factory=time.monotonic)
     draft: DraftModel | None = None  # the tail's draft model: its sequences count as the node's KV too
+    devices: tuple[DeviceMemory, ...] = ()  # its accelerators' memory as last read; none on the CPU
+    _device_error: str | None = None  # the last failed reading's, said once on the log
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
+
+    async def watch_devices(self, period_s: float = DEVICE_READ_S) -> None:
+        """Read the devices' memory every `period_s` until cancelled, as a scheduler job (the backend's one
+        owner); return at once on a node that had none at start.
+
+        A failed reading keeps the last one (telemetry is not worth a node) and is logged once per distinct
+        error; a later good reading replaces it.
+        """
+        if not self.devices:
+            return
+        while True:
+            await trio.sleep(period_s)
+            try:
+                self.devices = tuple(await self.scheduler.call(self.backend.device_memory))
+                self._device_error = None
+            except COMPUTE_ERRORS as exc:
+                if str(exc) != self._device_error:
+                    self._device_error = str(exc)
+                    log.warning("could not read the devices' memory (showing the last reading): %s", exc)
 
     def refuse(self, exc: CallerError) -> None:
         self.stats.refused[exc.reason.value] += 1
@@ -109,6 +143,7 @@ class NodeAccounting:
             "sessions": len(self.table),
             "capacity": self.table.capacity,
             "kv_bytes": sched.kv_bytes + (0 if self.draft is None else self.draft.kv_bytes()),
+            "devices": [d.to_json() for d in self.devices],
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
         if not detail:
@@ -133,6 +168,8 @@ class NodeAccounting:
         yield gauge("dgr_node_session_capacity", "Sessions this node's KV memory allows", [],
                     [([], float(self.table.capacity))])
         yield gauge("dgr_node_kv_bytes", "Hot KV State bytes held", [], [([], float(self.scheduler.kv_bytes))])
+        if self.devices:
+            yield from device_gauges([], [([], d) for d in self.devices])
         p = self.kv.prefix
         if p is not None:
             yield gauge("dgr_node_prefix_bytes", "KV bytes of kept prefixes (not in dgr_node_kv_bytes)", [],

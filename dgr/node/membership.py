@@ -45,7 +45,9 @@ the tracker checks our key owns the id before it parses the body. Each
 heartbeat lists the ids of the sessions the node holds, so the tracker
 can close the ones it no longer runs (a node it declared lost, an open whose
 reply it never got). Each registration advertises `max_positions`, the
-positions per session this node really allocates (`--ctx`).
+positions per session this node really allocates (`--ctx`). A node whose
+layers are on accelerators adds their memory to each heartbeat, as last read
+(dgr.node.accounting); a CPU node's heartbeat is as it was.
 """
 
 from __future__ import annotations
@@ -110,10 +112,15 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
 
 
 def heartbeat_body(service: NodeService) -> dict[str, Any]:
-    """Load, the sessions held (the tracker closes any it does not run) and the prefixes kept (its gateway
-    routes a prompt that extends one to this node, after a restart too)."""
-    return {"node": service.node_id, "sessions": len(service.sessions), "kv_bytes": service.scheduler.kv_bytes,
-            "session_ids": sorted(service.sessions), "prefixes": _advertised(service)}
+    """Load, the sessions held (the tracker closes any it does not run), the prefixes kept (its gateway
+    routes a prompt that extends one to this node, after a restart too) and, on a node with accelerators,
+    their memory as last read (a CPU node's heartbeat carries no `devices` at all)."""
+    body: dict[str, Any] = {"node": service.node_id, "sessions": len(service.sessions),
+                            "kv_bytes": service.scheduler.kv_bytes, "session_ids": sorted(service.sessions),
+                            "prefixes": _advertised(service)}
+    if service.devices:
+        body["devices"] = [d.to_json() for d in service.devices]
+    return body
 
 
 def _advertised(service: NodeService) -> list[str]:

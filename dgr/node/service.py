@@ -123,7 +123,7 @@ class NodeService:
         self.links = NodeLinks(node_id, self.pool, None, self.table.live.get, draft=draft)
         self.accounting = NodeAccounting(node_id, backend, self.described, self.table, self.scheduler, self.kv,
                                          self.links.ring, metrics=NodeMetrics() if metrics is None else metrics,
-                                         draft=draft)
+                                         draft=draft, devices=tuple(backend.device_memory()))
         self.trust = NodeTrust(node_id, backend.layers, self.accounting.refuse, authority=authority,
                                tickets=tickets, joining=joining, identity=identity)
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,
@@ -141,6 +141,7 @@ class NodeService:
                 if self.kv.snapshots is not None:
                     await self.scheduler.call(self.kv.load_snapshots)  # before any session can want them
                 nursery.start_soon(self.lifecycle.expire_idle_forever)
+                nursery.start_soon(self.accounting.watch_devices)
                 task_status.started()
         finally:
             self.links.nursery = None
@@ -260,6 +261,7 @@ class NodeService:
     sessions = property(lambda self: self.table.live, doc="sid -> its NodeSessionRecord, held until its KV is freed")
     ended = property(lambda self: self.table.ended, doc="ended ids remembered -> their failure or None")
     max_positions = property(lambda self: self.table.max_positions, doc="KV positions per session (--ctx)")
+    devices = property(lambda self: self.accounting.devices, doc="its accelerators' memory as last read; () on the CPU")
     stats = property(lambda self: self.accounting.stats)
     metrics = property(lambda self: self.accounting.metrics)
     prefix = property(lambda self: self.kv.prefix)

@@ -30,6 +30,7 @@ from dgr.backends.stub import StubBackend, StubSpec
 from dgr.node.app import make_node_app
 from dgr.node.membership import heartbeat_body, registration
 from dgr.node.service import NodeService
+from dgr.seam.types import DeviceMemory
 from dgr.security.auth import Signer
 from dgr.security.identity import Identity
 from dgr.testing.memory_seam import MemoryNet
@@ -63,14 +64,16 @@ class InProcRoute:
     @classmethod
     def stub(cls, splits: tuple[tuple[int, int], ...] = ((0, 15), (15, 30)), *, n_ctx: tuple[int | None, ...] = (),
              spec: StubSpec = StubSpec(), delay_s: float = 0.0, config: GatewayConfig = GatewayConfig(),
-             capacity: int = 8, inline: bool = False) -> "InProcRoute":
+             capacity: int = 8, inline: bool = False,
+             devices: tuple[tuple[DeviceMemory, ...], ...] = ()) -> "InProcRoute":
         """A ring of stub nodes over `splits`; `inline` runs their schedulers on the loop, for tests on a
-        MockClock."""
+        MockClock; `devices[i]`: node i's fake accelerators (none past the tuple's end: CPU nodes)."""
         net = MemoryNet()
         services, urls, apps = [], [], {}
         for i, (a, b) in enumerate(splits):
             ctx = n_ctx[i] if i < len(n_ctx) else None
-            backend = StubBackend(spec=spec, layers=LayerRange(a, b), delay_s=delay_s, capacity=capacity, n_ctx=ctx)
+            backend = StubBackend(spec=spec, layers=LayerRange(a, b), delay_s=delay_s, capacity=capacity, n_ctx=ctx,
+                                  devices=devices[i] if i < len(devices) else ())
             service = NodeService(backend=backend, node_id=f"n{i}", identity=Identity.generate(),
                                   tracker_url=TRACKER_URL, connect_pool=net.pool)
             service.scheduler.inline = inline

@@ -57,7 +57,7 @@ from dgr.api.openai import GenerationRequest
 from dgr.errors import DgrError, Failure, PeerError, Reason, first_dgr_error
 from dgr.fsm.route import RouteEvent, RouteSession, RouteState
 from dgr.fsm.stop import next_step
-from dgr.metrics import gauge
+from dgr.metrics import device_gauges, gauge
 from dgr.seam.frame import TokenResult
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tls import TlsTrust
@@ -148,6 +148,7 @@ class Gateway:
                     [([n.node_id], float(n.sessions)) for n in nodes])
         yield gauge("dgr_node_kv_bytes", "Hot KV State bytes a node reported", ["node"],
                     [([n.node_id], float(n.kv_bytes)) for n in nodes])
+        yield from device_gauges(["node"], [([n.node_id], d) for n in nodes for d in n.devices])
 
     # -- service --------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -9,7 +9,12 @@ node ids, TLS, proofs, layers within the model).
 Rules: integers are ints in [lo, 2^63) (bools, floats and strings refused);
 strings are non-empty and at most 1024 characters; a URL is
 http(s)://HOST:PORT; a heartbeat lists at most `MAX_HELD` session ids and
-names at most `MAX_PREFIXES` kept prefixes' block keys. A wildcard host
+names at most `MAX_PREFIXES` kept prefixes' block keys. A heartbeat's
+`devices` (its accelerators' memory) that break the wire's bounds
+(dgr.seam.types: at most `MAX_DEVICES`, unique printable names, free <=
+total) are dropped with the reason, not refused: they are readings for
+people, and a heartbeat refused for them would cost the node its liveness
+and its routes. A wildcard host
 (0.0.0.0, ::) in a URL or seed address is replaced by the source address the
 tracker saw the registration come from (`reachable`). A declared capacity is
 bounded here by the tracker's `max_capacity`; what it is trusted with is
@@ -27,7 +32,7 @@ import attrs
 from dgr.api.hosts import is_wildcard
 from dgr.errors import CallerError, Reason
 from dgr.seam.keys import MAX_ADVERTISED
-from dgr.seam.types import ModelInfo
+from dgr.seam.types import MAX_DEVICE_DESCRIPTION, MAX_DEVICE_NAME, MAX_DEVICES, DeviceMemory, ModelInfo
 from dgr.seam.wire import KEY_HEX
 
 __all__ = ["MAX_HELD", "MAX_PREFIXES", "Heartbeat", "Registration", "reachable", "read_heartbeat",
@@ -67,6 +72,8 @@ class Heartbeat:
     kv_bytes: int
     held: frozenset[str]
     prefixes: frozenset[str]
+    devices: tuple[DeviceMemory, ...] = ()
+    devices_dropped: str | None = None  # why the heartbeat's devices were dropped, when they were
 
 
 def read_registration(data: dict[str, Any], *, seen: str | None, max_capacity: int) -> Registration:
@@ -124,7 +131,40 @@ def read_heartbeat(data: dict[str, Any]) -> Heartbeat:
         prefixes = _prefixes(data)
     except ValueError as exc:
         raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
-    return Heartbeat(sessions=sessions, kv_bytes=kv_bytes, held=frozenset(held), prefixes=prefixes)
+    try:
+        devices, dropped = _devices(data.get("devices", [])), None
+    except ValueError as exc:
+        devices, dropped = (), str(exc)[:300]
+    return Heartbeat(sessions=sessions, kv_bytes=kv_bytes, held=frozenset(held), prefixes=prefixes,
+                     devices=devices, devices_dropped=dropped)
+
+
+def _devices(value: Any) -> tuple[DeviceMemory, ...]:
+    """A heartbeat's accelerators with their memory (none when absent). Raises ValueError."""
+    if not isinstance(value, list) or len(value) > MAX_DEVICES:
+        raise ValueError(f"devices must be a list of at most {MAX_DEVICES} objects")
+    out = []
+    for d in value:
+        if not isinstance(d, dict):
+            raise ValueError("each device must be an object")
+        free, total = _int(d, "memory_free"), _int(d, "memory_total")
+        if free > total:
+            raise ValueError(f"a device's memory_free ({free}) exceeds its memory_total ({total})")
+        out.append(DeviceMemory(name=_label(d, "name", MAX_DEVICE_NAME),
+                                description=_label(d, "description", MAX_DEVICE_DESCRIPTION, empty=True),
+                                memory_free=free, memory_total=total))
+    if len({d.name for d in out}) != len(out):  # each is a metric series of its own
+        raise ValueError("device names must be unique")
+    return tuple(out)
+
+
+def _label(data: dict[str, Any], key: str, limit: int, *, empty: bool = False) -> str:
+    """A string shown to people and in metric labels: printable (no newline, no control character), at most
+    `limit` characters, non-empty unless `empty`."""
+    value = data.get(key)
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable() or not (value or empty):
+        raise ValueError(f"a device's {key} must be a printable string of at most {limit} characters")
+    return value
 
 
 def _prefixes(data: dict[str, Any]) -> frozenset[str]:

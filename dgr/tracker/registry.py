@@ -19,7 +19,11 @@ heartbeat lists the session ids the node holds, so the gateway can close
 sessions it no longer knows of (see Gateway.reconcile). Registrations and
 heartbeats also name the prefixes the node keeps (the last block key of
 each, at most `MAX_PREFIXES`), which the gateway routes by (`holding`), so
-a restarted tracker still sends a conversation's next turn to its KV.
+a restarted tracker still sends a conversation's next turn to its KV. A
+node with accelerators names them in its heartbeats with their memory
+(`devices`), kept as of the last one: the node listing and /metrics show
+them; a heartbeat whose devices were dropped (malformed) says why in
+`devices_dropped`, and the tracker logs it once per new reason.
 
 Every entry belongs to the Ed25519 key that signed its registration
 (dgr.security.auth). The first key to register a node id owns it for the
@@ -75,7 +79,7 @@ import attrs
 from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
-from dgr.seam.types import ModelInfo
+from dgr.seam.types import DeviceMemory, ModelInfo
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 from dgr.tracker.registration import read_heartbeat, read_registration
 
@@ -129,6 +133,9 @@ class NodeEntry:
     held: frozenset[str] = frozenset()  # session ids the node held at its last heartbeat
     # the last block keys of the prefixes it kept (dgr.node.prefix), as of its last registration or heartbeat
     prefixes: frozenset[str] = frozenset()
+    # its accelerators' memory as of its last heartbeat (none: a CPU node), or why that heartbeat's were dropped
+    devices: tuple[DeviceMemory, ...] = ()
+    devices_dropped: str | None = None
     dead_since: float | None = None
     key: bytes = b""  # the Ed25519 public key that signed its registration: only it may speak for the node
     tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
@@ -173,6 +180,8 @@ class NodeEntry:
             "limit": self.limit(),
             "sessions": self.sessions,
             "kv_bytes": self.kv_bytes,
+            "devices": [d.to_json() for d in self.devices],
+            "devices_dropped": self.devices_dropped,
             "prefixes": len(self.prefixes),
             "alive": self.alive,
             "pid": self.pid,
@@ -285,7 +294,10 @@ class Registry:
         entry.kv_bytes = beat.kv_bytes
         entry.held = beat.held
         entry.prefixes = beat.prefixes
-        return entry
+        entry.devices = beat.devices
+        if beat.devices_dropped is not None and beat.devices_dropped != entry.devices_dropped:
+            log.warning("node %s: its heartbeat's devices were dropped: %s", entry.node_id, beat.devices_dropped)
+        entry.devices_dropped = beat.devices_dropped
         return entry
 
     def holding(self, keys: list[str]) -> dict[str, int]:
