@@ -17,11 +17,9 @@ matters to the runtime:
   cut (bit-identical, since chunking does not change a result);
 - `delay_s` per position makes it slow on purpose for telemetry and fault
   tests;
-- a batch's one-position steps (decode) compute as one array op per layer
-  over all their sessions (`forward_rows`), bit-identical to one by one:
-  the runtime's own cost per token is what a stub route measures, and
-  a loop of numpy calls per session was most of a stub node's (0.35 ms a
-  token on a 2-node ring, 16 sessions' batch 8 ms).
+- a batch's one-position steps compute as one array op per layer over all
+  their sessions (`forward_rows`), bit-identical to one by one: a stub route
+  measures the runtime, and numpy calls per session were most of a node's.
 
 `StubSpec` describes the fake model. Its seam width may differ from its
 hidden size, and it may need token ids beside the hidden state in its first
@@ -117,6 +115,7 @@ class StubBackend(ShardBackend):
     _b: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
     _embed: np.ndarray = attrs.field(init=False)  # float32 [vocab, W]
     _unembed: np.ndarray = attrs.field(init=False)  # float32 [W, vocab]
+    _depth: np.ndarray = attrs.field(init=False)  # float32 [n_local]: each layer's number plus one (its phase's rate)
     _table: SessionTable[_Session] = attrs.field(init=False)  # open sessions, and the checks an open meets
     _kept: dict[str, _Session] = attrs.field(factory=dict)  # kept prefix key -> its state (dgr.node.prefix)
 
@@ -131,6 +130,7 @@ class StubBackend(ShardBackend):
         glob = np.random.default_rng([self.spec.seed, 10_000])
         self._embed = glob.standard_normal((v, w)).astype(np.float32)
         self._unembed = (glob.standard_normal((w, v)) / np.sqrt(w)).astype(np.float32)
+        self._depth = np.arange(self.layers.start + 1, self.layers.stop + 1, dtype=np.float32)
         self._table = SessionTable("this shard", self.capacity, self.max_positions())
 
     # -- sessions -------------------------------------------------------------
@@ -273,18 +273,14 @@ class StubBackend(ShardBackend):
         """Each step as `forward` computes it; the one-position steps of distinct sessions that `forward` would
         accept, all at once (`forward_rows`), the others one by one (which raise what they raise)."""
         rows = self._rows(steps)
-        out: list[outcome.Outcome | None] = [None] * len(steps)
+        rest = sorted(set(range(len(steps))) - set(rows))
+        out = dict(zip(rest, super().forward_batch([steps[i] for i in rest])))
         if rows:
             try:
-                for i, o in zip(rows, self.forward_rows([steps[i] for i in rows])):
-                    out[i] = outcome.Value(o)
+                out.update((i, outcome.Value(o)) for i, o in zip(rows, self.forward_rows([steps[i] for i in rows])))
             except COMPUTE_ERRORS as exc:  # checked beforehand, so nothing expected: every row fails alike
-                for i in rows:
-                    out[i] = outcome.Error(exc)
-        rest = [s for i, s in enumerate(steps) if out[i] is None]
-        for i, o in zip([i for i in range(len(steps)) if out[i] is None], super().forward_batch(rest)):
-            out[i] = o
-        return out
+                out.update((i, outcome.Error(exc)) for i in rows)
+        return [out[i] for i in range(len(steps))]
 
     def _rows(self, steps: Sequence[Step]) -> list[int]:
         """The steps `forward_rows` may take: one position each, of distinct open sessions at the position they
@@ -303,9 +299,8 @@ class StubBackend(ShardBackend):
         return rows
 
     def forward_rows(self, steps: Sequence[Step]) -> list[np.ndarray | None]:
-        """One position of each of several sessions (as `_rows` chose them): `_layers`' arithmetic over the
-        rows [B, W] at once, each as `forward` gives it. Elementwise ops round each element alike whatever the
-        array's shape, a one-position running sum is one add, and the tail's matmul still sees one row."""
+        """One position of each of several sessions (`_rows`), each as `forward` gives it: elementwise ops round alike
+        whatever the shape, a one-position running sum is one add, and the tail's matmul still sees one row."""
         sessions = [self._table.live[st.sid] for st in steps]
         needs_ids = self.is_head or self.layers.start < self.spec.hash_layers
         ids = np.array([int(st.token_ids[0]) for st in steps], np.int64) if needs_ids else None  # [B]
@@ -318,14 +313,26 @@ class StubBackend(ShardBackend):
         for s, row, st in zip(sessions, h, steps):
             s.inputs.append(row.astype(np.float32))  # a copy: the session keeps its own row
             s.ids.append(-1 if st.token_ids is None else int(st.token_ids[0]))
+        # `_layers`' ops in its order, in place: all layers' phases at once ([B, L], float32 either way), softsign
+        # as x / (|x| + 1), the running sum added into `kv`'s row. Three numpy calls a layer fewer, no temporaries
+        phases = (pos * self._depth % 97.0) / 97.0 - 0.5  # [B, L]
+        pos1 = pos + 1.0
+        hashed = 0.25 * self._embed[ids] if self.layers.start < self.spec.hash_layers else None
+        k, t = np.empty_like(h), np.empty_like(h)
         for i, il in enumerate(range(self.layers.start, self.layers.stop)):
             if il < self.spec.hash_layers:
-                h = h + 0.25 * self._embed[ids]
-            phase = (pos * (il + 1) % 97.0) / 97.0 - 0.5  # [B, 1]
-            k = _softsign(h * self._a[i] + self._b[i] + phase)  # [B, W]
-            run = kv[:, i] + k  # [B, W]: each session's running sum, one position on
-            kv[:, i] = run
-            h = h + 0.5 * _softsign(run / (pos + 1.0) * self._a[i])
+                h += hashed
+            np.multiply(h, self._a[i], out=k)
+            k += self._b[i]
+            k += phases[:, i : i + 1]
+            k /= np.add(np.abs(k, out=t), 1.0, out=t)  # softsign: this layer's KV entries
+            run = kv[:, i]
+            run += k  # [B, W]: each session's running sum, one position on
+            np.divide(run, pos1, out=k)
+            k *= self._a[i]
+            k /= np.add(np.abs(k, out=t), 1.0, out=t)
+            k *= 0.5
+            h += k
         out: list[np.ndarray | None] = []
         for b, (s, st) in enumerate(zip(sessions, steps)):
             s.kv_sum[...] = kv[b]
@@ -342,7 +349,7 @@ class StubBackend(ShardBackend):
                 logits[:, _EOS] -= 4.0
                 out.append(logits[0].astype(np.float32))
         if self.delay_s:
-            time.sleep(self.delay_s * len(steps))  # as one by one: a position's delay each
+            time.sleep(self.delay_s * len(steps))  # a position's delay each, as one by one
         return out
 
     def _layers(self, s: _Session, pos0: int, token_ids: np.ndarray | None, h: np.ndarray) -> np.ndarray:
