@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgr.backends.base import LayerRange, Step
-from dgr.backends.stub import StubBackend, StubSpec
+from dgr.backends.stub import DEEPSEEK_LIKE, StubBackend, StubSpec
 from dgr.errors import Reason
 from dgr.node.iteration import Job, JobKind, may_gather, plan_iteration
 from dgr.node.service import NodeService
@@ -134,7 +134,7 @@ class Watched(StubBackend):
         if threading.get_ident() == self.trio_thread:
             if not self._may_run_inline(name, *args):
                 self.violations.append(f"{name} ran on the trio thread")
-            self.inline_forwards += name == "forward"
+            self.inline_forwards += name in ("forward", "forward_rows")
         else:
             self.threads.add(threading.get_ident())
         self.calls += 1
@@ -147,11 +147,14 @@ class Watched(StubBackend):
         if name == "forward":
             _sid, _pos0, token_ids, hidden = args[:4]
             return (len(hidden) if hidden is not None else len(token_ids)) == 1
+        if name == "forward_rows":  # one position of each session, by its contract
+            return all(step.n_tokens == 1 for step in args[0])
         return name in ("kv_bytes", "session_count", "positions_computed", "token_bytes", "is_eog")
 
     open_session = _wrap("open_session")
     close_session = _wrap("close_session")
     forward = _wrap("forward")
+    forward_rows = _wrap("forward_rows")
     kv_bytes = _wrap("kv_bytes")
     session_count = _wrap("session_count")
     positions_computed = _wrap("positions_computed")
@@ -434,6 +437,55 @@ async def test_node_ops_wait_for_the_scheduler_and_a_cancelled_caller_leaves_con
             assert decode_frame(await ring.answer(sid)).kind is FrameKind.TOKEN
             assert decode_frame(await ring.answer(sid)).kind is FrameKind.TOKEN
         assert (await node.session_json(sid))["positions_computed"] == 5
+
+
+# -- the stub: one array op per layer over several sessions' positions ------------------------------
+
+@pytest.mark.parametrize("spec", [StubSpec(), DEEPSEEK_LIKE], ids=["stub", "stub-dsv4"])
+def test_stub_batched_rows_are_bit_identical_to_one_by_one(spec) -> None:
+    """`StubBackend.forward_batch` computes the one-position steps of several sessions at once: outputs,
+    KV, block marks, inputs and ids as forward gives them one by one, across a block's end, with sessions
+    leaving and joining the batch; a step forward would refuse fails alone."""
+    n = spec.n_layers
+    cuts = [LayerRange(0, n // 3), LayerRange(n // 3, 2 * n // 3), LayerRange(2 * n // 3, n)]
+    batched, single = [StubBackend(spec, r) for r in cuts], [StubBackend(spec, r) for r in cuts]
+    sids = [f"s{i}" for i in range(5)]
+    token, pos = {}, {}
+    for k, sid in enumerate(sids):
+        prompt = np.array([3, 4, 5 + k, 6 + k][: 2 + k % 3], np.int32)
+        for chain in (batched, single):
+            h = None
+            for be in chain:
+                be.open_session(sid, 512)
+                h = be.forward(sid, 0, prompt, h, True)
+        token[sid], pos[sid] = int(np.argmax(h)), len(prompt)
+    for t in range(70):
+        live = sids[: 5 - (t % 3 == 0)]
+        outs: list = [None] * len(live)
+        for j, be in enumerate(batched):
+            outs = be.forward_batch([Step(sid, pos[sid], np.array([token[sid]], np.int32),
+                                          None if j == 0 else outs[i].unwrap(), True, True)
+                                     for i, sid in enumerate(live)])
+        for sid, got in zip(live, outs):
+            h = None
+            for be in single:
+                h = be.forward(sid, pos[sid], np.array([token[sid]], np.int32), h, True)
+            assert np.array_equal(got.unwrap(), h)
+            token[sid], pos[sid] = int(np.argmax(h)), pos[sid] + 1
+    for a, b in zip(batched, single):
+        for sid in sids:
+            x, y = a._table.live[sid], b._table.live[sid]
+            assert (x.positions, x.computed, x.ids) == (y.positions, y.computed, y.ids)
+            assert np.array_equal(x.kv_sum, y.kv_sum) and sorted(x.marks) == sorted(y.marks)
+            assert all(np.array_equal(x.marks[p], y.marks[p]) for p in x.marks)
+            assert np.array_equal(np.stack(x.inputs), np.stack(y.inputs))
+    assert 64 in single[0]._table.live["s0"].marks  # the batches crossed a block's end
+    head = batched[0]
+    late = Step("s0", 0, np.array([1], np.int32), None, False, True)  # a position the session is past
+    ok = Step("s1", pos["s1"], np.array([1], np.int32), None, False, True)
+    bad, good = head.forward_batch([late, ok])
+    assert isinstance(bad, outcome.Error) and bad.error.reason is Reason.POSITION_DISCONTINUITY
+    assert isinstance(good, outcome.Value)
 
 
 # -- llama.cpp: one llama_decode over several sequences ----------------------------------------------

@@ -9,19 +9,18 @@ matters to the runtime:
 - the same positions give bit-identical outputs however the prompt is cut
   into chunks and however the layers are cut into shards (only elementwise
   ops and sequential `cumsum`; the tail's one matmul always sees one row);
-- it counts positions computed per session, so tests can prove decode never
-  recomputes the prompt;
+- it counts positions computed per session (tests prove decode never recomputes);
 - a session or kept prefix can be cut to any number of positions, as
   llama.cpp's memory can: it keeps its state at every whole block and each
   position's input, and recomputes the positions past the block before the
   cut (bit-identical, since chunking does not change a result);
 - `delay_s` per position makes it slow on purpose for telemetry and fault
-  tests; `devices` gives it a fake accelerator's memory to report, for the
-  tests of what a GPU node tells the tracker.
+  tests; `devices`: a fake accelerator's memory for a GPU node's reports;
+- a batch's one-position steps are one array op per layer (`forward_rows`),
+  bit-identical to one by one: per-session numpy calls were most of a node's.
 
-`StubSpec` describes the fake model. Its seam width may differ from its
-hidden size, and it may need token ids beside the hidden state in its first
-`hash_layers` layers, the way DeepSeek-V4 does.
+`StubSpec` describes the fake model. Its seam width may differ from its hidden
+size, and it may need token ids beside its first `hash_layers` layers (DeepSeek-V4).
 """
 
 from __future__ import annotations
@@ -29,12 +28,13 @@ from __future__ import annotations
 import hashlib
 import io
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 import numpy as np
+import outcome
 
-from dgr.backends.base import ChatMessage, LayerRange, ShardBackend
+from dgr.backends.base import COMPUTE_ERRORS, ChatMessage, LayerRange, ShardBackend, Step
 from dgr.errors import CallerError, Reason
 from dgr.seam.types import DeviceMemory, ModelInfo
 from dgr.seam.wire import BLOCK_TOKENS
@@ -113,6 +113,7 @@ class StubBackend(ShardBackend):
     _b: np.ndarray = attrs.field(init=False)  # float32 [n_local, W]
     _embed: np.ndarray = attrs.field(init=False)  # float32 [vocab, W]
     _unembed: np.ndarray = attrs.field(init=False)  # float32 [W, vocab]
+    _depth: np.ndarray = attrs.field(init=False)  # float32 [n_local]: each layer's number plus one (its phase's rate)
     _table: SessionTable[_Session] = attrs.field(init=False)  # open sessions, and the checks an open meets
     _kept: dict[str, _Session] = attrs.field(factory=dict)  # kept prefix key -> its state (dgr.node.prefix)
 
@@ -127,6 +128,7 @@ class StubBackend(ShardBackend):
         glob = np.random.default_rng([self.spec.seed, 10_000])
         self._embed = glob.standard_normal((v, w)).astype(np.float32)
         self._unembed = (glob.standard_normal((w, v)) / np.sqrt(w)).astype(np.float32)
+        self._depth = np.arange(self.layers.start + 1, self.layers.stop + 1, dtype=np.float32)
         self._table = SessionTable("this shard", self.capacity, self.max_positions())
 
     # -- sessions -------------------------------------------------------------
@@ -264,6 +266,88 @@ class StubBackend(ShardBackend):
         logits = h[-rows:] @ self._unembed  # [rows, vocab]
         logits[:, _EOS] -= 4.0  # rare end of generation, so answers have some length
         return logits[0].astype(np.float32) if rows == 1 else logits.astype(np.float32)
+
+    def forward_batch(self, steps: Sequence[Step]) -> list[outcome.Outcome]:
+        """Each step as `forward` computes it; the one-position steps of distinct sessions that `forward` would
+        accept, all at once (`forward_rows`), the others one by one (which raise what they raise)."""
+        rows = self._rows(steps)
+        rest = sorted(set(range(len(steps))) - set(rows))
+        out = dict(zip(rest, super().forward_batch([steps[i] for i in rest])))
+        if rows:
+            try:
+                out.update((i, outcome.Value(o)) for i, o in zip(rows, self.forward_rows([steps[i] for i in rows])))
+            except COMPUTE_ERRORS as exc:  # checked beforehand, so nothing expected: every row fails alike
+                out.update((i, outcome.Error(exc)) for i in rows)
+        return [out[i] for i in range(len(steps))]
+
+    def _rows(self, steps: Sequence[Step]) -> list[int]:
+        """The steps `forward_rows` may take: one position each, of distinct open sessions at the position they
+        hold, with the inputs these layers need (everything `forward` checks), and one row of logits at most."""
+        needs_ids = self.is_head or self.layers.start < self.spec.hash_layers
+        vocab, seen, rows = len(STUB_VOCAB), set(), []
+        for i, st in enumerate(steps):
+            s = self._table.live.get(st.sid)
+            ids, hidden = st.token_ids, st.hidden
+            if (s is None or st.sid in seen or st.pos0 != s.positions or st.n_tokens != 1 or int(st.want_logits) > 1
+                    or (needs_ids and (ids is None or not 0 <= int(ids[0]) < vocab))
+                    or (not self.is_head and (hidden is None or hidden.shape != (1, self.info.seam_width)))):
+                continue
+            seen.add(st.sid)
+            rows.append(i)
+        return rows
+
+    def forward_rows(self, steps: Sequence[Step]) -> list[np.ndarray | None]:
+        """One position of each of several sessions (`_rows`), each as `forward` gives it: elementwise ops round alike
+        whatever the shape, a one-position running sum is one add, and the tail's matmul still sees one row."""
+        sessions = [self._table.live[st.sid] for st in steps]
+        needs_ids = self.is_head or self.layers.start < self.spec.hash_layers
+        ids = np.array([int(st.token_ids[0]) for st in steps], np.int64) if needs_ids else None  # [B]
+        if self.is_head:
+            h = self._embed[ids]  # [B, W]
+        else:
+            h = np.concatenate([st.hidden for st in steps]).astype(np.float32)  # [B, W]
+        pos = np.array([st.pos0 for st in steps], np.float32)[:, None]  # [B, 1]
+        kv = np.stack([s.kv_sum for s in sessions])  # [B, L, W]
+        for s, row, st in zip(sessions, h, steps):
+            s.inputs.append(row.astype(np.float32))  # a copy: the session keeps its own row
+            s.ids.append(-1 if st.token_ids is None else int(st.token_ids[0]))
+        # `_layers`' ops in its order, in place: all layers' phases at once ([B, L]), the running sum added into kv
+        phases = (pos * self._depth % 97.0) / 97.0 - 0.5  # [B, L]
+        pos1 = pos + 1.0
+        hashed = 0.25 * self._embed[ids] if self.layers.start < self.spec.hash_layers else None
+        k, t = np.empty_like(h), np.empty_like(h)
+        for i, il in enumerate(range(self.layers.start, self.layers.stop)):
+            if il < self.spec.hash_layers:
+                h += hashed
+            np.multiply(h, self._a[i], out=k)
+            k += self._b[i]
+            k += phases[:, i : i + 1]
+            k /= np.add(np.abs(k, out=t), 1.0, out=t)  # softsign: this layer's KV entries
+            run = kv[:, i]
+            run += k  # [B, W]: each session's running sum, one position on
+            np.divide(run, pos1, out=k)
+            k *= self._a[i]
+            k /= np.add(np.abs(k, out=t), 1.0, out=t)
+            k *= 0.5
+            h += k
+        out: list[np.ndarray | None] = []
+        for b, (s, st) in enumerate(zip(sessions, steps)):
+            s.kv_sum[...] = kv[b]
+            if (st.pos0 + 1) % BLOCK_TOKENS == 0:  # a whole block: what trimming goes back to
+                s.marks.setdefault(st.pos0 + 1, np.zeros_like(s.kv_sum))[...] = kv[b]
+            s.positions += 1
+            s.computed += 1
+            if not self.is_tail:
+                out.append(h[b : b + 1].astype(np.float32))
+            elif not st.want_logits:
+                out.append(None)
+            else:
+                logits = h[b : b + 1] @ self._unembed  # [1, vocab]
+                logits[:, _EOS] -= 4.0
+                out.append(logits[0].astype(np.float32))
+        if self.delay_s:
+            time.sleep(self.delay_s * len(steps))  # a position's delay each, as one by one
+        return out
 
     def _layers(self, s: _Session, pos0: int, token_ids: np.ndarray | None, h: np.ndarray) -> np.ndarray:
         """This shard's layers over input rows `h` [n, W] at positions pos0..: `s`'s KV grows by them."""
