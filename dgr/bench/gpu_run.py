@@ -30,7 +30,9 @@ Each step reuses the bench's own parts and writes JSON as it goes:
   exits 3 unless every model is in --out.
 - `summary`: the run as Markdown, for docs/perf (docs/perf/README.md says where it goes).
 
-`--cpu` runs every step on the CPU with tiny shapes and 1 thread: the plumbing, checked where there is no GPU.
+`--cpu` runs every step on the CPU with tiny shapes: the plumbing, checked where there is no GPU. `--tiny` takes
+the tiny shapes on the GPU the build sees (Mesa's lavapipe here, with GGML_VK_VISIBLE_DEVICES=0 and the Vulkan
+build): the GPU placements' plumbing (every layer on the device, a GPU head + CPU tail, --cpu-moe).
 
 Left out: building (gpu/device-run.sh, llama/build.sh), and the ledger entry itself (a person writes it from
 summary.md).
@@ -128,21 +130,21 @@ def _check(out: Path, cpu: bool) -> int:
 
 
 # -- shapes -----------------------------------------------------------------------------------------
-def _models(cpu: bool) -> dict[str, Any]:
-    """The shapes a run measures, by the short name the results use."""
+def _models(tiny: bool) -> dict[str, Any]:
+    """The shapes a run measures, by the short name the results use (`tiny`: the dry run's, or a software GPU's)."""
     from dgr.bench.shapes import LLAMA_1B, LLAMA_8B, OLMOE_7B, LlamaShape
 
-    if cpu:  # the plumbing only: seconds to write, milliseconds a token
+    if tiny:  # the plumbing only: seconds to write, milliseconds a token
         return {"1b": LlamaShape("gpurun-tiny-dense", n_layers=4, hidden=256, heads=4, kv_heads=2, ffn=512),
                 "moe": LlamaShape("gpurun-tiny-moe", n_layers=4, hidden=256, heads=4, kv_heads=2, ffn=128,
                                   experts=8, experts_used=2)}
     return {"1b": LLAMA_1B, "8b": LLAMA_8B, "moe": OLMOE_7B}
 
 
-def _model_path(key: str, vocab: Path, cpu: bool) -> Path:
+def _model_path(key: str, vocab: Path, tiny: bool) -> Path:
     from dgr.bench.shapes import random_llama_gguf
 
-    return random_llama_gguf(_models(cpu)[key], log=_log, vocab_from=vocab)
+    return random_llama_gguf(_models(tiny)[key], log=_log, vocab_from=vocab)
 
 
 # -- certify ----------------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def _prompt_ids(model: Path, n: int) -> list[int]:
 def _bench_model(key: str, model: Path, cfg: argparse.Namespace, server_bin: Path) -> dict[str, Any]:
     from dgr.bench.paired import PairedSetup, ratios, run_paired
 
-    moe = bool(_models(cfg.cpu)[key].experts)
+    moe = bool(_models(cfg.tiny)[key].experts)
     plan = setups_for(moe, cfg.cpu)
     ctx = cfg.prompt_tokens + cfg.decode_tokens + 64
     prompt = _prompt_ids(model, cfg.prompt_tokens)
@@ -365,8 +367,11 @@ def _bench_model(key: str, model: Path, cfg: argparse.Namespace, server_bin: Pat
     paired = run_paired(setups, prompt, cfg.decode_tokens, cfg.rounds, _log, STORY, shorts=shorts,
                         ttft_labels=set(labels))
     table = tuple((f"{label} / {base}", label, base, 0.0) for label in labels[1:])
+    # --cpu-moe against --cpu-moe too: the experts' CPU time is in both
+    servers_moe = [s.label for s in plan if s.server and "--cpu-moe" in s.server_flags]
+    table += tuple((f"{s.label} / {m}", s.label, m, 0.0) for s in plan if s.cpu_moe for m in servers_moe)
     return {
-        "model": model.name, "shape": _shape_json(_models(cfg.cpu)[key]), "seconds": round(time.monotonic() - t0, 1),
+        "model": model.name, "shape": _shape_json(_models(cfg.tiny)[key]), "seconds": round(time.monotonic() - t0, 1),
         "baseline": base, "setups": info, "gpu_used": gpu_used, "errors": errors, "threads": cfg.threads, "prompt_tokens": len(prompt),
         "decode_tokens": cfg.decode_tokens, "short_tokens": n, "rounds": cfg.rounds,
         "decode_tok_s": paired["rates"], "prompt_ttft_s": paired["prompt_ttft"], "short_ttft_s": paired["ttft"],
@@ -399,7 +404,7 @@ def _bench(cfg: argparse.Namespace) -> int:
         server_bin = ensure_tools(_log).server  # the CPU build of the dry run
     deadline = time.monotonic() + cfg.deadline_s
     # the least a model takes here, all its setups started and measured: skip one that cannot end in time
-    least = {"1b": 60, "8b": 120, "moe": 100} if not cfg.cpu else {}
+    least = {"1b": 60, "8b": 120, "moe": 100} if not cfg.tiny else {}
     for key in cfg.models.split(","):
         if key in results["models"]:
             _log(f"{key}: already measured")
@@ -409,7 +414,7 @@ def _bench(cfg: argparse.Namespace) -> int:
             _log(f"{key}: skipped, {left:.0f} s left")
             results.setdefault("skipped", {})[key] = f"{left:.0f} s left of the deadline"
             continue
-        model = _model_path(key, Path(cfg.vocab), cfg.cpu)
+        model = _model_path(key, Path(cfg.vocab), cfg.tiny)
         _log(f"{key}: {model.name}")
         try:
             results["models"][key] = _bench_model(key, model, cfg, server_bin)
@@ -488,6 +493,10 @@ def summary(folder: Path) -> str:
                          f"{_fmt(_med(m['prompt_ttft_s'].get(label)), '.3f')} | {_fmt(tr, '.2f')} | "
                          f"{_fmt(_med(m['short_ttft_s'].get(label)), '.3f')} | {_fmt(info.get('gpu_mib_total'), '.0f')} | "
                          f"{'; '.join(info.get('nodes') or [])} |")
+        for r, v in m["decode_ratio"].items():
+            if not r.endswith(f" / {m['baseline']}"):
+                tr = m["prompt_ttft_ratio"].get(r, {}).get("median")
+                lines.append(f"- {r}: decode {v['median']:.2f}, prompt TTFT {_fmt(tr, '.2f')}")
         if (m.get("gpu_used") or {}).get("MiB, every setup up") is not None:
             lines.append(f"- GPU memory used with every setup up: {m['gpu_used']['MiB, every setup up']:.0f} MiB")
         lines += [f"- {label} did not start: {err[:300]}" for label, err in m.get("errors", {}).items()]
@@ -507,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check")
     p.add_argument("--out", required=True)
     p.add_argument("--cpu", action="store_true")
-    p = sub.add_parser("shapes")
+    p = shapes_p = sub.add_parser("shapes")
     p.add_argument("--vocab", required=True)
     p.add_argument("--models", default=None, help="comma-separated keys (default: all of the run's)")
     p.add_argument("--done", default=None, help="a file to touch once every shape is written")
@@ -517,12 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--families", default=None, help="comma-separated architectures (default: GPU_FAMILIES)")
     p.add_argument("--cpu", action="store_true")
-    p = sub.add_parser("mixed")
+    p = mixed_p = sub.add_parser("mixed")
     p.add_argument("--vocab", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--cpu", action="store_true")
-    p = sub.add_parser("bench")
+    p = bench_p = sub.add_parser("bench")
     p.add_argument("--vocab", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--llama-server", default=None, help="the binary (default: dgr.bench.peers' CPU build)")
@@ -536,7 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true")
     p = sub.add_parser("summary")
     p.add_argument("--dir", required=True)
+    for p in (shapes_p, mixed_p, bench_p):
+        p.add_argument("--tiny", action="store_true", help="the dry run's tiny shapes on whatever device (--cpu: the CPU)")
     args = ap.parse_args(argv)
+    if hasattr(args, "tiny"):
+        args.tiny = args.tiny or args.cpu
 
     if args.cmd == "cmake-args":
         print(cuda_cmake_args(_ROOT / "Makefile", args.cuda_archs))
@@ -544,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "check":
         return _check(Path(args.out), args.cpu)
     if args.cmd == "shapes":
-        for key in (args.models or ",".join(_models(args.cpu))).split(","):
-            print(_model_path(key, Path(args.vocab), args.cpu), flush=True)
+        for key in (args.models or ",".join(_models(args.tiny))).split(","):
+            print(_model_path(key, Path(args.vocab), args.tiny), flush=True)
         if args.done:
             Path(args.done).touch()
         return 0
@@ -553,10 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         _certify(Path(args.out), args.jobs, args.cpu, tuple(args.families.split(",")) if args.families else None)
         return 0
     if args.cmd == "mixed":
-        _mixed(_model_path("1b", Path(args.vocab), args.cpu), Path(args.out), args.cpu, args.threads)
+        _mixed(_model_path("1b", Path(args.vocab), args.tiny), Path(args.out), args.cpu, args.threads)
         return 0
     if args.cmd == "bench":
-        args.models = args.models or ",".join(_models(args.cpu))
+        args.models = args.models or ",".join(_models(args.tiny))
         return _bench(args)
     text = summary(Path(args.dir))
     (Path(args.dir) / "summary.md").write_text(text)
