@@ -12,6 +12,8 @@ LLAMA_PY_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAVA_BUILD=OFF
 # GPU=vulkan or GPU=cuda builds the same patched llama-cpp-python with that backend beside the CPU one (its
 # flags are part of the wheel's cache key); empty, the default, is the CPU alone. CUDA_ARCHS: the CUDA
 # architectures to compile for (90: H100, H200). Vulkan's build headers come from gpu/vulkan-deps.sh.
+# CUDA leaves out its flash-attention kernels (dgr's engine turns flash attention off: llama_engine; they
+# are most of the CUDA build's time) and NCCL (collectives across GPUs of one process; a range uses one).
 GPU ?=
 CUDA_ARCHS ?= 90
 VULKAN_DEPS := $(HOME)/.cache/dgr/vulkan
@@ -19,7 +21,7 @@ ifeq ($(GPU),vulkan)
 LLAMA_PY_CMAKE_ARGS += -DGGML_VULKAN=ON -DVulkan_INCLUDE_DIR=$(VULKAN_DEPS)/usr/include \
 	-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 -DSPIRV-Headers_DIR=$(VULKAN_DEPS)/usr/share/cmake/SPIRV-Headers
 else ifeq ($(GPU),cuda)
-LLAMA_PY_CMAKE_ARGS += -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS)
+LLAMA_PY_CMAKE_ARGS += -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS) -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF
 else ifneq ($(GPU),)
 $(error GPU=$(GPU): say GPU=vulkan, GPU=cuda, or nothing for the CPU build)
 endif
@@ -35,7 +37,7 @@ BACKEND ?= llama_shard
 # took 19.8 s a worker with it and 8.9 s without (the second run, caches written by the first).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run test test-gpu test-slow bench specs clean check-series
+.PHONY: install run test test-gpu test-slow bench specs clean check-series print-llama-cmake-args
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +58,10 @@ $(STAMP): pyproject.toml Makefile llama/build.sh $(wildcard llama/patches/*.patc
 	touch $@
 
 install: $(STAMP)
+
+# the flags llama/build.sh gets for this GPU= (gpu/device-run.sh reads them through dgr.bench.gpu_run cmake-args)
+print-llama-cmake-args:
+	@echo $(LLAMA_PY_CMAKE_ARGS)
 
 run: install
 	$(PY) -m dgr up --backend $(BACKEND) --nodes $(NODES) --port $(PORT)

@@ -62,9 +62,11 @@ def preload(backend: str) -> None:
                    *_BACKEND_MODULES.get(backend, ())):
         importlib.import_module(module)
     if backend in ("llama", "llama_shard"):
-        from dgr.backends.clib import llama_lib
+        from dgr.backends.clib import llama_module
 
-        llama_lib()  # loads the shared library; llama.cpp starts threads only for a context
+        # loads the shared library (llama.cpp starts threads only for a context), and initialises no backend:
+        # a GPU backend's device count would initialise a driver (CUDA's) that the forked children cannot use
+        llama_module()
 
 
 @attrs.define(eq=False)

@@ -7,7 +7,10 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
+import gguf
 import llama_cpp
+import numpy as np
 import pytest
 
 from dgr.bench import peers, shapes
@@ -58,7 +61,50 @@ def test_the_1b_shape_is_a_1b_llama() -> None:
     vocab = 49152
     per_layer = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * s.head_dim + 3 * s.hidden * s.ffn
     params = s.n_layers * per_layer + vocab * s.hidden
-    assert params == pytest.approx(1.07e9, rel=0.02)
+    assert params == pytest.approx(1.07e9, rel=0.02) and s.params(vocab) == params
+
+
+def test_the_8b_and_moe_shapes_have_their_models_sizes() -> None:
+    """Llama-3.1-8B's blocks (its 128k vocabulary is SmolLM2's 49k here), and OLMoE-1B-7B's: 6.8B weights, of which
+    a token reads 1.2B (OLMoE's own 1.3B counts an untied output head of its 50k vocabulary)."""
+    assert shapes.LLAMA_8B.params() == pytest.approx(7.18e9, rel=0.01)
+    moe = shapes.OLMOE_7B
+    assert moe.params() == pytest.approx(6.81e9, rel=0.01)
+    active = attrs.evolve(moe, experts=moe.experts_used).params() - moe.n_layers * moe.hidden * moe.experts_used
+    assert active == pytest.approx(1.17e9, rel=0.01)
+
+
+def test_random_q4_0_blocks_have_the_weights_spread() -> None:
+    """A Q4_0 matrix is uniform codes under one scale: its weights' standard deviation is the quantized normal
+    draws' 0.02, and it dequantizes to the block layout llama.cpp reads."""
+    rng = np.random.default_rng(0)
+    raw = shapes._random_q4_0(rng, (64,), 256)  # uint8 [64, 256 / 32 * 18]
+    assert raw.shape == (64, 8 * 18) and raw.dtype == np.uint8
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0)  # float32 [64, 256]
+    assert w.shape == (64, 256) and float(np.std(w)) == pytest.approx(0.02, rel=0.05)
+
+
+def test_a_moe_shape_runs_with_its_experts_where_cpu_moe_finds_them(tmp_path, monkeypatch) -> None:
+    """Experts stacked as llama.cpp's llama (Mixtral) loader wants them, named as --cpu-moe's pattern matches, with
+    the tokenizer of a vocabulary-only file (what travels to a GPU machine in place of the default model)."""
+    from dgr.backends.placement import CPU_MOE_PATTERN
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    vocab = shapes.write_vocab_gguf(tmp_path / "vocab.gguf")
+    assert vocab.stat().st_size < 3_000_000
+    shape = LlamaShape("tiny-moe-test", n_layers=2, hidden=256, heads=4, kv_heads=2, ffn=128, experts=4,
+                       experts_used=2)
+    path = random_llama_gguf(shape, vocab_from=vocab)
+    meta = read_header(path)
+    assert meta.fields["llama.expert_count"] == 4 and meta.fields["llama.expert_used_count"] == 2
+    experts = [t for t in meta.tensors if re.search(CPU_MOE_PATTERN.decode(), t.name)]
+    assert len(experts) == 3 * shape.n_layers
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False)
+    try:
+        out = llm.create_completion("The lighthouse keeper kept a log", max_tokens=4, temperature=0)
+        assert out["usage"]["completion_tokens"] >= 1
+    finally:
+        llm.close()
 
 
 def test_paired_ratios_are_per_round_medians_against_the_targets() -> None:
@@ -121,6 +167,22 @@ def test_paired_rounds_time_a_new_short_prompt_on_the_ttft_setups(monkeypatch) -
     assert res["ttft_ratios"][f"short-prompt TTFT: 2-node {T} / llama-server 1 thread"]["median"] == 1.25
     with pytest.raises(ValueError):
         paired.run_paired(lambda stack: setups, [5], 8, rounds=3, log=lambda _m: None, story="s", shorts=shorts)
+
+
+def test_paired_rounds_keep_each_decodes_ttft_and_time_the_setups_asked(monkeypatch) -> None:
+    """`ttft_labels` names the setups timed on the short prompts (the GPU run times every one); each round's
+    decode keeps the TTFT of its whole prompt too."""
+    from dgr.bench import paired
+
+    def fake_stream(api, model, prompt, n, extra=None):
+        return SimpleNamespace(decode_tok_s=10.0, ttft_s={"a": 0.5, "b": 0.25}[api] * (2 if n == 2 else 1))
+
+    monkeypatch.setattr(paired, "stream_once", fake_stream)
+    setups = [paired.PairedSetup("A", "a", "m"), paired.PairedSetup("B", "b", "m")]
+    res = paired.run_paired(lambda stack: setups, [5, 6, 7], 8, rounds=2, log=lambda _m: None, story="s",
+                            shorts=[[1], [2]], ttft_labels={"A", "B"})
+    assert res["ttft"] == {"A": [1.0, 1.0], "B": [0.5, 0.5]}
+    assert res["prompt_ttft"] == {"A": [0.5, 0.5], "B": [0.25, 0.25]}
 
 
 def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> None:

@@ -54,3 +54,29 @@ def test_a_cpu_only_build_refuses_a_gpu_with_the_command_that_fixes_it(model_pat
     assert e.value.reason is Reason.INVALID_REQUEST
     with pytest.raises(CallerError, match="--gpu-layers is for the llama.cpp backends, not stub"):
         make_backend("stub", None, None, placement=Placement(gpu_layers=2))
+
+
+_BEFORE_FORK = """
+import sys
+from dgr.backends import clib
+from dgr.backends.base import LayerRange
+from dgr.backends.llama_shard import check_shard_ranges
+from dgr.forks import preload
+from dgr.up import route_splits
+preload("llama_shard")
+from pathlib import Path
+check_shard_ranges(sys.argv[1], route_splits(Path(sys.argv[1]), 30, 2))
+print("backend initialised:", "lib" in clib._LIB)
+"""
+
+
+def test_what_dgr_up_does_before_it_forks_initialises_no_backend(model_path):
+    """A CUDA backend's registration counts its devices, which initialises the CUDA driver, and a child forked
+    after that cannot use it (cudaErrorInitializationError): `dgr up` preloads and checks the model with
+    libllama loaded but no backend initialised (clib.llama_module); each forked node initialises its own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BEFORE_FORK, str(model_path)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "backend initialised: False", out.stderr[-2000:]

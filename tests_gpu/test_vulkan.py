@@ -22,12 +22,7 @@ import sys
 
 import numpy as np
 
-from dgr.bench.certify import cases
-
-# dense, SWA by global index, MoE, hybrid (attention + recurrent), recurrent, DeepSeek-V4 (4 x n_embd seam,
-# token ids), fused QKV, MLA
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "granitehybrid", "mamba",
-            "deepseek2", "deepseek4"]
+from dgr.bench.certify import GPU_FAMILIES as FAMILIES, cases
 SPLITS_PER_CASE = 2
 
 _CERTIFY = """

@@ -2,7 +2,11 @@
 
 - libllama (`llama_lib`): llama-cpp-python's ctypes module, with the backend initialised once and
   llama.cpp's log routed into a small ring buffer (printed only with DGR_LLAMA_LOG=1), so load errors
-  can quote llama.cpp's own reason (`llama_log_tail`).
+  can quote llama.cpp's own reason (`llama_log_tail`). `llama_module` is the same module before the
+  backend's initialisation, which registers the built backends: a CUDA backend counts its devices,
+  and that initialises the CUDA driver, which a process forked afterwards cannot use
+  (cudaErrorInitializationError). What runs before a fork (dgr.forks.preload, `dgr up`'s checks of
+  the model) asks `llama_module` only; loading and the layer-range gate need no device.
 - libllama's layer-range API (`range_api`): dgr carries one patch series for llama.cpp
   (llama/patches/, written to be sent upstream; spec/llama-layer-boundary.md). Its public API is two
   fields of `llama_model_params`, `layer_start` and `layer_end`, honoured by every loader: only the
@@ -41,7 +45,7 @@ from typing import Any
 from dgr.errors import CallerError, Reason
 
 __all__ = ["GgufInitParams", "PATCHED_BUILD_HINT", "arch_takes_ranges", "ggml_lib", "llama_lib", "llama_log_tail",
-           "model_builder_api", "model_reads_tokens", "range_api", "seam_width"]
+           "llama_module", "model_builder_api", "model_reads_tokens", "range_api", "seam_width"]
 
 _LOG: collections.deque[str] = collections.deque(maxlen=40)
 _LIB: dict[str, Any] = {}
@@ -51,6 +55,18 @@ def llama_lib() -> Any:
     """The `llama_cpp.llama_cpp` ctypes module, with the backend initialised once."""
     if "lib" in _LIB:
         return _LIB["lib"]
+    lib = llama_module()
+    lib.llama_backend_init()  # registers the built backends: a GPU's counts its devices
+    _LIB["lib"] = lib
+    return lib
+
+
+def llama_module() -> Any:
+    """The `llama_cpp.llama_cpp` ctypes module, loaded and declared, its log routed; its backend not initialised,
+    so that no device is touched yet: fork-safe, for what runs before a fork (a CUDA driver initialised in
+    the parent is unusable in its children)."""
+    if "module" in _LIB:
+        return _LIB["module"]
     import llama_cpp.llama_cpp as lib  # deferred: importing it loads libllama
 
     echo = os.environ.get("DGR_LLAMA_LOG") == "1"
@@ -63,11 +79,10 @@ def llama_lib() -> Any:
             sys.stderr.write(line)
 
     lib.llama_log_set(_log, ctypes.c_void_p(0))
-    lib.llama_backend_init()
     _LIB["log_cb"] = _log  # a freed callback would crash the next log call
     if hasattr(lib._lib, _RANGE_SYMBOL):
         _declare_range_api(lib)
-    _LIB["lib"] = lib
+    _LIB["module"] = lib
     return lib
 
 
@@ -102,21 +117,23 @@ _API: dict[str, Any] = {}
 
 
 def range_api() -> Any:
-    """llama-cpp-python's ctypes module, where libllama has the layer-range API (`llama_lib`'s, declared).
+    """llama-cpp-python's ctypes module, where libllama has the layer-range API (declared; the backend not
+    initialised by this: `llama_module`, fork-safe).
 
     Raises:
         CallerError(MODEL_LOAD_FAILED): the installed libllama has no
         layer-range API (a stock build); the message says how to get it.
     """
-    lib = llama_lib()
+    lib = llama_module()
     if not hasattr(lib._lib, _RANGE_SYMBOL):
         raise CallerError(Reason.MODEL_LOAD_FAILED, PATCHED_BUILD_HINT)
     return lib
 
 
 def arch_takes_ranges(arch: str) -> bool:
-    """Whether libllama loads a layer range of `arch` (its GGUF general.architecture); no on a stock build."""
-    lib = llama_lib()._lib
+    """Whether libllama loads a layer range of `arch` (its GGUF general.architecture); no on a stock build.
+    Fork-safe (`llama_module`): `dgr up` asks before it forks its nodes."""
+    lib = llama_module()._lib
     return hasattr(lib, _RANGE_SYMBOL) and bool(lib.llama_arch_supports_layer_range(arch.encode()))
 
 
@@ -194,6 +211,7 @@ def model_builder_api() -> Any:
     lib = _API.get("builder")
     if lib is not None:
         return lib
+    llama_lib()  # the backends registered, as a model built in memory places its tensors on one
     lib = range_api()._lib  # llama_model_init_from_user is declared with the patched params there
     for name, args, res in [
         ("llama_model_save_to_file", [ctypes.c_void_p, ctypes.c_char_p], None),

@@ -1,6 +1,7 @@
 """Certify architectures for layer ranges: split tiny random models, compare bit for bit with the whole.
 
     python -m dgr.bench.certify [--arch REGEX] [--out FILE] [--timeout S] [--keep DIR] [--tile-mrope-positions]
+                                [--jobs N]
 
 For each architecture in dgr.testing.arch_table.ARCHS (and the MoE variant
 of those where it is optional, named ARCH+moe, and with an MTP layer where the
@@ -39,6 +40,10 @@ LlamaEngine gives one per row; with this flag the split children hand
 llama.cpp each row's position repeated for every section (what a token batch
 broadcasts), to show whether that is all that differs.
 
+--jobs N certifies N cases at once (each still one child at a time); the GPU
+runs (DGR_CERTIFY_GPU=1, gpu/device-run.sh) use it, where every child pays for
+a device context. GPU_FAMILIES are the families the GPU tiers certify.
+
 Left out: real checkpoints and quantized weights (tests/test_families.py and
 the audits do those), batches of several sequences, chunked prefill.
 """
@@ -55,19 +60,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-__all__ = ["Case", "cases", "certify_here", "main", "run_case"]
+__all__ = ["Case", "GPU_FAMILIES", "cases", "certify_here", "main", "run_case"]
 
 N_PROMPT = 24
 N_NEW = 8
 N_CTX_SEQ = 256
 TIMEOUT_S = 120.0
 SEED = 0
+# what the GPU tiers certify (tests_gpu on Vulkan, gpu/device-run.sh on CUDA): dense, SWA by global index, MoE,
+# hybrid (attention + recurrent), recurrent, DeepSeek-V4 (4 x n_embd seam, token ids), fused QKV, MLA
+GPU_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "granitehybrid", "mamba",
+                "deepseek2", "deepseek4")
 _SEVERITY = ["certified", "nonfinite", "differs", "fails", "timeout", "crashes", "no-whole", "unbuildable"]
 
 
@@ -411,20 +421,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None, metavar="DIR", help="write the tiny GGUFs here and keep them")
     ap.add_argument("--tile-mrope-positions", action="store_true",
                     help="diagnostic: give hidden-state batches their positions once per M-RoPE section")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=1, help="cases certified at once")
     args = ap.parse_args(argv)
     todo = cases(args.arch)
     if not todo:
         print(f"no case matches {args.arch!r}", file=sys.stderr)
         return 2
-    records: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dgr-certify-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
-        for case in todo:
+
+        def one(case: Case) -> dict[str, Any]:
             rec = run_case(case, root, args.timeout, args.tile_mrope_positions, keep=bool(args.keep))
-            records.append(rec)
             diff = "" if rec.get("max_diff") is None else f" (max |diff| {rec['max_diff']:.3g})"
             print(f"{case.name}: {rec['result']}{diff}", file=sys.stderr, flush=True)
+            return rec
+
+        # threads only wait on children; map keeps the table's order
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            records = list(pool.map(one, todo))
     elapsed = time.monotonic() - t0
     print(_table(records))
     counts = {k: sum(r["result"] == k for r in records) for k in _SEVERITY}

@@ -86,19 +86,24 @@ def ratios(rates: dict[str, list[float]], table: tuple[tuple[str, str, str, floa
 
 def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[int], decode_tokens: int,
                rounds: int, log: Callable[[str], None], story: str,
-               shorts: list[list[int]] | None = None) -> dict[str, Any]:
+               shorts: list[list[int]] | None = None, ttft_labels: set[str] | None = None) -> dict[str, Any]:
     """Start every setup (`setups(stack)` enters them), then `rounds` rounds measuring each, in turn.
 
     A round's rate is 0 where streams failed (its ratios leave that round out).
-    `shorts[r]` is round r's short prompt for the setups TTFT_RATIOS names:
-    every one of them gets the same one, and no earlier round's.
+    `shorts[r]` is round r's short prompt for the setups TTFT_RATIOS names (or
+    `ttft_labels`): every one of them gets the same one, and no earlier round's.
+    The TTFT of each single-session decode (its whole `prompt`) is kept too, as
+    "prompt_ttft": with no prefix or prompt cache on, a cold prefill each round.
     """
     if shorts is not None and len(shorts) < rounds:
         raise ValueError(f"{len(shorts)} short prompts for {rounds} rounds")
+    prompt_ttft: dict[str, list[float]] = {}
 
     def rate(s: PairedSetup) -> float:
         if s.sessions is None:
-            return stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra).decode_tok_s
+            r = stream_once(s.api, s.model, prompt, decode_tokens, extra=s.extra)
+            prompt_ttft.setdefault(s.label, []).append(r.ttft_s)
+            return r.decode_tok_s
         r = concurrent(s.api, s.model, story, decode_tokens // 2, s.sessions, extra=s.extra)
         if r["errors"]:
             log(f"{s.label}: {r['errors']} of {s.sessions} streams failed")
@@ -110,7 +115,8 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
         for s in running:  # warm connections and caches before the first round
             stream_once(s.api, s.model, prompt[:16], 4, extra=s.extra)
         rates: dict[str, list[float]] = {s.label: [] for s in running}
-        timed = {label for _name, num, den, _target in TTFT_RATIOS for label in (num, den)}
+        timed = ttft_labels if ttft_labels is not None else {label for _n, num, den, _t in TTFT_RATIOS
+                                                            for label in (num, den)}
         ttft: dict[str, list[float]] = {s.label: [] for s in running if s.label in timed and shorts is not None}
         for r in range(rounds):
             for s in running:
@@ -119,4 +125,4 @@ def run_paired(setups: Callable[[ExitStack], list[PairedSetup]], prompt: list[in
                     ttft[s.label].append(stream_once(s.api, s.model, shorts[r], 2, extra=s.extra).ttft_s)
             log(f"paired round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
     return {"rounds": rounds, "rates": rates, "ratios": ratios(rates), "ttft": ttft,
-            "ttft_ratios": ratios(ttft, TTFT_RATIOS, at_most=True)}
+            "ttft_ratios": ratios(ttft, TTFT_RATIOS, at_most=True), "prompt_ttft": prompt_ttft}

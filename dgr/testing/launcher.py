@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import attrs
 
-__all__ = ["LaunchedProcess", "Launcher", "launch"]
+__all__ = ["LaunchedProcess", "Launcher", "launch", "prestart"]
 
 _MAX_MESSAGE = 1 << 20  # an environment and a command line fit many times over
 
@@ -199,12 +199,25 @@ _LAUNCHER_LOCK = threading.Lock()
 
 def launch(cmd: list[str], **kw: Any) -> LaunchedProcess:
     """`Launcher.spawn` on this process's launcher, started on first use."""
+    return _running().spawn(cmd, **kw)
+
+
+def prestart() -> None:
+    """Start this process's launcher now, from the calling thread.
+
+    PR_SET_PDEATHSIG ends a child when the thread that forked it ends, not the process: a caller that starts
+    routes from worker threads (dgr.bench.gpu_run) calls this from its main thread first, or the launcher, and
+    every route of it, dies with the first worker that exits.
+    """
+    _running()
+
+
+def _running() -> Launcher:
     global _LAUNCHER
     with _LAUNCHER_LOCK:
         if _LAUNCHER is None or _LAUNCHER.server.poll() is not None:
             _LAUNCHER = Launcher.start()
-        launcher = _LAUNCHER
-    return launcher.spawn(cmd, **kw)
+        return _LAUNCHER
 
 
 def _dgr_argv(cmd: list[str]) -> list[str]:
