@@ -4,6 +4,7 @@
     layout   ModelLayout: a model's memory and seam shape without tensor data
     rules    llama.cpp's rules: KV per layer kind, where shards may be cut, compute buffers
     sources  layouts from a GGUF header, a layout JSON or a manifest
+    params   PlanParams: what a plan is for (context, sessions, KV type, GPU options), a node's runtime
     cost     every byte a shard is charged, and the seam frames
     gpu      a GPU node's placement: which of its range's layers its GPU holds, each buffer's bytes
     search   fewest nodes that fit, then the largest smallest headroom
@@ -12,18 +13,11 @@
     cli      the `dgr plan` command
 """
 
-from dgr.plan.cost import (
-    GPU_RESERVE_BYTES,
-    LLAMA_CPU_RUNTIME_BYTES,
-    PlanParams,
-    SeamHop,
-    ShardCost,
-    seam_hops,
-    shard_cost,
-)
+from dgr.plan.cost import SeamHop, ShardCost, seam_hops, shard_cost
 from dgr.plan.gpu import Buffers, GpuPlacement
 from dgr.plan.latency import LatencyEstimate, decode_latency
 from dgr.plan.layout import KV_DTYPES, KvTerm, ModelLayout
+from dgr.plan.params import GPU_RESERVE_BYTES, LLAMA_CPU_RUNTIME_BYTES, PlanParams
 from dgr.plan.render import render_plan
 from dgr.plan.search import Plan, fitting_ranges, plan, plan_even
 from dgr.plan.sizes import Node, format_size, parse_nodes, parse_size

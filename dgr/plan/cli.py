@@ -10,7 +10,7 @@ from typing import Any
 
 from dgr.artifact.constants import GlobalNeed
 from dgr.errors import CallerError, DgrError, Reason
-from dgr.plan.cost import GPU_RESERVE_BYTES, LLAMA_CPU_RUNTIME_BYTES, PlanParams
+from dgr.plan.params import GPU_RESERVE_BYTES, LLAMA_CPU_RUNTIME_BYTES, PlanParams
 from dgr.plan.latency import decode_latency
 from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES
 from dgr.plan.render import gpu_layers_flag, render_plan

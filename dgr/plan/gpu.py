@@ -59,7 +59,7 @@ ones, pages read once at load. The plan charges the tensors held.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -69,9 +69,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.placement import CPU_MOE_PATTERN
 from dgr.gguf_meta import Role, layer_of
 from dgr.plan.layout import KvTerm, ModelLayout
-
-if TYPE_CHECKING:
-    from dgr.plan.cost import PlanParams
+from dgr.plan.params import PlanParams
 
 __all__ = [
     "GPU_BUFFER",

@@ -47,9 +47,10 @@ import numpy as np
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
-from dgr.plan.cost import PlanParams, SeamHop, ShardCost, shard_compute_bytes, shard_global_bytes, seam_hops, shard_cost
+from dgr.plan.cost import SeamHop, ShardCost, shard_compute_bytes, shard_global_bytes, seam_hops, shard_cost
 from dgr.plan.gpu import tables as gpu_tables
 from dgr.plan.layout import ModelLayout
+from dgr.plan.params import PlanParams
 from dgr.plan.sizes import Node, format_size
 
 __all__ = [
