@@ -13,9 +13,11 @@ has no GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -63,6 +65,21 @@ class _Stream:
             self.started.set()
 
 
+@contextlib.contextmanager
+def _page(height: int) -> Iterator[tuple[sync_api.Page, list[str]]]:
+    """A Chromium page 1280 wide, and the page errors and console errors it logs (a test ends with none)."""
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True, timeout=30_000)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": height})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            yield page, errors
+        finally:
+            browser.close()
+
+
 def _fill_geometry(page, node: str) -> tuple[float, float]:
     """The layer fill's left edge and width as fractions of its track, measured from layout.
 
@@ -84,68 +101,60 @@ def test_dashboard_shows_nodes_live_session_and_node_loss(tmp_path: Path) -> Non
         assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
         assert b'id="nodes"' in index.content
 
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True, timeout=30_000)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 1000})
-                errors: list[str] = []
-                page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-                page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-                page.goto(f"{route.url}/", timeout=WAIT_MS)
+        with _page(1000) as (page, errors):
+            page.goto(f"{route.url}/", timeout=WAIT_MS)
 
-                # three live nodes, each bar drawn where its layers are
-                rows = page.locator("#nodes tr[data-node]")
-                expect(rows).to_have_count(3, timeout=WAIT_MS)
-                expect(page.locator('#conn[data-state="live"]')).to_have_count(1, timeout=WAIT_MS)
-                for name, (a, b) in {"node0": (0, 10), "node1": (10, 20), "node2": (20, 30)}.items():
-                    row = page.locator(f'#nodes tr[data-node="{name}"]')
-                    expect(row).to_have_attribute("data-alive", "true", timeout=WAIT_MS)
-                    expect(row).to_have_attribute("data-layers", f"{a}:{b}")
-                    expect(row).to_contain_text("alive")
-                    left, width = _fill_geometry(page, name)
-                    assert left == pytest.approx(a / 30, abs=0.01) and width == pytest.approx((b - a) / 30, abs=0.01)
-                expect(page.locator('#coverage [data-complete="true"]')).to_have_count(1, timeout=WAIT_MS)
+            # three live nodes, each bar drawn where its layers are
+            rows = page.locator("#nodes tr[data-node]")
+            expect(rows).to_have_count(3, timeout=WAIT_MS)
+            expect(page.locator('#conn[data-state="live"]')).to_have_count(1, timeout=WAIT_MS)
+            for name, (a, b) in {"node0": (0, 10), "node1": (10, 20), "node2": (20, 30)}.items():
+                row = page.locator(f'#nodes tr[data-node="{name}"]')
+                expect(row).to_have_attribute("data-alive", "true", timeout=WAIT_MS)
+                expect(row).to_have_attribute("data-layers", f"{a}:{b}")
+                expect(row).to_contain_text("alive")
+                left, width = _fill_geometry(page, name)
+                assert left == pytest.approx(a / 30, abs=0.01) and width == pytest.approx((b - a) / 30, abs=0.01)
+            expect(page.locator('#coverage [data-complete="true"]')).to_have_count(1, timeout=WAIT_MS)
 
-                # a long completion appears as a live session whose token count grows
-                stream = _Stream(route, max_tokens=2000)
-                stream.thread.start()
-                assert stream.started.wait(15) and stream.sid, "the streaming completion did not start"
-                session = page.locator(f'#sessions tr[data-session="{stream.sid}"]')
-                expect(session).to_have_attribute("data-phase", "decode", timeout=WAIT_MS)
-                page.wait_for_function(
-                    "sid => { const r = document.querySelector(`#sessions tr[data-session='${sid}']`);"
-                    " return r && Number(r.dataset.tokens) >= 5; }", arg=stream.sid, timeout=WAIT_MS)
-                first = int(session.get_attribute("data-tokens"))
-                page.wait_for_function(
-                    "a => { const r = document.querySelector(`#sessions tr[data-session='${a[0]}']`);"
-                    " return r && Number(r.dataset.tokens) > a[1]; }", arg=[stream.sid, first], timeout=WAIT_MS)
-                expect(session).to_contain_text("decode")
-                expect(session).to_contain_text("node1 [10:20]")
-                prefill_total = int(session.get_attribute("data-prefill-total"))
-                assert prefill_total > 0 and int(session.get_attribute("data-prefill-done")) == prefill_total
-                page.screenshot(path=str(tmp_path / "dashboard-live.png"), full_page=True)
+            # a long completion appears as a live session whose token count grows
+            stream = _Stream(route, max_tokens=2000)
+            stream.thread.start()
+            assert stream.started.wait(15) and stream.sid, "the streaming completion did not start"
+            session = page.locator(f'#sessions tr[data-session="{stream.sid}"]')
+            expect(session).to_have_attribute("data-phase", "decode", timeout=WAIT_MS)
+            page.wait_for_function(
+                "sid => { const r = document.querySelector(`#sessions tr[data-session='${sid}']`);"
+                " return r && Number(r.dataset.tokens) >= 5; }", arg=stream.sid, timeout=WAIT_MS)
+            first = int(session.get_attribute("data-tokens"))
+            page.wait_for_function(
+                "a => { const r = document.querySelector(`#sessions tr[data-session='${a[0]}']`);"
+                " return r && Number(r.dataset.tokens) > a[1]; }", arg=[stream.sid, first], timeout=WAIT_MS)
+            expect(session).to_contain_text("decode")
+            expect(session).to_contain_text("node1 [10:20]")
+            prefill_total = int(session.get_attribute("data-prefill-total"))
+            assert prefill_total > 0 and int(session.get_attribute("data-prefill-done")) == prefill_total
+            page.screenshot(path=str(tmp_path / "dashboard-live.png"), full_page=True)
 
-                # kill a node mid-decode: it goes down, the session fails with the reason, the gap shows
-                route.kill("node1")
-                expect(page.locator('#nodes tr[data-node="node1"]')).to_have_attribute(
-                    "data-alive", "false", timeout=WAIT_MS)
-                expect(page.locator('#nodes tr[data-node="node1"]')).to_contain_text("down")
-                failure = page.locator(f'#failures li[data-failure-session="{stream.sid}"]')
-                expect(failure).to_have_attribute("data-reason", "route_node_lost", timeout=WAIT_MS)
-                expect(failure).to_have_attribute("data-failed-node", "node1")
-                expect(failure).to_have_attribute("data-failed-phase", "decode")
-                expect(failure).to_contain_text("route_node_lost")
-                expect(session).to_have_count(0, timeout=WAIT_MS)
-                expect(page.locator(f'#recent tr[data-session="{stream.sid}"]')).to_have_attribute(
-                    "data-reason", "route_node_lost", timeout=WAIT_MS)
-                expect(page.locator('#failure-counts [data-reason-count="route_node_lost"]')).to_have_text("1")
-                expect(page.locator('#coverage [data-complete="false"]')).to_have_attribute("data-missing", "10:20")
-                for name in ("node0", "node2"):
-                    expect(page.locator(f'#nodes tr[data-node="{name}"]')).to_have_attribute("data-alive", "true")
-                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-                assert not errors, errors
-            finally:
-                browser.close()
+            # kill a node mid-decode: it goes down, the session fails with the reason, the gap shows
+            route.kill("node1")
+            expect(page.locator('#nodes tr[data-node="node1"]')).to_have_attribute(
+                "data-alive", "false", timeout=WAIT_MS)
+            expect(page.locator('#nodes tr[data-node="node1"]')).to_contain_text("down")
+            failure = page.locator(f'#failures li[data-failure-session="{stream.sid}"]')
+            expect(failure).to_have_attribute("data-reason", "route_node_lost", timeout=WAIT_MS)
+            expect(failure).to_have_attribute("data-failed-node", "node1")
+            expect(failure).to_have_attribute("data-failed-phase", "decode")
+            expect(failure).to_contain_text("route_node_lost")
+            expect(session).to_have_count(0, timeout=WAIT_MS)
+            expect(page.locator(f'#recent tr[data-session="{stream.sid}"]')).to_have_attribute(
+                "data-reason", "route_node_lost", timeout=WAIT_MS)
+            expect(page.locator('#failure-counts [data-reason-count="route_node_lost"]')).to_have_text("1")
+            expect(page.locator('#coverage [data-complete="false"]')).to_have_attribute("data-missing", "10:20")
+            for name in ("node0", "node2"):
+                expect(page.locator(f'#nodes tr[data-node="{name}"]')).to_have_attribute("data-alive", "true")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            assert not errors, errors
 
         stream.thread.join(timeout=10)
         assert not stream.thread.is_alive(), "the stream did not end after the node was killed"
@@ -186,38 +195,30 @@ def test_dashboard_shows_each_nodes_device_and_vram_used_of_total() -> None:
         body, kind = answers[path]
         route.fulfill(status=200, body=body, content_type=kind)
 
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True, timeout=30_000)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-            page.route("http://dashboard.test/**", answer)
-            page.goto("http://dashboard.test/", timeout=WAIT_MS)
-            expect(page.locator("#nodes tr[data-node]")).to_have_count(3, timeout=WAIT_MS)
-            expect(page.locator("#nodes th")).to_contain_text(["Device · VRAM"])
+    with _page(800) as (page, errors):
+        page.route("http://dashboard.test/**", answer)
+        page.goto("http://dashboard.test/", timeout=WAIT_MS)
+        expect(page.locator("#nodes tr[data-node]")).to_have_count(3, timeout=WAIT_MS)
+        expect(page.locator("#nodes th")).to_contain_text(["Device · VRAM"])
 
-            first = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA0"]')
-            expect(first).to_have_attribute("data-memory-used", str(10 * GIB))
-            expect(first).to_have_attribute("data-memory-total", str(80 * GIB))
-            expect(first).to_contain_text("CUDA0 NVIDIA H100 80GB HBM3")
-            expect(first).to_contain_text("10.0 GiB / 80.0 GiB")
-            expect(first).to_have_attribute("title", "CUDA0: 70.0 GiB free")
-            full = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA1"]')
-            expect(full).to_contain_text("76.0 GiB / 80.0 GiB")
-            expect(full.locator(".bar.hot")).to_have_count(1)  # past 90% used
-            widths = page.evaluate("""() => [...document.querySelectorAll("#nodes tr[data-node='g0'] .device")]
-                .map(d => d.querySelector('.bar').getBoundingClientRect().width
-                          / d.querySelector('.track').getBoundingClientRect().width)""")
-            assert widths == pytest.approx([10 / 80, 76 / 80], abs=0.01)
+        first = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA0"]')
+        expect(first).to_have_attribute("data-memory-used", str(10 * GIB))
+        expect(first).to_have_attribute("data-memory-total", str(80 * GIB))
+        expect(first).to_contain_text("CUDA0 NVIDIA H100 80GB HBM3")
+        expect(first).to_contain_text("10.0 GiB / 80.0 GiB")
+        expect(first).to_have_attribute("title", "CUDA0: 70.0 GiB free")
+        full = page.locator('#nodes tr[data-node="g0"] .device[data-device="CUDA1"]')
+        expect(full).to_contain_text("76.0 GiB / 80.0 GiB")
+        expect(full.locator(".bar.hot")).to_have_count(1)  # past 90% used
+        widths = page.evaluate("""() => [...document.querySelectorAll("#nodes tr[data-node='g0'] .device")]
+            .map(d => d.querySelector('.bar').getBoundingClientRect().width
+                      / d.querySelector('.track').getBoundingClientRect().width)""")
+        assert widths == pytest.approx([10 / 80, 76 / 80], abs=0.01)
 
-            cpu = page.locator('#nodes tr[data-node="c1"]')
-            expect(cpu.locator(".device")).to_have_count(0)
-            expect(cpu).to_contain_text("CPU")
-            dropped = page.locator('#nodes tr[data-node="x2"] .pill.warn')
-            expect(dropped).to_have_text("devices unreadable")
-            expect(dropped).to_have_attribute("title", "devices must be a list of at most 16 objects")
-            assert not errors, errors
-        finally:
-            browser.close()
+        cpu = page.locator('#nodes tr[data-node="c1"]')
+        expect(cpu.locator(".device")).to_have_count(0)
+        expect(cpu).to_contain_text("CPU")
+        dropped = page.locator('#nodes tr[data-node="x2"] .pill.warn')
+        expect(dropped).to_have_text("devices unreadable")
+        expect(dropped).to_have_attribute("title", "devices must be a list of at most 16 objects")
+        assert not errors, errors
