@@ -122,7 +122,7 @@ class Admission:
                 if trip.then is Then.READY:
                     break
                 if trip.then is Then.REOPEN:  # its nodes kept this prompt's prefix: open there instead
-                    await self._abandon(rs, opening)
+                    await self._abandon(opening)
                     choice, opening, known = better, self._opening(req, rs, better, bounds), Known.IDS
                     continue
                 prompt = self._head_ids(opening.tokens, choice.hops[0], context, token_limit)
@@ -220,16 +220,17 @@ class Admission:
                                                f"{token_limit} in a context of {context}", node=head.node_id)
         return tokens
 
-    async def _abandon(self, rs: RouteSession, opening: RouteOpening, failure: Failure | None = None) -> None:
-        """Close what `opening` opened (owing closes where no answer came) and give its lane back."""
+    async def _abandon(self, opening: RouteOpening, failure: Failure | None = None) -> None:
+        """Close what `opening` opened under its id (owing closes where no answer came) and give its lane back."""
+        sid = opening.sid
         with trio.CancelScope(shield=True):
-            for node_id in await self.clients.close(rs.sid, opening.opened, failure, opening.caps):
-                self.owe_close(node_id, rs.sid)
-        self.leave(opening.board, rs.sid)
+            for node_id in await self.clients.close(sid, opening.opened, failure, opening.caps):
+                self.owe_close(node_id, sid)
+        self.leave(opening.board, sid)
         confirmed = {h.node_id for h in opening.opened}
         for node_id in opening.attempted:
             if node_id not in confirmed:  # no reply came (lost, cut, or late): it may hold the session anyway
-                self.owe_close(node_id, rs.sid)
+                self.owe_close(node_id, sid)
 
     async def _undo(self, raised: BaseException, rs: RouteSession, opening: RouteOpening | None,
                     reserved: tuple[NodeEntry, ...]) -> None:
@@ -237,7 +238,7 @@ class Admission:
         exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
         failure = _failure_of(exc, rs)
         if opening is not None:
-            await self._abandon(rs, opening, failure)
+            await self._abandon(opening, failure)
         self.release(reserved)
         if failure is not None:
             rs.fail(failure, trio.current_time())
