@@ -23,9 +23,12 @@ it before a response starts and the client gets a plain 4xx/5xx:
   scope. A route whose nodes kept the longest of those keys (`holders`, which
   this gateway saw closed, or which nodes name in their heartbeats) is
   preferred: chosen before any open where the client sent ids, else once the
-  head answered (what it opened is closed). The head opens on the longest
-  prefix it holds; only where it holds one are the later hops told the chain,
-  and each says how many positions it holds; the route reuses the smallest;
+  head answered (what it opened is closed, and the session opens there under
+  a fresh id, the one its client sees: a node opens each id once,
+  dgr.security.tickets, and the two routes may share a node). The head opens
+  on the longest prefix it holds; only where it holds one are the later hops
+  told the chain, and each says how many positions it holds; the route reuses
+  the smallest;
 - each node session with its relay plan, its ticket and its lane in the
   route's phase groups (dgr.fsm.phases), and, where the session speculates
   (issue 42, dgr.node.speculation), the drafts a step may carry, and for the
@@ -123,6 +126,10 @@ class Admission:
                     break
                 if trip.then is Then.REOPEN:  # its nodes kept this prompt's prefix: open there instead
                     await self._abandon(opening)
+                    # under a fresh id: a node opens each id once (dgr.security.tickets), and the holders' route
+                    # may share a node with this one; no client or listener has seen the old id
+                    rs.sid = uuid.uuid4().hex
+                    self.accounting.metrics.reopens_total.inc()
                     choice, opening, known = better, self._opening(req, rs, better, bounds), Known.IDS
                     continue
                 prompt = self._head_ids(opening.tokens, choice.hops[0], context, token_limit)
