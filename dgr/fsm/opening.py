@@ -7,7 +7,8 @@ prefix (`WAITING`), and only where the head may hold a prefix of the prompt (its
 does a second trip name it to every hop (`ADOPT`): every node must start from the same position.
 With speculation they open once the ids are known, in that second trip. Where the ids are known
 before any open (the client's own), or another route's nodes kept the prompt's prefix (the route
-is abandoned and the open begins again there), every hop opens at once on its prefix.
+is abandoned and the open begins again there, under a fresh session id: a node opens each id once,
+and the two routes may share a node), every hop opens at once on its prefix.
 
 `PLAN` is the single source of truth: one row per (what is known, speculates, the head alone on its
 route), each the trip to run next (what the head and the later hops each get; `NONE`: nothing, and a
@@ -62,7 +63,8 @@ class Then(enum.Enum):
     """What follows the trip."""
 
     HEAD_ANSWERS = "head_answers"  # plan again with what the head answered
-    REOPEN = "reopen"  # close what opened (its lane given back), and plan again as IDS on the holders' route
+    # close what opened (its lane given back), and plan again as IDS on the holders' route, under a fresh id
+    REOPEN = "reopen"
     READY = "ready"  # every hop is open: the route is ready
 
 

@@ -46,7 +46,8 @@ def _opening() -> str:
              "head's call, every later hop's, and what follows. A row whose calls are all `none` makes no trip. "
              "`head_answers`: plan again with what the head answered (`answered`, `reusable` or "
              "`held_elsewhere`); `reopen`: close what opened and plan again as `ids` on the route whose nodes "
-             "kept the prompt's prefix; `ready`: every hop is open.", "",
+             "kept the prompt's prefix, under a fresh session id (a node opens each id once, and the two routes "
+             "may share a node); `ready`: every hop is open.", "",
              "| known | speculates | head alone | head | later hops | then | why |", "|---|---|---|---|---|---|---|"]
     for (known, speculates, alone), trip in PLAN.items():
         lines.append(f"| {known.value} | {'yes' if speculates else 'no'} | {'yes' if alone else 'no'} | "
