@@ -139,7 +139,9 @@ def test_a_node_cannot_mint_capabilities_and_pins_one_tracker_key() -> None:
     own = CapabilityAuthority.issuer(node).issue("a" * 32, "n0", 0, 30, now=1e12)  # signed with the node's key
     with pytest.raises(CallerError, match="does not verify"):
         service.trust.authorize(own, "a" * 32)
-    service.trust.authorize(CapabilityAuthority.issuer(tracker).issue("a" * 32, "n0", 0, 30, now=1e12), "a" * 32)
+    # the tracker's, bound to this process's boot nonce (what the node registered)
+    service.trust.authorize(CapabilityAuthority.issuer(tracker).issue("a" * 32, "n0", 0, 30, now=1e12,
+                                                                      boot=service.trust.boot), "a" * 32)
     with pytest.raises(CallerError, match="another key") as err:  # an impostor tracker later on
         service.join(Identity.generate().public)
     assert err.value.reason is Reason.FORBIDDEN and service.tracker_key == tracker.public

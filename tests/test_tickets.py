@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import types
 import uuid
 
 import httpx
@@ -48,6 +49,8 @@ def _plans(route: LocalRoute, sid: str) -> dict:
     for n in route.node_table():
         a, b = n["layers"].split(":")
         hops.append(Hop(n["node"], n["url"], int(a), int(b)))
+        # the registry's entry as far as the plans read it: the node's boot, which its capabilities name, no TLS
+        gateway.registry.nodes[n["node"]] = types.SimpleNamespace(boot=n["boot"], tls_cert=None)
     plans = gateway.credentials.relay_plans(sid, tuple(sorted(hops, key=lambda h: h.start)))
     return {node: order.to_json() for node, order in plans.items()}  # as an open's body carries them
 
@@ -164,25 +167,48 @@ def test_a_body_from_a_caller_without_a_capability_is_never_read(route) -> None:
 
 
 def test_a_genuine_open_ticket_is_used_once_and_expires(route) -> None:
-    """Last in this module: it restarts node1."""
     tail = route.node("node1")["url"]
     sid = uuid.uuid4().hex
     raw, headers = route.opening(sid, "node1", {"max_positions": 64, "relay": route.relay(sid, "node1")})
     assert httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
     assert httpx.delete(f"{tail}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1")).status_code == 200
     _refused(httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", "used once")
-    # a node that restarts forgets what it opened, but by then the ticket has expired
-    old, issued = uuid.uuid4().hex, time.monotonic()
-    raw, headers = route.opening(old, "node1", {"max_positions": 64, "relay": route.relay(old, "node1")}, ttl_s=2.0)
-    assert httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers).status_code == 201
-    assert httpx.delete(f"{tail}/v1/seam/sessions/{old}", headers=route.capability(old, "node1")).status_code == 200
-    layers = route.node("node1")["layers"]
-    route.kill("node1")
-    route.restart_node("node1", layers)
-    time.sleep(max(0.0, issued + 2.5 - time.monotonic()))  # past the ticket's expiry, whatever the restart took
-    tail = route.node("node1")["url"]
+    # one never used is good until its expiry, and refused as expired after
+    late = uuid.uuid4().hex
+    raw, headers = route.opening(late, "node1", {"max_positions": 64, "relay": route.relay(late, "node1")}, ttl_s=1.0)
+    time.sleep(1.2)
     _refused(httpx.post(f"{tail}/v1/seam/sessions", content=raw, headers=headers), 403, "forbidden", "expired")
     assert route.node_status("node1")["sessions"] == 0
+
+
+def test_a_captured_open_is_refused_by_its_node_once_it_restarted(route) -> None:
+    """Last in this module: it restarts node1. Issue 55: an open captured on the wire (capability, ticket and
+    body) re-opened its session on the node's next process, within the ticket's 120 s, since a restarted node
+    forgets the ids it opened; both are now bound to the boot nonce the node registered, and a new process
+    refuses them. The tracker learns the new boot from the new registration, so the route serves on."""
+    tail = route.node("node1")["url"]
+    sid = uuid.uuid4().hex
+    captured = route.opening(sid, "node1", {"max_positions": 64, "relay": route.relay(sid, "node1")})
+    assert httpx.post(f"{tail}/v1/seam/sessions", content=captured[0], headers=captured[1]).status_code == 201
+    assert httpx.delete(f"{tail}/v1/seam/sessions/{sid}", headers=route.capability(sid, "node1")).status_code == 200
+    before, layers = route.boot("node1"), route.node("node1")["layers"]
+    route.kill("node1")
+    route.restart_node("node1", layers)
+    assert route.boot("node1") not in ("", before)
+    tail = route.node("node1")["url"]
+    r = httpx.post(f"{tail}/v1/seam/sessions", content=captured[0], headers=captured[1])
+    _refused(r, 403, "forbidden", "another boot of this node")
+    # the capability alone, or the ticket alone with a capability for the new boot, does not pass either
+    _refused(httpx.get(f"{tail}/v1/seam/sessions/{sid}", headers={CAPABILITY_HEADER: captured[1][CAPABILITY_HEADER]}),
+             403, "forbidden", "another boot of this node")
+    _refused(httpx.post(f"{tail}/v1/seam/sessions", content=captured[0],
+                        headers={**captured[1], **route.capability(sid, "node1")}),
+             403, "forbidden", "open ticket was issued for another boot")
+    assert route.node_status("node1")["sessions"] == 0
+    # what the tracker issues now is bound to the new boot: the route answers
+    r = route.http.post(f"{route.api}/completions", json={"model": "stub", "prompt": "hi", "max_tokens": 2},
+                        timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
 def test_a_forged_or_misplaced_ticket_is_refused_from_the_headers_alone() -> None:

@@ -48,6 +48,12 @@ reply it never got). Each registration advertises `max_positions`, the
 positions per session this node really allocates (`--ctx`). A node whose
 layers are on accelerators adds their memory to each heartbeat, as last read
 (dgr.node.accounting); a CPU node's heartbeat is as it was.
+
+Both name this process's boot nonce (dgr.node.trust `boot`), under the
+node's signature: the tracker binds every capability and open ticket for
+this node to it, so none issued to an earlier process of the node is
+accepted by this one. A heartbeat with another boot than the registration
+the tracker holds is answered 404, and the node registers again.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
         **claim,
         **cert,
         "node": service.node_id,
+        "boot": service.trust.boot,
         "url": url,
         "pid": os.getpid(),
         "layers": [backend.layers.start, backend.layers.stop],
@@ -115,7 +122,7 @@ def heartbeat_body(service: NodeService) -> dict[str, Any]:
     """Load, the sessions held (the tracker closes any it does not run), the prefixes kept (its gateway
     routes a prompt that extends one to this node, after a restart too) and, on a node with accelerators,
     their memory as last read (a CPU node's heartbeat carries no `devices` at all)."""
-    body: dict[str, Any] = {"node": service.node_id, "sessions": len(service.sessions),
+    body: dict[str, Any] = {"node": service.node_id, "boot": service.trust.boot, "sessions": len(service.sessions),
                             "kv_bytes": service.scheduler.kv_bytes, "session_ids": sorted(service.sessions),
                             "prefixes": _advertised(service)}
     if service.devices:

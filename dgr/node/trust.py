@@ -12,6 +12,9 @@ Rules:
   `admit_open` checks it from the headers, `redeem_open` the body's bytes before they are parsed.
 - Each check runs before anything else about the session is looked at, so an unauthorized caller
   learns nothing and changes nothing; each refusal is counted once (`refuse`).
+- Both are bound to this process's boot nonce (`boot`, fresh at every start, reported in each signed
+  registration and heartbeat): one issued for an earlier process of this node is refused, so a capability
+  or open captured before a restart does not outlive it.
 - A node without a tracker (loopback development) asks for no capability and no ticket.
 - The node holds no key that can make either: its own key (`identity`) signs only its messages and
   proof answers.
@@ -29,7 +32,8 @@ import trio
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.seam.wire import STATUS_SCOPE
-from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, sign_json, verify_json
+from dgr.security.auth import (ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, new_boot, sign_json,
+                               verify_json)
 from dgr.security.identity import Identity
 from dgr.security.tickets import OpenTicket, TicketBook
 
@@ -50,6 +54,7 @@ class NodeTrust:
     tracker_key: bytes | None = None  # pinned at join
     advertised: str | None = None  # the URL the tracker recorded for this node
     joined: trio.Event = attrs.field(factory=trio.Event)  # set once the tracker key is pinned
+    boot: str = attrs.field(factory=new_boot)  # this process's nonce: what the tracker binds credentials to
 
     def __attrs_post_init__(self) -> None:
         if self.authority is not None and self.tickets is None:  # given a tracker key: its tickets too
@@ -122,7 +127,7 @@ class NodeTrust:
         try:
             # wall clock: the tracker that issued the token stamped its expiry with its own
             self.authority.check(capability, session=sid, node=self.node_id, start=self.layers.start,
-                                 stop=self.layers.stop, now=time.time(), need=need)
+                                 stop=self.layers.stop, now=time.time(), need=need, boot=self.boot)
         except CallerError as exc:
             self.refuse(exc)
             raise
@@ -140,7 +145,7 @@ class NodeTrust:
             return None
         try:
             return self.tickets.check(ticket, session=sid, node=self.node_id, start=self.layers.start,
-                                      stop=self.layers.stop, now=time.time())
+                                      stop=self.layers.stop, now=time.time(), boot=self.boot)
         except CallerError as exc:
             self.refuse(exc)
             raise
@@ -168,7 +173,7 @@ class NodeTrust:
             return not self.joining
         try:
             self.authority.check(capability, session=STATUS_SCOPE, node=self.node_id, start=self.layers.start,
-                                 stop=self.layers.stop, now=time.time())
+                                 stop=self.layers.stop, now=time.time(), boot=self.boot)
         except CallerError:
             return False
         return True

@@ -33,6 +33,15 @@ Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
    member cannot open, re-open, close or plant KV on the nodes it feeds.
    A token that names no scope allows steps only.
 
+4. Boots: a node makes a random nonce each time it starts (`new_boot`) and
+   reports it in its signed registration and heartbeats; the tracker binds
+   every capability and open ticket for a node to the nonce it last heard
+   from it, and the node refuses one with another. So a capability or open
+   captured before a node restarted is refused by the restarted process,
+   whose memory of used tickets and replayed frames starts empty. The
+   tracker's own delivery capabilities name no boot: a restarted tracker
+   knows none of the sessions they were for.
+
 Signatures are domain-separated (`identity.Identity.sign`), so a signature
 made in one role is never valid in another.
 """
@@ -69,6 +78,7 @@ __all__ = [
     "verify_json",
     "CHALLENGE_DOMAIN",
     "ANSWER_DOMAIN",
+    "new_boot",
 ]
 
 MAX_SKEW_S = 30.0
@@ -79,6 +89,11 @@ _REQUEST = b"dgr/v1/request"
 _CAPABILITY = b"dgr/v1/capability"
 CHALLENGE_DOMAIN = b"dgr/v1/challenge"  # the tracker signs each layer-possession challenge it sends
 ANSWER_DOMAIN = b"dgr/v1/proof-answer"  # a node signs its answer together with the challenge it answers
+
+
+def new_boot() -> str:
+    """A process's boot nonce: 128 random bits, fresh at every start (see 4. above)."""
+    return secrets.token_hex(16)
 
 
 def _framed(*parts: bytes) -> bytes:
@@ -217,10 +232,11 @@ class Capability:
     stop: int
     expires: float
     scope: Scope = Scope.STEP
+    boot: str = ""  # the node's boot nonce when it was issued; "": the tracker's own (deliveries)
 
     def payload(self) -> bytes:
         return json.dumps({"s": self.session, "n": self.node, "l": [self.start, self.stop], "e": self.expires,
-                           "a": self.scope.value}, sort_keys=True, separators=(",", ":")).encode()
+                           "a": self.scope.value, "i": self.boot}, sort_keys=True, separators=(",", ":")).encode()
 
 
 _VERIFIED_KEPT = 4096  # verified tokens remembered per authority (a few hundred bytes each)
@@ -249,19 +265,20 @@ class CapabilityAuthority:
         return cls(public)
 
     def issue(self, session: str, node: str, start: int, stop: int, now: float,
-              ttl_s: float = CAPABILITY_TTL_S, scope: Scope = Scope.CONTROL) -> str:
-        """A capability for `session` on `node`'s layers [start, stop) allowing `scope`.
+              ttl_s: float = CAPABILITY_TTL_S, scope: Scope = Scope.CONTROL, boot: str = "") -> str:
+        """A capability for `session` on `node`'s layers [start, stop) allowing `scope`, for `node`'s boot `boot`.
 
         Raises: CallerError(FORBIDDEN): this authority holds no private key (it is a node's).
         """
         if self.identity is None:
             raise CallerError(Reason.FORBIDDEN, "only the tracker can issue capabilities")
-        payload = Capability(session, node, start, stop, round(now + ttl_s, 3), scope).payload()
+        payload = Capability(session, node, start, stop, round(now + ttl_s, 3), scope, boot).payload()
         return b64e(payload) + "." + b64e(self.identity.sign(_CAPABILITY, payload))
 
     def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float,
-              need: Scope = Scope.STEP) -> Capability:
-        """The capability, once it is the tracker's, unexpired, for this session, node and layers, and allows `need`.
+              need: Scope = Scope.STEP, boot: str = "") -> Capability:
+        """The capability, once it is the tracker's, unexpired, for this session, node and layers, allows `need`,
+        and was issued for this boot of the node (`boot`).
 
         Raises: CallerError(FORBIDDEN) naming what does not match.
         """
@@ -283,6 +300,9 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN,
                               f"this capability only lets its holder send session {session}'s steps here (a "
                               f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
+        if cap.boot != boot:  # not a secret: a plain comparison
+            raise CallerError(Reason.FORBIDDEN, "capability was issued for another boot of this node: it restarted "
+                                                "since (a replay), or the tracker has not heard its new boot yet")
         return cap
 
     def _verify(self, token: str) -> Capability:
@@ -292,7 +312,7 @@ class CapabilityAuthority:
             payload = b64d(body)
             data: dict[str, Any] = json.loads(payload)
             cap = Capability(str(data["s"]), str(data["n"]), int(data["l"][0]), int(data["l"][1]), float(data["e"]),
-                             Scope(data.get("a", Scope.STEP.value)))
+                             Scope(data.get("a", Scope.STEP.value)), str(data.get("i", "")))
             raw = b64d(sig)
         except (ValueError, KeyError, TypeError, IndexError):
             raise CallerError(Reason.FORBIDDEN, "malformed capability") from None

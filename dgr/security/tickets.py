@@ -18,8 +18,11 @@ prefix offer, the lane. So the tracker signs each open it sends, as an
   (`TicketBook.redeem`).
 - A node accepts each session id once: it remembers the ids it opened until
   their ticket expires, so a replayed ticket is refused while it is valid,
-  and is expired by the time it is forgotten. A node that restarts forgets,
-  but the tickets it had seen expire within `TICKET_TTL_S` of their issue.
+  and is expired by the time it is forgotten.
+- A node that restarts forgets the ids it opened, so a ticket also binds the
+  node's boot nonce (dgr.security.auth `new_boot`), as the tracker last heard
+  it: the restarted process, with a new nonce, refuses every ticket issued
+  before it started, however long it has left.
 
 Signatures are domain-separated (`TICKET_DOMAIN`), so no other signed
 message of the tracker's is a ticket. Pure: no I/O, wall-clock times passed
@@ -65,15 +68,18 @@ class OpenTicket:
     stop: int
     expires: float  # wall clock
     digest: str  # SHA-256 (hex) of the open's body bytes
+    boot: str = ""  # the node's boot nonce, as the tracker last heard it
 
     def claims(self) -> dict[str, Any]:
-        return {"s": self.session, "n": self.node, "l": [self.start, self.stop], "e": self.expires, "b": self.digest}
+        return {"s": self.session, "n": self.node, "l": [self.start, self.stop], "e": self.expires, "b": self.digest,
+                "i": self.boot}
 
 
 def issue_ticket(identity: Identity, session: str, node: str, start: int, stop: int, body: bytes, now: float,
-                 ttl_s: float = TICKET_TTL_S) -> str:
-    """The tracker's ticket for opening `session` on `node` (layers [start, stop)) with exactly `body`."""
-    claims = OpenTicket(session, node, start, stop, round(now + ttl_s, 3), _digest(body)).claims()
+                 ttl_s: float = TICKET_TTL_S, boot: str = "") -> str:
+    """The tracker's ticket for opening `session` on `node` (layers [start, stop), boot `boot`) with exactly
+    `body`."""
+    claims = OpenTicket(session, node, start, stop, round(now + ttl_s, 3), _digest(body), boot).claims()
     return b64e(json.dumps(claims, sort_keys=True, separators=(",", ":")).encode()) + "." + \
         sign_json(identity, TICKET_DOMAIN, claims)
 
@@ -85,9 +91,10 @@ class TicketBook:
     public: bytes  # the tracker's key, pinned at join
     used: dict[str, float] = attrs.field(factory=dict)  # session id -> its ticket's expiry
 
-    def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float
-              ) -> OpenTicket:
-        """The ticket, from the headers alone: the tracker's, for this open, unexpired and unused.
+    def check(self, token: str | None, *, session: str, node: str, start: int, stop: int, now: float,
+              boot: str = "") -> OpenTicket:
+        """The ticket, from the headers alone: the tracker's, for this open on this boot (`boot`), unexpired and
+        unused.
 
         Raises: CallerError(FORBIDDEN) naming what is wrong.
         """
@@ -98,7 +105,7 @@ class TicketBook:
         try:
             claims = json.loads(b64d(encoded))
             ticket = OpenTicket(str(claims["s"]), str(claims["n"]), int(claims["l"][0]), int(claims["l"][1]),
-                                float(claims["e"]), str(claims["b"]))
+                                float(claims["e"]), str(claims["b"]), str(claims.get("i", "")))
         except (ValueError, KeyError, TypeError, IndexError):
             raise CallerError(Reason.FORBIDDEN, "malformed open ticket") from None
         if not math.isfinite(ticket.expires) or not verify_json(self.public, TICKET_DOMAIN, ticket.claims(), sig):
@@ -110,6 +117,9 @@ class TicketBook:
             raise CallerError(Reason.FORBIDDEN, "open ticket is for another Route Session")
         if ticket.node != node or (ticket.start, ticket.stop) != (start, stop):
             raise CallerError(Reason.FORBIDDEN, "open ticket is for another node or layer range")
+        if ticket.boot != boot:
+            raise CallerError(Reason.FORBIDDEN, "open ticket was issued for another boot of this node: it restarted "
+                                                "since (a replay)")
         self._refuse_used(session)
         return ticket
 

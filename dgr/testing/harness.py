@@ -167,22 +167,32 @@ class LocalRoute:
 
     def capability(self, sid: str, name: str, *, ttl_s: float = 60.0, layers: tuple[int, int] | None = None,
                    identity: Identity | None = None, node: str | None = None,
-                   scope: Scope = Scope.CONTROL) -> dict[str, str]:
+                   scope: Scope = Scope.CONTROL, boot: str | None = None) -> dict[str, str]:
         """The X-Dgr-Capability header for session `sid` on node `name`, signed with the tracker's key, as the
-        gateway's own (CONTROL; STEP: as a neighbour holds it). Override parts, or sign with another
-        `identity`, to forge one."""
+        gateway's own (CONTROL; STEP: as a neighbour holds it), bound to the boot `name` registered last. Override
+        parts, or sign with another `identity`, to forge one."""
         layers = layers or self._layers(name)
         authority = CapabilityAuthority.issuer(identity or self.tracker_identity)
-        token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s, scope=scope)
+        token = authority.issue(sid, node or name, layers[0], layers[1], time.time(), ttl_s=ttl_s, scope=scope,
+                                boot=self.boot(name) if boot is None else boot)
         return {CAPABILITY_HEADER: token}
+
+    def boot(self, name: str) -> str:
+        """The boot nonce node `name` registered last, as the tracker lists it ("" for a name it does not list)."""
+        try:
+            return self.node(name).get("boot", "")
+        except KeyError:
+            return ""
 
     def opening(self, sid: str, name: str, body: dict[str, Any], *, ttl_s: float = TICKET_TTL_S
                 ) -> tuple[bytes, dict[str, str]]:
         """An open of `sid` on node `name` as the gateway sends it: the body's bytes, and headers with the
-        gateway's capability and the tracker's single-use ticket for exactly those bytes."""
+        gateway's capability and the tracker's single-use ticket for exactly those bytes, both bound to the
+        node's boot as the tracker lists it."""
         raw = json.dumps({"session": sid, **body}).encode()
         start, stop = self._layers(name)
-        ticket = issue_ticket(self.tracker_identity, sid, name, start, stop, raw, time.time(), ttl_s=ttl_s)
+        ticket = issue_ticket(self.tracker_identity, sid, name, start, stop, raw, time.time(), ttl_s=ttl_s,
+                              boot=self.boot(name))
         return raw, {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid, TICKET_HEADER: ticket,
                      **self.capability(sid, name)}
 
@@ -270,7 +280,8 @@ class LocalRoute:
         """A node's whole status, counters included: asked with the tracker's capability for them."""
         node = self.node(name)
         a, b = node["layers"].split(":")
-        headers = self.capability(STATUS_SCOPE, name, layers=(int(a), int(b))) if self.keys is not None else {}
+        headers = self.capability(STATUS_SCOPE, name, layers=(int(a), int(b)), boot=node.get("boot", "")
+                                  ) if self.keys is not None else {}
         return self.http.get(f"{node['url']}/v1/node/status", timeout=5, headers=headers).json()
 
     def wait_nodes_alive(self, names: list[str], timeout_s: float = 30.0) -> None:

@@ -5,10 +5,13 @@ status, tokenize, steps), which never leaves the gateway; in each node's
 relay plan, STEP capabilities for its next hop and, on the tail, for the head
 (they let a node send the session's steps there and nothing else), and the
 delivery capability the nodes answer the tracker with; and for each open, a
-single-use ticket over its exact body (dgr.security.tickets). Without the
-tracker's key (in-process routes) there are none. Pure but for two reads:
-the wall clock, because nodes check expiry against theirs, and the
-registry's entries, for the certificate each next hop registered.
+single-use ticket over its exact body (dgr.security.tickets). Every one
+issued for a node is bound to the boot nonce its registration named
+(`NodeEntry.boot`), so a process of that node started later refuses it.
+Without the tracker's key (in-process routes) there are none. Pure but for
+two reads: the wall clock, because nodes check expiry against theirs, and
+the registry's entries, for each node's boot and the certificate each next
+hop registered.
 
 Left out: who the route is (dgr.tracker.routing) and the calls themselves
 (dgr.tracker.seam_client).
@@ -38,13 +41,18 @@ class Credentials:
     # before it on a route
     nodes: dict[str, NodeEntry]
 
+    def boot(self, node_id: str) -> str:
+        """The boot nonce `node_id` registered last ("" for a node the registry does not know)."""
+        entry = self.nodes.get(node_id)
+        return "" if entry is None else entry.boot
+
     def capabilities(self, sid: str, hops: tuple[Hop, ...]) -> dict[str, str]:
         """The gateway's CONTROL capability for `sid` on each hop; none without an authority."""
         if self.authority is None:
             return {}
         now = time.time()
         return {h.node_id: self.authority.issue(sid, h.node_id, h.start, h.stop, now, ttl_s=self.life_s,
-                                                scope=Scope.CONTROL) for h in hops}
+                                                scope=Scope.CONTROL, boot=self.boot(h.node_id)) for h in hops}
 
     def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, RelayOrder]:
         """Each node's relay on the ring: the next hop (none for the tail), the capability to deliver
@@ -60,7 +68,8 @@ class Credentials:
         to: dict[str, NextHop] = {}  # node id -> how the node before it on the ring reaches it
         for hop in hops:
             cap = None if self.authority is None else self.authority.issue(
-                sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP)
+                sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP,
+                boot=self.boot(hop.node_id))
             entry = self.nodes.get(hop.node_id)
             to[hop.node_id] = NextHop(hop.node_id, hop.url, cap, None if entry is None else entry.tls_cert)
         route = ",".join(h.node_id for h in hops)
@@ -75,7 +84,8 @@ class Credentials:
         """The single-use ticket for opening `sid` on `hop` with exactly `body`; None without a key."""
         if self.authority is None or self.authority.identity is None:
             return None
-        return issue_ticket(self.authority.identity, sid, hop.node_id, hop.start, hop.stop, body, time.time())
+        return issue_ticket(self.authority.identity, sid, hop.node_id, hop.start, hop.stop, body, time.time(),
+                            boot=self.boot(hop.node_id))
 
     def ticketer(self, sid: str, hop: Hop) -> Callable[[bytes], str | None] | None:
         """What signs an open's body for `hop` (NodeClient.open calls it with the bytes it sends)."""

@@ -238,7 +238,7 @@ class Gateway:
             cap = None
             if self.authority is not None:
                 cap = self.authority.issue(sid, entry.node_id, entry.start, entry.stop, time.time(),
-                                           ttl_s=self.config.capability_margin_s, scope=Scope.CONTROL)
+                                           ttl_s=self.config.capability_margin_s, scope=Scope.CONTROL, boot=entry.boot)
             failure = Failure(Reason.CANCELLED, "the tracker no longer runs this Route Session", node=entry.node_id)
             with trio.move_on_after(self.config.step_deadline_s):
                 await self.clients.get(entry).close(sid, failure, cap)

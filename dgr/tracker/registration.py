@@ -9,7 +9,9 @@ node ids, TLS, proofs, layers within the model).
 Rules: integers are ints in [lo, 2^63) (bools, floats and strings refused);
 strings are non-empty and at most 1024 characters; a URL is
 http(s)://HOST:PORT; a heartbeat lists at most `MAX_HELD` session ids and
-names at most `MAX_PREFIXES` kept prefixes' block keys. A heartbeat's
+names at most `MAX_PREFIXES` kept prefixes' block keys; a boot nonce
+(dgr.security.auth `new_boot`) is 32 lowercase hex digits, and optional (a
+registration without one gets credentials bound to none). A heartbeat's
 `devices` (its accelerators' memory) that break the wire's bounds
 (dgr.seam.types: at most `MAX_DEVICES`, unique printable names, free <=
 total) are dropped with the reason, not refused: they are readings for
@@ -42,6 +44,7 @@ MAX_HELD = 65536  # session ids one heartbeat may list
 MAX_PREFIXES = MAX_ADVERTISED  # kept prefixes' keys one heartbeat may name
 _KEY = re.compile(f"[0-9a-f]{{{KEY_HEX}}}")
 _SID = re.compile(r"[0-9a-f]{32}")
+_BOOT = _SID  # a boot nonce is 128 random bits in hex, as a session id
 
 
 @attrs.frozen
@@ -62,6 +65,7 @@ class Registration:
     tls_cert: str | None = None
     manifest_id: str | None = None
     seed: str | None = None
+    boot: str = ""  # the node process's boot nonce: its capabilities and tickets are bound to it
 
 
 @attrs.frozen
@@ -74,6 +78,7 @@ class Heartbeat:
     prefixes: frozenset[str]
     devices: tuple[DeviceMemory, ...] = ()
     devices_dropped: str | None = None  # why the heartbeat's devices were dropped, when they were
+    boot: str | None = None  # the node process's boot nonce; None: not said
 
 
 def read_registration(data: dict[str, Any], *, seen: str | None, max_capacity: int) -> Registration:
@@ -100,6 +105,7 @@ def read_registration(data: dict[str, Any], *, seen: str | None, max_capacity: i
             pid=_int(data, "pid") if data.get("pid") is not None else None,
             max_positions=_int(data, "max_positions", 1, default=model.context_length),
             prefixes=_prefixes(data),
+            boot=_boot(data) or "",
         )
         cert = data.get("tls_cert")
         if cert is not None:
@@ -129,6 +135,7 @@ def read_heartbeat(data: dict[str, Any]) -> Heartbeat:
                 isinstance(s, str) and _SID.fullmatch(s) for s in held):
             raise ValueError(f"session_ids must be a list of at most {MAX_HELD} session ids")
         prefixes = _prefixes(data)
+        boot = _boot(data)
     except ValueError as exc:
         raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
     try:
@@ -136,7 +143,15 @@ def read_heartbeat(data: dict[str, Any]) -> Heartbeat:
     except ValueError as exc:
         devices, dropped = (), str(exc)[:300]
     return Heartbeat(sessions=sessions, kv_bytes=kv_bytes, held=frozenset(held), prefixes=prefixes,
-                     devices=devices, devices_dropped=dropped)
+                     devices=devices, devices_dropped=dropped, boot=boot)
+
+
+def _boot(data: dict[str, Any]) -> str | None:
+    """The message's boot nonce, None when it names none. Raises ValueError."""
+    boot = data.get("boot")
+    if boot is not None and not (isinstance(boot, str) and _BOOT.fullmatch(boot)):
+        raise ValueError("boot must be 32 lowercase hex digits")
+    return boot
 
 
 def _devices(value: Any) -> tuple[DeviceMemory, ...]:

@@ -23,7 +23,10 @@ a restarted tracker still sends a conversation's next turn to its KV. A
 node with accelerators names them in its heartbeats with their memory
 (`devices`), kept as of the last one: the node listing and /metrics show
 them; a heartbeat whose devices were dropped (malformed) says why in
-`devices_dropped`, and the tracker logs it once per new reason.
+`devices_dropped`, and the tracker logs it once per new reason. Each
+registration names the node process's boot nonce (`NodeEntry.boot`), which
+its credentials are bound to; a heartbeat naming another is answered as an
+unknown node, so the node registers its new boot first.
 
 Every entry belongs to the Ed25519 key that signed its registration
 (dgr.security.auth). The first key to register a node id owns it for the
@@ -141,6 +144,9 @@ class NodeEntry:
     tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
     proven: int = PROVEN_START  # sessions at once the tracker has seen it carry (see PROVEN_START)
     routed_at: float = 0.0  # when a route last took it (its registration until then): routes take turns
+    # the node process's boot nonce, from its signed registration: every capability and open ticket issued for the
+    # node is bound to it, so a restarted process refuses what was issued to the one before (dgr.security.auth)
+    boot: str = ""
 
     def __attrs_post_init__(self) -> None:
         self.routed_at = max(self.routed_at, self.registered_at)
@@ -193,6 +199,7 @@ class NodeEntry:
             "routable": self.routable,
             "key": key_text(self.key) if self.key else None,
             "tls": self.tls_cert is not None,
+            "boot": self.boot,
             "describe": self.describe,
         }
 
@@ -284,11 +291,15 @@ class Registry:
         return entry
 
     def heartbeat(self, data: dict[str, Any], now: float, *, key: bytes = b"") -> NodeEntry:
-        """Raises: CallerError(NOT_FOUND) for a node that must register (again), or signed by a key that
-        does not own the node id (the same answer: see `beating`); (INVALID_REQUEST) if malformed."""
+        """Raises: CallerError(NOT_FOUND) for a node that must register (again: a heartbeat naming another boot
+        than its registration's too), or signed by a key that does not own the node id (the same answer: see
+        `beating`); (INVALID_REQUEST) if malformed."""
         node_id = data.get("node")
         entry = self.beating(node_id if isinstance(node_id, str) else "", key)
         beat = read_heartbeat(data)
+        if beat.boot is not None and beat.boot != entry.boot:  # it restarted, unseen: bind the new boot first
+            raise CallerError(Reason.NOT_FOUND, f"node {entry.node_id[:100]!r} restarted since it registered "
+                                                "(another boot nonce): register again")
         entry.last_seen = now
         entry.sessions = beat.sessions
         entry.kv_bytes = beat.kv_bytes
