@@ -49,6 +49,7 @@ def cmd_tracker(args) -> int:
         spec_k_max=args.spec_k_max,
         spec_k=args.spec_k,
         spec_exact=args.spec_exact,
+        spec_allow=frozenset(args.spec_allow.split(",")) - {"none"},
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -211,6 +212,18 @@ def cmd_up(args) -> int:
     return run_up(args, main)  # the entry point each forked tracker and node runs
 
 
+def spec_allow(text: str) -> str:
+    """argparse type of `--spec-allow`: grants from dgr.api.openai SPEC_GRANTS, comma-separated, or none; kept
+    as text (sorted), which `dgr up` hands on as it is."""
+    from dgr.api.openai import SPEC_GRANTS
+
+    grants = sorted({g.strip() for g in text.split(",") if g.strip()} - {"none"})
+    unknown = [g for g in grants if g not in SPEC_GRANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(SPEC_GRANTS)} (or none)")
+    return ",".join(grants) or "none"
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count that must be at least 1 (a context, sessions, threads, nodes, a chunk): a bad
     one is a usage error at once, not a node that its tracker refuses again and again."""
@@ -315,13 +328,18 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="cancel a stream whose reader takes nothing for this long (slow_client); 0: never")
     p.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole: offer nodes no prefix chain, and let them keep no KV")
-    from dgr.api.openai import SPECULATION
+    from dgr.api.openai import SPEC_ALLOW_DEFAULT, SPEC_GRANTS, SPECULATION
 
     p.add_argument("--spec", choices=SPECULATION, default="off",
                    help="speculative decoding: ngram drafts tokens from the session's own prompt and answer at the "
                         "route's tail, draft with the tail's --draft-model, and each trip around the ring verifies k "
                         "of them; -exact: answers equal to decoding without speculation (default off; a request's "
                         "\"speculation\" field overrides it)")
+    p.add_argument("--spec-allow", type=spec_allow, default=",".join(SPEC_ALLOW_DEFAULT), metavar="GRANTS",
+                   help=f"what a request's \"speculation\" may name besides off and --spec, comma-separated from "
+                        f"{', '.join(SPEC_GRANTS)} (none: nothing); prompt lets an n-gram route tail be sent the "
+                        f"prompt's ids to draft from (a draft model always reads them). Default: "
+                        f"{','.join(SPEC_ALLOW_DEFAULT)}: -exact costs every node and draft the tail CPU")
     p.add_argument("--spec-k-max", type=int, default=8, help="drafts a speculative step carries at most (1 to 8)")
     p.add_argument("--spec-k", type=int, default=None,
                    help="a fixed number of drafts a step (default: chosen per session from the measured acceptance "

@@ -127,7 +127,8 @@ def _ask(route: LocalRoute, speculation: str) -> tuple[str, dict]:
 def test_draft_exact_answers_as_decoding_without_speculation(tiny, draft) -> None:
     """A draft equal to the target has its drafts taken; another one mostly refused; either way the answer is
     the one without speculation, and the draft's sequences go with the session."""
-    extra = ("--model", tiny["target"], "--draft-model", tiny[draft], "--ctx", "512", "--spec-k", "3")
+    extra = ("--model", tiny["target"], "--draft-model", tiny[draft], "--ctx", "512", "--spec-k", "3",
+             "--spec-allow", "draft,draft-exact")
     with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=120, extra=extra) as route:
         plain, _ = _ask(route, "off")
         same, spec = _ask(route, "draft-exact")
@@ -147,7 +148,8 @@ def test_draft_exact_answers_as_decoding_without_speculation(tiny, draft) -> Non
 
 @pytest.mark.serial
 def test_a_node_lost_mid_speculation_fails_the_session_and_frees_the_draft(tiny) -> None:
-    extra = ("--model", tiny["target"], "--draft-model", tiny["target"], "--ctx", "512", "--spec-k", "3")
+    extra = ("--model", tiny["target"], "--draft-model", tiny["target"], "--ctx", "512", "--spec-k", "3",
+             "--spec-allow", "draft")
     with LocalRoute(backend="llama_shard", nodes=3, ready_timeout_s=120, extra=extra) as route:
         model = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
         body = {"model": model, "prompt": tiny_prompt(20), "max_tokens": 400, "temperature": 0, "stream": True,
@@ -168,7 +170,7 @@ def test_a_node_lost_mid_speculation_fails_the_session_and_frees_the_draft(tiny)
 
 @pytest.mark.serial
 def test_draft_speculation_needs_a_draft_model_on_the_tail() -> None:
-    with LocalRoute(backend="stub", nodes=2) as route:
+    with LocalRoute(backend="stub", nodes=2, extra=("--spec-allow", "draft")) as route:
         model = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
         r = httpx.post(f"{route.api}/chat/completions", timeout=30, json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,

@@ -26,7 +26,8 @@ PROMPTS = {
 
 def test_exact_speculation_answers_as_decoding_without_it() -> None:
     with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600,
-                    extra=("--ctx", "2048", "--spec-k", "4", "--spec-exact")) as route:
+                    extra=("--ctx", "2048", "--spec-k", "4", "--spec-exact",
+                           "--spec-allow", "ngram,prompt")) as route:  # the tail drafts from the prompt too
         model = httpx.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
         accepted = 0
         for name, prompt in PROMPTS.items():

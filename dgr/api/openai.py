@@ -23,7 +23,7 @@ from dgr.sampling import SamplingParams
 from dgr.seam.opening import are_token_ids, parse_messages  # an open carries the prompt: the seam checks it
 
 __all__ = ["GenerationRequest", "parse_request", "parse_messages", "completion_body", "chunk_body", "usage_body",
-           "are_token_ids", "DEFAULT_MAX_TOKENS", "SPECULATION"]
+           "are_token_ids", "DEFAULT_MAX_TOKENS", "SPECULATION", "SPEC_GRANTS", "SPEC_ALLOW_DEFAULT"]
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP = 4
@@ -33,6 +33,12 @@ MAX_STOP = 4
 # also with every node computing a step's positions one at a time ("-exact": answers equal to decoding without
 # speculation), or none.
 SPECULATION = ("ngram", "ngram-exact", "draft", "draft-exact", "off")
+# What an operator may let a request ask for (`dgr tracker --spec-allow`, issue 55): a mode, or "prompt", which
+# lets an n-gram tail be sent the prompt's last ids to draft from (a draft model always reads them). "off" and the
+# tracker's own `--spec` need no grant. By default only n-gram drafts from the answer itself: "-exact" costs
+# every node of the route a llama_decode per drafted position, and a draft model the tail's CPU.
+SPEC_GRANTS = ("ngram", "ngram-exact", "draft", "draft-exact", "prompt")
+SPEC_ALLOW_DEFAULT = ("ngram",)
 
 
 @attrs.frozen

@@ -231,6 +231,7 @@ class NetnsRoute:
     prefill_chunk: int = 512
     draft_model: str | None = None  # the tail's `--draft-model`
     draft_threads: int | None = None
+    spec_allow: str | None = None  # the tracker's --spec-allow (None: its default)
     busy_poll_ms: float | None = None  # each node's --busy-poll-ms (None: the product's default)
     link: str = "auto"
     ready_timeout_s: float = 120.0
@@ -321,7 +322,8 @@ class NetnsRoute:
     def _start_processes(self, splits: list[LayerRange], deadline: float) -> None:
         from dgr.up import node_args, tracker_args
 
-        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32")
+        targs = types.SimpleNamespace(port=0, prefill_chunk=self.prefill_chunk, step_deadline=10.0, seam_dtype="f32",
+                                      spec_allow=self.spec_allow)
         tracker = _Child.spawn("tracker", [*dgr_command(*tracker_args(targs)), "--host", self.tracker_link.addr],
                                clean_env(**{JOIN_ENV: self.secret,
                                             API_KEYS_ENV: ",".join((self.api_key, *self.other_keys))}))

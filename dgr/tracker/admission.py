@@ -32,7 +32,10 @@ it before a response starts and the client gets a plain 4xx/5xx:
 - each node session with its relay plan, its ticket and its lane in the
   route's phase groups (dgr.fsm.phases), and, where the session speculates
   (issue 42, dgr.node.speculation), the drafts a step may carry, and for the
-  tail the prompt to draft from.
+  tail the prompt to draft from where its mode needs it (a draft model) or the
+  operator allowed it (`--spec-allow prompt`). A mode the operator did not
+  allow (`--spec-allow`: by default n-grams, neither `-exact` nor `draft`,
+  which cost every node or the tail CPU) is refused before any open.
 Any failure closes what was opened (what may have opened unseen is owed a
 close), gives the slots back and ends the Route Session as failed.
 
@@ -164,7 +167,8 @@ class Admission:
             board = self.phases[key] = RoutePhases(len(choice.hops))
         return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials, self.patience,
                             self.config.step_deadline_s, lambda: rs.state.value, bounds, relays, spec, board,
-                            board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops))
+                            board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops),
+                            prompt_to_tail=self.config.prompt_to_tail(req.speculation or self.config.speculation))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
         """(route, its held slots): a route whose nodes all kept the longest prefix of `offer`'s blocks that this
@@ -263,10 +267,15 @@ class Admission:
         drop positions).
 
         Raises:
+            CallerError(FORBIDDEN): a mode the operator did not allow (`--spec-allow`), before any open.
             CallerError(INVALID_REQUEST): `draft` speculation on a route whose tail has no draft model.
         """
         cfg = self.config
         mode = req.speculation or cfg.speculation
+        if not cfg.spec_allowed(mode):
+            raise CallerError(Reason.FORBIDDEN, f"speculation {mode!r} is not allowed by this tracker (it allows "
+                                                f"{', '.join(sorted({'off', cfg.speculation, *cfg.spec_allow}))}; "
+                                                "dgr tracker --spec-allow)", param="speculation")
         if mode == "off" or not all(n.model.drops_positions for n in nodes):
             return None
         source = mode.removesuffix("-exact")

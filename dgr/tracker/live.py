@@ -20,7 +20,7 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.api.openai import SPECULATION, GenerationRequest, usage_body
+from dgr.api.openai import SPEC_ALLOW_DEFAULT, SPEC_GRANTS, SPECULATION, GenerationRequest, usage_body
 from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, Failure, Reason
 from dgr.fsm.phases import RoutePhases
@@ -78,12 +78,26 @@ class GatewayConfig:
     # compute a speculative step's positions one at a time on every node, so its answers equal decoding
     # without speculation to the bit (llama.cpp rounds a multi-row batch differently); a trip is still saved
     spec_exact: bool = False
+    # What a request's "speculation" may name besides "off" and `speculation` (`--spec-allow`, dgr.api.openai
+    # SPEC_GRANTS): the costly modes are the operator's to allow, and "prompt" lets an n-gram tail read the prompt
+    spec_allow: frozenset[str] = frozenset(SPEC_ALLOW_DEFAULT)
 
     def __attrs_post_init__(self) -> None:
         if self.speculation not in SPECULATION or not 1 <= self.spec_k_max <= MAX_DRAFTS or not (
                 self.spec_k is None or 0 <= self.spec_k <= self.spec_k_max):
             raise CallerError(Reason.INVALID_REQUEST, f"speculation is one of {', '.join(SPECULATION)}, with "
                                                       f"1 <= spec_k_max <= {MAX_DRAFTS} and 0 <= spec_k <= spec_k_max")
+        if not self.spec_allow <= set(SPEC_GRANTS):
+            raise CallerError(Reason.INVALID_REQUEST, f"spec_allow names {', '.join(SPEC_GRANTS)} only")
+
+    def spec_allowed(self, mode: str) -> bool:
+        """May a request ask for speculation `mode`: "off", the tracker's own, or one the operator allowed."""
+        return mode in ("off", self.speculation) or mode in self.spec_allow
+
+    def prompt_to_tail(self, mode: str) -> bool:
+        """Is a route's tail sent the prompt's ids to draft from in `mode`: a draft model needs them (its mode
+        was allowed), n-grams only where the operator allowed "prompt"."""
+        return mode.removesuffix("-exact") == "draft" or "prompt" in self.spec_allow
 
 
 # A generous bound on UTF-8 bytes per token: real text averages 3 to 5, and a

@@ -63,6 +63,9 @@ class RouteOpening:
     held: dict[str, int] = attrs.field(factory=dict)  # node id -> the prefix positions it opened on
     tokens: list[int] | None = None  # the head's ids for the prompt it was given
     reusable: bool = False  # the head may hold a prefix of them: it is named to every hop
+    # a speculating tail is sent the prompt's last ids to draft from (GatewayConfig.prompt_to_tail); else it drafts
+    # from the answer alone and never sees the prompt's ids
+    prompt_to_tail: bool = False
 
     async def trip(self, trip: Trip, prompt: dict[str, Any], ids: list[int] | None, offer: AdoptRequest) -> None:
         """Run one planned trip: each hop's call (`trip.head` for the head, `trip.later` for the rest) at once.
@@ -100,7 +103,7 @@ class RouteOpening:
             return attrs.evolve(base, max_new=b.max_new)
         ids = ids or []  # the plan gives a later hop these calls only once the ids are known
         spec = self.spec
-        if spec is not None and hop == self.hops[-1]:  # the tail drafts from what its n-gram index keeps
+        if spec is not None and hop == self.hops[-1] and self.prompt_to_tail:  # the tail drafts from them
             spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
         return attrs.evolve(base, max_positions=len(ids) + min(b.max_new, b.context - len(ids)), spec=spec,
                             reuse=offer if call is Call.ON_PREFIX else AdoptRequest())
