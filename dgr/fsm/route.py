@@ -125,6 +125,8 @@ class RouteSession:
     accepted: int = 0
     spec_k: int = 0
     tokens_per_second: float = 0.0  # over the last RATE_WINDOW token times: it changes only when a token comes
+    # whose it is: the caller's isolation scope (a hash of its API key), so that only it sees the session's telemetry
+    owner: str = ""
     _token_times: collections.deque[float] = attrs.field(
         factory=functools.partial(collections.deque, maxlen=RATE_WINDOW))
 

@@ -94,14 +94,14 @@ class Admission:
         """Route, open node sessions (the head tokenizing the prompt inside its open), check the context.
 
         `scope` isolates kept prefixes: only requests of the same scope (the API key's hash) reuse
-        each other's, unless the gateway shares prefixes.
+        each other's, unless the gateway shares prefixes; it owns the Route Session (only it sees its telemetry).
 
         Raises:
             CallerError: bad model, prompt too long, nodes at capacity.
             PeerError: no route, a node lost while opening.
         """
         now = trio.current_time()
-        rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now)
+        rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now, owner=scope)
         rs.start_routing(now)
         reserved: tuple[NodeEntry, ...] = ()
         opening: RouteOpening | None = None

@@ -12,7 +12,9 @@ Who may call what (spec/security.md):
   ownership of the id are checked before its body is parsed (the body's
   `node` must then agree);
 - with API keys, the OpenAI endpoints and the telemetry views need
-  `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise);
+  `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise), and a
+  key sees only the Route Sessions it made: another key's are left out of the
+  listing and are `not_found` by id, as an unknown id is;
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
   (which nodes fetching layers read) stay open.
 
@@ -43,7 +45,7 @@ from dgr.api.openapi import openapi_document
 from dgr.errors import CallerError, Failure, Reason
 from dgr.api.server import authenticated
 from dgr.seam.wire import NODE_HEADER, ROUTE_SESSION_HEADER
-from dgr.fsm.route import RouteState
+from dgr.fsm.route import RouteSession, RouteState
 from dgr.tracker.gateway import Gateway
 from dgr.security.api_keys import check_bearer
 from dgr.security.browsers import loopback_only
@@ -254,25 +256,31 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     app.add_url_rule("/v1/completions", "completions", generate, methods=["POST"], defaults={"kind": "completion"})
 
     # -- Route Sessions ---------------------------------------------------------
+    def _viewer() -> str | None:
+        """Whose Route Sessions the caller sees: its API key's scope; None without API keys (every one)."""
+        return _prefix_scope(request.headers.get("Authorization")) if api_keys else None
+
+    def _session(sid: str) -> RouteSession:
+        """Raises: CallerError(NOT_FOUND): no such session, or another key's (the same answer: no oracle)."""
+        rs, viewer = gateway.lookup(sid), _viewer()
+        if rs is None or viewer not in (None, rs.owner):
+            raise CallerError(Reason.NOT_FOUND, f"no route session {sid[:64]}")
+        return rs
+
     @app.get("/v1/route-sessions")
     async def route_sessions():
-        now = trio.current_time()
-        live = [l.rs.snapshot(now) for l in gateway.sessions.values()]
-        ended = [rs.snapshot(now) for rs in list(gateway.ended.values())[-50:]]
-        return json_response({"active": live, "recent": ended})
+        now, viewer = trio.current_time(), _viewer()
+        live = [l.rs.snapshot(now) for l in gateway.sessions.values() if viewer in (None, l.rs.owner)]
+        ended = [rs for rs in gateway.ended.values() if viewer in (None, rs.owner)][-50:]
+        return json_response({"active": live, "recent": [rs.snapshot(now) for rs in ended]})
 
     @app.get("/v1/route-sessions/<sid>")
     async def route_session(sid: str):
-        rs = gateway.lookup(sid)
-        if rs is None:
-            raise CallerError(Reason.NOT_FOUND, f"no route session {sid}")
-        return json_response(rs.snapshot(trio.current_time()))
+        return json_response(_session(sid).snapshot(trio.current_time()))
 
     @app.get("/v1/route-sessions/<sid>/events")
     async def route_session_events(sid: str):
-        rs = gateway.lookup(sid)
-        if rs is None:
-            raise CallerError(Reason.NOT_FOUND, f"no route session {sid}")
+        rs = _session(sid)
         hub = gateway.telemetry(sid)
 
         async def events() -> AsyncIterator[bytes]:
