@@ -21,8 +21,9 @@ Theory of operation:
   fails the session as `route_node_lost` and marks it dead, so new routes
   avoid it. A node that answers but holds a step past its deadline is blamed
   for it (a strike in the registry, dgr.tracker.blame); once the session's
-  one budget of extensions is spent it fails `session_timeout` naming that node. Survivors are told to drop the session's KV (shielded, bounded),
-  and no repair is attempted.
+  one budget of extensions is spent it fails `session_timeout` naming that
+  node. Survivors are told to drop the session's KV (shielded, bounded), and
+  no repair is attempted.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
 - Limits (`_watch_sessions`): a session past `max_session_s` fails
   (`session_timeout`); a streaming one whose reader has not taken a chunk for
