@@ -27,6 +27,7 @@ def cmd_tracker(args) -> int:
     from dgr.security.identity import claim_identity, parse_public_key
     from dgr.security.secrets import load_api_keys, load_join_token
     from dgr.security.tls import TlsTrust, check_server_files
+    from dgr.tracker.blame import SlowPolicy
     from dgr.tracker.gateway import GatewayConfig
     from dgr.tracker.proofs import Prover
     from dgr.tracker.run import run_tracker
@@ -72,6 +73,7 @@ def cmd_tracker(args) -> int:
                             prover=prover, require_proof=bool(manifests) if args.require_proof is None else args.require_proof,
                             trusted_ends=frozenset(parse_public_key(k) for k in args.trusted_head),
                             max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
+                            slow=SlowPolicy(ban_after=args.slow_ban_after, ban_s=args.slow_ban_s),
                             api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca, args.require_tls),
                             listening=listening)
 
@@ -393,8 +395,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
-                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
-                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on: "
+                        "a busy node is slow, not lost; a session's waits add up to X - 1 times one step's deadline "
+                        "on its route, the late hop blamed (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", action="append", default=[], metavar="M",
                    help="Model Artifact manifest to check nodes' layer proofs against; repeatable")
@@ -406,6 +409,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "every prompt, the tail every answer); repeatable; default: any admitted node")
     p.add_argument("--max-node-sessions", type=positive_int, default=MAX_NODE_SESSIONS, metavar="N",
                    help="the most sessions routed to one node at once, whatever capacity it declares")
+    p.add_argument("--slow-ban-after", type=int, default=3, metavar="N",
+                   help="ban a node from routing after it held late steps of N sessions within 10 minutes (0: never)")
+    p.add_argument("--slow-ban-s", type=float, default=600.0, metavar="S",
+                   help="how long a first ban for slowness lasts; each later one twice the one before")
     p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
     p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
     p.add_argument("--allow-node", action="append", default=[], metavar="PUBKEY",
@@ -460,8 +467,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=512)
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
-                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on, "
-                        "up to this many times the deadline: a busy node is slow, not lost (1: no patience)")
+                   help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on: "
+                        "a busy node is slow, not lost; a session's waits add up to X - 1 times one step's deadline "
+                        "on its route, the late hop blamed (1: no patience)")
     p.add_argument("--seam-dtype", default="f32", choices=("f32", "f16"))
     p.add_argument("--manifest", metavar="M",
                    help="Model Artifact manifest: the tracker checks layer proofs against it, every node verifies, "

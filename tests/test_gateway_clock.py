@@ -130,7 +130,8 @@ async def test_a_ring_slower_than_its_deadline_that_answers_its_probe_is_waited_
 
 async def test_a_ring_that_answers_its_probes_but_never_its_step_times_out_at_the_cap(autojump_clock, nursery) -> None:
     """A tail whose loop answers but whose compute never ends is too slow, not lost: `session_timeout` at
-    `slow_cap` times the route's deadline, and the node stays alive in the registry."""
+    `slow_cap` times the route's deadline (the session's one budget of extensions), naming the tail that held
+    the step, which takes a strike for it and stays alive in the registry."""
     cfg = GatewayConfig(step_deadline_s=10.0, per_token_deadline_s=0.05, sweep_s=0.1, slow_cap=3.0)
     route = _ring(cfg)
     await nursery.start(route.run)
@@ -143,9 +144,11 @@ async def test_a_ring_that_answers_its_probes_but_never_its_step_times_out_at_th
     waited = trio.current_time() - busy_at
     failure = live.rs.failure
     assert failure.reason is Reason.SESSION_TIMEOUT and "not lost" in failure.message, failure
+    assert failure.node == "n1", failure
     cap = cfg.slow_cap * ROUTE * (cfg.step_deadline_s + cfg.per_token_deadline_s)
     assert cap <= waited <= cap + 0.1, waited
     assert all(n.alive for n in route.registry.nodes.values())
+    assert len(route.registry.nodes["n1"].standing.strikes) == 1
 
 
 @pytest.mark.parametrize("killed", [0, 1, 2])

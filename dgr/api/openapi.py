@@ -153,7 +153,10 @@ def node_openapi_document() -> dict[str, Any]:
         "openapi": "3.0.3",
         "info": {"title": "dgr node", "version": "1"},
         "paths": {
-            "/healthz": {"get": {"responses": {"200": _OK}}},
+            # with ?session= (and the gateway's capability) the session's progress: the tracker's probe of a late step
+            "/healthz": {"get": {"parameters": [{"name": "session", "in": "query", "required": False,
+                                                 "schema": _SID}] + cap,
+                                 "responses": {"200": _OK, **_errors(403)}}},
             "/openapi.json": {"get": {"responses": {"200": _OK}}},
             "/v1/node/status": {"get": {"responses": {"200": _OK}}},
             "/v1/seam/sessions": {"post": {

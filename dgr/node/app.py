@@ -18,6 +18,10 @@ and an open also the tracker's single-use ticket for its exact body
 (`X-Dgr-Ticket`, dgr.security.tickets), whose digest is checked before the
 body is parsed.
 
+`/healthz` answers anyone with the node's id; asked about a session
+(`?session=`, the tracker's probe of a late step) it needs the gateway's
+capability for it, and adds how far the node got with it (NodeService.health).
+
 Layer-possession challenges are answered only when signed by the pinned
 tracker key and addressed to this node, and each answer is signed with this
 node's key over the challenge (nonce included): a node without the weights
@@ -160,7 +164,11 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.get("/healthz")
     async def healthz():
-        return json_response({"ok": True, "node": service.node_id})
+        # with ?session=, the tracker's probe of a late step: the session's progress, for its CONTROL capability
+        sid = request.args.get("session")
+        if sid is not None:
+            _authorize(service, request.scope, request.headers.get(CAPABILITY_HEADER), sid, Scope.CONTROL)
+        return json_response(service.health(sid))
 
     @app.get("/openapi.json")
     async def openapi():

@@ -171,6 +171,7 @@ class NodeSessionRecord:
     spec: TailSpec | None = None  # a ring's tail: its drafts and verdicts
     exact: bool = False  # its steps compute one position at a time
     hold: Hold = attrs.field(factory=Hold)  # a ring's tail: its next step, held for its phase group
+    done: int = -1  # the last step it computed and sent on (the tracker's probe asks: dgr.tracker.blame)
 
 
 @attrs.define

@@ -227,6 +227,7 @@ class NodeReplies:
             if links.nursery is not None:
                 links.nursery.start_soon(self.fail_session, frame.session, failure)
             return
+        rec.done = frame.seq
         if rec.loop is not None and frame.flags & Flag.SAMPLE and links.nursery is not None:
             links.ring.go(rec, step, links.nursery)
         if spec is not None:  # the route's cost of the step just verified

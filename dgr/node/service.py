@@ -228,6 +228,17 @@ class NodeService:
     def status(self, detail: bool = True) -> dict[str, Any]:
         return self.accounting.status(detail)
 
+    def health(self, sid: str | None = None) -> dict[str, Any]:
+        """The answer to the tracker's probe (/healthz): this node's id and, for a session (whose capability the
+        caller showed), how far it got: the last step it took and computed, and the scheduler's iteration. A
+        node that answers but makes no progress on a session is told from one that is computing it."""
+        out: dict[str, Any] = {"ok": True, "node": self.node_id}
+        if sid is not None:
+            rec = self.table.live.get(sid)
+            out["iteration"] = self.scheduler.iterations
+            out["session"] = None if rec is None else {"id": sid, "taken": rec.fsm.next_seq - 1, "done": rec.done}
+        return out
+
     # -- head: text in -----------------------------------------------------------------------------
     async def tokenize(self, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None
                        ) -> tuple[list[int], str]:

@@ -4,9 +4,11 @@ Rules:
 - One client per node id, made on first use and kept while the node keeps its
   URL and certificate; a node that moved or has a new certificate gets a new
   client, and its old connections are closed in the background.
-- `silent` asks nodes whether they live (`/healthz`, answered on a node's event
-  loop, never behind compute), all at once: the first that does not answer in
-  time is silent; a node the registry no longer holds as alive is silent.
+- `probe` asks nodes whether they live (`/healthz`, answered on a node's event
+  loop, never behind compute), all at once, and, given a session, how far
+  each got with it (dgr.tracker.blame `Progress`): a node that does not
+  answer in time, one the registry no longer holds as alive, and one whose
+  answer names another node are silent (left out of the answers).
 - `close` closes a session on several nodes at once, bounded in time, and
   says which did not confirm it: the caller owes those a close.
 
@@ -24,6 +26,7 @@ import trio
 from dgr.errors import DgrError, Failure, PeerError
 from dgr.fsm.route import Hop
 from dgr.security.tls import TlsTrust
+from dgr.tracker.blame import Progress
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.seam_client import NodeClient
 
@@ -67,26 +70,29 @@ class NodeClients:
         for c in self.clients.values():
             await c.aclose()
 
-    async def silent(self, nodes: list[str], within_s: float) -> str | None:
-        """The first of `nodes` that does not answer /healthz within `within_s` (asked all at once); None if
-        all do."""
-        answered: set[str] = set()
+    async def probe(self, nodes: list[str], within_s: float, sid: str | None = None,
+                    caps: dict[str, str] | None = None) -> dict[str, Progress]:
+        """The nodes of `nodes` that answer /healthz within `within_s` (asked all at once), each with its
+        progress on session `sid` (asked with the session's capability there, from `caps`)."""
+        answered: dict[str, Progress] = {}
 
         async def ask(node_id: str) -> None:
             entry = self.registry.nodes.get(node_id)
             if entry is None or not entry.alive:
                 return
             try:
-                await self.get(entry).alive()
+                data = await self.get(entry).probe(sid, (caps or {}).get(node_id))
             except PeerError:
                 return
-            answered.add(node_id)
+            progress = Progress.read(data, node_id)
+            if progress is not None:  # else another node answered at its address
+                answered[node_id] = progress
 
         with trio.move_on_after(within_s):
             async with trio.open_nursery() as nursery:
                 for node_id in nodes:
                     nursery.start_soon(ask, node_id)
-        return next((n for n in nodes if n not in answered), None)
+        return answered
 
     async def close(self, sid: str, hops: list[Hop | NodeEntry], failure: Failure | None, caps: dict[str, str],
                     keep: tuple[list[str], str] | None = None) -> list[str]:

@@ -19,8 +19,11 @@ Theory of operation:
   naming node, phase and step. A deadline tells a slow node from a dead one
   (dgr.tracker.patience): only a node's silence to the tracker's own probe
   fails the session as `route_node_lost` and marks it dead, so new routes
-  avoid it. Survivors are told to drop the session's KV (shielded, bounded),
-  and no repair is attempted.
+  avoid it. A node that answers but holds a step past its deadline is blamed
+  for it (a strike in the registry, dgr.tracker.blame); once the session's
+  one budget of extensions is spent it fails `session_timeout` naming that
+  node. Survivors are told to drop the session's KV (shielded, bounded), and
+  no repair is attempted.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
 - Limits (`_watch_sessions`): a session past `max_session_s` fails
   (`session_timeout`); a streaming one whose reader has not taken a chunk for
@@ -101,7 +104,7 @@ class Gateway:
         self.accounting = Accounting(keep_ended=cfg.keep_ended)
         self.accounting.metrics.watch(self._gauges)
         self.clients = NodeClients(self.registry, tls=self.tls)
-        self.patience = Patience(self.clients.silent, cfg.slow_cap)
+        self.patience = Patience(self.clients.probe, cfg.slow_cap, strike=self._strike)
         self.owed = OwedCloses(cfg.unclosed_ttl_s)
         # a capability outlives the longest session by a margin, for the close after it
         self.credentials = Credentials(self.authority, (cfg.max_session_s or 24 * 3600.0) + cfg.capability_margin_s,
@@ -135,6 +138,11 @@ class Gateway:
     @property
     def slow_waits(self) -> int:
         return self.patience.extended
+
+    def _strike(self, node_id: str) -> None:
+        """A late step blamed on a node (dgr.tracker.blame): its standing in the registry pays for it."""
+        log.warning("node %s held a step past its deadline", node_id)
+        self.registry.strike(node_id, trio.current_time())
 
     def _gauges(self):
         states = collections.Counter(live.rs.state for live in self.sessions.values())
@@ -191,8 +199,10 @@ class Gateway:
                 # Its response was made but its body never started: the client left in between.
                 failure = Failure(Reason.CANCELLED, "the client went away before its stream started")
             elif cfg.max_session_s is not None and now - rs.created_at > cfg.max_session_s:
+                blamed = live.allowance.blamed if live.allowance is not None else []
                 failure = Failure(Reason.SESSION_TIMEOUT,
-                                  f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s")
+                                  f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s",
+                                  node=blamed[0] if blamed else None)  # the first node that held a step late
             elif (cfg.slow_client_s is not None and live.writing_since is not None
                   and now - live.writing_since > cfg.slow_client_s):
                 # The reader holds unread output: its socket is full. Its KV is freed

@@ -29,6 +29,7 @@ from dgr.fsm.route import RouteEvent, RouteSession
 from dgr.seam.frame import Frame
 from dgr.seam.link import Link
 from dgr.seam.wire import MAX_DRAFTS, DType
+from dgr.tracker.patience import Allowance
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.telemetry import Broadcast
 
@@ -40,8 +41,9 @@ class GatewayConfig:
     prefill_chunk: int = 512  # one llama.cpp ubatch: every stage must cut prefill the same way
     step_deadline_s: float = 10.0  # a step's base deadline; SIGSTOP is usually caught sooner by heartbeats
     per_token_deadline_s: float = 0.05
-    # A step whose nodes all answer /healthz when its deadline comes waits on, up to this many times its
-    # deadline: a node busy with other sessions' long prompts, or beside another process, is slow, not lost
+    # A step whose nodes all answer /healthz when its deadline comes waits on: a node busy with other
+    # sessions' long prompts, or beside another process, is slow, not lost. A session's waits are extended,
+    # in all, by at most (slow_cap - 1) times one decode step's deadline on its route (dgr.tracker.patience)
     slow_cap: float = 4.0
     seam_dtype: DType = DType.F32
     sweep_s: float = 0.1
@@ -150,6 +152,8 @@ class LiveSession:
     answered_at: float | None = None  # trio time the tail's last answer came
     answered_seq: int | None = None  # the step it answered
     phases: RoutePhases | None = None  # the board of the route's phase groups (dgr.fsm.phases)
+    # its one budget of deadline extensions, and the nodes blamed for its late steps (dgr.tracker.patience)
+    allowance: Allowance | None = None
     # who hears the session's events besides its telemetry (the gateway's accounting)
     listener: Callable[..., None] | None = None
 

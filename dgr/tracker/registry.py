@@ -64,6 +64,12 @@ A node's declared capacity is a claim: the tracker bounds it
 has been seen to carry (`NodeEntry.limit`, see PROVEN_START), so a node
 cannot draw every session by declaring a million slots.
 
+A node blamed for a late step (dgr.tracker.blame) gets a strike (`strike`):
+each halves its limit and doubles its load as routing compares it, and
+enough of them ban it (not `routable`) for a while. Its `Standing` is kept
+by node id and key, apart from its entry, so registering again (a restart)
+or being forgotten clears none of it; `sweep` expires strikes and lifts bans.
+
 A node may claim a Model Artifact (a manifest id and, optionally, the
 address it seeds it on). Each registration starts the claim's proof afresh:
 PENDING until the tracker's challenges (dgr.tracker.proofs) pass or fail.
@@ -83,6 +89,7 @@ from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.seam.types import DeviceMemory, ModelInfo
+from dgr.tracker.blame import SlowPolicy, Standing
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 from dgr.tracker.registration import read_heartbeat, read_registration
 
@@ -147,6 +154,7 @@ class NodeEntry:
     # the node process's boot nonce, from its signed registration: every capability and open ticket issued for the
     # node is bound to it, so a restarted process refuses what was issued to the one before (dgr.security.auth)
     boot: str = ""
+    standing: Standing = attrs.field(factory=Standing)  # its timeouts (the registry's, shared across registrations)
 
     def __attrs_post_init__(self) -> None:
         self.routed_at = max(self.routed_at, self.registered_at)
@@ -155,11 +163,18 @@ class NodeEntry:
 
     @property
     def routable(self) -> bool:
-        return self.alive and self.proof.routable
+        return self.alive and self.proof.routable and not self.standing.banned
 
     def limit(self) -> int:
-        """Sessions the tracker routes to it at once: its capacity (bounded at registration), as far as proven."""
-        return min(self.capacity, self.proven)
+        """Sessions the tracker routes to it at once: its capacity (bounded at registration), as far as proven,
+        halved for each strike it holds (at least one)."""
+        return max(1, min(self.capacity, self.proven) >> len(self.standing.strikes))
+
+    @property
+    def load(self) -> int:
+        """Its sessions as routing weighs them: doubled, plus one, for each strike it holds, so a node with
+        one strike is chosen as if it held 2n + 1 (an idle one as if it held one)."""
+        return ((self.reserved + 1) << len(self.standing.strikes)) - 1
 
     def full(self) -> bool:
         return self.reserved >= self.limit()
@@ -197,6 +212,8 @@ class NodeEntry:
             "seed": self.seed,
             "proof": self.proof.to_json(),
             "routable": self.routable,
+            "strikes": len(self.standing.strikes),
+            "banned_s": None if self.standing.banned_until is None else round(self.standing.banned_until - now, 1),
             "key": key_text(self.key) if self.key else None,
             "tls": self.tls_cert is not None,
             "boot": self.boot,
@@ -213,6 +230,9 @@ class Registry:
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
     max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
     trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
+    slow: SlowPolicy = attrs.field(factory=SlowPolicy)  # what timeouts cost a node (dgr.tracker.blame)
+    # (node id, key) -> its timeouts, kept while it has any (pruned in `forget` once quiet)
+    standings: dict[tuple[str, bytes], Standing] = attrs.field(factory=dict)
 
     # node id -> the key that first registered it, while its entry is known (pruned with it in `forget`)
     owners: dict[str, bytes] = attrs.field(factory=dict)
@@ -264,8 +284,20 @@ class Registry:
             log.warning("node %s bound every interface but registered over loopback: recorded at %s, which other "
                         "machines cannot reach. If it serves other machines, give it --tracker with this tracker's "
                         "LAN address, or --advertise", entry.node_id, entry.url)
+        entry.standing = self.standings.setdefault((entry.node_id, key), entry.standing)
         self.nodes[entry.node_id] = entry
         return entry
+
+    def strike(self, node_id: str, now: float) -> bool:
+        """A late step blamed on `node_id` (dgr.tracker.blame); True when it bans the node."""
+        entry = self.nodes.get(node_id)
+        if entry is None:
+            return False
+        banned = entry.standing.strike(now, self.slow)
+        if banned:
+            log.warning("node %s banned from routing for %.0fs: %d timeouts within %.0fs", node_id,
+                        entry.standing.banned_until - now, self.slow.ban_after, self.slow.window_s)
+        return banned
 
     def beating(self, node_id: str, key: bytes) -> NodeEntry:
         """The live entry a heartbeat for `node_id` signed by `key` would update; changes nothing.
@@ -332,6 +364,8 @@ class Registry:
     def sweep(self, now: float) -> list[str]:
         """Mark nodes whose heartbeats stopped; return the ids that just died."""
         died = []
+        for standing in self.standings.values():
+            standing.refresh(now, self.slow)
         for entry in self.nodes.values():
             if entry.alive and now - entry.last_seen > self.dead_after_s:
                 entry.alive = False
@@ -350,6 +384,9 @@ class Registry:
         for e in gone:
             del self.nodes[e.node_id]
             self.owners.pop(e.node_id, None)
+        held = {(e.node_id, e.key) for e in self.nodes.values()}
+        for k in [k for k, s in self.standings.items() if k not in held and s.quiet]:
+            del self.standings[k]
         return gone
 
     def alive(self) -> list[NodeEntry]:

@@ -16,7 +16,9 @@ calls of `Driver`:
   here a lost head is the tail's to report.
 - `answer(live, seq)`: the tail's answer to step `seq`, whose number the
   caller takes from the answer before it, within the route's deadline
-  (dgr.tracker.patience: extended while every node answers its probe). Its
+  (dgr.tracker.patience: extended while every node answers its probe, from
+  the session's one budget, `LiveSession.allowance`, made at prefill; a step
+  past its deadline is blamed on the hop holding it). Its
   round trip since the answer before, less every hop's compute, is shared
   out among the N links a token crosses: each hop's seam overhead.
 
@@ -68,6 +70,7 @@ class Ring:
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
         head = rs.route[0]
+        live.allowance = self.patience.allowance(rs.sid, self.deadline(1) * len(rs.route), live.caps)
         client = self.clients.get(head)
 
         def early(end: LinkEnd) -> None:  # the head refused a step, or was lost, while the link was open
@@ -87,7 +90,7 @@ class Ring:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed)
             for k, pos0, ids in chunks:
-                answer = await self.answer(live, k, len(ids))
+                answer = await self.answer(live, k, len(ids), from_gateway=True)
                 window.release()
                 if k < last:
                     live.publish_progress(pos0 + len(ids))
@@ -98,7 +101,7 @@ class Ring:
 
     async def _send_head(self, live: LiveSession, frame: bytes, n_tokens: int, step: int) -> None:
         head = live.rs.route[0]
-        with self.patience.patient([head.node_id], self.deadline(n_tokens)) as wait:
+        with self.patience.patient([head.node_id], self.deadline(n_tokens), live.allowance) as wait:
             try:
                 await live.head.send(encode_record((), frame))
             except LinkBroken as broken:
@@ -112,17 +115,18 @@ class Ring:
         client = self.clients.get(live.rs.route[0])
         return client.stream_failure(end.answer if end.answer is not None else end.lost, phase=live.rs.state.value)
 
-    async def answer(self, live: LiveSession, seq: int, n_tokens: int = 1) -> Answer:
-        """The tail's answer to step `seq`.
+    async def answer(self, live: LiveSession, seq: int, n_tokens: int = 1, *, from_gateway: bool = False) -> Answer:
+        """The tail's answer to step `seq` (`from_gateway`: a prompt chunk the gateway sent the head).
 
         Raises:
-            PeerError: a node reported a failure, another step's answer came, or none came in time.
+            PeerError: a node reported a failure, another step's answer came, or none came in time
+                (SESSION_TIMEOUT naming the hop that held it, once the session's budget is spent).
         """
         route = live.rs.route
         got = await self.patience.until_answer(
             functools.partial(self._take, live, seq), [h.node_id for h in route], route[-1].node_id,
-            self.deadline(n_tokens) * len(route), f"gave no answer to step {seq}", step=seq,
-            phase=live.rs.state.value)
+            self.deadline(n_tokens) * len(route), f"gave no answer to step {seq}", allowance=live.allowance,
+            seq=seq, from_gateway=from_gateway, step=seq, phase=live.rs.state.value)
         now = trio.current_time()
         if got.frame.seq == live.answered_seq:
             return got  # a speculative step's next token: the same trip as the answer before

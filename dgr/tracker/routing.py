@@ -14,6 +14,10 @@ The rule, in order:
    registers a huge capacity (or all the layers) gets no larger share for
    it. Capacity only refuses a node once it is full, and what a node may
    declare is bounded by the tracker (dgr.tracker.registry, `NodeEntry.limit`).
+   A node's sessions are weighed by its strikes for late steps
+   (`NodeEntry.load`: doubled, plus one, a strike; dgr.tracker.blame), so a
+   node blamed for slowness is chosen as if it held more; a banned one is
+   not routable at all.
 4. Then the route whose most recently routed node was routed longest ago
    (`NodeEntry.routed_at`, which starts at its registration, so a node that
    joins does not draw a burst of sessions): sessions that come one at a
@@ -119,10 +123,10 @@ def _lowest(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], An
 def _best_path(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
     """The cover whose busiest node holds the fewest sessions; then the one whose most recently routed node
     was routed longest ago; then `_shortest`'s."""
-    most = _lowest(nodes, n_layers, attrgetter("reserved"))
+    most = _lowest(nodes, n_layers, attrgetter("load"))
     if most is None:
         return None
-    calm = [n for n in nodes if n.reserved <= most]
+    calm = [n for n in nodes if n.load <= most]
     latest = _lowest(calm, n_layers, attrgetter("routed_at"))
     return _shortest([n for n in calm if n.routed_at <= latest], n_layers)
 
@@ -139,7 +143,8 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
     if not named:
         raise CallerError(Reason.MODEL_NOT_FOUND, f"the model {model!r} does not exist or no live node serves it")
     serving = [n for n in named if n.routable]
-    unproven = sorted(f"{n.node_id} ({n.proof.state.value})" for n in named if not n.routable)
+    unproven = sorted(f"{n.node_id} ({'banned: too slow' if n.standing.banned else n.proof.state.value})"
+                      for n in named if not n.routable)
     by_digest: dict[tuple[str, str], list[NodeEntry]] = {}
     for n in serving:
         by_digest.setdefault(_group_key(n), []).append(n)
@@ -154,7 +159,7 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
         if path is None:
             capacity_blocked |= _best_path(group, n_layers) is not None
             continue
-        key = (max(n.reserved for n in path), max(n.routed_at for n in path), len(path))
+        key = (max(n.load for n in path), max(n.routed_at for n in path), len(path))
         if best_key is None or key < best_key:
             hops = tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path)
             best, best_key = RouteChoice(hops, path, digest, manifest_id or None), key
@@ -169,7 +174,7 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
         gaps = sorted({g for group in by_digest.values() for g in missing_ranges(group, group[0].model.n_layers)})
     else:
         gaps = missing_ranges([], named[0].model.n_layers)
-    why = f"; not routable (layer proof pending or failed): {', '.join(unproven)}" if unproven else ""
+    why = f"; not routable (layer proof pending or failed, or banned): {', '.join(unproven)}" if unproven else ""
     raise PeerError(
         Reason.NO_ROUTE,
         f"no live route covers all layers of {model!r}; missing layers: {', '.join(gaps)}{why}",

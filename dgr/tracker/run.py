@@ -23,6 +23,7 @@ from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust
 from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
+from dgr.tracker.blame import SlowPolicy
 from dgr.tracker.gateway import Gateway, GatewayConfig
 from dgr.tracker.proofs import Prover
 from dgr.tracker.registry import DEAD_AFTER_S, MAX_NODE_SESSIONS, Registry
@@ -35,8 +36,10 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                       trusted_ends: frozenset[bytes] = frozenset(), max_node_sessions: int = MAX_NODE_SESSIONS,
                       admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
                       max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
-                      tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None) -> None:
-    """Serve until cancelled. `prover` holds the manifests layer proofs are checked against.
+                      tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None,
+                      slow: SlowPolicy = SlowPolicy()) -> None:
+    """Serve until cancelled. `prover` holds the manifests layer proofs are checked against; `slow` is what
+    late steps cost a node (dgr.tracker.blame).
 
     `listening` is a socket already bound and listening (`dgr up` hands one over): the tracker serves
     on it, and host is then only checked against the exposure rule.
@@ -54,7 +57,7 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                               + "; only a loopback tracker may run without them")
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
                                         trusted_ends=trusted_ends, max_node_sessions=max_node_sessions,
-                                        require_tls=tls.required), config=config,
+                                        require_tls=tls.required, slow=slow), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls)
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls

@@ -226,6 +226,19 @@ class NodeClient:
         """
         await self._request("GET", "/healthz")
 
+    async def probe(self, sid: str | None = None, capability: str | None = None) -> Any:
+        """/healthz, and with `sid` (and the session's capability) the node's progress on that session: its
+        JSON answer (dgr.tracker.blame `Progress` reads it), or None for one that is not JSON (it still answered).
+
+        Raises:
+            PeerError(ROUTE_NODE_LOST): no answer (transport failure).
+        """
+        r = await self._request("GET", "/healthz", capability, params={"session": sid} if sid else None)
+        try:
+            return json.loads(r.content) if r.status_code == 200 else None
+        except ValueError:
+            return None
+
     async def status(self) -> dict[str, Any]:
         r = await self._request("GET", "/v1/node/status")
         if r.status_code != 200:
