@@ -31,7 +31,12 @@ Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
    for its neighbour (the next hop, a ring's head) is `STEP`: it lets the
    holder send that session's steps there and nothing else, so a route
    member cannot open, re-open, close or plant KV on the nodes it feeds.
-   A token that names no scope allows steps only.
+   A token that names no scope allows steps only. What a node sends the
+   tracker is scoped too, and bound to the node that sends it: the tail
+   alone holds `DELIVER` (the session's answers, and failure reports),
+   every other hop `REPORT` (failure reports only), each naming its own id
+   and layers, so the tracker knows who sent an answer or a report from the
+   token, not from what the sender says. Neither allows a call on a node.
 
 Signatures are domain-separated (`identity.Identity.sign`), so a signature
 made in one role is never valid in another.
@@ -200,13 +205,25 @@ class Admission:
 
 
 class Scope(enum.Enum):
-    """What a capability lets its holder do with its session on its node."""
+    """What a capability lets its holder do with its session: on the node it names, or at the tracker."""
 
     STEP = "step"  # send the session's steps on its stream: what a neighbour holds
     CONTROL = "control"  # steps, and open, close (with keep), status and tokenize: the gateway's own
+    DELIVER = "deliver"  # the tail's, for the tracker: the session's answers, and failure reports
+    REPORT = "report"  # every other hop's, for the tracker: failure reports only
 
     def allows(self, need: Scope) -> bool:
-        return self is Scope.CONTROL or need is Scope.STEP
+        return need in _ALLOWS[self]
+
+
+# What each scope allows: a node's calls (STEP, CONTROL) and the tracker's (DELIVER, REPORT) never mix,
+# so a capability that names a node's own id and layers for the tracker is no step on that node.
+_ALLOWS: dict[Scope, frozenset[Scope]] = {
+    Scope.STEP: frozenset({Scope.STEP}),
+    Scope.CONTROL: frozenset({Scope.CONTROL, Scope.STEP}),
+    Scope.DELIVER: frozenset({Scope.DELIVER, Scope.REPORT}),
+    Scope.REPORT: frozenset({Scope.REPORT}),
+}
 
 
 @attrs.frozen
@@ -265,6 +282,24 @@ class CapabilityAuthority:
 
         Raises: CallerError(FORBIDDEN) naming what does not match.
         """
+        cap = self._current(token, session, now)
+        if cap.node != node or (cap.start, cap.stop) != (start, stop):
+            raise CallerError(Reason.FORBIDDEN, "capability is for another node or layer range")
+        _allowed(cap, need)
+        return cap
+
+    def holder(self, token: str | None, *, session: str, now: float, need: Scope) -> Capability:
+        """The capability, once it is the tracker's, unexpired, for this session, and allows `need`: what the
+        tracker asks of one a node sends it, whose holder (node and layers) it then matches to the route.
+
+        Raises: CallerError(FORBIDDEN) naming what does not match.
+        """
+        cap = self._current(token, session, now)
+        _allowed(cap, need)
+        return cap
+
+    def _current(self, token: str | None, session: str, now: float) -> Capability:
+        """Raises: CallerError(FORBIDDEN): none, malformed, not the tracker's, expired or another session's."""
         if not token:
             raise CallerError(Reason.FORBIDDEN, "a Route Session capability is required")
         cap = self._verified.get(token)
@@ -277,12 +312,6 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN, "capability expired")
         if cap.session != session:
             raise CallerError(Reason.FORBIDDEN, "capability is for another Route Session")
-        if cap.node != node or (cap.start, cap.stop) != (start, stop):
-            raise CallerError(Reason.FORBIDDEN, "capability is for another node or layer range")
-        if not cap.scope.allows(need):
-            raise CallerError(Reason.FORBIDDEN,
-                              f"this capability only lets its holder send session {session}'s steps here (a "
-                              f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
         return cap
 
     def _verify(self, token: str) -> Capability:
@@ -302,3 +331,19 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN,
                               "capability signature does not verify with the tracker's key (forged or altered)")
         return cap
+
+
+def _allowed(cap: Capability, need: Scope) -> None:
+    """Raises: CallerError(FORBIDDEN): `cap`'s scope does not allow `need`."""
+    if cap.scope.allows(need):
+        return
+    if cap.scope is Scope.STEP:
+        raise CallerError(Reason.FORBIDDEN,
+                          f"this capability only lets its holder send session {cap.session}'s steps here (a "
+                          f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
+    if cap.scope is Scope.REPORT:
+        raise CallerError(Reason.FORBIDDEN,
+                          f"this capability only lets node {cap.node} report session {cap.session}'s failures: "
+                          "only the route's tail delivers its answers")
+    raise CallerError(Reason.FORBIDDEN, f"a {cap.scope.value} capability is for the tracker, not for "
+                                        f"{need.value} calls on a node")
