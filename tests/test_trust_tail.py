@@ -22,15 +22,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
+import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from dgr.api.server import listening_socket
 from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
+from dgr.errors import CallerError
+from dgr.fsm.route import Hop
 from dgr.node.relay import Outgoing, Relay
 from dgr.node.run import run_node
 from dgr.seam.frame import TokenResult, decode_frame, encode_frame
@@ -38,8 +43,10 @@ from dgr.seam.stream import encode_record
 from dgr.seam.transport import TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER,
                            Flag, FrameKind)
+from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.identity import Identity
 from dgr.testing.reference import expected_greedy
+from dgr.tracker.credentials import Credentials
 from dgr.tracker.gateway import GatewayConfig
 from dgr.tracker.run import run_tracker
 
@@ -238,3 +245,25 @@ async def test_a_tail_cannot_end_an_answer_on_a_token_that_does_not_end_it(monke
         text, error = await run.complete()
     assert text == "" and error is not None and (error["code"], error["node"]) == ("node_error", "tail"), (text, error)
     assert "end of generation" in error["message"], error
+
+
+def test_relay_plans_give_the_answers_capability_to_the_tail_alone_each_bound_to_its_holder() -> None:
+    """Each hop's capability for the tracker names the hop itself: DELIVER on the tail, REPORT elsewhere; none of
+    them is a step, or any other call, on a node (not even the holder's own)."""
+    tracker = Identity.generate()
+    hops = tuple(Hop(name, f"http://{name}.test:9000", *layers) for name, layers in LAYERS.items())
+    sid = uuid.uuid4().hex
+    plans = Credentials(CapabilityAuthority.issuer(tracker), 60.0, {}).relay_plans(sid, hops)
+    verifier = CapabilityAuthority.verifier(tracker.public)
+    for hop in hops:
+        token = plans[hop.node_id].deliver_capability
+        cap = verifier.holder(token, session=sid, now=time.time(), need=Scope.REPORT)
+        assert (cap.node, cap.start, cap.stop) == (hop.node_id, hop.start, hop.stop)
+        assert cap.scope is (Scope.DELIVER if hop is hops[-1] else Scope.REPORT)
+        for need in (Scope.STEP, Scope.CONTROL):
+            with pytest.raises(CallerError, match="for what a node sends the tracker"):
+                verifier.check(token, session=sid, node=hop.node_id, start=hop.start, stop=hop.stop,
+                               now=time.time(), need=need)
+        if cap.scope is Scope.REPORT:
+            with pytest.raises(CallerError, match="only the route's tail delivers"):
+                verifier.holder(token, session=sid, now=time.time(), need=Scope.DELIVER)

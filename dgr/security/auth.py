@@ -334,16 +334,19 @@ class CapabilityAuthority:
 
 
 def _allowed(cap: Capability, need: Scope) -> None:
-    """Raises: CallerError(FORBIDDEN): `cap`'s scope does not allow `need`."""
+    """Raises: CallerError(FORBIDDEN): `cap`'s scope does not allow `need`, in words that say which side it is for."""
     if cap.scope.allows(need):
         return
-    if cap.scope is Scope.STEP:
-        raise CallerError(Reason.FORBIDDEN,
-                          f"this capability only lets its holder send session {cap.session}'s steps here (a "
-                          f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
-    if cap.scope is Scope.REPORT:
-        raise CallerError(Reason.FORBIDDEN,
-                          f"this capability only lets node {cap.node} report session {cap.session}'s failures: "
-                          "only the route's tail delivers its answers")
-    raise CallerError(Reason.FORBIDDEN, f"a {cap.scope.value} capability is for the tracker, not for "
-                                        f"{need.value} calls on a node")
+    for_tracker = (Scope.DELIVER, Scope.REPORT)
+    if cap.scope is Scope.REPORT and need is Scope.DELIVER:
+        why = (f"this capability only lets node {cap.node} report session {cap.session}'s failures: only the "
+               "route's tail delivers its answers")
+    elif cap.scope in for_tracker:
+        why = (f"a {cap.scope.value} capability is for what a node sends the tracker, not for {need.value} calls "
+               "on a node")
+    elif need in for_tracker:
+        why = f"a {cap.scope.value} capability is for calls on a node, not for what a node sends the tracker"
+    else:
+        why = (f"this capability only lets its holder send session {cap.session}'s steps here (a neighbour's); "
+               f"{need.value} calls (open, close, status, tokenize) need the tracker's own")
+    raise CallerError(Reason.FORBIDDEN, why)
