@@ -57,24 +57,25 @@ class Credentials:
         tracker names the node itself: DELIVER on the tail, REPORT elsewhere (dgr.tracker.deliveries).
         """
         now = time.time()
-
-        def own(hop: Hop, scope: Scope) -> str | None:
-            return None if self.authority is None else self.authority.issue(
-                sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=scope)
-
+        tail = hops[-1]
         to: dict[str, NextHop] = {}  # node id -> how the node before it on the ring reaches it
+        own: dict[str, str | None] = {}  # node id -> its capability for the tracker
         for hop in hops:
+            cap = mine = None
+            if self.authority is not None:
+                cap = self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s,
+                                           scope=Scope.STEP)
+                mine = self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s,
+                                            scope=Scope.DELIVER if hop is tail else Scope.REPORT)
             entry = self.nodes.get(hop.node_id)
-            to[hop.node_id] = NextHop(hop.node_id, hop.url, own(hop, Scope.STEP),
-                                      None if entry is None else entry.tls_cert)
+            to[hop.node_id] = NextHop(hop.node_id, hop.url, cap, None if entry is None else entry.tls_cert)
+            own[hop.node_id] = mine
         route = ",".join(h.node_id for h in hops)
         # route and nodes: each node batches one phase group of the route at a time, and the tail holds each
         # next step for its group
-        out = {hop.node_id: RelayOrder(to[nxt.node_id], own(hop, Scope.REPORT), route, len(hops))
+        out = {hop.node_id: RelayOrder(to[nxt.node_id], own[hop.node_id], route, len(hops))
                for hop, nxt in zip(hops, hops[1:])}
-        tail = hops[-1]
-        out[tail.node_id] = RelayOrder(None, own(tail, Scope.DELIVER), route, len(hops),
-                                       Loop(to[hops[0].node_id], ignore_eos))
+        out[tail.node_id] = RelayOrder(None, own[tail.node_id], route, len(hops), Loop(to[hops[0].node_id], ignore_eos))
         return out
 
     def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:

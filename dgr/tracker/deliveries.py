@@ -36,6 +36,7 @@ report's reporter is then its body's, and any stream may deliver.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -61,6 +62,7 @@ __all__ = ["Deliveries", "deliver_fast_path"]
 log = logging.getLogger("dgr.gateway")
 
 _DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
+_HOLDER = "dgr.deliver_holder"  # the ASGI scope's key for who holds an answer stream's capability
 
 
 @attrs.define
@@ -77,7 +79,8 @@ class Deliveries:
     def authorize(self, capability: str | None, sid: str, connection: dict[str, Any] | None = None) -> str | None:
         """Check an answer stream's capability for session `sid`: DELIVER, and while the session lives, held by
         its route's tail. Once it holds, mark `connection` (the request's ASGI scope, where given)
-        authenticated. Returns the holder's node id (None without an authority).
+        authenticated and note the holder there, which `deliver` then holds each answer to. Returns the
+        holder's node id (None without an authority).
 
         Raises:
             CallerError(FORBIDDEN): refused. A hop of the live route that holds another capability (REPORT) has
@@ -100,10 +103,12 @@ class Deliveries:
             holder = cap.node
         if connection is not None:
             authenticated(connection)
+            connection[_HOLDER] = holder
         return holder
 
-    def deliver(self, sid: str, record: Record, holder: str | None = None) -> None:
-        """An answer from a delivery stream already authorized for `sid`, held by node `holder`.
+    def deliver(self, sid: str, record: Record, connection: dict[str, Any] | None = None) -> None:
+        """An answer from a delivery stream already authorized for `sid` (`connection`: its ASGI scope, which
+        names who holds the stream's capability).
 
         Raises:
             CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed but, for an answer
@@ -116,6 +121,7 @@ class Deliveries:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
         live = self._live(sid)
         tail = live.rs.route[-1].node_id
+        holder = None if connection is None else connection.get(_HOLDER)
         if self.authority is not None and holder != tail:  # a stream authorized before the session lived
             raise CallerError(Reason.FORBIDDEN, f"node {holder} is not session {sid}'s tail: only the route's tail "
                                                 "delivers its answers")
@@ -131,7 +137,7 @@ class Deliveries:
         except CallerError as exc:
             why: str | None = exc.message
         else:
-            pieces = self.vocabularies.get(model.digest)
+            pieces = self.vocabularies.by_digest.get(model.digest)
             if pieces is not None:
                 why = pieces.forged(token)
             else:
@@ -231,14 +237,9 @@ def deliver_fast_path(deliveries: Deliveries, app):
             await app(scope, receive, send)
             return
         if scope["path"] == DELIVER_STREAM_PATH:  # a tail's answers for one session
-            holder: list[str | None] = [None]  # who the stream's capability names: each answer must be its tail's
-
-            def authorize(capability: str | None, sid: str) -> None:
-                holder[0] = deliveries.authorize(capability, sid, connection=scope)
-
             await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
-                                    authorize=authorize,
-                                    apply=lambda sid, record: deliveries.deliver(sid, record, holder[0]))
+                                    authorize=functools.partial(deliveries.authorize, connection=scope),
+                                    apply=functools.partial(deliveries.deliver, connection=scope))
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")

@@ -82,9 +82,6 @@ class Vocabularies:
     def builtin(cls) -> Vocabularies:
         return cls(dict(stub_pieces(spec) for spec in (StubSpec(), DEEPSEEK_LIKE)))
 
-    def get(self, digest: str) -> Pieces | None:
-        return self.by_digest.get(digest)
-
     def add(self, digest: str, pieces: Pieces) -> None:
         self.by_digest[digest] = pieces
 
