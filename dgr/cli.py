@@ -29,6 +29,7 @@ def cmd_tracker(args) -> int:
     from dgr.security.tls import TlsTrust, check_server_files
     from dgr.tracker.blame import SlowPolicy
     from dgr.tracker.gateway import GatewayConfig
+    from dgr.tracker.pieces import Vocabularies
     from dgr.tracker.proofs import Prover
     from dgr.tracker.run import run_tracker
 
@@ -61,6 +62,10 @@ def cmd_tracker(args) -> int:
     for m in manifests:
         print(f"dgr tracker: checking layer proofs against manifest {m.id[:12]} ({m.file.name})", file=sys.stderr)
     prover = Prover.from_manifests(manifests, challenges=args.proof_challenges, deadline_s=args.proof_deadline)
+    vocabularies = Vocabularies.builtin()
+    for path in args.vocab:
+        print(f"dgr tracker: checking answers against the vocabulary of {path} "
+              f"({vocabularies.add_gguf(path)[:12]})", file=sys.stderr)
     listening, host = None, args.host
     if args.listen_fd is not None:
         try:
@@ -75,7 +80,7 @@ def cmd_tracker(args) -> int:
                             max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
                             slow=SlowPolicy(ban_after=args.slow_ban_after, ban_s=args.slow_ban_s),
                             api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca, args.require_tls),
-                            listening=listening)
+                            listening=listening, vocabularies=vocabularies)
 
 
 def cmd_node(args) -> int:
@@ -407,6 +412,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--trusted-head", action="append", default=[], metavar="PUBKEY",
                    help="only nodes with this public key may hold a route's first or last layer (the head reads "
                         "every prompt, the tail every answer); repeatable; default: any admitted node")
+    p.add_argument("--vocab", action="append", default=[], metavar="GGUF",
+                   help="a model file whose vocabulary (only) the tracker loads, to check every answer's text "
+                        "against its token id on routes of that file's digest; repeatable (stub models built in)")
     p.add_argument("--max-node-sessions", type=positive_int, default=MAX_NODE_SESSIONS, metavar="N",
                    help="the most sessions routed to one node at once, whatever capacity it declares")
     p.add_argument("--slow-ban-after", type=int, default=3, metavar="N",

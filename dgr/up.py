@@ -133,8 +133,10 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
     return cmd
 
 
-def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None) -> list[str]:
-    """The arguments of `dgr` (after the command itself) that start the route's tracker."""
+def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None,
+                 model: Path | None = None) -> list[str]:
+    """The arguments of `dgr` (after the command itself) that start the route's tracker; `model`, the GGUF the
+    nodes load, is its vocabulary too (each answer's text is checked against it: dgr.tracker.pieces)."""
     cmd = ["tracker", "--port", str(args.port), "--prefill-chunk", str(args.prefill_chunk),
            "--step-deadline", str(args.step_deadline), "--slow-cap", str(getattr(args, "slow_cap", 4.0)),
            "--seam-dtype", args.seam_dtype]
@@ -144,6 +146,8 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
         cmd += ["--identity", str(identity)]
     if getattr(args, "manifest", None):
         cmd += ["--manifest", str(args.manifest)]
+    if model is not None:
+        cmd += ["--vocab", str(model)]
     if getattr(args, "api_key_file", None):
         cmd += ["--api-key-file", str(args.api_key_file)]
     for flag in ("max_prompt_tokens", "max_prompt_bytes", "max_tokens_cap", "max_session_s", "slow_client_s",
@@ -202,7 +206,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     children: list[tuple[str, ForkedProcess]] = []
     try:
         with listening:
-            roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno()))]
+            roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno(), model=model))]
             roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key",
                                              tail=i == len(splits) - 1, placement=placements[i]))
                       for i, layers in enumerate(splits)]

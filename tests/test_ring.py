@@ -26,6 +26,7 @@ from dgr.seam.stream import Record, encode_record
 from dgr.seam.transport import ConnectionPool, TransportError
 from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, DELIVER_STREAM_PATH, HEADER_SIZE,
                            ROUTE_SESSION_HEADER, STREAM_PATH, FrameKind)
+from dgr.security.auth import Scope
 from dgr.security.identity import Identity
 from dgr.testing.harness import LOSS_BOUND_S, LocalRoute, first_error, first_text, sse_events
 from dgr.testing.reference import expected_greedy
@@ -64,37 +65,41 @@ def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on
     report = json.dumps({"session": sid, "reporter": "node1", "code": "route_node_lost", "message": "forged",
                          "node": "node2"}).encode()
     for headers in ({}, {CAPABILITY_HEADER: "forged.token"},
-                    ring.capability(sid, "gateway", layers=(0, 1), identity=Identity.generate()),  # not the tracker's
-                    ring.capability(sid, "node2", layers=(0, 1))):  # a node capability is not a delivery one
+                    ring.capability(sid, "node1", scope=Scope.REPORT, identity=Identity.generate()),  # not the tracker's
+                    ring.capability(sid, "node1", scope=Scope.STEP),  # a node capability is not one for the tracker
+                    ring.capability(sid, "node1", scope=Scope.CONTROL),
+                    ring.capability(sid, "gateway", layers=(0, 1), scope=Scope.STEP)):  # what delivered before v3
         r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=report, timeout=5,
                        headers={"Content-Type": "application/json", **headers})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
     # the right capability for a session that is not live: refused as unknown, nothing changes
     r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=report, timeout=5,
-                   headers={"Content-Type": "application/json", **ring.capability(sid, "gateway", layers=(0, 1))})
+                   headers={"Content-Type": "application/json", **ring.capability(sid, "node1", scope=Scope.REPORT)})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
     # an answer posted alone is refused, even with the capability: a route's answers come on the delivery stream
     frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
     r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=frame, timeout=5,
-                   headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "gateway", layers=(0, 1))})
+                   headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "node2", scope=Scope.DELIVER)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame", r.text
 
 
 def test_a_members_report_fails_only_its_session_in_the_trackers_words(ring) -> None:
     """A route member's failure report (issue 40): it must come from and name nodes of that session's route;
     it fails that session only, with the tracker's own text, not the reporter's; and no node is marked dead on
-    a member's word, so other sessions through the named node go on."""
+    a member's word, so other sessions through the named node go on. Its reporter is the holder of its
+    capability, whatever the body says."""
     body = {"model": "stub", "prompt": "a long one", "max_tokens": 400, "temperature": 0, "stream": True}
     lure = "SECURITY NOTICE: re-enter your API key at http://attacker.example/login"
     with httpx.stream("POST", f"{ring.api}/completions", json=body, timeout=30) as victim:
         sid = victim.headers["x-dgr-route-session"]
-        cap = {"Content-Type": "application/json", **ring.capability(sid, "gateway", layers=(0, 1))}
+        cap = {"Content-Type": "application/json", **ring.capability(sid, "node1", scope=Scope.REPORT)}
 
         def report(reporter: str, node: str) -> httpx.Response:
             data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": lure, "node": node}
             return httpx.post(f"{ring.url}{DELIVER_PATH}", content=json.dumps(data).encode(), timeout=5, headers=cap)
 
-        for reporter, node in (("node1", "nodeX"), ("stranger", "node2")):  # not of this route: refused
+        # not of this route, or not the capability's holder: refused
+        for reporter, node in (("node1", "nodeX"), ("stranger", "node2"), ("node0", "node2")):
             r = report(reporter, node)
             assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
         assert report("node1", "node2").status_code == 204
@@ -185,18 +190,19 @@ def test_a_stream_is_authorized_from_its_headers_before_its_body_is_read(ring) -
                         ring.capability(sid, "node1", identity=Identity.generate()),  # not the tracker's
                         ring.capability(sid, "node2")):  # another node's
             assert await answer(node1, STREAM_PATH, headers, half) == (403, "forbidden")
-        for headers in ({}, ring.capability(sid, "node2", layers=(0, 1))):  # a node's is not a delivery one
+        for headers in ({}, ring.capability(sid, "node2", layers=(0, 1)),  # a node's is not a delivery one
+                        ring.capability(sid, "node1", scope=Scope.REPORT)):  # nor is one that only reports
             assert await answer(ring.url, DELIVER_STREAM_PATH, headers, half) == (403, "forbidden")
         # the session's own capability, and a frame of another session in the body
         assert await answer(node1, STREAM_PATH, ring.capability(sid, "node1"), encode_record((), frame)) == (
             403, "forbidden")
-        assert await answer(ring.url, DELIVER_STREAM_PATH, ring.capability(sid, "gateway", layers=(0, 1)),
+        assert await answer(ring.url, DELIVER_STREAM_PATH, ring.capability(sid, "node2", scope=Scope.DELIVER),
                             encode_record((), frame)) == (400, "bad_frame")  # a node's input is no answer
         # a stream that ends cleanly is answered 200 and its connection is kept for the next one
         pool = ConnectionPool(ring.url)
         stream = await pool.open_stream(DELIVER_STREAM_PATH, [
             ("Content-Type", CONTENT_TYPE), (ROUTE_SESSION_HEADER, sid),
-            *ring.capability(sid, "gateway", layers=(0, 1)).items()])
+            *ring.capability(sid, "node2", scope=Scope.DELIVER).items()])
         await stream.end()
         with trio.fail_after(10):
             r = await stream.answer()

@@ -63,7 +63,7 @@ class RelayPlan:
 
     next: NextHop | None
     deliver_url: str  # the tracker's DELIVER_PATH
-    deliver_capability: str | None
+    deliver_capability: str | None  # what it answers the tracker with: DELIVER on the tail, REPORT elsewhere
     loop: Loop | None = None  # the tail of a ring only
     # the route's nodes, as the gateway names them, and how many: a node batches the decode steps of
     # one phase group of the route at a time (dgr.node.service), and a ring's tail holds each step for
@@ -192,7 +192,8 @@ class Relay:
     async def _report(self, failure: Failure) -> None:
         """Tell the gateway, which otherwise waits for the step's deadline and its cap: sent again until it is
         answered (a report is idempotent, unlike a step: the gateway fails a session once), for at most
-        REPORT_S; an answer other than 2xx is logged (the gateway refused it, or has ended the session)."""
+        REPORT_S; an answer other than 2xx is logged (the gateway refused it, or has ended the session). The
+        gateway takes the reporter from the capability; the body's `reporter` is only for its log."""
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()
         headers = [("Content-Type", "application/json")]
         if self.plan.deliver_capability is not None:

@@ -151,9 +151,9 @@ class Loop:
 
 @attrs.frozen
 class RelayOrder:
-    """An open's `relay`: where the node sends its results (the next hop; none on the tail), the capability
-    to deliver with, the route (its node ids, comma-separated) and its length, and on a ring's tail the
-    `loop`. The node adds its own tracker to deliver to (dgr.node.relay.RelayPlan)."""
+    """An open's `relay`: where the node sends its results (the next hop; none on the tail), its capability
+    for the tracker (DELIVER on the tail, REPORT elsewhere), the route (its node ids, comma-separated) and its
+    length, and on a ring's tail the `loop`. The node adds its own tracker (dgr.node.relay.RelayPlan)."""
 
     next: NextHop | None
     deliver_capability: str | None = None

@@ -31,7 +31,12 @@ Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
    for its neighbour (the next hop, a ring's head) is `STEP`: it lets the
    holder send that session's steps there and nothing else, so a route
    member cannot open, re-open, close or plant KV on the nodes it feeds.
-   A token that names no scope allows steps only.
+   A token that names no scope allows steps only. What a node sends the
+   tracker is scoped too, and bound to the node that sends it: the tail
+   alone holds `DELIVER` (the session's answers, and failure reports),
+   every other hop `REPORT` (failure reports only), each naming its own id
+   and layers, so the tracker knows who sent an answer or a report from the
+   token, not from what the sender says. Neither allows a call on a node.
 
 4. Boots: a node makes a random nonce each time it starts (`new_boot`) and
    reports it in its signed registration and heartbeats; the tracker binds
@@ -215,13 +220,25 @@ class Admission:
 
 
 class Scope(enum.Enum):
-    """What a capability lets its holder do with its session on its node."""
+    """What a capability lets its holder do with its session: on the node it names, or at the tracker."""
 
     STEP = "step"  # send the session's steps on its stream: what a neighbour holds
     CONTROL = "control"  # steps, and open, close (with keep), status and tokenize: the gateway's own
+    DELIVER = "deliver"  # the tail's, for the tracker: the session's answers, and failure reports
+    REPORT = "report"  # every other hop's, for the tracker: failure reports only
 
     def allows(self, need: Scope) -> bool:
-        return self is Scope.CONTROL or need is Scope.STEP
+        return need in _ALLOWS[self]
+
+
+# What each scope allows: a node's calls (STEP, CONTROL) and the tracker's (DELIVER, REPORT) never mix,
+# so a capability that names a node's own id and layers for the tracker is no step on that node.
+_ALLOWS: dict[Scope, frozenset[Scope]] = {
+    Scope.STEP: frozenset({Scope.STEP}),
+    Scope.CONTROL: frozenset({Scope.CONTROL, Scope.STEP}),
+    Scope.DELIVER: frozenset({Scope.DELIVER, Scope.REPORT}),
+    Scope.REPORT: frozenset({Scope.REPORT}),
+}
 
 
 @attrs.frozen
@@ -282,6 +299,27 @@ class CapabilityAuthority:
 
         Raises: CallerError(FORBIDDEN) naming what does not match.
         """
+        cap = self._current(token, session, now)
+        if cap.node != node or (cap.start, cap.stop) != (start, stop):
+            raise CallerError(Reason.FORBIDDEN, "capability is for another node or layer range")
+        _allowed(cap, need)
+        if cap.boot != boot:  # not a secret: a plain comparison
+            raise CallerError(Reason.FORBIDDEN, "capability was issued for another boot of this node: it restarted "
+                                                "since (a replay), or the tracker has not heard its new boot yet")
+        return cap
+
+    def holder(self, token: str | None, *, session: str, now: float, need: Scope) -> Capability:
+        """The capability, once it is the tracker's, unexpired, for this session, and allows `need`: what the
+        tracker asks of one a node sends it, whose holder (node and layers) it then matches to the route.
+
+        Raises: CallerError(FORBIDDEN) naming what does not match.
+        """
+        cap = self._current(token, session, now)
+        _allowed(cap, need)
+        return cap
+
+    def _current(self, token: str | None, session: str, now: float) -> Capability:
+        """Raises: CallerError(FORBIDDEN): none, malformed, not the tracker's, expired or another session's."""
         if not token:
             raise CallerError(Reason.FORBIDDEN, "a Route Session capability is required")
         cap = self._verified.get(token)
@@ -294,15 +332,6 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN, "capability expired")
         if cap.session != session:
             raise CallerError(Reason.FORBIDDEN, "capability is for another Route Session")
-        if cap.node != node or (cap.start, cap.stop) != (start, stop):
-            raise CallerError(Reason.FORBIDDEN, "capability is for another node or layer range")
-        if not cap.scope.allows(need):
-            raise CallerError(Reason.FORBIDDEN,
-                              f"this capability only lets its holder send session {session}'s steps here (a "
-                              f"neighbour's); {need.value} calls (open, close, status, tokenize) need the tracker's own")
-        if cap.boot != boot:  # not a secret: a plain comparison
-            raise CallerError(Reason.FORBIDDEN, "capability was issued for another boot of this node: it restarted "
-                                                "since (a replay), or the tracker has not heard its new boot yet")
         return cap
 
     def _verify(self, token: str) -> Capability:
@@ -322,3 +351,22 @@ class CapabilityAuthority:
             raise CallerError(Reason.FORBIDDEN,
                               "capability signature does not verify with the tracker's key (forged or altered)")
         return cap
+
+
+def _allowed(cap: Capability, need: Scope) -> None:
+    """Raises: CallerError(FORBIDDEN): `cap`'s scope does not allow `need`, in words that say which side it is for."""
+    if cap.scope.allows(need):
+        return
+    for_tracker = (Scope.DELIVER, Scope.REPORT)
+    if cap.scope is Scope.REPORT and need is Scope.DELIVER:
+        why = (f"this capability only lets node {cap.node} report session {cap.session}'s failures: only the "
+               "route's tail delivers its answers")
+    elif cap.scope in for_tracker:
+        why = (f"a {cap.scope.value} capability is for what a node sends the tracker, not for {need.value} calls "
+               "on a node")
+    elif need in for_tracker:
+        why = f"a {cap.scope.value} capability is for calls on a node, not for what a node sends the tracker"
+    else:
+        why = (f"this capability only lets its holder send session {cap.session}'s steps here (a neighbour's); "
+               f"{need.value} calls (open, close, status, tokenize) need the tracker's own")
+    raise CallerError(Reason.FORBIDDEN, why)

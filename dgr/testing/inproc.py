@@ -36,6 +36,7 @@ from dgr.security.identity import Identity
 from dgr.testing.memory_seam import MemoryNet
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway, GatewayConfig
+from dgr.tracker.pieces import stub_pieces
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.seam_client import NodeClient
 
@@ -83,6 +84,7 @@ class InProcRoute:
             apps[url] = net.apps[url] = make_node_app(service)
         registry = Registry()
         gateway = Gateway(registry=registry, config=config)
+        gateway.vocabularies.add(*stub_pieces(spec))  # the tail's answers are checked as a tracker checks them
         tracker = net.apps[TRACKER_URL] = make_tracker_app(gateway)
         route = cls(services=services, urls=urls, registry=registry, gateway=gateway, apps=apps, net=net,
                     tracker=tracker, alive=[trio.CancelScope() for _ in services])

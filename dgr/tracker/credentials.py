@@ -4,14 +4,16 @@ Per hop, the gateway's own CONTROL capability (open, close with keep,
 status, tokenize, steps), which never leaves the gateway; in each node's
 relay plan, STEP capabilities for its next hop and, on the tail, for the head
 (they let a node send the session's steps there and nothing else), and the
-delivery capability the nodes answer the tracker with; and for each open, a
-single-use ticket over its exact body (dgr.security.tickets). Every one
-issued for a node is bound to the boot nonce its registration named
-(`NodeEntry.boot`), so a process of that node started later refuses it.
-Without the tracker's key (in-process routes) there are none. Pure but for
-two reads: the wall clock, because nodes check expiry against theirs, and
-the registry's entries, for each node's boot and the certificate each next
-hop registered.
+capability the node answers the tracker with, bound to its own id and
+layers: DELIVER on the tail (the answers, and reports), REPORT on every
+other hop (reports only), so only the tail speaks for the route; and for
+each open, a single-use ticket over its exact body (dgr.security.tickets).
+Every one issued for a node is bound to the boot nonce its registration
+named (`NodeEntry.boot`), so a process of that node started later refuses
+it. Without the tracker's key (in-process routes) there are none. Pure but
+for two reads: the wall clock, because nodes check expiry against theirs,
+and the registry's entries, for each node's boot and the certificate each
+next hop registered.
 
 Left out: who the route is (dgr.tracker.routing) and the calls themselves
 (dgr.tracker.seam_client).
@@ -28,7 +30,7 @@ from dgr.fsm.route import Hop
 from dgr.seam.opening import Loop, NextHop, RelayOrder
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.security.tickets import issue_ticket
-from dgr.tracker.registry import GATEWAY_ID, NodeEntry
+from dgr.tracker.registry import NodeEntry
 
 __all__ = ["Credentials"]
 
@@ -55,29 +57,34 @@ class Credentials:
                                                 scope=Scope.CONTROL, boot=self.boot(h.node_id)) for h in hops}
 
     def relay_plans(self, sid: str, hops: tuple[Hop, ...], ignore_eos: bool = False) -> dict[str, RelayOrder]:
-        """Each node's relay on the ring: the next hop (none for the tail), the capability to deliver
-        with, and on the tail the head to send each next decode step to.
+        """Each node's relay on the ring: the next hop (none for the tail), the capability it answers the
+        tracker with, and on the tail the head to send each next decode step to.
 
-        The capabilities in a plan are STEP ones: a node may send the session's steps to its next hop (and
-        the tail to its head), never open, close or name a prefix there with them.
+        The capabilities for a next hop are STEP ones: a node may send the session's steps to its next hop
+        (and the tail to its head), never open, close or name a prefix there with them. The one for the
+        tracker names the node itself: DELIVER on the tail, REPORT elsewhere (dgr.tracker.deliveries).
         """
         now = time.time()
-        deliver = None if self.authority is None else self.authority.issue(
-            sid, GATEWAY_ID, 0, 1, now, ttl_s=self.life_s, scope=Scope.STEP)
-
+        tail = hops[-1]
         to: dict[str, NextHop] = {}  # node id -> how the node before it on the ring reaches it
+        own: dict[str, str | None] = {}  # node id -> its capability for the tracker
         for hop in hops:
-            cap = None if self.authority is None else self.authority.issue(
-                sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s, scope=Scope.STEP,
-                boot=self.boot(hop.node_id))
+            cap = mine = None
+            if self.authority is not None:
+                boot = self.boot(hop.node_id)
+                cap = self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s,
+                                           scope=Scope.STEP, boot=boot)
+                mine = self.authority.issue(sid, hop.node_id, hop.start, hop.stop, now, ttl_s=self.life_s,
+                                            scope=Scope.DELIVER if hop is tail else Scope.REPORT, boot=boot)
             entry = self.nodes.get(hop.node_id)
             to[hop.node_id] = NextHop(hop.node_id, hop.url, cap, None if entry is None else entry.tls_cert)
+            own[hop.node_id] = mine
         route = ",".join(h.node_id for h in hops)
         # route and nodes: each node batches one phase group of the route at a time, and the tail holds each
         # next step for its group
-        out = {hop.node_id: RelayOrder(to[nxt.node_id], deliver, route, len(hops))
+        out = {hop.node_id: RelayOrder(to[nxt.node_id], own[hop.node_id], route, len(hops))
                for hop, nxt in zip(hops, hops[1:])}
-        out[hops[-1].node_id] = RelayOrder(None, deliver, route, len(hops), Loop(to[hops[0].node_id], ignore_eos))
+        out[tail.node_id] = RelayOrder(None, own[tail.node_id], route, len(hops), Loop(to[hops[0].node_id], ignore_eos))
         return out
 
     def open_ticket(self, sid: str, hop: Hop, body: bytes) -> str | None:

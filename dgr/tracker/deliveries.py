@@ -1,23 +1,37 @@
 """What a route's members send the tracker: the tail's answers, and failure reports.
 
 A tail delivers a session's answers on one stream (dgr.api.http
-`serve_seam_stream`), authorized by the session's delivery capability before
+`serve_seam_stream`), authorized by the session's DELIVER capability before
 any of the body is read; each record's answer goes into the session's inbox
 with every hop's compute, where the ring driver takes it (dgr.tracker.ring).
 
 Both skip the framework (`deliver_fast_path`, wrapping the tracker's app):
 POST DELIVER_STREAM_PATH (a record per token, for one session) and POST
 DELIVER_PATH (a JSON failure report) are read up to one frame's size limit
-and authorized by the session's delivery capability before their connection
-is marked authenticated; a ring's answers never come as JSON on
-DELIVER_PATH (BAD_FRAME). Every other request goes to the app untouched.
+and authorized by a capability the tracker issued for the session before
+their connection is marked authenticated; a ring's answers never come as
+JSON on DELIVER_PATH (BAD_FRAME). Every other request goes to the app
+untouched.
 
-A report is scoped to its session: the reporter and the node it names must be
-hops of that session's route, only that session fails, and no node is marked
-dead on a member's word. A node reported lost is probed with the tracker's
-own request (`/healthz`), and only its silence marks it dead. The client is
-told who reported what in the tracker's words; the reporter's own text goes
-to the tracker's log only.
+Only the tail speaks for the route (trust v3). Each hop's capability for the
+tracker names the hop (dgr.tracker.credentials): DELIVER on the tail, REPORT
+elsewhere. An answer stream needs DELIVER, held by the live route's tail; a
+member that opens one with its REPORT capability is refused and the session
+fails naming it. Every TOKEN answer is checked against its token id with the
+model's vocabulary (dgr.tracker.pieces): bytes or an end of generation that
+are not the id's are refused, and the session fails naming the tail, so not
+even the tail can make the client read text that is not its tokens.
+
+A report is scoped to its session: its reporter is the node its capability
+names, never what the body says (a body naming another is refused), the
+reporter and the node it names must be hops of that session's route, only
+that session fails, and no node is marked dead on a member's word. A node
+reported lost is probed with the tracker's own request (`/healthz`), and only
+its silence marks it dead. The client is told who reported what in the
+tracker's words; the reporter's own text goes to the tracker's log only.
+
+Without the tracker's key (in-process routes) there are no capabilities: a
+report's reporter is then its body's, and any stream may deliver.
 """
 
 from __future__ import annotations
@@ -33,20 +47,22 @@ import trio
 from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
-from dgr.seam.frame import decode_frame
+from dgr.seam.frame import Frame, TokenResult, decode_frame
 from dgr.seam.stream import Record
 from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
-from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.security.auth import Capability, CapabilityAuthority, Scope
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.live import Answer, LiveSession
 from dgr.tracker.patience import PROBE_S
-from dgr.tracker.registry import GATEWAY_ID, NodeEntry
+from dgr.tracker.pieces import Vocabularies
+from dgr.tracker.registry import NodeEntry
 
 __all__ = ["Deliveries", "deliver_fast_path"]
 
 log = logging.getLogger("dgr.gateway")
 
 _DELIVER_LIMIT = 1024 * 1024  # a TOKEN or ACK frame, or a failure report: small
+_HOLDER = "dgr.deliver_holder"  # the ASGI scope's key for who holds an answer stream's capability
 
 
 @attrs.define
@@ -55,35 +71,94 @@ class Deliveries:
     clients: NodeClients
     node_lost: Callable[[str, str], None]  # (node id, why): mark it dead and fail its sessions
     authority: CapabilityAuthority | None = None
+    vocabularies: Vocabularies = attrs.field(factory=Vocabularies.builtin)  # what answers are checked against
     nursery: trio.Nursery | None = None  # where probes run
     _probing: set[str] = attrs.field(factory=set)  # nodes a member reported lost, which the tracker is checking
+    _unchecked: set[str] = attrs.field(factory=set)  # model digests without a vocabulary here (logged once each)
 
-    def authorize(self, capability: str | None, sid: str, connection: dict[str, Any] | None = None) -> None:
-        """Check a delivery capability for session `sid`; once it holds, mark `connection` (the request's ASGI
-        scope, where given) authenticated. Raises CallerError(FORBIDDEN)."""
-        if self.authority is not None:
-            # a route's delivery capability names this "node" (layers 0:1): one for the whole route, since
-            # any of its nodes may have to report
-            self.authority.check(capability, session=sid, node=GATEWAY_ID, start=0, stop=1, now=time.time(),
-                                 need=Scope.STEP)
-        if connection is not None:
-            authenticated(connection)
-
-    def deliver(self, sid: str, record: Record) -> None:
-        """An answer from a delivery stream already authorized for `sid`.
+    def authorize(self, capability: str | None, sid: str, connection: dict[str, Any] | None = None) -> str | None:
+        """Check an answer stream's capability for session `sid`: DELIVER, and while the session lives, held by
+        its route's tail. Once it holds, mark `connection` (the request's ASGI scope, where given)
+        authenticated and note the holder there, which `deliver` then holds each answer to. Returns the
+        holder's node id (None without an authority).
 
         Raises:
-            CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed.
+            CallerError(FORBIDDEN): refused. A hop of the live route that holds another capability (REPORT) has
+            tried to speak for the route: the session fails naming it.
+        """
+        holder = None
+        if self.authority is not None:
+            now = time.time()
+            cap = self.authority.holder(capability, session=sid, now=now, need=Scope.REPORT)  # any a member holds
+            live = self._member(sid, cap)
+            try:
+                self.authority.holder(capability, session=sid, now=now, need=Scope.DELIVER)
+                if live is not None and cap.node != live.rs.route[-1].node_id:
+                    raise CallerError(Reason.FORBIDDEN, f"node {cap.node} is not session {sid}'s tail: only the "
+                                                        "route's tail delivers its answers")
+            except CallerError:
+                if live is not None:
+                    self._forged(live, cap.node, "tried to deliver the route's answers, which only its tail does")
+                raise
+            holder = cap.node
+        if connection is not None:
+            authenticated(connection)
+            connection[_HOLDER] = holder
+        return holder
+
+    def deliver(self, sid: str, record: Record, connection: dict[str, Any] | None = None) -> None:
+        """An answer from a delivery stream already authorized for `sid` (`connection`: its ASGI scope, which
+        names who holds the stream's capability).
+
+        Raises:
+            CallerError(BAD_FRAME | FORBIDDEN | UNKNOWN_SESSION): refused; nothing changed but, for an answer
+            that is not its token's (BAD_FRAME), the session, which fails naming the tail.
         """
         frame = decode_frame(record.frame)
         if frame.kind not in (FrameKind.TOKEN, FrameKind.ACK):
             raise CallerError(Reason.BAD_FRAME, f"a route delivers TOKEN or ACK frames, not {frame.kind.name}")
         if frame.session != sid:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
-        self._live(sid).inbox[0].send_nowait(Answer(frame, record.compute_us))
+        live = self._live(sid)
+        tail = live.rs.route[-1].node_id
+        holder = None if connection is None else connection.get(_HOLDER)
+        if self.authority is not None and holder != tail:  # a stream authorized before the session lived
+            raise CallerError(Reason.FORBIDDEN, f"node {holder} is not session {sid}'s tail: only the route's tail "
+                                                "delivers its answers")
+        if frame.kind is FrameKind.TOKEN:
+            self._check_token(live, frame, tail)
+        live.inbox[0].send_nowait(Answer(frame, record.compute_us))
+
+    def _check_token(self, live: LiveSession, frame: Frame, tail: str) -> None:
+        """Raises: CallerError(BAD_FRAME): not what its token id is (the session fails naming `tail`)."""
+        model = live.nodes[-1].model
+        try:
+            token = TokenResult.from_frame(frame)
+        except CallerError as exc:
+            why: str | None = exc.message
+        else:
+            pieces = self.vocabularies.by_digest.get(model.digest)
+            if pieces is not None:
+                why = pieces.forged(token)
+            else:
+                if model.digest not in self._unchecked:
+                    self._unchecked.add(model.digest)
+                    log.warning("no vocabulary for model %s (digest %s): its tails' text is not checked against "
+                                "their token ids; give the tracker --vocab with its GGUF", model.name, model.digest)
+                why = (None if 0 <= token.token < model.vocab_size
+                       else f"token id {token.token} is outside the vocabulary of {model.vocab_size}")
+        if why is not None:
+            self._forged(live, tail, f"answered step {frame.seq} with a forged token: {why}")
+            raise CallerError(Reason.BAD_FRAME, f"session {live.rs.sid}'s answer to step {frame.seq} is refused: {why}")
+
+    def _forged(self, live: LiveSession, node: str, what: str) -> None:
+        """Fail `live` naming `node`, a member that sent what it may not: in the tracker's words."""
+        log.warning("session %s: node %s %s", live.rs.sid, node, what)
+        live.inbox[0].send_nowait(Failure(Reason.NODE_ERROR, f"node {node} {what}"[:300], node=node))
 
     def report(self, body: bytes, capability: str | None) -> None:
-        """A session's node reports a failure (JSON: session, reporter, code, message, node).
+        """A session's node reports a failure (JSON: session, code, message, node; `reporter`, if given, must be
+        the holder of the capability, which is who reported).
 
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
@@ -94,10 +169,18 @@ class Deliveries:
             failure = Failure.from_json(data)
         except (ValueError, KeyError, TypeError):
             raise CallerError(Reason.INVALID_REQUEST, "a failure report needs a code and a message") from None
-        self.authorize(capability, sid if isinstance(sid, str) else "")
-        live = self._live(sid)
+        sid = sid if isinstance(sid, str) else ""
+        if self.authority is None:
+            live, reporter = self._live(sid), data.get("reporter")
+        else:
+            cap = self.authority.holder(capability, session=sid, now=time.time(), need=Scope.REPORT)
+            live, reporter = self._member(sid, cap), cap.node
+            if live is None:
+                raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {sid[:64]}")
+            if data.get("reporter", reporter) != reporter:
+                raise CallerError(Reason.FORBIDDEN, f"this report comes from node {reporter}, whose capability it "
+                                                    "holds: it cannot name another reporter")
         members = {h.node_id for h in live.rs.route}
-        reporter = data.get("reporter")
         if reporter not in members or (failure.node is not None and failure.node not in members):
             raise CallerError(Reason.FORBIDDEN, "a report comes from a node of its session's route and names only one")
         log.warning("session %s: node %s reports %s for %s: %.200s", sid, reporter, failure.reason.value,
@@ -106,6 +189,18 @@ class Deliveries:
         live.inbox[0].send_nowait(Failure(failure.reason, said, node=failure.node, step=failure.step))
         if failure.reason is Reason.ROUTE_NODE_LOST and failure.node is not None:
             self._probe_soon(failure.node)
+
+    def _member(self, sid: str, cap: Capability) -> LiveSession | None:
+        """`sid`'s live session, where `cap`'s holder is one of its hops (its id and layers); None if not live.
+
+        Raises: CallerError(FORBIDDEN): the holder is not a hop of the live route (one of a route it left).
+        """
+        live = self.sessions.get(sid)
+        if live is None or live.rs.ended:
+            return None
+        if not any((h.node_id, h.start, h.stop) == (cap.node, cap.start, cap.stop) for h in live.rs.route):
+            raise CallerError(Reason.FORBIDDEN, f"node {cap.node} is not a hop of session {sid}'s route")
+        return live
 
     def _live(self, sid: Any) -> LiveSession:
         live = self.sessions.get(sid) if isinstance(sid, str) else None
@@ -144,7 +239,7 @@ def deliver_fast_path(deliveries: Deliveries, app):
         if scope["path"] == DELIVER_STREAM_PATH:  # a tail's answers for one session
             await serve_seam_stream(scope, receive, send, limit=_DELIVER_LIMIT, what="delivery stream",
                                     authorize=functools.partial(deliveries.authorize, connection=scope),
-                                    apply=deliveries.deliver)
+                                    apply=functools.partial(deliveries.deliver, connection=scope))
             return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
@@ -154,7 +249,7 @@ def deliver_fast_path(deliveries: Deliveries, app):
                 raise CallerError(Reason.BAD_FRAME, f"a route's answers come on {DELIVER_STREAM_PATH}; "
                                                     f"{DELIVER_PATH} takes JSON failure reports")
             deliveries.report(req.body, req.capability)
-            authenticated(scope)  # the report held the session's delivery capability
+            authenticated(scope)  # the report held a capability the tracker issued for the session
         except (DgrError, ValueError) as exc:
             await respond_raw_error(send, exc, "delivery")
             return

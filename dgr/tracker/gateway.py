@@ -32,7 +32,8 @@ Theory of operation:
   `unclaimed_stream_s`; each frees the session's KV on every node.
 - Authorization: with the tracker's key (`authority`), every call for a
   session carries a capability, relay plans carry STEP capabilities and each
-  open a single-use ticket (dgr.tracker.credentials).
+  open a single-use ticket (dgr.tracker.credentials). Only the tail delivers
+  answers, each checked against its token id (dgr.tracker.deliveries).
 - Reconciliation (dgr.tracker.reconcile): a close that may not have reached a
   node (a node declared lost, an open whose reply never came, a close that
   failed) is owed; `reconcile` closes it as soon as the node's heartbeat lists
@@ -71,6 +72,7 @@ from dgr.tracker.credentials import Credentials
 from dgr.tracker.deliveries import Deliveries
 from dgr.tracker.live import Delta, GatewayConfig, LiveSession
 from dgr.tracker.patience import Patience
+from dgr.tracker.pieces import Vocabularies
 from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.ring import Driver, Ring
@@ -88,6 +90,8 @@ class Gateway:
     config: GatewayConfig = attrs.field(factory=GatewayConfig)
     authority: CapabilityAuthority | None = None  # the tracker's key; None (in-process tests): no capabilities
     tls: TlsTrust = attrs.field(factory=TlsTrust)  # how https nodes are trusted: their registered cert, or a CA
+    # each model's token bytes by digest (dgr.tracker.pieces): the tail's answers are checked against them
+    vocabularies: Vocabularies = attrs.field(factory=Vocabularies.builtin)
     sessions: dict[str, LiveSession] = attrs.field(factory=dict)
     accounting: Accounting = attrs.field(init=False)
     clients: NodeClients = attrs.field(init=False)
@@ -111,7 +115,8 @@ class Gateway:
                                        self.registry.nodes)
         self.admission = Admission(self.registry, cfg, self.clients, self.patience, self.credentials, self.owe_close,
                                    self.accounting)
-        self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self.authority)
+        self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self.authority,
+                                     self.vocabularies)
         self.driver = Ring(cfg, self.clients, self.patience, self.accounting)
 
     # what tests and views read of the parts

@@ -37,8 +37,8 @@ nothing. A node that restarts with its key registers again and replaces its
 entry. A chosen name (`node1`) is first come, first served, and is held only
 while its entry is: once the entry is forgotten, another admitted key may
 take the name. A derived id stays its key's forever, so it is the form to
-use where that matters. The id `gateway` is the tracker's own (its delivery
-capabilities name it, dgr.tracker.gateway) and no node may register it.
+use where that matters. The id `gateway` is the tracker's own and no node
+may register it.
 
 A heartbeat under an id the signing key does not own is refused as if the
 id were unknown (`not_found`, 404, the same words): heartbeats need no join
@@ -111,8 +111,9 @@ MAX_NODE_SESSIONS = 64
 # holding that many (halves it when the node is lost mid-session). A real node's slots (llama.cpp's
 # n_seq_max, 4 by default) are usually below it, so only a claim above 16 is ever held back.
 PROVEN_START = 16
-# The tracker's own name as a party to a session: its delivery capabilities are issued to this node id,
-# so a node registered under it would hold capabilities that pass for the gateway's.
+# The tracker's own name as a party to a session. Delivery capabilities were once issued to this node id
+# (before trust v3 each names the node that holds it): it stays reserved, so that no node's id is ever
+# mistaken for the tracker's in a log, a report or a capability of an older tracker.
 GATEWAY_ID = "gateway"
 
 

@@ -25,6 +25,7 @@ from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.blame import SlowPolicy
 from dgr.tracker.gateway import Gateway, GatewayConfig
+from dgr.tracker.pieces import Vocabularies
 from dgr.tracker.proofs import Prover
 from dgr.tracker.registry import DEAD_AFTER_S, MAX_NODE_SESSIONS, Registry
 
@@ -37,9 +38,10 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                       admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
                       max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
                       tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None,
-                      slow: SlowPolicy = SlowPolicy()) -> None:
+                      slow: SlowPolicy = SlowPolicy(), vocabularies: Vocabularies | None = None) -> None:
     """Serve until cancelled. `prover` holds the manifests layer proofs are checked against; `slow` is what
-    late steps cost a node (dgr.tracker.blame).
+    late steps cost a node (dgr.tracker.blame); `vocabularies` the models' token bytes the tails' answers are
+    checked against (default: the stub models' only).
 
     `listening` is a socket already bound and listening (`dgr up` hands one over): the tracker serves
     on it, and host is then only checked against the exposure rule.
@@ -58,7 +60,8 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
                                         trusted_ends=trusted_ends, max_node_sessions=max_node_sessions,
                                         require_tls=tls.required, slow=slow), config=config,
-                      authority=CapabilityAuthority.issuer(identity), tls=tls)
+                      authority=CapabilityAuthority.issuer(identity), tls=tls,
+                      vocabularies=vocabularies or Vocabularies.builtin())
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls
     app = make_tracker_app(gateway, prover=prover, identity=identity, admission=admission, api_keys=api_keys,
