@@ -152,8 +152,7 @@ class NodeEntry:
     tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
     proven: int = PROVEN_START  # sessions at once the tracker has seen it carry (see PROVEN_START)
     routed_at: float = 0.0  # when a route last took it (its registration until then): routes take turns
-    # the node process's boot nonce, from its signed registration: every capability and open ticket issued for the
-    # node is bound to it, so a restarted process refuses what was issued to the one before (dgr.security.auth)
+    # its process's boot nonce (signed registration): what its capabilities and tickets are bound to
     boot: str = ""
     standing: Standing = attrs.field(factory=Standing)  # its timeouts (the registry's, shared across registrations)
 
