@@ -145,8 +145,8 @@ def _error_of(r) -> str:
 async def test_an_untrusted_middle_node_cannot_deliver_an_answer(monkeypatch) -> None:
     """The middle delivers a TOKEN of its own text for the step it holds, with the capability it was handed, then
     passes the step on. Before: the tracker took it, and the client read the lure as the first token. Now the
-    middle's capability only reports: its stream is refused (403) before its body is read, and the session
-    fails naming it."""
+    middle's capability only reports: its stream is refused (403) before its body is read, the middle is struck
+    (what a late step costs), and the client reads the tail's honest answer."""
     answered: list[tuple[int, str]] = []
 
     async def forge(relay: Relay, item: Outgoing) -> None:
@@ -169,17 +169,18 @@ async def test_an_untrusted_middle_node_cannot_deliver_an_answer(monkeypatch) ->
     async with cluster() as run:
         _mid_holds_its_first_sampled_step(monkeypatch, run, forge)
         text, error = await run.complete()
+        strikes = {n["node"]: n["strikes"] for n in (await run.http.get("/v1/nodes")).json()["nodes"]}
     [(status, body)] = answered
     assert LURE not in text and "attacker.example" not in text, text
     assert status == 403 and "forbidden" in body, (status, body)
-    assert error is not None and (error["code"], error["node"]) == ("node_error", "mid"), error
-    assert "attacker.example" not in json.dumps(error)
+    assert (text, error) == (_honest(), None), (text, error)
+    assert strikes == {"head": 0, "mid": 1, "tail": 0}, strikes
 
 
 async def test_a_members_report_is_its_capability_holders_never_the_name_in_its_body(monkeypatch) -> None:
     """The middle reports, with the capability it holds, a failure of the tail in the head's name. Before: the
     tracker believed the body's reporter (204) and failed the session saying the head reported it. Now that
-    report is refused (403) and the session answers as if nothing had come; a report that names no reporter is
+    report is refused (403), the middle is struck, and the session answers as if nothing had come; a report that names no reporter is
     the middle's own, and the client is told so."""
     answers: list[tuple[int, str]] = []
 
@@ -197,11 +198,13 @@ async def test_a_members_report_is_its_capability_holders_never_the_name_in_its_
     async with cluster() as run:
         _mid_holds_its_first_sampled_step(monkeypatch, run, reporting("head"))
         spoofed = await run.complete()
+        strikes = {n["node"]: n["strikes"] for n in (await run.http.get("/v1/nodes")).json()["nodes"]}
         _mid_holds_its_first_sampled_step(monkeypatch, run, reporting(None))
         own = await run.complete()
     (status, body), (own_status, own_body) = answers
     assert status == 403 and "forbidden" in body, (status, body)
     assert spoofed == (_honest(), None), spoofed
+    assert strikes == {"head": 0, "mid": 1, "tail": 0}, strikes  # an honest node names itself: caught, struck
     assert own_status == 204, own_body
     text, error = own
     assert error is not None and error["code"] == "node_error" and error["node"] == "tail", error

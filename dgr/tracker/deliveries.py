@@ -16,11 +16,13 @@ untouched.
 Only the tail speaks for the route (trust v3). Each hop's capability for the
 tracker names the hop (dgr.tracker.credentials): DELIVER on the tail, REPORT
 elsewhere. An answer stream needs DELIVER, held by the live route's tail; a
-member that opens one with its REPORT capability is refused and the session
-fails naming it. Every TOKEN answer is checked against its token id with the
+member that opens one with its REPORT capability is refused before its body
+is read and struck (`strike`, the standing a late step costs too: three
+bans it from routing), and the session goes on with its tail's honest
+answers: what the member forged never reaches it. Every TOKEN answer is checked against its token id with the
 model's vocabulary (dgr.tracker.pieces): bytes or an end of generation that
-are not the id's are refused, and the session fails naming the tail, so not
-even the tail can make the client read text that is not its tokens.
+are not the id's are refused, and the session fails naming the tail (which
+is struck as well: its answer stream cannot go on), so not even the tail can make the client read text that is not its tokens.
 
 A report is scoped to its session: its reporter is the node its capability
 names, never what the body says (a body naming another is refused), the
@@ -70,6 +72,7 @@ class Deliveries:
     sessions: dict[str, LiveSession]  # the gateway's live sessions (shared, not copied)
     clients: NodeClients
     node_lost: Callable[[str, str], None]  # (node id, why): mark it dead and fail its sessions
+    strike: Callable[[str, str], None]  # (node id, why): a member caught sending what it may not pays in standing
     authority: CapabilityAuthority | None = None
     vocabularies: Vocabularies = attrs.field(factory=Vocabularies.builtin)  # what answers are checked against
     nursery: trio.Nursery | None = None  # where probes run
@@ -84,7 +87,7 @@ class Deliveries:
 
         Raises:
             CallerError(FORBIDDEN): refused. A hop of the live route that holds another capability (REPORT) has
-            tried to speak for the route: the session fails naming it.
+            tried to speak for the route: it is struck, and the session goes on without what it sent.
         """
         holder = None
         if self.authority is not None:
@@ -98,7 +101,7 @@ class Deliveries:
                                                         "route's tail delivers its answers")
             except CallerError:
                 if live is not None:
-                    self._forged(live, cap.node, "tried to deliver the route's answers, which only its tail does")
+                    self.strike(cap.node, f"tried to deliver session {sid}'s answers, which only its tail does")
                 raise
             holder = cap.node
         if connection is not None:
@@ -152,8 +155,8 @@ class Deliveries:
             raise CallerError(Reason.BAD_FRAME, f"session {live.rs.sid}'s answer to step {frame.seq} is refused: {why}")
 
     def _forged(self, live: LiveSession, node: str, what: str) -> None:
-        """Fail `live` naming `node`, a member that sent what it may not: in the tracker's words."""
-        log.warning("session %s: node %s %s", live.rs.sid, node, what)
+        """Fail `live` naming `node`, its tail, which sent what it may not (in the tracker's words), and strike it."""
+        self.strike(node, f"in session {live.rs.sid} {what}")
         live.inbox[0].send_nowait(Failure(Reason.NODE_ERROR, f"node {node} {what}"[:300], node=node))
 
     def report(self, body: bytes, capability: str | None) -> None:
@@ -177,7 +180,8 @@ class Deliveries:
             live, reporter = self._member(sid, cap), cap.node
             if live is None:
                 raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {sid[:64]}")
-            if data.get("reporter", reporter) != reporter:
+            if data.get("reporter", reporter) != reporter:  # an honest node names itself (dgr.node.relay)
+                self.strike(reporter, f"reported in node {str(data.get('reporter'))[:64]}'s name for session {sid}")
                 raise CallerError(Reason.FORBIDDEN, f"this report comes from node {reporter}, whose capability it "
                                                     "holds: it cannot name another reporter")
         members = {h.node_id for h in live.rs.route}
