@@ -84,6 +84,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         headers = request.headers
         named = headers.get(ROUTE_SESSION_HEADER)
         ticket = service.trust.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
+        authenticated(request.scope)  # the gateway's capability and the tracker's ticket held, as in `_authorize`
         raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
         service.trust.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
         req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.table.max_positions,
