@@ -31,7 +31,8 @@ from dgr.seam.stream import Record, RecordReader
 from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
+           "RawSeamRequest", "SESSION_ID", "seam_headers", "read_raw_seam", "serve_seam_stream", "respond_raw",
+           "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -159,7 +160,19 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 _CAP_RAW = raw_header(CAPABILITY_HEADER)
 _SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
-_SESSION_ID = re.compile(r"[0-9a-f]{32}")
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a Route Session id as X-Dgr-Route-Session names it
+
+
+def seam_headers(scope) -> tuple[str, str | None]:
+    """The session a bare ASGI request names in `X-Dgr-Route-Session` ("" for none) and the capability it carries
+    in `X-Dgr-Capability`: what is checked before any of its body is read."""
+    sid, capability = "", None
+    for name, value in scope["headers"]:
+        if name == _CAP_RAW:
+            capability = value.decode("latin-1")
+        elif name == _SESSION_RAW:
+            sid = value.decode("latin-1")
+    return sid, capability
 
 
 @attrs.frozen
@@ -216,16 +229,11 @@ async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
     end of the body is answered 200 with the count of frames applied. A sender that goes away gets
     nothing: whoever sends to it names it if it was lost.
     """
-    sid, capability = "", None
-    for name, value in scope["headers"]:
-        if name == _CAP_RAW:
-            capability = value.decode("latin-1")
-        elif name == _SESSION_RAW:
-            sid = value.decode("latin-1")
+    sid, capability = seam_headers(scope)
     reader = RecordReader(limit)
     frames = 0
     try:
-        if not _SESSION_ID.fullmatch(sid):
+        if not SESSION_ID.fullmatch(sid):
             raise CallerError(Reason.BAD_FRAME, f"a stream names its session in {ROUTE_SESSION_HEADER}: 32 hex digits")
         authorize(capability, sid)
         while True:
@@ -240,7 +248,8 @@ async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
         if reader.pending:
             raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
     except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, what)
+        # the rest of the stream is never read: the connection closes after the answer, whatever was announced
+        await respond_raw_error(send, exc, what, unread=True)
         return
     await respond_raw(send, 200, json.dumps({"session": sid, "frames": frames}).encode())
 
@@ -252,16 +261,16 @@ async def respond_raw(send, status: int, body: bytes, content_type: bytes = b"ap
     await send({"type": "http.response.body", "body": body})
 
 
-async def respond_raw_error(send, exc: DgrError | ValueError, what: str) -> None:
+async def respond_raw_error(send, exc: DgrError | ValueError, what: str, *, unread: bool = False) -> None:
     """The OpenAI-shaped error for a fast path's failure: a DgrError's own, or BAD_FRAME for a ValueError.
 
-    A body refused by its announced size was never read, so that connection
-    cannot carry another request: it is closed.
+    A body refused by its announced size, or refused before the rest of it was read (`unread`), is never
+    drained: that connection cannot carry another request, and the answer says it is closed.
     """
     if isinstance(exc, DgrError):
         failure, status = exc.failure(), http_status(exc.reason)
     else:
         failure, status = Failure(Reason.BAD_FRAME, f"bad {what}: {exc}"[:300]), 400
-    extra = [(b"connection", b"close")] if failure.reason is Reason.FRAME_TOO_LARGE else []
+    extra = [(b"connection", b"close")] if unread or failure.reason is Reason.FRAME_TOO_LARGE else []
     await respond_raw(send, status, json.dumps(openai_error_body(failure)).encode(), extra=extra)
 

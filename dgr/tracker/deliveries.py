@@ -7,10 +7,14 @@ with every hop's compute, where the ring driver takes it (dgr.tracker.ring).
 
 Both skip the framework (`deliver_fast_path`, wrapping the tracker's app):
 POST DELIVER_STREAM_PATH (a record per token, for one session) and POST
-DELIVER_PATH (a JSON failure report) are read up to one frame's size limit
-and authorized by the session's delivery capability before their connection
-is marked authenticated; a ring's answers never come as JSON on
-DELIVER_PATH (BAD_FRAME). Every other request goes to the app untouched.
+DELIVER_PATH (a JSON failure report) name their session in
+`X-Dgr-Route-Session` and are authorized by the session's delivery
+capability from their headers, before a byte of their body is read (a
+refused caller is answered at once, its body unread, and its connection
+closed); only then is the body read, up to one frame's size limit, and the
+connection marked authenticated. A report's body must name the session its
+header named. A ring's answers never come as JSON on DELIVER_PATH
+(BAD_FRAME). Every other request goes to the app untouched.
 
 A report is scoped to its session: the reporter and the node it names must be
 hops of that session's route, only that session fails, and no node is marked
@@ -30,12 +34,13 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
+from dgr.api.http import (SESSION_ID, parse_json, read_raw_seam, respond_raw_error, seam_headers,
+                          serve_seam_stream)
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.seam.frame import decode_frame
 from dgr.seam.stream import Record
-from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
+from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER, FrameKind
 from dgr.security.auth import CapabilityAuthority, Scope
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.live import Answer, LiveSession
@@ -82,14 +87,29 @@ class Deliveries:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
         self._live(sid).inbox[0].send_nowait(Answer(frame, record.compute_us))
 
-    def report(self, body: bytes, capability: str | None) -> None:
-        """A session's node reports a failure (JSON: session, reporter, code, message, node).
+    def admit_report(self, capability: str | None, sid: str) -> None:
+        """Check a failure report from its headers alone, before its body is read: `sid` is the session its
+        `X-Dgr-Route-Session` names, `capability` the one it carries.
+
+        Raises:
+            CallerError(FORBIDDEN): no session named, or no capability for it.
+        """
+        if not SESSION_ID.fullmatch(sid):
+            raise CallerError(Reason.FORBIDDEN, f"a failure report names its session in {ROUTE_SESSION_HEADER} (32 hex "
+                                                "digits): its capability is checked before its body is read")
+        self.authorize(capability, sid)
+
+    def report(self, body: bytes, capability: str | None, named: str) -> None:
+        """A session's node reports a failure (JSON: session, reporter, code, message, node), admitted for the
+        session `named` (`admit_report`), which its body must name too.
 
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
         """
         data = parse_json(body)
         sid = data.get("session")
+        if sid != named:
+            raise CallerError(Reason.FORBIDDEN, f"the report's session is not the one in {ROUTE_SESSION_HEADER}")
         try:
             failure = Failure.from_json(data)
         except (ValueError, KeyError, TypeError):
@@ -146,6 +166,12 @@ def deliver_fast_path(deliveries: Deliveries, app):
                                     authorize=functools.partial(deliveries.authorize, connection=scope),
                                     apply=deliveries.deliver)
             return
+        sid, capability = seam_headers(scope)
+        try:
+            deliveries.admit_report(capability, sid)  # from the headers: nothing read, nothing parsed before
+        except DgrError as exc:
+            await respond_raw_error(send, exc, "delivery", unread=True)
+            return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
             if req is None:
@@ -153,7 +179,7 @@ def deliver_fast_path(deliveries: Deliveries, app):
             if not req.is_json:
                 raise CallerError(Reason.BAD_FRAME, f"a route's answers come on {DELIVER_STREAM_PATH}; "
                                                     f"{DELIVER_PATH} takes JSON failure reports")
-            deliveries.report(req.body, req.capability)
+            deliveries.report(req.body, capability, sid)
             authenticated(scope)  # the report held the session's delivery capability
         except (DgrError, ValueError) as exc:
             await respond_raw_error(send, exc, "delivery")

@@ -1,0 +1,115 @@
+"""No body before a credential (issue 55, the lows), driven as the attacks were: raw sockets against a real
+tracker or node served on loopback.
+
+- The tracker's failure reports were read (up to 1 MiB) and parsed before their capability was checked.
+- A node's layer-possession challenges were read and parsed before the tracker's signature on them was.
+- `POST /v1/assign` was read, parsed and priced for anyone.
+- A refused step was read whole, up to a 64 MiB frame, before it was refused.
+
+Each check now runs on the request's headers (for a step: its frame's header) and the refusal is answered at
+once, nothing more read, with `Connection: close`. A test here announces a body and sends none of it (or a
+frame's header and none of its payload): the answer must come within a second, which it could not while the
+server waited for the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+import uuid
+
+import h11
+import pytest
+import trio
+
+from dgr.api.server import serve_asgi
+from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.security.identity import Identity
+from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, ROUTE_SESSION_HEADER
+from dgr.tracker.app import make_tracker_app
+from dgr.tracker.gateway import Gateway
+from dgr.tracker.registry import GATEWAY_ID, Registry
+
+pytestmark = pytest.mark.trio
+
+ANSWER_S = 1.0  # a refusal from the headers comes at once; a server waiting for the body would take its 10 s
+
+
+@contextlib.asynccontextmanager
+async def served(app):
+    """`app` on loopback for one test, bounded to 20 s; yields how to open a connection to it."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_asgi, app, "127.0.0.1", 0))
+            yield functools.partial(trio.open_tcp_stream, "127.0.0.1", int(url.rpartition(":")[2]))
+            nursery.cancel_scope.cancel()
+
+
+def head(path: str, length: int, headers: dict[str, str], content_type: str = "application/json") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Type: {content_type}", f"Content-Length: {length}",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def answer(stream: trio.SocketStream) -> tuple[int, dict[str, str], bytes]:
+    """The response on `stream`: (status, headers, body); within ANSWER_S, or the test fails."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")]))
+    conn.send(h11.EndOfMessage())
+    status, headers, body = 0, {}, b""
+    with trio.fail_after(ANSWER_S):
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status, headers = event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return status, headers, body
+
+
+def code(body: bytes) -> str:
+    return json.loads(body)["error"]["code"]
+
+
+async def test_a_failure_report_is_refused_from_its_headers_before_its_body_is_read() -> None:
+    """A report announcing 1 MiB and sending none of it, with no capability, a forged one, one for another
+    session or none naming its session: 403 at once. Before, the tracker waited for the body and parsed it
+    first: a junk body with a forged capability got 400 invalid_json."""
+    tracker = Identity.generate()
+    authority = CapabilityAuthority.issuer(tracker)
+    app = make_tracker_app(Gateway(registry=Registry(), authority=authority))
+    sid, other = uuid.uuid4().hex, uuid.uuid4().hex
+
+    def cap(session: str, by: CapabilityAuthority = authority) -> str:
+        return by.issue(session, GATEWAY_ID, 0, 1, time.time(), scope=Scope.STEP)
+
+    refused = [{}, {CAPABILITY_HEADER: cap(sid)},  # no session named: nothing to check the capability for
+               {ROUTE_SESSION_HEADER: sid}, {ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: "forged.token"},
+               {ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: cap(other)},
+               {ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: cap(sid, CapabilityAuthority.issuer(Identity.generate()))}]
+    async with served(app) as connect:
+        for headers in refused:
+            attacker = await connect()
+            await attacker.send_all(head(DELIVER_PATH, 1024 * 1024, headers))  # and never a byte of the body
+            status, got, body = await answer(attacker)
+            assert (status, code(body), got.get("connection")) == (403, "forbidden", "close"), (headers, body)
+        junk = b"{not json"
+        attacker = await connect()
+        await attacker.send_all(head(DELIVER_PATH, len(junk), {ROUTE_SESSION_HEADER: sid,
+                                                               CAPABILITY_HEADER: "forged.token"}) + junk)
+        status, _, body = await answer(attacker)
+        assert (status, code(body)) == (403, "forbidden"), body  # not parsed: invalid_json before
+        # the session's own capability: past the headers, the body must name the session its header named
+        member = await connect()
+        for named, status_code, reason in ((other, 403, "forbidden"), (sid, 404, "unknown_session")):
+            report = json.dumps({"session": named, "reporter": "n0", "code": "route_node_lost", "message": "x",
+                                 "node": "n1"}).encode()
+            await member.send_all(head(DELIVER_PATH, len(report), {ROUTE_SESSION_HEADER: sid,
+                                                                   CAPABILITY_HEADER: cap(sid)}) + report)
+            status, _, body = await answer(member)
+            assert (status, code(body)) == (status_code, reason), body
