@@ -25,11 +25,17 @@ import pytest
 import trio
 
 from dgr.api.server import serve_asgi
-from dgr.security.auth import CapabilityAuthority, Scope
+from dgr.backends.base import LayerRange
+from dgr.backends.stub import StubBackend, StubSpec
+from dgr.node.app import make_node_app
+from dgr.node.assign import ASSIGN_PATH
+from dgr.node.service import NodeService
+from dgr.security.auth import JOIN_HEADER, Admission, CapabilityAuthority, Scope, Signer, join_proof
 from dgr.security.identity import Identity
-from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, ROUTE_SESSION_HEADER
+from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, NODE_HEADER, ROUTE_SESSION_HEADER
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway
+from dgr.tracker.proofs import CHALLENGE_PATH
 from dgr.tracker.registry import GATEWAY_ID, Registry
 
 pytestmark = pytest.mark.trio
@@ -113,3 +119,61 @@ async def test_a_failure_report_is_refused_from_its_headers_before_its_body_is_r
                                                                    CAPABILITY_HEADER: cap(sid)}) + report)
             status, _, body = await answer(member)
             assert (status, code(body)) == (status_code, reason), body
+
+
+async def test_a_challenge_is_refused_from_its_headers_before_its_body_is_read() -> None:
+    """A layer-possession challenge announcing 1 MiB and sending none of it, unsigned or signed by another key
+    than the tracker's the node pinned: 403 at once. Before, the node read and parsed the body to find the
+    signature in it: a junk body got 400 invalid_json. The tracker's own challenge passes (this node holds no
+    artifact: 404), and is not answered twice (its nonce is spent)."""
+    tracker, stranger = Identity.generate(), Identity.generate()
+    service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id="n0",
+                          identity=Identity.generate(), joining=True)
+    service.join(tracker.public)
+    body = json.dumps({"node": "n0", "nonce": "0" * 32}).encode()
+    async with served(make_node_app(service)) as connect:
+        for headers in ({}, Signer(stranger).headers("POST", CHALLENGE_PATH, body, time.time()),
+                        Signer(tracker).headers("POST", CHALLENGE_PATH, body, time.time() - 3600)):
+            attacker = await connect()
+            await attacker.send_all(head(CHALLENGE_PATH, 1024 * 1024, headers))  # and never a byte of the body
+            status, got, reply = await answer(attacker)
+            assert (status, code(reply), got.get("connection")) == (403, "forbidden", "close"), (headers, reply)
+        junk = b"{not json"
+        attacker = await connect()
+        await attacker.send_all(head(CHALLENGE_PATH, len(junk), {}) + junk)
+        status, _, reply = await answer(attacker)
+        assert (status, code(reply)) == (403, "forbidden"), reply  # not parsed: invalid_json before
+        signed = Signer(tracker).headers("POST", CHALLENGE_PATH, body, time.time())
+        for want in ((404, "not_found"), (403, "forbidden")):  # the tracker's; then the same again, replayed
+            node = await connect()
+            await node.send_all(head(CHALLENGE_PATH, len(body), signed) + body)
+            status, _, reply = await answer(node)
+            assert (status, code(reply)) == want, reply
+
+
+async def test_assign_and_membership_are_refused_from_their_headers_before_their_body_is_read() -> None:
+    """`POST /v1/assign` was read, parsed and priced for anyone; a registration or heartbeat was read before
+    its signature was checked. On a tracker with a join token, each is refused 401 from its headers (unsigned,
+    or a key without the token's proof) before a byte of its body is read; a node with the token is answered
+    (here: the manifest is unknown, 404)."""
+    token = b"t" * 32
+    app = make_tracker_app(Gateway(registry=Registry()), admission=Admission(token=token))
+    stranger, node = Identity.generate(), Identity.generate()
+    async with served(app) as connect:
+        for path in (ASSIGN_PATH, "/v1/nodes/register", "/v1/nodes/heartbeat"):
+            for headers in ({}, Signer(stranger).headers("POST", path, b"{}", time.time())):
+                if path == "/v1/nodes/heartbeat":
+                    headers = {**headers, NODE_HEADER: "n0"}
+                attacker = await connect()
+                await attacker.send_all(head(path, 1024 * 1024, headers))  # and never a byte of the body
+                status, got, reply = await answer(attacker)
+                want = (401, "unauthenticated") if path != "/v1/nodes/heartbeat" or not headers.get("X-Dgr-Key") \
+                    else (404, "not_found")  # a signed heartbeat for an id its key does not own
+                assert (status, code(reply), got.get("connection")) == (*want, "close"), (path, headers, reply)
+        body = json.dumps({"manifest_id": "m" * 64, "memory_bytes": 2**30}).encode()
+        signed = Signer(node).headers("POST", ASSIGN_PATH, body, time.time())
+        signed[JOIN_HEADER] = join_proof(token, node.public, signed["X-Dgr-Signature"])
+        member = await connect()
+        await member.send_all(head(ASSIGN_PATH, len(body), signed) + body)
+        status, _, reply = await answer(member)
+        assert (status, code(reply)) == (404, "not_found"), reply

@@ -31,7 +31,7 @@ from dgr.seam.stream import Record, RecordReader
 from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "RawSeamRequest", "SESSION_ID", "seam_headers", "read_raw_seam", "serve_seam_stream", "respond_raw",
+           "unread", "RawSeamRequest", "SESSION_ID", "seam_headers", "read_raw_seam", "serve_seam_stream", "respond_raw",
            "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
@@ -51,6 +51,8 @@ def _from_dgr(exc: DgrError) -> Response:
         headers["Retry-After"] = str(exc.details.get("retry_after", 1))
     if exc.details.get("bearer"):
         headers["WWW-Authenticate"] = 'Bearer realm="dgr"'
+    if exc.details.get("unread"):
+        headers["Connection"] = "close"  # refused from its headers: its body is never read (`_settled`)
 
     extra = {k: v for k, v in exc.details.items() if k in ("param", "missing", "expected", "got")}
     return error_response(exc.failure(), headers=headers, **extra)
@@ -66,9 +68,9 @@ async def _settled(response: Response) -> Response:
     """
     limit = request.max_content_length
     drained = False
-    if response.status_code in (401, 403):
-        # refused for want of a key or capability: such a caller gets nothing read, not even the body it
-        # announced (an open may announce 4 MiB); its connection is closed instead
+    if response.status_code in (401, 403) or response.headers.get("Connection", "").lower() == "close":
+        # refused for want of a key or capability, or from its headers (`unread`): such a caller gets nothing
+        # read, not even the body it announced (an open may announce 4 MiB); its connection is closed instead
         pass
     elif request.content_length is None or limit is None or request.content_length <= limit:
         with trio.move_on_after(_DRAIN_S):
@@ -80,6 +82,13 @@ async def _settled(response: Response) -> Response:
     if not drained:
         response.headers["Connection"] = "close"
     return response
+
+
+def unread(exc: DgrError) -> DgrError:
+    """Mark `exc` as a refusal made from the request's headers: its answer closes the connection, and the body
+    is never read (not even drained)."""
+    exc.details["unread"] = True
+    return exc
 
 
 def install_error_handlers(app) -> None:

@@ -19,10 +19,11 @@ and an open also the tracker's single-use ticket for its exact body
 body is parsed.
 
 Layer-possession challenges are answered only when signed by the pinned
-tracker key and addressed to this node, and each answer is signed with this
-node's key over the challenge (nonce included): a node without the weights
-can neither get an honest node to answer its challenges nor pass off that
-node's answers as its own.
+tracker key (checked from the request's headers, before its body is read)
+and addressed to this node, and each answer is signed with this node's key
+over the challenge (nonce included): a node without the weights can neither
+get an honest node to answer its challenges nor pass off that node's answers
+as its own.
 """
 
 from __future__ import annotations
@@ -137,10 +138,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.post("/v1/artifact/challenge")
     async def artifact_challenge():
-        art = _artifact()
-        body = await read_json(_JSON_LIMIT)
         await service.wait_joined(_JOIN_WAIT_S)
-        service.accept_challenge(body)
+        head = service.trust.admit_challenge(request.method, request.path, request.headers)  # nothing read yet
+        body = service.trust.accept_challenge(head, await read_body(_JSON_LIMIT), parse_json)  # its nonce spent
+        art = _artifact()
         # Reading and hashing a piece blocks; the limiter keeps a flood of
         # challenges from taking every worker thread.
         answer = await trio.to_thread.run_sync(art.answer, body, limiter=art.limiter)
