@@ -32,7 +32,8 @@ from dgr.node.assign import ASSIGN_PATH
 from dgr.node.service import NodeService
 from dgr.security.auth import JOIN_HEADER, Admission, CapabilityAuthority, Scope, Signer, join_proof
 from dgr.security.identity import Identity
-from dgr.seam.wire import CAPABILITY_HEADER, DELIVER_PATH, NODE_HEADER, ROUTE_SESSION_HEADER
+from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HEADER, HEADER_SIZE, MAGIC, NODE_HEADER,
+                           RECORD_PREFIX, ROUTE_SESSION_HEADER, STREAM_PATH, VERSION, DType, Flag, FrameKind)
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway
 from dgr.tracker.proofs import CHALLENGE_PATH
@@ -177,3 +178,32 @@ async def test_assign_and_membership_are_refused_from_their_headers_before_their
         await member.send_all(head(ASSIGN_PATH, len(body), signed) + body)
         status, _, reply = await answer(member)
         assert (status, code(reply)) == (404, "not_found"), reply
+
+
+def _step_header(session: str, *, kind: FrameKind = FrameKind.PREFILL, width: int, payload: int) -> bytes:
+    """A record's prefix (no hops yet) and a PREFILL frame's header announcing `payload` bytes of hidden states
+    (f32), which never follow."""
+    n_tokens = payload // (width * 4)
+    return RECORD_PREFIX.pack(0) + HEADER.pack(MAGIC, VERSION, kind, DType.F32, Flag.HIDDEN, bytes.fromhex(session),
+                                               0, 0, n_tokens, width, n_tokens * width * 4, 0)
+
+
+async def test_a_refused_step_is_answered_from_its_frame_header_without_its_payload() -> None:
+    """A step whose frame header already says it is refused (a session this node does not hold, another
+    session's frame on this session's stream, a kind or width this shard does not take) and that announces
+    60 MiB of hidden states: the node answers from the header, the payload never sent, and closes the stream.
+    Before, it waited for the whole frame (up to 64 MiB, buffered) and refused it then."""
+    service = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(15, 30)), node_id="n1")
+    width = service.backend.info.seam_width
+    sid, other = uuid.uuid4().hex, uuid.uuid4().hex
+    cases = [(sid, _step_header(sid, width=width, payload=60 * 2**20), 404, "unknown_session"),
+             (sid, _step_header(other, width=width, payload=60 * 2**20), 403, "forbidden"),
+             (sid, _step_header(sid, width=width + 1, payload=60 * 2**20), 422, "wrong_width"),
+             (sid, _step_header(sid, kind=FrameKind.HIDDEN, width=width, payload=60 * 2**20), 400, "bad_frame")]
+    async with served(make_node_app(service)) as connect:
+        for stream_sid, record, status_code, reason in cases:
+            sender = await connect()
+            size = len(record) - RECORD_PREFIX.size - HEADER_SIZE + 60 * 2**20
+            await sender.send_all(head(STREAM_PATH, size, {ROUTE_SESSION_HEADER: stream_sid}, CONTENT_TYPE) + record)
+            status, got, body = await answer(sender)
+            assert (status, code(body), got.get("connection")) == (status_code, reason, "close"), body

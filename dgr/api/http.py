@@ -228,18 +228,21 @@ async def read_raw_seam(scope, receive, limit: int, what: str) -> RawSeamRequest
 
 async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
                             authorize: Callable[[str | None, str], None],
-                            apply: Callable[[str, Record], None]) -> None:
+                            apply: Callable[[str, Record], None],
+                            check_head: Callable[[str, bytes], None] | None = None) -> None:
     """Serve one ring link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
 
     The session (`X-Dgr-Route-Session`) and its capability come in the headers: `authorize(capability,
-    session)` checks them before any of the body is read. `apply(session, record)` takes each
-    record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or a ValueError
-    for a malformed frame, named `what`) answers the stream and ends it; the sender reports it. A clean
+    session)` checks them before any of the body is read. `check_head(session, header)` (where given) checks
+    each record's frame header as soon as it has come, before its payload is waited for; `apply(session,
+    record)` takes each record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or
+    a ValueError for a malformed frame, named `what`) answers the stream at once and ends it, the rest of the
+    body unread (`Connection: close`); the sender reports it. A clean
     end of the body is answered 200 with the count of frames applied. A sender that goes away gets
     nothing: whoever sends to it names it if it was lost.
     """
     sid, capability = seam_headers(scope)
-    reader = RecordReader(limit)
+    reader = RecordReader(limit, None if check_head is None else (lambda header: check_head(sid, header)))
     frames = 0
     try:
         if not SESSION_ID.fullmatch(sid):

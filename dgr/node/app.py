@@ -226,7 +226,7 @@ def seam_fast_path(service: NodeService, app):
             # a ring session's steps from the previous hop, checked against this node's capability for it
             await serve_seam_stream(scope, receive, send, limit=service.replies.max_frame_bytes, what="stream",
                                     authorize=functools.partial(_authorize, service, scope),
-                                    apply=service.replies.accept_streamed)
+                                    apply=service.replies.accept_streamed, check_head=service.replies.check_head)
         else:
             await app(scope, receive, send)
 
