@@ -17,6 +17,7 @@ tell what such a server read.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -242,7 +243,7 @@ async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
     nothing: whoever sends to it names it if it was lost.
     """
     sid, capability = seam_headers(scope)
-    reader = RecordReader(limit, None if check_head is None else (lambda header: check_head(sid, header)))
+    reader = RecordReader(limit, None if check_head is None else functools.partial(check_head, sid))
     frames = 0
     try:
         if not SESSION_ID.fullmatch(sid):
