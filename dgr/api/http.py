@@ -8,7 +8,8 @@ process keeps serving.
 Every response, errors and Quart's automatic OPTIONS answers included, goes
 out only once the request body has been read (or, when it cannot be: too
 large, the client stalls, or the caller is refused as unauthenticated or
-forbidden (401, 403), whose body is never read, with `Connection: close`): a response that
+forbidden (401, 403), or from its headers (`unread`), whose body is never
+read, with `Connection: close`): a response that
 leaves while the previous body is still arriving wedged a keep-alive
 connection's next request under hypercorn (found by schemathesis: OPTIONS
 or TRACE with a body, then GET, on one connection), and a client cannot
