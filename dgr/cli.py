@@ -106,7 +106,7 @@ def cmd_node(args) -> int:
                                 if args.tracker_key else None)
     layers = args.layers
     if layers is None and (args.memory or args.gpu_memory or (args.tracker and args.manifest)):
-        layers = _assigned_layers(args)
+        layers = _assigned_layers(args, identity, join_token)
     artifact = None
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
@@ -174,9 +174,10 @@ def busy_poll_ms(given: float | None, backend: str, threads: int) -> float:
     return BUSY_POLL_MS if backend in _BUSY_POLL_BACKENDS and threads == 1 else 0.0
 
 
-def _assigned_layers(args):
+def _assigned_layers(args, identity=None, join_token: bytes | None = None):
     """No `--layers`, with `--tracker` and `--manifest` (or `--memory`): the range the tracker picks for this node's
-    memory, `--memory` or a share of what the machine has available.
+    memory, `--memory` or a share of what the machine has available, asked under the node's key `identity` (and
+    its `join_token`'s proof).
 
     Raises:
         CallerError(INVALID_REQUEST): `--memory` without a tracker and a manifest to ask; no --memory and the
@@ -203,7 +204,8 @@ def _assigned_layers(args):
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else 0
     layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
                                        sessions=args.max_sessions, gpu_memory_bytes=gpu, cpu_moe=args.cpu_moe,
-                                       tls=TlsTrust(args.tls_ca, args.require_tls))
+                                       tls=TlsTrust(args.tls_ca, args.require_tls), identity=identity,
+                                       join_token=join_token)
     placed = ""
     if gpu and str(answer.get("gpu_layers", "0")) != "0" and args.gpu_layers == "0":
         args.gpu_layers = str(answer["gpu_layers"])  # checked with the other placement flags (Placement.per_node)

@@ -215,7 +215,9 @@ def test_a_node_with_a_tracker_and_a_manifest_asks_for_layers_with_its_free_memo
         cmd_node(build_parser().parse_args(base))
     budget, _ = memory_budget(MEMINFO)
     assert asked == [{"tracker": "http://t.test", "manifest_id": tiny.id, "memory_bytes": budget, "context": 256,
-                      "sessions": 8, "gpu_memory_bytes": 0, "cpu_moe": False, "tls": asked[0]["tls"]}]
+                      "sessions": 8, "gpu_memory_bytes": 0, "cpu_moe": False, "tls": asked[0]["tls"],
+                      "identity": asked[0]["identity"], "join_token": None}]
+    assert asked[0]["identity"] is not None  # the node's own key signs the request
     err = capsys.readouterr().err
     share = f"{MEMORY_SHARE:.0%} of the 10.00 GiB this machine has available"
     assert f"layers that fit {format_size(budget)}, {share}" in err

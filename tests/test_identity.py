@@ -84,10 +84,12 @@ async def test_a_relayed_proof_fails(tiny) -> None:
         verdict, why = await prover._ask(relayer_entry, manifest, challenge, to_honest)
         assert verdict is None and "HTTP 403" in why and "addressed to" in why, why
 
-        # 2. it rewrites the challenge to name the honest node: the tracker's signature no longer holds
+        # 2. it rewrites the challenge to name the honest node, the tracker's signed headers kept: the
+        #    signature no longer holds
         async def rewrite(request: httpx.Request) -> httpx.Response:
             body = {**json.loads(request.content), "node": honest.node_id}
-            r = await to_honest.post("/v1/artifact/challenge", json=body)
+            signed = {k: v for k, v in request.headers.items() if k.lower().startswith("x-dgr-")}
+            r = await to_honest.post("/v1/artifact/challenge", json=body, headers=signed)
             return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
 
         async with httpx.AsyncClient(transport=httpx.MockTransport(rewrite)) as relay:
@@ -97,7 +99,8 @@ async def test_a_relayed_proof_fails(tiny) -> None:
         # 3. it gets a genuine, tracker-signed challenge for the honest node answered (the same block) and
         #    hands in that answer as its own: the signature is the honest node's, over another challenge
         async def lift(request: httpx.Request) -> httpx.Response:
-            r = await to_honest.post("/v1/artifact/challenge", json=prover.challenge_body(honest_entry, challenge))
+            raw, signed = prover.challenge_request(prover.challenge_body(honest_entry, challenge))
+            r = await to_honest.post("/v1/artifact/challenge", content=raw, headers=signed)
             assert r.status_code == 200, r.text
             return httpx.Response(200, content=r.content, headers={"Content-Type": "application/json"})
 
@@ -117,12 +120,15 @@ async def test_nodes_answer_only_their_trackers_challenges(tiny) -> None:
         for prover, words in [(Prover.from_manifests([manifest]), "not signed by this node's tracker"),  # unsigned
                               (Prover.from_manifests([manifest], identity=node), "not signed by this node's tracker"),
                               (Prover.from_manifests([manifest], identity=Identity.generate()), "not signed")]:
-            r = await http.post("/v1/artifact/challenge", json=prover.challenge_body(entry, challenge))
+            raw, signed = prover.challenge_request(prover.challenge_body(entry, challenge))
+            r = await http.post("/v1/artifact/challenge", content=raw, headers=signed)
             assert r.status_code == 403 and words in r.json()["error"]["message"], r.text
     unjoined = NodeService(backend=StubBackend(spec=StubSpec(), layers=LayerRange(0, 30)), node_id=node.node_id,
                            identity=node, joining=True)
+    prover = Prover(identity=tracker)
+    _, signed = prover.challenge_request(prover.challenge_body(entry, challenge))
     with pytest.raises(CallerError, match="only from the tracker it joined") as err:
-        unjoined.accept_challenge(Prover(identity=tracker).challenge_body(entry, challenge))
+        unjoined.trust.admit_challenge("POST", "/v1/artifact/challenge", {k.lower(): v for k, v in signed.items()})
     assert err.value.reason is Reason.FORBIDDEN
 
 

@@ -74,12 +74,14 @@ def test_a_failure_report_needs_the_sessions_capability_and_answers_come_only_on
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
     # the right capability for a session that is not live: refused as unknown, nothing changes
     r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=report, timeout=5,
-                   headers={"Content-Type": "application/json", **ring.capability(sid, "node1", scope=Scope.REPORT)})
+                   headers={"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid,
+                             **ring.capability(sid, "node1", scope=Scope.REPORT)})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session", r.text
     # an answer posted alone is refused, even with the capability: a route's answers come on the delivery stream
     frame = encode_frame(FrameKind.TOKEN, sid, 0, 0, 1, 576, extra=TokenResult(5, -0.1, b"x", False).payload())
     r = httpx.post(f"{ring.url}{DELIVER_PATH}", content=frame, timeout=5,
-                   headers={"Content-Type": CONTENT_TYPE, **ring.capability(sid, "node2", scope=Scope.DELIVER)})
+                   headers={"Content-Type": CONTENT_TYPE, ROUTE_SESSION_HEADER: sid,
+                             **ring.capability(sid, "node2", scope=Scope.DELIVER)})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_frame", r.text
 
 
@@ -92,7 +94,8 @@ def test_a_members_report_fails_only_its_session_in_the_trackers_words(ring) -> 
     lure = "SECURITY NOTICE: re-enter your API key at http://attacker.example/login"
     with httpx.stream("POST", f"{ring.api}/completions", json=body, timeout=30) as victim:
         sid = victim.headers["x-dgr-route-session"]
-        cap = {"Content-Type": "application/json", **ring.capability(sid, "node1", scope=Scope.REPORT)}
+        cap = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid,
+                             **ring.capability(sid, "node1", scope=Scope.REPORT)}
 
         def report(reporter: str, node: str) -> httpx.Response:
             data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": lure, "node": node}

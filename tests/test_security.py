@@ -394,7 +394,8 @@ def test_weak_tokens_odd_timestamps_and_retry_afters_are_refused(monkeypatch) ->
         headers["X-Dgr-Timestamp"] = ts  # the signature covers it: re-sign as an attacker with its own key would
         from dgr.security import auth
         headers["X-Dgr-Signature"] = auth.b64e(me.sign(auth._REQUEST, auth._framed(
-            b"POST", b"/v1/nodes/heartbeat", ts.encode(), headers["X-Dgr-Nonce"].encode(), body)))
+            b"POST", b"/v1/nodes/heartbeat", ts.encode(), headers["X-Dgr-Nonce"].encode(),
+            headers["X-Dgr-Body-Sha256"].encode())))
         with pytest.raises(CallerError) as err:
             Verifier().check("POST", "/v1/nodes/heartbeat", body, {k.lower(): v for k, v in headers.items()}, time.time())
         assert err.value.reason is Reason.REPLAYED, ts

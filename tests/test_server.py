@@ -398,45 +398,110 @@ async def test_a_guests_half_sent_body_is_cut_and_a_trickle_ends_at_its_deadline
         assert status == 200 and json.loads(body) == {"size": 1000}
 
 
-async def test_connections_over_a_cap_are_closed_unread_and_other_peers_are_answered() -> None:
-    """Idle connections from one address take at most its share; past it, and past the process's cap, a
-    connection is closed at once."""
-    with trio.fail_after(10):
-        async with served(limits=Limits(max_connections=40, max_per_peer=16)) as port:
-            async def open_from(source: str, n: int) -> list[trio.SocketStream]:
-                return [await trio.open_tcp_stream("127.0.0.1", port, local_address=source) for _ in range(n)]
+async def _open_from(port: int, source: str, n: int) -> list[trio.SocketStream]:
+    return [await trio.open_tcp_stream("127.0.0.1", port, local_address=source) for _ in range(n)]
 
-            attacker = await open_from("127.0.0.2", 30)
-            for stream in attacker[16:]:
-                assert await closed(stream)  # refused unread
-            for stream in attacker[:16]:
-                with trio.move_on_after(0.05) as kept:
-                    await closed(stream)
-                assert kept.cancelled_caught
-            second = await open_from("127.0.0.3", 16)
-            with trio.move_on_after(0.05) as kept:
-                await closed(second[-1])
-            assert kept.cancelled_caught
-            normal = await trio.open_tcp_stream("127.0.0.1", port)
-            await normal.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(status, _, _)] = await read_responses(normal, 1)
-            assert status == 200
-            third = await open_from("127.0.0.4", 16)  # 16 + 16 + 1 open: 7 more fit under the cap of 40
-            for stream in third[7:]:
-                assert await closed(stream)
-            for stream in attacker[:16]:
+
+async def _kept(*streams: trio.SocketStream) -> bool:
+    """Whether the server keeps every one of `streams` open for the next 50 ms."""
+    gone = []
+
+    async def watch(stream: trio.SocketStream) -> None:
+        await closed(stream)
+        gone.append(stream)
+
+    with trio.move_on_after(0.05):
+        async with trio.open_nursery() as nursery:
+            for stream in streams:
+                nursery.start_soon(watch, stream)
+    return not gone
+
+
+async def _answered(stream: trio.SocketStream, path: bytes = b"/") -> int:
+    await stream.send_all(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    [(status, _, _)] = await read_responses(stream, 1)
+    return status
+
+
+# guests from strangers: 32; no guest deadline ends a connection during a test
+CAPS = Limits(max_connections=40, max_per_peer=16, member_slots=8, guest_s=60.0, body_idle_s=60.0)
+
+
+async def test_a_newcomer_over_a_cap_closes_the_oldest_idle_guest_instead_of_being_refused() -> None:
+    """Issue 55: 300 idle connections from one address kept 4 of 20 health probes from that address out for
+    their first 8 s (the per-address cap refused them until the guest deadline closed the idle ones). A
+    newcomer over a cap now closes the oldest idle guest under it and is answered."""
+    with trio.fail_after(10):
+        async with served(limits=CAPS) as port:
+            idle = await _open_from(port, "127.0.0.2", 16)  # the address's whole share, sending nothing
+            await trio.sleep(0.2)  # every one of them accepted, and waiting for a head
+            for _ in range(20):  # health probes from the same address, one connection each
+                probe = (await _open_from(port, "127.0.0.2", 1))[0]
+                assert await _answered(probe) == 200
+                await probe.aclose()
+            assert await closed(idle[0])  # the oldest made room
+            assert await _kept(*idle[1:])
+            other = await _open_from(port, "127.0.0.3", 17)
+            assert await closed(other[0])  # over 127.0.0.3's 16: its own oldest made room
+            late = await _open_from(port, "127.0.0.4", 2)  # 15 + 16 + 2 guests: over the strangers' 32
+            assert all([await _answered(s) == 200 for s in late])
+            assert await closed(idle[1])  # the oldest idle guest of all made room
+            assert await _kept(*idle[2:], *other[1:])
+
+
+async def test_busy_guests_keep_their_seats_and_the_last_slots_are_for_members() -> None:
+    """Issue 55: strangers from a few addresses filled every slot (4 addresses, 1,024), so a member's next
+    connection, a node's heartbeat, was refused. The last `member_slots` are now for members and newcomers
+    from their addresses; a guest busy sending its body is never closed to make room, so a stranger over the
+    strangers' share with none idle is closed at once, unread."""
+    with trio.fail_after(10):
+        async with served(limits=CAPS) as port:
+            member = (await _open_from(port, "127.0.0.1", 1))[0]
+            assert await _answered(member, b"/auth") == 200  # 127.0.0.1 is a member's address from now on
+            head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 500
+            busy = []
+            for source in ("127.0.0.2", "127.0.0.3"):
+                for stream in await _open_from(port, source, 16):
+                    await stream.send_all(head)  # a body half-sent: the app is reading it
+                    busy.append(stream)
+            await trio.sleep(0.2)
+            assert await _kept(*busy)
+            for source in ("127.0.0.4", "127.0.0.2"):  # over the strangers' 32, and over 127.0.0.2's 16
+                assert await closed((await _open_from(port, source, 1))[0])  # refused unread
+            second = (await _open_from(port, "127.0.0.1", 1))[0]  # the member's address: a reserved slot
+            assert await _answered(second, b"/auth") == 200
+            assert await _kept(*busy)
+            for stream in busy[:16]:
                 await stream.aclose()
             await trio.sleep(0.1)
-            # their slots are free again
-            again = await open_from("127.0.0.2", 1)
-            await again[0].send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            [(status, _, _)] = await read_responses(again[0], 1)
-            assert status == 200
+            assert await _answered((await _open_from(port, "127.0.0.4", 1))[0]) == 200  # their slots are free
+
+
+async def test_a_guests_connection_ends_at_its_lifetime_however_often_it_asks(clock) -> None:
+    """Issue 55: a guest kept a connection for ever by asking /healthz every few seconds (each response began
+    a new guest_s). Its first response past guest_life_s from accept now says `Connection: close`, and the
+    connection closes; an authenticated one keeps its keep-alive."""
+    async with served(limits=Limits(guest_s=5.0, guest_life_s=30.0)) as port:
+        for path, every, life in ((b"/", 3.0, 30.0), (b"/auth", 4.0, None)):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            t0 = trio.current_time()
+            while trio.current_time() - t0 < 60.0:
+                await stream.send_all(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                [(status, headers, _)] = await read_responses(stream, 1)
+                assert status == 200
+                if headers.get("connection") == "close":
+                    break
+                await trio.sleep(every)
+            if life is None:
+                assert trio.current_time() - t0 >= 60.0  # a member: never told to go
+                continue
+            assert headers.get("connection") == "close", "a guest kept its connection past its lifetime"
+            assert life <= trio.current_time() - t0 < life + 3.5 and await closed(stream)
 
 
 async def test_a_peer_is_its_ipv4_address_or_its_ipv6_64() -> None:
     """One host gets a /64 from its provider: counting IPv6 peers by address would give it 2**64 shares."""
-    from dgr.api.server import _peer
+    from dgr.api.gate import peer_of as _peer
 
     assert _peer(("10.0.0.7", 1)) == "10.0.0.7"
     assert _peer(("2001:db8:1:2::1", 1)) == _peer(("2001:db8:1:2:ffff::9", 2)) != _peer(("2001:db8:1:3::1", 1))

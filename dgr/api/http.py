@@ -8,7 +8,8 @@ process keeps serving.
 Every response, errors and Quart's automatic OPTIONS answers included, goes
 out only once the request body has been read (or, when it cannot be: too
 large, the client stalls, or the caller is refused as unauthenticated or
-forbidden (401, 403), whose body is never read, with `Connection: close`): a response that
+forbidden (401, 403), or from its headers (`unread`), whose body is never
+read, with `Connection: close`): a response that
 leaves while the previous body is still arriving wedged a keep-alive
 connection's next request under hypercorn (found by schemathesis: OPTIONS
 or TRACE with a body, then GET, on one connection), and a client cannot
@@ -17,6 +18,7 @@ tell what such a server read.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -31,7 +33,8 @@ from dgr.seam.stream import Record, RecordReader
 from dgr.seam.wire import CAPABILITY_HEADER, ROUTE_SESSION_HEADER, raw_header
 
 __all__ = ["error_response", "json_response", "install_error_handlers", "read_json", "read_body", "parse_json",
-           "RawSeamRequest", "read_raw_seam", "serve_seam_stream", "respond_raw", "respond_raw_error"]
+           "unread", "RawSeamRequest", "SESSION_ID", "seam_headers", "read_raw_seam", "serve_seam_stream", "respond_raw",
+           "respond_raw_error"]
 
 log = logging.getLogger("dgr.http")
 
@@ -50,6 +53,8 @@ def _from_dgr(exc: DgrError) -> Response:
         headers["Retry-After"] = str(exc.details.get("retry_after", 1))
     if exc.details.get("bearer"):
         headers["WWW-Authenticate"] = 'Bearer realm="dgr"'
+    if exc.details.get("unread"):
+        headers["Connection"] = "close"  # refused from its headers: its body is never read (`_settled`)
 
     extra = {k: v for k, v in exc.details.items() if k in ("param", "missing", "expected", "got")}
     return error_response(exc.failure(), headers=headers, **extra)
@@ -65,9 +70,9 @@ async def _settled(response: Response) -> Response:
     """
     limit = request.max_content_length
     drained = False
-    if response.status_code in (401, 403):
-        # refused for want of a key or capability: such a caller gets nothing read, not even the body it
-        # announced (an open may announce 4 MiB); its connection is closed instead
+    if response.status_code in (401, 403) or response.headers.get("Connection", "").lower() == "close":
+        # refused for want of a key or capability, or from its headers (`unread`): such a caller gets nothing
+        # read, not even the body it announced (an open may announce 4 MiB); its connection is closed instead
         pass
     elif request.content_length is None or limit is None or request.content_length <= limit:
         with trio.move_on_after(_DRAIN_S):
@@ -79,6 +84,13 @@ async def _settled(response: Response) -> Response:
     if not drained:
         response.headers["Connection"] = "close"
     return response
+
+
+def unread(exc: DgrError) -> DgrError:
+    """Mark `exc` as a refusal made from the request's headers: its answer closes the connection, and the body
+    is never read (not even drained)."""
+    exc.details["unread"] = True
+    return exc
 
 
 def install_error_handlers(app) -> None:
@@ -159,7 +171,19 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 _CAP_RAW = raw_header(CAPABILITY_HEADER)
 _SESSION_RAW = raw_header(ROUTE_SESSION_HEADER)
-_SESSION_ID = re.compile(r"[0-9a-f]{32}")
+SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a Route Session id as X-Dgr-Route-Session names it
+
+
+def seam_headers(scope) -> tuple[str, str | None]:
+    """The session a bare ASGI request names in `X-Dgr-Route-Session` ("" for none) and the capability it carries
+    in `X-Dgr-Capability`: what is checked before any of its body is read."""
+    sid, capability = "", None
+    for name, value in scope["headers"]:
+        if name == _CAP_RAW:
+            capability = value.decode("latin-1")
+        elif name == _SESSION_RAW:
+            sid = value.decode("latin-1")
+    return sid, capability
 
 
 @attrs.frozen
@@ -206,26 +230,24 @@ async def read_raw_seam(scope, receive, limit: int, what: str) -> RawSeamRequest
 
 async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
                             authorize: Callable[[str | None, str], None],
-                            apply: Callable[[str, Record], None]) -> None:
+                            apply: Callable[[str, Record], None],
+                            check_head: Callable[[str, bytes], None] | None = None) -> None:
     """Serve one ring link's stream of a session's steps (dgr.seam.stream) on a bare ASGI request.
 
     The session (`X-Dgr-Route-Session`) and its capability come in the headers: `authorize(capability,
-    session)` checks them before any of the body is read. `apply(session, record)` takes each
-    record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or a ValueError
-    for a malformed frame, named `what`) answers the stream and ends it; the sender reports it. A clean
+    session)` checks them before any of the body is read. `check_head(session, header)` (where given) checks
+    each record's frame header as soon as it has come, before its payload is waited for; `apply(session,
+    record)` takes each record as it completes, frames up to `limit` bytes. The first refusal (a DgrError, or
+    a ValueError for a malformed frame, named `what`) answers the stream at once and ends it, the rest of the
+    body unread (`Connection: close`); the sender reports it. A clean
     end of the body is answered 200 with the count of frames applied. A sender that goes away gets
     nothing: whoever sends to it names it if it was lost.
     """
-    sid, capability = "", None
-    for name, value in scope["headers"]:
-        if name == _CAP_RAW:
-            capability = value.decode("latin-1")
-        elif name == _SESSION_RAW:
-            sid = value.decode("latin-1")
-    reader = RecordReader(limit)
+    sid, capability = seam_headers(scope)
+    reader = RecordReader(limit, None if check_head is None else functools.partial(check_head, sid))
     frames = 0
     try:
-        if not _SESSION_ID.fullmatch(sid):
+        if not SESSION_ID.fullmatch(sid):
             raise CallerError(Reason.BAD_FRAME, f"a stream names its session in {ROUTE_SESSION_HEADER}: 32 hex digits")
         authorize(capability, sid)
         while True:
@@ -240,7 +262,8 @@ async def serve_seam_stream(scope, receive, send, *, limit: int, what: str,
         if reader.pending:
             raise CallerError(Reason.BAD_FRAME, f"the stream ended inside a record ({reader.pending} bytes)")
     except (DgrError, ValueError) as exc:
-        await respond_raw_error(send, exc, what)
+        # the rest of the stream is never read: the connection closes after the answer, whatever was announced
+        await respond_raw_error(send, exc, what, unread=True)
         return
     await respond_raw(send, 200, json.dumps({"session": sid, "frames": frames}).encode())
 
@@ -252,16 +275,16 @@ async def respond_raw(send, status: int, body: bytes, content_type: bytes = b"ap
     await send({"type": "http.response.body", "body": body})
 
 
-async def respond_raw_error(send, exc: DgrError | ValueError, what: str) -> None:
+async def respond_raw_error(send, exc: DgrError | ValueError, what: str, *, unread: bool = False) -> None:
     """The OpenAI-shaped error for a fast path's failure: a DgrError's own, or BAD_FRAME for a ValueError.
 
-    A body refused by its announced size was never read, so that connection
-    cannot carry another request: it is closed.
+    A body refused by its announced size, or refused before the rest of it was read (`unread`), is never
+    drained: that connection cannot carry another request, and the answer says it is closed.
     """
     if isinstance(exc, DgrError):
         failure, status = exc.failure(), http_status(exc.reason)
     else:
         failure, status = Failure(Reason.BAD_FRAME, f"bad {what}: {exc}"[:300]), 400
-    extra = [(b"connection", b"close")] if failure.reason is Reason.FRAME_TOO_LARGE else []
+    extra = [(b"connection", b"close")] if unread or failure.reason is Reason.FRAME_TOO_LARGE else []
     await respond_raw(send, status, json.dumps(openai_error_body(failure)).encode(), extra=extra)
 

@@ -113,9 +113,10 @@ def openapi_document(models: list[str] | None = None) -> dict[str, Any]:
                                                  {"name": NODE_HEADER, "in": "header", "required": True,
                                                   "schema": {"type": "string"}}],
                                              "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
-            # advice for a joining node: which layers to serve (dgr.tracker.assign)
+            # advice for a joining node: which layers to serve (dgr.tracker.assign); signed as a registration is
+            # where the tracker has an admission rule (401 otherwise)
             "/v1/assign": {"post": {**open_, "requestBody": _json_body(_ASSIGN),
-                                    "responses": {"200": _OK, **_errors(400, 404, 413)}}},
+                                    "responses": {"200": _OK, **_errors(400, 401, 404, 413)}}},
         },
     }
 

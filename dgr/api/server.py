@@ -34,13 +34,19 @@ What it serves:
   closed in seconds; its request body must make progress every
   `body_idle_s` and end within `body_timeout_s`, or the app sees
   `http.disconnect` and the connection closes (a half-sent body held open no
-  longer pins its buffer). Once authenticated, a connection keeps
-  `keep_alive_s` and its bodies may stream for as long as they need (a
-  ring's step stream lives as long as its session).
-- Connection caps: at most `max_connections` at once, and `max_per_peer`
-  from one address (one IPv6 /64); a connection over either cap is closed at
-  once, before any of it is read. The counts are two integers and a dict
-  entry per peer, O(1) per accept.
+  longer pins its buffer). A guest's connection also has a total lifetime:
+  the first response that starts `guest_life_s` after its accept carries
+  `Connection: close`, and the connection closes after it (before, a guest
+  kept one for ever by asking `/healthz` every few seconds). Once
+  authenticated, a connection keeps `keep_alive_s`, and its bodies may stream
+  for as long as they need (a ring's step stream lives as long as its
+  session).
+- Connection caps (dgr.api.gate): at most `max_connections` at once, of which
+  the last `member_slots` are for authenticated connections and newcomers
+  from their addresses, and at most `max_per_peer` guests from one address
+  (one IPv6 /64). A newcomer over a cap closes the oldest idle guests under
+  it (waiting for a request head) and comes in; only where none is idle is it
+  closed at once, before any of it is read. O(1) per accept.
 
 Left out: what the apps do (dgr.node.app, dgr.tracker.app), which
 certificates are served (dgr.security.tls, dgr.serve).
@@ -62,6 +68,7 @@ import attrs
 import h11
 import trio
 
+from dgr.api.gate import Gate, Seat, peer_of
 from dgr.errors import Failure, Reason, openai_error_body
 
 __all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "authenticated", "Limits", "MAX_HEAD_BYTES",
@@ -134,50 +141,13 @@ class Limits:
     guest_s: float = 8.0
     body_idle_s: float = 10.0  # a guest's body, between two reads that brought bytes
     body_timeout_s: float = 30.0  # a guest's whole body, from its head
+    # A guest's connection, from accept: its first response after this says `Connection: close`. Well above
+    # guest_s, so that a client's few requests in a row share one connection.
+    guest_life_s: float = 60.0
     max_connections: int = 1024
-    max_per_peer: int = 256
+    max_per_peer: int = 256  # guests from one address
+    member_slots: int = 256  # of max_connections, for authenticated connections only
 
-
-@attrs.define
-class _Gate:
-    """Counts open connections, in all and per peer; refuses one over either cap. O(1) per accept."""
-
-    max_connections: int
-    max_per_peer: int
-    total: int = 0
-    per_peer: dict[str, int] = attrs.field(factory=dict)
-
-    def enter(self, peer: str) -> bool:
-        held = self.per_peer.get(peer, 0)
-        if self.total >= self.max_connections or held >= self.max_per_peer:
-            return False
-        self.total += 1
-        self.per_peer[peer] = held + 1
-        return True
-
-    def leave(self, peer: str) -> None:
-        self.total -= 1
-        held = self.per_peer[peer] - 1
-        if held:
-            self.per_peer[peer] = held
-        else:
-            del self.per_peer[peer]  # no entry outlives its peer's connections
-
-
-def _peer(client: tuple[str, int] | None) -> str:
-    """What the per-peer cap counts by: the IPv4 address, or the IPv6 /64 (one host's usual share)."""
-    if client is None:
-        return ""
-    host = client[0]
-    if ":" not in host:
-        return host
-    try:
-        packed = socket.inet_pton(socket.AF_INET6, host.partition("%")[0])
-    except OSError:
-        return host
-    if packed[:12] == b"\0" * 10 + b"\xff\xff":  # an IPv4 peer on a dual-stack socket
-        return socket.inet_ntop(socket.AF_INET, packed[12:])
-    return packed[:8].hex()
 
 MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
@@ -216,6 +186,8 @@ class _Connection:
     client: tuple[str, int] | None
     limits: Limits
     state: dict[str, Any]
+    gate: Gate  # the server's caps: this connection's seat goes idle, busy or to a member there
+    seat: Seat
     conn: h11.Connection = attrs.field(
         factory=lambda: h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES))
     _demand: trio.Event = attrs.field(factory=trio.Event)  # set: the reader should read
@@ -223,9 +195,20 @@ class _Connection:
     _eof: bool = False
     _watching: trio.Event | None = None  # the current exchange's `over`, once its request body is read
     authenticated: bool = False  # set by the app through the scope's AUTHENTICATED extension
+    born: float = attrs.field(factory=trio.current_time)  # its accept (trio's clock): a guest's lifetime counts from it
+    _idle: trio.CancelScope | None = None  # a guest's wait for its next head, which the gate may end (eviction)
+
+    def __attrs_post_init__(self) -> None:
+        self.seat.evict = self._evicted
 
     def _authenticate(self) -> None:
         self.authenticated = True
+        self.gate.promote(self.seat)
+
+    def _evicted(self) -> None:
+        """The gate closes this idle guest to make room for a newcomer."""
+        if self._idle is not None:
+            self._idle.cancel()
 
     async def _read(self) -> None:
         """The reader task: reads when asked (`_feed`) or while a response is watched.
@@ -315,10 +298,19 @@ class _Connection:
         try:
             event = self.conn.next_event()
             if not self.authenticated:
-                # a guest: the whole head within guest_s of going idle, its first byte or not
+                # a guest: the whole head within guest_s of going idle, its first byte or not; meanwhile the
+                # gate may close it to make room for a newcomer
                 if event is h11.NEED_DATA:
-                    with trio.fail_after(self.limits.guest_s):
-                        event = await self._event()
+                    with trio.CancelScope() as self._idle:
+                        self.gate.idle(self.seat)
+                        try:
+                            with trio.fail_after(self.limits.guest_s):
+                                event = await self._event()
+                        finally:
+                            self.gate.busy(self.seat)
+                    self._idle = None
+                    if self.seat.gone:  # evicted, even if its head came meanwhile: it has no seat to be served in
+                        return None
             else:
                 if event is h11.NEED_DATA:
                     with trio.move_on_after(self.limits.keep_alive_s) as idle:
@@ -418,7 +410,11 @@ class _Connection:
                 if ex.start is not None:
                     raise RuntimeError("http.response.start sent twice")
                 # held until the first body message, so that head and body leave in one write
-                ex.start = (message["status"], list(message.get("headers", ())))
+                headers = list(message.get("headers", ()))
+                if not self.authenticated and trio.current_time() - self.born >= self.limits.guest_life_s:
+                    if not any(bytes(k).lower() == b"connection" for k, _ in headers):
+                        headers.append((b"connection", b"close"))  # a guest's last: its lifetime is over
+                ex.start = (message["status"], headers)
                 return
             if kind != "http.response.body" or ex.start is None or ex.ended:
                 raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -542,7 +538,7 @@ async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SS
     and `head_timeout_s` override its two fields of the same names.
     """
     limits = attrs.evolve(limits or Limits(), keep_alive_s=keep_alive_s, head_timeout_s=head_timeout_s)
-    gate = _Gate(limits.max_connections, limits.max_per_peer)
+    gate = Gate(limits.max_connections, limits.max_per_peer, limits.member_slots)
     raise_open_files_limit()
     if listening is None:
         listening = listening_socket(host, port)
@@ -559,17 +555,19 @@ async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SS
 
     async def handle(stream: trio.abc.Stream) -> None:
         client = _address(stream, True)
-        peer = _peer(client)
-        if not gate.enter(peer):
-            _refusals.warning("refused a connection from %s: %d open in all (cap %d), %d from it (cap %d)",
-                              peer, gate.total, limits.max_connections, gate.per_peer.get(peer, 0),
-                              limits.max_per_peer)
+        peer = peer_of(client)
+        seat = gate.enter(peer)  # may close the oldest idle guest to make room
+        if seat is None:
+            _refusals.warning("refused a connection from %s: %d open in all (cap %d), %d guests (cap %d), %d from "
+                              "it (cap %d), none of them idle", peer, gate.total, limits.max_connections,
+                              gate.guests, gate.max_guests, gate.per_peer.get(peer, 0), limits.max_per_peer)
             await trio.aclose_forcefully(stream)  # nothing read, nothing answered
             return
         try:
-            await _Connection(stream, app, scheme, _address(stream, False), client, limits, state).serve()
+            await _Connection(stream, app, scheme, _address(stream, False), client, limits, state, gate,
+                              seat).serve()
         finally:
-            gate.leave(peer)
+            gate.leave(seat)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(_lifespan, app, state)

@@ -336,7 +336,8 @@ class Attacker:
         kind = random.choice(("none", "self_signed", "expired", "garbage"))
         data = {"session": sid, "reporter": reporter, "code": "route_node_lost", "message": _LURE, "node": named}
         await self.call(f"report_{kind}", "POST", self.cfg.tracker + DELIVER_PATH, content=json.dumps(data).encode(),
-                        headers={"Content-Type": "application/json", **self.forged(sid, "gateway", kind)})
+                        headers={"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid,
+                                 **self.forged(sid, "gateway", kind)})
 
     # -- seam calls ----------------------------------------------------------------------------
     async def seam(self) -> None:

@@ -23,10 +23,11 @@ body is parsed.
 capability for it, and adds how far the node got with it (NodeService.health).
 
 Layer-possession challenges are answered only when signed by the pinned
-tracker key and addressed to this node, and each answer is signed with this
-node's key over the challenge (nonce included): a node without the weights
-can neither get an honest node to answer its challenges nor pass off that
-node's answers as its own.
+tracker key (checked from the request's headers, before its body is read)
+and addressed to this node, and each answer is signed with this node's key
+over the challenge (nonce included): a node without the weights can neither
+get an honest node to answer its challenges nor pass off that node's answers
+as its own.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
         headers = request.headers
         named = headers.get(ROUTE_SESSION_HEADER)
         ticket = service.trust.admit_open(headers.get(CAPABILITY_HEADER), headers.get(TICKET_HEADER), named or "")
+        authenticated(request.scope)  # the gateway's capability and the tracker's ticket held, as in `_authorize`
         raw = await read_body(MAX_TOKENIZE_BYTES)  # only now: the caller is the gateway, with the tracker's ticket
         service.trust.redeem_open(ticket, raw)  # the bytes the tracker signed, or nothing is parsed
         req = OpenRequest.from_json(parse_json(raw), named=named, max_positions=service.table.max_positions,
@@ -140,10 +142,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
 
     @app.post("/v1/artifact/challenge")
     async def artifact_challenge():
-        art = _artifact()
-        body = await read_json(_JSON_LIMIT)
         await service.wait_joined(_JOIN_WAIT_S)
-        service.accept_challenge(body)
+        head = service.trust.admit_challenge(request.method, request.path, request.headers)  # nothing read yet
+        body = service.trust.accept_challenge(head, await read_body(_JSON_LIMIT), parse_json)  # its nonce spent
+        art = _artifact()
         # Reading and hashing a piece blocks; the limiter keeps a flood of
         # challenges from taking every worker thread.
         answer = await trio.to_thread.run_sync(art.answer, body, limiter=art.limiter)
@@ -232,7 +234,7 @@ def seam_fast_path(service: NodeService, app):
             # a ring session's steps from the previous hop, checked against this node's capability for it
             await serve_seam_stream(scope, receive, send, limit=service.replies.max_frame_bytes, what="stream",
                                     authorize=functools.partial(_authorize, service, scope),
-                                    apply=service.replies.accept_streamed)
+                                    apply=service.replies.accept_streamed, check_head=service.replies.check_head)
         else:
             await app(scope, receive, send)
 

@@ -2,8 +2,9 @@
 
 Before a node loads or fetches anything it needs its layer range; the
 tracker knows what the route already covers (dgr.tracker.assign). One
-request, before the node's trio services start; a refusal is the tracker's
-typed error, passed on.
+request, before the node's trio services start, signed with the node's key
+(and its join token's proof) as its registration will be; a refusal is the
+tracker's typed error, passed on.
 
 The node states its memory budget: `--memory SIZE`, or by default
 `MEMORY_SHARE` of what Linux reports available (MemAvailable in
@@ -16,10 +17,15 @@ meminfo text; other systems have no /proc/meminfo and must give `--memory`.
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason
+from dgr.security.auth import JOIN_HEADER, Signer, join_proof
+from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust
 
 __all__ = ["ASSIGN_PATH", "MEMINFO", "MEMORY_SHARE", "ask_layers", "memory_budget", "read_memory_budget"]
@@ -66,18 +72,29 @@ def read_memory_budget(path: str | None = None) -> tuple[int, int]:
 
 def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: int, sessions: int,
                gpu_memory_bytes: int = 0, cpu_moe: bool = False, tls: TlsTrust = TlsTrust(),
+               identity: Identity | None = None, join_token: bytes | None = None,
                timeout_s: float = 30.0) -> tuple[LayerRange, dict]:
     """The layer range the tracker assigns this node, and its whole answer (with a GPU, its `gpu_layers`).
 
+    Signed with `identity` (and the join token's proof, given `join_token`), as a registration is: a tracker
+    with an admission rule answers only a node it would admit.
+
     Raises:
-        CallerError: the tracker refused (an unknown manifest, memory that holds no layer), with its reason.
+        CallerError: the tracker refused (an unknown manifest, memory that holds no layer, a node it would not
+            admit), with its reason.
         PeerError(NODE_ERROR): the tracker could not be reached or answered nonsense.
     """
     body = {"manifest_id": manifest_id, "memory_bytes": memory_bytes, "context": context, "sessions": sessions}
     if gpu_memory_bytes:
         body |= {"gpu_memory_bytes": gpu_memory_bytes, "cpu_moe": cpu_moe}
+    raw = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if identity is not None:
+        headers |= Signer(identity).headers("POST", ASSIGN_PATH, raw, time.time())
+        if join_token is not None:
+            headers[JOIN_HEADER] = join_proof(join_token, identity.public, headers["X-Dgr-Signature"])
     try:
-        r = httpx.post(tracker.rstrip("/") + ASSIGN_PATH, json=body, timeout=timeout_s,
+        r = httpx.post(tracker.rstrip("/") + ASSIGN_PATH, content=raw, headers=headers, timeout=timeout_s,
                        verify=tls.httpx_verify(tracker))
         answer = r.json()
     except (httpx.HTTPError, ValueError) as exc:

@@ -195,7 +195,7 @@ class Relay:
         REPORT_S; an answer other than 2xx is logged (the gateway refused it, or has ended the session). The
         gateway takes the reporter from the capability; the body's `reporter` is only for its log."""
         body = json.dumps({"session": self.sid, "reporter": self.node_id, **failure.to_json()}).encode()
-        headers = [("Content-Type", "application/json")]
+        headers = [("Content-Type", "application/json"), (ROUTE_SESSION_HEADER, self.sid)]  # checked before the body
         if self.plan.deliver_capability is not None:
             headers.append((CAPABILITY_HEADER, self.plan.deliver_capability))
         why, pause = "no answer", 0.05

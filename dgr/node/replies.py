@@ -39,7 +39,7 @@ from dgr.speculative.step import SpecStep
 from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler
-from dgr.seam.frame import Frame, TokenResult, decode_frame, encode_frame
+from dgr.seam.frame import Frame, TokenResult, decode_frame, decode_head, encode_frame
 from dgr.seam.stream import Record
 from dgr.seam.wire import Flag, FrameKind
 from dgr.sessions import SessionTable
@@ -56,11 +56,7 @@ def check_frame(backend: Compute, frame: Frame) -> StepKind:
         CallerError(BAD_FRAME | WRONG_WIDTH): nothing changed.
     """
     info = backend.info
-    step = _KIND_STEP.get(frame.kind)
-    if step is None:
-        raise CallerError(Reason.BAD_FRAME, f"a node accepts PREFILL or DECODE frames, not {frame.kind.name}")
-    if frame.width != info.seam_width:
-        raise CallerError(Reason.WRONG_WIDTH, f"seam width {frame.width}, this model's is {info.seam_width}")
+    step = _step_of(backend, frame.kind, frame.width)
     if backend.is_head or info.needs_token_ids:
         if frame.token_ids is None:
             raise CallerError(Reason.BAD_FRAME, f"layers {backend.layers} need token ids in the frame")
@@ -71,6 +67,20 @@ def check_frame(backend: Compute, frame: Frame) -> StepKind:
             raise CallerError(Reason.BAD_FRAME, f"layers {backend.layers} need hidden states in the frame")
         if not np.isfinite(frame.hidden).all():
             raise CallerError(Reason.BAD_FRAME, "hidden states hold NaN or infinity")
+    return step
+
+
+def _step_of(backend: Compute, kind: FrameKind, width: int) -> StepKind:
+    """The step a frame's kind asks of this shard, at its seam width (what its header alone says).
+
+    Raises:
+        CallerError(BAD_FRAME | WRONG_WIDTH)
+    """
+    step = _KIND_STEP.get(kind)
+    if step is None:
+        raise CallerError(Reason.BAD_FRAME, f"a node accepts PREFILL or DECODE frames, not {kind.name}")
+    if width != backend.info.seam_width:
+        raise CallerError(Reason.WRONG_WIDTH, f"seam width {width}, this model's is {backend.info.seam_width}")
     return step
 
 
@@ -118,6 +128,24 @@ class NodeReplies:
     def _refused(self, exc: CallerError) -> CallerError:
         self.accounting.refuse(exc)
         return exc
+
+    def check_head(self, stream: str, header: bytes) -> None:
+        """A step's frame header, as soon as it has come on `stream` (a session's, whose capability held):
+        refused here, before its payload (up to a 64 MiB prompt chunk) is waited for, where the whole step
+        would be: another session's, a session this node does not hold or has ended, a kind or width this
+        shard does not take, or a size its header contradicts.
+
+        Raises:
+            CallerError: refused (and counted); nothing changed.
+        """
+        try:
+            head = decode_head(header)
+            if head.session != stream:
+                raise CallerError(Reason.FORBIDDEN, f"a stream of session {stream} carried a frame of {head.session}")
+            _step_of(self.backend, head.kind, head.width)
+            self.table.get(stream)  # SESSION_ENDED, else UNKNOWN_SESSION
+        except CallerError as exc:
+            raise self._refused(exc)
 
     def accept_streamed(self, sid: str, record: Record) -> None:
         """A step from a stream record, for `sid` (whose capability the stream carried): accepted and

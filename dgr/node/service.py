@@ -165,9 +165,6 @@ class NodeService:
     async def wait_joined(self, wait_s: float) -> None:
         await self.trust.wait_joined(wait_s)
 
-    def accept_challenge(self, body: dict[str, Any]) -> None:
-        self.trust.accept_challenge(body)
-
     def sign_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
         return self.trust.sign_answer(body, answer)
 

@@ -15,6 +15,10 @@ Rules:
 - Both are bound to this process's boot nonce (`boot`, fresh at every start, reported in each signed
   registration and heartbeat): one issued for an earlier process of this node is refused, so a capability
   or open captured before a restart does not outlive it.
+- A layer-possession challenge is a request signed with the pinned tracker key (dgr.security.auth
+  `Signer`): `admit_challenge` checks the signature from the headers, before the body is read,
+  `accept_challenge` the body's bytes against it, before they are parsed, then that it is addressed
+  to this node.
 - A node without a tracker (loopback development) asks for no capability and no ticket.
 - The node holds no key that can make either: its own key (`identity`) signs only its messages and
   proof answers.
@@ -23,7 +27,7 @@ Rules:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -32,8 +36,8 @@ import trio
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, Reason
 from dgr.seam.wire import STATUS_SCOPE
-from dgr.security.auth import (ANSWER_DOMAIN, CHALLENGE_DOMAIN, CapabilityAuthority, Scope, new_boot, sign_json,
-                               verify_json)
+from dgr.security.auth import (ANSWER_DOMAIN, SIG_HEADERS, CapabilityAuthority, Scope, SignedHead, Verifier,
+                               new_boot, sign_json)
 from dgr.security.identity import Identity
 from dgr.security.tickets import OpenTicket, TicketBook
 
@@ -55,6 +59,7 @@ class NodeTrust:
     advertised: str | None = None  # the URL the tracker recorded for this node
     joined: trio.Event = attrs.field(factory=trio.Event)  # set once the tracker key is pinned
     boot: str = attrs.field(factory=new_boot)  # this process's nonce: what the tracker binds credentials to
+    verifier: Verifier = attrs.field(factory=Verifier)  # the tracker's signed challenges (nonces seen)
 
     def __attrs_post_init__(self) -> None:
         if self.authority is not None and self.tickets is None:  # given a tracker key: its tickets too
@@ -87,28 +92,48 @@ class NodeTrust:
         """True when session calls need a capability."""
         return self.joining or self.authority is not None
 
-    def accept_challenge(self, body: dict[str, Any]) -> None:
-        """Check that a layer-possession challenge comes from this node's tracker and is addressed to it.
+    def admit_challenge(self, method: str, path: str, headers: Mapping[str, str]) -> SignedHead:
+        """Check a layer-possession challenge from its headers alone, before its body is read: a request signed
+        by this node's tracker (the key it pinned), fresh and not seen before.
 
         Raises:
-            CallerError(FORBIDDEN): not joined, not signed by the pinned tracker key, or for another node.
+            CallerError(FORBIDDEN): not joined, unsigned, or signed by another key, stale or replayed.
         """
         if self.tracker_key is None:
             raise CallerError(Reason.FORBIDDEN, f"{self.node_id} answers challenges only from the tracker it joined")
-        data = {k: v for k, v in body.items() if k != "tracker_signature"}
-        if not verify_json(self.tracker_key, CHALLENGE_DOMAIN, data, body.get("tracker_signature")):
-            raise CallerError(Reason.FORBIDDEN, "the challenge is not signed by this node's tracker")
+        try:
+            head = self.verifier.check_head(method, path, {h: headers.get(h, "") for h in SIG_HEADERS}, time.time())
+        except CallerError as exc:
+            raise CallerError(Reason.FORBIDDEN, f"the challenge is not signed by this node's tracker: "
+                                                f"{exc.message}") from None
+        if head.key != self.tracker_key:
+            raise CallerError(Reason.FORBIDDEN, "the challenge is not signed by this node's tracker (another key)")
+        return head
+
+    def accept_challenge(self, head: SignedHead, raw: bytes, body: Callable[[bytes], dict[str, Any]]
+                         ) -> dict[str, Any]:
+        """An admitted challenge's body (`body` parses it), once its bytes are the ones signed and it is addressed
+        to this node.
+
+        Raises:
+            CallerError(FORBIDDEN): another body than the one signed, a replay, or for another node; as `body`.
+        """
+        try:
+            self.verifier.check_body(head, raw, time.time())
+        except CallerError as exc:
+            raise CallerError(Reason.FORBIDDEN, f"the challenge is not signed by this node's tracker: "
+                                                f"{exc.message}") from None
+        data = body(raw)
         if data.get("node") != self.node_id:
             raise CallerError(Reason.FORBIDDEN, f"the challenge is addressed to {str(data.get('node'))[:100]!r}, "
                                                 f"not {self.node_id}: a node answers only its own challenges")
+        return data
 
     def sign_answer(self, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
         """The answer, signed with this node's key together with the challenge (and its nonce) it answers."""
         if self.identity is None:
             return answer
-        challenge = {k: v for k, v in body.items() if k != "tracker_signature"}
-        return {**answer, "signature": sign_json(self.identity, ANSWER_DOMAIN,
-                                                 {"challenge": challenge, "answer": answer})}
+        return {**answer, "signature": sign_json(self.identity, ANSWER_DOMAIN, {"challenge": body, "answer": answer})}
 
     def authorize(self, capability: str | None, sid: str, need: Scope = Scope.STEP) -> None:
         """Check the caller's capability for session `sid` on this node and these layers, allowing `need`.

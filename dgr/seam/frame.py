@@ -5,7 +5,10 @@ token ids, then optional hidden states as raw little-endian floats. Decoding
 checks magic, version, kind, dtype, flags, sizes and the CRC before anything
 reaches a session, and never trusts a length it has not checked against the
 bytes actually received. Every refusal is a `CallerError` with a reason, so
-the node answers 4xx and its state is unchanged.
+the node answers 4xx and its state is unchanged. `decode_head` makes every
+check the header alone allows (the payload's length included: the header
+says what it holds), so a stream refuses a step from its first bytes,
+before its payload (up to a 64 MiB prefill chunk) is waited for.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dgr.seam.wire import (
     FrameKind,
 )
 
-__all__ = ["Frame", "TokenResult", "encode_frame", "decode_frame"]
+__all__ = ["Frame", "FrameHead", "TokenResult", "encode_frame", "decode_head", "decode_frame"]
 
 
 @attrs.frozen
@@ -144,6 +147,65 @@ def encode_frame(
     return header + payload
 
 
+_KINDS = {int(k): k for k in FrameKind}
+_DTYPES = {int(d): d for d in DType}
+_KNOWN_FLAGS = int(Flag.TOKENS | Flag.HIDDEN | Flag.SAMPLE | Flag.EOG | Flag.SPEC)
+_TOKENS, _HIDDEN = int(Flag.TOKENS), int(Flag.HIDDEN)
+
+
+@attrs.frozen
+class FrameHead:
+    """A frame's header, checked: everything but the payload's bytes and their CRC."""
+
+    kind: FrameKind
+    session: str  # 32 hex digits
+    seq: int
+    pos0: int
+    n_tokens: int
+    width: int
+    dtype: DType
+    flags: Flag
+    payload_len: int
+    crc32: int
+    ids_bytes: int  # of the payload: the token ids (TOKENS), then the hidden states (HIDDEN), then the rest
+    hidden_bytes: int
+
+
+def decode_head(data: bytes | bytearray | memoryview) -> FrameHead:
+    """Parse and check a frame's header (its first HEADER_SIZE bytes): every check but the payload's CRC.
+
+    Raises:
+        CallerError(BAD_FRAME | WRONG_DTYPE | WRONG_SIZE)
+    """
+    if len(data) < HEADER_SIZE:
+        raise CallerError(Reason.BAD_FRAME, f"frame of {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, kind, dtype, flags, session, seq, pos0, n_tokens, width, payload_len, crc) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CallerError(Reason.BAD_FRAME, f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CallerError(Reason.BAD_FRAME, f"unsupported seam version {version}")
+    # table lookups and int masks: a header is checked twice per step per hop (stream, then frame)
+    known_kind, known_dtype = _KINDS.get(kind), _DTYPES.get(dtype)
+    if known_kind is None:
+        raise CallerError(Reason.BAD_FRAME, f"unknown frame kind {kind}")
+    if known_dtype is None:
+        raise CallerError(Reason.WRONG_DTYPE, f"unknown dtype {dtype}")
+    kind, dtype = known_kind, known_dtype
+    if flags & ~_KNOWN_FLAGS:
+        raise CallerError(Reason.BAD_FRAME, f"unknown flag bits {flags:#x}")
+    ids = 4 * n_tokens if flags & _TOKENS else 0
+    if ids > payload_len:
+        raise CallerError(Reason.WRONG_SIZE, f"{n_tokens} token ids need {ids} bytes")
+    hidden = n_tokens * width * DTYPE_SIZE[dtype] if flags & _HIDDEN else 0
+    if ids + hidden > payload_len:
+        raise CallerError(Reason.WRONG_SIZE,
+                          f"{n_tokens} x {width} {dtype.name} values need {hidden} bytes, {payload_len - ids} left")
+    if ids + hidden < payload_len and kind is not FrameKind.TOKEN:
+        raise CallerError(Reason.WRONG_SIZE, f"{payload_len - ids - hidden} unexpected trailing payload bytes")
+    return FrameHead(kind, session.hex(), seq, pos0, n_tokens, width, dtype, Flag(flags), payload_len, crc, ids,
+                     hidden)
+
+
 def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
     """Parse and check a frame.
 
@@ -153,53 +215,24 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_F
     size = len(data)
     if size > max_bytes:
         raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds the limit of {max_bytes}")
-    if size < HEADER_SIZE:
-        raise CallerError(Reason.BAD_FRAME, f"frame of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, kind, dtype, flags, session, seq, pos0, n_tokens, width, payload_len, crc) = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CallerError(Reason.BAD_FRAME, f"bad magic {magic!r}")
-    if version != VERSION:
-        raise CallerError(Reason.BAD_FRAME, f"unsupported seam version {version}")
-    try:
-        kind = FrameKind(kind)
-    except ValueError:
-        raise CallerError(Reason.BAD_FRAME, f"unknown frame kind {kind}") from None
-    try:
-        dtype = DType(dtype)
-    except ValueError:
-        raise CallerError(Reason.WRONG_DTYPE, f"unknown dtype {dtype}") from None
-    if flags & ~int(Flag.TOKENS | Flag.HIDDEN | Flag.SAMPLE | Flag.EOG | Flag.SPEC):
-        raise CallerError(Reason.BAD_FRAME, f"unknown flag bits {flags:#x}")
-    flags = Flag(flags)
-    if payload_len != size - HEADER_SIZE:
+    head = decode_head(data)
+    if head.payload_len != size - HEADER_SIZE:
         raise CallerError(
             Reason.WRONG_SIZE,
-            f"header says {payload_len} payload bytes, {size - HEADER_SIZE} arrived",
+            f"header says {head.payload_len} payload bytes, {size - HEADER_SIZE} arrived",
         )
     payload = memoryview(data)[HEADER_SIZE:]
-    if zlib.crc32(payload) != crc:
+    if zlib.crc32(payload) != head.crc32:
         raise CallerError(Reason.BAD_CHECKSUM, "payload CRC-32 does not match the header")
-    offset = 0
     token_ids = hidden = None
-    if flags & Flag.TOKENS:
-        end = offset + 4 * n_tokens
-        if end > payload_len:
-            raise CallerError(Reason.WRONG_SIZE, f"{n_tokens} token ids need {4 * n_tokens} bytes")
-        token_ids = np.frombuffer(payload[offset:end], dtype="<i4")
-        offset = end
-    if flags & Flag.HIDDEN:
-        end = offset + n_tokens * width * DTYPE_SIZE[dtype]
-        if end > payload_len:
-            raise CallerError(
-                Reason.WRONG_SIZE,
-                f"{n_tokens} x {width} {dtype.name} values need {end - offset} bytes, {payload_len - offset} left",
-            )
-        hidden = np.frombuffer(payload[offset:end], dtype=DTYPE_NUMPY[dtype]).reshape(n_tokens, width)
-        offset = end
-    extra = bytes(payload[offset:])
-    if extra and kind is not FrameKind.TOKEN:
-        raise CallerError(Reason.WRONG_SIZE, f"{len(extra)} unexpected trailing payload bytes")
+    end, flags = head.ids_bytes, int(head.flags)
+    if flags & _TOKENS:
+        token_ids = np.frombuffer(payload[:end], dtype="<i4")
+    if flags & _HIDDEN:
+        hidden = np.frombuffer(payload[end:end + head.hidden_bytes], dtype=DTYPE_NUMPY[head.dtype]).reshape(
+            head.n_tokens, head.width)
     return Frame(
-        kind=kind, session=session.hex(), seq=seq, pos0=pos0, n_tokens=n_tokens, width=width,
-        dtype=dtype, flags=flags, token_ids=token_ids, hidden=hidden, extra=extra, crc32=crc, size=size,
+        kind=head.kind, session=head.session, seq=head.seq, pos0=head.pos0, n_tokens=head.n_tokens,
+        width=head.width, dtype=head.dtype, flags=head.flags, token_ids=token_ids, hidden=hidden,
+        extra=bytes(payload[end + head.hidden_bytes:]), crc32=head.crc32, size=size,
     )

@@ -14,11 +14,16 @@ gateway learns every hop's compute with the answer, as numbers.
 
 `RecordReader` cuts records out of the body as it arrives, however the bytes
 were split, and refuses a malformed or oversized one from its first bytes,
-before the rest of it is buffered. It checks the frame's size only; the frame
-itself is decoded (CRC and all) by whoever applies it.
+before the rest of it is buffered. It checks the frame's size only, and hands
+the frame's header to its `check_head` (where given) as soon as it has come,
+so that a receiver refuses a step it would refuse whole (another session's, an
+ended one's, a wrong kind or width) before its payload is waited for; the
+frame itself is decoded (CRC and all) by whoever applies it.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import attrs
 
@@ -53,7 +58,10 @@ class RecordReader:
     """Incremental parser of a stream body: feed it bytes, take whole `Record`s."""
 
     max_frame_bytes: int = MAX_FRAME_BYTES
+    # the front record's frame header (HEADER_SIZE bytes), as soon as it has come; raises to refuse the record
+    check_head: Callable[[bytes], None] | None = None
     _buf: bytearray = attrs.field(factory=bytearray)
+    _checked: bool = False  # the front record's header has been through check_head
 
     @property
     def pending(self) -> int:
@@ -69,6 +77,7 @@ class RecordReader:
         Raises:
             CallerError(BAD_FRAME): more hops than MAX_HOPS, or no frame magic where a frame starts.
             CallerError(FRAME_TOO_LARGE): a frame whose header announces more than `max_frame_bytes`.
+            CallerError: as `check_head` raises it.
         """
         buf = self._buf
         buf += data
@@ -86,6 +95,9 @@ class RecordReader:
             size = HEADER_SIZE + header[_PAYLOAD_LEN_AT]
             if size > self.max_frame_bytes:
                 raise CallerError(Reason.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self.max_frame_bytes}")
+            if self.check_head is not None and not self._checked:
+                self.check_head(bytes(buf[start:start + HEADER_SIZE]))
+                self._checked = True
             end = start + size
             if len(buf) < end:
                 break
@@ -93,4 +105,5 @@ class RecordReader:
                           for i in range(n_hops))
             out.append(Record(bytes(buf[start:end]), times))
             del buf[:end]
+            self._checked = False
         return out

@@ -2,15 +2,19 @@
 
 Every party has its own Ed25519 key (dgr.security.identity). Mechanisms:
 
-1. Signed requests (registration, heartbeats): the sender puts its public
-   key, a timestamp, a random nonce and an Ed25519 signature over (method,
-   path, timestamp, nonce, body) in headers. The receiver checks the
-   signature against the key in the request, refuses a timestamp more than
-   `MAX_SKEW_S` away from its clock, and a nonce it has already seen inside
-   that window, so a captured registration cannot be replayed. A valid
-   signature proves only who sent it; whether that key may join is
-   `Admission`'s question, and which node id it may speak for is the
-   registry's (an id is bound to one key for the tracker's life).
+1. Signed requests (a node's registration, heartbeats and layer request; the
+   tracker's layer-possession challenges): the sender puts its public key, a
+   timestamp, a random nonce, the SHA-256 of the body and an Ed25519
+   signature over (method, path, timestamp, nonce, body digest) in headers.
+   So the receiver checks the signature from the headers alone, before it
+   reads a byte of the body (`Verifier.check_head`), then the body's digest
+   once its bytes are in, before they are parsed (`Verifier.check_body`).
+   It refuses a timestamp more than `MAX_SKEW_S` away from its clock, and a
+   nonce it has already seen inside that window, so a captured request
+   cannot be replayed. A valid signature proves only who sent it; whether
+   that key may join is `Admission`'s question (also from the headers), and
+   which node id it may speak for is the registry's (an id is bound to one
+   key for the tracker's life).
 
 2. Admission: a tracker admits a new key if it is listed (`--allow-node`),
    or if the registration proves knowledge of the join token: `X-Dgr-Join =
@@ -70,6 +74,7 @@ from dgr.security.identity import Identity, b64d, b64e, key_from_text, key_text,
 __all__ = [
     "MAX_SKEW_S",
     "Signer",
+    "SignedHead",
     "Verifier",
     "Admission",
     "Scope",
@@ -81,18 +86,17 @@ __all__ = [
     "tracker_join_proof",
     "sign_json",
     "verify_json",
-    "CHALLENGE_DOMAIN",
     "ANSWER_DOMAIN",
     "new_boot",
 ]
 
 MAX_SKEW_S = 30.0
 CAPABILITY_TTL_S = 3600.0
-SIG_HEADERS = ("x-dgr-key", "x-dgr-timestamp", "x-dgr-nonce", "x-dgr-signature")
+SIG_HEADERS = ("x-dgr-key", "x-dgr-timestamp", "x-dgr-nonce", "x-dgr-signature", "x-dgr-body-sha256")
 JOIN_HEADER = "X-Dgr-Join"
-_REQUEST = b"dgr/v1/request"
+_REQUEST = b"dgr/v2/request"  # v2: over the body's digest, not its bytes
 _CAPABILITY = b"dgr/v1/capability"
-CHALLENGE_DOMAIN = b"dgr/v1/challenge"  # the tracker signs each layer-possession challenge it sends
+_DIGEST_HEX = 64
 ANSWER_DOMAIN = b"dgr/v1/proof-answer"  # a node signs its answer together with the challenge it answers
 
 
@@ -140,6 +144,10 @@ def verify_json(public: bytes, domain: bytes, data: dict[str, Any], signature: A
     return verify(public, domain, message, raw)
 
 
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
 @attrs.frozen
 class Signer:
     identity: Identity
@@ -147,10 +155,21 @@ class Signer:
     def headers(self, method: str, path: str, body: bytes, now: float) -> dict[str, str]:
         ts = f"{now:.3f}"
         nonce = secrets.token_hex(16)
+        digest = _digest(body)
         sig = self.identity.sign(_REQUEST, _framed(method.upper().encode(), path.encode(), ts.encode(),
-                                                   nonce.encode(), body))
+                                                   nonce.encode(), digest.encode()))
         return {"X-Dgr-Key": self.identity.public_text, "X-Dgr-Timestamp": ts, "X-Dgr-Nonce": nonce,
-                "X-Dgr-Signature": b64e(sig)}
+                "X-Dgr-Body-Sha256": digest, "X-Dgr-Signature": b64e(sig)}
+
+
+@attrs.frozen
+class SignedHead:
+    """A signed request's headers, once their signature holds: its body is still to be checked."""
+
+    key: bytes  # the signer's public key
+    nonce: str
+    when: float
+    digest: str  # SHA-256 (hex) of the body it signed
 
 
 @attrs.define
@@ -160,30 +179,50 @@ class Verifier:
     _seen: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # nonce -> timestamp
 
     def check(self, method: str, path: str, body: bytes, headers: dict[str, str], now: float) -> bytes:
-        """The signer's public key, once the signature holds. Records the nonce only on success.
+        """The signer's public key, once the signature and the body hold (`check_head`, then `check_body`).
 
         Raises: CallerError(UNAUTHENTICATED | REPLAYED).
         """
-        key, ts, nonce, sig = (headers.get(h, "") for h in SIG_HEADERS)
-        if not (key and ts and nonce and sig):
-            raise CallerError(Reason.UNAUTHENTICATED, "this request must be signed with the node's key")
+        return self.check_body(self.check_head(method, path, headers, now), body, now)
+
+    def check_head(self, method: str, path: str, headers: dict[str, str], now: float) -> SignedHead:
+        """The request's signature, from its headers alone (lower-case names): nothing is recorded yet.
+
+        Raises: CallerError(UNAUTHENTICATED | REPLAYED).
+        """
+        key, ts, nonce, sig, digest = (headers.get(h, "") for h in SIG_HEADERS)
+        if not (key and ts and nonce and sig and digest):
+            raise CallerError(Reason.UNAUTHENTICATED, "this request must be signed with the sender's key")
         try:
             when = float(ts)
             public, raw = key_from_text(key), b64d(sig)
         except ValueError:
             raise CallerError(Reason.UNAUTHENTICATED, "bad signature: malformed key, timestamp or signature") from None
-        message = _framed(method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), body)
-        if not verify(public, _REQUEST, message, raw):
+        message = _framed(method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), digest.encode())
+        if len(digest) != _DIGEST_HEX or not verify(public, _REQUEST, message, raw):
             raise CallerError(Reason.UNAUTHENTICATED, "bad signature: not this key's, or the request was altered")
         if not math.isfinite(when):  # nan would pass the window below, and stay replayable
             raise CallerError(Reason.REPLAYED, f"signature timestamp {ts[:32]!r} is not a time")
         if abs(now - when) > MAX_SKEW_S:
             raise CallerError(Reason.REPLAYED, f"signature timestamp is {now - when:+.0f}s off; clocks or a replay")
+        self._refuse_seen(nonce, now)
+        return SignedHead(public, nonce, when, digest)
+
+    def check_body(self, head: SignedHead, body: bytes, now: float) -> bytes:
+        """The signer's key, once `body` is the one `head` signed; records its nonce (a replay is refused from now).
+
+        Raises: CallerError(UNAUTHENTICATED): another body. CallerError(REPLAYED): its nonce was used meanwhile.
+        """
+        if not hmac.compare_digest(_digest(body), head.digest):
+            raise CallerError(Reason.UNAUTHENTICATED, "bad signature: the body is not the one signed (altered)")
+        self._refuse_seen(head.nonce, now)
+        self._seen[head.nonce] = head.when
+        return head.key
+
+    def _refuse_seen(self, nonce: str, now: float) -> None:
         self._forget(now)
         if nonce in self._seen:
             raise CallerError(Reason.REPLAYED, "this signed request was already used (replay)")
-        self._seen[nonce] = when
-        return public
 
     def _forget(self, now: float) -> None:
         while self._seen:

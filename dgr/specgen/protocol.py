@@ -171,9 +171,10 @@ def render_seam() -> str:
         "Nothing answers a record: the receiver answers the stream `200` when its body ends, or at the first "
         "refusal (a 4xx OpenAI-style JSON error, after which it reads nothing more). A sender whose stream is "
         "refused, or whose link drops while the session lives, posts a JSON failure report to "
-        f"`{wire.DELIVER_PATH}` with its capability for the tracker (`route_node_lost` naming the node it could "
-        "not reach, or `node_error` naming the node that refused); the reporter is the node that capability "
-        "names, and a body's `reporter`, if any, must be that node. The gateway keeps at most one prefill chunk a "
+        f"`{wire.DELIVER_PATH}`, naming the session in `{wire.ROUTE_SESSION_HEADER}` with its capability for the "
+        "tracker, both checked before its body is read (`route_node_lost` naming the node it could not reach, or "
+        "`node_error` naming the node that refused); the reporter is the node that capability names, and a "
+        "body's `reporter`, if any, must be that node. The gateway keeps at most one prefill chunk a "
         f"node in flight. "
         f"`{wire.DELIVER_PATH}` takes only failure reports (a frame there is `{Reason.BAD_FRAME.value}`).",
         "", "## What a node refuses (4xx, state unchanged)", "",

@@ -16,7 +16,11 @@ Who may call what (spec/security.md):
   key sees only the Route Sessions it made: another key's are left out of the
   listing and are `not_found` by id, as an unknown id is;
   `/healthz`, `/openapi.json`, the dashboard page and the artifact peer lists
-  (which nodes fetching layers read) stay open.
+  (which nodes fetching layers read) stay open;
+- `POST /v1/assign` (which layers a joining node should serve) is for a node
+  the tracker would admit: signed, by a listed key or with the join token's
+  proof, checked from the headers before the body is read (open where
+  admission is: a loopback tracker).
 
 A route's deliveries skip the framework (dgr.tracker.deliveries `deliver_fast_path`), and a
 streaming completion's body is dgr.tracker.sse.
@@ -39,7 +43,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from dgr.metrics import CONTENT_TYPE as METRICS_TYPE, render
-from dgr.api.http import error_response, install_error_handlers, json_response, parse_json, read_body, read_json
+from dgr.api.http import (error_response, install_error_handlers, json_response, parse_json, read_body, read_json,
+                          unread)
 from dgr.api.openai import completion_body, parse_request
 from dgr.api.openapi import openapi_document
 from dgr.errors import CallerError, Failure, Reason
@@ -89,18 +94,26 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
             check_bearer(request.headers.get("Authorization"), api_keys)
             authenticated(request.scope)
 
-    async def _membership(*, joining: bool = False) -> tuple[bytes, bytes, str]:
+    async def _membership(*, joining: bool = False, node_id: str | None = None) -> tuple[bytes, bytes, str]:
         """A membership message's raw body, signer key and signature, once the signature holds (and, `joining`,
-        the key is admitted); nothing is parsed.
+        the key is admitted; given `node_id`, the key owns that id); nothing is parsed. Each check but the
+        body's digest runs on the headers, before a byte of the body is read.
 
         Raises:
-            CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE)
+            CallerError(UNAUTHENTICATED | REPLAYED | BODY_TOO_LARGE); NOT_FOUND: `node_id` is not the key's
+                (dgr.tracker.registry `beating`).
         """
-        raw = await read_body(_REGISTRY_LIMIT)
         headers = {h: request.headers.get(h, "") for h in SIG_HEADERS}
-        key = verifier.check(request.method, request.path, raw, headers, time.time())
-        if joining:
-            admission.admit(key, headers["x-dgr-signature"], request.headers.get(JOIN_HEADER))
+        try:
+            head = verifier.check_head(request.method, request.path, headers, time.time())
+            if joining:
+                admission.admit(head.key, headers["x-dgr-signature"], request.headers.get(JOIN_HEADER))
+            if node_id is not None:
+                registry.beating(node_id, head.key)
+        except CallerError as exc:
+            raise unread(exc)  # refused from the headers: the body is never read
+        raw = await read_body(_REGISTRY_LIMIT)
+        key = verifier.check_body(head, raw, time.time())
         authenticated(request.scope)
         return raw, key, headers["x-dgr-signature"]
 
@@ -126,8 +139,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         node_id = request.headers.get(NODE_HEADER)
         if not node_id:
             raise CallerError(Reason.INVALID_REQUEST, f"a heartbeat names its node in {NODE_HEADER}")
-        raw, key, _ = await _membership()
-        registry.beating(node_id, key)  # that key owns that id, before a byte of the body is parsed
+        raw, key, _ = await _membership(node_id=node_id)  # that key owns that id, before a byte of the body is read
         data = parse_json(raw)
         if data.get("node") != node_id:
             raise CallerError(Reason.INVALID_REQUEST, f"the heartbeat's node is not the one in {NODE_HEADER}")
@@ -163,13 +175,19 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
 
     @app.post("/v1/assign")
     async def assign():
-        """The layers a joining node should serve (dgr.tracker.assign): advice, open like the peer lists."""
+        """The layers a joining node should serve (dgr.tracker.assign): for a node this tracker would admit, as a
+        registration is (signed, and a listed key or the join token's proof, from the headers before the body is
+        read); open where every key is (a loopback tracker)."""
+        if admission.open:
+            body = await read_json(_REGISTRY_LIMIT)
+        else:
+            raw, _, _ = await _membership(joining=True)
+            body = parse_json(raw)
         # imported here: the planner pulls in gguf, which a tracker without manifests never needs
         from dgr.plan import PlanParams
         from dgr.plan.sources import layout_from_manifest
         from dgr.tracker.assign import assign_layers, coverage
 
-        body = await read_json(_REGISTRY_LIMIT)
         manifest_id = body.get("manifest_id")
         manifest = prover.manifests.get(manifest_id) if prover is not None and isinstance(manifest_id, str) else None
         if manifest is None:

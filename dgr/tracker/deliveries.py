@@ -7,11 +7,14 @@ with every hop's compute, where the ring driver takes it (dgr.tracker.ring).
 
 Both skip the framework (`deliver_fast_path`, wrapping the tracker's app):
 POST DELIVER_STREAM_PATH (a record per token, for one session) and POST
-DELIVER_PATH (a JSON failure report) are read up to one frame's size limit
-and authorized by a capability the tracker issued for the session before
-their connection is marked authenticated; a ring's answers never come as
-JSON on DELIVER_PATH (BAD_FRAME). Every other request goes to the app
-untouched.
+DELIVER_PATH (a JSON failure report) name their session in
+`X-Dgr-Route-Session` and are authorized by a capability the tracker
+issued for the session, from their headers, before a byte of their body is read (a
+refused caller is answered at once, its body unread, and its connection
+closed); only then is the body read, up to one frame's size limit, and the
+connection marked authenticated. A report's body must name the session its
+header named. A ring's answers never come as JSON on DELIVER_PATH
+(BAD_FRAME). Every other request goes to the app untouched.
 
 Only the tail speaks for the route (trust v3). Each hop's capability for the
 tracker names the hop (dgr.tracker.credentials): DELIVER on the tail, REPORT
@@ -46,12 +49,13 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.api.http import parse_json, read_raw_seam, respond_raw_error, serve_seam_stream
+from dgr.api.http import (SESSION_ID, parse_json, read_raw_seam, respond_raw_error, seam_headers,
+                          serve_seam_stream)
 from dgr.api.server import authenticated
 from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.seam.frame import Frame, TokenResult, decode_frame
 from dgr.seam.stream import Record
-from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, FrameKind
+from dgr.seam.wire import DELIVER_PATH, DELIVER_STREAM_PATH, ROUTE_SESSION_HEADER, FrameKind
 from dgr.security.auth import Capability, CapabilityAuthority, Scope
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.live import Answer, LiveSession
@@ -159,15 +163,31 @@ class Deliveries:
         self.strike(node, f"in session {live.rs.sid} {what}")
         live.inbox[0].send_nowait(Failure(Reason.NODE_ERROR, f"node {node} {what}"[:300], node=node))
 
-    def report(self, body: bytes, capability: str | None) -> None:
+    def admit_report(self, capability: str | None, sid: str) -> None:
+        """Check a failure report from its headers alone, before its body is read: `sid` is the session its
+        `X-Dgr-Route-Session` names, `capability` the one it carries (any a member of the session holds).
+
+        Raises:
+            CallerError(FORBIDDEN): no session named, or no capability for it.
+        """
+        if not SESSION_ID.fullmatch(sid):
+            raise CallerError(Reason.FORBIDDEN, f"a failure report names its session in {ROUTE_SESSION_HEADER} (32 hex "
+                                                "digits): its capability is checked before its body is read")
+        if self.authority is not None:
+            self.authority.holder(capability, session=sid, now=time.time(), need=Scope.REPORT)
+
+    def report(self, body: bytes, capability: str | None, named: str) -> None:
         """A session's node reports a failure (JSON: session, code, message, node; `reporter`, if given, must be
-        the holder of the capability, which is who reported).
+        the holder of the capability, which is who reported), admitted for the session `named`
+        (`admit_report`), which its body must name too.
 
         Raises:
             CallerError(BAD_FRAME | INVALID_REQUEST | UNKNOWN_SESSION | FORBIDDEN): refused; nothing changed.
         """
         data = parse_json(body)
         sid = data.get("session")
+        if sid != named:
+            raise CallerError(Reason.FORBIDDEN, f"the report's session is not the one in {ROUTE_SESSION_HEADER}")
         try:
             failure = Failure.from_json(data)
         except (ValueError, KeyError, TypeError):
@@ -245,6 +265,12 @@ def deliver_fast_path(deliveries: Deliveries, app):
                                     authorize=functools.partial(deliveries.authorize, connection=scope),
                                     apply=functools.partial(deliveries.deliver, connection=scope))
             return
+        sid, capability = seam_headers(scope)
+        try:
+            deliveries.admit_report(capability, sid)  # from the headers: nothing read, nothing parsed before
+        except DgrError as exc:
+            await respond_raw_error(send, exc, "delivery", unread=True)
+            return
         try:
             req = await read_raw_seam(scope, receive, _DELIVER_LIMIT, "a delivery")
             if req is None:
@@ -252,7 +278,7 @@ def deliver_fast_path(deliveries: Deliveries, app):
             if not req.is_json:
                 raise CallerError(Reason.BAD_FRAME, f"a route's answers come on {DELIVER_STREAM_PATH}; "
                                                     f"{DELIVER_PATH} takes JSON failure reports")
-            deliveries.report(req.body, req.capability)
+            deliveries.report(req.body, capability, sid)
             authenticated(scope)  # the report held a capability the tracker issued for the session
         except (DgrError, ValueError) as exc:
             await respond_raw_error(send, exc, "delivery")

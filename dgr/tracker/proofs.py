@@ -17,9 +17,11 @@ at HOST:PORT)". The tracker routes it only once the claim is proven:
 3. The first failed challenge (a wrong answer, an error, a timeout, an
    unreachable node) fails the claim with `proof_failed` and the verdict.
 
-Each challenge is sent signed with the tracker's key and addressed to the
-node by id, with a fresh nonce; honest nodes answer only challenges signed
-by the tracker they pinned and addressed to themselves. The answer must be
+Each challenge is sent as a request signed with the tracker's key
+(dgr.security.auth `Signer`: its headers sign the body's digest, so a node
+checks them before it reads the body) and addressed to the node by id, with
+a fresh nonce; honest nodes answer only challenges signed by the tracker
+they pinned and addressed to themselves. The answer must be
 signed by the key the node registered with, over the challenge (nonce
 included) and the answer: a node without the weights cannot relay its
 challenges to an honest node (it refuses them) nor pass off that node's
@@ -57,7 +59,7 @@ from dgr.artifact.proof import Answer, Challenge, check_answer, make_challenge
 from dgr.backends.base import LayerRange
 from dgr.errors import CallerError, PeerError, Reason, parse_error_body
 from dgr.fsm.proof import ProofEvent, ProofState
-from dgr.security.auth import ANSWER_DOMAIN, CHALLENGE_DOMAIN, sign_json, verify_json
+from dgr.security.auth import ANSWER_DOMAIN, Signer, verify_json
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, httpx_default_trust
 from dgr.seam.wire import MAX_CONTROL_BYTES
@@ -104,10 +106,9 @@ def answer_signature_problem(entry: NodeEntry, challenge: dict[str, Any], reply:
     """
     if not entry.key:
         return None
-    sent = {k: v for k, v in challenge.items() if k != "tracker_signature"}
     answer = {k: v for k, v in reply.items() if k != "signature"} if isinstance(reply, dict) else {}
     signature = reply.get("signature") if isinstance(reply, dict) else None
-    if not verify_json(entry.key, ANSWER_DOMAIN, {"challenge": sent, "answer": answer}, signature):
+    if not verify_json(entry.key, ANSWER_DOMAIN, {"challenge": challenge, "answer": answer}, signature):
         return (f"the answer is not signed by {entry.node_id}'s key over this challenge "
                 "(unsigned, altered, or relayed from another node)")
     return None
@@ -137,7 +138,7 @@ class Prover:
     challenges: int = DEFAULT_CHALLENGES
     deadline_s: float = DEFAULT_DEADLINE_S
     rng: random.Random = attrs.field(factory=random.SystemRandom)
-    identity: Identity | None = None  # the tracker's key: signs challenges (nodes refuse unsigned ones)
+    identity: Identity | None = None  # the tracker's key: signs challenge requests (nodes refuse unsigned ones)
     tls: TlsTrust = attrs.field(factory=TlsTrust)
     _nursery: trio.Nursery | None = None
     _client: httpx.AsyncClient | None = None
@@ -215,11 +216,17 @@ class Prover:
         return True
 
     def challenge_body(self, entry: NodeEntry, challenge: Challenge) -> dict[str, Any]:
-        """The challenge as sent: addressed to the node, with a fresh nonce, signed by the tracker."""
-        body: dict[str, Any] = {**challenge.to_json(), "node": entry.node_id, "nonce": secrets.token_hex(16)}
+        """The challenge as sent: addressed to the node, with a fresh nonce."""
+        return {**challenge.to_json(), "node": entry.node_id, "nonce": secrets.token_hex(16)}
+
+    def challenge_request(self, body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+        """A challenge body's bytes and headers: signed by the tracker (unsigned without its key, which nodes
+        refuse)."""
+        raw = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
         if self.identity is not None:
-            body["tracker_signature"] = sign_json(self.identity, CHALLENGE_DOMAIN, body)
-        return body
+            headers |= Signer(self.identity).headers("POST", CHALLENGE_PATH, raw, time.time())
+        return raw, headers
 
     async def _ask(self, entry: NodeEntry, manifest: Manifest, challenge: Challenge,
                    client: httpx.AsyncClient | None = None) -> tuple[str | None, str | None]:
@@ -229,9 +236,11 @@ class Prover:
             return None, "the tracker is stopping"
         url = entry.url.rstrip("/") + CHALLENGE_PATH
         body = self.challenge_body(entry, challenge)
+        raw, headers = self.challenge_request(body)
         with trio.move_on_after(self.deadline_s) as scope:
             try:  # an answer is a few hashes: read no more than a control reply
-                r = await read_capped(client, "POST", url, limit=MAX_CONTROL_BYTES, node=entry.node_id, json=body)
+                r = await read_capped(client, "POST", url, limit=MAX_CONTROL_BYTES, node=entry.node_id, content=raw,
+                                      headers=headers)
             except httpx.HTTPError as exc:
                 return None, f"node unreachable: {type(exc).__name__}: {exc}"
             except PeerError as exc:
