@@ -37,7 +37,7 @@ from dgr.seam.wire import (CAPABILITY_HEADER, CONTENT_TYPE, DELIVER_PATH, HEADER
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.gateway import Gateway
 from dgr.tracker.proofs import CHALLENGE_PATH
-from dgr.tracker.registry import GATEWAY_ID, Registry
+from dgr.tracker.registry import Registry
 
 pytestmark = pytest.mark.trio
 
@@ -93,7 +93,7 @@ async def test_a_failure_report_is_refused_from_its_headers_before_its_body_is_r
     sid, other = uuid.uuid4().hex, uuid.uuid4().hex
 
     def cap(session: str, by: CapabilityAuthority = authority) -> str:
-        return by.issue(session, GATEWAY_ID, 0, 1, time.time(), scope=Scope.STEP)
+        return by.issue(session, "n0", 0, 1, time.time(), scope=Scope.REPORT)  # a route member's (trust v3)
 
     refused = [{}, {CAPABILITY_HEADER: cap(sid)},  # no session named: nothing to check the capability for
                {ROUTE_SESSION_HEADER: sid}, {ROUTE_SESSION_HEADER: sid, CAPABILITY_HEADER: "forged.token"},

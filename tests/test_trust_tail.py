@@ -191,7 +191,8 @@ async def test_a_members_report_is_its_capability_holders_never_the_name_in_its_
                 data["reporter"] = reporter
             r = await relay.pool(relay.plan.deliver_url).request(
                 "POST", DELIVER_PATH, json.dumps(data).encode(),
-                [("Content-Type", "application/json"), (CAPABILITY_HEADER, relay.plan.deliver_capability)])
+                [("Content-Type", "application/json"), (ROUTE_SESSION_HEADER, relay.sid),
+                 (CAPABILITY_HEADER, relay.plan.deliver_capability)])
             answers.append((r.status, r.body.decode()))
         return report
 
