@@ -75,7 +75,7 @@ def test_short_soak_beside_an_attacker() -> None:
     loose here (a shared 2-core machine runs this beside other tests); the 5-minute run holds it to 100 ms."""
     sessions = 40
     done = subprocess.run(dgr_command("soak", "--attacker", "--sessions", str(sessions), "--time-limit", "30",
-                                      "--stub-delay", "0.001",
+                                      "--stub-delay", "0.001", "--inside-slow-s", "0",
                                       "--healthz-p99-ms", "3000", "--json"),
                           capture_output=True, text=True, timeout=150, check=False)
     print("\n" + done.stdout)
@@ -97,9 +97,15 @@ def test_short_soak_beside_an_attacker() -> None:
     assert report["tracker_failures"] == ({"cancelled": cancelled} if cancelled else {})
     assert report["tracker_sessions"]["done"] == planned["complete"]
     # nothing left behind, every /healthz answered within the (loose) bound
-    assert report["sessions_after"] == {"node0": 0, "node1": 0}
-    assert report["kv_bytes_after"] == {"node0": 0, "node1": 0}
-    assert set(report["healthz_ms"]) == {"tracker", "node0", "node1"}
+    assert report["sessions_after"] == {"node0": 0, "node1": 0, "node2": 0}
+    assert report["kv_bytes_after"] == {"node0": 0, "node1": 0, "node2": 0}
+    assert set(report["healthz_ms"]) == {"tracker", "node0", "node1", "node2"}
+    # the member gone bad inside routes (issue 55): it shared the middle stage, forged an answer and reported in
+    # the head's name with the capabilities it held, was refused both times and struck for each
+    inside = report["inside"]
+    assert inside["mode"] == "middle" and inside["sessions"] >= 6, inside
+    assert inside["attacks"] == {"forge_answer": {"403": 1}, "report_in_anothers_name": {"403": 1}}, inside
+    assert inside["accepted"] == {} and inside["made"] == 2 and inside["strikes"] >= 2, inside
     assert all(h["n"] >= 20 and h["errors"] == 0 for h in report["healthz_ms"].values()), report["healthz_ms"]
     accepted = attack["accepted"]
     assert set(accepted) <= set(_OPEN_FINDINGS), f"attacks accepted: {accepted}"
@@ -111,7 +117,8 @@ def test_short_soak_beside_an_attacker() -> None:
 
 def test_the_attacker_soak_fails_when_the_attacker_captures_sessions() -> None:
     """The control of the test above: without --trusted-head keys the attacker, claiming every layer, takes its
-    turn at routes, and the soak must see it (calls reach its trap, honest sessions fail) and fail."""
+    turn at routes, and the member gone bad holds the tail's range beside the honest tail and answers the lure,
+    token by token: the soak must see it (calls reach its trap, answers carry the lure) and fail."""
     done = subprocess.run(dgr_command("soak", "--attacker", "--no-trusted-heads", "--sessions", "8",
                                       "--concurrency", "4", "--time-limit", "30", "--healthz-p99-ms", "3000", "--json"),
                           capture_output=True, text=True, timeout=150, check=False)
@@ -121,3 +128,5 @@ def test_the_attacker_soak_fails_when_the_attacker_captures_sessions() -> None:
     assert report["attack"]["trap_calls"] > 0
     assert any("reached the attacker's node" in p for p in report["problems"]), report["problems"]
     assert any("did not end as planned" in p for p in report["problems"]), report["problems"]
+    assert report["inside"]["mode"] == "tail" and report["inside"]["lure_tokens"] > 0, report["inside"]
+    assert any(k.endswith(":lure") for k in report["client_outcomes"]), report["client_outcomes"]

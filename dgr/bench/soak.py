@@ -59,6 +59,7 @@ import httpx
 import trio
 
 from dgr.bench.attacker import HOLDING
+from dgr.bench.inside import INSIDE_ID, LURE, start_inside, stop_inside
 from dgr.bench.soak_report import (
     HEALTHZ_EVERY_S,
     HEALTHZ_P99_MS,
@@ -78,6 +79,11 @@ __all__ = ["register", "run_soak"]
 _HEALTHZ_TIMEOUT_S = 5.0  # a probe that gets no answer counts at this latency, and as an error
 # Enough tokens that a cancelled or disconnected session is still generating when its client leaves.
 _LONG = 2000
+
+
+def _lured(text: str) -> bool:
+    """An answer the inside attacker wrote: the lure, or (an answer cut short) its first 3 or more characters."""
+    return LURE in text or (len(text) >= 3 and LURE.startswith(text))
 _WORDS = ("route", "shard", "layer", "token", "cache", "node", "seam", "hidden", "state", "prefill", "decode")
 
 
@@ -179,6 +185,8 @@ class _Soak:
         r = await self.client.post("/completions", json=body)
         if r.status_code != 200:
             return f"http_{r.status_code}"
+        if _lured(r.json()["choices"][0]["text"]):
+            return "lure"  # a member wrote the client's answer
         usage = r.json()["usage"]
         return "ok" if 1 <= usage["completion_tokens"] <= body["max_tokens"] else "bad_usage"
 
@@ -186,9 +194,12 @@ class _Soak:
         async with self.client.stream("POST", "/completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 return f"http_{r.status_code}"
+            text = ""
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
-                    return "ok"
+                    return "lure" if _lured(text) else "ok"
+                if line.startswith("data: {") and '"choices"' in line:
+                    text += "".join(c.get("text") or "" for c in json.loads(line[6:])["choices"])
                 if line.startswith("data: ") and '"error"' in line:
                     return "error_" + json.loads(line[6:])["error"]["code"]
         return "no_done"
@@ -289,12 +300,18 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
             report.kv_before[n["node"]] = status["kv_bytes"]
         before = await soak.tracker_counts()
         attacker = await _start_attacker(route, cfg, await soak._nodes()) if cfg.attacker else None
+        inside = await _start_inside(route, cfg, await soak._nodes()) if cfg.attacker else None
         async with trio.open_nursery() as watching:
             watching.start_soon(soak.probe_healthz)  # judged only beside an attacker; else a baseline
             await _sessions(soak, cfg, kinds, rng, report, time.monotonic())  # the time limit: the sessions' own
             watching.cancel_scope.cancel()
         if attacker is not None:
             report.attack = await _stop_attacker(attacker)
+        if inside is not None:
+            report.inside = await trio.to_thread.run_sync(stop_inside, *inside)
+            if report.inside is not None:
+                report.inside["strikes"] = next((n.get("strikes") for n in await trio.to_thread.run_sync(
+                    route.node_table) if n["node"] == INSIDE_ID), None)
         names = sorted({p.node for p in report.procs})
         try:
             await trio.to_thread.run_sync(route.wait_sessions_freed, names, 10.0)
@@ -384,6 +401,18 @@ async def _stop_attacker(proc: LaunchedProcess) -> dict[str, Any] | None:
         return None
 
 
+async def _start_inside(route: LocalRoute, cfg: SoakConfig, nodes: list[dict[str, Any]]) -> tuple[Any, Path]:
+    """The member gone bad inside routes (dgr.bench.inside): beside node1, the middle stage, with trusted ends;
+    beside the tail (node2) in the control run, where it may answer for the route."""
+    beside = "node1" if cfg.trusted_heads else f"node{route.nodes - 1}"
+    layers = next(n["layers"] for n in nodes if n["node"] == beside)
+    tally = Path(tempfile.mkdtemp(prefix="dgr-soak-inside-")) / "tally.json"
+    at = f"3,6,{9 if cfg.inside_slow_s else 0}"  # its forged answer, its report in the head's name, its slow step
+    proc = await trio.to_thread.run_sync(start_inside, route, layers, "middle" if cfg.trusted_heads else "tail",
+                                         tally, cfg.inside_slow_s, at)
+    return proc, tally
+
+
 def _trusted_keys(folder: Path, nodes: int) -> list[str]:
     """Make the route's node keys before `dgr up` (which uses keys it finds): their public halves, for
     `--trusted-head`."""
@@ -397,10 +426,11 @@ def run_soak(cfg: SoakConfig, *, extra: tuple[str, ...] = ()) -> SoakReport:
     else:
         extra = ("--ctx", "2048", "--max-sessions", str(max(8, cfg.concurrency)), *extra)
     keys = None
+    nodes = 3 if cfg.attacker else 2  # with the attacker, a middle stage for its member gone bad to share
     if cfg.attacker and cfg.trusted_heads:
         keys = Path(tempfile.mkdtemp(prefix="dgr-soak-keys-"))  # LocalRoute removes it
-        extra = (*extra, *[a for key in _trusted_keys(keys, 2) for a in ("--trusted-head", key)])
-    with LocalRoute(backend=cfg.backend, nodes=2, extra=extra, ready_timeout_s=600, busy_poll_ms=None,
+        extra = (*extra, *[a for key in _trusted_keys(keys, nodes) for a in ("--trusted-head", key)])
+    with LocalRoute(backend=cfg.backend, nodes=nodes, extra=extra, ready_timeout_s=600, busy_poll_ms=None,
                     keys=keys) as route:
         return trio.run(_run, route, cfg)
 
@@ -409,9 +439,12 @@ def _main(args) -> int:
     kill_every = args.kill_every if args.kill_every is not None else 0 if args.attacker else 50
     cfg = SoakConfig(sessions=args.sessions, concurrency=args.concurrency, seed=args.seed,
                      time_limit_s=args.time_limit, kill_every=kill_every, stub_delay=args.stub_delay,
-                     warmup=min(20, max(10, args.sessions // 10)), oversized_share=args.oversized_share,
+                     # with the attacker, node1 shares the middle stage with the member gone bad and serves about
+                     # half the sessions: twice the warm-up gives it as many before its RSS baseline
+                     warmup=min(20, max(10, args.sessions // 10)) * (2 if args.attacker else 1),
+                     oversized_share=args.oversized_share,
                      backend=args.backend, attacker=args.attacker, healthz_p99_ms=args.healthz_p99_ms,
-                     trusted_heads=not args.no_trusted_heads)
+                     trusted_heads=not args.no_trusted_heads, inside_slow_s=args.inside_slow_s)
     report = run_soak(cfg)
     print(report.render())
     if args.json:
@@ -440,6 +473,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-trusted-heads", action="store_true",
                    help="with --attacker, a control run: no --trusted-head keys, so the attacker's capture of "
                         "sessions shows (and the soak fails)")
+    p.add_argument("--inside-slow-s", type=float, default=35.0,
+                   help="with --attacker: how long the member inside routes holds one session's decode step (0: never)")
     p.add_argument("--healthz-p99-ms", type=float, default=HEALTHZ_P99_MS,
                    help="with --attacker: the bound on each server's /healthz p99, in ms")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")

@@ -56,6 +56,10 @@ class SoakConfig:
     attack_half_bodies: int = 40
     healthz_p99_ms: float = HEALTHZ_P99_MS  # the bound; a looser one where the machine is shared (tests)
     trusted_heads: bool = True  # with the attacker: False is the control run, where it can capture sessions
+    # the inside attacker's slow session holds a decode step this long: past the step's deadline on its 3-node
+    # route (3 x 10.05 s) and within the session's one budget of extensions (3 x that), so the session completes
+    # and the hop is struck; 0: no slow session (the short soak of make test)
+    inside_slow_s: float = 35.0
 
 
 def plan(cfg: SoakConfig) -> list[str]:
@@ -116,6 +120,7 @@ class SoakReport:
     healthz_ms: dict[str, list[float]] = attrs.field(factory=dict)  # server -> latencies (judged with --attacker)
     healthz_errors: Counter = attrs.field(factory=Counter)
     attack: dict[str, Any] | None = None  # the attacker's own tally (dgr.bench.attacker)
+    inside: dict[str, Any] | None = None  # the member gone bad's tally, and its strikes (dgr.bench.inside)
 
     def healthz(self) -> dict[str, dict[str, float]]:
         return {name: {"n": len(ms), "p50": round(_pct(ms, 0.50), 1), "p99": round(_pct(ms, 0.99), 1),
@@ -169,6 +174,24 @@ class SoakReport:
             p.append(f"{self.attack['trap_calls']} call(s) of honest sessions reached the attacker's node")
         if self.attack.get("accepted"):
             p.append(f"attacks accepted: {self.attack['accepted']}")
+        self._check_inside()
+
+    def _check_inside(self) -> None:
+        """The member gone bad (dgr.bench.inside): sessions went through it, nothing it sent was accepted, and
+        each attack it made cost it a strike. (What it may have written into answers is each session's outcome.)"""
+        p, inside = self.problems, self.inside
+        if inside is None:
+            p.append("the inside attacker left no tally")
+            return
+        if not inside["sessions"] and inside["mode"] == "middle":
+            p.append("no session went through the inside attacker: nothing was tried inside a route")
+        if inside.get("accepted"):
+            p.append(f"attacks accepted inside routes: {inside['accepted']}")
+        if inside["mode"] == "middle":
+            made = inside.get("made", 0)
+            if (inside.get("strikes") or 0) < made:
+                p.append(f"the inside attacker made {made} attack(s) a strike answers, and has "
+                         f"{inside.get('strikes')} strike(s)")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -187,6 +210,7 @@ class SoakReport:
             "stopped_early": self.stopped_early,
             "healthz_ms": self.healthz(),
             "attack": self.attack,
+            "inside": self.inside,
             "problems": self.problems,
         }
 
@@ -227,6 +251,12 @@ class SoakReport:
                          f"never closed {a.get('held_open_at_exit')}, longest before a close "
                          f"{a.get('longest_held_before_close_s')} s")
             for name, answers in a.get("attacks", {}).items():
+                lines.append(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in answers.items()))
+        if self.inside is not None:
+            i = self.inside
+            lines.append(f"  inside attacker ({i['mode']}): {i['sessions']} sessions through it, {i['lure_tokens']} "
+                         f"lure tokens answered, strikes {i.get('strikes')}, accepted {i.get('accepted') or 'none'}")
+            for name, answers in i.get("attacks", {}).items():
                 lines.append(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in answers.items()))
         lines.append("  result: " + ("ok" if self.ok else "FAILED: " + "; ".join(self.problems)))
         return "\n".join(lines)
