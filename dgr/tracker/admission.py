@@ -175,7 +175,7 @@ class Admission:
         gateway saw closed or its nodes name in their heartbeats (what survives a restart), when it is not
         `choice` and has room and the context `choice` has; else `choice` and `reserved`."""
         keys = list(offer.prefix)
-        named = self.registry.holding(keys) if keys else {}
+        named = self._named(keys) if keys else {}
         for i in range(len(keys) - 1, -1, -1):
             nodes = self.holders.get(keys[i], frozenset()) | {n for n, at in named.items() if at >= i}
             if nodes:
@@ -186,6 +186,17 @@ class Admission:
                 self.release(reserved)
                 return better, self._hold(better.nodes, now)
         return choice, reserved
+
+    def _named(self, keys: list[str]) -> dict[str, int]:
+        """Live node id -> the index of the last of `keys` (a prompt's block chain) it said it kept a prefix up to;
+        nodes that named none of them are left out."""
+        at = {k: i for i, k in enumerate(keys)}
+        out: dict[str, int] = {}
+        for n in self.registry.alive():
+            best = max((at[k] for k in n.prefixes if k in at), default=-1)
+            if best >= 0:
+                out[n.node_id] = best
+        return out
 
     @staticmethod
     def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
