@@ -121,17 +121,17 @@ async def test_trusted_heads_hold_the_ends_of_every_route() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 4), st.integers(0, 5)),
-                min_size=1, max_size=10), st.integers(0, 4), st.integers(0, 5))
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 4), st.integers(0, 5),
+                          st.integers(0, 2)), min_size=1, max_size=10), st.integers(0, 4), st.integers(0, 5))
 def test_the_route_rule_searches_its_ceilings_exactly_and_compares_routes_on_what_differs(specs, busy, late) -> None:
     """The binary search over ceilings picks what trying every ceiling in order picks (the rule's reference), and a
     node on every cover (a shared stage) changes nothing whatever its sessions and turn: before, routes through a
     shared stage tied on it and the lowest node id won."""
     nodes = []
-    for i, (start, span, reserved, routed) in enumerate(specs):
+    for i, (start, span, reserved, routed, turns) in enumerate(specs):
         entry = NodeEntry(f"n{i}", f"http://n{i}:1", start, min(start + span, 6), "stub", _MODEL, 8, {},
                           0.0, 0.0)
-        entry.reserved, entry.routed_at = reserved, float(routed)
+        entry.reserved, entry.routed_at, entry.turns = reserved, float(routed), turns
         nodes.append(entry)
     ranks = draw(nodes, random.Random(len(specs)))
 
@@ -152,7 +152,7 @@ def test_the_route_rule_searches_its_ceilings_exactly_and_compares_routes_on_wha
     def reference():
         if _shortest(nodes, 6) is None:
             return None
-        return _shortest(settle(settle(nodes, attrgetter("reserved")), attrgetter("routed_at")), 6, ranks)
+        return _shortest(settle(settle(nodes, attrgetter("load")), attrgetter("turns", "routed_at")), 6, ranks)
 
     chosen = _best_path(nodes, 6, ranks)
     assert chosen == reference()
@@ -160,5 +160,5 @@ def test_the_route_rule_searches_its_ceilings_exactly_and_compares_routes_on_wha
         return
     for n in nodes:
         if _shortest([m for m in nodes if m is not n], 6) is None:  # on every cover
-            n.reserved, n.routed_at = busy, float(late)
+            n.reserved, n.routed_at, n.turns = busy, float(late), late
     assert _best_path(nodes, 6, ranks) == chosen

@@ -145,6 +145,10 @@ def _lowest(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], An
     return ordered[lo] if lo < len(ordered) else None
 
 
+_LOAD = attrgetter("load")  # rule 3's key: the sessions a node holds, as routing weighs them
+_TURN = attrgetter("turns", "routed_at")  # rule 4's: the sessions routed to it, then when it was last
+
+
 def _settle(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], Any]) -> list[NodeEntry]:
     """The nodes of the covers lowest on `key`, compared on what differs between them (`nodes` must cover).
 
@@ -173,17 +177,9 @@ def _best_path(nodes: list[NodeEntry], n_layers: int, ranks: Ranks | None = None
     `_shortest`'s."""
     if _shortest(nodes, n_layers) is None:
         return None
-    calm = _settle(nodes, n_layers, attrgetter("load"))
-    return _shortest(_settle(calm, n_layers, _turn), n_layers, ranks)
+    calm = _settle(nodes, n_layers, _LOAD)
+    return _shortest(_settle(calm, n_layers, _TURN), n_layers, ranks)
 
-
-def _turn(n: NodeEntry) -> tuple[int, float]:
-    """Rule 4's key: sessions routed to the node, then when it was last."""
-    return (n.turns, n.routed_at)
-
-
-def _busiest(nodes: tuple[NodeEntry, ...] | list[NodeEntry]) -> int:
-    return max((n.load for n in nodes), default=-1)
 
 
 def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[bytes] = frozenset(),
@@ -219,7 +215,7 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
             capacity_blocked |= _shortest(group, n_layers) is not None
             continue
         # groups share no node: their busiest and latest compare whole; a manifest id's spelling breaks no tie
-        key = (_busiest(path), max(map(_turn, path)), len(path), ranks[path[0].node_id])
+        key = (max(map(_LOAD, path)), max(map(_TURN, path)), len(path), ranks[path[0].node_id])
         if best_key is None or key < best_key:
             hops = tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path)
             best, best_key = RouteChoice(hops, path, digest, manifest_id or None), key
@@ -257,7 +253,8 @@ def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: fr
     if path is None:
         return None
     ours, theirs = set(map(id, path)), set(map(id, choice.nodes))
-    if _busiest([n for n in path if id(n) not in theirs]) > _busiest([n for n in choice.nodes if id(n) not in ours]):
+    if max((n.load for n in path if id(n) not in theirs), default=-1) > max(
+            (n.load for n in choice.nodes if id(n) not in ours), default=-1):
         return None  # busier than the spread's choice where they differ: affinity never outweighs the spread
     return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path, choice.digest,
                        choice.manifest_id)
