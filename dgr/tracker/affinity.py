@@ -27,7 +27,8 @@ Rules:
   that session closes with: the tracker's own record from then on.
 - Affinity never outweighs the spread (dgr.tracker.routing `prefer_holders`), and a session it routes
   counts as a turn of its route's nodes like any other: the routes that lost it get the next ones.
-- Bounded: `RECORD_KEYS` keys in each of `ends` and `seen` (oldest out), `SPENT_KEYS` spent keys a node.
+- Bounded: `RECORD_KEYS` keys in each of `ends` and `seen` (oldest out), `SPENT_KEYS` spent keys a node;
+  the spent keys and the bars of nodes the registry forgot go once they outnumber the known nodes twice.
 
 Left out: choosing and opening the route (dgr.tracker.routing, dgr.tracker.admission), the keys and marks
 themselves (dgr.seam.keys), time (callers pass trio's clock), I/O.
@@ -139,7 +140,7 @@ class Affinity:
             spent = self.spent.setdefault(n.node_id, collections.OrderedDict())
             for k in named:
                 _remember(spent, k, None, SPENT_KEYS)
-        self._prune()
+        self._prune(now)
         return expect
 
     # -- believing claims -------------------------------------------------------------------------------------
@@ -174,10 +175,14 @@ class Affinity:
         spent = self.spent.get(n.node_id)
         return n.prefixes if not spent else frozenset(k for k in n.prefixes if k not in spent)
 
-    def _prune(self) -> None:
-        """Forget the spent keys of nodes the registry forgot (their bars stay: a bar outlives its entry)."""
-        if len(self.spent) > 2 * len(self.registry.nodes) + 64:
-            self.spent = {k: v for k, v in self.spent.items() if k in self.registry.nodes}
+    def _prune(self, now: float) -> None:
+        """Forget the spent keys of nodes the registry forgot, and their bars once over (a bar outlives its entry:
+        registering again clears none of it)."""
+        known = self.registry.nodes
+        if len(self.spent) > 2 * len(known) + 64:
+            self.spent = {k: v for k, v in self.spent.items() if k in known}
+        if len(self.bars) > 2 * len(known) + 64:
+            self.bars = {k: v for k, v in self.bars.items() if k in known or now < v[0]}
 
 
 def _mark_key(marks: bytes) -> str | None:
