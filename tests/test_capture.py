@@ -10,6 +10,9 @@ the keys that may hold a route's ends (`--trusted-head`).
 
 from __future__ import annotations
 
+import random
+from operator import attrgetter
+
 import httpx
 import pytest
 import trio
@@ -24,7 +27,7 @@ from dgr.testing.launcher import launch
 from dgr.tracker.gateway import GatewayConfig
 from dgr.seam.types import ModelInfo
 from dgr.tracker.registry import MAX_NODE_SESSIONS, PROVEN_START, NodeEntry, Registry
-from dgr.tracker.routing import _best_path, _shortest, choose_route
+from dgr.tracker.routing import _best_path, _shortest, choose_route, draw
 
 QUIET = GatewayConfig(sweep_s=3600.0)
 _MODEL = ModelInfo("m", "stub", 6, 8, 8, 10, 64, "0" * 64)
@@ -118,24 +121,44 @@ async def test_trusted_heads_hold_the_ends_of_every_route() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 4), st.integers(0, 5)),
-                min_size=1, max_size=10))
-def test_the_route_rule_searches_its_ceilings_exactly(specs) -> None:
-    """The binary search over ceilings picks what trying every ceiling in order picks (the rule's reference)."""
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.integers(0, 4), st.integers(0, 5),
+                          st.integers(0, 2)), min_size=1, max_size=10), st.integers(0, 4), st.integers(0, 5))
+def test_the_route_rule_searches_its_ceilings_exactly_and_compares_routes_on_what_differs(specs, busy, late) -> None:
+    """The binary search over ceilings picks what trying every ceiling in order picks (the rule's reference), and a
+    node on every cover (a shared stage) changes nothing whatever its sessions and turn: before, routes through a
+    shared stage tied on it and the lowest node id won."""
     nodes = []
-    for i, (start, span, reserved, routed) in enumerate(specs):
+    for i, (start, span, reserved, routed, turns) in enumerate(specs):
         entry = NodeEntry(f"n{i}", f"http://n{i}:1", start, min(start + span, 6), "stub", _MODEL, 8, {},
                           0.0, 0.0)
-        entry.reserved, entry.routed_at = reserved, float(routed)
+        entry.reserved, entry.routed_at, entry.turns = reserved, float(routed), turns
         nodes.append(entry)
+    ranks = draw(nodes, random.Random(len(specs)))
+
+    def settle(pool, key):
+        shared: list[NodeEntry] = []
+        while _shortest(shared, 6) is None:
+            free = [n for n in pool if all(n is not m for m in shared)]
+            ceiling = next(c for c in sorted({key(n) for n in free})
+                           if _shortest([*shared, *(n for n in free if key(n) <= c)], 6) is not None)
+            pool = [*shared, *(n for n in free if key(n) <= ceiling)]
+            forced = [n for n in pool if key(n) == ceiling and all(n is not m for m in shared)
+                      and _shortest([m for m in pool if m is not n], 6) is None]
+            if not forced:
+                break
+            shared += forced
+        return pool
 
     def reference():
-        for most in sorted({n.reserved for n in nodes}):
-            calm = [n for n in nodes if n.reserved <= most]
-            for latest in sorted({n.routed_at for n in calm}):
-                path = _shortest([n for n in calm if n.routed_at <= latest], 6)
-                if path is not None:
-                    return path
-        return None
+        if _shortest(nodes, 6) is None:
+            return None
+        return _shortest(settle(settle(nodes, attrgetter("load")), attrgetter("turns", "routed_at")), 6, ranks)
 
-    assert _best_path(nodes, 6) == reference()
+    chosen = _best_path(nodes, 6, ranks)
+    assert chosen == reference()
+    if chosen is None:
+        return
+    for n in nodes:
+        if _shortest([m for m in nodes if m is not n], 6) is None:  # on every cover
+            n.reserved, n.routed_at, n.turns = busy, float(late), late
+    assert _best_path(nodes, 6, ranks) == chosen

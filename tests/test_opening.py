@@ -75,13 +75,12 @@ async def test_a_route_opens_in_one_round_trip_and_names_a_held_prefix_in_a_seco
     assert sorted(log) == sorted([(ids[0], "prompt"), *((i, "waiting") for i in ids[1:])])
     log.clear()
     # the next turn: the head may hold the conversation's prefix, so it is named to every hop in one more trip
-    # (a head that is its route's tail too opens on its own at once: no other hop to agree with)
+    # (a head alone on its route too: only the tracker can name a prefix, whose root no node is told)
     _, opened, live = await _ask(route, SYSTEM + text + " next")
     assert live.rs.prefix_reused > 0
-    assert opened == pytest.approx(LATENCY_S * (2 if nodes > 1 else 1))
-    adopted = ids if nodes > 1 else []
+    assert opened == pytest.approx(LATENCY_S * 2)
     assert sorted(log) == sorted([(ids[0], "prompt"), *((i, "waiting") for i in ids[1:]),
-                                  *((i, "adopt") for i in adopted)])
+                                  *((i, "adopt") for i in ids)])
 
 
 async def test_without_a_prefix_kept_the_later_hops_are_told_none(autojump_clock, nursery) -> None:

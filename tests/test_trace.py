@@ -20,8 +20,11 @@ def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_r
     # + 4 (issue 55): a step is refused from its frame's header before its payload is read (NodeReplies.check_head,
     # with decode_head and _step_of, the header's and the shard's checks that decode_frame and check_frame now
     # share with it), and seam_headers (a stream's and a failure report's session and capability, read by one
-    # function)
-    assert result["stops"] <= 264 and result["modules"] <= 52, (result["stops"], result["modules"])
+    # function). + 9 stops and 1 module, issue 55's claims and spread: the tracker's own record of where prefixes
+    # are kept and of what nodes claim (dgr.tracker.affinity: Affinity.kept, .candidates, ._usable, .check,
+    # .may_hold, which the head no longer judges, PrefixCache.may_hold gone; _continues, _mark_key, _remember), and
+    # routes compared on what differs with a random last tie (routing._settle, draw)
+    assert result["stops"] <= 273 and result["modules"] <= 53, (result["stops"], result["modules"])
     assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
     modules = result["per_module"]
     # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's

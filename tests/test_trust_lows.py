@@ -261,7 +261,7 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
             client = NodeClient("liar", await fake.start(nursery))
             calls = {"status": client.status,
                      "prompt": lambda: client.open(OpenRequest("a" * 32, 64, _TAIL, prompt=PromptPlan.of(
-                         {"prompt": "hi"}, root=None, max_new=1, max_prompt=None)), vocab_size=300),
+                         {"prompt": "hi"}, max_new=1, max_prompt=None)), vocab_size=300),
                      "open": lambda: client.open(OpenRequest("a" * 32, 64, _TAIL))}
             for name, call in calls.items():
                 fake.sent, announce[0] = 0, name == "open"
@@ -309,7 +309,7 @@ def test_a_lying_heads_token_ids_are_refused_as_its_fault(tokens, words) -> None
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             liar, ok = NodeClient("liar", await fake.start(nursery)), NodeClient("ok", await honest.start(nursery))
-            req = OpenRequest("a" * 32, 64, _TAIL, prompt=PromptPlan.of({"prompt": "hi"}, root=None, max_new=1,
+            req = OpenRequest("a" * 32, 64, _TAIL, prompt=PromptPlan.of({"prompt": "hi"}, max_new=1,
                                                                  max_prompt=None))
             with pytest.raises(PeerError) as err:
                 await liar.open(req, vocab_size=300)

@@ -169,13 +169,12 @@ def node_openapi_document() -> dict[str, Any]:
                     # block keys of the prompt (dgr.node.prefix): open on the longest kept prefix of them
                     "prefix": {"type": "array", "maxItems": 64,
                                "items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
-                    # a head's: the prompt it tokenizes inside its open (dgr.seam.opening), the root it names its
-                    # prefix under, the answer's positions and the prompt's limit; a later hop's max_new alone:
+                    # a head's: the prompt it tokenizes inside its open (dgr.seam.opening), the answer's positions
+                    # and the prompt's limit (never a prefix root: only the tracker has it); a later hop's max_new alone:
                     # opened before the prompt's length is known, its KV waiting
                     "prompt": {"type": "object", "properties": {
                         "prompt": {"type": "string", "maxLength": 2000},
                         "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}},
-                    "root": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
                     "max_new": {"type": "integer"}, "max_prompt": {"type": "integer"}}}),
                 "responses": {"201": _OK, **_errors(400, 403, 409, 413, 429)}}},
             "/v1/seam/sessions/{sid}/prefix": {"post": {

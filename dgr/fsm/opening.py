@@ -3,8 +3,10 @@
 Theory (issue 41): the head tokenizes the prompt inside its open, so the ids are known only when it
 answers. The later hops need them only to name their reusable prefix and, on a speculating route,
 the tail to draft from. So without speculation they open with the head, their KV waiting for the
-prefix (`WAITING`), and only where the head may hold a prefix of the prompt (its `reusable` answer)
-does a second trip name it to every hop (`ADOPT`): every node must start from the same position.
+prefix (`WAITING`), and only where the head may hold a prefix of the prompt (`reusable`: the gateway
+judges it, dgr.tracker.affinity) does a second trip name it to every hop (`ADOPT`): every node must
+start from the same position. Only the gateway can name a prefix (its keys are rooted in a secret no
+node is told, dgr.seam.keys), so a head alone on its route is named its own in that trip too.
 With speculation they open once the ids are known, in that second trip. Where the ids are known
 before any open (the client's own), or another route's nodes kept the prompt's prefix (the route
 is abandoned and the open begins again there, under a fresh session id: a node opens each id once,
@@ -21,8 +23,8 @@ Invariants (tests/test_fsm_opening.py checks them over every row and every path)
 - every hop names the same prefix, or none does: where one is named (`ON_PREFIX` or `ADOPT`), it is
   named to every hop;
 - a route opens in 1 trip where the ids are known, or nothing is reusable without speculation (or
-  the head is alone), and in 2 otherwise: a second names the prefix, opens the speculating hops, or
-  opens the holders' route (after the first's sessions are closed).
+  with it, the head alone), and in 2 otherwise: a second names the prefix, opens the speculating
+  hops, or opens the holders' route (after the first's sessions are closed).
 
 Left out: building each open (dgr.tracker.opening), choosing routes and checking the head's ids
 (dgr.tracker.admission), the wire (dgr.seam.opening).
@@ -52,7 +54,7 @@ class Call(enum.Enum):
     """What one hop gets in a trip."""
 
     NONE = "none"
-    PROMPT = "prompt"  # head: the prompt to tokenize (and the prefix root); its KV waits
+    PROMPT = "prompt"  # head: the prompt to tokenize; its KV waits
     ON_PREFIX = "on_prefix"  # the ids and the prefix they offer: it opens on what it holds of it, now
     WAITING = "waiting"  # later hop: max_new, before the prompt's length is known; its KV waits
     IDS = "ids"  # later hop: the ids and no prefix (it opens empty)
@@ -92,16 +94,16 @@ PLAN: dict[tuple[Known, bool, bool], Trip] = {
     (Known.IDS, True, True): Trip(_O, _N, _READY, why="a lone head opens on what it holds"),
     (Known.TEXT, False, False): Trip(_P, _W, _AWAIT, why="the later hops open with the head, their KV waiting"),
     (Known.TEXT, True, False): Trip(_P, _N, _AWAIT, why="the tail needs the ids to draft from: it waits for them"),
-    (Known.TEXT, False, True): Trip(_P, _N, _AWAIT, why="a lone head names its own prefix from its ids"),
-    (Known.TEXT, True, True): Trip(_P, _N, _AWAIT, why="a lone head names its own prefix from its ids"),
+    (Known.TEXT, False, True): Trip(_P, _N, _AWAIT, why="a lone head's KV waits too: only the gateway names a prefix"),
+    (Known.TEXT, True, True): Trip(_P, _N, _AWAIT, why="a lone head's KV waits too: only the gateway names a prefix"),
     (Known.ANSWERED, False, False): Trip(_N, _N, _READY, why="nothing to name: every KV opens empty at the first step"),
     (Known.ANSWERED, True, False): Trip(_N, _I, _READY, why="the later hops open with the ids, on no prefix"),
     (Known.ANSWERED, False, True): Trip(_N, _N, _READY, why="the lone head is open"),
     (Known.ANSWERED, True, True): Trip(_N, _N, _READY, why="the lone head is open"),
     (Known.REUSABLE, False, False): Trip(_A, _A, _READY, why="the prefix is named to every hop"),
     (Known.REUSABLE, True, False): Trip(_A, _O, _READY, why="named to the head as the later hops open on it"),
-    (Known.REUSABLE, False, True): Trip(_N, _N, _READY, why="a lone head opened on its own prefix"),
-    (Known.REUSABLE, True, True): Trip(_N, _N, _READY, why="a lone head opened on its own prefix"),
+    (Known.REUSABLE, False, True): Trip(_A, _N, _READY, why="the prefix is named to the lone head"),
+    (Known.REUSABLE, True, True): Trip(_A, _N, _READY, why="the prefix is named to the lone head"),
     (Known.HELD_ELSEWHERE, False, False): Trip(_N, _N, _REOPEN, why="close what opened; open the holders' route"),
     (Known.HELD_ELSEWHERE, True, False): Trip(_N, _N, _REOPEN, why="close what opened; open the holders' route"),
     (Known.HELD_ELSEWHERE, False, True): Trip(_N, _N, _REOPEN, why="close what opened; open the holders' route"),

@@ -99,8 +99,7 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
                                             lane=req.lane, marks=req.reuse.marks,
                                             spec=None if req.spec is None else _spec_plan(service, req.spec),
                                             prompt=req.prompt, max_new=req.max_new)
-        return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens,
-                                        opened.reusable).to_json(), 201)
+        return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens).to_json(), 201)
 
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):

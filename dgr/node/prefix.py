@@ -23,7 +23,10 @@ Contract:
   live session wait or be refused.
 - A node names what it keeps to its tracker (`advertised`: the last block key
   of each entry, the most recently used first, at most `MAX_ADVERTISED`), so
-  that routing by prefix survives the tracker's restart.
+  that routing by prefix survives the tracker's restart. The tracker believes
+  a name only once a session routed for it shows it held
+  (dgr.tracker.affinity); and only the tracker can name a prompt's prefix,
+  whose root no node is told (dgr.seam.keys).
 
 Theory: `PrefixCache` is bookkeeping only. The backend holds the KV under the
 entry's id (dgr.backends.base: keep_prefix, open_from_prefix, drop_prefix);
@@ -63,13 +66,9 @@ class Kept:
     head: bytes = b""
     tail: bytes = b""
     positions: int = attrs.field(init=False)  # its whole blocks' and its tail's
-    # its first block key and its first position's mark, where it has them: what `PrefixCache.may_hold` asks
-    firsts: tuple[str | bytes, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "positions", len(self.chain) * BLOCK_TOKENS + len(self.tail) // MARK_BYTES)
-        first = self.mark(0)
-        object.__setattr__(self, "firsts", (*self.chain[:1], *([first] if first is not None else [])))
 
     def mark(self, pos: int) -> bytes | None:
         """Position `pos`'s mark, or None where this entry was not told it."""
@@ -104,8 +103,6 @@ class PrefixCache:
     max_bytes: int | None = None  # None: bounded only by the backend's free sequence slots
     entries: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # id -> Kept, LRU first
     _index: dict[str, dict[str, None]] = attrs.field(factory=dict)  # block key -> ids of entries holding it
-    # each entry's first block key and first position's mark -> how many entries begin with it (`may_hold`)
-    _firsts: collections.Counter = attrs.field(factory=collections.Counter)
     _next_id: int = 0
     hits: int = 0  # opens that reused a prefix
     misses: int = 0  # opens that offered a chain and found none of it
@@ -145,17 +142,6 @@ class PrefixCache:
             self.misses += 1
         return None, 0
 
-    def may_hold(self, chain: Sequence[str], marks: bytes) -> bool:
-        """False where no entry can share a position with the sequence of `chain` and `marks` (none begins with
-        its first block or first position); counts nothing.
-
-        Safe to ask from another thread than the one that changes the cache: two lookups in a dict, never an
-        iteration (CPython). An answer a concurrent change makes stale costs reuse or a trip, never a wrong KV:
-        the open that follows matches in the cache's own thread.
-        """
-        return (bool(chain) and chain[0] in self._firsts) or (len(marks) >= MARK_BYTES
-                                                               and marks[:MARK_BYTES] in self._firsts)
-
     def holds(self, chain: Sequence[str]) -> bool:
         """True when some entry holds all of `chain` (its last key names every block before it); counts nothing."""
         return bool(chain) and bool(self._index.get(chain[-1]))
@@ -169,7 +155,6 @@ class PrefixCache:
                 self.superseded += 1
                 dropped.append(old.id)
         self.entries[kept.id] = kept
-        self._firsts.update(kept.firsts)
         for key in kept.chain:
             self._index.setdefault(key, {})[kept.id] = None
         while self.max_bytes is not None and self.nbytes > self.max_bytes and self.entries:
@@ -179,8 +164,6 @@ class PrefixCache:
     def remove(self, entry_id: str) -> Kept:
         """Forget an entry (its KV is being taken over or freed)."""
         kept = self.entries.pop(entry_id)
-        self._firsts.subtract(kept.firsts)
-        self._firsts += collections.Counter()  # drops the counts that fell to zero
         for key in kept.chain:
             ids = self._index.get(key)
             if ids is not None:

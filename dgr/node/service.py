@@ -46,7 +46,6 @@ from dgr.node.sessions import ENDED_MEMORY, NodeSessions
 from dgr.node.snapshot import SnapshotDir
 from dgr.node.trust import NodeTrust
 from dgr.sampling import SamplingParams
-from dgr.seam.keys import prompt_offer
 from dgr.seam.transport import ConnectionPool
 from dgr.seam.wire import MAX_FRAME_BYTES
 from dgr.security.auth import CapabilityAuthority
@@ -61,12 +60,10 @@ __all__ = ["NodeService", "Opened", "SeamStats"]
 
 @attrs.frozen
 class Opened:
-    """What an open answers: the positions reused; a head given the prompt, its ids and whether a kept prefix
-    may share their start (the gateway then names the prefix to every hop)."""
+    """What an open answers: the positions reused; a head given the prompt, its ids."""
 
     reused: int
     tokens: list[int] | None = None
-    reusable: bool = False
 
 _KEEP = object()  # `prefix` not given: a default PrefixCache
 
@@ -178,11 +175,9 @@ class NodeService:
                            prompt: PromptPlan | None = None, max_new: int | None = None) -> Opened:
         """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.seam.opening.PromptPlan).
 
-        Given a `prefix` or `marks` (the gateway had the ids), it opens on them now, as does a head that is
-        its route's tail too, on the prefix it names from the ids under the prompt's `root` (no other hop
-        to agree with). Else its KV waits (for an adopt, or the first step), so it answers as soon as it
-        has the ids, and, with `root`, whether a kept prefix may share the prompt's start (`reusable`:
-        PrefixCache.may_hold).
+        Given a `prefix` or `marks` (the gateway had the ids), it opens on them now. Else its KV waits (for
+        an adopt, or the first step), so it answers as soon as it has the ids: only the gateway can name
+        their prefix, whose root no node is told (dgr.seam.keys).
 
         Raises: CallerError (as NodeSessions.open, and PromptPlan.positions); INVALID_REQUEST: a prompt
         for a shard that is not a head.
@@ -201,17 +196,11 @@ class NodeService:
         positions = prompt.positions(ids, max_positions)
         if spec is not None and self.backend.is_tail and not spec.history:  # a route of one: it drafts from its own ids
             spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
-        if prompt.root is not None and self.backend.is_tail and not (prefix or marks):
-            _, prefix, marks = prompt_offer(ids, prompt.root)
         if prefix or marks:
             reused = await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec, prompt=ids)
             return Opened(reused, ids)
-        reusable = False
-        if prompt.root is not None and self.kv.prefix is not None:
-            _, chain, offer = prompt_offer(ids, prompt.root)
-            reusable = self.kv.prefix.may_hold(chain, offer)
         await self.lifecycle.open(sid, positions, sampling, relay, None, lane, b"", spec, waits=True, prompt=ids)
-        return Opened(0, ids, reusable)
+        return Opened(0, ids)
 
     async def fail_session(self, sid: str, failure: Failure) -> None:
         await self.lifecycle.fail(sid, failure)

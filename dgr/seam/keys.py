@@ -2,8 +2,11 @@
 
 A prefix is named by a hash chain over its token ids in blocks of
 `BLOCK_TOKENS`: block i's key is H(key of block i-1 || the block's token ids
-as little-endian int32), and block 0 chains from a root that mixes in the
-model's digest and an isolation scope (`prefix_root`). Each position also has
+as little-endian int32), and block 0 chains from a root keyed with a secret
+only the tracker holds, mixing in the model's digest and an isolation scope
+(`prefix_root`). No node is told a root: a node could otherwise compute the
+keys of any prompt offline (a shared system prompt) and name them as kept to
+draw its sessions (spec/security.md, "Prefix claims"). Each position also has
 a mark: the first `MARK_BYTES` bytes of H(key of its block's predecessor ||
 its block's token ids up to and including it) (`token_marks`), so a mark names
 every token before it, and a block's last mark begins its key.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import struct
 from typing import Sequence
 
@@ -28,13 +32,19 @@ from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX
 __all__ = ["BLOCK_TOKENS", "KEY_HEX", "MARK_BYTES", "MAX_ADVERTISED", "MAX_MARKS", "block_chain", "decode_marks",
            "encode_marks", "prefix_root", "prompt_offer", "token_marks", "valid_chain"]
 
-_DOMAIN = b"dgr-prefix-v1"
+_DOMAIN = b"dgr-prefix-v2"  # v1 roots were unkeyed
 
 
-def prefix_root(model_digest: str, scope: str) -> str:
-    """The key block 0 chains from: one per model file and isolation scope ('' when shared)."""
-    h = hashlib.sha256(_DOMAIN + b"\0" + model_digest.encode() + b"\0" + scope.encode())
-    return h.hexdigest()[:KEY_HEX]
+def prefix_root(model_digest: str, scope: str, secret: bytes) -> str:
+    """The key block 0 chains from: one per model file and isolation scope ('' when shared), keyed with the
+    tracker's `secret` (HMAC-SHA256), so that whoever lacks it cannot name a prompt's blocks.
+
+    Raises: ValueError for an empty secret (the root would be public again).
+    """
+    if not secret:
+        raise ValueError("a prefix root needs the tracker's secret")
+    mac = hmac.new(secret, _DOMAIN + b"\0" + model_digest.encode() + b"\0" + scope.encode(), hashlib.sha256)
+    return mac.hexdigest()[:KEY_HEX]
 
 
 def block_chain(tokens: Sequence[int], root: str, block: int = BLOCK_TOKENS) -> list[str]:

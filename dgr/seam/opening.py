@@ -14,7 +14,8 @@ Rules:
   url) stays with the node (dgr.node.app).
 - An open carries at most one of `prompt` (a head given the prompt: it tokenizes it) and `max_new`
   alone (a later hop opened before the prompt's length is known, its KV waiting). A head's prompt
-  brings its own `max_new` (required), `max_prompt` and `root` (`PromptPlan`).
+  brings its own `max_new` (required) and `max_prompt` (`PromptPlan`); never a prefix root, which
+  only the tracker holds (dgr.seam.keys): its prefix is named to it once the ids are known.
 - One encoder, `_to_json`, is every message's `to_json` but the open's: it writes the fields as their
   metadata declares. The open writes itself: it flattens the prefix and the prompt it carries.
 - The answer is read leniently where a lie costs nothing (`prefix_positions` not a count reads as 0:
@@ -220,21 +221,20 @@ class SpecPlan:
 @attrs.frozen
 class PromptPlan:
     """A head's open of a prompt (issue 41): chat messages, a completion's text or token ids (exactly one),
-    the prefix root it names its KV under, and its bounds. The head tokenizes it inside its open."""
+    and its bounds. The head tokenizes it inside its open."""
 
     messages: tuple[dict[str, Any], ...] | None
     text: str | None
     ids: tuple[int, ...] | None
-    root: str | None  # the prefix root (dgr.seam.keys.prefix_root); None: reuse no prefix
     max_new: int  # positions the answer may take
     max_prompt: int | None  # the gateway's limit on the prompt's tokens; None: the context's
 
     @classmethod
-    def of(cls, body: dict[str, Any], *, root: str | None, max_new: int, max_prompt: int | None) -> PromptPlan:
+    def of(cls, body: dict[str, Any], *, max_new: int, max_prompt: int | None) -> PromptPlan:
         """The plan of the prompt `body` ({"messages"}, {"prompt"} or {"ids"}, as the API's request has it)."""
         ids = body.get("ids")
         return cls(None if "messages" not in body else tuple(body["messages"]), body.get("prompt"),
-                   None if ids is None else tuple(ids), root, max_new, max_prompt)
+                   None if ids is None else tuple(ids), max_new, max_prompt)
 
     def body(self) -> dict[str, Any]:
         """The wire's `prompt` object."""
@@ -247,8 +247,8 @@ class PromptPlan:
         return "messages" if self.messages is not None else "prompt"
 
     @classmethod
-    def from_json(cls, data: Any, *, root: Any, max_new: Any, max_prompt: Any, vocab_size: int) -> PromptPlan:
-        """An open's "prompt" and its "root", "max_new" and "max_prompt".
+    def from_json(cls, data: Any, *, max_new: Any, max_prompt: Any, vocab_size: int) -> PromptPlan:
+        """An open's "prompt" and its "max_new" and "max_prompt".
 
         Raises: CallerError(INVALID_REQUEST), naming the field.
         """
@@ -259,10 +259,8 @@ class PromptPlan:
             raise _bad("prompt.prompt must be a string", "prompt.prompt")
         if "ids" in data and not are_token_ids(ids, vocab_size):
             raise _bad(f"prompt.ids must be token ids of this vocabulary of {vocab_size}", "prompt.ids")
-        if root is not None and not valid_chain([root], 1):  # a root is a key's shape
-            raise _bad(f"root must be {KEY_HEX} lowercase hex digits", "root")
         messages = parse_messages(data["messages"]) if "messages" in data else None
-        return cls(messages, text, None if ids is None else tuple(ids), root, _count(max_new, "max_new"),
+        return cls(messages, text, None if ids is None else tuple(ids), _count(max_new, "max_new"),
                    None if max_prompt is None else _count(max_prompt, "max_prompt"))
 
     def positions(self, ids: Sequence[int], max_positions: int) -> int:
@@ -332,7 +330,7 @@ class OpenRequest:
             "relay": self.relay.to_json(),
             "prefix": list(self.reuse.prefix) or None, "marks": encode_marks(self.reuse.marks) or None,
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
-            "prompt": None if p is None else p.body(), "root": None if p is None else p.root,
+            "prompt": None if p is None else p.body(),
             "max_new": self.max_new if p is None else p.max_new, "max_prompt": None if p is None else p.max_prompt,
         }
         return {k: v for k, v in fields.items() if v is not None}  # what this open does not carry is left out
@@ -373,7 +371,7 @@ class OpenRequest:
         relay = RelayOrder.from_json(data.get("relay"))
         spec = None if data.get("spec") is None else SpecPlan.from_json(data["spec"], vocab_size)
         prompt = None if "prompt" not in data else PromptPlan.from_json(
-            data["prompt"], root=data.get("root"), max_new=data.get("max_new"), max_prompt=data.get("max_prompt"),
+            data["prompt"], max_new=data.get("max_new"), max_prompt=data.get("max_prompt"),
             vocab_size=vocab_size)
         # a later hop opened with the head: the prompt's length is not known, only what the answer may add
         max_new = None if prompt is not None or data.get("max_new") is None else _count(data["max_new"], "max_new")
@@ -383,13 +381,12 @@ class OpenRequest:
 @attrs.frozen
 class OpenAnswer:
     """A node's answer to an open or an adopt: the positions it holds of the prefix named; a head given the
-    prompt also its ids, and whether a kept prefix may share their start (it opened without one)."""
+    prompt also its ids."""
 
     session: str
     node: str
     positions: int = attrs.field(metadata={"wire": "prefix_positions"})
     tokens: list[int] | None = attrs.field(default=None, metadata={"omit": None})  # a head's given the prompt
-    reusable: bool = attrs.field(default=False, metadata={"beside": "tokens"})
 
     to_json = _to_json
 
@@ -416,7 +413,7 @@ class OpenAnswer:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < top:
                 raise PeerError(Reason.NODE_ERROR, f"{node} sent token id {str(t)[:40]!r}, not one of its "
                                                    f"vocabulary of {top}", node=node)
-        return cls(sid, node, positions, tokens, data.get("reusable") is True)
+        return cls(sid, node, positions, tokens)
 
 
 def token_bound(prompt: PromptPlan) -> int:

@@ -21,6 +21,10 @@ Rules:
 - Every signature is over a domain tag and the message, so a signature made
   for one purpose (a request, a capability, a proof) is never valid for
   another.
+- A secret the holder needs across restarts (the tracker's prefix-root key,
+  dgr.seam.keys) is derived from the private key under a domain tag
+  (`derive`): it lives and dies with the key file, and no second secret file
+  is kept.
 
 Left out: key rotation and revocation (a tracker operator drops a node by
 restarting without it in `--allow-node`, or with a new join token).
@@ -31,6 +35,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import hashlib
+import hmac
 import os
 import stat
 from pathlib import Path
@@ -152,6 +157,12 @@ class Identity:
 
     def sign(self, domain: bytes, message: bytes) -> bytes:
         return self.private.sign(domain + b"\0" + message)
+
+    def derive(self, domain: bytes) -> bytes:
+        """A 32-byte secret for `domain`: HMAC-SHA256 keyed with the private key's raw bytes."""
+        raw = self.private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                         serialization.NoEncryption())
+        return hmac.new(raw, b"dgr-derive\0" + domain, hashlib.sha256).digest()
 
     def save(self, path: str | Path) -> None:
         """Write the key to `path` (mode 600, its folder made 700 if new)."""

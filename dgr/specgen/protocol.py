@@ -44,10 +44,10 @@ def _opening() -> str:
     lines = ["## Opening a route", "",
              "The gateway plans each round trip of an opening from what it knows (dgr.fsm.opening `PLAN`): the "
              "head's call, every later hop's, and what follows. A row whose calls are all `none` makes no trip. "
-             "`head_answers`: plan again with what the head answered (`answered`, `reusable` or "
-             "`held_elsewhere`); `reopen`: close what opened and plan again as `ids` on the route whose nodes "
-             "kept the prompt's prefix, under a fresh session id (a node opens each id once, and the two routes "
-             "may share a node); `ready`: every hop is open.", "",
+             "`head_answers`: plan again with what the head answered and what the gateway knows of where its "
+             "prefix is kept (`answered`, `reusable` or `held_elsewhere`); `reopen`: close what opened and plan "
+             "again as `ids` on the route whose nodes kept the prompt's prefix, under a fresh session id (a node "
+             "opens each id once, and the two routes may share a node); `ready`: every hop is open.", "",
              "| known | speculates | head alone | head | later hops | then | why |", "|---|---|---|---|---|---|---|"]
     for (known, speculates, alone), trip in PLAN.items():
         lines.append(f"| {known.value} | {'yes' if speculates else 'no'} | {'yes' if alone else 'no'} | "
@@ -113,7 +113,7 @@ def render_seam() -> str:
         "- `POST /v1/seam/sessions` (JSON `{session, max_positions, sampling, relay}`) opens a node session: "
         "201, or 409/429. Every session is on a ring, so an open without `relay` is refused. The body is "
         "dgr.seam.opening's `OpenRequest`, the answer its `OpenAnswer` "
-        "(`{session, node, prefix_positions[, tokens, reusable]}`), and the prefix named later its `AdoptRequest`; "
+        "(`{session, node, prefix_positions[, tokens]}`), and the prefix named later its `AdoptRequest`; "
         "the node checks a body only in their `from_json`, a refusal naming the field in `param`. Which hop "
         "gets which open in which round trip is the opening table of states.md. `relay` is `{next: {node, url, capability} | null, "
         "deliver_capability, route, nodes[, loop]}`: where this node sends its results (the tail's `next` is "

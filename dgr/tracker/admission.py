@@ -20,15 +20,19 @@ it before a response starts and the client gets a plain 4xx/5xx:
 - prefix reuse (dgr.node.prefix): the prompt (less its last two tokens,
   dgr.seam.keys.prompt_offer) hashed into a chain of whole-block keys and a
   mark per position, rooted in the model digest and the request's isolation
-  scope. A route whose nodes kept the longest of those keys (`holders`, which
-  this gateway saw closed, or which nodes name in their heartbeats) is
-  preferred: chosen before any open where the client sent ids, else once the
-  head answered (what it opened is closed, and the session opens there under
-  a fresh id, the one its client sees: a node opens each id once,
-  dgr.security.tickets, and the two routes may share a node). The head opens
-  on the longest prefix it holds; only where it holds one are the later hops
-  told the chain, and each says how many positions it holds; the route reuses
-  the smallest;
+  scope under the tracker's secret (`prefix_secret`; no node is told the
+  root). Where the prompt continues a conversation (dgr.tracker.affinity
+  `candidates`: an end this gateway saw a session close with, or a key a
+  node names), a route of the nodes that kept it is preferred if it ties on
+  the spread: chosen before any open where the client sent ids, else once
+  the head answered (what it opened is closed, and the session opens there
+  under a fresh id, the one its client sees: a node opens each id once,
+  dgr.security.tickets, and the two routes may share a node). Once the ids
+  are known, the prefix is named to every hop where this gateway believes
+  the head may hold one (`Affinity.may_hold`), and each says how many
+  positions it holds; the route reuses the smallest. A node whose named key
+  chose the route and that holds less than it named is barred from affinity
+  (`Affinity.check`);
 - each node session with its relay plan, its ticket and its lane in the
   route's phase groups (dgr.fsm.phases), and, where the session speculates
   (issue 42, dgr.node.speculation), the drafts a step may carry, and for the
@@ -44,8 +48,9 @@ Left out: driving the session (dgr.tracker.gateway, dgr.tracker.ring).
 
 from __future__ import annotations
 
-import collections
 import math
+import os
+import random
 import uuid
 from typing import Callable
 
@@ -61,6 +66,7 @@ from dgr.fsm.opening import Known, Then, plan
 from dgr.seam.keys import prefix_root, prompt_offer
 from dgr.seam.opening import AdoptRequest, SpecPlan
 from dgr.tracker.accounting import Accounting
+from dgr.tracker.affinity import Affinity
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.live import PROMPT_BYTES_PER_TOKEN, GatewayConfig, LiveSession
@@ -72,8 +78,6 @@ from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["Admission"]
 
-_HOLDER_KEYS = 65536  # block keys the route hint remembers (32 hex digits and a node set each)
-
 
 @attrs.define
 class Admission:
@@ -84,11 +88,16 @@ class Admission:
     credentials: Credentials
     owe_close: Callable[[str, str], None]  # (node id, sid): it may hold the session; close it when it is back
     accounting: Accounting  # hears every Route Session's events
-    # block key -> the nodes of the route whose session closed with it: where a prompt's prefix is likely kept
-    # (a hint for the route choice; the nodes' own answers decide what is reused). Bounded, oldest out.
-    holders: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    # keys the prefix roots (HMAC, dgr.seam.keys): the tracker's, derived from its identity (dgr.tracker.run)
+    prefix_secret: bytes = attrs.field(factory=lambda: os.urandom(32))
+    rng: random.Random = attrs.field(factory=random.Random)  # breaks routing's last ties; tests seed it
+    affinity: Affinity = attrs.field()  # where prompts' prefixes are kept, and what nodes' claims are believed
     phases: dict[tuple[str, ...], RoutePhases] = attrs.field(factory=dict)  # each route's phase board
     _freed: trio.Event = attrs.field(factory=trio.Event)  # set (and replaced) whenever a node slot is given back
+
+    @affinity.default
+    def _affinity(self) -> Affinity:
+        return Affinity(self.registry)
 
     async def open(self, req: GenerationRequest, scope: str = "") -> LiveSession:
         """Route, open node sessions (the head tokenizing the prompt inside its open), check the context.
@@ -108,17 +117,20 @@ class Admission:
         cfg = self.config
         try:
             choice = await self._admit(req.model)
+            before = {n.node_id: n.routed_at for n in choice.nodes}  # its turn, given back if affinity replaces it
             reserved = self._hold(choice.nodes, now)
             info = choice.nodes[0].model
             # The context is what every hop allocates per session (--ctx), not the training context.
             context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
             token_limit, prompt = self._client_prompt(req, context, info.vocab_size)
-            root = prefix_root(choice.digest, "" if cfg.share_prefixes else scope) if cfg.prefix_reuse else None
+            root = (prefix_root(choice.digest, "" if cfg.share_prefixes else scope, self.prefix_secret)
+                    if cfg.prefix_reuse else None)
             max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
-            bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens, root)
+            bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens)
             offered, offer = self._offer(prompt, root)
+            expect: dict[str, int] = {}  # node id -> the positions its named key said it holds (Affinity.take)
             if prompt is not None:  # the ids are known: choose the route by its kept prefix before any open
-                choice, reserved = self._rechoose(choice, reserved, offer, context, now)
+                choice, reserved, expect = self._rechoose(choice, reserved, offer, context, now, before)
             known = Known.IDS if prompt is not None else Known.TEXT
             opening = self._opening(req, rs, choice, bounds)
             while True:  # the trips dgr.fsm.opening plans, from what is known
@@ -137,9 +149,11 @@ class Admission:
                     continue
                 prompt = self._head_ids(opening.tokens, choice.hops[0], context, token_limit)
                 offered, offer = self._offer(prompt, root)
-                better, reserved = self._rechoose(choice, reserved, offer, context, now)
+                better, reserved, expect = self._rechoose(choice, reserved, offer, context, now, before)
                 known = (Known.HELD_ELSEWHERE if better is not choice
-                         else Known.REUSABLE if root is not None and opening.reusable else Known.ANSWERED)
+                         else Known.REUSABLE if root is not None and self.affinity.may_hold(
+                             choice.nodes[0], offer, trio.current_time()) else Known.ANSWERED)
+            self.affinity.check(expect, opening.held, trio.current_time())
         except BaseException as raised:
             await self._undo(raised, rs, opening, reserved)
             raise AssertionError("unreachable")  # _undo always raises
@@ -170,22 +184,25 @@ class Admission:
                             board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops),
                             prompt_to_tail=self.config.prompt_to_tail(req.speculation or self.config.speculation))
 
-    def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float):
-        """(route, its held slots): a route whose nodes all kept the longest prefix of `offer`'s blocks that this
-        gateway saw closed or its nodes name in their heartbeats (what survives a restart), when it is not
-        `choice` and has room and the context `choice` has; else `choice` and `reserved`."""
-        keys = list(offer.prefix)
-        named = self.registry.holding(keys) if keys else {}
-        for i in range(len(keys) - 1, -1, -1):
-            nodes = self.holders.get(keys[i], frozenset()) | {n for n, at in named.items() if at >= i}
-            if nodes:
-                better = prefer_holders(self.registry.alive(), choice, frozenset(nodes),
-                                        trusted=self.registry.trusted_ends)
-                if better is None or min(n.max_positions for n in better.nodes) < context:
-                    return choice, reserved
-                self.release(reserved)
-                return better, self._hold(better.nodes, now)
-        return choice, reserved
+    def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float,
+                  before: dict[str, float]):
+        """(route, its held slots, what its claimers must show they hold): the route of the nodes that may hold
+        the longest prefix of `offer` the prompt continues (dgr.tracker.affinity `candidates`), when it ties with
+        `choice` on the spread and has room and the context `choice` has; else `choice`, `reserved` and nothing.
+        The hint that chose a route is spent (`Affinity.take`), as it is where `choice` is that route already; the
+        turn `choice` took is given back (`before`: its nodes' `routed_at` before it was held)."""
+        at = trio.current_time()
+        for _, nodes in self.affinity.candidates(offer, at)[:1]:  # the longest only: a shorter one is not the turn
+            if all(n.node_id in nodes for n in choice.nodes):
+                return choice, reserved, self.affinity.take(offer, choice.nodes, at)
+            self._unhold(reserved, before, now)  # judged as if this session were on neither route
+            better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends,
+                                    rng=self.rng)
+            if better is None or min(n.max_positions for n in better.nodes) < context:
+                return choice, self._hold(reserved, now), {}
+            self.release(())  # slots were given back: wake the opens waiting for one
+            return better, self._hold(better.nodes, now), self.affinity.take(offer, better.nodes, at)
+        return choice, reserved, {}
 
     @staticmethod
     def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
@@ -288,8 +305,18 @@ class Admission:
     def _hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
         for n in nodes:
             n.reserved += 1
+            n.turns += 1
             n.routed_at = now
         return nodes
+
+    @staticmethod
+    def _unhold(nodes: tuple[NodeEntry, ...], before: dict[str, float], now: float) -> None:
+        """Take back `_hold(nodes, now)`: its slots and its turn (`before`: their `routed_at` until then)."""
+        for n in nodes:
+            n.reserved = max(0, n.reserved - 1)
+            n.turns -= 1
+            if n.routed_at == now:  # no other session took it since
+                n.routed_at = before.get(n.node_id, n.routed_at)
 
     def release(self, nodes) -> None:
         """Give back one session's slot on each of `nodes` (its close is done) and wake waiting opens."""
@@ -308,23 +335,18 @@ class Admission:
         deadline = trio.current_time() + self.config.admission_wait_s
         while True:
             try:
-                return choose_route(self.registry.alive(), model, trusted=self.registry.trusted_ends)
+                return choose_route(self.registry.alive(), model, trusted=self.registry.trusted_ends, rng=self.rng)
             except CallerError as exc:
                 if exc.reason is not Reason.NODE_AT_CAPACITY or trio.current_time() >= deadline:
                     raise
             with trio.move_on_at(deadline):
                 await self._freed.wait()
 
-    def kept(self, route: tuple[Hop, ...], chain: list[str] | None) -> None:
-        """A session on `route` closed keeping the blocks of `chain`: prefer that route for prompts that extend them."""
-        if not chain:
-            return
-        nodes = frozenset(h.node_id for h in route)
-        for key in chain:
-            self.holders[key] = nodes
-            self.holders.move_to_end(key)
-        while len(self.holders) > _HOLDER_KEYS:
-            self.holders.popitem(last=False)
+    def kept(self, route: tuple[Hop, ...], keep: tuple[list[str], str] | None) -> None:
+        """A session on `route` closed keeping the KV `keep` names (its chain and its tail's marks,
+        LiveSession.kv_keep): prefer that route for the prompt that continues it."""
+        if keep is not None:
+            self.affinity.kept(frozenset(h.node_id for h in route), *keep)
 
     def leave(self, board: RoutePhases, sid: str) -> None:
         """`sid`'s node sessions are closed: its lane is free, and a board with no lanes goes."""

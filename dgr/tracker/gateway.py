@@ -376,7 +376,7 @@ class Gateway:
         for node_id in await self.clients.close(rs.sid, survivors, failure, live.caps, keep=keep):
             log.info("could not close %s on %s", rs.sid, node_id)
             self.owe_close(node_id, rs.sid)
-        self.admission.kept(rs.route, keep[0] if keep else None)
+        self.admission.kept(rs.route, keep)
         if live.phases is not None:
             self.admission.leave(live.phases, rs.sid)
         for n in live.nodes:  # what the session showed of its nodes' capacity (NodeEntry.limit)

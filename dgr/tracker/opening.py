@@ -38,7 +38,6 @@ class Bounds:
     max_new: int  # the answer's positions at most
     vocab_size: int
     max_prompt: int | None  # the gateway's limit on the prompt's tokens
-    root: str | None  # the prefix root; None: no prefix reuse
 
 
 @attrs.define
@@ -62,7 +61,6 @@ class RouteOpening:
     attempted: list[str] = attrs.field(factory=list)  # asked and not refused: they may hold the session
     held: dict[str, int] = attrs.field(factory=dict)  # node id -> the prefix positions it opened on
     tokens: list[int] | None = None  # the head's ids for the prompt it was given
-    reusable: bool = False  # the head may hold a prefix of them: it is named to every hop
     # a speculating tail is sent the prompt's last ids to draft from (GatewayConfig.prompt_to_tail); else it drafts
     # from the answer alone and never sees the prompt's ids
     prompt_to_tail: bool = False
@@ -94,10 +92,9 @@ class RouteOpening:
         base = OpenRequest(self.sid, b.context, self.relays[hop.node_id], b.sampling, lane=self.lane,
                            spec=self.spec)
         if hop == self.hops[0]:
-            if call is Call.PROMPT:  # its KV waits, the root saying under which it may hold a prefix
-                return attrs.evolve(base, prompt=PromptPlan.of(prompt, root=b.root, max_new=b.max_new,
-                                                               max_prompt=b.max_prompt))
-            return attrs.evolve(base, reuse=offer, prompt=PromptPlan.of({"ids": ids}, root=None, max_new=b.max_new,
+            if call is Call.PROMPT:  # its KV waits: the gateway names its prefix once it has the ids
+                return attrs.evolve(base, prompt=PromptPlan.of(prompt, max_new=b.max_new, max_prompt=b.max_prompt))
+            return attrs.evolve(base, reuse=offer, prompt=PromptPlan.of({"ids": ids}, max_new=b.max_new,
                                                                         max_prompt=None))
         if call is Call.WAITING:
             return attrs.evolve(base, max_new=b.max_new)
@@ -133,7 +130,7 @@ class RouteOpening:
                 return
             self.held[hop.node_id] = answer.positions
             if answer.tokens is not None:
-                self.tokens, self.reusable = answer.tokens, answer.reusable
+                self.tokens = answer.tokens
             self.opened.append(hop)
             answered.add(hop.node_id)
 

@@ -18,7 +18,7 @@ allocates (`--ctx`), which the gateway clamps Route Sessions to; and each
 heartbeat lists the session ids the node holds, so the gateway can close
 sessions it no longer knows of (see Gateway.reconcile). Registrations and
 heartbeats also name the prefixes the node keeps (the last block key of
-each, at most `MAX_PREFIXES`), which the gateway routes by (`holding`), so
+each, at most `MAX_PREFIXES`), which the gateway routes by, so
 a restarted tracker still sends a conversation's next turn to its KV. A
 node with accelerators names them in its heartbeats with their memory
 (`devices`), kept as of the last one: the node listing and /metrics show
@@ -58,6 +58,10 @@ tracker's own machine), the node is recorded at a loopback address that
 other machines cannot reach, and the tracker logs a warning: the node means
 to serve other machines (it bound every interface) but will be routed, and
 its pieces fetched, at an address only this machine reaches.
+
+Routes take turns (dgr.tracker.routing): each entry counts the sessions
+routed to it (`turns`), and one that registers starts level with the busiest
+live node of its layers, so joining (or restarting) draws no burst.
 
 A node's declared capacity is a claim: the tracker bounds it
 (`max_node_sessions`) and routes to it at once only as many sessions as it
@@ -155,6 +159,7 @@ class NodeEntry:
     # its process's boot nonce (signed registration): what its capabilities and tickets are bound to
     boot: str = ""
     standing: Standing = attrs.field(factory=Standing)  # its timeouts (the registry's, shared across registrations)
+    turns: int = 0  # sessions routed to it (from the busiest peer's count at registration): routes take turns
 
     def __attrs_post_init__(self) -> None:
         self.routed_at = max(self.routed_at, self.registered_at)
@@ -277,6 +282,10 @@ class Registry:
         self._owned(entry.node_id, key)
         self.owners.setdefault(entry.node_id, key)
         old = self.nodes.get(entry.node_id)
+        # level with the busiest live node of its layers: a node that joins (or restarts) draws no burst
+        entry.turns = max((n.turns for n in self.nodes.values() if n.alive and n.node_id != entry.node_id
+                           and n.model.name == entry.model.name and n.start < entry.stop and entry.start < n.stop),
+                          default=0)
         if old is not None and old.alive and old.url != entry.url:
             log.warning("node id %s re-registered from %s while %s still heartbeats under it: replacing it",
                         entry.node_id, entry.url, old.url)
@@ -342,18 +351,6 @@ class Registry:
             log.warning("node %s: its heartbeat's devices were dropped: %s", entry.node_id, beat.devices_dropped)
         entry.devices_dropped = beat.devices_dropped
         return entry
-
-    def holding(self, keys: list[str]) -> dict[str, int]:
-        """Live node id -> the index of the last of `keys` (a prompt's block chain) it said it kept a prefix
-        up to; nodes that named none of them are left out."""
-        at = {k: i for i, k in enumerate(keys)}
-        out: dict[str, int] = {}
-        for n in self.nodes.values():
-            if n.alive and n.prefixes:
-                best = max((at[k] for k in n.prefixes if k in at), default=-1)
-                if best >= 0:
-                    out[n.node_id] = best
-        return out
 
     def mark_dead(self, node_id: str, now: float | None = None) -> None:
         entry = self.nodes.get(node_id)

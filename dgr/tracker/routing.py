@@ -18,25 +18,39 @@ The rule, in order:
    (`NodeEntry.load`: doubled, plus one, a strike; dgr.tracker.blame), so a
    node blamed for slowness is chosen as if it held more; a banned one is
    not routable at all.
-4. Then the route whose most recently routed node was routed longest ago
-   (`NodeEntry.routed_at`, which starts at its registration, so a node that
-   joins does not draw a burst of sessions): sessions that come one at a
-   time take the routes in turn, and a node holding every layer gets its
-   turn, not every session.
+4. Then turns: the route whose nodes were routed the fewest sessions
+   (`NodeEntry.turns`, which starts level with the busiest node of the same
+   layers, so a node that joins does not draw a burst), then the one whose
+   most recently routed node was routed longest ago (`NodeEntry.routed_at`):
+   sessions that come one at a time take the routes in turn, a node holding
+   every layer gets its turn, not every session, and a session routed by
+   prefix affinity counts as its route's turn like any other.
 5. Then fewest hops: every hop costs a network round trip per decoded token.
-6. Then the lowest total of sessions over the route, then node ids, for a
-   deterministic tie-break.
+6. Then the lowest total of sessions over the route, then a random draw
+   (the caller's seeded `random.Random`): no name, chosen or derived, sorts
+   a node ahead of another.
+Rules 3 and 4 compare routes on what differs between them: a node that every
+route still in the running uses (a shared stage) is set aside, and the
+ceiling is sought again among the others (`_settle`). Before, routes through
+a shared stage tied on it, its turn being the latest, and the lowest node id
+won every session.
 A node at its limit is skipped; if only full nodes would complete a route the
 answer is 429 with Retry-After, else 503 with the missing layer ranges.
 
-Prefix affinity (`prefer_holders`): once the prompt is tokenized, a route
-made only of nodes that kept a prefix of it (the gateway's hint, from the
-chains its sessions closed with) replaces the first choice, by the same rule
-among those nodes. It is a hint: the nodes still answer what they hold.
+Prefix affinity (`prefer_holders`): once the prompt's ids are known, a route
+made only of nodes that may hold a prefix of it (dgr.tracker.affinity says
+which) replaces the first choice, by the same rule among those nodes, but
+only where it ties with the first choice on the spread (rule 3, compared on
+what differs): affinity never sends a session to busier nodes. It is a
+hint: the nodes still answer what they hold.
+
+Left out: which nodes may hold what, and how far their word is believed
+(dgr.tracker.affinity); time (turns are `routed_at`, stamped by admission).
 """
 
 from __future__ import annotations
 
+import random
 from operator import attrgetter
 from typing import Any, Callable
 
@@ -86,53 +100,92 @@ def _trusted_ends(nodes: list[NodeEntry], n_layers: int, trusted: frozenset[byte
     return [n for n in nodes if n.key in trusted or (n.start != 0 and n.stop != n_layers)]
 
 
-def _shortest(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
-    """The fewest-hops cover of [0, n_layers), then the lowest session total, then node ids."""
+Ranks = dict[str, float]  # node id -> its draw for the last tie-break (`draw`)
+
+
+def draw(nodes: list[NodeEntry], rng: random.Random) -> Ranks:
+    """A random rank for each of `nodes`: the last tie-break, so that no name sorts first."""
+    return {n.node_id: rng.random() for n in nodes}
+
+
+def _shortest(nodes: list[NodeEntry], n_layers: int, ranks: Ranks | None = None) -> tuple[NodeEntry, ...] | None:
+    """The fewest-hops cover of [0, n_layers), then the lowest session total, then the lowest `ranks` in route
+    order (node ids where none are given: a test's fixed order)."""
     # best[b] = best path covering [0, b); layers ascend so one forward pass suffices, and the key
-    # (hops, total, ids) only grows along a path, so the best prefix makes the best path
-    best: dict[int, tuple[tuple[int, int, tuple[str, ...]], tuple[NodeEntry, ...]]] = {0: ((0, 0, ()), ())}
+    # (hops, total, ranks) only grows along a path, so the best prefix makes the best path
+    best: dict[int, tuple[tuple[int, int, tuple[Any, ...]], tuple[NodeEntry, ...]]] = {0: ((0, 0, ()), ())}
     for boundary in range(n_layers):
         if boundary not in best:
             continue
-        (hops, total, ids), path = best[boundary]
+        (hops, total, order), path = best[boundary]
         for n in nodes:
             if n.start != boundary:
                 continue
-            key = (hops + 1, total + n.reserved, ids + (n.node_id,))
+            rank = n.node_id if ranks is None else ranks[n.node_id]
+            key = (hops + 1, total + n.reserved, order + (rank,))
             if n.stop not in best or key < best[n.stop][0]:
                 best[n.stop] = (key, path + (n,))
     found = best.get(n_layers)
     return None if found is None else found[1]
 
 
-def _lowest(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], Any]) -> Any:
-    """The lowest ceiling on `key` under which `nodes` still cover [0, n_layers), or None; a higher ceiling
-    only admits more nodes, so a binary search: an open on a large swarm costs a few `_shortest`s, not one
-    per distinct value."""
+def _lowest(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], Any],
+            shared: list[NodeEntry] = ()) -> Any:
+    """The lowest ceiling on `key` under which `shared` and the `nodes` under it still cover [0, n_layers), or
+    None; a higher ceiling only admits more nodes, so a binary search: an open on a large swarm costs a few
+    `_shortest`s, not one per distinct value."""
     ordered = sorted({key(n) for n in nodes})
     lo, hi = 0, len(ordered)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _shortest([n for n in nodes if key(n) <= ordered[mid]], n_layers) is not None:
+        if _shortest([*shared, *(n for n in nodes if key(n) <= ordered[mid])], n_layers) is not None:
             hi = mid
         else:
             lo = mid + 1
     return ordered[lo] if lo < len(ordered) else None
 
 
-def _best_path(nodes: list[NodeEntry], n_layers: int) -> tuple[NodeEntry, ...] | None:
-    """The cover whose busiest node holds the fewest sessions; then the one whose most recently routed node
-    was routed longest ago; then `_shortest`'s."""
-    most = _lowest(nodes, n_layers, attrgetter("load"))
-    if most is None:
+_LOAD = attrgetter("load")  # rule 3's key: the sessions a node holds, as routing weighs them
+_TURN = attrgetter("turns", "routed_at")  # rule 4's: the sessions routed to it, then when it was last
+
+
+def _settle(nodes: list[NodeEntry], n_layers: int, key: Callable[[NodeEntry], Any]) -> list[NodeEntry]:
+    """The nodes of the covers lowest on `key`, compared on what differs between them (`nodes` must cover).
+
+    The lowest ceiling under which the nodes still cover; a node at the ceiling that every cover under it uses
+    (a shared stage) is set aside, and the ceiling is sought again among the others, until the ceiling is set
+    by a node some cover can do without.
+    """
+    shared: list[NodeEntry] = []
+    pool = nodes
+    while True:
+        free = [n for n in pool if not any(n is m for m in shared)]
+        if _shortest(shared, n_layers) is not None:  # the shared nodes are the one cover left
+            return pool
+        ceiling = _lowest(free, n_layers, key, shared)
+        pool = [*shared, *(n for n in free if key(n) <= ceiling)]
+        forced = [n for n in pool if key(n) == ceiling and not any(n is m for m in shared)
+                  and _shortest([m for m in pool if m is not n], n_layers) is None]
+        if not forced:
+            return pool
+        shared += forced
+
+
+def _best_path(nodes: list[NodeEntry], n_layers: int, ranks: Ranks | None = None) -> tuple[NodeEntry, ...] | None:
+    """The cover whose busiest node holds the fewest sessions; then the one whose nodes had the fewest turns, and
+    whose most recently routed node was routed longest ago (both compared on what differs, `_settle`); then
+    `_shortest`'s."""
+    if _shortest(nodes, n_layers) is None:
         return None
-    calm = [n for n in nodes if n.load <= most]
-    latest = _lowest(calm, n_layers, attrgetter("routed_at"))
-    return _shortest([n for n in calm if n.routed_at <= latest], n_layers)
+    calm = _settle(nodes, n_layers, _LOAD)
+    return _shortest(_settle(calm, n_layers, _TURN), n_layers, ranks)
 
 
-def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[bytes] = frozenset()) -> RouteChoice:
-    """Pick the route for a new Route Session; with `trusted` keys, only they may be its head and tail.
+
+def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[bytes] = frozenset(),
+                 rng: random.Random | None = None) -> RouteChoice:
+    """Pick the route for a new Route Session; with `trusted` keys, only they may be its head and tail; `rng`
+    breaks the last tie (a fresh unseeded one when not given).
 
     Raises:
         CallerError(MODEL_NOT_FOUND): no live node serves `model`.
@@ -150,16 +203,19 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
         by_digest.setdefault(_group_key(n), []).append(n)
     capacity_blocked = untrusted = False
     best: RouteChoice | None = None
-    best_key: tuple[int, float, int] | None = None
+    best_key: tuple[int, tuple[int, float], int, float] | None = None
+    rng = rng or random.Random()
+    ranks = draw(serving, rng)
     for (digest, manifest_id), everyone in sorted(by_digest.items()):
         n_layers = everyone[0].model.n_layers
         group = _trusted_ends(everyone, n_layers, trusted)
-        untrusted |= len(group) < len(everyone) and _best_path(everyone, n_layers) is not None
-        path = _best_path([n for n in group if not n.full()], n_layers)
+        untrusted |= len(group) < len(everyone) and _shortest(everyone, n_layers) is not None
+        path = _best_path([n for n in group if not n.full()], n_layers, ranks)
         if path is None:
-            capacity_blocked |= _best_path(group, n_layers) is not None
+            capacity_blocked |= _shortest(group, n_layers) is not None
             continue
-        key = (max(n.load for n in path), max(n.routed_at for n in path), len(path))
+        # groups share no node: their busiest and latest compare whole; a manifest id's spelling breaks no tie
+        key = (max(map(_LOAD, path)), max(map(_TURN, path)), len(path), ranks[path[0].node_id])
         if best_key is None or key < best_key:
             hops = tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path)
             best, best_key = RouteChoice(hops, path, digest, manifest_id or None), key
@@ -183,16 +239,22 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
 
 
 def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: frozenset[str], *,
-                   trusted: frozenset[bytes] = frozenset()) -> RouteChoice | None:
-    """A route of the same files as `choice` made only of `holders` with a free slot; None if none, or if
-    `choice` is already one."""
+                   trusted: frozenset[bytes] = frozenset(), rng: random.Random | None = None) -> RouteChoice | None:
+    """A route of the same files as `choice` made only of `holders` with a free slot, whose nodes that are not
+    on `choice` hold no more sessions than those of `choice` that are not on it (it ties on the spread); None
+    if none, or if `choice` is already one."""
     if all(n.node_id in holders for n in choice.nodes):
         return None
     first = choice.nodes[0]
     group = [n for n in candidates if n.alive and n.routable and n.node_id in holders and not n.full()
              and _group_key(n) == _group_key(first) and n.model.name == first.model.name]
-    path = _best_path(_trusted_ends(group, first.model.n_layers, trusted), first.model.n_layers)
+    path = _best_path(_trusted_ends(group, first.model.n_layers, trusted), first.model.n_layers,
+                      draw(group, rng or random.Random()))
     if path is None:
         return None
+    ours, theirs = set(map(id, path)), set(map(id, choice.nodes))
+    if max((n.load for n in path if id(n) not in theirs), default=-1) > max(
+            (n.load for n in choice.nodes if id(n) not in ours), default=-1):
+        return None  # busier than the spread's choice where they differ: affinity never outweighs the spread
     return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path, choice.digest,
                        choice.manifest_id)

@@ -62,6 +62,7 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
                                         require_tls=tls.required, slow=slow), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls,
                       vocabularies=vocabularies or Vocabularies.builtin())
+    gateway.admission.prefix_secret = identity.derive(b"prefix-root")  # the prefix roots' key lives with the identity
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls
     app = make_tracker_app(gateway, prover=prover, identity=identity, admission=admission, api_keys=api_keys,
