@@ -187,6 +187,9 @@ class SoakReport:
             p.append("no session went through the inside attacker: nothing was tried inside a route")
         if inside.get("accepted"):
             p.append(f"attacks accepted inside routes: {inside['accepted']}")
+        routed = sum(self.planned.values()) - self.planned.get("oversized", 0)
+        if inside["sessions"] > routed / 2 + 1:  # two nodes hold the middle stage: its fair share plus one
+            p.append(f"the inside attacker drew {inside['sessions']} of {routed} sessions, past its fair share")
         if inside["mode"] == "middle":
             made = inside.get("made", 0)
             if (inside.get("strikes") or 0) < made:
