@@ -310,8 +310,8 @@ async def _run(route: LocalRoute, cfg: SoakConfig) -> SoakReport:
         if inside is not None:
             report.inside = await trio.to_thread.run_sync(stop_inside, *inside)
             if report.inside is not None:
-                report.inside["strikes"] = next((n.get("strikes") for n in await trio.to_thread.run_sync(
-                    route.node_table) if n["node"] == INSIDE_ID), None)
+                entry = next((n for n in await trio.to_thread.run_sync(route.node_table) if n["node"] == INSIDE_ID), {})
+                report.inside["strikes"], report.inside["banned_s"] = entry.get("strikes"), entry.get("banned_s")
         names = sorted({p.node for p in report.procs})
         try:
             await trio.to_thread.run_sync(route.wait_sessions_freed, names, 10.0)

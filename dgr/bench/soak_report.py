@@ -192,9 +192,9 @@ class SoakReport:
             p.append(f"the inside attacker drew {inside['sessions']} of {routed} sessions, past its fair share")
         if inside["mode"] == "middle":
             made = inside.get("made", 0)
-            if (inside.get("strikes") or 0) < made:
+            if (inside.get("strikes") or 0) < made and inside.get("banned_s") is None:  # a ban clears its strikes
                 p.append(f"the inside attacker made {made} attack(s) a strike answers, and has "
-                         f"{inside.get('strikes')} strike(s)")
+                         f"{inside.get('strikes')} strike(s) and no ban")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -258,7 +258,8 @@ class SoakReport:
         if self.inside is not None:
             i = self.inside
             lines.append(f"  inside attacker ({i['mode']}): {i['sessions']} sessions through it, {i['lure_tokens']} "
-                         f"lure tokens answered, strikes {i.get('strikes')}, accepted {i.get('accepted') or 'none'}")
+                         f"lure tokens answered, strikes {i.get('strikes')}, banned for {i.get('banned_s')} s more, "
+                         f"accepted {i.get('accepted') or 'none'}")
             for name, answers in i.get("attacks", {}).items():
                 lines.append(f"    {name}: " + ", ".join(f"{k} {v}" for k, v in answers.items()))
         lines.append("  result: " + ("ok" if self.ok else "FAILED: " + "; ".join(self.problems)))
