@@ -78,7 +78,7 @@ def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: in
         body |= {"gpu_memory_bytes": gpu_memory_bytes, "cpu_moe": cpu_moe}
     try:
         r = httpx.post(tracker.rstrip("/") + ASSIGN_PATH, json=body, timeout=timeout_s,
-                       verify=tls.httpx_verify(tracker))
+                       verify=tls.tracker_verify(tracker))
         answer = r.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise PeerError(Reason.NODE_ERROR, f"cannot ask tracker {tracker} for layers: {exc}") from None

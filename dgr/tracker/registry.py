@@ -44,7 +44,9 @@ which ids exist. The tracker logs the truth.
 
 With `require_tls` (--require-tls) a registration whose URL is not https://
 is refused (FORBIDDEN), so the tracker never hands out a plain next hop;
-the seed address may stay plain (dgr.security.tls says why).
+with `encrypt` (the command line's default, off with --insecure) one whose
+URL is plain http:// off loopback is. The seed address may stay plain
+(dgr.security.tls says why).
 
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
@@ -203,6 +205,7 @@ class Registry:
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
     require_tls: bool = False  # --require-tls: a registration whose URL is http:// is refused
+    encrypt: bool = False  # a registration whose URL is http:// off loopback is refused (the CLI's default)
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
     max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
     trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
@@ -240,6 +243,12 @@ class Registry:
             raise CallerError(Reason.FORBIDDEN, f"this tracker requires TLS (--require-tls): register an https:// "
                                                 f"URL, not {entry.url[:100]!r} (--tls-cert and --tls-key, or "
                                                 "--advertise https://...)", field="url")
+        host = urlsplit(entry.url).hostname or ""
+        if self.encrypt and not entry.url.startswith("https://") and not is_loopback(host):
+            raise CallerError(Reason.FORBIDDEN, f"plain http:// off loopback: links off loopback are encrypted here; "
+                                                f"register an https:// URL, not {entry.url[:100]!r} (the node serves "
+                                                "https off loopback unless --insecure; or start the tracker with "
+                                                "--insecure)", field="url")
         if not (0 <= entry.start < entry.stop <= n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {entry.start}:{entry.stop} outside [0, {n_layers})")
         if entry.manifest_id is not None:
