@@ -97,7 +97,7 @@ def cmd_node(args) -> int:
                                 if args.tracker_key else None)
     layers = args.layers
     assigned = layers is None and bool(args.memory or args.gpu_memory or (args.tracker and args.manifest))
-    if args.tracker and (assigned or args.fetch):  # asked before the node serves: trust its certificate first
+    if args.tracker and args.tracker.startswith("https://") and (assigned or args.fetch):  # asked before it serves
         import trio
 
         from dgr.node.membership import wait_for_tracker_trust
@@ -185,7 +185,7 @@ def _trust(args):
     return TlsTrust(args.tls_ca, args.require_tls, encrypt=not args.insecure, force=args.tls)
 
 
-def _assigned_layers(args, tls):
+def _assigned_layers(args, tls=None):
     """No `--layers`, with `--tracker` and `--manifest` (or `--memory`): the range the tracker picks for this node's
     memory, `--memory` or a share of what the machine has available.
 
@@ -213,7 +213,7 @@ def _assigned_layers(args, tls):
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else 0
     layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
                                        sessions=args.max_sessions, gpu_memory_bytes=gpu, cpu_moe=args.cpu_moe,
-                                       tls=tls)
+                                       tls=tls or _trust(args))
     placed = ""
     if gpu and str(answer.get("gpu_layers", "0")) != "0" and args.gpu_layers == "0":
         args.gpu_layers = str(answer["gpu_layers"])  # checked with the other placement flags (Placement.per_node)
