@@ -34,9 +34,10 @@ for a refusal; once it passes, it is the only certificate the node's calls to
 the tracker trust (dgr.security.tls `trust_tracker`). Its server then demands
 from every caller a certificate that chains to it. The reply carries the
 tracker's certificate (`tls_ca`, checked to hold the key just pinned: it
-anchors the server when the tracker serves a CA-signed one) and this node's
-member certificate (`tls_member_cert`, checked to hold this node's key),
-which its clients present from then on.
+anchors the server on first use, once the reply has proved the key, and
+when the tracker serves a CA-signed one; until then the server asks no
+client certificate) and this node's member certificate (`tls_member_cert`,
+checked to hold this node's key), which its clients present from then on.
 
 The reply also says which URL and seed address the tracker recorded: a node
 bound to a wildcard address without `--advertise` is recorded at the source
@@ -244,8 +245,9 @@ def _take_certs(service: NodeService, reply: Any, server_tls: ssl.SSLContext | N
         raise CallerError(Reason.FORBIDDEN, "the tracker's TLS certificate holds another key than the one its "
                                             "reply proved: not joining it")
     anchor, member = reply.get("tls_ca"), reply.get("tls_member_cert")
-    if isinstance(anchor, str) and cert_key(anchor) == key and server_tls is not None and pinned is None:
-        admit_members(server_tls, anchor, required=True)  # a CA-signed tracker: its own is learned only now
+    if (isinstance(anchor, str) and cert_key(anchor) == key and server_tls is not None
+            and server_tls.verify_mode != ssl.CERT_REQUIRED):  # first use, or a CA-signed tracker certificate
+        admit_members(server_tls, anchor, required=True)
     if (isinstance(member, str) and cert_key(member) == service.identity.public
             and (service.tls.client is None or service.tls.client.chain != member)):
         service.tls = attrs.evolve(service.tls, client=LinkCert(member, service.identity.private))
@@ -322,7 +324,9 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     learned = tls if transport is not None else await wait_for_tracker_trust(tls, tracker, pin, period)
     if learned.tracker_pem is not None:
         service.tls = attrs.evolve(service.tls, tracker_pem=learned.tracker_pem)
-        if server_tls is not None:  # before the tracker, or any member, has reason to call this node
+        # before the tracker, or any member, has reason to call this node; on first use only once the
+        # reply has proved the key (`_take_certs`), so that an impostor never becomes an anchor
+        if server_tls is not None and pin.key is not None:
             admit_members(server_tls, learned.tracker_pem, required=True)
     verify = learned.tracker_verify(tracker)
     async with httpx.AsyncClient(base_url=tracker, transport=transport, verify=verify) as client:  # _post times each
