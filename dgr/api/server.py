@@ -287,6 +287,8 @@ class _Connection:
             await self._feed()
 
     async def _write(self, data: bytes) -> None:
+        if not data:  # an answer's empty end: a TLS stream its client has closed would refuse even that
+            return
         try:
             await self.stream.send_all(data)
         except _NET_ERRORS:
