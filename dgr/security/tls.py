@@ -102,6 +102,7 @@ def server_context(files: tuple[str, str] | None = None, own: LinkCert | None = 
     elif own is not None:
         own.load_into(ctx)
     ctx.set_alpn_protocols(["http/1.1"])
+    ctx.num_tickets = 0  # no client resumes a session: tickets would only sit unread on idle connections
     return ctx
 
 
