@@ -13,6 +13,9 @@ of the ring's N links once on its critical path; its delivery to the tracker is 
 CPU each route's processes (tracker and nodes) spent per token, from /proc: on a shared machine whose
 other tenants move the wall-clock figures, what the encryption itself costs.
 
+`--links` adds one link's round trip, in this process: a frame of `--frame-bytes` each way over a plain
+trio socket, over trio.SSLStream and over dgr.security.tlsstream's SocketTLS, in alternation.
+
 Writes `tls.json` and `REPORT.md` to `--out`. Left out: the handshakes (a route's connections are kept
 alive; the first is paid at its first session) and TTFT.
 """
@@ -29,10 +32,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from dgr.bench.measure import stream_once
+from dgr.security.certs import LinkCert, identity_cert
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust, server_context
+from dgr.security.tlsstream import SocketTLS
 from dgr.testing.harness import LocalRoute
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "link_round_trips", "main"]
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the ships she saw."
 
@@ -93,7 +102,60 @@ def measure(backend: str, nodes: int, rounds: int, tokens: int, log=print) -> di
             "plain_cpu_ms": statistics.median(cpu_ms["plain"]), "tls_cpu_ms": statistics.median(cpu_ms["tls"])}
 
 
-def _report(runs: list[dict[str, Any]]) -> str:
+async def _round_trip_us(kind: str, frame: bytes, n: int) -> float:
+    """Microseconds for `frame` to a server on loopback and back, over `kind`: plain, trio or socket."""
+    key = Identity.generate()
+    own = LinkCert(identity_cert(key, "node"), key.private)
+    server_ctx, client_ctx = server_context(own=own), TlsTrust().context(own.chain)
+
+    async def read(stream: trio.abc.Stream) -> None:
+        got = 0
+        while got < len(frame):
+            got += len(await stream.receive_some(65536))
+
+    async def echo(stream: trio.SocketStream) -> None:
+        s: trio.abc.Stream = stream
+        if kind == "trio":
+            s = trio.SSLStream(stream, server_ctx, server_side=True)
+        elif kind == "socket":
+            s = SocketTLS.wrap(stream, server_ctx, server_side=True)
+        for _ in range(n):
+            await read(s)
+            await s.send_all(frame)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(trio.serve_listeners, echo, listeners)
+        raw = await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1])
+        client: trio.abc.Stream = raw
+        if kind == "trio":
+            client = trio.SSLStream(raw, client_ctx, server_hostname="dgr")
+            await client.do_handshake()
+        elif kind == "socket":
+            client = SocketTLS.wrap(raw, client_ctx, server_side=False, server_hostname="dgr")
+            await client.do_handshake()
+        started = time.perf_counter()
+        for _ in range(n):
+            await client.send_all(frame)
+            await read(client)
+        took = time.perf_counter() - started
+        nursery.cancel_scope.cancel()
+    return took / n * 1e6
+
+
+def link_round_trips(frame_bytes: int, rounds: int = 5, n: int = 5000) -> dict[str, Any]:
+    """One link's round trip (us) over a plain socket, trio.SSLStream and SocketTLS: `rounds` alternations of
+    `n` round trips each; the medians and every round."""
+    frame = bytes(frame_bytes)
+    runs: dict[str, list[float]] = {"plain": [], "trio": [], "socket": []}
+    for _ in range(rounds):
+        for kind in runs:
+            runs[kind].append(trio.run(_round_trip_us, kind, frame, n))
+    return {"frame_bytes": frame_bytes, "n": n, "runs": runs,
+            "median_us": {kind: statistics.median(v) for kind, v in runs.items()}}
+
+
+def _report(runs: list[dict[str, Any]], links: dict[str, Any] | None = None) -> str:
     lines = ["# Every link TLS against every link plain: decode tok/s, side by side", "",
              "| backend | nodes | rounds x tokens | plain tok/s | TLS tok/s | TLS / plain (median, range) | "
              "ms per token | ms per hop | CPU ms a token, plain -> TLS |", "|---|---|---|---|---|---|---|---|---|"]
@@ -103,6 +165,11 @@ def _report(runs: list[dict[str, Any]]) -> str:
                      f"{run['plain_tok_s']:.1f} | {run['tls_tok_s']:.1f} | {run['ratio']:.3f}x ({lo:.3f} to "
                      f"{hi:.3f}) | {run['per_token_ms']:+.3f} | {run['per_hop_ms']:+.3f} | "
                      f"{run['plain_cpu_ms']:.3f} -> {run['tls_cpu_ms']:.3f} |")
+    if links is not None:
+        med = links["median_us"]
+        lines += ["", f"One link, a {links['frame_bytes']}-byte frame each way on loopback (median of "
+                      f"{len(links['runs']['plain'])} x {links['n']} round trips): plain {med['plain']:.1f} us, "
+                      f"trio.SSLStream {med['trio']:.1f} us, SocketTLS {med['socket']:.1f} us."]
     return "\n".join(lines) + "\n"
 
 
@@ -113,15 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--links", action="store_true", help="also one link's round trip, three ways")
+    p.add_argument("--frame-bytes", type=int, default=2368,
+                   help="--links: bytes each way (default: a SmolLM2 decode frame, 576 f32 and its header)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
+    links = link_round_trips(args.frame_bytes) if args.links else None
     runs = [measure(b, args.nodes, args.rounds, args.tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
             for b in args.backend or ["llama_shard", "stub"]]
-    (args.out / "tls.json").write_text(json.dumps({"started": started, "runs": runs}, indent=1) + "\n")
-    (args.out / "REPORT.md").write_text(_report(runs))
-    print(_report(runs))
+    (args.out / "tls.json").write_text(json.dumps({"started": started, "runs": runs, "links": links}, indent=1)
+                                       + "\n")
+    (args.out / "REPORT.md").write_text(_report(runs, links))
+    print(_report(runs, links))
     return 0
 
 
