@@ -11,7 +11,8 @@ and the figure is the median over rounds of that round's TLS / plain decode tok/
 is the difference of the median ms per token; per hop, that over the ring's hops (a token crosses each
 of the ring's N links once on its critical path; its delivery to the tracker is off it). Beside it, the
 CPU each route's processes (tracker and nodes) spent per token, from /proc: on a shared machine whose
-other tenants move the wall-clock figures, what the encryption itself costs.
+other tenants move the wall-clock figures, what the encryption itself costs. Nodes do not busy-poll
+(`--busy-poll-ms 0`, as in the tests), so a node's CPU is its work, not its waiting.
 
 `--links` adds one link's round trip, in this process: a frame of `--frame-bytes` each way over a plain
 trio socket, over trio.SSLStream and over dgr.security.tlsstream's SocketTLS, in alternation.
@@ -71,8 +72,9 @@ def _model(route: LocalRoute) -> str:
 def measure(backend: str, nodes: int, rounds: int, tokens: int, log=print) -> dict[str, Any]:
     """Start both routes, warm them, then `rounds` alternating rounds; the per-round rates and the summary."""
     with ExitStack() as stack:
-        routes = {"plain": LocalRoute(backend=backend, nodes=nodes, busy_poll_ms=None),
-                  "tls": LocalRoute(backend=backend, nodes=nodes, extra=("--tls",), busy_poll_ms=None)}
+        # no busy-polling (LocalRoute's default): a polling node's CPU would grow with the wall time it waits
+        routes = {"plain": LocalRoute(backend=backend, nodes=nodes),
+                  "tls": LocalRoute(backend=backend, nodes=nodes, extra=("--tls",))}
         for route in routes.values():
             stack.enter_context(route)
         if routes["tls"].scheme != "https" or routes["plain"].scheme != "http":
