@@ -83,8 +83,13 @@ class SocketTLS(trio.abc.Stream):
             except OSError as exc:
                 raise trio.BrokenResourceError(f"TLS handshake: {exc}") from exc
 
+    def _check_open(self) -> None:
+        if self.socket.fileno() < 0:
+            raise trio.ClosedResourceError("this TLS stream was closed")
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_open()
         view = memoryview(data)
         while view:
             try:
@@ -103,6 +108,7 @@ class SocketTLS(trio.abc.Stream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_open()
         while True:
             try:
                 data = self.socket.recv(max_bytes or _RECEIVE)
