@@ -498,3 +498,58 @@ def test_off_loopback_a_tracker_serves_https_and_a_node_refuses_a_plain_tracker_
     assert code == 2 and "plain http:// off loopback" in out and "--insecure" in out, out
     code, out = _run([*node[:3], "--insecure", "--require-tls", *node[3:]], env, until_ready=False)
     assert code == 2 and "give one" in out, out
+
+
+async def test_socket_tls_reads_like_a_socket_and_fails_like_a_trio_stream() -> None:
+    """dgr.security.tlsstream, both ends in process: a receive cancelled while it waits loses nothing (the
+    server reads it as it reads a plain socket), an end without close_notify reads as an end, a stream
+    closed here raises ClosedResourceError, and a handshake with a certificate other than the pinned one
+    is a BrokenResourceError at both ends."""
+    from dgr.security.tlsstream import SocketTLS, TlsListener
+
+    key, other = Identity.generate(), Identity.generate()
+    own = LinkCert(identity_cert(key, "node"), key.private)
+    listener = TlsListener((await trio.open_tcp_listeners(0, host="127.0.0.1"))[0], server_context(own=own))
+    port = listener.listener.socket.getsockname()[1]
+
+    async def pair(pinned: str) -> tuple[SocketTLS | BaseException, SocketTLS | BaseException]:
+        """A client pinning `pinned` and the server's end, their handshakes made at once: each end, or why
+        its handshake failed."""
+        ends: dict[str, SocketTLS | BaseException] = {}
+
+        async def shake(name: str, stream: SocketTLS) -> None:
+            try:
+                await stream.do_handshake()
+                ends[name] = stream
+            except trio.BrokenResourceError as exc:
+                ends[name] = exc
+
+        async def dial() -> None:
+            raw = await trio.open_tcp_stream("127.0.0.1", port)
+            await shake("client", SocketTLS.wrap(raw, TlsTrust().context(pinned), server_side=False,
+                                                 server_hostname="dgr"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dial)
+            await shake("server", await listener.accept())
+        return ends["client"], ends["server"]
+
+    with trio.fail_after(10):
+        client, server = await pair(own.chain)
+        with trio.move_on_after(0.05):  # nothing sent yet: cancelled while it waits
+            await server.receive_some()
+        await client.send_all(b"x" * 70_000)  # more than one TLS record, and more than one read
+        got = b""
+        while len(got) < 70_000:
+            got += await server.receive_some()
+        assert got == b"x" * 70_000
+        await server.send_all(b"pong")
+        assert await client.receive_some() == b"pong"
+        await client.aclose()  # no close_notify
+        assert await server.receive_some() == b""
+        with pytest.raises(trio.ClosedResourceError):
+            await client.receive_some()
+        await server.aclose()
+        refused = await pair(identity_cert(other, "node"))  # it serves key's certificate, not other's
+        assert all(isinstance(end, trio.BrokenResourceError) for end in refused), refused
+    await listener.aclose()
