@@ -10,7 +10,8 @@ Real processes over loopback, where `--tls` makes a link what it is off loopback
 - a tap that records every byte between the tracker and the route's head, and between the nodes and the
   tracker, sees no prompt text on that route, and sees it on the same route run plain;
 - a node pinning a tracker key refuses a tracker whose certificate holds another one, having sent it
-  nothing but a handshake;
+  nothing but a handshake; at its first join (no pin), it refuses a TLS relay that passes the real
+  tracker's reply through a certificate of another key;
 - plain http off loopback is refused unless `--insecure`: a node's `--tracker` and `--advertise`, a
   tracker's registrations, a node's next hop; a tracker bound off loopback serves https unasked.
 
@@ -372,6 +373,77 @@ def test_a_node_refuses_a_tracker_whose_certificate_holds_another_key(tmp_path: 
     said = next(line for line in node.lines if "answered with key" in line)
     assert impostor.public_text in said and real.public_text in said
     assert fake.handshakes >= 1 and fake.received == 0 and node.ready is None
+
+
+class _TlsRelay:
+    """An on-path attacker at a node's first join: terminates TLS with a certificate of its own key and relays
+    what it reads, in clear to itself, to the real tracker over TLS."""
+
+    def __init__(self, key: Identity, target: int) -> None:
+        self.ctx = server_context(own=LinkCert(identity_cert(key, "tracker"), key.private))
+        self.upstream = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.upstream.check_hostname, self.upstream.verify_mode = False, ssl.CERT_NONE
+        self.target, self.read = target, bytearray()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.server.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        try:
+            near = self.ctx.wrap_socket(conn, server_side=True)
+            far = self.upstream.wrap_socket(socket.create_connection(("127.0.0.1", self.target)))
+        except (OSError, ssl.SSLError):
+            return
+        def pump(src: ssl.SSLSocket, dst: ssl.SSLSocket, keep: bool) -> None:
+            try:
+                while data := src.recv(65536):
+                    if keep:
+                        self.read += data
+                    dst.sendall(data)
+            except (OSError, ssl.SSLError):
+                pass
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+        threading.Thread(target=pump, args=(far, near, False), daemon=True).start()
+        pump(near, far, True)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_an_on_path_relay_at_a_first_join_is_refused(tmp_path: Path, procs) -> None:
+    """A node with the join token and no pin yet (its first join) reads whatever certificate answers at the
+    tracker's address. An attacker there terminates TLS with its own key and relays the registration to the
+    real tracker, whose reply (and join-token proof) comes back: the reply's key is not the certificate's, so
+    the node pins neither and does not join."""
+    token = new_secret()
+    tracker = Proc.start(["tracker", "--port", "0", "--tls", "--identity", str(tmp_path / "tracker.key")],
+                         _env(**{JOIN_ENV: token}))
+    procs.append(tracker)
+    tracker.wait_ready()
+    relay = _TlsRelay(Identity.generate(), int(tracker.ready["url"].rpartition(":")[2]))
+    procs.append(relay)
+    node = Proc.start(["node", "--tracker", relay.url, "--tls", "--backend", "stub", "--layers", "0:30",
+                       "--threads", "1", "--identity", str(tmp_path / "node.key")], _env(**{JOIN_ENV: token}))
+    procs.append(node)
+    node.wait_for(lambda: any("holds another key than its reply" in line for line in node.lines),
+                  "the refusal of a reply that came through another key's certificate")
+    assert b"/v1/nodes/register" in relay.read  # the attacker read the registration (signed, and not secret)
+    assert node.ready is None and not (tmp_path / "node.tracker").exists()  # nothing pinned
 
 
 async def test_learning_the_tracker_pins_its_certificate_only_for_the_key_expected() -> None:

@@ -214,8 +214,9 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
     """Pin the tracker key a registration reply carries, in memory and in the pin file.
 
     Raises:
-        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key this node
-        trusts (--tracker-key, the pin file, or the one pinned at join).
+        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, not the key this node
+        trusts (--tracker-key, the pin file, or the one pinned at join), or not the key of the certificate
+        the reply came through (an identity certificate kept on first use).
     """
     try:
         key = key_from_text(reply["tracker_key"])
@@ -223,6 +224,10 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
         raise CallerError(Reason.FORBIDDEN, "the tracker's reply carries no key to check capabilities with") from None
     if join_token is not None and reply.get("tracker_proof") != tracker_join_proof(join_token, key, signature):
         raise CallerError(Reason.FORBIDDEN, "the tracker did not prove it holds our join token: not pinning its key")
+    through = service.tls.tracker_pem
+    if through is not None and cert_key(through) != key:  # a TLS endpoint in front of the tracker: not joining
+        raise CallerError(Reason.FORBIDDEN, "the tracker's TLS certificate holds another key than its reply: "
+                                            "not pinning either")
     pin.check(key)
     service.join(key)
     try:
@@ -233,17 +238,9 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
 
 def _take_certs(service: NodeService, reply: Any, server_tls: ssl.SSLContext | None) -> None:
     """Keep the tracker's certificate and this node's member certificate from a registration reply whose key
-    is pinned already; each is used only if it holds the key it must (a tracker that issues none changes
-    nothing).
-
-    Raises:
-        CallerError(FORBIDDEN): the certificate this node read at the tracker is not the pinned key's.
-    """
+    is pinned already (`_pin`); each is used only if it holds the key it must (a tracker that issues none
+    changes nothing)."""
     key = service.trust.tracker_key
-    pinned = service.tls.tracker_pem
-    if pinned is not None and cert_key(pinned) != key:  # trust on first use: the reply names the key
-        raise CallerError(Reason.FORBIDDEN, "the tracker's TLS certificate holds another key than the one its "
-                                            "reply proved: not joining it")
     anchor, member = reply.get("tls_ca"), reply.get("tls_member_cert")
     if (isinstance(anchor, str) and cert_key(anchor) == key and server_tls is not None
             and server_tls.verify_mode != ssl.CERT_REQUIRED):  # first use, or a CA-signed tracker certificate
