@@ -1,11 +1,12 @@
 """TLS on trio with OpenSSL reading and writing the socket itself: the seam's encrypted links, at half the cost.
 
 trio.SSLStream runs OpenSSL over memory buffers and moves every record
-between them and the socket in Python: on loopback it doubled a message's
-round trip (31 -> 63 us for 600 bytes each way), and a token crosses
-several links. `SocketTLS` hands OpenSSL the non-blocking socket instead
-(ssl.SSLSocket) and only waits for readiness in trio, as a plain
-SocketStream does: 40 us. Both ends of the seam speak it (dgr.api.server's
+between them and the socket in Python: on loopback it doubled a link's
+round trip (31.5 -> 63.5 us, a 2,368-byte decode frame each way), and a
+token crosses several links. `SocketTLS` hands OpenSSL the non-blocking
+socket instead (ssl.SSLSocket) and only waits for readiness in trio, as a
+plain SocketStream does: 42.9 us (`python -m dgr.bench.tls --links`,
+docs/perf/archive/tls). Both ends of the seam speak it (dgr.api.server's
 listener, dgr.seam.transport's pool); httpx clients keep trio.SSLStream.
 
 Rules:
