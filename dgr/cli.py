@@ -26,7 +26,7 @@ def cmd_tracker(args) -> int:
     from dgr.security.auth import Admission
     from dgr.security.identity import claim_identity, parse_public_key
     from dgr.security.secrets import load_api_keys, load_join_token
-    from dgr.security.tls import TlsTrust, check_server_files
+    from dgr.security.tls import check_server_files
     from dgr.tracker.blame import SlowPolicy
     from dgr.tracker.gateway import GatewayConfig
     from dgr.tracker.pieces import Vocabularies
@@ -79,8 +79,8 @@ def cmd_tracker(args) -> int:
                             trusted_ends=frozenset(parse_public_key(k) for k in args.trusted_head),
                             max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
                             slow=SlowPolicy(ban_after=args.slow_ban_after, ban_s=args.slow_ban_s),
-                            api_keys=api_keys, tls_files=tls_files, tls=TlsTrust(args.tls_ca, args.require_tls),
-                            listening=listening, vocabularies=vocabularies)
+                            api_keys=api_keys, tls_files=tls_files, tls=_trust(args), listening=listening,
+                            vocabularies=vocabularies)
 
 
 def cmd_node(args) -> int:
@@ -91,30 +91,36 @@ def cmd_node(args) -> int:
     from dgr.security.identity import claim_identity, parse_public_key
     from dgr.security.pins import TrackerPin
     from dgr.security.secrets import load_join_token
-    from dgr.security.tls import TlsTrust, check_server_files
+    from dgr.security.tls import check_server_files
 
     # before loading a model: fail fast
     join_token = load_join_token(args.join_token_file)
     tls_files = check_server_files(args.tls_cert, args.tls_key)
     advertised_url("http://127.0.0.1:1", args.advertise)  # refuse a malformed --advertise now
-    tls = TlsTrust(args.tls_ca, args.require_tls)
-    check_transport(tls, args.tracker, tls_files, args.advertise)
+    tls = _trust(args)
+    check_transport(tls, args.tracker, tls_files, args.advertise, args.host)
     identity = claim_identity(args.identity, "node")
     pin = None
     if args.tracker:  # read (and a bad pin file refused) before loading a model
         pin = TrackerPin.beside(identity.path, args.tracker, parse_public_key(args.tracker_key)
                                 if args.tracker_key else None)
     layers = args.layers
-    if layers is None and (args.memory or args.gpu_memory or (args.tracker and args.manifest)):
-        layers = _assigned_layers(args, identity, join_token)
+    assigned = layers is None and bool(args.memory or args.gpu_memory or (args.tracker and args.manifest))
+    if args.tracker and args.tracker.startswith("https://") and (assigned or args.fetch):  # asked before it serves
+        import trio
+
+        from dgr.node.membership import wait_for_tracker_trust
+
+        tls = trio.run(wait_for_tracker_trust, tls, args.tracker, pin)
+    if assigned:
+        layers = _assigned_layers(args, identity, join_token, tls)
     artifact = None
     if args.manifest or args.fetch:
         from dgr.node.artifact import prepare_node_artifact
 
         artifact = prepare_node_artifact(
             args.manifest, layers, backend=args.backend, model=args.model, fetch=args.fetch, tracker=args.tracker,
-            model_dir=args.model_dir, fetch_timeout_s=args.fetch_timeout,
-            tls_ca=getattr(args, "tls_ca", None),
+            model_dir=args.model_dir, fetch_timeout_s=args.fetch_timeout, tls=tls,
         )
         model, layers = artifact.path, artifact.layers
     else:
@@ -174,7 +180,21 @@ def busy_poll_ms(given: float | None, backend: str, threads: int) -> float:
     return BUSY_POLL_MS if backend in _BUSY_POLL_BACKENDS and threads == 1 else 0.0
 
 
-def _assigned_layers(args, identity=None, join_token: bytes | None = None):
+def _trust(args):
+    """The links' rules and trust a tracker or node is started with (dgr.security.tls).
+
+    Raises:
+        CallerError(INVALID_REQUEST): --insecure beside --require-tls.
+    """
+    from dgr.security.tls import TlsTrust
+
+    if args.insecure and args.require_tls:
+        raise CallerError(Reason.INVALID_REQUEST, "--insecure allows plain http off loopback, --require-tls refuses "
+                                                  "it everywhere: give one")
+    return TlsTrust(args.tls_ca, args.require_tls, encrypt=not args.insecure, force=args.tls)
+
+
+def _assigned_layers(args, identity=None, join_token: bytes | None = None, tls=None):
     """No `--layers`, with `--tracker` and `--manifest` (or `--memory`): the range the tracker picks for this node's
     memory, `--memory` or a share of what the machine has available, asked under the node's key `identity` (and
     its `join_token`'s proof).
@@ -188,7 +208,6 @@ def _assigned_layers(args, identity=None, join_token: bytes | None = None):
     from dgr.errors import CallerError, Reason
     from dgr.node import assign
     from dgr.plan import format_size, parse_size
-    from dgr.security.tls import TlsTrust
 
     if not (args.manifest and args.tracker):
         raise CallerError(Reason.INVALID_REQUEST, "--memory without --layers asks the tracker which layers to serve: "
@@ -204,8 +223,7 @@ def _assigned_layers(args, identity=None, join_token: bytes | None = None):
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else 0
     layers, answer = assign.ask_layers(args.tracker, manifest.id, memory, context=args.ctx,
                                        sessions=args.max_sessions, gpu_memory_bytes=gpu, cpu_moe=args.cpu_moe,
-                                       tls=TlsTrust(args.tls_ca, args.require_tls), identity=identity,
-                                       join_token=join_token)
+                                       tls=tls or _trust(args), identity=identity, join_token=join_token)
     placed = ""
     if gpu and str(answer.get("gpu_layers", "0")) != "0" and args.gpu_layers == "0":
         args.gpu_layers = str(answer["gpu_layers"])  # checked with the other placement flags (Placement.per_node)
@@ -300,8 +318,16 @@ def _add_identity_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--identity", metavar="PATH",
                    help=f"this {role}'s Ed25519 key file, made on first start (chmod 600); default: the first free "
                         f"{role}[-N].key under $XDG_CONFIG_HOME/dgr or ~/.config/dgr")
-    p.add_argument("--tls-cert", metavar="PEM", help="serve https with this certificate (with --tls-key)")
+    p.add_argument("--tls-cert", metavar="PEM",
+                   help="serve https with this certificate (with --tls-key) instead of the one made from --identity")
     p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    plain = p.add_mutually_exclusive_group()
+    plain.add_argument("--tls", action="store_true",
+                       help="serve https on loopback too (off loopback it always does, unless --insecure), with a "
+                            "certificate made from --identity unless --tls-cert is given")
+    plain.add_argument("--insecure", action="store_true",
+                       help="allow plain http off loopback: serve it there, and accept http:// peers, "
+                            f"{'registrations' if role == 'tracker' else '--tracker, --advertise and next hops'}")
     p.add_argument("--tls-ca", metavar="PEM",
                    help="CA bundle (or a self-signed certificate) to trust for https:// peers that registered no "
                         "certificate, the tracker included; default: the system's CAs")
@@ -492,6 +518,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--identity-dir", metavar="DIR",
                    help="where the route's keys (tracker.key, nodeN.key) are kept (default: a fresh temporary "
                         "folder, removed on exit)")
+    p.add_argument("--tls", action="store_true",
+                   help="every link over https, with certificates made from the route's keys (dgr up is on "
+                        "loopback, where links are otherwise plain)")
     _add_join_arg(p)
     _add_limit_args(p)
     _add_node_model_args(p)

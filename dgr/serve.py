@@ -2,8 +2,9 @@
 
 `serve_app` is a trio service: it calls `task_status.started(url)` once the
 socket is bound, so a caller can bind port 0 and learn the real port. Given
-a certificate and key it serves https, and the URL says so. The server is
-dgr.api.server's lean one (why not hypercorn: see there).
+an SSL context (dgr.security.tls), or a certificate and key, it serves
+https, and the URL says so. The server is dgr.api.server's lean one (why not
+hypercorn: see there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import trio
 
 from dgr.api.server import serve_asgi
+from dgr.security.tls import server_context
 
 __all__ = ["serve_app", "print_ready", "run_until_signal", "server_ssl_context"]
 
@@ -26,19 +28,15 @@ _KEEP_ALIVE_S = 300  # seam connections stay open for a route's life
 
 def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     """What a dgr server speaks TLS with: TLS 1.2 or later, HTTP/1.1 by ALPN, the given certificate."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.options |= ssl.OP_NO_COMPRESSION
-    ctx.load_cert_chain(cert_file, key_file)
-    ctx.set_alpn_protocols(["http/1.1"])
-    return ctx
+    return server_context((cert_file, key_file))
 
 
 async def serve_app(app, host: str, port: int, *, tls_files: tuple[str, str] | None = None,
-                    listening: socket.socket | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `app` on host:port, or on the `listening` socket given (https with `tls_files`, a (cert, key)
-    pair); started with its URL."""
-    ctx = server_ssl_context(*tls_files) if tls_files is not None else None
+                    ssl_context: ssl.SSLContext | None = None, listening: socket.socket | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on host:port, or on the `listening` socket given (https with `ssl_context`, or with
+    `tls_files`, a (cert, key) pair); started with its URL."""
+    ctx = server_ssl_context(*tls_files) if tls_files is not None and ssl_context is None else ssl_context
     await serve_asgi(app, host, port, ssl_context=ctx, keep_alive_s=_KEEP_ALIVE_S, listening=listening,
                      task_status=task_status)
 

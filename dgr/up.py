@@ -45,7 +45,8 @@ from dgr.procs import run_child
 from dgr.serve import run_until_signal
 from dgr.progress import terminal_progress
 from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
-from dgr.security.tls import httpx_default_trust
+from dgr.security.certs import pin_text
+from dgr.security.tls import TlsTrust, httpx_default_trust
 
 __all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
 
@@ -70,16 +71,24 @@ def even_split(n_layers: int, n_nodes: int) -> list[LayerRange]:
     return [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-async def _print_example(url: str) -> None:
-    """A ready-to-paste request, for the model the route actually serves (stderr: stdout stays one line)."""
+async def _print_example(url: str, cert: Path) -> None:
+    """A ready-to-paste request, for the model the route actually serves (stderr: stdout stays one line); over
+    https, trusting the tracker's certificate `cert` by its key."""
     import httpx
 
     headers = {}
     keys = os.environ.get("DGR_API_KEYS", "").split(",")[0].strip()
     if keys:
         headers["Authorization"] = f"Bearer {keys}"
+    verify, pinned = httpx_default_trust(), ""
+    if url.startswith("https://"):
+        try:
+            pem = cert.read_text()
+        except OSError:
+            return
+        verify, pinned = TlsTrust().context(pem), f" -k --pinnedpubkey '{pin_text(pem)}'"
     try:
-        async with httpx.AsyncClient(timeout=5, verify=httpx_default_trust()) as client:
+        async with httpx.AsyncClient(timeout=5, verify=verify) as client:
             models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError):
         return
@@ -88,7 +97,7 @@ async def _print_example(url: str) -> None:
     model = models[0]["id"]
     auth = " -H 'Authorization: Bearer $DGR_API_KEY'" if keys else ""
     print(
-        f"dgr up: try it:\n  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"dgr up: try it:\n  curl -sN{pinned} {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": 64, "
         f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is a shard?\"}}]}}'\n"
         f"  dashboard: {url}/   telemetry: {url}/v1/route-sessions   metrics: {url}/metrics",
@@ -130,6 +139,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--manifest", str(args.manifest)]
     if identity is not None:
         cmd += ["--identity", str(identity)]
+    if getattr(args, "tls", False):
+        cmd.append("--tls")
     return cmd
 
 
@@ -157,7 +168,7 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     for key in getattr(args, "trusted_head", None) or ():
         cmd += ["--trusted-head", key]
-    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes", "spec_exact"):
+    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes", "spec_exact", "tls"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
@@ -195,7 +206,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     except OSError as exc:
         raise CallerError(Reason.INVALID_REQUEST, f"dgr up cannot listen on {TRACKER_HOST}:{args.port}: "
                                                   f"{exc.strerror or exc}") from None
-    url = f"http://{TRACKER_HOST}:{listening.getsockname()[1]}"
+    url = f"{'https' if getattr(args, 'tls', False) else 'http'}://{TRACKER_HOST}:{listening.getsockname()[1]}"
     print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
           + ", ".join(str(s) for s in splits), file=sys.stderr)
     # The tracker's socket is bound here and handed over, so its address is known before it runs:
@@ -214,14 +225,14 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
                 held = [fd for _, child in children for fd in child.fds()]
                 children.append((name, fork_dgr(name, argv, entry, env=env, close_fds=held, detach=[listening],
                                                 keep=listening if name == "tracker" else None)))
-        run_until_signal(_serve, args, url, children, splits, n_layers)
+        run_until_signal(_serve, args, url, children, splits, n_layers, keys / "tracker.crt")
     finally:
         for _, child in children:
             child.stop_now()  # a child trio did not stop already (the parent failed before supervising it)
 
 
 async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], splits: list[LayerRange],
-                 n_layers: int) -> None:
+                 n_layers: int, cert: Path) -> None:
     """Supervise the forked children: report progress as they get ready, serve until cancelled."""
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):
@@ -245,5 +256,5 @@ async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], spli
                     for name, child in children:
                         starting.start_soon(start, name, child)
         print(f"dgr up: serving the OpenAI API at {url}/v1 ({args.backend}, {args.nodes} node(s))", flush=True)
-        await _print_example(url)
+        await _print_example(url, cert)
         # children run until a signal cancels us, or one of them exits and fails the nursery

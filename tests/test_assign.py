@@ -143,8 +143,8 @@ def test_a_node_with_gpu_memory_asks_with_it_and_starts_with_the_gpu_layers_it_i
         return LayerRange(0, 4), {"layers": "0:4", "gpu_layers": "all", "newly_covered": 4}
 
     monkeypatch.setattr(assign, "ask_layers", ask)
-    base = ["node", "--tracker", "http://t.test", "--manifest", str(manifest), "--backend", "stub", "--memory",
-            "1GiB", "--gpu-memory", "8GiB"]
+    base = ["node", "--tracker", "http://t.test", "--insecure", "--manifest", str(manifest), "--backend", "stub",
+            "--memory", "1GiB", "--gpu-memory", "8GiB"]
     args = build_parser().parse_args(base)
     from dgr.cli import _assigned_layers
 
@@ -160,7 +160,8 @@ def test_memory_without_layers_needs_a_tracker_and_a_manifest() -> None:
     args = build_parser().parse_args(["node", "--memory", "8GiB", "--backend", "stub"])
     with pytest.raises(CallerError, match="give --tracker and --manifest"):
         cmd_node(args)
-    args = build_parser().parse_args(["node", "--memory", "8GiB", "--backend", "stub", "--tracker", "http://t.test"])
+    args = build_parser().parse_args(["node", "--memory", "8GiB", "--backend", "stub", "--tracker", "http://t.test",
+                                      "--insecure"])
     with pytest.raises(CallerError, match="give --tracker and --manifest"):
         cmd_node(args)
 
@@ -210,7 +211,8 @@ def test_a_node_with_a_tracker_and_a_manifest_asks_for_layers_with_its_free_memo
     tiny.save(manifest)
     meminfo.write_text(MEMINFO)
     asked = _asking(monkeypatch, meminfo)
-    base = ["node", "--tracker", "http://t.test", "--manifest", str(manifest), "--backend", "stub", "--ctx", "256"]
+    base = ["node", "--tracker", "http://t.test", "--insecure", "--manifest", str(manifest), "--backend", "stub",
+            "--ctx", "256"]
     with pytest.raises(_Asked):
         cmd_node(build_parser().parse_args(base))
     budget, _ = memory_budget(MEMINFO)
@@ -241,7 +243,7 @@ def test_without_a_manifest_or_a_tracker_a_node_serves_every_layer(tiny: Manifes
     asked = _asking(monkeypatch, meminfo)
     served = []
     monkeypatch.setattr(dgr.cli, "run_until_signal", lambda fn, backend, **kw: served.append(backend.layers) or 0)
-    for extra in (["--tracker", "http://t.test"], []):
+    for extra in (["--tracker", "http://t.test", "--insecure"], []):
         args = build_parser().parse_args(["node", "--backend", "stub", "--identity", str(tmp_path / "n.key"), *extra])
         assert cmd_node(args) == 0
     assert asked == [] and served == [LayerRange(0, StubSpec().n_layers)] * 2

@@ -3,7 +3,10 @@
 What a user with several machines does (docs/deploy.md), with real
 processes on dgr.testing.lan's hosts: every node binds 0.0.0.0 and is not
 told its address (the tracker records the source address it saw), and
-joins with a join token read from a file (mode 600). The first node has the
+joins with a join token read from a file (mode 600). Every link is TLS, as
+off loopback it is by default, with no certificate given to any process:
+each serves the one made from its own key, and nodes demand their tracker's
+member certificates from their callers (spec/security.md). The first node has the
 whole GGUF file; every node states only a memory budget (`--memory`, no
 `--layers`) and the tracker assigns its range. The others start with no
 weights (`--manifest M --fetch`) and fetch over the bridge only the pieces
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +49,9 @@ from dgr.models import default_model_path
 from dgr.plan import PlanParams
 from dgr.plan.sources import layout_from_manifest
 from dgr.procs import WatchedChild, dgr_command
+from dgr.security.certs import LinkCert, identity_cert
+from dgr.security.identity import Identity
+from dgr.security.tls import TlsTrust
 from dgr.security.secrets import JOIN_ENV, new_secret
 from dgr.testing.lan import Lan
 from dgr.tracker.assign import assign_layers
@@ -129,13 +136,15 @@ def _secret_file(path: Path, text: str) -> Path:
     return path
 
 
-def _nodes(url: str, headers: dict[str, str]) -> dict[str, dict[str, Any]]:
-    return {n["node"]: n for n in httpx.get(f"{url}/v1/nodes", headers=headers, timeout=5).json()["nodes"]}
+def _nodes(url: str, headers: dict[str, str], verify: ssl.SSLContext) -> dict[str, dict[str, Any]]:
+    return {n["node"]: n for n in httpx.get(f"{url}/v1/nodes", headers=headers, timeout=5,
+                                             verify=verify).json()["nodes"]}
 
 
-def _complete(api: str, prompt: str, headers: dict[str, str]) -> tuple[str, int, list[tuple[str, str]]]:
+def _complete(api: str, prompt: str, headers: dict[str, str],
+              verify: ssl.SSLContext) -> tuple[str, int, list[tuple[str, str]]]:
     """Greedy completion: its text, its token count and the route it took (node, layers)."""
-    r = httpx.post(f"{api}/completions", headers=headers, timeout=120,
+    r = httpx.post(f"{api}/completions", headers=headers, timeout=120, verify=verify,
                    json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -152,7 +161,7 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
     token = _secret_file(tmp_path / "join-token", new_secret())
     api_key = "dgr-lan-" + new_secret()[:24]
     headers = {"Authorization": f"Bearer {api_key}"}
-    url = f"http://{lan.addr('tracker')}:{TRACKER_PORT}"
+    url = f"https://{lan.addr('tracker')}:{TRACKER_PORT}"  # links off loopback are encrypted by default
     env = {k: v for k, v in clean_env().items() if k != JOIN_ENV}  # the token comes from its file only
     procs: dict[str, WatchedChild] = {}
 
@@ -170,7 +179,7 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
     def joined(host: str) -> dict[str, Any]:
         """The host's node, once ready, proven and routable at the tracker."""
         ready = procs[host].wait_ready(READY_S)
-        return _wait_for(lambda: (e := _nodes(url, headers).get(ready["node"])) and e["routable"] and e,
+        return _wait_for(lambda: (e := _nodes(url, headers, trust).get(ready["node"])) and e["routable"] and e,
                          READY_S, f"{host}'s node to be proven and routable")
 
     try:
@@ -179,6 +188,9 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
               "--identity", str(tmp_path / "tracker.key"), "--dead-after", str(DEAD_AFTER_S),
               "--prefill-chunk", "512")
         procs["tracker"].wait_ready(READY_S)
+        tracker_id = Identity.load(tmp_path / "tracker.key", create=False)
+        trust = TlsTrust().context((tmp_path / "tracker.crt").read_text())  # what the tracker kept for its clients
+        as_tracker = LinkCert(identity_cert(tracker_id, "tracker"), tracker_id.private)
         node("a", "--model", str(default_model_path()))  # the machine with the whole file
         want = _whole_model_answers()  # while the node loads
         entries = {"a": joined("a")}
@@ -199,17 +211,21 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
 
         # reached where the tracker saw them, not at 0.0.0.0: their HTTP and their seeds
         for host, e in entries.items():
-            assert e["url"] == f"http://{lan.addr(host)}:{NODE_PORT}", e["url"]
-            assert procs[host].ready["bound"] == f"http://0.0.0.0:{NODE_PORT}"
+            assert e["url"] == f"https://{lan.addr(host)}:{NODE_PORT}", e["url"]
+            assert procs[host].ready["bound"] == f"https://0.0.0.0:{NODE_PORT}"
             assert e["key"] == procs[host].ready["key"]  # one spelling of a key (ed25519:...), as --allow-node takes
-        peers = httpx.get(f"{url}/v1/artifacts/{manifest.id}/peers", headers=headers, timeout=5).json()["peers"]
+        peers = httpx.get(f"{url}/v1/artifacts/{manifest.id}/peers", headers=headers, timeout=5,
+                          verify=trust).json()["peers"]
         by_node = {p["node"]: p["seed"] for p in peers}
         for host, e in entries.items():
             assert by_node[e["node"]].rpartition(":")[0] == lan.addr(host), by_node
 
         # each fetcher holds exactly its layers' pieces (with the header and the globals its range loads), from the seeders
         for host in ("b", "c"):
-            art = httpx.get(f"{entries[host]['url']}/v1/artifact", timeout=5).json()
+            # a node answers only its tracker's members and the tracker: here, as the tracker
+            node_cert = identity_cert(Identity.load(tmp_path / f"{host}.key", create=False), "node")
+            art = httpx.get(f"{entries[host]['url']}/v1/artifact", timeout=5,
+                            verify=TlsTrust(client=as_tracker).context(node_cert)).json()
             need = set(manifest.needed_pieces(ranges[host], GlobalNeed.COMPUTE))
             assert set(art["fetch"]["pieces_fetched"]) == need and set(art["fetch"]["pieces_have"]) == need, host
             others = {i for layer in manifest.layers if layer.index not in range(ranges[host].start, ranges[host].stop)
@@ -220,7 +236,7 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
         # greedy answers through the three machines equal the single node's
         order = [(entries[h]["node"], str(r)) for h, r in sorted(ranges.items(), key=lambda hr: hr[1].start)]
         for prompt in PROMPTS:
-            text, n, route = _complete(f"{url}/v1", prompt, headers)
+            text, n, route = _complete(f"{url}/v1", prompt, headers, trust)
             assert (text, n) == want[prompt] and n == MAX_TOKENS
             assert route == order
 
@@ -234,9 +250,9 @@ def test_machines_on_one_lan_join_with_a_token_fetch_their_layers_and_serve(lan:
         # the twin dies without a word; once the tracker has seen it go, new sessions take the replica
         os.kill(procs[twin].popen.pid, signal.SIGKILL)
         twin_id = entries[twin]["node"]
-        _wait_for(lambda: not _nodes(url, headers)[twin_id]["alive"], 5 * DEAD_AFTER_S + 10, f"{twin} to be dead")
+        _wait_for(lambda: not _nodes(url, headers, trust)[twin_id]["alive"], 5 * DEAD_AFTER_S + 10, f"{twin} to be dead")
         for prompt in PROMPTS:
-            text, n, route = _complete(f"{url}/v1", prompt, headers)
+            text, n, route = _complete(f"{url}/v1", prompt, headers, trust)
             assert (text, n) == want[prompt]
             assert (entries["d"]["node"], str(d_layers)) in route and twin_id not in {h for h, _ in route}
         print(f"\nLAN: budget {budget / 2**20:.0f} MiB, ranges {', '.join(f'{h}={r}' for h, r in ranges.items())}, "

@@ -14,7 +14,7 @@ response's head and first body leave in one write.
 What it serves:
 - HTTP/1.1 with keep-alive and pipelining (h11 keeps the cycle), `Expect:
   100-continue`, HEAD, sized or chunked bodies both ways; https when given an
-  SSL context (trio.SSLStream).
+  SSL context (dgr.security.tlsstream: read as a plain socket is).
 - ASGI 3 `http` scopes and the `lifespan` startup. No websockets, no HTTP/2.
 - `http.disconnect` when the peer goes away, mid-body or while the response
   is being made (a streaming completion is cancelled then), and once the
@@ -70,6 +70,7 @@ import trio
 
 from dgr.api.gate import Gate, Seat, peer_of
 from dgr.errors import Failure, Reason, openai_error_body
+from dgr.security.tlsstream import TlsListener
 
 __all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "authenticated", "Limits", "MAX_HEAD_BYTES",
            "AUTHENTICATED"]
@@ -270,6 +271,8 @@ class _Connection:
             await self._feed()
 
     async def _write(self, data: bytes) -> None:
+        if not data:  # an answer's empty end: a TLS stream its client has closed would refuse even that
+            return
         try:
             await self.stream.send_all(data)
         except _NET_ERRORS:
@@ -549,7 +552,7 @@ async def serve_asgi(app: Callable, host: str, port: int, *, ssl_context: ssl.SS
     listener: trio.abc.Listener = trio.SocketListener(sock)
     scheme = "http"
     if ssl_context is not None:
-        listener = trio.SSLListener(listener, ssl_context, https_compatible=True)
+        listener = TlsListener(listener, ssl_context)
         scheme = "https"
     state: dict[str, Any] = {}
 

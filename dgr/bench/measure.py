@@ -9,6 +9,7 @@ streams at once from threads and reports the aggregate decode rate.
 from __future__ import annotations
 
 import json
+import ssl
 import statistics
 import subprocess
 import threading
@@ -43,15 +44,17 @@ def cached_tokens(usage: dict[str, Any]) -> int:
 
 
 def stream_once(api: str, model: str, prompt: str | list[int], max_tokens: int,
-                headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> StreamResult:
-    """One streamed completion of exactly max_tokens tokens; `extra` adds server-specific body fields."""
+                headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+                verify: ssl.SSLContext | bool = True) -> StreamResult:
+    """One streamed completion of exactly max_tokens tokens; `extra` adds server-specific body fields; `verify`
+    is how an https server is checked."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
                             **(extra or {})}
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict[str, int] = {}
-    with httpx.stream("POST", f"{api}/completions", json=body, headers=headers, timeout=600) as r:
+    with httpx.stream("POST", f"{api}/completions", json=body, headers=headers, timeout=600, verify=verify) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         sid = r.headers.get(ROUTE_SESSION_HEADER, "")

@@ -191,7 +191,7 @@ async def _peers(client: httpx.AsyncClient, manifest: Manifest) -> list[dict[str
 async def _wait_for_peers(tracker: str, manifest: Manifest, tls: TlsTrust = TlsTrust()) -> list[dict[str, Any]]:
     """Peers that seed the manifest, once there is at least one; the caller's scope bounds the wait."""
     waiting = False
-    async with httpx.AsyncClient(base_url=tracker, timeout=5.0, verify=tls.httpx_verify(tracker)) as client:
+    async with httpx.AsyncClient(base_url=tracker, timeout=5.0, verify=tls.tracker_verify(tracker)) as client:
         while True:
             try:
                 peers = await _peers(client, manifest)
@@ -337,7 +337,7 @@ def prepare_node_artifact(
     tracker: str | None = None,
     model_dir: str | Path | None = None,
     fetch_timeout_s: float | None = None,
-    tls_ca: str | None = None,
+    tls: TlsTrust | None = None,
 ) -> NodeArtifact:
     """What `dgr node --manifest M [--fetch]` does before loading its backend: verify or fetch.
 
@@ -367,7 +367,7 @@ def prepare_node_artifact(
         into = Path(model_dir) if model_dir else default_model_dir(manifest)
         art = _run_interruptible(
             functools.partial(fetch_layers, manifest, layers, tracker, into, timeout_s=fetch_timeout_s,
-                              tls=TlsTrust(tls_ca))
+                              tls=tls or TlsTrust())
         )
     else:
         from dgr.backends.factory import resolve_model

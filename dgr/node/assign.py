@@ -95,7 +95,7 @@ def ask_layers(tracker: str, manifest_id: str, memory_bytes: int, *, context: in
             headers[JOIN_HEADER] = join_proof(join_token, identity.public, headers["X-Dgr-Signature"])
     try:
         r = httpx.post(tracker.rstrip("/") + ASSIGN_PATH, content=raw, headers=headers, timeout=timeout_s,
-                       verify=tls.httpx_verify(tracker))
+                       verify=tls.tracker_verify(tracker))
         answer = r.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise PeerError(Reason.NODE_ERROR, f"cannot ask tracker {tracker} for layers: {exc}") from None

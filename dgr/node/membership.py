@@ -24,7 +24,20 @@ pins the key only if the reply proves the tracker holds the token too. The
 pin outlives the process (dgr.security.pins): it is written beside the
 node's identity, and a restarted node, or one given `--tracker-key`,
 refuses a tracker that answers with another key, naming both. With
-`--require-tls` the node refuses an http:// tracker outright.
+`--require-tls` the node refuses an http:// tracker outright, and off
+loopback it refuses one unless `--insecure`.
+
+Over https, before its first registration the node reads the certificate
+the tracker serves: one made from the tracker's key (dgr.security.certs)
+must carry the key the node pins, else the node sends nothing and retries as
+for a refusal; once it passes, it is the only certificate the node's calls to
+the tracker trust (dgr.security.tls `trust_tracker`). Its server then demands
+from every caller a certificate that chains to it. The reply carries the
+tracker's certificate (`tls_ca`, checked to hold the key just pinned: it
+anchors the server on first use, once the reply has proved the key, and
+when the tracker serves a CA-signed one; until then the server asks no
+client certificate) and this node's member certificate (`tls_member_cert`,
+checked to hold this node's key), which its clients present from then on.
 
 The reply also says which URL and seed address the tracker recorded: a node
 bound to a wildcard address without `--advertise` is recorded at the source
@@ -62,10 +75,12 @@ import json
 import logging
 import math
 import os
+import ssl
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import attrs
 import httpx
 import trio
 
@@ -74,15 +89,17 @@ from dgr.errors import CallerError, Reason, parse_error_body
 from dgr.node.service import NodeService
 from dgr.progress import say
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
+from dgr.security.certs import LinkCert, cert_key
 from dgr.security.identity import key_from_text
 from dgr.security.pins import TrackerPin
 from dgr.seam.wire import NODE_HEADER
-from dgr.security.tls import TlsTrust
+from dgr.security.tls import TlsTrust, admit_members, learn_tracker
 
 if TYPE_CHECKING:  # the artifact plane loads only for a node that serves one (cli: prepare_node_artifact)
     from dgr.node.artifact import NodeArtifact
 
-__all__ = ["HEARTBEAT_S", "HEARTBEAT_RANGE_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration", "heartbeat_body"]
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_RANGE_S", "RETRY_MIN_S", "RETRY_MAX_S", "stay_registered", "registration",
+           "heartbeat_body", "wait_for_tracker_trust"]
 
 log = logging.getLogger("dgr.node")
 HEARTBEAT_S = 0.25  # until the tracker's registration reply says its own period (`heartbeat_s`)
@@ -204,8 +221,9 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
     """Pin the tracker key a registration reply carries, in memory and in the pin file.
 
     Raises:
-        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, or not the key this node
-        trusts (--tracker-key, the pin file, or the one pinned at join).
+        CallerError(FORBIDDEN): no key, a key not vouched for by our join token, not the key this node
+        trusts (--tracker-key, the pin file, or the one pinned at join), or not the key of the certificate
+        the reply came through (an identity certificate kept on first use).
     """
     try:
         key = key_from_text(reply["tracker_key"])
@@ -213,12 +231,47 @@ def _pin(service: NodeService, reply: Any, signature: str, join_token: bytes | N
         raise CallerError(Reason.FORBIDDEN, "the tracker's reply carries no key to check capabilities with") from None
     if join_token is not None and reply.get("tracker_proof") != tracker_join_proof(join_token, key, signature):
         raise CallerError(Reason.FORBIDDEN, "the tracker did not prove it holds our join token: not pinning its key")
+    through = service.tls.tracker_pem
+    if through is not None and cert_key(through) != key:  # a TLS endpoint in front of the tracker: not joining
+        raise CallerError(Reason.FORBIDDEN, "the tracker's TLS certificate holds another key than its reply: "
+                                            "not pinning either")
     pin.check(key)
     service.join(key)
     try:
         pin.keep(key)
     except OSError as exc:  # pinned in memory all the same; a restart trusts on first use again
         log.warning("could not write the tracker pin %s: %s", pin.path, exc)
+
+
+def _take_certs(service: NodeService, reply: Any, server_tls: ssl.SSLContext | None) -> None:
+    """Keep the tracker's certificate and this node's member certificate from a registration reply whose key
+    is pinned already (`_pin`); each is used only if it holds the key it must (a tracker that issues none
+    changes nothing)."""
+    key = service.trust.tracker_key
+    anchor, member = reply.get("tls_ca"), reply.get("tls_member_cert")
+    if (isinstance(anchor, str) and cert_key(anchor) == key and server_tls is not None
+            and server_tls.verify_mode != ssl.CERT_REQUIRED):  # first use, or a CA-signed tracker certificate
+        admit_members(server_tls, anchor, required=True)
+    if (isinstance(member, str) and cert_key(member) == service.identity.public
+            and (service.tls.client is None or service.tls.client.chain != member)):
+        service.tls = attrs.evolve(service.tls, client=LinkCert(member, service.identity.private))
+
+
+async def wait_for_tracker_trust(tls: TlsTrust, tracker: str, pin: TrackerPin, period: float = HEARTBEAT_S) -> TlsTrust:
+    """`learn_tracker`, retried until the tracker answers with a certificate this node may trust: at the
+    heartbeat period while it cannot be reached, with backoff while its certificate holds another key."""
+    backoff = RETRY_MIN_S
+    while True:
+        try:
+            with trio.fail_after(HEARTBEAT_TIMEOUT_S):
+                return await learn_tracker(tls, tracker, pin)
+        except CallerError as exc:
+            log.warning("the tracker's TLS certificate: %s; retrying in %gs", exc.message, backoff)
+            await trio.sleep(backoff)
+            backoff = min(RETRY_MAX_S, backoff * 2)
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.warning("tracker %s unreachable: %s", tracker, _why(exc))
+            await trio.sleep(period)
 
 
 def _heartbeat_period(reply: Any) -> float:
@@ -239,7 +292,7 @@ def _note_address(service: NodeService, reply: Any, url: str) -> None:
             say(f"warning: bound to every interface, but registered over loopback, so the tracker routes to this "
                 f"node (and peers fetch its pieces) at {recorded}, which no other machine reaches. Fine if the "
                 f"whole route runs on this machine; otherwise give --tracker the tracker's LAN address, or "
-                f"--advertise http://THIS-MACHINE:PORT")
+                f"--advertise {urlsplit(url).scheme}://THIS-MACHINE:PORT")
     if isinstance(recorded, str):
         service.advertised = recorded
 
@@ -248,14 +301,16 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                           join_token: bytes | None = None, tls_cert: str | None = None,
                           tls: TlsTrust = TlsTrust(), pin: TrackerPin | None = None,
                           transport: httpx.AsyncBaseTransport | None = None,
+                          server_tls: ssl.SSLContext | None = None,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
     With an artifact, ready means the tracker has decided on the layer claim
     (passed or failed), so `dgr up` announces the API once nodes are routable.
     A refusal of this node's credentials (401) is logged with its reason and
-    retried with backoff; so is a reply with a key `pin` does not admit (in memory only when None).
-    `transport` is for in-process tests.
+    retried with backoff; so is a reply with a key `pin` does not admit (in memory only when None), and a
+    tracker certificate that does not hold it. `transport` is for in-process tests; `server_tls` is this
+    node's own server context, which learns whose client certificates to demand.
 
     Raises:
         CallerError(INVALID_REQUEST): the node has no identity. CallerError(FORBIDDEN): an http:// tracker
@@ -269,7 +324,15 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     signer = Signer(service.identity)
     backoff = RETRY_MIN_S
     period = HEARTBEAT_S
-    verify = tls.httpx_verify(tracker)
+    # an in-process test's transport has no certificate to read
+    learned = tls if transport is not None else await wait_for_tracker_trust(tls, tracker, pin, period)
+    if learned.tracker_pem is not None:
+        service.tls = attrs.evolve(service.tls, tracker_pem=learned.tracker_pem)
+        # before the tracker, or any member, has reason to call this node; on first use only once the
+        # reply has proved the key (`_take_certs`), so that an impostor never becomes an anchor
+        if server_tls is not None and pin.key is not None:
+            admit_members(server_tls, learned.tracker_pem, required=True)
+    verify = learned.tracker_verify(tracker)
     async with httpx.AsyncClient(base_url=tracker, transport=transport, verify=verify) as client:  # _post times each
         registered = False
         while True:
@@ -281,6 +344,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                     r.raise_for_status()
                     reply = r.json()
                     _pin(service, reply, signature, join_token, pin)
+                    _take_certs(service, reply, server_tls)
                     _note_address(service, reply, url)
                     _note_proof(artifact, reply)
                     period = _heartbeat_period(reply)

@@ -13,9 +13,15 @@ it refuses to listen anywhere but loopback.
 Where it is reached: `advertise` (`--advertise URL`; the bound port when
 the URL names none) if given, else the bound address, except that a
 wildcard bind (0.0.0.0, ::) is recorded by the tracker at the source address
-it saw. The seed address follows the same rule. With `tls` (`--tls-cert`,
-`--tls-key`) it serves https and registers its certificate, which the
-tracker pins.
+it saw. The seed address follows the same rule.
+
+Transport (dgr.security.tls): bound off loopback, or with `--tls`, it serves
+https, with `--tls-cert`/`--tls-key` if given, else with the certificate of
+its own key (dgr.security.certs), and registers that certificate, which the
+tracker and its ring neighbours pin. Its server asks no client certificate
+until it knows its tracker's (dgr.node.membership), then refuses every
+caller without one that chains to it. `--insecure` keeps plain http off
+loopback; a plain `--tracker` or `--advertise` off loopback needs it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from dgr.node.service import NodeService
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir
 from dgr.security.identity import Identity
 from dgr.security.pins import TrackerPin
-from dgr.security.tls import TlsTrust, cert_pem
+from dgr.security.certs import LinkCert, identity_cert
+from dgr.security.tls import TlsTrust, cert_pem, server_context
 from dgr.serve import print_ready, serve_app
 
 if TYPE_CHECKING:
@@ -68,22 +75,21 @@ def advertised_url(bound: str, advertise: str | None) -> str:
 
 
 def check_transport(tls: TlsTrust, tracker: str | None, tls_files: tuple[str, str] | None,
-                    advertise: str | None) -> None:
-    """Under --require-tls: an https:// tracker, and an https:// URL of this node's own to register.
+                    advertise: str | None, host: str = "127.0.0.1") -> None:
+    """A tracker and a URL of this node's own to register that may be plain http only on loopback (under
+    --require-tls: not at all), unless --insecure.
 
     Raises:
-        CallerError(FORBIDDEN): TLS is required and either would be plain http.
+        CallerError(FORBIDDEN): either would be plain http where it may not be.
     """
-    if not tls.required:
-        return
     if tracker:
         tls.check(tracker, "--tracker")
     if advertise:
         tls.check(advertise, "--advertise")
-    elif not tls_files:
+    elif tls.required and not tls.serves(host, tls_files):
         raise CallerError(Reason.FORBIDDEN, "--require-tls: this node would register a plain http:// URL; give it "
-                                            "--tls-cert and --tls-key (or --advertise https://... behind a TLS "
-                                            "terminator)")
+                                            "--tls (or --tls-cert and --tls-key, or --advertise https://... behind "
+                                            "a TLS terminator)")
 
 
 async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int, tracker: str | None,
@@ -98,9 +104,9 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
-        CallerError(FORBIDDEN): plain http under --require-tls (see `check_transport`).
+        CallerError(FORBIDDEN): plain http where it may not be (see `check_transport`).
     """
-    check_transport(tls, tracker, tls_files, advertise)
+    check_transport(tls, tracker, tls_files, advertise, host)
     if tracker is None and not is_loopback(host):
         raise CallerError(Reason.INVALID_REQUEST,
                           f"a node listening on {host} needs a tracker (--tracker): without one it has no key to "
@@ -123,13 +129,18 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                 if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
                     artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
-            bound = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files))
+            ctx, cert = None, None
+            if tls.serves(host, tls_files):
+                own = None if tls_files else LinkCert(identity_cert(identity, "node"), identity.private)
+                ctx = server_context(tls_files, own)
+                cert = cert_pem(tls_files[0]) if tls_files else own.chain
+            bound = await nursery.start(functools.partial(serve_app, app, host, port, ssl_context=ctx))
             url = advertised_url(bound, advertise)
             if tracker:
-                cert = cert_pem(tls_files[0]) if tls_files else None
                 await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact,
                                                       join_token=join_token, tls_cert=cert, tls=tls,
-                                                      pin=pin or TrackerPin.beside(identity.path, tracker)))
+                                                      pin=pin or TrackerPin.beside(identity.path, tracker),
+                                                      server_tls=ctx))
             print_ready({"role": "node", "node": node_id, "url": service.advertised or url, "bound": bound,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:

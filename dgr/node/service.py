@@ -74,7 +74,7 @@ class NodeService:
 
     backend: ShardBackend
     node_id: str
-    tls: TlsTrust  # whom this node's own https calls trust
+    tls: TlsTrust  # whom its https calls trust, and what they present (the member certificate, from its join)
     tracker_url: str | None  # where a ring session's answers and failure reports go
     described: dict[str, Any]  # read once, before the scheduler owns the backend
     scheduler: StepScheduler
@@ -147,7 +147,10 @@ class NodeService:
                     await pool.aclose()
 
     def pool(self, url: str, pinned: str | None = None) -> ConnectionPool:
-        """Keep-alive connections to `url`; https trusts `pinned` (a registered certificate) or the CA file."""
+        """Keep-alive connections to `url`; https trusts `pinned` (a registered certificate), the tracker's
+        certificate (learned at join) at the tracker, or the CA file."""
+        if pinned is None and url == self.tracker_url:
+            pinned = self.tls.tracker_pem
         key = url if pinned is None else f"{url} {hash(pinned)}"
         p = self.pools.get(key)
         if p is None:

@@ -6,7 +6,7 @@ about a millisecond per request here; this one does the minimum: one
 keep-alive connection per concurrent step per node, reused in LIFO order, no
 redirects, no cookies, no retries.
 
-An `https://` URL is spoken over TLS (trio.SSLStream) with the caller's
+An `https://` URL is spoken over TLS (dgr.security.tlsstream) with the caller's
 SSL context (dgr.security.tls decides what it trusts); the handshake is part
 of opening a connection, so it is paid once per pooled connection.
 
@@ -35,6 +35,7 @@ import h11
 import trio
 
 from dgr.seam.wire import MAX_FRAME_BYTES
+from dgr.security.tlsstream import SocketTLS
 
 __all__ = ["TransportError", "HttpResponse", "ConnectionPool", "OutStream"]
 
@@ -59,7 +60,7 @@ def _dropped(stream: trio.abc.Stream) -> bool:
     A restarted server leaves its old connections half closed; a request sent on one is lost, and a
     stream opened on one (a ring tail's answers to a restarted tracker) would fail its session.
     """
-    sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
+    sock = stream if isinstance(stream, SocketTLS) else getattr(stream, "socket", None)  # TLS: OpenSSL's buffer too
     try:
         return sock is not None and sock.is_readable()
     except OSError:
@@ -195,11 +196,15 @@ class ConnectionPool:
         stream: trio.abc.Stream = sock
         if self._tls:
             ctx = self.ssl_context or ssl.create_default_context()
-            tls = trio.SSLStream(sock, ctx, server_hostname=self._host)
+            try:
+                tls = SocketTLS.wrap(sock, ctx, server_side=False, server_hostname=self._host)
+            except OSError as exc:
+                await sock.aclose()
+                raise TransportError(f"connect to {self._host}:{self._port} failed: {exc}") from None
             try:
                 await tls.do_handshake()
-            except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
-                await sock.aclose()
+            except trio.BrokenResourceError as exc:
+                await tls.aclose()
                 raise TransportError(f"TLS handshake with {self._host}:{self._port} failed: {exc}") from None
             stream = tls
         return _Conn(stream, h11.Connection(h11.CLIENT), time.monotonic(), self.max_answer)

@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -43,6 +44,7 @@ from dgr.procs import WatchedChild, dgr_command
 from dgr.security.auth import JOIN_HEADER, CapabilityAuthority, Scope, Signer, join_proof
 from dgr.security.identity import Identity
 from dgr.security.secrets import API_KEYS_ENV, JOIN_ENV, new_secret
+from dgr.security.tls import TlsTrust
 from dgr.security.tickets import TICKET_TTL_S, issue_ticket
 from dgr.seam.stream import encode_record
 from dgr.seam.wire import CAPABILITY_HEADER, CONTENT_TYPE, ROUTE_SESSION_HEADER, STATUS_SCOPE, STREAM_PATH, TICKET_HEADER
@@ -58,13 +60,13 @@ __all__ = ["LOSS_BOUND_S", "LocalRoute", "RouteTimeout", "Slowdown", "free_port"
 LOSS_BOUND_S = 8.0
 
 # `dgr up`'s last line once every node is ready; with --port 0 it names the real port
-_SERVING = re.compile(r"serving the OpenAI API at http://127\.0\.0\.1:(\d+)/v1")
+_SERVING = re.compile(r"serving the OpenAI API at (https?)://127\.0\.0\.1:(\d+)/v1")
 
 
-def _serving_port(line: str) -> dict[str, int] | None:
+def _serving_port(line: str) -> dict[str, Any] | None:
     """`dgr up`'s ready line is its last: the API's address."""
     served = _SERVING.search(line)
-    return None if served is None else {"port": int(served.group(1))}
+    return None if served is None else {"scheme": served.group(1), "port": int(served.group(2))}
 
 
 class RouteTimeout(Exception):
@@ -122,6 +124,7 @@ class LocalRoute:
     # test wants. In three paired rounds of the sharded llama_shard tests beside one CPU-bound process, the tests
     # took 62 to 65 s without polling and 71 to 76 s with it, and the other process ran 9 to 13% slower too.
     busy_poll_ms: float | None = 0.0
+    scheme: str = "http"  # https once `extra` has `--tls`, learned from the ready line
     _threads: list[threading.Thread] = attrs.field(factory=list)
     _http: httpx.Client | None = attrs.field(default=None, init=False)
 
@@ -133,12 +136,19 @@ class LocalRoute:
         so a poll every 50 ms kept a core busy that the route under test needed.
         """
         if self._http is None:
-            self._http = httpx.Client()  # httpx's default timeout (5 s), as httpx.get had
+            self._http = httpx.Client(verify=self.trust)  # httpx's default timeout (5 s), as httpx.get had
         return self._http
 
     @property
+    def trust(self) -> ssl.SSLContext | bool:
+        """What a client of the tracker verifies it with: over https, its certificate (beside its key) alone."""
+        if self.scheme != "https" or self.keys is None:
+            return True
+        return TlsTrust().context((self.keys / "tracker.crt").read_text())
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def api(self) -> str:
@@ -240,7 +250,8 @@ class LocalRoute:
         child = WatchedChild.watch("dgr up", up, is_ready=_serving_port)
         self.proc, self.log_lines = child.popen, child.lines  # the reader keeps filling log_lines
         try:
-            self.port = child.wait_ready(self.ready_timeout_s)["port"]
+            served = child.wait_ready(self.ready_timeout_s)
+            self.port, self.scheme = served["port"], served["scheme"]
         except PeerError:
             self.close()
             raise RouteTimeout("dgr up did not become ready:\n" + "\n".join(self.log_lines[-40:])) from None

@@ -7,7 +7,10 @@ Who may call what (spec/security.md):
   `--allow-node`), and a node id belongs to the first key that registered it
   (`identity_taken`, 409; a heartbeat under it reads as an unknown id, 404,
   so it tells no stranger which ids exist). The registration's reply carries the tracker's
-  public key, which the node pins to check capabilities and challenges with.
+  public key, which the node pins to check capabilities and challenges with,
+  the tracker's identity certificate (`tls_ca`) and the member certificate
+  issued to the registering key (`tls_member_cert`, dgr.security.certs): the
+  node presents it on every TLS link, and demands one from its own callers.
   A heartbeat names its node in `X-Dgr-Node`: its signature and that key's
   ownership of the id are checked before its body is parsed (the body's
   `node` must then agree);
@@ -55,6 +58,7 @@ from dgr.tracker.gateway import Gateway
 from dgr.security.api_keys import check_bearer
 from dgr.security.browsers import loopback_only
 from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tracker_join_proof
+from dgr.security.certs import identity_cert, member_cert
 from dgr.security.identity import Identity
 from dgr.tracker.deliveries import deliver_fast_path
 from dgr.tracker.proofs import Prover
@@ -71,11 +75,14 @@ _MEMBERSHIP = ("/v1/nodes/register", "/v1/nodes/heartbeat")  # node keys and adm
 
 def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                      prover: Prover | None = None, identity: Identity | None = None,
-                     admission: Admission = Admission(), api_keys: frozenset[str] = frozenset()) -> QuartTrio:
+                     admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
+                     tls_ca: str | None = None) -> QuartTrio:
     """The tracker's app. Without a prover, every Model Artifact claim fails (nothing can check it).
 
     `identity` is the tracker's key (its public half goes to every node that
-    registers; the gateway's authority signs capabilities with it);
+    registers; the gateway's authority signs capabilities with it, and member
+    certificates are issued under `tls_ca`, its identity certificate, made
+    here when not given);
     `admission` says which node keys may register; `api_keys`, when not
     empty, guard the OpenAI and telemetry endpoints.
     """
@@ -84,6 +91,8 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
     install_error_handlers(app)
     registry = gateway.registry
     verifier = Verifier()
+    if identity is not None and tls_ca is None:
+        tls_ca = identity_cert(identity, "tracker")
 
     @app.before_request
     async def _api_key():
@@ -130,6 +139,7 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
                                  "heartbeat_s": registry.heartbeat_s}
         if identity is not None:
             reply["tracker_key"] = identity.public_text
+            reply["tls_ca"], reply["tls_member_cert"] = tls_ca, member_cert(identity, key)
             if admission.token is not None:
                 reply["tracker_proof"] = tracker_join_proof(admission.token, identity.public, signature)
         return json_response(reply)

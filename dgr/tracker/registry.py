@@ -47,7 +47,9 @@ which ids exist. The tracker logs the truth.
 
 With `require_tls` (--require-tls) a registration whose URL is not https://
 is refused (FORBIDDEN), so the tracker never hands out a plain next hop;
-the seed address may stay plain (dgr.security.tls says why).
+with `encrypt` (the command line's default, off with --insecure) one whose
+URL is plain http:// off loopback is. The seed address may stay plain
+(dgr.security.tls says why).
 
 A registration whose URL or seed address names a wildcard host (0.0.0.0,
 ::) is recorded with the source address the tracker saw it come from
@@ -95,6 +97,7 @@ from dgr.fsm.proof import ProofState, ProofStatus
 from dgr.seam.types import DeviceMemory, ModelInfo
 from dgr.tracker.blame import SlowPolicy, Standing
 from dgr.security.identity import is_derived_id, key_text, node_id_for
+from dgr.security.tls import check_registered_url
 from dgr.tracker.registration import read_heartbeat, read_registration
 
 __all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_NODE_SESSIONS", "PROVEN_START"]
@@ -232,6 +235,7 @@ class Registry:
     nodes: dict[str, NodeEntry] = attrs.field(factory=dict)
     require_proof: bool = False  # nodes without a Model Artifact claim are not routed
     require_tls: bool = False  # --require-tls: a registration whose URL is http:// is refused
+    encrypt: bool = False  # a registration whose URL is http:// off loopback is refused (the CLI's default)
     forget_after_s: float = 300.0  # a node dead this long is dropped from the registry
     max_node_sessions: int = MAX_NODE_SESSIONS  # the most capacity a node may declare
     trusted_ends: frozenset[bytes] = frozenset()  # keys that may hold a route's first or last layer; empty: any
@@ -268,10 +272,7 @@ class Registry:
         entry = NodeEntry(**attrs.asdict(read_registration(data, seen=seen, max_capacity=self.max_node_sessions),
                                          recurse=False), registered_at=now, last_seen=now, key=key)
         n_layers = entry.model.n_layers
-        if self.require_tls and not entry.url.startswith("https://"):  # it would be handed out as a next hop
-            raise CallerError(Reason.FORBIDDEN, f"this tracker requires TLS (--require-tls): register an https:// "
-                                                f"URL, not {entry.url[:100]!r} (--tls-cert and --tls-key, or "
-                                                "--advertise https://...)", field="url")
+        check_registered_url(entry.url, required=self.require_tls, encrypt=self.encrypt)  # handed out as a next hop
         if not (0 <= entry.start < entry.stop <= n_layers):
             raise CallerError(Reason.INVALID_REQUEST, f"layers {entry.start}:{entry.stop} outside [0, {n_layers})")
         if entry.manifest_id is not None:

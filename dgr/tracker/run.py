@@ -7,20 +7,32 @@ register) and API keys (so only key holders generate).
 
 The tracker's own key (`--identity`, made on first start) signs every
 capability and challenge; nodes pin its public half when they join.
+
+Transport (dgr.security.tls): off loopback, or with `--tls`, it serves https
+with `--tls-cert` if given, else with the certificate of its own key
+(dgr.security.certs), written beside the identity file (`ID.crt`) for API
+clients to pin; `--insecure` keeps plain http off loopback. Either way it
+checks a client certificate when one is offered (its members'), presents
+its own when it calls an https node, and issues member certificates at
+registration (dgr.tracker.app).
 """
 
 from __future__ import annotations
 
 import functools
 import socket
+from pathlib import Path
 
+import attrs
 import trio
 
 from dgr.api.hosts import is_loopback
 from dgr.errors import CallerError, Reason
 from dgr.security.auth import Admission, CapabilityAuthority
+from dgr.security.certs import LinkCert, identity_cert, pin_text
 from dgr.security.identity import Identity
-from dgr.security.tls import TlsTrust
+from dgr.security.private_files import write_private
+from dgr.security.tls import TlsTrust, admit_members, server_context
 from dgr.serve import print_ready, serve_app
 from dgr.tracker.app import make_tracker_app
 from dgr.tracker.blame import SlowPolicy
@@ -57,21 +69,43 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
             raise CallerError(Reason.INVALID_REQUEST,
                               f"a tracker listening on {host} needs " + " and ".join(missing)
                               + "; only a loopback tracker may run without them")
+    own = LinkCert(identity_cert(identity, "tracker"), identity.private)
+    tls = attrs.evolve(tls, client=own)  # presented to every https node it calls
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
                                         trusted_ends=trusted_ends, max_node_sessions=max_node_sessions,
-                                        require_tls=tls.required, slow=slow), config=config,
+                                        require_tls=tls.required, encrypt=tls.encrypt, slow=slow), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls,
                       vocabularies=vocabularies or Vocabularies.builtin())
     gateway.admission.prefix_secret = identity.derive(b"prefix-root")  # the prefix roots' key lives with the identity
     prover = prover or Prover()
     prover.identity, prover.tls = identity, tls
     app = make_tracker_app(gateway, prover=prover, identity=identity, admission=admission, api_keys=api_keys,
-                           max_body_bytes=max_body_bytes)
+                           max_body_bytes=max_body_bytes, tls_ca=own.chain)
+    ctx, shown = None, {}
+    if tls.serves(host, tls_files):
+        ctx = server_context(tls_files, own)
+        admit_members(ctx, own.chain, required=False)  # API clients have no certificate; members show theirs
+        if tls_files is None:
+            shown = {"tls_pin": pin_text(own.chain), **_kept_beside(identity, own.chain)}
     async with trio.open_nursery() as nursery:
         await nursery.start(gateway.run)
         await nursery.start(prover.run)
-        url = await nursery.start(functools.partial(serve_app, app, host, port, tls_files=tls_files,
+        url = await nursery.start(functools.partial(serve_app, app, host, port, ssl_context=ctx,
                                                      listening=listening))
         print_ready({"role": "tracker", "url": url, "api": f"{url}/v1", "key": identity.public_text,
                      "join_token": admission.token is not None, "allowed_nodes": len(admission.allowed),
-                     "api_keys": len(api_keys)})
+                     "api_keys": len(api_keys), **shown})
+
+
+def _kept_beside(identity: Identity, pem: str) -> dict[str, str]:
+    """Write the tracker's certificate beside its identity file (`ID.crt`), for API clients to trust; where."""
+    if identity.path is None:
+        return {}
+    path = Path(identity.path)
+    path = path.with_suffix(".crt") if path.suffix == ".key" else path.with_name(path.name + ".crt")
+    try:
+        write_private(path, pem.encode("ascii"))
+    except OSError:
+        return {}  # the pin in the ready line says the same
+    path.chmod(0o644)  # a certificate is public
+    return {"tls_cert": str(path)}
