@@ -86,7 +86,7 @@ def test_short_soak_beside_an_attacker() -> None:
     for name in ("report_none", "report_self_signed", "capture_register", "capture_heartbeat", "hijack_heartbeat",
                  "hijack_register", "gateway_id", "replay_register", "seam_open_self_signed", "seam_stream_expired",
                  "seam_close_keep_other_session", "seam_prompt_none", "idle_conns", "big_prompt", "half_bodies",
-                 "browser_plain", "status_poll"):
+                 "browser_plain", "status_poll", "spec_"):
         assert any(k.startswith(name) for k in attack["attacks"]), (name, attack["attacks"])
     assert attack["attacks"]["idle_conns"]["opened"] >= 900  # 300 to each of 3 servers
     assert attack["trap_calls"] == 0
@@ -94,7 +94,9 @@ def test_short_soak_beside_an_attacker() -> None:
     assert report["sessions"] == sessions and "kill" not in planned
     assert report["client_outcomes"] == {f"{k}:ok": n for k, n in planned.items()}
     cancelled = planned.get("cancel", 0) + planned.get("disconnect", 0)
-    assert report["tracker_failures"] == ({"cancelled": cancelled} if cancelled else {})
+    # and the tracker's only other failures are the attacker's own completions, refused for their speculation
+    refused = sum(n for k, v in attack["attacks"].items() if k.startswith("spec_") for a, n in v.items() if a == "403")
+    assert report["tracker_failures"] == {k: n for k, n in (("cancelled", cancelled), ("forbidden", refused)) if n}
     assert report["tracker_sessions"]["done"] == planned["complete"]
     # nothing left behind, every /healthz answered within the (loose) bound
     assert report["sessions_after"] == {"node0": 0, "node1": 0, "node2": 0}

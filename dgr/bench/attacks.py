@@ -374,6 +374,13 @@ class Attacker:
         await self.call("big_prompt", "POST", url + "/v1/seam/sessions", content=body,
                         headers={"Content-Type": "application/json", ROUTE_SESSION_HEADER: sid})
 
+    async def spec_modes(self) -> None:
+        """Speculation the operator did not grant (`--spec-allow`): every node's CPU, or the tail's, at a client's
+        word; refused (403) before any node opens."""
+        mode = random.choice(("ngram-exact", "draft", "draft-exact"))
+        body = {"model": self.model.get("name", "stub"), "prompt": "hi", "max_tokens": 1, "speculation": mode}
+        await self.call(f"spec_{mode}", "POST", self.cfg.tracker + "/v1/completions", json=body)
+
     async def _connect(self, url: str) -> trio.SocketStream:
         u = urlparse(url)
         return await trio.open_tcp_stream(u.hostname, u.port, local_address=self.cfg.hold_source or self.cfg.source)
@@ -458,6 +465,7 @@ class Attacker:
             nursery.start_soon(self.rounds, self.big_prompt, 2)
             nursery.start_soon(self.rounds, self.browser, 1)
             nursery.start_soon(self.rounds, self.status_poll, 1)
+            nursery.start_soon(self.rounds, self.spec_modes, 1)
             nursery.start_soon(self.follow_nodes)
             servers = list(self.urls)
             self._to_hold = self.cfg.idle_conns * len(servers) + self.cfg.half_bodies
