@@ -94,9 +94,12 @@ def test_short_soak_beside_an_attacker() -> None:
     assert report["sessions"] == sessions and "kill" not in planned
     assert report["client_outcomes"] == {f"{k}:ok": n for k, n in planned.items()}
     cancelled = planned.get("cancel", 0) + planned.get("disconnect", 0)
-    # and the tracker's only other failures are the attacker's own completions, refused for their speculation
+    # and the tracker's only other failures are the attacker's own completions, refused for their speculation:
+    # as many as it tallied, plus the one it may have had in flight when it was stopped (one at a time)
     refused = sum(n for k, v in attack["attacks"].items() if k.startswith("spec_") for a, n in v.items() if a == "403")
-    assert report["tracker_failures"] == {k: n for k, n in (("cancelled", cancelled), ("forbidden", refused)) if n}
+    failures = dict(report["tracker_failures"])
+    assert refused <= failures.pop("forbidden", 0) <= refused + 1, (refused, report["tracker_failures"])
+    assert failures == ({"cancelled": cancelled} if cancelled else {})
     assert report["tracker_sessions"]["done"] == planned["complete"]
     # nothing left behind, every /healthz answered within the (loose) bound
     assert report["sessions_after"] == {"node0": 0, "node1": 0, "node2": 0}
