@@ -43,6 +43,8 @@ log = logging.getLogger("dgr.node")
 # is mostly other processes on the card; a reading costs a scheduler job (a driver query between iterations).
 DEVICE_READ_S = 2.0
 
+_KIND_NAMES = {int(k): k.name for k in FrameKind}  # a frame's kind byte (its header's 6th) -> its name
+
 
 @attrs.define
 class SeamStats:
@@ -85,6 +87,7 @@ class NodeAccounting:
     draft: DraftModel | None = None  # the tail's draft model: its sequences count as the node's KV too
     devices: tuple[DeviceMemory, ...] = ()  # its accelerators' memory as last read; none on the CPU
     _device_error: str | None = None  # the last failed reading's, said once on the log
+    _step_metrics: dict[str, tuple[Any, Any, Any]] = attrs.field(factory=dict)  # kind -> `count`'s metric children
 
     def __attrs_post_init__(self) -> None:
         self.metrics.watch(self._gauges)
@@ -123,14 +126,22 @@ class NodeAccounting:
     def count(self, frame: Frame, reply: bytes, compute: float) -> None:
         """A computed step: its compute seconds and the bytes of what it sent on."""
         self.stats.compute_s += compute
-        self.metrics.frames_total.labels(kind=frame.kind.name).inc()
-        self.metrics.frame_bytes_total.labels(kind=frame.kind.name).inc(frame.size)
-        self.metrics.compute_seconds.labels(kind=frame.kind.name).observe(compute)
+        kind = frame.kind.name
+        children = self._step_metrics.get(kind)
+        if children is None:  # labels looked up once per kind, not per step
+            m = self.metrics
+            children = self._step_metrics[kind] = (m.frames_total.labels(kind=kind),
+                                                   m.frame_bytes_total.labels(kind=kind),
+                                                   m.compute_seconds.labels(kind=kind))
+        frames, size, seconds = children
+        frames.inc()
+        size.inc(frame.size)
+        seconds.observe(compute)
         self.sent(reply)
 
     def sent(self, reply: bytes) -> None:
         """Bytes of one more frame a step sent on (a speculative step's tokens after its first)."""
-        self.stats.bytes_out[FrameKind(reply[5]).name] += len(reply)
+        self.stats.bytes_out[_KIND_NAMES[reply[5]]] += len(reply)
 
     def status(self, detail: bool = True) -> dict[str, Any]:
         """What the node holds now; backend figures as of the scheduler's last iteration."""

@@ -95,6 +95,12 @@ class TokenResult:
         return cls(token, logprob, extra[TOKEN_RESULT.size :], bool(frame.flags & Flag.EOG), spec)
 
 
+# A session id's header bytes, parsed once per session rather than once per frame (a few sessions' worth of
+# memory; cleared whole when full, as a cache may be).
+_SESSION_BYTES: dict[str, bytes] = {}
+_SESSION_BYTES_KEPT = 4096
+
+
 def encode_frame(
     kind: FrameKind,
     session: str,
@@ -104,7 +110,7 @@ def encode_frame(
     width: int,
     *,
     dtype: DType = DType.F32,
-    flags: Flag = Flag(0),
+    flags: Flag | int = Flag(0),
     token_ids: np.ndarray | None = None,  # int [n_tokens]
     hidden: np.ndarray | bytes | None = None,  # [n_tokens, width] or its raw bytes
     extra: bytes = b"",
@@ -116,12 +122,13 @@ def encode_frame(
         CallerError(BAD_FRAME): `session` is not a UUID's hex digits.
     """
     parts: list[bytes] = []
+    flags = int(flags)  # a plain int from here: enum.Flag's operators cost a microsecond each
     if token_ids is not None:
         ids = np.ascontiguousarray(token_ids, dtype="<i4").reshape(-1)
         if ids.shape[0] != n_tokens:
             raise CallerError(Reason.WRONG_SIZE, f"{ids.shape[0]} token ids for {n_tokens} positions")
         parts.append(ids.tobytes())
-        flags |= Flag.TOKENS
+        flags |= _TOKENS
     if hidden is not None:
         if isinstance(hidden, (bytes, bytearray, memoryview)):
             raw = bytes(hidden)
@@ -133,15 +140,20 @@ def encode_frame(
         if len(raw) != n_tokens * width * DTYPE_SIZE[dtype]:
             raise CallerError(Reason.WRONG_SIZE, "hidden bytes do not match n_tokens x width x dtype")
         parts.append(raw)
-        flags |= Flag.HIDDEN
+        flags |= _HIDDEN
     parts.append(extra)
     payload = b"".join(parts)
-    try:
-        sid = uuid.UUID(hex=session).bytes  # the header's 16 bytes; decode_frame gives them back as hex
-    except ValueError:
-        raise CallerError(Reason.BAD_FRAME, f"session id {session!r} is not a 32-hex-digit UUID") from None
+    sid = _SESSION_BYTES.get(session)  # the header's 16 bytes; decode_frame gives them back as hex
+    if sid is None:
+        try:
+            sid = uuid.UUID(hex=session).bytes
+        except ValueError:
+            raise CallerError(Reason.BAD_FRAME, f"session id {session!r} is not a 32-hex-digit UUID") from None
+        if len(_SESSION_BYTES) >= _SESSION_BYTES_KEPT:
+            _SESSION_BYTES.clear()
+        _SESSION_BYTES[session] = sid
     header = HEADER.pack(
-        MAGIC, VERSION, int(kind), int(dtype), int(flags), sid,
+        MAGIC, VERSION, int(kind), int(dtype), flags, sid,
         seq, pos0, n_tokens, width, len(payload), zlib.crc32(payload),
     )
     return header + payload

@@ -41,6 +41,7 @@ class Accounting:
     recent_failures: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=50))
     ended: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # sid -> RouteSession
     _last_token: dict[str, float] = attrs.field(factory=dict)  # sid -> when its last token came
+    _hop_latency: dict[str, Any] = attrs.field(factory=dict)  # node -> its hop latency histogram's child
 
     def observe(self, rs: RouteSession, event: RouteEvent, now: float, hop_ms: dict[str, float] | None = None) -> None:
         """One event of `rs` at `now`; `hop_ms`: each hop's seam overhead, where the event's answer measured it."""
@@ -57,7 +58,10 @@ class Accounting:
             self._last_token[rs.sid] = now
             for node_id, ms in (hop_ms or {}).items():
                 self.hop_stats[node_id].overhead_ms.append(ms)
-                self.metrics.hop_latency_seconds.labels(node=node_id).observe(ms / 1e3)
+                hop = self._hop_latency.get(node_id)
+                if hop is None:  # its labels looked up once per node, not per token
+                    hop = self._hop_latency[node_id] = self.metrics.hop_latency_seconds.labels(node=node_id)
+                hop.observe(ms / 1e3)
         elif event in (RouteEvent.FINISH, RouteEvent.FAIL):
             self._last_token.pop(rs.sid, None)
             self.metrics.sessions_total.labels(outcome=rs.state.value).inc()
@@ -78,6 +82,7 @@ class Accounting:
 
     def forget_node(self, node_id: str) -> None:
         self.hop_stats.pop(node_id, None)
+        self._hop_latency.pop(node_id, None)  # its series go: a child kept here would count where nobody reads
         self.metrics.forget_node(node_id)
 
     def stats(self, live: list[RouteSession], slow_waits: int) -> dict[str, Any]:

@@ -42,6 +42,12 @@ def _comment(snapshot: dict[str, Any]) -> bytes:
 
 async def _next(live: LiveSession, wait_s: float) -> Delta | None | bool:
     """The next delta; None when waiting timed out; False when the stream ended."""
+    try:  # one already waiting (a busy tracker, many sessions) is taken without a timeout's cancel scope
+        return live.recv.receive_nowait()
+    except trio.WouldBlock:
+        pass
+    except trio.EndOfChannel:
+        return False
     with trio.move_on_after(wait_s):
         try:
             return await live.recv.receive()
