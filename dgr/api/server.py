@@ -54,6 +54,7 @@ certificates are served (dgr.security.tls, dgr.serve).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -154,6 +155,7 @@ MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
 _WATCH_LIMIT = 1024 * 1024  # bytes read ahead while a response is made, watching for the peer to go away
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
+_NO_DEADLINE = contextlib.nullcontext()  # an authenticated peer's body reads: none to enter per chunk
 _NET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)
 
 
@@ -390,7 +392,7 @@ class _Connection:
             wait = (math.inf if self.authenticated
                     else max(0.0, min(self.limits.body_idle_s, ex.body_deadline - trio.current_time())))
             event = None
-            with trio.move_on_after(wait):
+            with trio.move_on_after(wait) if wait < math.inf else _NO_DEADLINE:
                 try:
                     if self.conn.they_are_waiting_for_100_continue:
                         await self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))

@@ -137,8 +137,12 @@ class OutStream:
 
     async def send(self, data: bytes) -> None:
         """One chunk of the body. Raises TransportError."""
+        conn = self.conn.h11
         try:
-            await self.conn.stream.send_all(self.conn.h11.send(h11.Data(data=data)))
+            if data and conn.our_state is h11.SEND_BODY:  # framed as h11's chunked writer does: a chunk moves no state
+                await self.conn.stream.send_all(b"%x\r\n%b\r\n" % (len(data), data))
+                return
+            await self.conn.stream.send_all(conn.send(h11.Data(data=data)))
         except _ERRORS as exc:
             raise _broken(exc) from None
 
