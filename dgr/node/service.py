@@ -124,7 +124,7 @@ class NodeService:
         self.trust = NodeTrust(node_id, backend.layers, self.accounting.refuse, authority=authority,
                                tickets=tickets, joining=joining, identity=identity)
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,
-                                      idle_timeout_s=idle_timeout_s)
+                                      idle_timeout_s=idle_timeout_s, ended=self.trust.forget)
         self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.scheduler, self.links,
                                    self.accounting, self.fail_session, self.lifecycle.kv_job)
         self.links.accept_streamed = self.replies.accept_streamed

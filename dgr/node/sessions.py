@@ -13,7 +13,8 @@ Rules:
   the job before the session's first step (`kv_job`), for the positions its open asked (the table's
   limit) on its lane (its record's). Until then it holds no slot of the backend's.
 - Everything held for a session is its one record (dgr.node.links `NodeSessionRecord`), the table's
-  value; ending it closes what the record owns.
+  value; ending it closes what the record owns, and drops the capabilities verified for it (`ended`:
+  dgr.node.trust's `forget`), which would otherwise stay until thousands of later ones pushed them out.
 - Sessions end by `close` (the gateway is done), by failure (the gateway saw the route break, or
   compute raised) or by idle expiry (on trio's clock, as sessions are stamped). Each frees its KV
   after any of its steps already queued: until then it still counts against capacity and in status,
@@ -60,6 +61,7 @@ class NodeSessions:
     kv: NodeKV
     links: NodeLinks
     idle_timeout_s: float = 120.0
+    ended: Callable[[str], None] = lambda sid: None  # told each session's end (NodeTrust.forget)
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
@@ -176,6 +178,7 @@ class NodeSessions:
         sid, head = rec.fsm.sid, rec.offered
         spec = self.links.detach(rec)
         self.table.end(sid, failure)
+        self.ended(sid)
         try:
             keeps = bool(keep or tail) and failure is None and opened
             close = (functools.partial(self._close_kv, sid, keep or [], tail, head) if keeps

@@ -157,6 +157,11 @@ class NodeTrust:
             self.refuse(exc)
             raise
 
+    def forget(self, sid: str) -> None:
+        """`sid` ended here: drop the capabilities verified for it (a late call with one is verified again)."""
+        if self.authority is not None:
+            self.authority.forget(sid)
+
     def admit_open(self, capability: str | None, ticket: str | None, sid: str) -> OpenTicket | None:
         """Check an open from its headers alone, before any of its body is read: the gateway's capability
         for `sid` and the tracker's unused ticket for it. None on a node without a tracker (nothing to check).

@@ -295,7 +295,9 @@ class Capability:
                            "a": self.scope.value, "i": self.boot}, sort_keys=True, separators=(",", ":")).encode()
 
 
-_VERIFIED_KEPT = 4096  # verified tokens remembered per authority (a few hundred bytes each)
+# Verified tokens remembered per authority (a few hundred bytes each): the bound for tokens no session end
+# drops (`forget`): a refused open's, a late frame's after its session ended, the STATUS_SCOPE ones.
+_VERIFIED_KEPT = 4096
 
 
 @attrs.frozen
@@ -307,10 +309,13 @@ class CapabilityAuthority:
 
     public: bytes
     identity: Identity | None = None
-    # Tokens whose signature verified, by their exact text: a session's every step carries the
-    # same token, and an Ed25519 verify per step cost about 3% of a stub node's decode loop.
+    # Tokens whose signature verified, by their exact text, oldest first: a session's every step carries
+    # the same token, and an Ed25519 verify per step cost about 3% of a stub node's decode loop.
     # Expiry and the session, node and layer match are still checked on every call.
     _verified: dict[str, Capability] = attrs.field(factory=dict, eq=False, repr=False)
+    # session -> its tokens in `_verified`, so that its end drops them (`forget`). Kept until the count cap
+    # pushed them out, a node held the 2 tokens of each of its last 2,048 sessions, about 1.5 KB a session.
+    _tokens: dict[str, list[str]] = attrs.field(factory=dict, eq=False, repr=False)
 
     @classmethod
     def issuer(cls, identity: Identity) -> CapabilityAuthority:
@@ -365,13 +370,30 @@ class CapabilityAuthority:
         if cap is None:
             cap = self._verify(token)
             if len(self._verified) >= _VERIFIED_KEPT:
-                del self._verified[next(iter(self._verified))]  # the oldest: sessions end, tokens expire
+                self._drop(next(iter(self._verified)))  # the oldest
             self._verified[token] = cap
+            self._tokens.setdefault(cap.session, []).append(token)
         if cap.expires < now:
             raise CallerError(Reason.FORBIDDEN, "capability expired")
         if cap.session != session:
             raise CallerError(Reason.FORBIDDEN, "capability is for another Route Session")
         return cap
+
+    def forget(self, session: str) -> None:
+        """Drop the verified tokens of `session`, which has ended: a late call with one is verified again."""
+        for token in self._tokens.pop(session, ()):
+            del self._verified[token]
+
+    def kept(self) -> int:
+        """How many verified tokens are remembered."""
+        return len(self._verified)
+
+    def _drop(self, token: str) -> None:
+        session = self._verified.pop(token).session
+        tokens = self._tokens[session]
+        tokens.remove(token)
+        if not tokens:
+            del self._tokens[session]
 
     def _verify(self, token: str) -> Capability:
         """Raises: CallerError(FORBIDDEN): malformed, or not signed by the tracker's key."""

@@ -221,6 +221,7 @@ class Deliveries:
         """
         live = self.sessions.get(sid)
         if live is None or live.rs.ended:
+            self._gone(sid)
             return None
         if not any((h.node_id, h.start, h.stop) == (cap.node, cap.start, cap.stop) for h in live.rs.route):
             raise CallerError(Reason.FORBIDDEN, f"node {cap.node} is not a hop of session {sid}'s route")
@@ -229,8 +230,17 @@ class Deliveries:
     def _live(self, sid: Any) -> LiveSession:
         live = self.sessions.get(sid) if isinstance(sid, str) else None
         if live is None or live.rs.ended:
+            if isinstance(sid, str):
+                self._gone(sid)
             raise CallerError(Reason.UNKNOWN_SESSION, f"no live Route Session {str(sid)[:64]}")
         return live
+
+    def _gone(self, sid: str) -> None:
+        """`sid` is not live: forget the capability just verified for it (the gateway forgot the session's at its
+        end, and a member's late answer or report would otherwise keep one until 4,096 later ones pushed it out).
+        One that comes before its session lives is verified again when it next comes."""
+        if self.authority is not None:
+            self.authority.forget(sid)
 
     def _probe_soon(self, node_id: str) -> None:
         entry = self.clients.registry.nodes.get(node_id)

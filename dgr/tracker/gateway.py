@@ -388,6 +388,8 @@ class Gateway:
         live.send.close()
         live.telemetry.close()
         self.sessions.pop(rs.sid, None)
+        if self.authority is not None:
+            self.authority.forget(rs.sid)  # the capabilities its nodes' answers and reports carried
         self.accounting.retire(rs)
 
     # -- views --------------------------------------------------------------------
