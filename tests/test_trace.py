@@ -23,8 +23,10 @@ def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_r
     # function). + 9 stops and 1 module, issue 55's claims and spread: the tracker's own record of where prefixes
     # are kept and of what nodes claim (dgr.tracker.affinity: Affinity.kept, .candidates, ._usable, .check,
     # .may_hold, which the head no longer judges, PrefixCache.may_hold gone; _continues, _mark_key, _remember), and
-    # routes compared on what differs with a random last tie (routing._settle, draw)
-    assert result["stops"] <= 273 and result["modules"] <= 53, (result["stops"], result["modules"])
+    # routes compared on what differs with a random last tie (routing._settle, draw). + 1 net: a session's end
+    # drops the capabilities verified for it (NodeSessions._forget, NodeTrust.forget; a node kept the tokens of its
+    # last 2,048 sessions), and issue 58's cuts took one stop off
+    assert result["stops"] <= 274 and result["modules"] <= 53, (result["stops"], result["modules"])
     assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
     modules = result["per_module"]
     # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's
