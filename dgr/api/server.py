@@ -153,6 +153,9 @@ class Limits:
 
 MAX_HEAD_BYTES = 16 * 1024
 _READ = 256 * 1024
+# A guest's reads: its head is at most MAX_HEAD_BYTES, and a socket read allocates its whole size before it
+# shrinks to what came, so a stranger's flood of short reads at 256 KB each churned a node's heap
+_GUEST_READ = MAX_HEAD_BYTES
 _WATCH_LIMIT = 1024 * 1024  # bytes read ahead while a response is made, watching for the peer to go away
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _NO_DEADLINE = contextlib.nullcontext()  # an authenticated peer's body reads: none to enter per chunk
@@ -224,7 +227,7 @@ class _Connection:
         while True:
             await self._demand.wait()
             try:
-                data = await self.stream.receive_some(_READ)
+                data = await self.stream.receive_some(_READ if self.authenticated else _GUEST_READ)
             except _NET_ERRORS:
                 data = b""
             if self._watching is not None:
@@ -253,7 +256,7 @@ class _Connection:
             # watched), so read here: a plain socket's read can be cancelled without losing bytes,
             # and a step streamed in record by record then costs one wake-up, not the reader's and ours.
             try:
-                data = await self.stream.receive_some(_READ)
+                data = await self.stream.receive_some(_READ if self.authenticated else _GUEST_READ)
             except _NET_ERRORS:
                 data = b""
             self.conn.receive_data(data)
