@@ -573,11 +573,11 @@ def test_off_loopback_a_tracker_serves_https_and_a_node_refuses_a_plain_tracker_
 
 
 async def test_socket_tls_reads_like_a_socket_and_fails_like_a_trio_stream() -> None:
-    """dgr.security.tlsstream, both ends in process: a receive cancelled while it waits loses nothing (the
+    """dgr.seam.tlsstream, both ends in process: a receive cancelled while it waits loses nothing (the
     server reads it as it reads a plain socket), an end without close_notify reads as an end, a stream
     closed here raises ClosedResourceError, and a handshake with a certificate other than the pinned one
     is a BrokenResourceError at both ends."""
-    from dgr.security.tlsstream import SocketTLS, TlsListener
+    from dgr.seam.tlsstream import SocketTLS, TlsListener
 
     key, other = Identity.generate(), Identity.generate()
     own = LinkCert(identity_cert(key, "node"), key.private)

@@ -14,7 +14,7 @@ response's head and first body leave in one write.
 What it serves:
 - HTTP/1.1 with keep-alive and pipelining (h11 keeps the cycle), `Expect:
   100-continue`, HEAD, sized or chunked bodies both ways; https when given an
-  SSL context (dgr.security.tlsstream: read as a plain socket is).
+  SSL context (dgr.seam.tlsstream: read as a plain socket is).
 - ASGI 3 `http` scopes and the `lifespan` startup. No websockets, no HTTP/2.
 - `http.disconnect` when the peer goes away, mid-body or while the response
   is being made (a streaming completion is cancelled then), and once the
@@ -71,7 +71,7 @@ import trio
 
 from dgr.api.gate import Gate, Seat, peer_of
 from dgr.errors import Failure, Reason, openai_error_body
-from dgr.security.tlsstream import TlsListener
+from dgr.seam.tlsstream import TlsListener
 
 __all__ = ["serve_asgi", "listening_socket", "raise_open_files_limit", "authenticated", "Limits", "MAX_HEAD_BYTES",
            "AUTHENTICATED"]

@@ -15,7 +15,7 @@ other tenants move the wall-clock figures, what the encryption itself costs. Nod
 (`--busy-poll-ms 0`, as in the tests), so a node's CPU is its work, not its waiting.
 
 `--links` adds one link's round trip, in this process: a frame of `--frame-bytes` each way over a plain
-trio socket, over trio.SSLStream and over dgr.security.tlsstream's SocketTLS, in alternation.
+trio socket, over trio.SSLStream and over dgr.seam.tlsstream's SocketTLS, in alternation.
 
 Writes `tls.json` and `REPORT.md` to `--out`. Left out: the handshakes (a route's connections are kept
 alive; the first is paid at its first session) and TTFT.
@@ -39,7 +39,7 @@ from dgr.bench.measure import stream_once
 from dgr.security.certs import LinkCert, identity_cert
 from dgr.security.identity import Identity
 from dgr.security.tls import TlsTrust, server_context
-from dgr.security.tlsstream import SocketTLS
+from dgr.seam.tlsstream import SocketTLS
 from dgr.testing.harness import LocalRoute
 
 __all__ = ["measure", "link_round_trips", "main"]

@@ -6,7 +6,7 @@ about a millisecond per request here; this one does the minimum: one
 keep-alive connection per concurrent step per node, reused in LIFO order, no
 redirects, no cookies, no retries.
 
-An `https://` URL is spoken over TLS (dgr.security.tlsstream) with the caller's
+An `https://` URL is spoken over TLS (dgr.seam.tlsstream) with the caller's
 SSL context (dgr.security.tls decides what it trusts); the handshake is part
 of opening a connection, so it is paid once per pooled connection.
 
@@ -35,7 +35,7 @@ import h11
 import trio
 
 from dgr.seam.wire import MAX_FRAME_BYTES
-from dgr.security.tlsstream import SocketTLS
+from dgr.seam.tlsstream import SocketTLS
 
 __all__ = ["TransportError", "HttpResponse", "ConnectionPool", "OutStream"]
 
