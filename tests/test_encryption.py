@@ -21,7 +21,6 @@ plain http anywhere.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import ssl
@@ -43,7 +42,7 @@ from dgr.node.app import make_node_app
 from dgr.node.membership import registration
 from dgr.node.run import check_transport
 from dgr.node.service import NodeService
-from dgr.procs import dgr_command, die_with_parent
+from dgr.procs import WatchedChild, dgr_command, die_with_parent
 from dgr.security.certs import LinkCert, cert_key, identity_cert, member_cert, pin_text
 from dgr.security.identity import Identity
 from dgr.security.pins import TrackerPin
@@ -57,46 +56,19 @@ READY_S = 60.0  # a bound on a loaded machine's start-up, not a timing claim
 SECRET = "the vault code is 7319-QX-kestrel"  # in the prompt: never on an encrypted wire
 
 
-@attrs.define
-class Proc:
-    popen: subprocess.Popen
-    lines: list[str] = attrs.field(factory=list)
-    ready: dict[str, Any] | None = None
+def _start(args: list[str], env: dict[str, str]) -> WatchedChild:
+    """`dgr ARGS` as a child whose stdout a thread keeps (its ready line in `ready`, the rest in `lines`)."""
+    return WatchedChild.spawn(args[0], dgr_command(*args), env=env)
 
-    @classmethod
-    def start(cls, args: list[str], env: dict[str, str]) -> "Proc":
-        popen = subprocess.Popen(dgr_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=env, preexec_fn=die_with_parent)
-        proc = cls(popen)
-        threading.Thread(target=proc._pump, daemon=True).start()
-        return proc
 
-    def _pump(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip())
-            if self.ready is None and line.startswith(READY_PREFIX):
-                self.ready = json.loads(line[len(READY_PREFIX):])
-
-    def wait_for(self, predicate, what: str, timeout_s: float = READY_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            if self.popen.poll() is not None and not predicate():
-                raise AssertionError(f"exited before {what}:\n" + "\n".join(self.lines[-30:]))
-            assert time.monotonic() < deadline, f"no {what}:\n" + "\n".join(self.lines[-30:])
-            time.sleep(0.05)
-
-    def wait_ready(self) -> dict[str, Any]:
-        self.wait_for(lambda: self.ready is not None, "ready line")
-        return self.ready
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
+def _until(child: WatchedChild, predicate, what: str, timeout_s: float = READY_S) -> None:
+    """Wait for `predicate()`, failing with the child's last words if it exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if child.popen.poll() is not None and not predicate():
+            raise AssertionError(f"exited before {what}:\n" + child.output_tail())
+        assert time.monotonic() < deadline, f"no {what}:\n" + child.output_tail()
+        time.sleep(0.05)
 
 
 @attrs.define(eq=False)
@@ -182,8 +154,8 @@ class Route:
     """A tracker and its nodes, started as processes, with a tap before the tracker and one before the head."""
 
     folder: Path
-    tracker: Proc
-    nodes: list[Proc]
+    tracker: WatchedChild
+    nodes: list[WatchedChild]
     tracker_tap: Tap
     head_tap: Tap
 
@@ -199,9 +171,9 @@ def _start_route(folder: Path, procs: list, *, tls: bool, layers: tuple[str, ...
     env = _env(**{JOIN_ENV: new_secret()})
     mode = ["--tls"] if tls else []
     scheme = "https" if tls else "http"
-    tracker = Proc.start(["tracker", "--port", "0", "--identity", str(folder / "tracker.key"), *mode], env)
+    tracker = _start(["tracker", "--port", "0", "--identity", str(folder / "tracker.key"), *mode], env)
     procs.append(tracker)
-    tracker.wait_ready()
+    tracker.wait_ready(READY_S)
     tracker_tap, head_tap = Tap.open(), Tap.open()
     procs += [tracker_tap, head_tap]
     tracker_tap.forward_to(int(tracker.ready["url"].rpartition(":")[2]))
@@ -212,10 +184,10 @@ def _start_route(folder: Path, procs: list, *, tls: bool, layers: tuple[str, ...
                 "--identity", str(folder / f"node{i}.key"), *mode]
         if i == 0:  # the head: reached through the tap
             args += ["--advertise", f"{scheme}://127.0.0.1:{head_tap.port}"]
-        nodes.append(Proc.start(args, env))
+        nodes.append(_start(args, env))
         procs.append(nodes[-1])
     for node in nodes:
-        node.wait_ready()
+        node.wait_ready(READY_S)
     head_tap.forward_to(int(nodes[0].ready["bound"].rpartition(":")[2]))
     return Route(folder, tracker, nodes, tracker_tap, head_tap)
 
@@ -225,7 +197,7 @@ def procs() -> Iterator[list]:
     started: list = []
     yield started
     for p in reversed(started):
-        p.stop() if isinstance(p, Proc) else p.close()
+        p.stop() if isinstance(p, WatchedChild) else p.close()
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +207,7 @@ def tls_route(tmp_path_factory) -> Iterator[Route]:
         yield _start_route(tmp_path_factory.mktemp("tls-route"), started, tls=True, layers=("0:15", "15:30"))
     finally:
         for p in reversed(started):
-            p.stop() if isinstance(p, Proc) else p.close()
+            p.stop() if isinstance(p, WatchedChild) else p.close()
 
 
 def _tracker_trust(route: Route) -> ssl.SSLContext:
@@ -326,13 +298,12 @@ def test_a_capture_between_hops_shows_the_prompt_only_on_a_plain_route(tls_route
         assert SECRET.encode() not in wire and b"vault" not in wire and b"POST /v1" not in wire
 
 
-class _FakeTracker:
-    """A TLS server presenting the identity certificate of `key`, counting handshakes and bytes read."""
+class _Impostor:
+    """A TLS server on loopback presenting the identity certificate of `key`: each connection goes to `_handle`."""
 
     def __init__(self, key: Identity) -> None:
         self.ctx = server_context(own=LinkCert(identity_cert(key, "tracker"), key.private))
         self.server = socket.create_server(("127.0.0.1", 0))
-        self.handshakes, self.received = 0, 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     @property
@@ -345,17 +316,31 @@ class _FakeTracker:
                 conn, _ = self.server.accept()
             except OSError:
                 return
-            try:
-                with self.ctx.wrap_socket(conn, server_side=True) as tls:
-                    self.handshakes += 1
-                    tls.settimeout(5)
-                    while data := tls.recv(4096):
-                        self.received += len(data)
-            except (OSError, ssl.SSLError):
-                continue
+            self._handle(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.server.close()
+
+
+class _FakeTracker(_Impostor):
+    """An impostor at the tracker's address, counting handshakes and bytes read."""
+
+    def __init__(self, key: Identity) -> None:
+        self.handshakes, self.received = 0, 0
+        super().__init__(key)
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            with self.ctx.wrap_socket(conn, server_side=True) as tls:
+                self.handshakes += 1
+                tls.settimeout(5)
+                while data := tls.recv(4096):
+                    self.received += len(data)
+        except (OSError, ssl.SSLError):
+            pass
 
 
 def test_a_node_refuses_a_tracker_whose_certificate_holds_another_key(tmp_path: Path, procs) -> None:
@@ -364,40 +349,29 @@ def test_a_node_refuses_a_tracker_whose_certificate_holds_another_key(tmp_path: 
     real, impostor = Identity.generate(), Identity.generate()
     fake = _FakeTracker(impostor)
     procs.append(fake)
-    node = Proc.start(["node", "--tracker", fake.url, "--tracker-key", real.public_text, "--backend", "stub",
-                       "--layers", "0:30", "--threads", "1", "--identity", str(tmp_path / "node.key")],
-                      _env(**{JOIN_ENV: new_secret()}))
+    node = _start(["node", "--tracker", fake.url, "--tracker-key", real.public_text, "--backend", "stub",
+                   "--layers", "0:30", "--threads", "1", "--identity", str(tmp_path / "node.key")],
+                  _env(**{JOIN_ENV: new_secret()}))
     procs.append(node)
-    node.wait_for(lambda: any("TLS certificate" in line and "answered with key" in line for line in node.lines),
-                  "the refusal of the tracker's certificate")
+    _until(node, lambda: any("TLS certificate" in line and "answered with key" in line for line in node.lines),
+           "the refusal of the tracker's certificate")
     said = next(line for line in node.lines if "answered with key" in line)
     assert impostor.public_text in said and real.public_text in said
     assert fake.handshakes >= 1 and fake.received == 0 and node.ready is None
 
 
-class _TlsRelay:
+class _TlsRelay(_Impostor):
     """An on-path attacker at a node's first join: terminates TLS with a certificate of its own key and relays
     what it reads, in clear to itself, to the real tracker over TLS."""
 
     def __init__(self, key: Identity, target: int) -> None:
-        self.ctx = server_context(own=LinkCert(identity_cert(key, "tracker"), key.private))
         self.upstream = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         self.upstream.check_hostname, self.upstream.verify_mode = False, ssl.CERT_NONE
         self.target, self.read = target, bytearray()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(key)
 
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self.server.getsockname()[1]}"
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+    def _handle(self, conn: socket.socket) -> None:
+        threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
 
     def _relay(self, conn: socket.socket) -> None:
         try:
@@ -421,9 +395,6 @@ class _TlsRelay:
         threading.Thread(target=pump, args=(far, near, False), daemon=True).start()
         pump(near, far, True)
 
-    def close(self) -> None:
-        self.server.close()
-
 
 def test_an_on_path_relay_at_a_first_join_is_refused(tmp_path: Path, procs) -> None:
     """A node with the join token and no pin yet (its first join) reads whatever certificate answers at the
@@ -431,17 +402,17 @@ def test_an_on_path_relay_at_a_first_join_is_refused(tmp_path: Path, procs) -> N
     real tracker, whose reply (and join-token proof) comes back: the reply's key is not the certificate's, so
     the node pins neither and does not join."""
     token = new_secret()
-    tracker = Proc.start(["tracker", "--port", "0", "--tls", "--identity", str(tmp_path / "tracker.key")],
-                         _env(**{JOIN_ENV: token}))
+    tracker = _start(["tracker", "--port", "0", "--tls", "--identity", str(tmp_path / "tracker.key")],
+                     _env(**{JOIN_ENV: token}))
     procs.append(tracker)
-    tracker.wait_ready()
+    tracker.wait_ready(READY_S)
     relay = _TlsRelay(Identity.generate(), int(tracker.ready["url"].rpartition(":")[2]))
     procs.append(relay)
-    node = Proc.start(["node", "--tracker", relay.url, "--tls", "--backend", "stub", "--layers", "0:30",
-                       "--threads", "1", "--identity", str(tmp_path / "node.key")], _env(**{JOIN_ENV: token}))
+    node = _start(["node", "--tracker", relay.url, "--tls", "--backend", "stub", "--layers", "0:30",
+                   "--threads", "1", "--identity", str(tmp_path / "node.key")], _env(**{JOIN_ENV: token}))
     procs.append(node)
-    node.wait_for(lambda: any("holds another key than its reply" in line for line in node.lines),
-                  "the refusal of a reply that came through another key's certificate")
+    _until(node, lambda: any("holds another key than its reply" in line for line in node.lines),
+           "the refusal of a reply that came through another key's certificate")
     assert b"/v1/nodes/register" in relay.read  # the attacker read the registration (signed, and not secret)
     assert node.ready is None and not (tmp_path / "node.tracker").exists()  # nothing pinned
 
