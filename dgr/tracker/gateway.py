@@ -115,7 +115,7 @@ class Gateway:
                                        self.registry.nodes)
         self.admission = Admission(self.registry, cfg, self.clients, self.patience, self.credentials, self.owe_close,
                                    self.accounting)
-        self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self._caught, self.authority,
+        self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self._strike, self.authority,
                                      self.vocabularies)
         self.driver = Ring(cfg, self.clients, self.patience, self.accounting)
 
@@ -144,13 +144,9 @@ class Gateway:
     def slow_waits(self) -> int:
         return self.patience.extended
 
-    def _strike(self, node_id: str) -> None:
-        """A late step blamed on a node (dgr.tracker.blame): its standing in the registry pays for it."""
-        log.warning("node %s held a step past its deadline", node_id)
-        self.registry.strike(node_id, trio.current_time())
-
-    def _caught(self, node_id: str, why: str) -> None:
-        """A member caught sending what it may not (dgr.tracker.deliveries): the same strike as a late step."""
+    def _strike(self, node_id: str, why: str = "held a step past its deadline") -> None:
+        """A late step blamed on a node (dgr.tracker.blame), or a member caught sending what it may not
+        (dgr.tracker.deliveries): its standing in the registry pays for it."""
         log.warning("node %s %s", node_id, why)
         self.registry.strike(node_id, trio.current_time())
 
