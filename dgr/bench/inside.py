@@ -205,8 +205,7 @@ def start_inside(route, layers: str, mode: str, tally: Path, slow_s: float, at: 
     Identity.load(key, create=True)
     cmd = [sys.executable, "-m", "dgr.bench.inside", "--tally", str(tally), "--mode", mode, "--slow-s", str(slow_s),
            "--at", at,
-           "--", "--tracker", route.url, "--layers", layers, "--backend", route.backend, "--name", INSIDE_ID,
-           "--threads", "1", "--port", "0", "--identity", str(key), *route._node_extra(), *route._busy_poll()]
+           "--", *route.node_args(INSIDE_ID, layers, key)]
     # its own interpreter (dgr.testing.launcher forks dgr commands only): the patches must precede the node
     proc = subprocess.Popen(cmd, env=route.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)

@@ -327,10 +327,8 @@ class LocalRoute:
     def restart_node(self, name: str, layers: str, timeout_s: float = 120.0,
                      extra: tuple[str, ...] = ()) -> LaunchedProcess:
         """Start a fresh `dgr node` with the same name and layers (and `extra` options); wait until it is alive."""
-        cmd = dgr_command("node", "--tracker", self.url, "--layers", layers, "--backend", self.backend,
-                          "--name", name, "--threads", "1", "--port", "0", *self._node_extra(), *self._busy_poll(),
-                          *extra,
-                          *(["--identity", str(self.keys / f"{name}.key")] if self.keys is not None else []))
+        key = self.keys / f"{name}.key" if self.keys is not None else None
+        cmd = dgr_command("node", *self.node_args(name, layers, key), *extra)
         p = launch(cmd, env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         self.restarted.append(p)
         deadline = time.monotonic() + timeout_s
@@ -343,6 +341,13 @@ class LocalRoute:
                 pass
             time.sleep(0.1)
         raise RouteTimeout(f"restarted {name} did not register")
+
+    def node_args(self, name: str, layers: str, key: Path | None) -> list[str]:
+        """`dgr node`'s options for one more node of this route: its tracker, backend and model options, one
+        thread, any port, and `key` as its identity (None: the node's default)."""
+        return ["--tracker", self.url, "--layers", layers, "--backend", self.backend, "--name", name, "--threads",
+                "1", "--port", "0", *self._node_extra(), *self._busy_poll(),
+                *(["--identity", str(key)] if key is not None else [])]
 
     def _busy_poll(self) -> list[str]:
         if self.busy_poll_ms is None or "--busy-poll-ms" in self.extra:
