@@ -184,16 +184,24 @@ class _Soak:
     async def _complete(self, body: dict[str, Any]) -> str:
         r = await self.client.post("/completions", json=body)
         if r.status_code != 200:
-            return f"http_{r.status_code}"
+            return self._failed(r.status_code, r.content)
         if _lured(r.json()["choices"][0]["text"]):
             return "lure"  # a member wrote the client's answer
         usage = r.json()["usage"]
         return "ok" if 1 <= usage["completion_tokens"] <= body["max_tokens"] else "bad_usage"
 
+    def _failed(self, status: int, body: bytes) -> str:
+        """The outcome of a session refused or failed before its answer, its message kept for the report."""
+        try:
+            self.report.note_error(json.loads(body)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            self.report.note_error(body[:300].decode("utf-8", "replace"))
+        return f"http_{status}"
+
     async def _stream_to_end(self, body: dict[str, Any]) -> str:
         async with self.client.stream("POST", "/completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
-                return f"http_{r.status_code}"
+                return self._failed(r.status_code, await r.aread())
             text = ""
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
@@ -201,7 +209,9 @@ class _Soak:
                 if line.startswith("data: {") and '"choices"' in line:
                     text += "".join(c.get("text") or "" for c in json.loads(line[6:])["choices"])
                 if line.startswith("data: ") and '"error"' in line:
-                    return "error_" + json.loads(line[6:])["error"]["code"]
+                    error = json.loads(line[6:])["error"]
+                    self.report.note_error(error.get("message"))
+                    return "error_" + error["code"]
         return "no_done"
 
     async def _until_text(self, lines) -> bool:

@@ -121,6 +121,11 @@ class SoakReport:
     healthz_errors: Counter = attrs.field(factory=Counter)
     attack: dict[str, Any] | None = None  # the attacker's own tally (dgr.bench.attacker)
     inside: dict[str, Any] | None = None  # the member gone bad's tally, and its strikes (dgr.bench.inside)
+    errors: list[str] = attrs.field(factory=list)  # the first messages of sessions that failed, as clients read them
+
+    def note_error(self, message: Any) -> None:
+        if len(self.errors) < 10:
+            self.errors.append(str(message)[:300])
 
     def healthz(self) -> dict[str, dict[str, float]]:
         return {name: {"n": len(ms), "p50": round(_pct(ms, 0.50), 1), "p99": round(_pct(ms, 0.99), 1),
@@ -147,7 +152,8 @@ class SoakReport:
             p.append("no node process served the whole window: no RSS figure to judge")
         unexpected = {k: v for k, v in self.outcomes.items() if not k.endswith(":ok")}
         if unexpected:
-            p.append(f"sessions that did not end as planned: {dict(unexpected)}")
+            p.append(f"sessions that did not end as planned: {dict(unexpected)}"
+                     + (f", the first saying: {self.errors}" if self.errors else ""))
         allowed = {"cancelled"}  # each other reason only when a planned session ends with it
         if self.planned.get("kill"):
             allowed.add("route_node_lost")
@@ -217,6 +223,7 @@ class SoakReport:
             "attack": self.attack,
             "inside": self.inside,
             "problems": self.problems,
+            "errors": self.errors,
         }
 
     def render(self) -> str:

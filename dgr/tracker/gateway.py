@@ -222,6 +222,7 @@ class Gateway:
 
     def node_lost(self, node_id: str, why: str) -> None:
         """Mark the node dead and fail its sessions. Their KV there is closed once it heartbeats again."""
+        log.warning("node %s lost: %s", node_id, why)
         self.registry.mark_dead(node_id, trio.current_time())
         for live in list(self.sessions.values()):
             if any(h.node_id == node_id for h in live.rs.route):
