@@ -83,6 +83,11 @@ class GatewayConfig:
     # What a request's "speculation" may name besides "off" and `speculation` (`--spec-allow`, dgr.api.openai
     # SPEC_GRANTS): the costly modes are the operator's to allow, and "prompt" lets an n-gram tail read the prompt
     spec_allow: frozenset[str] = frozenset(SPEC_ALLOW_DEFAULT)
+    # Repair (issue 54, dgr.tracker.repair): a node lost mid-answer moves the session to a replacement route
+    # instead of failing it, where the continuation is exact, at most `max_repairs` times a session. Off: the
+    # founding rule, a lost node ends the session with its structured failure.
+    resume: bool = False
+    max_repairs: int = 3
 
     def __attrs_post_init__(self) -> None:
         if self.speculation not in SPECULATION or not 1 <= self.spec_k_max <= MAX_DRAFTS or not (
@@ -91,6 +96,8 @@ class GatewayConfig:
                                                       f"1 <= spec_k_max <= {MAX_DRAFTS} and 0 <= spec_k <= spec_k_max")
         if not self.spec_allow <= set(SPEC_GRANTS):
             raise CallerError(Reason.INVALID_REQUEST, f"spec_allow names {', '.join(SPEC_GRANTS)} only")
+        if self.max_repairs < 0:
+            raise CallerError(Reason.INVALID_REQUEST, "max_repairs is 0 or more")
 
     def spec_allowed(self, mode: str) -> bool:
         """May a request ask for speculation `mode`: "off", the tracker's own, or one the operator allowed."""
