@@ -245,8 +245,9 @@ class RouteSession:
             self.prefill_done = self.prompt_tokens
             if self.first_token_at is None:
                 self.first_token_at = now
-        if previous is RouteState.REPAIRING:
-            self.repairs = (*self.repairs[:-1], attrs.evolve(self.repairs[-1], resumed_at=now))
+        if previous is RouteState.REPAIRING:  # the replacement computed every position it lacked
+            last = self.repairs[-1]
+            self.repairs = (*self.repairs[:-1], attrs.evolve(last, resumed_at=now, rebuilt=last.total))
         self.generated += 1
         self.completion_tokens += completion
         if hop_ms:

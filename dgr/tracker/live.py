@@ -213,7 +213,7 @@ class LiveSession:
         return [(k, a, ids) for k, (a, ids) in enumerate(steps)]
 
     def usage(self) -> dict[str, Any]:
-        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)
+        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused, len(self.rs.repairs))
 
     def publish(self, event: RouteEvent, snapshot: dict[str, Any], **facts: Any) -> None:
         """One Route Session event: to its telemetry's watchers, and to the listener with its facts."""
