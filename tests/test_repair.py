@@ -36,6 +36,7 @@ from dgr.up import node_names, tracker_args
 # 2 ms a position a node: a 48-token answer streams for about a second, long enough to kill a node mid-way
 ROUTE = ("--stub-delay", "0.002", "--dead-after", "1")
 PROMPT = "A route of three shards streams its answer while one of them dies."
+LONG = "The quick brown fox jumps over the lazy dog. " * 8  # 360 stub tokens: 12 prompt chunks of 32
 MAX_TOKENS, KILL_AT = 48, 16
 GREEDY = {"temperature": 0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 54}
@@ -130,8 +131,8 @@ def _metric(route: LocalRoute, name: str) -> float:
     return sum(s.value for f in families for s in f.samples if s.name == name)
 
 
-def _answer(route: LocalRoute, sampling: dict[str, Any]) -> str:
-    body = {"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **sampling}
+def _answer(route: LocalRoute, sampling: dict[str, Any], prompt: str = PROMPT) -> str:
+    body = {"model": "stub", "prompt": prompt, "max_tokens": MAX_TOKENS, **sampling}
     r = route.http.post(f"{route.api}/completions", json=body, headers=route.headers, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -150,53 +151,69 @@ def _watch(route: LocalRoute, sid: str, phases: list[str]) -> threading.Thread:
     return t
 
 
-def _stream_and_kill(route: LocalRoute, sampling: dict[str, Any], hop: int) -> dict[str, Any]:
-    """Stream an answer and SIGKILL its route's node at `hop` once KILL_AT pieces of it came: the text, the last
-    chunk's usage or error, the node killed, the session's final telemetry and the phases its events showed."""
-    body = {"model": "stub", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True,
+def _stream_and_kill(route: LocalRoute, sampling: dict[str, Any], hop: int, prompt: str = PROMPT,
+                     in_prefill: bool = False) -> dict[str, Any]:
+    """Stream an answer and SIGKILL its route's node at `hop` once KILL_AT pieces of it came (`in_prefill`: once
+    its route's tail has answered a prompt chunk): the text, the last chunk's usage or error, the node killed, the
+    session's final telemetry and the phases its events showed."""
+    body = {"model": "stub", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
             "stream_options": {"include_usage": True}, **sampling}
     text, out, phases, watcher = [], {"usage": None, "error": None, "killed": None}, [], None
+
+    def kill(sid: str) -> None:
+        out["killed"] = route.session(sid)["route"][hop]["node"]
+        route.kill(out["killed"])
+
     with route.http.stream("POST", f"{route.api}/completions", json=body, headers=route.headers, timeout=30) as r:
+        sid = r.headers["X-Dgr-Route-Session"]
+        watcher = _watch(route, sid, phases)
+        if in_prefill:
+            route.when(sid, lambda snap: snap["phase"] == "prefill" and snap["prefill"]["done"] > 0,
+                       lambda: kill(sid)).join(30)
         for kind, data in sse_events(r):
             if kind != "data" or not isinstance(data, dict):
                 continue
             if "error" in data:
                 out["error"] = data["error"]
                 continue
-            sid = data["id"].removeprefix("cmpl-")
-            if watcher is None:
-                watcher = _watch(route, sid, phases)
             out["usage"] = data.get("usage") or out["usage"]
-            piece = data["choices"][0]["text"] if data.get("choices") else ""
-            text.append(piece)
+            text.append(data["choices"][0]["text"] if data.get("choices") else "")
             if sum(map(bool, text)) == KILL_AT and out["killed"] is None:
-                out["killed"] = route.session(sid)["route"][hop]["node"]
-                route.kill(out["killed"])
+                kill(sid)
     watcher.join(10)
     return {**out, "text": "".join(text), "snapshot": route.wait_session_ended(sid), "phases": phases}
 
 
 def test_a_stream_survives_the_loss_of_its_head_middle_and_tail_token_for_token() -> None:
     started = time.monotonic()
-    with LocalRoute(nodes=3, extra=(*ROUTE, "--resume", "--spares", "1")) as route:
-        assert len(route.node_table()) == 6
-        want = {"greedy": _answer(route, GREEDY), "seeded": _answer(route, SEEDED)}
+    # two spares of each range: a node of each is lost mid-answer, and the middle's once more mid-prompt. Nodes
+    # keep no prefix: a kill mid-prompt needs a prompt that is computed, not reused from the reference run's
+    with LocalRoute(nodes=3, extra=(*ROUTE, "--resume", "--spares", "2", "--prefill-chunk", "32",
+                                    "--prefix-cache-mb", "0")) as route:
+        assert len(route.node_table()) == 9
+        want = {"greedy": _answer(route, GREEDY), "seeded": _answer(route, SEEDED),
+                "long": _answer(route, GREEDY, LONG)}
         assert want["seeded"] != want["greedy"] and want["seeded"] == _answer(route, SEEDED)  # sampled, reproducibly
-        for name, sampling, hop in (("greedy", GREEDY, 0), ("seeded", SEEDED, 1), ("greedy", GREEDY, 2)):
-            got = _stream_and_kill(route, sampling, hop)
+        for name, sampling, hop in (("greedy", GREEDY, 0), ("seeded", SEEDED, 1), ("greedy", GREEDY, 2),
+                                    ("long", GREEDY, 1)):
+            got = _stream_and_kill(route, sampling, hop, LONG if name == "long" else PROMPT, name == "long")
             lost, snap = got["killed"], got["snapshot"]
             assert got["error"] is None and got["text"] == want[name], (hop, got["error"], got["text"], want[name])
             # the telemetry shows the repair: its phase, the node lost, a spare of its range, the pause
             assert snap["phase"] == "done" and lost not in [h["node"] for h in snap["route"]], snap
             (repair,) = snap["repairs"]
             layers = {n["node"]: n["layers"] for n in route.node_table()}
-            assert repair["lost"] == lost and repair["phase"] == "decode" and repair["at_token"] >= KILL_AT - 1
-            assert [layers[n] for n in repair["replacement"]] == [layers[lost]], (repair, layers)
+            assert repair["lost"] == lost and [layers[n] for n in repair["replacement"]] == [layers[lost]], repair
+            if name == "long":  # lost mid-prompt: the replacement computes the whole prompt, no token came yet
+                assert repair["phase"] == "prefill" and repair["at_token"] == 0
+            else:
+                assert repair["phase"] == "decode" and repair["at_token"] >= KILL_AT - 1
+                assert 0 < repair["detect_ms"] < 2000, repair
             assert repair["rebuild"]["done"] == repair["rebuild"]["total"] >= repair["at_token"]
-            assert 0 < repair["detect_ms"] < 2000 and 0 < repair["pause_ms"] < 5000, repair
+            assert 0 < repair["pause_ms"] < 5000, repair
             assert "repairing" in got["phases"] and got["phases"][-1] == "done"
             assert got["usage"]["completion_tokens"] == MAX_TOKENS and got["usage"]["repairs"] == 1
-        assert _metric(route, "dgr_route_repairs_total") == 3
+        assert _metric(route, "dgr_route_repairs_total") == 4
         assert _metric(route, "dgr_route_session_failures_total") == 0
         # nothing is left on the nodes that lived, the replacements included
         live = [n["node"] for n in route.node_table() if n["alive"]]
