@@ -52,6 +52,8 @@ def cmd_tracker(args) -> int:
         spec_k=args.spec_k,
         spec_exact=args.spec_exact,
         spec_allow=frozenset(args.spec_allow.split(",")) - {"none"},
+        resume=args.resume,
+        max_repairs=args.max_repairs,
     )
     admission = Admission(load_join_token(args.join_token_file),
                           frozenset(parse_public_key(k) for k in args.allow_node))
@@ -391,6 +393,13 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                         "can then time whether someone sent the same prefix lately (spec/security.md)")
     p.add_argument("--admission-wait-s", type=float, default=10.0,
                    help="a request that finds every route full waits this long for a slot before its 429")
+    p.add_argument("--resume", action="store_true",
+                   help="a node lost mid-answer no longer ends the stream: the route is repaired onto a node that "
+                        "holds its layers (a spare) and the answer goes on, token for token. Only where the "
+                        "continuation is exact (greedy, or seeded sampling, without speculation); otherwise, "
+                        "and by default, the session fails route_node_lost")
+    p.add_argument("--max-repairs", type=int, default=3, metavar="N",
+                   help="with --resume: repairs one Route Session may have; the next loss fails it (default 3)")
 
 
 # The tools' subcommands, each registered by its own module. Only the one being run is imported (all of
@@ -498,6 +507,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="a tracker and N nodes on 127.0.0.1, each its own process")
     p.add_argument("--nodes", type=positive_int, default=1)
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="N more nodes for each layer range, holding layers already covered (nodeI-spareJ): a "
+                        "tracker with --resume repairs a route that loses a node onto one of them")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512)

@@ -48,6 +48,7 @@ class TrackerMetrics:
     prefix_reused_tokens_total: Counter = attrs.field(init=False)
     generated_tokens_total: Counter = attrs.field(init=False)
     reopens_total: Counter = attrs.field(init=False)
+    repairs_total: Counter = attrs.field(init=False)
     ttft_seconds: Histogram = attrs.field(init=False)
     token_latency_seconds: Histogram = attrs.field(init=False)
     hop_latency_seconds: Histogram = attrs.field(init=False)
@@ -64,6 +65,8 @@ class TrackerMetrics:
         self.generated_tokens_total = Counter("dgr_generated_tokens_total", "Tokens generated", registry=r)
         self.reopens_total = Counter("dgr_route_reopens_total", "Route Sessions moved, once the head answered, to "
                                      "the route whose nodes kept the prompt's prefix", registry=r)
+        self.repairs_total = Counter("dgr_route_repairs_total", "Route Sessions' routes repaired after a node "
+                                     "loss (--resume), counted as each repair starts", registry=r)
         self.ttft_seconds = Histogram("dgr_time_to_first_token_seconds", "Request start to first token", registry=r,
                                       buckets=_TTFT_BUCKETS)
         self.token_latency_seconds = Histogram("dgr_token_latency_seconds", "Time between generated tokens",

@@ -3,6 +3,12 @@
 One sampler for every backend, run on the tail node, so the same logits give
 the same token whatever produced them. Temperature 0 is argmax: greedy and
 deterministic.
+
+A seeded sampler draws exactly one uniform a token (a nucleus of one token
+too), so its stream's position is the count of tokens it sampled. A route
+repaired mid-answer (dgr.tracker.repair) opens its new tail with `drawn`,
+the tokens already streamed, and the stream goes on from there, not from
+its start: the repaired answer is the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # draws the session's seeded stream made already (a repaired route's tail goes on there); an open omits 0
+    drawn: int = attrs.field(default=0, metadata={"omit": 0})
 
     def __attrs_post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 2.0):
@@ -39,6 +47,9 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
             raise CallerError(Reason.INVALID_REQUEST, "'seed' must be an integer in [0, 2^63)", param="seed")
+        drawn = self.drawn
+        if isinstance(drawn, bool) or not isinstance(drawn, int) or not 0 <= drawn < SEED_LIMIT:
+            raise CallerError(Reason.INVALID_REQUEST, "'drawn' must be an integer in [0, 2^63)", param="drawn")
 
 
 @attrs.define
@@ -48,6 +59,8 @@ class Sampler:
 
     def __attrs_post_init__(self) -> None:
         self._rng = np.random.default_rng(self.params.seed)
+        if self.params.drawn:  # PCG64: one step a uniform draw, and `sample` makes one a token
+            self._rng.bit_generator.advance(self.params.drawn)
 
     def sample(self, logits: np.ndarray) -> tuple[int, float]:
         """Return (token, log-probability under the model's distribution). logits: [vocab].
@@ -56,7 +69,8 @@ class Sampler:
         drew the token.
         """
         ids, probs = distribution(logits, self.params)
-        tok = int(ids[0]) if ids.shape[0] == 1 else int(ids[self._rng.choice(ids.shape[0], p=probs)])
+        # one draw a token whenever it samples, a nucleus of one too: the stream's position is its token count
+        tok = int(ids[0]) if self.params.temperature == 0.0 else int(ids[self._rng.choice(ids.shape[0], p=probs)])
         z = logits.astype(np.float32, copy=False)
         top = float(z.max())
         return tok, float(z[tok]) - (top + float(np.log(np.exp(z - top, dtype=np.float32).sum(dtype=np.float64))))

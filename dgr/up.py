@@ -5,6 +5,10 @@ The layers are split so that every shard's decode step costs about the same
 cores / nodes threads so llama.cpp's spinning threads never oversubscribe
 the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
+`--spares N` starts N more nodes for each range (`nodeI-spareJ`), holding
+layers already covered: a tracker with `--resume` repairs a route that loses
+a node onto one of them (dgr.tracker.repair); until then they are ordinary
+members that routing spreads sessions over.
 
 `dgr up` binds the tracker's socket and hands it to the tracker process
 (`--listen-fd`), so the tracker's address is known before it runs and the
@@ -48,7 +52,7 @@ from dgr.security.secrets import JOIN_ENV, load_join_token, new_secret
 from dgr.security.certs import pin_text
 from dgr.security.tls import TlsTrust, httpx_default_trust
 
-__all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "READY_TIMEOUT_S"]
+__all__ = ["run_up", "even_split", "route_splits", "node_args", "tracker_args", "node_names", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 900.0  # a node's first start on a large model hashes its file (dgr.digest)
 TRACKER_HOST = "127.0.0.1"
@@ -62,6 +66,13 @@ def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerR
     from dgr.plan import layout_from_gguf, plan_even
 
     return plan_even(layout_from_gguf(model), n_nodes)
+
+
+def node_names(n_ranges: int, spares: int = 0) -> list[tuple[str, int]]:
+    """(name, the range it holds) of every node of a local route: nodeI for range I, then each range's
+    `spares`, nodeI-spareJ."""
+    return [(f"node{i}", i) for i in range(n_ranges)] + [(f"node{i}-spare{j}", i) for i in range(n_ranges)
+                                                         for j in range(spares)]
 
 
 def even_split(n_layers: int, n_nodes: int) -> list[LayerRange]:
@@ -162,13 +173,13 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
     if getattr(args, "api_key_file", None):
         cmd += ["--api-key-file", str(args.api_key_file)]
     for flag in ("max_prompt_tokens", "max_prompt_bytes", "max_tokens_cap", "max_session_s", "slow_client_s",
-                 "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow"):
+                 "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow", "max_repairs"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     for key in getattr(args, "trusted_head", None) or ():
         cmd += ["--trusted-head", key]
-    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes", "spec_exact", "tls"):
+    for flag in ("no_prefix_reuse", "prefix_exact", "share_prefixes", "spec_exact", "tls", "resume"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
@@ -199,7 +210,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     splits = route_splits(model, n_layers, args.nodes)
     if args.backend == "llama_shard":
         check_shard_ranges(model, splits)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (args.nodes * (1 + getattr(args, "spares", 0))))
     placements = Placement.per_node(args, len(splits))  # refused before any process starts
     try:
         listening = listening_socket(TRACKER_HOST, args.port)
@@ -207,8 +218,12 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
         raise CallerError(Reason.INVALID_REQUEST, f"dgr up cannot listen on {TRACKER_HOST}:{args.port}: "
                                                   f"{exc.strerror or exc}") from None
     url = f"{'https' if getattr(args, 'tls', False) else 'http'}://{TRACKER_HOST}:{listening.getsockname()[1]}"
+    spares = getattr(args, "spares", 0)
+    if spares < 0:
+        raise CallerError(Reason.INVALID_REQUEST, f"--spares {spares}: a count of spare nodes per range is 0 or more")
     print(f"dgr up: tracker at {url}; starting {args.nodes} {args.backend} node(s): "
-          + ", ".join(str(s) for s in splits), file=sys.stderr)
+          + ", ".join(str(s) for s in splits) + (f", and {spares} spare(s) of each" if spares else ""),
+          file=sys.stderr)
     # The tracker's socket is bound here and handed over, so its address is known before it runs:
     # the nodes start at the same time (their model loads are most of a start once the imports are
     # done, dgr.forks), and a registration that comes before the tracker serves waits in the
@@ -218,9 +233,9 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
     try:
         with listening:
             roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno(), model=model))]
-            roles += [(f"node{i}", node_args(args, layers, url, f"node{i}", threads, keys / f"node{i}.key",
-                                             tail=i == len(splits) - 1, placement=placements[i]))
-                      for i, layers in enumerate(splits)]
+            roles += [(name, node_args(args, splits[i], url, name, threads, keys / f"{name}.key",
+                                       tail=i == len(splits) - 1, placement=placements[i]))
+                      for name, i in node_names(len(splits), spares)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]
                 children.append((name, fork_dgr(name, argv, entry, env=env, close_fds=held, detach=[listening],
@@ -237,11 +252,15 @@ async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], spli
     async with trio.open_nursery() as nursery:
         with trio.fail_after(READY_TIMEOUT_S):
             ready: list[LayerRange] = []
-            layers_of = {f"node{i}": layers for i, layers in enumerate(splits)}
+            layers_of = {name: splits[i] for name, i in node_names(len(splits), getattr(args, "spares", 0))}
 
             async def start(name: str, child: ForkedProcess) -> None:
                 await nursery.start(functools.partial(run_child, fatal=name == "tracker"), name, child)
                 if name not in layers_of:
+                    return
+                if "-spare" in name:  # its layers are covered already: the bar counts the route's own
+                    print(f"dgr up: {name} ready (a spare), layers {layers_of[name]}, pid {child.pid}",
+                          file=sys.stderr)
                     return
                 ready.append(layers_of[name])
                 covered = sum(len(r) for r in ready)

@@ -18,6 +18,7 @@ from dgr.fsm.route import ROUTE_TABLE, Hop, RouteEvent, RouteSession, RouteState
 from dgr.fsm.stop import Next, next_step
 
 HOPS = (Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 30))
+SPARE = (Hop("a", "http://a", 0, 10), Hop("b2", "http://b2", 10, 30))  # b's range on a spare
 
 
 # -- node session ----------------------------------------------------------------
@@ -128,6 +129,10 @@ def _route_in(state: RouteState) -> RouteSession:
     if state is RouteState.FAILED:
         rs.fail(Failure(Reason.NO_ROUTE, "none"), 0.1)
         return rs
+    if state is RouteState.REPAIRING:  # b lost mid-answer; no replacement chosen yet
+        rs = _route_in(RouteState.DECODE)
+        rs.node_lost("b", 0.5)
+        return rs
     for target in path[: path.index(state) + 1] if state in path else []:
         _apply_route(rs, {RouteState.ROUTING: RouteEvent.START_ROUTING, RouteState.PREFILL: RouteEvent.ROUTE_READY,
                           RouteState.DECODE: RouteEvent.TOKEN, RouteState.DONE: RouteEvent.FINISH}[target])
@@ -146,6 +151,14 @@ def _apply_route(rs: RouteSession, event: RouteEvent) -> None:
         rs.token(now)
     elif event is RouteEvent.FINISH:
         rs.finish("stop", now)
+    elif event is RouteEvent.NODE_LOST:
+        rs.node_lost("b", now)
+    elif event is RouteEvent.ROUTE_REPAIRED:
+        rs.route_repaired(SPARE, 0, rs.prompt_tokens + rs.generated, now)
+    elif event is RouteEvent.REPAIR_PROGRESS:
+        if rs.state is RouteState.REPAIRING:  # progress is the replacement's: it must be open first
+            rs.route_repaired(SPARE, 0, rs.prompt_tokens + rs.generated, now)
+        rs.repair_progress(1, now)
     elif event is RouteEvent.ABORT:
         rs.abort(Failure(Reason.SLOW_CLIENT, "slow"), now)
     else:
@@ -193,6 +206,39 @@ def test_route_keeps_the_first_abort_and_every_lost_node_and_bills_only_completi
     with pytest.raises(CallerError):
         rs.abort(Failure(Reason.CANCELLED, "late"), 7.0)
     assert rs.pending.node == "a"
+
+
+def test_a_repair_records_the_lost_node_its_replacement_and_the_pause() -> None:
+    rs = _route_in(RouteState.DECODE)  # prompt of 10, one token at t=1
+    rs.token(2.0)
+    snap = rs.node_lost("b", 2.25)
+    assert snap["phase"] == "repairing" and snap["health"] == "repairing"
+    assert snap["repairs"][0] | {"route": [], "replacement": []} == snap["repairs"][0]
+    with pytest.raises(CallerError):
+        rs.repair_progress(3, 2.3)  # nothing to rebuild before the replacement is open: nothing changes
+    with pytest.raises(CallerError):
+        rs.finish("stop", 2.3)
+    snap = rs.route_repaired(SPARE, 4, 12, 2.5)
+    assert [h["node"] for h in snap["route"]] == ["a", "b2"] and snap["phase"] == "repairing"
+    with pytest.raises(CallerError):
+        rs.route_repaired(SPARE, 4, 12, 2.6)  # one replacement a loss
+    rs.repair_progress(8, 2.75)
+    snap = rs.token(3.0)
+    assert snap["phase"] == "decode" and rs.generated == 3 and rs.first_token_at == 1.0
+    assert snap["repairs"] == [{"lost": "b", "phase": "decode", "at_token": 2, "route": ["a", "b2"],
+                                "replacement": ["b2"], "rebuild": {"reused": 4, "done": 12, "total": 12},
+                                "pause_ms": 1000.0, "detect_ms": 250.0, "reroute_ms": 250.0, "rebuild_ms": 500.0}]
+    rs.finish("length", 4.0)
+    assert rs.state is RouteState.DONE and len(rs.repairs) == 1 and rs.lost == frozenset()
+
+
+def test_a_node_lost_in_prefill_or_while_repairing_opens_another_repair() -> None:
+    rs = _route_in(RouteState.PREFILL)
+    rs.node_lost("b", 2.0)
+    rs.node_lost("a", 2.5)  # before the first replacement opened
+    assert [(r.lost, r.phase, r.since) for r in rs.repairs] == [("b", "prefill", 2.0), ("a", "repairing", 2.5)]
+    rs.fail(Failure(Reason.NO_ROUTE, "no spare"), 3.0)
+    assert rs.failure.phase == "repairing" and rs.ended
 
 
 def test_every_state_appears_in_its_table() -> None:
@@ -317,7 +363,7 @@ class RouteSessionMachine(RuleBasedStateMachine):
     calls are legal in which state, and what they do to the counters.
     """
 
-    LIVE = ("created", "routing", "prefill", "decode")
+    LIVE = ("created", "routing", "prefill", "decode", "repairing")
 
     def __init__(self) -> None:
         super().__init__()
@@ -331,6 +377,10 @@ class RouteSessionMachine(RuleBasedStateMachine):
         self.done = 0
         self.phase: str | None = None
         self.now = 0.0
+        self.repairs: list[tuple[str, str]] = []  # (node lost, the phase it was lost in)
+        self.routed = False  # the open repair's replacement is open
+        self.rebuild = (0, 0)  # its (done, total) positions
+        self.resumed = 0  # repairs closed by a token
 
     def _expect(self, ok: bool, call) -> bool:
         """Call the real session; a call the model calls illegal must raise and change nothing."""
@@ -364,9 +414,11 @@ class RouteSessionMachine(RuleBasedStateMachine):
 
     @rule(completion=st.booleans())
     def token(self, completion: bool) -> None:
-        if self._expect(self.state in ("prefill", "decode"), lambda now: self.rs.token(now, completion)):
-            if self.state == "prefill":
+        if self._expect(self.state in ("prefill", "decode", "repairing"), lambda now: self.rs.token(now, completion)):
+            if self.state != "decode":
                 self.done = self.prompt  # the first token means the whole prompt went through
+            if self.state == "repairing":
+                self.resumed += 1
             self.state = "decode"
             self.tokens += 1
             self.billed += completion
@@ -384,6 +436,26 @@ class RouteSessionMachine(RuleBasedStateMachine):
     def finish(self) -> None:
         if self._expect(self.state == "decode", lambda now: self.rs.finish("stop", now)):
             self.state = "done"
+
+    @rule(node=st.sampled_from(["a", "b"]))
+    def node_lost(self, node: str) -> None:
+        if self._expect(self.state in ("prefill", "decode", "repairing"), lambda now: self.rs.node_lost(node, now)):
+            self.repairs.append((node, self.state))
+            self.state, self.routed = "repairing", False
+
+    @rule(reused=st.integers(-1, 6), extra=st.integers(-1, 6))
+    def route_repaired(self, reused: int, extra: int) -> None:
+        total = reused + extra
+        ok = self.state == "repairing" and not self.routed and 0 <= reused < total
+        if self._expect(ok, lambda now: self.rs.route_repaired(SPARE, reused, total, now)):
+            self.routed, self.rebuild = True, (reused, total)
+
+    @rule(delta=st.integers(-2, 6))
+    def repair_progress(self, delta: int) -> None:
+        done, total = self.rebuild[0] + delta, self.rebuild[1]
+        ok = self.state == "repairing" and self.routed and self.rebuild[0] <= done <= total
+        if self._expect(ok, lambda now: self.rs.repair_progress(done, now)):
+            self.rebuild = (done, total)
 
     @rule()
     def fail(self) -> None:
@@ -404,6 +476,13 @@ class RouteSessionMachine(RuleBasedStateMachine):
         assert (self.rs.failure is not None) == (self.state == "failed")
         if self.rs.failure is not None:
             assert self.rs.failure.phase == self.phase
+        assert [(r.lost, r.phase) for r in self.rs.repairs] == self.repairs
+        assert sum(r.resumed_at is not None for r in self.rs.repairs) == self.resumed
+        if self.state == "repairing":
+            last = self.rs.repairs[-1]
+            assert (last.routed_at is not None) == self.routed and last.resumed_at is None
+            if self.routed:
+                assert (last.rebuilt, last.total) == self.rebuild
 
 
 TestNodeSessionMachine = NodeSessionMachine.TestCase

@@ -97,7 +97,7 @@ def test_a_routes_board_lives_while_its_sessions_hold_lanes() -> None:
     gw = Gateway(Registry())
     hops = (Hop("n0", "http://n0", 0, 15), Hop("n1", "http://n1", 15, 30))
     req = parse_request({"model": "stub", "prompt": "hi"}, "completion")
-    openings = [gw.admission._opening(req, RouteSession(sid, "stub", 0.0), RouteChoice(hops, (), "digest"), None)
+    openings = [gw.admission.opening(req, RouteSession(sid, "stub", 0.0), RouteChoice(hops, (), "digest"), None)
                 for sid in ("s0", "s1", "s2")]
     board = openings[0].board
     assert all(o.board is board for o in openings) and [o.lane for o in openings] == [0, 1, 2]

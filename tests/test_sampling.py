@@ -34,3 +34,16 @@ def test_every_accepted_temperature_gives_a_token_and_a_finite_logprob(temperatu
     z = _logits(seed, 64)
     tok, logprob = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed)).sample(z)
     assert 0 <= tok < z.shape[0] and math.isfinite(logprob) and logprob <= 0
+
+
+@given(seed=st.integers(0, 2**32), cut=st.integers(0, 24), top_p=st.sampled_from([1.0, 0.5, 0.01]),
+       temperature=st.sampled_from([0.0, 0.3, 1.0]))
+def test_a_seeded_sampler_opened_with_drawn_goes_on_where_the_stream_was(seed, cut, top_p, temperature) -> None:
+    """A repaired route's tail (dgr.tracker.repair) samples the tokens the uninterrupted one would: its sampler
+    starts `drawn` tokens into the stream, a nucleus of one token counting as a draw too (top_p 0.01)."""
+    rows = [_logits(seed + i, 64) for i in range(32)]
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    whole = Sampler(params)
+    want = [whole.sample(z)[0] for z in rows]
+    resumed = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed, drawn=cut))
+    assert [resumed.sample(z)[0] for z in rows[cut:]] == want[cut:]

@@ -25,8 +25,10 @@ def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_r
     # .may_hold, which the head no longer judges, PrefixCache.may_hold gone; _continues, _mark_key, _remember), and
     # routes compared on what differs with a random last tie (routing._settle, draw). + 1 net: a session's end
     # drops the capabilities verified for it (NodeSessions._forget, NodeTrust.forget; a node kept the tokens of its
-    # last 2,048 sessions), and issue 58's cuts took one stop off
-    assert result["stops"] <= 274 and result["modules"] <= 53, (result["stops"], result["modules"])
+    # last 2,048 sessions), and issue 58's cuts took one stop off. + 2 (issue 54, a stream survives a node loss):
+    # the driver runs one route at a time (Gateway._run), so that a repaired route runs in the same loop, and a
+    # route's snapshot rows are made by one function for its first route and a repaired one (route._route_json)
+    assert result["stops"] <= 276 and result["modules"] <= 53, (result["stops"], result["modules"])
     assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
     modules = result["per_module"]
     # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's

@@ -168,14 +168,19 @@ def parse_request(body: dict[str, Any], kind: Literal["chat", "completion"]) -> 
     )
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage block; `cached_tokens` are prompt tokens whose KV a kept prefix supplied."""
-    return {
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, repairs: int = 0
+               ) -> dict[str, Any]:
+    """OpenAI's usage block; `cached_tokens` are prompt tokens whose KV a kept prefix supplied; `repairs`, dgr's
+    own and only where there were some, the times the answer's route lost a node and was repaired (--resume)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if repairs:
+        body["repairs"] = repairs
+    return body
 
 
 def _ids(req: GenerationRequest, sid: str) -> tuple[str, str]:

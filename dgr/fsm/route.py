@@ -1,13 +1,24 @@
 """Route Session: one client request's life across an Inference Route.
 
 Contract:
-- States: created -> routing -> prefill -> decode -> done | failed. done and
-  failed are terminal. Failure is sticky: it records one `Failure` (reason
-  code, node, phase, step, message) and every later event raises.
+- States: created -> routing -> prefill -> decode -> done | failed, and
+  repairing, entered from prefill or decode. done and failed are terminal.
+  Failure is sticky: it records one `Failure` (reason code, node, phase,
+  step, message) and every later event raises.
 - routing: the tracker picks a sticky route and opens a node session on each
   hop. prefill: prompt chunks flow through the hops; `prefill_progress`
   counts positions done at the tail. The first generated token moves the
   session to decode. Each further token is a decode step.
+- repairing (issue 54, `--resume`): a node was lost and the gateway repairs
+  the route instead of failing. NODE_LOST opens a `Repair` (the node, the
+  phase it was lost in, the token count and the last token's time);
+  ROUTE_REPAIRED names the replacement route once its node sessions are open;
+  REPAIR_PROGRESS counts the positions it has rebuilt; the replacement's
+  first TOKEN closes the repair (its pause: from the last token before the
+  loss, or the loss itself in prefill, to this one) and moves to decode,
+  where the session would have gone. A node lost while repairing opens
+  another `Repair`. Whether to repair at all (exactness, `--max-repairs`) is
+  the driver's: this machine only records.
 - Every transition returns a telemetry snapshot, so a driver can publish one
   event per change with no extra bookkeeping.
 - The lifecycle facts a driver acts on are recorded here, by events, not
@@ -23,7 +34,8 @@ time passed in; this module holds no clock and does no I/O. Rolling tokens/s
 is computed over the last `RATE_WINDOW` token times.
 
 Left out: the route choice itself (dgr.tracker.routing), text (stop strings
-and detokenizing live in dgr.api), and repair: alpha never repairs a route.
+and detokenizing live in dgr.api), and the repair's own work: choosing and
+opening the replacement (dgr.tracker.repair).
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ import attrs
 from dgr.errors import CallerError, Failure, Reason
 from dgr.fsm.machine import Transition, TransitionTable
 
-__all__ = ["RouteState", "RouteEvent", "ROUTE_TABLE", "RouteSession", "Hop", "RATE_WINDOW"]
+__all__ = ["RouteState", "RouteEvent", "ROUTE_TABLE", "RouteSession", "Hop", "Repair", "RATE_WINDOW"]
 
 RATE_WINDOW = 16
 
@@ -48,6 +60,7 @@ class RouteState(enum.Enum):
     ROUTING = "routing"
     PREFILL = "prefill"
     DECODE = "decode"
+    REPAIRING = "repairing"
     DONE = "done"
     FAILED = "failed"
 
@@ -58,13 +71,17 @@ class RouteEvent(enum.Enum):
     PREFILL_PROGRESS = "prefill_progress"
     TOKEN = "token"
     FINISH = "finish"
+    NODE_LOST = "node_lost"
+    ROUTE_REPAIRED = "route_repaired"
+    REPAIR_PROGRESS = "repair_progress"
     ABORT = "abort"
     FAIL = "fail"
 
 
-_LIVE = (RouteState.CREATED, RouteState.ROUTING, RouteState.PREFILL, RouteState.DECODE)
+_LIVE = (RouteState.CREATED, RouteState.ROUTING, RouteState.PREFILL, RouteState.DECODE, RouteState.REPAIRING)
 # a snapshot's health by state; a live session past routing is "ok" once it has its route, else "unknown"
-_HEALTH = {RouteState.CREATED: "ok", RouteState.ROUTING: "ok", RouteState.DONE: "closed", RouteState.FAILED: "failed"}
+_HEALTH = {RouteState.CREATED: "ok", RouteState.ROUTING: "ok", RouteState.REPAIRING: "repairing",
+           RouteState.DONE: "closed", RouteState.FAILED: "failed"}
 
 ROUTE_TABLE: TransitionTable[RouteState, RouteEvent] = TransitionTable(
     machine="route_session",
@@ -78,6 +95,16 @@ ROUTE_TABLE: TransitionTable[RouteState, RouteEvent] = TransitionTable(
         Transition(RouteState.PREFILL, RouteEvent.TOKEN, RouteState.DECODE, "first token sampled"),
         Transition(RouteState.DECODE, RouteEvent.TOKEN, RouteState.DECODE, "one more token"),
         Transition(RouteState.DECODE, RouteEvent.FINISH, RouteState.DONE, "stop, EOS or max_tokens"),
+        Transition(RouteState.PREFILL, RouteEvent.NODE_LOST, RouteState.REPAIRING, "a node lost mid-prompt: repair"),
+        Transition(RouteState.DECODE, RouteEvent.NODE_LOST, RouteState.REPAIRING, "a node lost mid-answer: repair"),
+        Transition(RouteState.REPAIRING, RouteEvent.NODE_LOST, RouteState.REPAIRING,
+                   "another node lost before the repair ended: one repair more"),
+        Transition(RouteState.REPAIRING, RouteEvent.ROUTE_REPAIRED, RouteState.REPAIRING,
+                   "the replacement route is open; it rebuilds the KV"),
+        Transition(RouteState.REPAIRING, RouteEvent.REPAIR_PROGRESS, RouteState.REPAIRING,
+                   "a rebuilt chunk left the replacement's tail"),
+        Transition(RouteState.REPAIRING, RouteEvent.TOKEN, RouteState.DECODE,
+                   "the replacement's first token: repaired, the answer goes on"),
         *(Transition(s, RouteEvent.ABORT, s, "a failure asked for from outside the driver (the first is kept)")
           for s in _LIVE),
         *(Transition(s, RouteEvent.FAIL, RouteState.FAILED, "structured failure") for s in _LIVE),
@@ -93,6 +120,42 @@ class Hop:
     url: str
     start: int
     stop: int
+
+
+@attrs.frozen
+class Repair:
+    """One repair of a Route Session's route (issue 54): the node lost, what replaced it, and the pause.
+
+    Times are the driver's clock. `since` is the last token's time before the loss (the loss's own where no
+    token had come), so `pause` is what a streaming client saw between two tokens.
+    """
+
+    lost: str  # the node lost
+    phase: str  # the state the session was in: prefill, decode, or repairing (a loss during a repair)
+    at_token: int  # tokens streamed before the loss
+    since: float
+    lost_at: float  # when the driver learned of the loss
+    route: tuple[str, ...] = ()  # the replacement route, once open
+    replacement: tuple[str, ...] = ()  # its nodes that were not on the route before
+    routed_at: float | None = None
+    reused: int = 0  # positions the replacement route held already (a kept prefix on every hop)
+    total: int = 0  # positions it needs before its first token: the prompt and every token streamed
+    rebuilt: int = 0  # positions it has computed of those (REPAIR_PROGRESS)
+    resumed_at: float | None = None  # its first token
+
+    def to_json(self) -> dict[str, Any]:
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((b - a) * 1e3, 3)
+
+        return {"lost": self.lost, "phase": self.phase, "at_token": self.at_token, "route": list(self.route),
+                "replacement": list(self.replacement), "rebuild": {"reused": self.reused, "done": self.rebuilt,
+                                                                   "total": self.total},
+                "pause_ms": ms(self.since, self.resumed_at), "detect_ms": ms(self.since, self.lost_at),
+                "reroute_ms": ms(self.lost_at, self.routed_at), "rebuild_ms": ms(self.routed_at, self.resumed_at)}
+
+
+def _route_json(route: tuple[Hop, ...]) -> list[dict[str, Any]]:
+    return [{"node": h.node_id, "url": h.url, "layers": f"{h.start}:{h.stop}"} for h in route]
 
 
 @attrs.define
@@ -127,6 +190,7 @@ class RouteSession:
     tokens_per_second: float = 0.0  # over the last RATE_WINDOW token times: it changes only when a token comes
     # whose it is: the caller's isolation scope (a hash of its API key), so that only it sees the session's telemetry
     owner: str = ""
+    repairs: tuple[Repair, ...] = ()  # every repair of its route, the open one last while repairing
     _token_times: collections.deque[float] = attrs.field(
         factory=functools.partial(collections.deque, maxlen=RATE_WINDOW))
 
@@ -157,7 +221,7 @@ class RouteSession:
                                                       "at least one must be prefilled")
         self._move(RouteEvent.ROUTE_READY, now)
         self.route = route
-        self.route_json = [{"node": h.node_id, "url": h.url, "layers": f"{h.start}:{h.stop}"} for h in route]
+        self.route_json = _route_json(route)
         self.prompt_tokens = prompt_tokens
         self.prefix_reused = self.prefill_done = prefix_reused
         return self.snapshot(now)
@@ -177,9 +241,13 @@ class RouteSession:
         ends generation); `hop_ms`: each hop's seam overhead, where its answer measured it."""
         previous = self.state
         self._move(RouteEvent.TOKEN, now)
-        if previous is RouteState.PREFILL:
+        if previous is not RouteState.DECODE:  # prefill's token, or the first after a repair (in either)
             self.prefill_done = self.prompt_tokens
-            self.first_token_at = now
+            if self.first_token_at is None:
+                self.first_token_at = now
+        if previous is RouteState.REPAIRING:  # the replacement computed every position it lacked
+            last = self.repairs[-1]
+            self.repairs = (*self.repairs[:-1], attrs.evolve(last, resumed_at=now, rebuilt=last.total))
         self.generated += 1
         self.completion_tokens += completion
         if hop_ms:
@@ -187,6 +255,42 @@ class RouteSession:
         times = self._token_times
         times.append(now)
         self.tokens_per_second = (len(times) - 1) / (times[-1] - times[0]) if times[-1] > times[0] else 0.0
+        return self.snapshot(now)
+
+    def node_lost(self, node: str, now: float) -> dict[str, Any]:
+        """`node` was lost and the driver repairs the route (it judged the repair exact and allowed)."""
+        phase = self.state.value
+        self._move(RouteEvent.NODE_LOST, now)
+        since = self._token_times[-1] if self._token_times else now
+        self.repairs = (*self.repairs, Repair(node, phase, self.generated, since, now))
+        return self.snapshot(now)
+
+    def route_repaired(self, route: tuple[Hop, ...], reused: int, total: int, now: float) -> dict[str, Any]:
+        """The replacement `route` is open; it holds `reused` of the `total` positions it needs before it
+        samples (the prompt and every token streamed)."""
+        if not route:
+            raise CallerError(Reason.INVALID_REQUEST, "a route needs at least one hop")
+        if self.repairs and self.repairs[-1].routed_at is not None and self.state is RouteState.REPAIRING:
+            raise CallerError(Reason.INVALID_REQUEST, "this repair's replacement is open already: a loss is "
+                                                      "repaired once, a new loss opens a new repair")
+        if not 0 <= reused < total:
+            raise CallerError(Reason.INVALID_REQUEST, f"{reused} reused of {total} positions: at least one must "
+                                                      "be computed")
+        self._move(RouteEvent.ROUTE_REPAIRED, now)
+        before = {h.node_id for h in self.route}
+        self.repairs = (*self.repairs[:-1], attrs.evolve(
+            self.repairs[-1], route=tuple(h.node_id for h in route), routed_at=now, reused=reused, total=total,
+            rebuilt=reused, replacement=tuple(h.node_id for h in route if h.node_id not in before)))
+        self.route, self.route_json = route, _route_json(route)
+        return self.snapshot(now)
+
+    def repair_progress(self, done: int, now: float) -> dict[str, Any]:
+        """The replacement route has computed its first `done` positions."""
+        repair = self.repairs[-1] if self.repairs else None
+        if repair is None or repair.routed_at is None or not repair.rebuilt <= done <= repair.total:
+            raise CallerError(Reason.INVALID_REQUEST, f"repair progress {done} outside what the open repair rebuilds")
+        self._move(RouteEvent.REPAIR_PROGRESS, now)
+        self.repairs = (*self.repairs[:-1], attrs.evolve(repair, rebuilt=done))
         return self.snapshot(now)
 
     def speculated(self, k: int, accepted: int) -> None:
@@ -250,5 +354,6 @@ class RouteSession:
             "health": _HEALTH.get(self.state, "ok" if self.route else "unknown"),
             "finish_reason": self.finish_reason,
             "failure": None if self.failure is None else self.failure.to_json(),
+            "repairs": [r.to_json() for r in self.repairs],
             "elapsed_ms": round(((self.ended_at or now) - self.created_at) * 1e3, 3),
         }

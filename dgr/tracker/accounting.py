@@ -62,6 +62,8 @@ class Accounting:
                 if hop is None:  # its labels looked up once per node, not per token
                     hop = self._hop_latency[node_id] = self.metrics.hop_latency_seconds.labels(node=node_id)
                 hop.observe(ms / 1e3)
+        elif event is RouteEvent.NODE_LOST:
+            self.metrics.repairs_total.inc()
         elif event in (RouteEvent.FINISH, RouteEvent.FAIL):
             self._last_token.pop(rs.sid, None)
             self.metrics.sessions_total.labels(outcome=rs.state.value).inc()

@@ -118,7 +118,7 @@ class Admission:
         try:
             choice = await self._admit(req.model)
             before = {n.node_id: n.routed_at for n in choice.nodes}  # its turn, given back if affinity replaces it
-            reserved = self._hold(choice.nodes, now)
+            reserved = self.hold(choice.nodes, now)
             info = choice.nodes[0].model
             # The context is what every hop allocates per session (--ctx), not the training context.
             context = min([info.context_length, *(n.max_positions for n in choice.nodes)])
@@ -127,12 +127,12 @@ class Admission:
                     if cfg.prefix_reuse else None)
             max_new = req.max_tokens if cfg.max_tokens_cap is None else min(req.max_tokens, cfg.max_tokens_cap)
             bounds = Bounds(req.sampling, context, max_new, info.vocab_size, cfg.max_prompt_tokens)
-            offered, offer = self._offer(prompt, root)
+            offered, offer = self.offer(prompt, root)
             expect: dict[str, int] = {}  # node id -> the positions its named key said it holds (Affinity.take)
             if prompt is not None:  # the ids are known: choose the route by its kept prefix before any open
                 choice, reserved, expect = self._rechoose(choice, reserved, offer, context, now, before)
             known = Known.IDS if prompt is not None else Known.TEXT
-            opening = self._opening(req, rs, choice, bounds)
+            opening = self.opening(req, rs, choice, bounds)
             while True:  # the trips dgr.fsm.opening plans, from what is known
                 trip = plan(known, opening.spec is not None, len(opening.hops) == 1)
                 if not trip.empty:
@@ -140,15 +140,15 @@ class Admission:
                 if trip.then is Then.READY:
                     break
                 if trip.then is Then.REOPEN:  # its nodes kept this prompt's prefix: open there instead
-                    await self._abandon(opening)
+                    await self.abandon(opening)
                     # under a fresh id: a node opens each id once (dgr.security.tickets), and the holders' route
                     # may share a node with this one; no client or listener has seen the old id
                     rs.sid = uuid.uuid4().hex
                     self.accounting.metrics.reopens_total.inc()
-                    choice, opening, known = better, self._opening(req, rs, better, bounds), Known.IDS
+                    choice, opening, known = better, self.opening(req, rs, better, bounds), Known.IDS
                     continue
                 prompt = self._head_ids(opening.tokens, choice.hops[0], context, token_limit)
-                offered, offer = self._offer(prompt, root)
+                offered, offer = self.offer(prompt, root)
                 better, reserved, expect = self._rechoose(choice, reserved, offer, context, now, before)
                 known = (Known.HELD_ELSEWHERE if better is not choice
                          else Known.REUSABLE if root is not None and self.affinity.may_hold(
@@ -163,6 +163,7 @@ class Admission:
             model_width=info.seam_width, needs_token_ids=info.needs_token_ids, telemetry=Broadcast(),
             send=send, recv=recv, text=TextAssembler(stop=req.stop), caps=opening.caps, prefix_root=root,
             keep_generated=cfg.prefix_keep_generated, phases=opening.board, listener=self.accounting.observe,
+            speculates=opening.spec is not None, node_sid=rs.sid,
         )
         # every node must start from the same position: the shortest prefix any of them holds
         reused = min([offered, *opening.held.values()]) if root is not None else 0
@@ -170,18 +171,21 @@ class Admission:
                      rs.route_ready(choice.hops, len(prompt), trio.current_time(), prefix_reused=reused))
         return live
 
-    def _opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds) -> RouteOpening:
-        """The opening of `choice`'s node sessions: its relay plans, speculation, capabilities and lane on the
-        route's phase board (one a route, made on first use)."""
-        relays = self.credentials.relay_plans(rs.sid, choice.hops, req.ignore_eos)
-        spec = self._speculation(req, choice.nodes)
+    def opening(self, req: GenerationRequest, rs: RouteSession, choice, bounds: Bounds, sid: str | None = None,
+                speculate: bool = True) -> RouteOpening:
+        """The opening of `choice`'s node sessions under `sid` (default: the Route Session's id; a repair's is
+        fresh): its relay plans, speculation (none unless `speculate`), capabilities and lane on the route's
+        phase board (one a route, made on first use)."""
+        sid = sid or rs.sid
+        relays = self.credentials.relay_plans(sid, choice.hops, req.ignore_eos)
+        spec = self._speculation(req, choice.nodes) if speculate else None
         key = tuple(h.node_id for h in choice.hops)
         board = self.phases.get(key)
         if board is None:
             board = self.phases[key] = RoutePhases(len(choice.hops))
-        return RouteOpening(rs.sid, choice.hops, self.clients, self.credentials, self.patience,
+        return RouteOpening(sid, choice.hops, self.clients, self.credentials, self.patience,
                             self.config.step_deadline_s, lambda: rs.state.value, bounds, relays, spec, board,
-                            board.join(rs.sid), self.credentials.capabilities(rs.sid, choice.hops),
+                            board.join(sid), self.credentials.capabilities(sid, choice.hops),
                             prompt_to_tail=self.config.prompt_to_tail(req.speculation or self.config.speculation))
 
     def _rechoose(self, choice, reserved: tuple[NodeEntry, ...], offer: AdoptRequest, context: int, now: float,
@@ -199,13 +203,13 @@ class Admission:
             better = prefer_holders(self.registry.alive(), choice, nodes, trusted=self.registry.trusted_ends,
                                     rng=self.rng)
             if better is None or min(n.max_positions for n in better.nodes) < context:
-                return choice, self._hold(reserved, now), {}
+                return choice, self.hold(reserved, now), {}
             self.release(())  # slots were given back: wake the opens waiting for one
-            return better, self._hold(better.nodes, now), self.affinity.take(offer, better.nodes, at)
+            return better, self.hold(better.nodes, now), self.affinity.take(offer, better.nodes, at)
         return choice, reserved, {}
 
     @staticmethod
-    def _offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
+    def offer(prompt: list[int] | None, root: str | None) -> tuple[int, AdoptRequest]:
         """(positions, the prefix: their block keys and marks) the prompt offers to reuse; none without ids or a
         root."""
         if prompt is None or root is None:
@@ -248,7 +252,7 @@ class Admission:
                                                f"{token_limit} in a context of {context}", node=head.node_id)
         return tokens
 
-    async def _abandon(self, opening: RouteOpening, failure: Failure | None = None) -> None:
+    async def abandon(self, opening: RouteOpening, failure: Failure | None = None) -> None:
         """Close what `opening` opened under its id (owing closes where no answer came) and give its lane back."""
         sid = opening.sid
         with trio.CancelScope(shield=True):
@@ -266,7 +270,7 @@ class Admission:
         exc = first_dgr_error(raised) if isinstance(raised, BaseExceptionGroup) else raised
         failure = _failure_of(exc, rs)
         if opening is not None:
-            await self._abandon(opening, failure)
+            await self.abandon(opening, failure)
         self.release(reserved)
         if failure is not None:
             rs.fail(failure, trio.current_time())
@@ -302,7 +306,7 @@ class Admission:
         return SpecPlan(k_max=cfg.spec_k_max, fixed_k=cfg.spec_k, exact=cfg.spec_exact or mode.endswith("-exact"),
                         source=source)
 
-    def _hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
+    def hold(self, nodes: tuple[NodeEntry, ...], now: float) -> tuple[NodeEntry, ...]:
         for n in nodes:
             n.reserved += 1
             n.turns += 1

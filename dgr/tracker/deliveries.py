@@ -73,7 +73,7 @@ _HOLDER = "dgr.deliver_holder"  # the ASGI scope's key for who holds an answer s
 
 @attrs.define
 class Deliveries:
-    sessions: dict[str, LiveSession]  # the gateway's live sessions (shared, not copied)
+    sessions: dict[str, LiveSession]  # the gateway's live sessions by their node sessions' id (its `routes`, shared)
     clients: NodeClients
     node_lost: Callable[[str, str], None]  # (node id, why): mark it dead and fail its sessions
     strike: Callable[[str, str], None]  # (node id, why): a member caught sending what it may not pays in standing

@@ -22,14 +22,14 @@ Theory of operation:
   avoid it. A node that answers but holds a step past its deadline is blamed
   for it (a strike in the registry, dgr.tracker.blame); once the session's
   one budget of extensions is spent it fails `session_timeout` naming that
-  node. Survivors are told to drop the session's KV (shielded, bounded), and
-  no repair is attempted.
+  node. Survivors are told to drop the session's KV (shielded, bounded).
+- Repair (`--resume`): a `route_node_lost`, however it was noticed, moves the
+  session to a replacement route where dgr.tracker.repair allows, and the
+  loop runs that route from its rebuild on: the client's stream goes on.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
-- Limits (`_watch_sessions`): a session past `max_session_s` fails
-  (`session_timeout`); a streaming one whose reader has not taken a chunk for
-  `slow_client_s` is cancelled (`slow_client`), as is a stream whose body is
-  never started (the client left between `open` and the first chunk) after
-  `unclaimed_stream_s`; each frees the session's KV on every node.
+  Limits (`_watch_sessions`, LiveSession.over_limit) fail a session past
+  `max_session_s`, a stream whose reader stalled or never started; each
+  frees the session's KV on every node.
 - Authorization: with the tracker's key (`authority`), every call for a
   session carries a capability, relay plans carry STEP capabilities and each
   open a single-use ticket (dgr.tracker.credentials). Only the tail delivers
@@ -44,7 +44,7 @@ Theory of operation:
   that KV for the next turn, and admission prefers that route for a prompt
   that extends it.
 - Pruning: a node dead past the registry's `forget_after_s` loses its entry,
-  its pooled connections, its hop stats and its metric labels.
+  pooled connections, hop stats and metric labels.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from dgr.tracker.patience import Patience
 from dgr.tracker.pieces import Vocabularies
 from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.registry import NodeEntry, Registry
+from dgr.tracker.repair import Repairer
 from dgr.tracker.ring import Driver, Ring
 from dgr.tracker.seam_client import NodeClient
 from dgr.tracker.telemetry import Broadcast
@@ -92,7 +93,9 @@ class Gateway:
     tls: TlsTrust = attrs.field(factory=TlsTrust)  # how https nodes are trusted: their registered cert, or a CA
     # each model's token bytes by digest (dgr.tracker.pieces): the tail's answers are checked against them
     vocabularies: Vocabularies = attrs.field(factory=Vocabularies.builtin)
-    sessions: dict[str, LiveSession] = attrs.field(factory=dict)
+    sessions: dict[str, LiveSession] = attrs.field(factory=dict)  # by the Route Session's id, the one clients hold
+    # by the id of their node sessions, the one nodes deliver and report under: a repaired session's is fresh
+    routes: dict[str, LiveSession] = attrs.field(factory=dict)
     accounting: Accounting = attrs.field(init=False)
     clients: NodeClients = attrs.field(init=False)
     patience: Patience = attrs.field(init=False)
@@ -100,6 +103,7 @@ class Gateway:
     admission: Admission = attrs.field(init=False)
     deliveries: Deliveries = attrs.field(init=False)
     driver: Driver = attrs.field(init=False)
+    repairer: Repairer = attrs.field(init=False)
     owed: OwedCloses = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
 
@@ -115,9 +119,11 @@ class Gateway:
                                        self.registry.nodes)
         self.admission = Admission(self.registry, cfg, self.clients, self.patience, self.credentials, self.owe_close,
                                    self.accounting)
-        self.deliveries = Deliveries(self.sessions, self.clients, self.node_lost, self._strike, self.authority,
+        self.deliveries = Deliveries(self.routes, self.clients, self.node_lost, self._strike, self.authority,
                                      self.vocabularies)
         self.driver = Ring(cfg, self.clients, self.patience, self.accounting)
+        self.repairer = Repairer(self.registry, cfg, self.admission, self.clients, self.routes, self.owe_close,
+                                 self.authority)
 
     # what tests and views read of the parts
     @property
@@ -195,39 +201,29 @@ class Gateway:
             self.enforce_limits(trio.current_time())
 
     def enforce_limits(self, now: float) -> list[str]:
-        """Fail sessions past `max_session_s`, cancel streams stalled past `slow_client_s`; return their ids."""
-        cfg, hit = self.config, []
+        """Fail sessions past `max_session_s`, cancel streams stalled past `slow_client_s` (LiveSession.over_limit);
+        return their ids."""
+        hit = []
         for live in list(self.sessions.values()):
-            rs = live.rs
-            if rs.ended:
-                continue
-            if live.unclaimed_since is not None and now - live.unclaimed_since > cfg.unclaimed_stream_s:
-                # Its response was made but its body never started: the client left in between.
-                failure = Failure(Reason.CANCELLED, "the client went away before its stream started")
-            elif cfg.max_session_s is not None and now - rs.created_at > cfg.max_session_s:
-                blamed = live.allowance.blamed if live.allowance is not None else []
-                failure = Failure(Reason.SESSION_TIMEOUT,
-                                  f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s",
-                                  node=blamed[0] if blamed else None)  # the first node that held a step late
-            elif (cfg.slow_client_s is not None and live.writing_since is not None
-                  and now - live.writing_since > cfg.slow_client_s):
-                # The reader holds unread output: its socket is full. Its KV is freed
-                # now rather than when it finally reads or hangs up.
-                failure = Failure(Reason.SLOW_CLIENT, f"the client took no streamed output for over {cfg.slow_client_s:g}s")
-            else:
-                continue
-            live.abort(attrs.evolve(failure, phase=rs.state.value))
-            hit.append(rs.sid)
+            failure = None if live.rs.ended else live.over_limit(self.config, now)
+            if failure is not None:
+                live.abort(failure)
+                hit.append(live.rs.sid)
         return hit
 
     def node_lost(self, node_id: str, why: str) -> None:
-        """Mark the node dead and fail its sessions. Their KV there is closed once it heartbeats again."""
+        """Mark the node dead and fail its sessions, or have their drivers repair them (dgr.tracker.repair).
+        Their KV there is closed once it heartbeats again."""
         log.warning("node %s lost: %s", node_id, why)
         self.registry.mark_dead(node_id, trio.current_time())
         for live in list(self.sessions.values()):
             if any(h.node_id == node_id for h in live.rs.route):
-                live.abort(Failure(Reason.ROUTE_NODE_LOST, f"lost node {node_id}: {why}", node=node_id,
-                                   phase=live.rs.state.value))
+                failure = Failure(Reason.ROUTE_NODE_LOST, f"lost node {node_id}: {why}", node=node_id,
+                                  phase=live.rs.state.value)
+                if self.repairer.refusal(live, failure) is None:
+                    live.inbox[0].send_nowait(failure)  # the step its driver waits on fails, and it repairs
+                else:
+                    live.abort(failure)
 
     # -- owed closes (dgr.tracker.reconcile) ----------------------------------------
     def owe_close(self, node_id: str, sid: str) -> None:
@@ -273,6 +269,7 @@ class Gateway:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
         live = await self.admission.open(req, scope)
         self.sessions[live.rs.sid] = live
+        self.routes[live.node_sid] = live
         self._nursery.start_soon(self._drive, live)
         return live
 
@@ -295,39 +292,46 @@ class Gateway:
             out.setdefault(n.model.name, []).append(n)
         return out
 
-    # -- what members send (dgr.tracker.deliveries) -----------------------------------
     # -- the driver: one loop --------------------------------------------------------
     async def _drive(self, live: LiveSession) -> None:
+        """Run the session's route to its end; a lost node's route is repaired where dgr.tracker.repair allows."""
         rs = live.rs
         failure: Failure | None = None
         try:
             with live.scope:
-                try:
-                    async with trio.open_nursery() as links:  # the link to the head and its watcher
-                        answer = await self.driver.prefill(live, links)
-                        while (answer := await self._token(live, answer)) is not None:
-                            pass
-                        links.cancel_scope.cancel()
-                except (DgrError, BaseExceptionGroup) as raised:
-                    exc = first_dgr_error(raised)
-                    if not isinstance(exc, DgrError):
-                        if isinstance(raised, BaseExceptionGroup) and raised.split(trio.Cancelled)[1] is None:
-                            raise  # only cancellations: the scope records why, below
-                        log.error("route session %s crashed", rs.sid, exc_info=raised)
-                        failure = Failure(Reason.INTERNAL, f"gateway error: {raised!r}"[:300], phase=rs.state.value)
-                    else:
-                        failure = exc.failure(phase=exc.details.get("phase") or rs.state.value)
-                        if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node") and not exc.details.get("reported"):
-                            self.node_lost(exc.details["node"], exc.message)
-                except Exception as exc:
-                    log.exception("route session %s crashed", rs.sid)
-                    failure = Failure(Reason.INTERNAL, f"gateway error: {exc!r}"[:300], phase=rs.state.value)
+                failure = await self._run(live)
+                while failure is not None and (failure := await self.repairer.repair(live, failure)) is None:
+                    failure = await self._run(live)  # the replacement route, from its rebuild on
             if failure is None and live.scope.cancelled_caught:
                 # cancelled from outside: a node died (registry) or the client went away
                 failure = rs.pending or Failure(Reason.CANCELLED, "cancelled", phase=rs.state.value)
         finally:
             with trio.CancelScope(shield=True):
                 await self._end(live, failure)
+
+    async def _run(self, live: LiveSession) -> Failure | None:
+        """The session's route, from its prefill (a repair's rebuild) to its last token: None, or what stopped it."""
+        rs = live.rs
+        try:
+            async with trio.open_nursery() as links:  # the link to the head and its watcher
+                answer = await self.driver.prefill(live, links)
+                while (answer := await self._token(live, answer)) is not None:
+                    pass
+                links.cancel_scope.cancel()
+            return None
+        except (DgrError, BaseExceptionGroup) as raised:
+            exc = first_dgr_error(raised)
+            if not isinstance(exc, DgrError):
+                if isinstance(raised, BaseExceptionGroup) and raised.split(trio.Cancelled)[1] is None:
+                    raise  # only cancellations: the scope records why (_drive)
+                log.error("route session %s crashed", rs.sid, exc_info=raised)
+                return Failure(Reason.INTERNAL, f"gateway error: {raised!r}"[:300], phase=rs.state.value)
+            if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node") and not exc.details.get("reported"):
+                self.node_lost(exc.details["node"], exc.message)
+            return exc.failure(phase=exc.details.get("phase") or rs.state.value)
+        except Exception as exc:
+            log.exception("route session %s crashed", rs.sid)
+            return Failure(Reason.INTERNAL, f"gateway error: {exc!r}"[:300], phase=rs.state.value)
 
     async def _token(self, live: LiveSession, answer) -> Any:
         """One token's answer: its text out, its event published, and, unless the stop rule ends the
@@ -359,23 +363,24 @@ class Gateway:
     async def _end(self, live: LiveSession, failure: Failure | None) -> None:
         """Close the session's node sessions (keeping its prefix after a clean end), owe what did not close,
         free its slots and lane, and end its channels."""
-        rs = live.rs
+        rs, sid = live.rs, live.node_sid  # sid None: a repair closed its route, and no replacement opened
         if failure is None and not rs.ended:
             failure = Failure(Reason.INTERNAL, "driver ended without finishing", phase=rs.state.value)
         if failure is not None:
             live.publish(RouteEvent.FAIL, rs.fail(failure, trio.current_time()))
-        for node_id in rs.lost:  # it may only have been slow: closed once it heartbeats again
-            self.owe_close(node_id, rs.sid)
         keep = live.kv_keep() if failure is None else None
         if live.head is not None:
             await live.head.drop()
-        survivors = [h for h in rs.route if h.node_id not in rs.lost]
-        for node_id in await self.clients.close(rs.sid, survivors, failure, live.caps, keep=keep):
-            log.info("could not close %s on %s", rs.sid, node_id)
-            self.owe_close(node_id, rs.sid)
-        self.admission.kept(rs.route, keep)
+        if sid is not None:
+            for node_id in rs.lost:  # it may only have been slow: closed once it heartbeats again
+                self.owe_close(node_id, sid)
+            survivors = [h for h in rs.route if h.node_id not in rs.lost]
+            for node_id in await self.clients.close(sid, survivors, failure, live.caps, keep=keep):
+                log.info("could not close %s on %s", sid, node_id)
+                self.owe_close(node_id, sid)
+            self.admission.kept(rs.route, keep)
         if live.phases is not None:
-            self.admission.leave(live.phases, rs.sid)
+            self.admission.leave(live.phases, sid)
         for n in live.nodes:  # what the session showed of its nodes' capacity (NodeEntry.limit)
             if n.node_id in rs.lost:
                 n.faulted()
@@ -385,8 +390,9 @@ class Gateway:
         live.send.close()
         live.telemetry.close()
         self.sessions.pop(rs.sid, None)
-        if self.authority is not None:
-            self.authority.forget(rs.sid)  # the capabilities its nodes' answers and reports carried
+        self.routes.pop(sid, None)
+        if self.authority is not None and sid is not None:
+            self.authority.forget(sid)  # the capabilities its nodes' answers and reports carried
         self.accounting.retire(rs)
 
     # -- views --------------------------------------------------------------------

@@ -4,7 +4,7 @@
 Route Session while it runs (its FSM, request, prompt, the channels its
 deltas and telemetry leave by, its inbox of the tail's answers, its link to
 its head and its phase group), with the pure questions asked of it (its
-prefill chunks, what its nodes may keep of their KV); `Delta` is one piece of
+prefill chunks, what its nodes may keep of their KV, which limit it ran past); `Delta` is one piece of
 streamed text; `Answer` one answer of the tail; `HopStats` a node's seam
 overhead. dgr.tracker.gateway drives them.
 """
@@ -25,7 +25,7 @@ from dgr.api.textstream import TextAssembler
 from dgr.errors import CallerError, Failure, Reason
 from dgr.fsm.phases import RoutePhases
 from dgr.seam.keys import BLOCK_TOKENS, block_chain, encode_marks, token_marks
-from dgr.fsm.route import RouteEvent, RouteSession
+from dgr.fsm.route import RouteEvent, RouteSession, RouteState
 from dgr.seam.frame import Frame
 from dgr.seam.link import Link
 from dgr.seam.wire import MAX_DRAFTS, DType
@@ -83,6 +83,11 @@ class GatewayConfig:
     # What a request's "speculation" may name besides "off" and `speculation` (`--spec-allow`, dgr.api.openai
     # SPEC_GRANTS): the costly modes are the operator's to allow, and "prompt" lets an n-gram tail read the prompt
     spec_allow: frozenset[str] = frozenset(SPEC_ALLOW_DEFAULT)
+    # Repair (issue 54, dgr.tracker.repair): a node lost mid-answer moves the session to a replacement route
+    # instead of failing it, where the continuation is exact, at most `max_repairs` times a session. Off: the
+    # founding rule, a lost node ends the session with its structured failure.
+    resume: bool = False
+    max_repairs: int = 3
 
     def __attrs_post_init__(self) -> None:
         if self.speculation not in SPECULATION or not 1 <= self.spec_k_max <= MAX_DRAFTS or not (
@@ -91,6 +96,8 @@ class GatewayConfig:
                                                       f"1 <= spec_k_max <= {MAX_DRAFTS} and 0 <= spec_k <= spec_k_max")
         if not self.spec_allow <= set(SPEC_GRANTS):
             raise CallerError(Reason.INVALID_REQUEST, f"spec_allow names {', '.join(SPEC_GRANTS)} only")
+        if self.max_repairs < 0:
+            raise CallerError(Reason.INVALID_REQUEST, "max_repairs is 0 or more")
 
     def spec_allowed(self, mode: str) -> bool:
         """May a request ask for speculation `mode`: "off", the tracker's own, or one the operator allowed."""
@@ -156,6 +163,14 @@ class LiveSession:
     allowance: Allowance | None = None
     # who hears the session's events besides its telemetry (the gateway's accounting)
     listener: Callable[..., None] | None = None
+    # The id its node sessions have: the Route Session's own until a repair opens a replacement route under a
+    # fresh one (a node opens each id once, dgr.security.tickets); None while none is open (a repair closed the
+    # lost route's, and the replacement's has not opened).
+    node_sid: str | None = None
+    speculates: bool = False  # its node sessions speculate (dgr.node.speculation): a repair is then not exact
+    # after a repair, the positions its replacement route holds already: its prefill (`chunks`) starts there and
+    # goes on through every token already streamed; None: no repair
+    rebuild_from: int | None = None
 
     @property
     def reused(self) -> int:
@@ -182,15 +197,23 @@ class LiveSession:
         Never a one-position chunk after another: llama.cpp runs one position with other kernels
         than two or more, so the tail moves one position back, and a prompt's KV is the same
         however it was cut (what lets a later session reuse it exactly).
+
+        After a repair, from `rebuild_from` on: the prompt's positions as above, then every token
+        already fed, one a step, as decode computed them (so with the kernels it computed them with),
+        the last one sampling the next token.
         """
-        prompt, start = self.prompt, self.rs.prefix_reused
-        bounds = list(range(start, len(prompt), size)) + [len(prompt)]
+        prompt = self.prompt
+        start = self.rs.prefix_reused if self.rebuild_from is None else self.rebuild_from
+        bounds = list(range(start, len(prompt), size)) + [len(prompt)] if start < len(prompt) else []
         if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
             bounds[-2] -= 1
-        return [(k, a, prompt[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        steps = [(a, prompt[a:b]) for a, b in zip(bounds, bounds[1:])]
+        if self.rebuild_from is not None:
+            steps += [(len(prompt) + i, [t]) for i, t in enumerate(self.fed) if len(prompt) + i >= start]
+        return [(k, a, ids) for k, (a, ids) in enumerate(steps)]
 
     def usage(self) -> dict[str, Any]:
-        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused)
+        return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused, len(self.rs.repairs))
 
     def publish(self, event: RouteEvent, snapshot: dict[str, Any], **facts: Any) -> None:
         """One Route Session event: to its telemetry's watchers, and to the listener with its facts."""
@@ -199,7 +222,30 @@ class LiveSession:
             self.listener(self.rs, event, self.rs.updated_at, **facts)
 
     def publish_progress(self, done: int) -> None:
-        self.publish(RouteEvent.PREFILL_PROGRESS, self.rs.prefill_progress(done, trio.current_time()))
+        """The route's tail has answered its first `done` positions: the prompt's, or a repair's rebuild."""
+        if self.rs.state is RouteState.REPAIRING:
+            self.publish(RouteEvent.REPAIR_PROGRESS, self.rs.repair_progress(done, trio.current_time()))
+        else:
+            self.publish(RouteEvent.PREFILL_PROGRESS, self.rs.prefill_progress(done, trio.current_time()))
+
+    def over_limit(self, cfg: GatewayConfig, now: float) -> Failure | None:
+        """The failure a live session's limits give it at `now` (the gateway's watcher aborts it), or None."""
+        if self.unclaimed_since is not None and now - self.unclaimed_since > cfg.unclaimed_stream_s:
+            # Its response was made but its body never started: the client left in between.
+            failure = Failure(Reason.CANCELLED, "the client went away before its stream started")
+        elif cfg.max_session_s is not None and now - self.rs.created_at > cfg.max_session_s:
+            blamed = self.allowance.blamed if self.allowance is not None else []
+            failure = Failure(Reason.SESSION_TIMEOUT,
+                              f"the Route Session ran past this gateway's limit of {cfg.max_session_s:g}s",
+                              node=blamed[0] if blamed else None)  # the first node that held a step late
+        elif (cfg.slow_client_s is not None and self.writing_since is not None
+              and now - self.writing_since > cfg.slow_client_s):
+            # The reader holds unread output: its socket is full. Its KV is freed
+            # now rather than when it finally reads or hangs up.
+            failure = Failure(Reason.SLOW_CLIENT, f"the client took no streamed output for over {cfg.slow_client_s:g}s")
+        else:
+            return None
+        return attrs.evolve(failure, phase=self.rs.state.value)
 
     def abort(self, failure: Failure) -> None:
         """Fail from outside the driver (node death, client gone): the FSM keeps the first reason."""

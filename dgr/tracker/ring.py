@@ -8,7 +8,8 @@ sampled a token that does not end the session (dgr.fsm.stop), sends the next
 decode step straight to the head itself. So the gateway's part is the two
 calls of `Driver`:
 
-- `prefill(live, links)`: every chunk to the head, in order, with at most one
+- `prefill(live, links)`: every chunk to the head (after a repair, the
+  replacement route's rebuild: `LiveSession.chunks`), in order, with at most one
   chunk a node in flight (enough for every node to compute at once, and no
   more, so a node never queues a whole prompt); each chunk's answer taken in
   order, prefill progress published; the last chunk's answer, the first
@@ -70,20 +71,20 @@ class Ring:
         rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
         last = len(chunks) - 1
         head = rs.route[0]
-        live.allowance = self.patience.allowance(rs.sid, self.deadline(1) * len(rs.route), live.caps)
+        live.allowance = self.patience.allowance(live.node_sid, self.deadline(1) * len(rs.route), live.caps)
         client = self.clients.get(head)
 
         def early(end: LinkEnd) -> None:  # the head refused a step, or was lost, while the link was open
             live.inbox[0].send_nowait(self._head_failure(live, end))
 
-        live.head = Link(functools.partial(client.open_stream, rs.sid, live.caps.get(head.node_id)), links,
+        live.head = Link(functools.partial(client.open_stream, live.node_sid, live.caps.get(head.node_id)), links,
                          on_early=early)
         window = trio.Semaphore(len(rs.route))
 
         async def feed() -> None:  # every chunk to the head, in order: the ring pipelines them
             for k, pos0, ids in chunks:  # without the ids: the head has them, it tokenized the prompt at open
                 await window.acquire()
-                frame = encode_frame(FrameKind.PREFILL, rs.sid, k, pos0, len(ids), live.model_width,
+                frame = encode_frame(FrameKind.PREFILL, live.node_sid, k, pos0, len(ids), live.model_width,
                                      dtype=self.config.seam_dtype, flags=Flag.SAMPLE if k == last else Flag(0))
                 await self._send_head(live, frame, len(ids), k)
 

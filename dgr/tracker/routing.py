@@ -44,6 +44,13 @@ only where it ties with the first choice on the spread (rule 3, compared on
 what differs): affinity never sends a session to busier nodes. It is a
 hint: the nodes still answer what they hold.
 
+Repair (`repair_route`, issue 54): a Route Session that lost nodes moves to
+a route of the same files without them. Its live survivors are kept where
+nodes that hold only the lost layers (spares) can fill the gaps, chosen among
+themselves by the same rule; else any route of the same files that avoids
+the lost nodes. A survivor counts this session already, so it is never
+refused for being full.
+
 Left out: which nodes may hold what, and how far their word is believed
 (dgr.tracker.affinity); time (turns are `routed_at`, stamped by admission).
 """
@@ -60,7 +67,7 @@ from dgr.errors import CallerError, PeerError, Reason
 from dgr.fsm.route import Hop
 from dgr.tracker.registry import NodeEntry
 
-__all__ = ["choose_route", "missing_ranges", "prefer_holders", "RouteChoice"]
+__all__ = ["choose_route", "missing_ranges", "prefer_holders", "repair_route", "RouteChoice"]
 
 
 @attrs.frozen
@@ -258,3 +265,33 @@ def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: fr
         return None  # busier than the spread's choice where they differ: affinity never outweighs the spread
     return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path, choice.digest,
                        choice.manifest_id)
+
+
+def repair_route(candidates: list[NodeEntry], route: tuple[NodeEntry, ...], lost: frozenset[str], *,
+                 trusted: frozenset[bytes] = frozenset(), rng: random.Random | None = None) -> RouteChoice:
+    """The route a Route Session on `route` moves to once it lost the nodes `lost`: its live survivors, and
+    for the layers they do not hold nodes that hold no others (spares); else any route of the same files
+    without `lost` (see the module's rule).
+
+    Raises:
+        PeerError(NO_ROUTE): no live node outside `lost` holds some of the lost layers.
+    """
+    first = route[0]
+    n_layers = first.model.n_layers
+    same = [n for n in candidates if n.alive and n.routable and n.node_id not in lost
+            and _group_key(n) == _group_key(first) and n.model.name == first.model.name]
+    ours = {id(n) for n in route}
+    survivors = [n for n in same if id(n) in ours]
+    free = [n for n in same if id(n) not in ours and not n.full()]
+    # a spare holds no layer a survivor holds: the cover keeps every survivor
+    spares = [n for n in free if all(n.stop <= s.start or n.start >= s.stop for s in survivors)]
+    for pool in ([*survivors, *spares], [*survivors, *free]):
+        pool = _trusted_ends(pool, n_layers, trusted)
+        path = _best_path(pool, n_layers, draw(pool, rng or random.Random()))
+        if path is not None:
+            return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path,
+                               first.model.digest, first.manifest_id)
+    gaps = missing_ranges([*survivors, *free], n_layers)
+    raise PeerError(Reason.NO_ROUTE, f"no live node replaces {', '.join(sorted(lost))}: "
+                                     f"{'missing layers ' + ', '.join(gaps) if gaps else 'every other node is full'}",
+                    missing=gaps)

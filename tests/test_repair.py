@@ -1,0 +1,231 @@
+"""A stream survives a node loss (issue 54): with --resume, a route that loses a node is repaired on a spare.
+
+The real thing: `dgr up --resume --spares 1` (stub, 3 ranges, one spare of each), a node of a live stream's
+route killed with SIGKILL mid-answer (the head, the middle, the tail, once each), and the streamed text must
+equal an uninterrupted run's to the byte, a seeded sampled one too; Generation Telemetry shows the repair
+(its phase, the node lost, its replacement, the pause) and the usage counts it. Without --resume the same
+kill ends the stream with today's structured `route_node_lost`. The policy (what is repaired), the route a
+repair chooses and the rebuild's steps are checked in process, without a route.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dgr.api.textstream import TextAssembler
+from dgr.cli import build_parser
+from dgr.errors import Failure, PeerError, Reason
+from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.fsm.route import Hop, RouteSession
+from dgr.sampling import SamplingParams
+from dgr.seam.types import ModelInfo
+from dgr.testing.harness import LocalRoute, sse_events
+from dgr.tracker.live import GatewayConfig, LiveSession
+from dgr.tracker.registry import NodeEntry
+from dgr.tracker.repair import Repairer
+from dgr.tracker.routing import repair_route
+from dgr.tracker.telemetry import Broadcast
+from dgr.up import node_names, tracker_args
+
+# 2 ms a position a node: a 48-token answer streams for about a second, long enough to kill a node mid-way
+ROUTE = ("--stub-delay", "0.002", "--dead-after", "1")
+PROMPT = "A route of three shards streams its answer while one of them dies."
+LONG = "The quick brown fox jumps over the lazy dog. " * 8  # 360 stub tokens: 12 prompt chunks of 32
+MAX_TOKENS, KILL_AT = 48, 16
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 54}
+
+
+# -- in process: the flags, the policy, the replacement, the rebuild ------------------------------------
+def test_dgr_up_starts_spares_and_hands_resume_to_the_tracker() -> None:
+    assert node_names(2, 1) == [("node0", 0), ("node1", 1), ("node0-spare0", 0), ("node1-spare0", 1)]
+    args = build_parser().parse_args(["up", "--nodes", "3", "--spares", "1", "--resume", "--max-repairs", "2"])
+    cmd = tracker_args(args)
+    assert "--resume" in cmd and cmd[cmd.index("--max-repairs") + 1] == "2"
+    plain = tracker_args(build_parser().parse_args(["up"]))
+    assert "--resume" not in plain and plain[plain.index("--max-repairs") + 1] == "3"  # the default
+    assert not GatewayConfig().resume and GatewayConfig().max_repairs == 3  # off unless asked for
+
+
+def _live(state: str = "decode", sampling: SamplingParams = SamplingParams(temperature=0.0), speculates=False,
+          repairs: int = 0) -> Any:
+    rs = RouteSession(sid="r" * 32, model="stub", created_at=0.0)
+    rs.start_routing(0.0)
+    rs.route_ready((Hop("a", "http://a", 0, 15), Hop("b", "http://b", 15, 30)), 10, 0.0)
+    if state == "decode":
+        rs.token(1.0)
+    for _ in range(repairs):
+        rs.node_lost("b", 2.0)
+    return SimpleNamespace(rs=rs, request=SimpleNamespace(sampling=sampling), speculates=speculates)
+
+
+def test_only_an_exact_continuation_of_a_node_loss_is_repaired() -> None:
+    on = Repairer(None, GatewayConfig(resume=True, max_repairs=2), None, None, {}, lambda *a: None)
+    off = Repairer(None, GatewayConfig(), None, None, {}, lambda *a: None)
+    lost = Failure(Reason.ROUTE_NODE_LOST, "lost node b", node="b", phase="decode")
+    assert on.refusal(_live(), lost) is None
+    assert on.refusal(_live("prefill"), lost) is None
+    assert on.refusal(_live(sampling=SamplingParams(temperature=0.8, seed=1)), lost) is None  # its stream goes on
+    assert on.refusal(_live(repairs=1), lost) is None  # a loss while repairing: one more
+    refused = {
+        "resume": off.refusal(_live(), lost),
+        "slow": on.refusal(_live(), Failure(Reason.SESSION_TIMEOUT, "late", node="b")),
+        "unseeded": on.refusal(_live(sampling=SamplingParams(temperature=0.8)), lost),
+        "speculating": on.refusal(_live(speculates=True), lost),
+        "spent": on.refusal(_live(repairs=2), lost),
+    }
+    assert all(refused.values()), refused
+    assert "--max-repairs 2" in refused["spent"] and "seed" in refused["unseeded"]
+    # the failure that ends it says why where repair was on; without --resume it is today's, untouched
+    assert on.unrepaired(lost, refused["unseeded"]).message.endswith("not repaired: " + refused["unseeded"])
+    assert off.unrepaired(lost, refused["resume"]) == lost
+
+
+def _entry(node: str, start: int, stop: int) -> NodeEntry:
+    info = ModelInfo(name="m", architecture="llama", n_layers=30, hidden_size=8, seam_width=8, vocab_size=10,
+                     context_length=64, digest="d" * 64)
+    return NodeEntry(node_id=node, url=f"http://{node}", start=start, stop=stop, backend="stub", model=info,
+                     capacity=4, describe={}, registered_at=0.0, last_seen=0.0, proof=ProofStatus(ProofState.PASSED))
+
+
+def test_a_repair_keeps_the_survivors_and_takes_a_spare_of_the_lost_range() -> None:
+    a, b, c = _entry("a", 0, 10), _entry("b", 10, 20), _entry("c", 20, 30)
+    b2, whole, bc = _entry("b2", 10, 20), _entry("whole", 0, 30), _entry("bc", 10, 30)
+    route = (a, b, c)
+    # a spare of b's range beats a one-hop route and one that would drop the survivor c
+    choice = repair_route([a, b, c, b2, whole, bc], route, frozenset({"b"}))
+    assert [n.node_id for n in choice.nodes] == ["a", "b2", "c"]
+    # no spare of the range alone: another route of the same files without b
+    assert [n.node_id for n in repair_route([a, b, c, bc], route, frozenset({"b"})).nodes] == ["a", "bc"]
+    with pytest.raises(PeerError) as info:
+        repair_route([a, b, c], route, frozenset({"b"}))
+    assert info.value.reason is Reason.NO_ROUTE and "10:20" in info.value.message
+
+
+def test_a_repaired_route_rebuilds_the_prompt_in_chunks_then_each_streamed_token_alone() -> None:
+    rs = RouteSession(sid="r" * 32, model="stub", created_at=0.0)
+    live = LiveSession(rs=rs, request=None, prompt=list(range(10)), max_tokens=8, nodes=(), model_width=8,
+                       needs_token_ids=False, telemetry=Broadcast(), send=None, recv=None, text=TextAssembler())
+    live.fed = [70, 71, 72]
+    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9])]  # no repair: the prompt
+    live.rebuild_from = 0
+    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9]), (3, 10, [70]),
+                              (4, 11, [71]), (5, 12, [72])]
+    live.rebuild_from = 5  # every hop held a prefix: the prompt's last chunk is never one position after another
+    assert live.chunks(4)[:3] == [(0, 5, [5, 6, 7]), (1, 8, [8, 9]), (2, 10, [70])]
+    live.rebuild_from = 6
+    assert live.chunks(4)[:3] == [(0, 6, [6, 7, 8, 9]), (1, 10, [70]), (2, 11, [71])]
+    live.rebuild_from = 11
+    assert live.chunks(4) == [(0, 11, [71]), (1, 12, [72])]
+
+
+# -- real processes ------------------------------------------------------------------------------------
+def _metric(route: LocalRoute, name: str) -> float:
+    families = text_string_to_metric_families(route.http.get(f"{route.url}/metrics", timeout=5).text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
+def _answer(route: LocalRoute, sampling: dict[str, Any], prompt: str = PROMPT) -> str:
+    body = {"model": "stub", "prompt": prompt, "max_tokens": MAX_TOKENS, **sampling}
+    r = route.http.post(f"{route.api}/completions", json=body, headers=route.headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _watch(route: LocalRoute, sid: str, phases: list[str]) -> threading.Thread:
+    """Every telemetry event of the session, its phase noted, until it ends."""
+    def run() -> None:
+        with route.http.stream("GET", f"{route.api}/route-sessions/{sid}/events", timeout=30) as r:
+            for kind, data in sse_events(r):
+                if kind == "data" and isinstance(data, dict):
+                    phases.append(data["phase"])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _stream_and_kill(route: LocalRoute, sampling: dict[str, Any], hop: int, prompt: str = PROMPT,
+                     in_prefill: bool = False) -> dict[str, Any]:
+    """Stream an answer and SIGKILL its route's node at `hop` once KILL_AT pieces of it came (`in_prefill`: once
+    its route's tail has answered a prompt chunk): the text, the last chunk's usage or error, the node killed, the
+    session's final telemetry and the phases its events showed."""
+    body = {"model": "stub", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
+    text, out, phases, watcher = [], {"usage": None, "error": None, "killed": None}, [], None
+
+    def kill(sid: str) -> None:
+        out["killed"] = route.session(sid)["route"][hop]["node"]
+        route.kill(out["killed"])
+
+    with route.http.stream("POST", f"{route.api}/completions", json=body, headers=route.headers, timeout=30) as r:
+        sid = r.headers["X-Dgr-Route-Session"]
+        watcher = _watch(route, sid, phases)
+        if in_prefill:
+            route.when(sid, lambda snap: snap["phase"] == "prefill" and snap["prefill"]["done"] > 0,
+                       lambda: kill(sid)).join(30)
+        for kind, data in sse_events(r):
+            if kind != "data" or not isinstance(data, dict):
+                continue
+            if "error" in data:
+                out["error"] = data["error"]
+                continue
+            out["usage"] = data.get("usage") or out["usage"]
+            text.append(data["choices"][0]["text"] if data.get("choices") else "")
+            if sum(map(bool, text)) == KILL_AT and out["killed"] is None:
+                kill(sid)
+    watcher.join(10)
+    return {**out, "text": "".join(text), "snapshot": route.wait_session_ended(sid), "phases": phases}
+
+
+def test_a_stream_survives_the_loss_of_its_head_middle_and_tail_token_for_token() -> None:
+    started = time.monotonic()
+    # two spares of each range: a node of each is lost mid-answer, and the middle's once more mid-prompt. Nodes
+    # keep no prefix: a kill mid-prompt needs a prompt that is computed, not reused from the reference run's
+    with LocalRoute(nodes=3, extra=(*ROUTE, "--resume", "--spares", "2", "--prefill-chunk", "32",
+                                    "--prefix-cache-mb", "0")) as route:
+        assert len(route.node_table()) == 9
+        want = {"greedy": _answer(route, GREEDY), "seeded": _answer(route, SEEDED),
+                "long": _answer(route, GREEDY, LONG)}
+        assert want["seeded"] != want["greedy"] and want["seeded"] == _answer(route, SEEDED)  # sampled, reproducibly
+        for name, sampling, hop in (("greedy", GREEDY, 0), ("seeded", SEEDED, 1), ("greedy", GREEDY, 2),
+                                    ("long", GREEDY, 1)):
+            got = _stream_and_kill(route, sampling, hop, LONG if name == "long" else PROMPT, name == "long")
+            lost, snap = got["killed"], got["snapshot"]
+            assert got["error"] is None and got["text"] == want[name], (hop, got["error"], got["text"], want[name])
+            # the telemetry shows the repair: its phase, the node lost, a spare of its range, the pause
+            assert snap["phase"] == "done" and lost not in [h["node"] for h in snap["route"]], snap
+            (repair,) = snap["repairs"]
+            layers = {n["node"]: n["layers"] for n in route.node_table()}
+            assert repair["lost"] == lost and [layers[n] for n in repair["replacement"]] == [layers[lost]], repair
+            if name == "long":  # lost mid-prompt: the replacement computes the whole prompt, no token came yet
+                assert repair["phase"] == "prefill" and repair["at_token"] == 0
+            else:
+                assert repair["phase"] == "decode" and repair["at_token"] >= KILL_AT - 1
+                assert 0 < repair["detect_ms"] < 2000, repair
+            assert repair["rebuild"]["done"] == repair["rebuild"]["total"] >= repair["at_token"]
+            assert 0 < repair["pause_ms"] < 5000, repair
+            assert "repairing" in got["phases"] and got["phases"][-1] == "done"
+            assert got["usage"]["completion_tokens"] == MAX_TOKENS and got["usage"]["repairs"] == 1
+        assert _metric(route, "dgr_route_repairs_total") == 4
+        assert _metric(route, "dgr_route_session_failures_total") == 0
+        # nothing is left on the nodes that lived, the replacements included
+        live = [n["node"] for n in route.node_table() if n["alive"]]
+        route.wait_sessions_freed(live, timeout_s=10)
+    assert time.monotonic() - started < 40
+
+
+def test_without_resume_a_lost_node_still_ends_the_stream_route_node_lost() -> None:
+    with LocalRoute(nodes=2, extra=(*ROUTE, "--spares", "1")) as route:
+        got = _stream_and_kill(route, GREEDY, 1)
+        assert got["error"] is not None and got["error"]["code"] == "route_node_lost", got
+        assert got["error"]["node"] == got["killed"] and "not repaired" not in got["error"]["message"]
+        assert got["snapshot"]["phase"] == "failed" and got["snapshot"]["repairs"] == []
+        assert "repairing" not in got["phases"]
+        assert _metric(route, "dgr_route_repairs_total") == 0
