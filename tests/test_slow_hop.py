@@ -159,3 +159,58 @@ def test_the_step_is_placed_on_the_hop_that_holds_it() -> None:
     # an answer in another node's name is no answer; a malformed one shows the node alive, with no progress
     assert Progress.read({"ok": True, "node": "x"}, "m") is None
     assert Progress.read({"node": "m", "session": {"taken": "5", "done": True}}, "m") == Progress("m")
+
+
+@pytest.mark.trio
+async def test_a_probe_turned_away_at_a_full_door_asks_again_within_its_window() -> None:
+    """Driven as the inside soak's flood was: the node's guests from the tracker's own address (a loopback
+    route shares it with the attacker) fill their cap, each busy sending a body, so the server closes a
+    newcomer unread (dgr.api.gate), and the gateway's probe of a session held past its deadline comes on a
+    new connection (its pooled one expired while it waited). Before, that one refused connection made the
+    node silent: `route_node_lost` for an honest node. Now the probe asks again while its window lasts, and
+    the node answers once a guest leaves."""
+    from dgr.api.server import Limits, serve_asgi
+    from dgr.fsm.proof import ProofState, ProofStatus
+    from dgr.seam.types import ModelInfo
+    from dgr.tracker.clients import NodeClients
+    from dgr.tracker.registry import NodeEntry, Registry
+
+    async def app(scope, receive, send) -> None:  # a node's /healthz, and bodies read to their end
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"ok": true, "node": "n1"}'})
+
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(functools.partial(serve_asgi, app, "127.0.0.1", 0,
+                                                    limits=Limits(max_per_peer=2, body_idle_s=30.0)))
+        port = int(url.rsplit(":", 1)[1])
+        guests = []
+        for _ in range(2):  # the address's guests, each sending a body: none idle, none to close
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            await s.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")
+            guests.append(s)
+        await trio.sleep(0.1)
+        info = ModelInfo(name="m", architecture="llama", n_layers=2, hidden_size=8, seam_width=8, vocab_size=10,
+                         context_length=64, digest="d" * 64)
+        registry = Registry()
+        registry.nodes["n1"] = NodeEntry(node_id="n1", url=url, start=0, stop=2, backend="stub", model=info,
+                                         capacity=1, describe={}, registered_at=0.0, last_seen=0.0,
+                                         proof=ProofStatus(ProofState.PASSED))
+        clients = NodeClients(registry)
+        assert await clients.probe(["n1"], 0.3) == {}  # the door stays shut for the whole window: silent
+
+        async def leave_soon() -> None:
+            await trio.sleep(0.3)
+            await guests[0].send_all(b"cdefghij")  # its body ends, its answer comes: a slot frees
+
+        nursery.start_soon(leave_soon)
+        start = trio.current_time()
+        answers = await clients.probe(["n1"], 2.0)
+        assert list(answers) == ["n1"] and 0.3 <= trio.current_time() - start < 1.5, answers
+        await clients.aclose()
+        for s in guests:
+            await s.aclose()
+        nursery.cancel_scope.cancel()
