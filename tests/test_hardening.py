@@ -420,3 +420,33 @@ def test_dgr_up_passes_the_death_threshold_to_its_tracker() -> None:
     cmd = tracker_args(args)
     assert cmd[cmd.index("--dead-after") + 1] == "1.5"
     assert build_parser().parse_args(["tracker"]).dead_after == 3.0
+
+
+async def test_a_beat_that_does_not_reach_the_tracker_is_sent_again_soon(autojump_clock, nursery) -> None:
+    """Driven as the inside soak's flood was: the tracker at its connection cap turns the node's new
+    connection away (a transport error) twice. The node beats again within a fraction of its period, as a
+    heartbeat (no registration again), so the tracker never goes its death threshold without hearing it."""
+    route = InProcRoute.stub()
+    beats: list[float] = []
+    registers: list[float] = []
+
+    def tracker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/nodes/register":
+            registers.append(trio.current_time())
+            return httpx.Response(200, json={"node": "n0", "registered": True, "proof": {"state": "none"},
+                                             "heartbeat_s": 0.5, "tracker_key": Identity.generate().public_text})
+        beats.append(trio.current_time())
+        if len(beats) in (3, 4):
+            raise httpx.ConnectError("connection reset by peer", request=request)  # closed at the door, unread
+        return httpx.Response(200, json={"ok": True, "proof": {"state": "none"}})
+
+    with trio.fail_after(120):
+        await nursery.start(lambda task_status: stay_registered(
+            route.services[0], "http://tracker.test", route.urls[0], transport=httpx.MockTransport(tracker),
+            task_status=task_status))
+        while len(beats) < 6:
+            await trio.sleep(0.01)
+    gaps = [round(b - a, 3) for a, b in zip(beats, beats[1:])]
+    assert len(registers) == 1, registers  # still registered: a beat not delivered is no refusal
+    assert gaps == [0.5, 0.5, 0.05, 0.1, 0.5], gaps  # the 3rd and 4th turned away: again in 0.05, then 0.1 s
+    nursery.cancel_scope.cancel()

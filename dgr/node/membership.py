@@ -1,9 +1,14 @@
 """Join a tracker and stay joined: register, then heartbeat.
 
 A heartbeat the tracker does not recognise (it restarted, or declared us
-dead) is answered 404, and the node registers again. A tracker that cannot
-be reached is retried at the heartbeat period; the node keeps serving its
-open sessions meanwhile. The period is the tracker's to set: its
+dead) is answered 404, and the node registers again. A heartbeat or
+registration that does not reach the tracker is tried again soon
+(`HEARTBEAT_RETRY_S`, doubling up to the period), a heartbeat as a
+heartbeat: a tracker at its connection cap under a flood turns newcomers
+away for moments, and a node it hears nothing from for its death threshold
+(3 s by default) is declared lost with every session through it. Before, a
+node waited a whole period and then registered again. The node keeps
+serving its open sessions meanwhile. The period is the tracker's to set: its
 registration reply says `heartbeat_s`, a fraction of its death threshold
 (--dead-after), so a tracker that declares nodes dead sooner hears from them
 more often.
@@ -109,6 +114,7 @@ HEARTBEAT_TIMEOUT_S = 2.0
 # a registration made before the tracker serves waits in its socket's backlog. Waiting that out beats
 # giving up after 2 s and sending it again, which the tracker would then read twice.
 REGISTER_TIMEOUT_S = 15.0
+HEARTBEAT_RETRY_S = 0.05  # a beat or registration that did not reach the tracker is tried again this soon
 RETRY_MIN_S = 1.0  # first wait after the tracker refused this node's credentials
 RETRY_MAX_S = 30.0
 
@@ -324,6 +330,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     signer = Signer(service.identity)
     backoff = RETRY_MIN_S
     period = HEARTBEAT_S
+    soon = HEARTBEAT_RETRY_S  # the next try after one that did not reach the tracker, doubling to the period
     # an in-process test's transport has no certificate to read
     learned = tls if transport is not None else await wait_for_tracker_trust(tls, tracker, pin, period)
     if learned.tracker_pem is not None:
@@ -373,6 +380,15 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                 backoff = min(RETRY_MAX_S, backoff * 2)
                 continue
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
-                registered = False
-                log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
+                if not (registered and isinstance(exc, httpx.TransportError)):
+                    registered = False  # a refusal or a garbled reply: register again; not reached: beat again
+                if soon == HEARTBEAT_RETRY_S:
+                    log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
+                # Sooner than the period: a tracker at its connection cap turns a newcomer away for moments
+                # (dgr.api.gate), and it declares a node dead after a few periods without a beat, failing
+                # every session through it.
+                await trio.sleep(soon)
+                soon = min(period, 2 * soon)
+                continue
+            soon = HEARTBEAT_RETRY_S
             await trio.sleep(period)
