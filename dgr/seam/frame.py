@@ -101,6 +101,9 @@ _SESSION_BYTES: dict[str, bytes] = {}
 _SESSION_BYTES_KEPT = 4096
 
 
+_GATHER_PAYLOAD = 64 * 1024  # hidden states this big go into the frame from the array itself (see encode_frame)
+
+
 def encode_frame(
     kind: FrameKind,
     session: str,
@@ -130,19 +133,31 @@ def encode_frame(
         parts.append(ids.tobytes())
         flags |= _TOKENS
     if hidden is not None:
-        if isinstance(hidden, (bytes, bytearray, memoryview)):
-            raw = bytes(hidden)
+        if isinstance(hidden, bytes) and len(hidden) < _GATHER_PAYLOAD:
+            raw = hidden
+        elif isinstance(hidden, (bytes, bytearray, memoryview)):
+            raw = memoryview(hidden).cast("B")
         else:
             arr = np.ascontiguousarray(hidden, dtype=DTYPE_NUMPY[dtype])
             if arr.shape != (n_tokens, width):
                 raise CallerError(Reason.WRONG_SIZE, f"hidden shape {arr.shape} != ({n_tokens}, {width})")
-            raw = arr.tobytes()
-        if len(raw) != n_tokens * width * DTYPE_SIZE[dtype]:
+            raw = memoryview(arr).cast("B") if arr.nbytes >= _GATHER_PAYLOAD else arr.tobytes()
+        if (raw.nbytes if isinstance(raw, memoryview) else len(raw)) != n_tokens * width * DTYPE_SIZE[dtype]:
             raise CallerError(Reason.WRONG_SIZE, "hidden bytes do not match n_tokens x width x dtype")
         parts.append(raw)
         flags |= _HIDDEN
     parts.append(extra)
-    payload = b"".join(parts)
+    payload = None
+    if isinstance(parts[-2 if len(parts) > 1 else -1], memoryview):
+        # a prefill chunk's: the payload is never joined on its own, its length and CRC are summed over the
+        # parts, and the frame is one allocation of its exact size (it was three copies of its hidden states)
+        payload_len, crc = 0, 0
+        for part in parts:
+            payload_len += part.nbytes if isinstance(part, memoryview) else len(part)
+            crc = zlib.crc32(part, crc)
+    else:  # a decode step's: one join of small parts, the cheapest in time
+        payload = b"".join(parts)
+        payload_len, crc = len(payload), zlib.crc32(payload)
     sid = _SESSION_BYTES.get(session)  # the header's 16 bytes; decode_frame gives them back as hex
     if sid is None:
         try:
@@ -154,9 +169,9 @@ def encode_frame(
         _SESSION_BYTES[session] = sid
     header = HEADER.pack(
         MAGIC, VERSION, int(kind), int(dtype), flags, sid,
-        seq, pos0, n_tokens, width, len(payload), zlib.crc32(payload),
+        seq, pos0, n_tokens, width, payload_len, crc,
     )
-    return header + payload
+    return header + payload if payload is not None else b"".join((header, *parts))
 
 
 _KINDS = {int(k): k for k in FrameKind}

@@ -140,7 +140,9 @@ class OutStream:
         conn = self.conn.h11
         try:
             if data and conn.our_state is h11.SEND_BODY:  # framed as h11's chunked writer does: a chunk moves no state
-                await self.conn.stream.send_all(b"%x\r\n%b\r\n" % (len(data), data))
+                # joined, not %-formatted: formatting sizes its result a quarter over and shrinks it after, so
+                # a prefill chunk's frame cost a 1.25x buffer, and the heap the holes of assorted sizes
+                await self.conn.stream.send_all(b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
                 return
             await self.conn.stream.send_all(conn.send(h11.Data(data=data)))
         except _ERRORS as exc:
