@@ -94,10 +94,6 @@ class NodeEntry:
     def routable(self) -> bool:
         return self.alive and self.proof.routable and not self.standing.banned and self.role is not Role.DRAINING
 
-    @property
-    def spare(self) -> bool:
-        return self.role is Role.SPARE
-
     def limit(self) -> int:
         """Sessions the tracker routes to it at once: its capacity (bounded at registration), as far as proven,
         halved for each strike it holds (at least one)."""

@@ -71,7 +71,7 @@ import attrs
 
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.fsm.route import Hop
-from dgr.tracker.registry import NodeEntry
+from dgr.tracker.entry import NodeEntry, Role
 
 __all__ = ["choose_route", "missing_ranges", "prefer_holders", "repair_route", "RouteChoice"]
 
@@ -225,7 +225,8 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
         untrusted |= len(group) < len(everyone) and _shortest(everyone, n_layers) is not None
         room = [n for n in group if not n.full()]
         # spares only where the members have no room (or no cover) left: they are kept idle for repairs
-        path = _best_path([n for n in room if not n.spare], n_layers, ranks) or _best_path(room, n_layers, ranks)
+        path = (_best_path([n for n in room if n.role is not Role.SPARE], n_layers, ranks)
+                or _best_path(room, n_layers, ranks))
         if path is None:
             capacity_blocked |= _shortest(group, n_layers) is not None
             continue
@@ -262,7 +263,8 @@ def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: fr
         return None
     first = choice.nodes[0]
     group = [n for n in candidates if n.alive and n.routable and n.node_id in holders and not n.full()
-             and not n.spare and _group_key(n) == _group_key(first) and n.model.name == first.model.name]
+             and n.role is not Role.SPARE and _group_key(n) == _group_key(first)
+             and n.model.name == first.model.name]
     path = _best_path(_trusted_ends(group, first.model.n_layers, trusted), first.model.n_layers,
                       draw(group, rng or random.Random()))
     if path is None:
@@ -293,7 +295,7 @@ def repair_route(candidates: list[NodeEntry], route: tuple[NodeEntry, ...], lost
     free = [n for n in same if id(n) not in ours and not n.full()]
     # a spare holds no layer a survivor holds: the cover keeps every survivor
     spares = [n for n in free if all(n.stop <= s.start or n.start >= s.stop for s in survivors)]
-    kept = [n for n in spares if n.spare]  # the registry's spares first: idle, kept for this
+    kept = [n for n in spares if n.role is Role.SPARE]  # the registry's spares first: idle, kept for this
     for pool in ([*survivors, *kept], [*survivors, *spares], [*survivors, *free]):
         pool = _trusted_ends(pool, n_layers, trusted)
         path = _best_path(pool, n_layers, draw(pool, rng or random.Random()))
