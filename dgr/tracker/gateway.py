@@ -53,7 +53,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -80,7 +80,6 @@ from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.repair import Repairer
 from dgr.tracker.ring import Driver, Ring
-from dgr.tracker.seam_client import NodeClient
 from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]  # the last three from dgr.tracker.live
@@ -131,13 +130,8 @@ class Gateway:
         self.drains = Drains(self.repairer, self.routes)
 
     # what tests and views read of the parts
-    @property
-    def connect(self) -> Callable[..., NodeClient]:
-        return self.clients.connect
-
-    @connect.setter
-    def connect(self, connect: Callable[..., NodeClient]) -> None:
-        self.clients.connect = connect  # in-process routes reach their nodes' apps
+    # in-process routes set it, to reach their nodes' apps
+    connect = property(lambda self: self.clients.connect, lambda self, c: setattr(self.clients, "connect", c))
 
     metrics = property(lambda self: self.accounting.metrics)
     hop_stats = property(lambda self: self.accounting.hop_stats)
@@ -182,7 +176,7 @@ class Gateway:
             await trio.sleep(self.config.sweep_s)
             now = trio.current_time()  # the registry's clock
             for node_id in self.registry.sweep(now):
-                self.node_lost(node_id, f"no heartbeat for {self.registry.dead_after_s:g}s (node dead or hung)")
+                self.node_lost(node_id, f"heartbeats stopped for {self.registry.dead_after_s:g}s (node dead or hung)")
             self.drains.sweep()
             for entry in self.registry.forget(now):
                 self.clients.forget(entry.node_id)
@@ -260,10 +254,19 @@ class Gateway:
 
     # -- sessions ---------------------------------------------------------------
     async def open(self, req: GenerationRequest, scope: str = "") -> LiveSession:
-        """Admit `req` (dgr.tracker.admission) and start its driver. Raises what admission raises."""
+        """Admit `req` (dgr.tracker.admission) and start its driver; with --resume, a node lost while the route
+        opens is routed around (declared lost, the open tried again, `max_repairs` times). Raises what admission
+        raises."""
         if self._nursery is None:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
-        live = await self.admission.open(req, scope)
+        for again in range(self.config.max_repairs if self.config.resume else 0, -1, -1):
+            try:
+                live = await self.admission.open(req, scope)
+                break
+            except PeerError as exc:  # nothing was streamed yet: the client need not see a loss it can be spared
+                if not again or exc.reason is not Reason.ROUTE_NODE_LOST or not exc.details.get("node"):
+                    raise
+                self.node_lost(exc.details["node"], f"while a route opened: {exc.message}")
         self.sessions[live.rs.sid] = live
         self.routes[live.node_sid] = live
         self._nursery.start_soon(self._drive, live)
@@ -275,12 +278,10 @@ class Gateway:
             live.abort(Failure(Reason.CANCELLED, why, phase=live.rs.state.value))
 
     def lookup(self, sid: str) -> RouteSession | None:
-        live = self.sessions.get(sid)
-        return live.rs if live is not None else self.accounting.ended.get(sid)
+        return self.sessions[sid].rs if sid in self.sessions else self.accounting.ended.get(sid)
 
     def telemetry(self, sid: str) -> Broadcast | None:
-        live = self.sessions.get(sid)
-        return None if live is None else live.telemetry
+        return self.sessions[sid].telemetry if sid in self.sessions else None
 
     def models(self) -> dict[str, list[NodeEntry]]:
         out: dict[str, list[NodeEntry]] = {}
