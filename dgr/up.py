@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
 import tempfile
 from typing import Callable
@@ -260,7 +261,9 @@ async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], spli
             layers_of = {name: splits[i] for name, i in node_names(len(splits), getattr(args, "spares", 0))}
 
             async def start(name: str, child: ForkedProcess) -> None:
-                await nursery.start(functools.partial(run_child, fatal=name == "tracker"), name, child)
+                # SIGINT: dgr up stopping stops its nodes now, where a SIGTERM of one alone drains it
+                await nursery.start(functools.partial(run_child, fatal=name == "tracker", stop=signal.SIGINT), name,
+                                    child)
                 if name not in layers_of:
                     return
                 if "-spare" in name:  # its layers are covered already: the bar counts the route's own

@@ -8,7 +8,8 @@ each of its live sessions onto the spare (dgr.tracker.drain), closing them
 here once the replacement route is open. The node keeps serving meanwhile:
 a session not handed over (no `--resume`, no spare, a sampled one without a
 seed) goes on here to its end. The node exits once the tracker has heard
-of the drain and the node has held no session for QUIET_S, or once
+of the drain (or said nothing for HEAR_S) and the node has held no session
+for QUIET_S, or once
 `bound_s` (`--drain-s`) has passed, or at a second SIGTERM or a SIGINT,
 whichever comes first; whatever it still holds then is lost as a killed
 node's would be.
@@ -38,6 +39,9 @@ DRAIN_S = 30.0  # --drain-s: long enough for a spare to take a session over, or 
 # How often a draining node looks at its session table, which has no event for "now empty": a dict's length,
 # read at most 20 times a second for at most --drain-s
 _LOOK_S = 0.05
+# How long a draining node waits for the tracker to hear of it before going as if it had: a tracker that is gone
+# too (dgr up stopping, or down) must not hold every node for --drain-s
+HEAR_S = 2.0
 # How long a drained node stays empty before it exits: an open the tracker routed here just before it heard of
 # the drain may still be on its way (a route's opens take milliseconds), and would find the node gone
 QUIET_S = 0.5
@@ -55,20 +59,22 @@ class Drain:
     node: str = ""  # its node id, in what it says on stderr
     joined: bool = True  # it has a tracker, which must hear of the drain before the node may go
     state: DrainState = DrainState.SERVING
+    since: float | None = None  # when it started draining (trio's clock)
     asked: trio.Event = attrs.field(factory=trio.Event)  # set at the first SIGTERM: the membership loop beats now
 
     @property
     def draining(self) -> bool:
         return self.state is not DrainState.SERVING
 
-    @property
-    def heard_of(self) -> bool:
-        """Whether nothing new is routed here: the tracker said so, or there is none."""
-        return self.state is DrainState.HEARD or not self.joined
+    def heard_of(self, now: float) -> bool:
+        """Whether nothing new is routed here: the tracker said so, or there is none, or it said nothing for
+        HEAR_S (it is gone too, or down)."""
+        return (self.state is DrainState.HEARD or not self.joined
+                or (self.since is not None and now - self.since >= HEAR_S))
 
-    def start(self) -> None:
+    def start(self, now: float) -> None:
         if self.state is DrainState.SERVING:
-            self.state = DrainState.DRAINING
+            self.state, self.since = DrainState.DRAINING, now
             self.asked.set()
 
     def heard(self, reply: object) -> None:
@@ -88,7 +94,7 @@ async def drain_on_signal(drain: Drain, held: Callable[[], int], done: trio.Canc
         async for _ in signals:
             break
         started = trio.current_time()
-        drain.start()
+        drain.start(started)
         say(f"{drain.node}: SIGTERM: draining {held()} session(s), for at most {drain.bound_s:g}s (a second SIGTERM exits now)")
         with trio.move_on_after(drain.bound_s):
             async with trio.open_nursery() as waiting:
@@ -107,7 +113,7 @@ async def _until_empty(drain: Drain, held: Callable[[], int], scope: trio.Cancel
     quiet_since = None
     while quiet_since is None or trio.current_time() - quiet_since < QUIET_S:
         await trio.sleep(_LOOK_S)
-        if held() or not drain.heard_of:
+        if held() or not drain.heard_of(trio.current_time()):
             quiet_since = None
         elif quiet_since is None:
             quiet_since = trio.current_time()

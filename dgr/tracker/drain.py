@@ -76,7 +76,7 @@ class Drains:
             if rs.state not in _HANDED_OVER_IN or self.repairer.refusal(live, failure) is not None:
                 continue
             try:
-                repair_route(registry.alive(), live.nodes, frozenset({node_id, *(r.lost for r in rs.repairs)}),
+                repair_route(registry.alive(), live.nodes, frozenset({node_id}),
                              trusted=registry.trusted_ends, rng=self.repairer.admission.rng)
             except PeerError as exc:  # no spare: it ends on the draining node
                 log.info("route session %s stays on draining node %s: %s", rs.sid, node_id, exc.message)

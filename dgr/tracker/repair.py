@@ -131,7 +131,9 @@ class Repairer:
                 "repairing", rs.sid, "drained from" if drained else "lost", lost, rs.repairs[-1].phase, rs.generated)
         await self._leave(live, lost, drained)
         try:
-            choice = repair_route(self.registry.alive(), live.nodes, frozenset(r.lost for r in rs.repairs),
+            # the node lost now; one lost before is avoided while dead, and may serve again once it is back (a
+            # restarted node registers under its id): excluding every id ever lost left a range with no node
+            choice = repair_route(self.registry.alive(), live.nodes, frozenset({lost}),
                                   trusted=self.registry.trusted_ends, rng=self.admission.rng)
         except PeerError as exc:
             return self.unrepaired(failure, exc.message), False
