@@ -6,11 +6,13 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
 
 from dgr.errors import CallerError, DgrError, Reason, first_dgr_error
 from dgr.forks import exit_now
+from dgr.node.drain import DRAIN_S
 from dgr.serve import run_until_signal
 
 __all__ = ["main"]
@@ -79,7 +81,8 @@ def cmd_tracker(args) -> int:
     return run_until_signal(run_tracker, host=host, port=args.port, config=config, dead_after_s=args.dead_after,
                             prover=prover, require_proof=bool(manifests) if args.require_proof is None else args.require_proof,
                             trusted_ends=frozenset(parse_public_key(k) for k in args.trusted_head),
-                            max_node_sessions=args.max_node_sessions, identity=identity, admission=admission,
+                            max_node_sessions=args.max_node_sessions, spares=args.spares, identity=identity,
+                            admission=admission,
                             slow=SlowPolicy(ban_after=args.slow_ban_after, ban_s=args.slow_ban_s),
                             api_keys=api_keys, tls_files=tls_files, tls=_trust(args), listening=listening,
                             vocabularies=vocabularies)
@@ -142,7 +145,8 @@ def cmd_node(args) -> int:
                             prefix_cache_mb=args.prefix_cache_mb, snapshot_dir=args.snapshot_dir,
                             snapshot_max_mb=args.snapshot_max_mb,
                             busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3,
-                            iteration_target_s=args.iteration_target_ms / 1e3, draft=draft)
+                            iteration_target_s=args.iteration_target_ms / 1e3, draft=draft, spare=args.spare,
+                            drain_s=args.drain_s, signals=(signal.SIGINT,) if args.drain_s > 0 else None)
 
 
 def _draft_model(args, backend):
@@ -460,6 +464,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="how long a first ban for slowness lasts; each later one twice the one before")
     p.add_argument("--proof-challenges", type=int, default=8, help="challenges per layer claim")
     p.add_argument("--proof-deadline", type=float, default=2.0, help="seconds a node may take to answer one")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="keep up to N nodes a layer idle as spares, of those whose layers other nodes already cover: "
+                        "routed only when the others are full, taken first by a repair (--resume), and made "
+                        "members when a member dies or drains (default 0: every node serves; a node started with "
+                        "--spare is one all the same)")
     p.add_argument("--allow-node", action="append", default=[], metavar="PUBKEY",
                    help="admit the node with this public key (as `dgr node` prints it) without the join token; "
                         "repeatable")
@@ -496,6 +505,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="where --fetch writes the file (default: ~/.cache/dgr/artifacts/ID)")
     p.add_argument("--fetch-timeout", type=float, default=None, help="give up fetching after this many seconds")
     p.add_argument("--seed-port", type=int, default=0, help="BitTorrent port to seed the artifact on (0: any)")
+    p.add_argument("--spare", action="store_true",
+                   help="ask the tracker to keep this node idle as a spare while other nodes cover its layers")
+    p.add_argument("--drain-s", type=float, default=DRAIN_S, metavar="S",
+                   help="on SIGTERM, tell the tracker and wait up to S seconds for this node's sessions to be "
+                        "handed over (a tracker with --resume and a spare) or to end, then exit (0: exit at once; "
+                        "a second signal too)")
     p.add_argument("--advertise", metavar="URL",
                    help="the URL others reach this node at, e.g. https://node1.example:9000 (default: the bound "
                         "address; bound to 0.0.0.0 or ::, the address the tracker saw the node come from). The "
@@ -508,8 +523,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="a tracker and N nodes on 127.0.0.1, each its own process")
     p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--spares", type=int, default=0, metavar="N",
-                   help="N more nodes for each layer range, holding layers already covered (nodeI-spareJ): a "
-                        "tracker with --resume repairs a route that loses a node onto one of them")
+                   help="N more nodes for each layer range, holding layers already covered (nodeI-spareJ), kept "
+                        "idle by the tracker (its --spares N): a tracker with --resume repairs a route that loses "
+                        "or drains a node onto one of them")
+    p.add_argument("--drain-s", type=float, default=None, metavar="S",
+                   help=f"each node's --drain-s: on SIGTERM it hands its sessions over or waits for them up to S "
+                        f"seconds (default {DRAIN_S:g})")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512)

@@ -70,6 +70,7 @@ class Reason(enum.Enum):
     # The route failed us.
     NO_ROUTE = "no_route"
     ROUTE_NODE_LOST = "route_node_lost"
+    NODE_DRAINING = "node_draining"  # a node stopping (SIGTERM) hands its session over: a repair's cause, not a loss
     NODE_ERROR = "node_error"
     SESSION_TIMEOUT = "session_timeout"
     CANCELLED = "cancelled"
@@ -180,6 +181,7 @@ HTTP_TABLE: dict[Reason, tuple[int, str]] = {
     Reason.NODE_AT_CAPACITY: (429, "rate_limit_error"),
     Reason.NO_ROUTE: (503, "route_error"),
     Reason.ROUTE_NODE_LOST: (502, "route_error"),
+    Reason.NODE_DRAINING: (503, "route_error"),
     Reason.NODE_ERROR: (502, "route_error"),
     Reason.SESSION_TIMEOUT: (504, "route_error"),
     Reason.CANCELLED: (499, "route_error"),

@@ -151,7 +151,8 @@ def _child(name: str, argv: list[str], entry: Callable[[list[str]], int], env: d
            keep: socket.socket | None) -> NoReturn:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        # SIGINT, not SIGTERM: dgr up is gone, so its children stop now; a node would drain on SIGTERM
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
         if os.getppid() != parent:  # dgr up died before the line above: nobody would stop this child
             os._exit(1)
         libc.prctl(_PR_SET_NAME, f"dgr-{name}".encode()[:15])

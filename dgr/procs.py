@@ -148,12 +148,14 @@ async def _lines(stream):
 
 
 async def run_child(name: str, proc: ForkedProcess, *, fatal: bool = True, grace_s: float = 5.0,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    stop: int = signal.SIGTERM, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Supervise a forked child (dgr.forks): report `Child` once it prints its ready line, stop it when
     cancelled.
 
     A child that is not `fatal` may exit after it was ready (a node lost on
     purpose, say): that is reported on stderr and the others keep running.
+    It is stopped with `stop` (SIGINT for a node that would drain on SIGTERM, dgr.node.drain), then SIGKILL
+    after `grace_s`.
 
     Raises:
         PeerError(NODE_ERROR): the child exited before it was ready, or a fatal one exited.
@@ -178,7 +180,7 @@ async def run_child(name: str, proc: ForkedProcess, *, fatal: bool = True, grace
     finally:
         with trio.CancelScope(shield=True):
             if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(stop)
                 with trio.move_on_after(grace_s):
                     await proc.wait()
                 if proc.returncode is None:

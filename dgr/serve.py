@@ -50,8 +50,9 @@ def print_ready(info: dict) -> None:
     sys.stdout.flush()
 
 
-def run_until_signal(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """trio.run(fn, ...), cancelled cleanly by SIGINT or SIGTERM.
+def run_until_signal(fn: Callable, *args: Any, signals: tuple[int, ...] | None = None, **kwargs: Any) -> Any:
+    """trio.run(fn, ...), cancelled cleanly by SIGINT or SIGTERM (or by `signals` only: a node that drains
+    handles SIGTERM itself, dgr.node.drain).
 
     Returns fn's result, or None when a signal stopped it first.
     """
@@ -61,8 +62,8 @@ def run_until_signal(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
+                with trio.open_signal_receiver(*(signals or (signal.SIGINT, signal.SIGTERM))) as received:
+                    async for _ in received:
                         nursery.cancel_scope.cancel()
                         return
 

@@ -6,9 +6,11 @@ cores / nodes threads so llama.cpp's spinning threads never oversubscribe
 the machine, and one line on stdout says where the OpenAI API
 is once every node has registered. SIGINT or SIGTERM stops every child.
 `--spares N` starts N more nodes for each range (`nodeI-spareJ`), holding
-layers already covered: a tracker with `--resume` repairs a route that loses
-a node onto one of them (dgr.tracker.repair); until then they are ordinary
-members that routing spreads sessions over.
+layers already covered, each asking to be a spare (`dgr node --spare`), and
+tells the tracker to keep N a layer (`dgr tracker --spares N`): it keeps
+them idle while the members have room (dgr.tracker.spares), and a tracker
+with `--resume` repairs a route that loses or drains a node onto one of them
+(dgr.tracker.repair, dgr.tracker.drain). `--drain-s` is each node's.
 
 `dgr up` binds the tracker's socket and hands it to the tracker process
 (`--listen-fd`), so the tracker's address is known before it runs and the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
 import tempfile
 from typing import Callable
@@ -117,9 +120,9 @@ async def _print_example(url: str, cert: Path) -> None:
 
 
 def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, identity: Path | None = None,
-              tail: bool = False, placement: Placement = Placement()) -> list[str]:
+              tail: bool = False, placement: Placement = Placement(), spare: bool = False) -> list[str]:
     """The arguments of `dgr` (after the command itself) that start one node of the route, on the devices
-    `placement` names; the `tail` also takes the draft model."""
+    `placement` names; the `tail` also takes the draft model, and a `spare` asks to be kept as one."""
     cmd = [
         "node", "--tracker", tracker, "--layers", str(layers), "--backend", args.backend,
         "--name", name, "--threads", str(threads), "--port", "0", "--ctx", str(args.ctx),
@@ -152,7 +155,9 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--identity", str(identity)]
     if getattr(args, "tls", False):
         cmd.append("--tls")
-    return cmd
+    if getattr(args, "drain_s", None) is not None:
+        cmd += ["--drain-s", str(args.drain_s)]
+    return cmd + (["--spare"] if spare else [])
 
 
 def tracker_args(args, identity: Path | None = None, listen_fd: int | None = None,
@@ -173,7 +178,8 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
     if getattr(args, "api_key_file", None):
         cmd += ["--api-key-file", str(args.api_key_file)]
     for flag in ("max_prompt_tokens", "max_prompt_bytes", "max_tokens_cap", "max_session_s", "slow_client_s",
-                 "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow", "max_repairs"):
+                 "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow", "max_repairs",
+                 "spares"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
@@ -234,7 +240,7 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
         with listening:
             roles = [("tracker", tracker_args(args, keys / "tracker.key", listen_fd=listening.fileno(), model=model))]
             roles += [(name, node_args(args, splits[i], url, name, threads, keys / f"{name}.key",
-                                       tail=i == len(splits) - 1, placement=placements[i]))
+                                       tail=i == len(splits) - 1, placement=placements[i], spare="-spare" in name))
                       for name, i in node_names(len(splits), spares)]
             for name, argv in roles:
                 held = [fd for _, child in children for fd in child.fds()]
@@ -255,7 +261,9 @@ async def _serve(args, url: str, children: list[tuple[str, ForkedProcess]], spli
             layers_of = {name: splits[i] for name, i in node_names(len(splits), getattr(args, "spares", 0))}
 
             async def start(name: str, child: ForkedProcess) -> None:
-                await nursery.start(functools.partial(run_child, fatal=name == "tracker"), name, child)
+                # SIGINT: dgr up stopping stops its nodes now, where a SIGTERM of one alone drains it
+                await nursery.start(functools.partial(run_child, fatal=name == "tracker", stop=signal.SIGINT), name,
+                                    child)
                 if name not in layers_of:
                     return
                 if "-spare" in name:  # its layers are covered already: the bar counts the route's own

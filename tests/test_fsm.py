@@ -225,11 +225,13 @@ def test_a_repair_records_the_lost_node_its_replacement_and_the_pause() -> None:
     rs.repair_progress(8, 2.75)
     snap = rs.token(3.0)
     assert snap["phase"] == "decode" and rs.generated == 3 and rs.first_token_at == 1.0
-    assert snap["repairs"] == [{"lost": "b", "phase": "decode", "at_token": 2, "route": ["a", "b2"],
+    assert snap["repairs"] == [{"lost": "b", "drained": False, "phase": "decode", "at_token": 2, "route": ["a", "b2"],
                                 "replacement": ["b2"], "rebuild": {"reused": 4, "done": 12, "total": 12},
                                 "pause_ms": 1000.0, "detect_ms": 250.0, "reroute_ms": 250.0, "rebuild_ms": 500.0}]
     rs.finish("length", 4.0)
     assert rs.state is RouteState.DONE and len(rs.repairs) == 1 and rs.lost == frozenset()
+    drained = _route_in(RouteState.DECODE)  # a node that drains (SIGTERM) hands the session over: recorded so
+    assert drained.node_lost("b", 2.0, drained=True)["repairs"][0]["drained"] is True
 
 
 def test_a_node_lost_in_prefill_or_while_repairing_opens_another_repair() -> None:

@@ -12,6 +12,12 @@ to one of the cores for the whole run (`cpu_hog`), on the stub with compute
 that takes real time (the suite) and on llama_shard (`DGR_SLOW=1`). A busy
 node must be slow, never lost: its control calls are answered between
 iterations and the gateway asks a node whether it lives before failing it.
+
+With kills (issue 54): one spare a range and --resume, and a random node
+SIGKILLed and started again every few seconds (the suite: about 3 kills in
+20 s on the stub; `DGR_SLOW=1`: every 10 to 20 s for 75 s): no request
+fails while a spare exists, answers are unchanged, and afterwards every node
+holds no session and no KV.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 import httpx
 import pytest
 
-from dgr.bench.storm import cpu_hog  # a busy loop pinned to core 0, from entry to exit
+from dgr.bench.storm import cpu_hog, killing  # a busy loop pinned to core 0; a node killed and started again
 from dgr.testing.harness import LocalRoute
 
 pytestmark = pytest.mark.serial  # llama.cpp routes of several nodes: one at a time under make test (tests/conftest.py)
@@ -141,3 +147,41 @@ def test_storm_beside_a_cpu_hog_on_the_stub() -> None:
 @pytest.mark.slow
 def test_storm_beside_a_cpu_hog_on_llama_shard() -> None:
     _storm(float(os.environ.get("DGR_STORM_S", "60")), rounds=0, hog=True)
+
+
+def _storm_with_kills(seconds: float, every: tuple[float, float]) -> None:
+    with LocalRoute(backend="stub", nodes=2, ready_timeout_s=120, busy_poll_ms=None,
+                    extra=("--ctx", "2048", "--prefill-chunk", str(PREFILL_CHUNK), "--max-sessions", str(CLIENTS),
+                           "--stub-delay", "0.001", "--spares", "1", "--resume", "--dead-after", "1")) as route:
+        before = _greedy(route, "stub")
+        tally: dict = {}
+        lock = threading.Lock()
+        end = time.monotonic() + seconds
+        kills: list = []
+        threads = [threading.Thread(target=_client, args=(route, k, lambda n: time.monotonic() < end, tally, lock,
+                                                          "stub", ((10, 20), (1, 4)))) for k in range(CLIENTS)]
+        threads.append(threading.Thread(target=killing, args=(route, end, every, random.Random(54), kills)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(seconds + 120)
+        assert not any(t.is_alive() for t in threads)
+        stats = httpx.get(f"{route.api}/stats", timeout=10).json()
+        print(f"\nstorm with kills: responses by status {({k: v for k, v in tally.items() if isinstance(k, int)})}, "
+              f"kills {[k['node'] for k in kills]}, gateway failures {stats['failures']}")
+        assert len(kills) >= 2, kills
+        assert set(k for k in tally if isinstance(k, int)) == {200}, tally
+        assert "errors" not in tally, tally["errors"][:5]
+        live = [n["node"] for n in route.node_table() if n["alive"]]
+        assert len(live) == 4  # every node killed was started again
+        route.wait_sessions_freed(live)
+        assert _greedy(route, "stub") == before
+
+
+def test_storm_with_kills_and_a_spare_a_range_fails_no_request() -> None:
+    _storm_with_kills(20.0, (4.0, 7.0))
+
+
+@pytest.mark.slow
+def test_storm_with_kills_for_a_minute() -> None:
+    _storm_with_kills(float(os.environ.get("DGR_STORM_S", "75")), (10.0, 20.0))

@@ -19,7 +19,7 @@ def _run(args) -> int:
         return 2
     cfg = BenchConfig.make(args.quick, tuple(args.rtt or ()))
     cfg = attrs.evolve(cfg, only=args.only, rtt_link=args.rtt_link, peers=args.peers or args.only in ("peers", "paired"),
-                       big=args.big)
+                       big=args.big, storm_kills=args.storm_kills)
     if args.threads:
         cfg = attrs.evolve(cfg, threads=args.threads)
     results = run_suite(cfg)
@@ -51,6 +51,10 @@ def register(subparsers) -> None:
                         "open latency and token gaps while a long prompt prefills; spec: speculative decoding on 2- "
                         "and 3-node rings in network namespaces at 0, 20 and 50 ms, a copy task, a summary and free "
                         "chat, with and without n-gram drafts, beside llama-server's own; needs root)")
+    p.add_argument("--storm-kills", action="store_true",
+                   help="with --only storm: one spare a range and --resume, and a random node killed (SIGKILL) and "
+                        "started again every 10 to 20 s; adds the kills, repairs, their pauses and what the nodes "
+                        "hold after the storm")
     p.add_argument("--peers", action="store_true",
                    help="also measure llama.cpp's llama-server (alone, over RPC, with -np slots), built once "
                         "from the llama.cpp vendored in the installed llama-cpp-python's sdist")

@@ -17,6 +17,14 @@ prompt's prefill (client 0's request start to its first token). Other work
 on the machine moves these figures: the report says so.
 
 Linux only where it pins the hog (sched_setaffinity); elsewhere it is unpinned.
+
+With kills (`dgr bench --only storm --storm-kills`, issue 54): the route has
+one spare a range and `--resume`, and a killer (`killing`) SIGKILLs a random
+live node every 10 to 20 s and starts it again at once. A session whose node
+dies is repaired onto a spare, an open that meets a dead node is routed
+around, so no request should fail while a spare exists. Extra figures: the
+kills, the repairs and their pauses (p50/p99/max), and what every node holds
+once the storm is over (0 sessions and 0 KV bytes, or the report says which).
 """
 
 from __future__ import annotations
@@ -33,12 +41,13 @@ from typing import Any, Callable, Iterator
 import httpx
 import numpy as np
 
-from dgr.testing.harness import LocalRoute
+from dgr.testing.harness import LocalRoute, RouteTimeout
 
-__all__ = ["cpu_hog", "run_storm", "markdown", "SECONDS", "CLIENTS"]
+__all__ = ["cpu_hog", "killing", "run_storm", "markdown", "SECONDS", "CLIENTS", "KILL_EVERY_S"]
 
 SECONDS = 90.0
 CLIENTS = 8
+KILL_EVERY_S = (10.0, 20.0)  # with kills: the wait before each, drawn
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 LONG_PROMPT = "Client 0 asks: " + "tell me more " * 500  # about 1,500 tokens
 _HOG = "import os\nif hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {0})\nwhile True: pass"
@@ -56,6 +65,23 @@ def cpu_hog() -> Iterator[subprocess.Popen]:
         hog.wait(10)
 
 
+def killing(route: LocalRoute, end: float, every: tuple[float, float], rng: random.Random, kills: list,
+            stop: threading.Event | None = None) -> None:
+    """Until `end` (monotonic) or `stop`: wait `every` (drawn), SIGKILL a random live node of `route`, start it
+    again under its name and layers at once; each kill appended to `kills` (node, when, how long its restart took
+    to register)."""
+    stop = stop or threading.Event()
+    while not stop.wait(rng.uniform(*every)) and time.monotonic() < end:
+        alive = [n for n in route.node_table() if n["alive"]]
+        if not alive:
+            continue
+        victim = rng.choice(alive)
+        at = route.kill(victim["node"])
+        route.restart_node(victim["node"], victim["layers"])
+        kills.append({"node": victim["node"], "role": victim.get("role"), "at": at,
+                      "restart_s": time.monotonic() - at})
+
+
 def _client(api: str, k: int, end: float, rows: list, windows: list, lock: threading.Lock) -> None:
     rng = random.Random(1000 + k)
     with httpx.Client(timeout=300) as http:
@@ -68,6 +94,7 @@ def _client(api: str, k: int, end: float, rows: list, windows: list, lock: threa
             t0 = time.monotonic()
             with http.stream("POST", f"{api}/completions", json=body) as r:
                 row["status"], row["open_s"] = r.status_code, time.monotonic() - t0
+                row["sid"] = r.headers.get("X-Dgr-Route-Session")
                 if r.status_code == 200 and fate != "prefill":
                     leave_after = rng.randint(1, 6) if fate == "decode" else None
                     for line in r.iter_lines():
@@ -94,11 +121,16 @@ def _pct(xs: list[float], q: float) -> float | None:
     return None if not xs else float(np.percentile(np.asarray(xs), q))
 
 
-def run_storm(log: Callable[[str], None], seconds: float = SECONDS) -> dict[str, Any]:
-    """Run the storm; its figures (see the module docstring)."""
-    log(f"storm: 2-node llama_shard route, 1 thread a node, {CLIENTS} clients for {seconds:g}s beside a CPU hog")
+def run_storm(log: Callable[[str], None], seconds: float = SECONDS, kills: bool = False,
+              every: tuple[float, float] = KILL_EVERY_S) -> dict[str, Any]:
+    """Run the storm; its figures (see the module docstring). `kills`: with a spare a range and --resume, a node
+    killed and started again every `every` seconds (drawn)."""
+    log(f"storm: 2-node llama_shard route, 1 thread a node, {CLIENTS} clients for {seconds:g}s beside a CPU hog"
+        + (f", a node killed every {every[0]:g} to {every[1]:g}s (a spare a range, --resume)" if kills else ""))
+    spares = ("--spares", "1", "--resume") if kills else ()
+    killed: list[dict[str, Any]] = []
     with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=600, busy_poll_ms=None,  # the product's default
-                    extra=("--threads", "1", "--ctx", "2048", "--max-sessions", str(CLIENTS))) as route:
+                    extra=("--threads", "1", "--ctx", "2048", "--max-sessions", str(CLIENTS), *spares)) as route:
         warm = httpx.post(f"{route.api}/completions", timeout=300,
                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         if warm.status_code != 200:
@@ -110,11 +142,14 @@ def run_storm(log: Callable[[str], None], seconds: float = SECONDS) -> dict[str,
             end = time.monotonic() + seconds
             threads = [threading.Thread(target=_client, args=(route.api, k, end, rows, windows, lock))
                        for k in range(CLIENTS)]
+            if kills:
+                threads.append(threading.Thread(target=killing, args=(route, end, every, random.Random(54), killed)))
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(seconds + 600)
         stats = httpx.get(f"{route.api}/stats", timeout=30).json()
+        after = _after(route, rows) if kills else {}
         nodes = route.node_table()
         schedulers = {n: route.node_status(n).get("scheduler", {}) for n in ("node0", "node1")}
     gaps, contended = [], []
@@ -145,8 +180,29 @@ def run_storm(log: Callable[[str], None], seconds: float = SECONDS) -> dict[str,
         "gap_during_long_prefill_s": {"p50": _pct(contended, 50), "p99": _pct(contended, 99),
                                       "max": max(contended, default=None), "n": len(contended)},
         "schedulers": schedulers,
+        "kills": killed, **after,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def _after(route: LocalRoute, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a storm with kills leaves: its sessions' repairs and their pauses, and what every live node holds once
+    its sessions are freed (or still holds after 30 s)."""
+    repairs = []
+    for row in rows:
+        if row.get("sid"):
+            snap = route.session(row["sid"])
+            repairs += snap.get("repairs") or []
+    pauses = [r["pause_ms"] / 1e3 for r in repairs if r.get("pause_ms") is not None]
+    live = [n["node"] for n in route.node_table() if n["alive"]]
+    try:
+        route.wait_sessions_freed(live, timeout_s=30)
+    except RouteTimeout:
+        pass
+    held = {n: (s["sessions"], s["kv_bytes"]) for n in live for s in [route.node_status(n)]}
+    return {"repairs": len(repairs), "drained": sum(bool(r.get("drained")) for r in repairs),
+            "pause_s": {"p50": _pct(pauses, 50), "p99": _pct(pauses, 99), "max": max(pauses, default=None)},
+            "held_after": {n: h for n, h in held.items() if h != (0, 0)}, "nodes_after": len(held)}
 
 
 def _ms(x: float | None) -> str:
@@ -173,6 +229,13 @@ def markdown(res: dict[str, Any]) -> list[str]:
     for name, s in res["schedulers"].items():
         lines.append(f"- {name}: {s.get('iterations')} iterations, {s.get('cuts')} prefill chunks cut, "
                      f"prefill rate {s.get('prefill_rate')} positions/s at the end")
+    if res.get("kills"):
+        p = res["pause_s"]
+        lines += ["", f"With kills: {len(res['kills'])} nodes killed and started again "
+                      f"({', '.join(k['node'] for k in res['kills'])}), {res['repairs']} repairs, pause p50 / p99 / "
+                      f"max {_ms(p['p50'])} / {_ms(p['p99'])} / {_ms(p['max'])} ms; after the storm "
+                      f"{res['nodes_after']} live nodes, holding "
+                      f"{res['held_after'] or 'no session and no KV'}."]
     if res["errors"]:
         lines += ["", "First errors: " + "; ".join(str(e)[:200] for e in res["errors"][:5])]
     return lines

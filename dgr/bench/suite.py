@@ -46,6 +46,7 @@ class BenchConfig:
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
     short_prompt: int = 50  # tokens of the prompt whose TTFT shows the fixed costs before the first token
+    storm_kills: bool = False  # the storm kills a node every 10 to 20 s, a spare a range and --resume (issue 54)
 
     @classmethod
     def make(cls, quick: bool, rtts_ms: tuple[float, ...] = ()) -> "BenchConfig":
@@ -93,7 +94,7 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.only == "storm":
         from dgr.bench.storm import run_storm
 
-        results["storm"] = run_storm(_log)
+        results["storm"] = run_storm(_log, kills=cfg.storm_kills)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return results
     if cfg.only == "spec":

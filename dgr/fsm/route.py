@@ -142,12 +142,13 @@ class Repair:
     total: int = 0  # positions it needs before its first token: the prompt and every token streamed
     rebuilt: int = 0  # positions it has computed of those (REPAIR_PROGRESS)
     resumed_at: float | None = None  # its first token
+    drained: bool = False  # the node was not lost but drained (SIGTERM): its sessions handed over (dgr.tracker.drain)
 
     def to_json(self) -> dict[str, Any]:
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1e3, 3)
 
-        return {"lost": self.lost, "phase": self.phase, "at_token": self.at_token, "route": list(self.route),
+        return {"lost": self.lost, "drained": self.drained, "phase": self.phase, "at_token": self.at_token, "route": list(self.route),
                 "replacement": list(self.replacement), "rebuild": {"reused": self.reused, "done": self.rebuilt,
                                                                    "total": self.total},
                 "pause_ms": ms(self.since, self.resumed_at), "detect_ms": ms(self.since, self.lost_at),
@@ -257,12 +258,13 @@ class RouteSession:
         self.tokens_per_second = (len(times) - 1) / (times[-1] - times[0]) if times[-1] > times[0] else 0.0
         return self.snapshot(now)
 
-    def node_lost(self, node: str, now: float) -> dict[str, Any]:
-        """`node` was lost and the driver repairs the route (it judged the repair exact and allowed)."""
+    def node_lost(self, node: str, now: float, drained: bool = False) -> dict[str, Any]:
+        """`node` was lost (or, `drained`, is stopping and hands the session over) and the driver repairs the
+        route (it judged the repair exact and allowed)."""
         phase = self.state.value
         self._move(RouteEvent.NODE_LOST, now)
         since = self._token_times[-1] if self._token_times else now
-        self.repairs = (*self.repairs, Repair(node, phase, self.generated, since, now))
+        self.repairs = (*self.repairs, Repair(node, phase, self.generated, since, now, drained=drained))
         return self.snapshot(now)
 
     def route_repaired(self, route: tuple[Hop, ...], reused: int, total: int, now: float) -> dict[str, Any]:

@@ -67,6 +67,9 @@ positions per session this node really allocates (`--ctx`). A node whose
 layers are on accelerators adds their memory to each heartbeat, as last read
 (dgr.node.accounting); a CPU node's heartbeat is as it was.
 
+A node that drains (SIGTERM, dgr.node.drain) says so in every heartbeat
+from then on, the first sent at once; the reply says the tracker heard it.
+
 Both name this process's boot nonce (dgr.node.trust `boot`), under the
 node's signature: the tracker binds every capability and open ticket for
 this node to it, so none issued to an earlier process of the node is
@@ -91,6 +94,7 @@ import trio
 
 from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason, parse_error_body
+from dgr.node.drain import Drain
 from dgr.node.service import NodeService
 from dgr.progress import say
 from dgr.security.auth import JOIN_HEADER, Signer, join_proof, tracker_join_proof
@@ -120,13 +124,14 @@ RETRY_MAX_S = 30.0
 
 
 def registration(service: NodeService, url: str, artifact: NodeArtifact | None = None,
-                 tls_cert: str | None = None) -> dict[str, Any]:
+                 tls_cert: str | None = None, spare: bool = False) -> dict[str, Any]:
     backend = service.backend
     claim = {} if artifact is None else {"artifact": artifact.claim()}
     cert = {} if tls_cert is None else {"tls_cert": tls_cert}
     return {
         **claim,
         **cert,
+        **({"spare": True} if spare else {}),
         "node": service.node_id,
         "boot": service.trust.boot,
         "url": url,
@@ -141,15 +146,17 @@ def registration(service: NodeService, url: str, artifact: NodeArtifact | None =
     }
 
 
-def heartbeat_body(service: NodeService) -> dict[str, Any]:
+def heartbeat_body(service: NodeService, draining: bool = False) -> dict[str, Any]:
     """Load, the sessions held (the tracker closes any it does not run), the prefixes kept (its gateway
-    routes a prompt that extends one to this node, after a restart too) and, on a node with accelerators,
-    their memory as last read (a CPU node's heartbeat carries no `devices` at all)."""
+    routes a prompt that extends one to this node, after a restart too), on a node with accelerators their
+    memory as last read (a CPU node's heartbeat carries no `devices` at all), and whether it drains."""
     body: dict[str, Any] = {"node": service.node_id, "boot": service.trust.boot, "sessions": len(service.sessions),
                             "kv_bytes": service.scheduler.kv_bytes, "session_ids": sorted(service.sessions),
                             "prefixes": _advertised(service)}
     if service.devices:
         body["devices"] = [d.to_json() for d in service.devices]
+    if draining:
+        body["draining"] = True
     return body
 
 
@@ -307,8 +314,8 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                           join_token: bytes | None = None, tls_cert: str | None = None,
                           tls: TlsTrust = TlsTrust(), pin: TrackerPin | None = None,
                           transport: httpx.AsyncBaseTransport | None = None,
-                          server_tls: ssl.SSLContext | None = None,
-                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+                          server_tls: ssl.SSLContext | None = None, spare: bool = False,
+                          drain: Drain | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Register with the tracker, report ready, then heartbeat forever.
 
     With an artifact, ready means the tracker has decided on the layer claim
@@ -316,7 +323,8 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
     A refusal of this node's credentials (401) is logged with its reason and
     retried with backoff; so is a reply with a key `pin` does not admit (in memory only when None), and a
     tracker certificate that does not hold it. `transport` is for in-process tests; `server_tls` is this
-    node's own server context, which learns whose client certificates to demand.
+    node's own server context, which learns whose client certificates to demand. `spare`: the registration
+    asks to be kept as one; `drain`: once it drains, heartbeats say so, the first at once (dgr.node.drain).
 
     Raises:
         CallerError(INVALID_REQUEST): the node has no identity. CallerError(FORBIDDEN): an http:// tracker
@@ -346,7 +354,7 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
             try:
                 if not registered:
                     r, signature = await _post(client, signer, "/v1/nodes/register",
-                                               registration(service, url, artifact, tls_cert), join_token,
+                                               registration(service, url, artifact, tls_cert, spare), join_token,
                                                timeout_s=REGISTER_TIMEOUT_S)
                     r.raise_for_status()
                     reply = r.json()
@@ -361,13 +369,16 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                         started = True
                         task_status.started()
                 # the id in a header too: the tracker checks our key owns it before it parses the body
-                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service),
+                draining = drain is not None and drain.draining
+                r, _ = await _post(client, signer, "/v1/nodes/heartbeat", heartbeat_body(service, draining),
                                    extra={NODE_HEADER: service.node_id})
                 if r.status_code == 404:
                     registered = False
                     continue
                 if r.status_code == 200:
                     _note_proof(artifact, r.json())
+                    if draining:
+                        drain.heard(r.json())
                 if not started and _decided(artifact):
                     started = True
                     task_status.started()
@@ -391,4 +402,8 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
                 soon = min(period, 2 * soon)
                 continue
             soon = HEARTBEAT_RETRY_S
-            await trio.sleep(period)
+            with trio.move_on_after(period):
+                if drain is not None and not drain.draining:
+                    await drain.asked.wait()  # a drain's first heartbeat goes at once
+                else:
+                    await trio.sleep_forever()

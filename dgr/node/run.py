@@ -37,6 +37,7 @@ from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Reason
 from dgr.node import steptrace
 from dgr.node.draft import DraftModel
+from dgr.node.drain import Drain, drain_on_signal
 from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
@@ -99,8 +100,11 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    pin: TrackerPin | None = None,
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
                    snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0,
-                   iteration_target_s: float = DEFAULT_ITERATION_TARGET_S, draft: DraftModel | None = None) -> None:
-    """Serve until cancelled. `draft`: the tail's draft model (dgr.node.draft), unloaded with the backend.
+                   iteration_target_s: float = DEFAULT_ITERATION_TARGET_S, draft: DraftModel | None = None,
+                   spare: bool = False, drain_s: float = 0.0) -> None:
+    """Serve until cancelled, or drained. `draft`: the tail's draft model (dgr.node.draft), unloaded with the
+    backend. `spare`: ask the tracker to keep it as one. `drain_s` > 0: the first SIGTERM drains the node
+    (dgr.node.drain), which the caller must then not catch itself.
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
@@ -129,6 +133,9 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                 if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
                     artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
+            drain = Drain(drain_s, node_id, joined=tracker is not None)
+            if drain_s > 0:
+                await nursery.start(drain_on_signal, drain, lambda: len(service.sessions), nursery.cancel_scope)
             ctx, cert = None, None
             if tls.serves(host, tls_files):
                 own = None if tls_files else LinkCert(identity_cert(identity, "node"), identity.private)
@@ -140,7 +147,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                 await nursery.start(functools.partial(stay_registered, service, tracker, url, artifact=artifact,
                                                       join_token=join_token, tls_cert=cert, tls=tls,
                                                       pin=pin or TrackerPin.beside(identity.path, tracker),
-                                                      server_tls=ctx))
+                                                      server_tls=ctx, spare=spare, drain=drain))
             print_ready({"role": "node", "node": node_id, "url": service.advertised or url, "bound": bound,
                          "key": identity.public_text, "layers": str(backend.layers)})
     finally:

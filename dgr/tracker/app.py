@@ -13,7 +13,8 @@ Who may call what (spec/security.md):
   node presents it on every TLS link, and demands one from its own callers.
   A heartbeat names its node in `X-Dgr-Node`: its signature and that key's
   ownership of the id are checked before its body is parsed (the body's
-  `node` must then agree);
+  `node` must then agree); one that says `draining` (a node stopping on
+  SIGTERM) has its sessions handed over (dgr.tracker.drain);
 - with API keys, the OpenAI endpoints and the telemetry views need
   `Authorization: Bearer KEY` (401 in OpenAI's error shape otherwise), and a
   key sees only the Route Sessions it made: another key's are left out of the
@@ -61,6 +62,7 @@ from dgr.security.auth import JOIN_HEADER, SIG_HEADERS, Admission, Verifier, tra
 from dgr.security.certs import identity_cert, member_cert
 from dgr.security.identity import Identity
 from dgr.tracker.deliveries import deliver_fast_path
+from dgr.tracker.entry import Role
 from dgr.tracker.proofs import Prover
 from dgr.tracker.sse import completion_stream, sse
 
@@ -154,8 +156,11 @@ def make_tracker_app(gateway: Gateway, *, max_body_bytes: int = 4 * 1024 * 1024,
         if data.get("node") != node_id:
             raise CallerError(Reason.INVALID_REQUEST, f"the heartbeat's node is not the one in {NODE_HEADER}")
         entry = registry.heartbeat(data, trio.current_time(), key=key)
-        # The node learns its proof verdict here, to show it to its operator.
-        return json_response({"ok": True, "proof": entry.proof.to_json()})
+        # The node learns its proof verdict here, to show it to its operator; a draining one, that it was heard
+        # and how many of its sessions are being handed over (dgr.tracker.drain).
+        drained = {"draining": True, "handed_over": gateway.drains.handover(node_id)} if (
+            entry.role is Role.DRAINING) else {}
+        return json_response({"ok": True, "proof": entry.proof.to_json(), **drained})
 
     @app.get("/v1/nodes")
     async def nodes():

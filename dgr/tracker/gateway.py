@@ -23,9 +23,10 @@ Theory of operation:
   for it (a strike in the registry, dgr.tracker.blame); once the session's
   one budget of extensions is spent it fails `session_timeout` naming that
   node. Survivors are told to drop the session's KV (shielded, bounded).
-- Repair (`--resume`): a `route_node_lost`, however it was noticed, moves the
-  session to a replacement route where dgr.tracker.repair allows, and the
-  loop runs that route from its rebuild on: the client's stream goes on.
+- Repair (`--resume`): a `route_node_lost`, however it was noticed, or a
+  node's drain (dgr.tracker.drain, at each sweep), moves the session to a
+  replacement route where dgr.tracker.repair allows, and the loop runs that
+  route from its rebuild on: the client's stream goes on.
 - A client that goes away cancels its session: reason `cancelled`, KV freed.
   Limits (`_watch_sessions`, LiveSession.over_limit) fail a session past
   `max_session_s`, a stream whose reader stalled or never started; each
@@ -52,7 +53,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -70,6 +71,8 @@ from dgr.tracker.admission import Admission
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
 from dgr.tracker.deliveries import Deliveries
+from dgr.tracker.drain import Drains
+from dgr.tracker.entry import Role
 from dgr.tracker.live import Delta, GatewayConfig, LiveSession
 from dgr.tracker.patience import Patience
 from dgr.tracker.pieces import Vocabularies
@@ -77,7 +80,6 @@ from dgr.tracker.reconcile import OwedCloses
 from dgr.tracker.registry import NodeEntry, Registry
 from dgr.tracker.repair import Repairer
 from dgr.tracker.ring import Driver, Ring
-from dgr.tracker.seam_client import NodeClient
 from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["Gateway", "GatewayConfig", "LiveSession", "Delta"]  # the last three from dgr.tracker.live
@@ -104,6 +106,7 @@ class Gateway:
     deliveries: Deliveries = attrs.field(init=False)
     driver: Driver = attrs.field(init=False)
     repairer: Repairer = attrs.field(init=False)
+    drains: Drains = attrs.field(init=False)  # draining nodes' sessions handed over (dgr.tracker.drain)
     owed: OwedCloses = attrs.field(init=False)
     _nursery: trio.Nursery | None = None
 
@@ -124,31 +127,16 @@ class Gateway:
         self.driver = Ring(cfg, self.clients, self.patience, self.accounting)
         self.repairer = Repairer(self.registry, cfg, self.admission, self.clients, self.routes, self.owe_close,
                                  self.authority)
+        self.drains = Drains(self.repairer, self.routes)
 
     # what tests and views read of the parts
-    @property
-    def connect(self) -> Callable[..., NodeClient]:
-        return self.clients.connect
+    # in-process routes set it, to reach their nodes' apps
+    connect = property(lambda self: self.clients.connect, lambda self, c: setattr(self.clients, "connect", c))
 
-    @connect.setter
-    def connect(self, connect: Callable[..., NodeClient]) -> None:
-        self.clients.connect = connect  # in-process routes reach their nodes' apps
-
-    @property
-    def metrics(self):
-        return self.accounting.metrics
-
-    @property
-    def hop_stats(self):
-        return self.accounting.hop_stats
-
-    @property
-    def ended(self):
-        return self.accounting.ended
-
-    @property
-    def slow_waits(self) -> int:
-        return self.patience.extended
+    metrics = property(lambda self: self.accounting.metrics)
+    hop_stats = property(lambda self: self.accounting.hop_stats)
+    ended = property(lambda self: self.accounting.ended)
+    slow_waits = property(lambda self: self.patience.extended, doc="deadlines extended for slow nodes")
 
     def _strike(self, node_id: str, why: str = "held a step past its deadline") -> None:
         """A late step blamed on a node (dgr.tracker.blame), or a member caught sending what it may not
@@ -188,8 +176,8 @@ class Gateway:
             await trio.sleep(self.config.sweep_s)
             now = trio.current_time()  # the registry's clock
             for node_id in self.registry.sweep(now):
-                log.warning("node %s sent no heartbeat for %gs", node_id, self.registry.dead_after_s)
-                self.node_lost(node_id, "heartbeats stopped (node dead or hung)")
+                self.node_lost(node_id, f"heartbeats stopped for {self.registry.dead_after_s:g}s (node dead or hung)")
+            self.drains.sweep()
             for entry in self.registry.forget(now):
                 self.clients.forget(entry.node_id)
                 self.accounting.forget_node(entry.node_id)
@@ -214,7 +202,9 @@ class Gateway:
     def node_lost(self, node_id: str, why: str) -> None:
         """Mark the node dead and fail its sessions, or have their drivers repair them (dgr.tracker.repair).
         Their KV there is closed once it heartbeats again."""
-        log.warning("node %s lost: %s", node_id, why)
+        drained = node_id in self.registry.nodes and self.registry.nodes[node_id].role is Role.DRAINING
+        log.log(logging.INFO if drained else logging.WARNING, "node %s %s: %s", node_id,
+                "drained, and gone" if drained else "lost", why)  # a drained node leaves as it said it would
         self.registry.mark_dead(node_id, trio.current_time())
         for live in list(self.sessions.values()):
             if any(h.node_id == node_id for h in live.rs.route):
@@ -264,10 +254,19 @@ class Gateway:
 
     # -- sessions ---------------------------------------------------------------
     async def open(self, req: GenerationRequest, scope: str = "") -> LiveSession:
-        """Admit `req` (dgr.tracker.admission) and start its driver. Raises what admission raises."""
+        """Admit `req` (dgr.tracker.admission) and start its driver; with --resume, a node lost while the route
+        opens is routed around (declared lost, the open tried again, `max_repairs` times). Raises what admission
+        raises."""
         if self._nursery is None:
             raise PeerError(Reason.INTERNAL, "the gateway is not running")
-        live = await self.admission.open(req, scope)
+        for again in range(self.config.max_repairs if self.config.resume else 0, -1, -1):
+            try:
+                live = await self.admission.open(req, scope)
+                break
+            except PeerError as exc:  # nothing was streamed yet: the client need not see a loss it can be spared
+                if not again or exc.reason is not Reason.ROUTE_NODE_LOST or not exc.details.get("node"):
+                    raise
+                self.node_lost(exc.details["node"], f"while a route opened: {exc.message}")
         self.sessions[live.rs.sid] = live
         self.routes[live.node_sid] = live
         self._nursery.start_soon(self._drive, live)
@@ -279,12 +278,10 @@ class Gateway:
             live.abort(Failure(Reason.CANCELLED, why, phase=live.rs.state.value))
 
     def lookup(self, sid: str) -> RouteSession | None:
-        live = self.sessions.get(sid)
-        return live.rs if live is not None else self.accounting.ended.get(sid)
+        return self.sessions[sid].rs if sid in self.sessions else self.accounting.ended.get(sid)
 
     def telemetry(self, sid: str) -> Broadcast | None:
-        live = self.sessions.get(sid)
-        return None if live is None else live.telemetry
+        return self.sessions[sid].telemetry if sid in self.sessions else None
 
     def models(self) -> dict[str, list[NodeEntry]]:
         out: dict[str, list[NodeEntry]] = {}

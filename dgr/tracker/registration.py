@@ -66,6 +66,7 @@ class Registration:
     manifest_id: str | None = None
     seed: str | None = None
     boot: str = ""  # the node process's boot nonce: its capabilities and tickets are bound to it
+    wants_spare: bool = False  # it asks to be kept idle as a spare (dgr.tracker.spares)
 
 
 @attrs.frozen
@@ -78,6 +79,7 @@ class Heartbeat:
     prefixes: frozenset[str]
     devices: tuple[DeviceMemory, ...] = ()
     devices_dropped: str | None = None  # why the heartbeat's devices were dropped, when they were
+    draining: bool = False  # the node is stopping (SIGTERM): hand its sessions over (dgr.tracker.drain)
     boot: str | None = None  # the node process's boot nonce; None: not said
 
 
@@ -106,6 +108,7 @@ def read_registration(data: dict[str, Any], *, seen: str | None, max_capacity: i
             max_positions=_int(data, "max_positions", 1, default=model.context_length),
             prefixes=_prefixes(data),
             boot=_boot(data) or "",
+            wants_spare=_flag(data, "spare"),
         )
         cert = data.get("tls_cert")
         if cert is not None:
@@ -136,6 +139,7 @@ def read_heartbeat(data: dict[str, Any]) -> Heartbeat:
             raise ValueError(f"session_ids must be a list of at most {MAX_HELD} session ids")
         prefixes = _prefixes(data)
         boot = _boot(data)
+        draining = _flag(data, "draining")
     except ValueError as exc:
         raise CallerError(Reason.INVALID_REQUEST, f"bad heartbeat: {exc}"[:300]) from None
     try:
@@ -143,7 +147,15 @@ def read_heartbeat(data: dict[str, Any]) -> Heartbeat:
     except ValueError as exc:
         devices, dropped = (), str(exc)[:300]
     return Heartbeat(sessions=sessions, kv_bytes=kv_bytes, held=frozenset(held), prefixes=prefixes,
-                     devices=devices, devices_dropped=dropped, boot=boot)
+                     devices=devices, devices_dropped=dropped, boot=boot, draining=draining)
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    """An optional boolean (absent: False). Raises ValueError."""
+    value = data.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false")
+    return value
 
 
 def _boot(data: dict[str, Any]) -> str | None:

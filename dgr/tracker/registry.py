@@ -93,13 +93,15 @@ import attrs
 
 from dgr.api.hosts import is_loopback, is_wildcard
 from dgr.errors import CallerError, Reason
-from dgr.fsm.proof import ProofState, ProofStatus
-from dgr.seam.types import DeviceMemory, ModelInfo
+from dgr.fsm.proof import ProofState
 from dgr.tracker.blame import SlowPolicy, Standing
 from dgr.security.identity import is_derived_id, key_text, node_id_for
 from dgr.security.tls import check_registered_url
+from dgr.tracker.entry import PROVEN_START, NodeEntry, Role
 from dgr.tracker.registration import read_heartbeat, read_registration
+from dgr.tracker.spares import settle
 
+# NodeEntry and PROVEN_START are dgr.tracker.entry's, named here too: where most callers have always found them
 __all__ = ["NodeEntry", "Registry", "DEAD_AFTER_S", "GATEWAY_ID", "MAX_NODE_SESSIONS", "PROVEN_START"]
 
 log = logging.getLogger("dgr.registry")
@@ -113,120 +115,10 @@ DEAD_AFTER_S = 3.0
 BEATS_PER_DEAD_AFTER = 6
 # Sessions a tracker routes to one node at most, whatever it declares (--max-node-sessions).
 MAX_NODE_SESSIONS = 64
-# Sessions a node is trusted with at once before it has carried that many: a declared capacity is a
-# claim, so the tracker starts here and doubles it each time the node ends a session well while
-# holding that many (halves it when the node is lost mid-session). A real node's slots (llama.cpp's
-# n_seq_max, 4 by default) are usually below it, so only a claim above 16 is ever held back.
-PROVEN_START = 16
 # The tracker's own name as a party to a session. Delivery capabilities were once issued to this node id
 # (before trust v3 each names the node that holds it): it stays reserved, so that no node's id is ever
 # mistaken for the tracker's in a log, a report or a capability of an older tracker.
 GATEWAY_ID = "gateway"
-
-
-@attrs.define
-class NodeEntry:
-    node_id: str
-    url: str
-    start: int
-    stop: int
-    backend: str
-    model: ModelInfo
-    capacity: int
-    describe: dict[str, Any]
-    registered_at: float
-    last_seen: float
-    sessions: int = 0  # as the node last reported
-    kv_bytes: int = 0
-    # Sessions this gateway holds on the node: taken before its opens, given back once its close
-    # is done. Capacity is judged by it, not by heartbeats, which lag a closed session by a beat
-    # and would refuse the next client a slot the node has already freed.
-    reserved: int = 0
-    alive: bool = True
-    pid: int | None = None  # for local tooling (dgr up, the test harness); never trusted for routing
-    manifest_id: str | None = None  # the Model Artifact the node claims to hold layers [start, stop) of
-    seed: str | None = None  # HOST:PORT where it seeds that artifact over BitTorrent
-    proof: ProofStatus = attrs.field(factory=ProofStatus)
-    max_positions: int = 0  # positions per session the node allocates (--ctx); 0 until set from the model
-    held: frozenset[str] = frozenset()  # session ids the node held at its last heartbeat
-    # the last block keys of the prefixes it kept (dgr.node.prefix), as of its last registration or heartbeat
-    prefixes: frozenset[str] = frozenset()
-    # its accelerators' memory as of its last heartbeat (none: a CPU node), or why that heartbeat's were dropped
-    devices: tuple[DeviceMemory, ...] = ()
-    devices_dropped: str | None = None
-    dead_since: float | None = None
-    key: bytes = b""  # the Ed25519 public key that signed its registration: only it may speak for the node
-    tls_cert: str | None = None  # PEM of the node's TLS certificate, pinned for https calls to it
-    proven: int = PROVEN_START  # sessions at once the tracker has seen it carry (see PROVEN_START)
-    routed_at: float = 0.0  # when a route last took it (its registration until then): routes take turns
-    # its process's boot nonce (signed registration): what its capabilities and tickets are bound to
-    boot: str = ""
-    standing: Standing = attrs.field(factory=Standing)  # its timeouts (the registry's, shared across registrations)
-    turns: int = 0  # sessions routed to it (from the busiest peer's count at registration): routes take turns
-
-    def __attrs_post_init__(self) -> None:
-        self.routed_at = max(self.routed_at, self.registered_at)
-        if self.max_positions <= 0:
-            self.max_positions = self.model.context_length
-
-    @property
-    def routable(self) -> bool:
-        return self.alive and self.proof.routable and not self.standing.banned
-
-    def limit(self) -> int:
-        """Sessions the tracker routes to it at once: its capacity (bounded at registration), as far as proven,
-        halved for each strike it holds (at least one)."""
-        return max(1, min(self.capacity, self.proven) >> len(self.standing.strikes))
-
-    @property
-    def load(self) -> int:
-        """Its sessions as routing weighs them: doubled, plus one, for each strike it holds, so a node with
-        one strike is chosen as if it held 2n + 1 (an idle one as if it held one)."""
-        return ((self.reserved + 1) << len(self.standing.strikes)) - 1
-
-    def full(self) -> bool:
-        return self.reserved >= self.limit()
-
-    def served(self) -> None:
-        """A session it carried ended well, while `reserved` sessions (this one too) were on it."""
-        if self.reserved >= self.proven:
-            self.proven = min(2 * self.proven, max(self.capacity, PROVEN_START))
-
-    def faulted(self) -> None:
-        """It was lost in the middle of a session: trust it with fewer at once."""
-        self.proven = max(PROVEN_START, self.proven // 2)
-
-    def to_json(self, now: float) -> dict[str, Any]:
-        return {
-            "node": self.node_id,
-            "url": self.url,
-            "layers": f"{self.start}:{self.stop}",
-            "backend": self.backend,
-            "model": self.model.name,
-            "digest": self.model.digest,
-            "n_layers": self.model.n_layers,
-            "capacity": self.capacity,
-            "limit": self.limit(),
-            "sessions": self.sessions,
-            "kv_bytes": self.kv_bytes,
-            "devices": [d.to_json() for d in self.devices],
-            "devices_dropped": self.devices_dropped,
-            "prefixes": len(self.prefixes),
-            "alive": self.alive,
-            "pid": self.pid,
-            "heartbeat_age_s": round(now - self.last_seen, 3),
-            "max_positions": self.max_positions,
-            "manifest_id": self.manifest_id,
-            "seed": self.seed,
-            "proof": self.proof.to_json(),
-            "routable": self.routable,
-            "strikes": len(self.standing.strikes),
-            "banned_s": None if self.standing.banned_until is None else round(self.standing.banned_until - now, 1),
-            "key": key_text(self.key) if self.key else None,
-            "tls": self.tls_cert is not None,
-            "boot": self.boot,
-            "describe": self.describe,
-        }
 
 
 @attrs.define
@@ -242,6 +134,7 @@ class Registry:
     slow: SlowPolicy = attrs.field(factory=SlowPolicy)  # what timeouts cost a node (dgr.tracker.blame)
     # (node id, key) -> its timeouts, kept while it has any (pruned in `forget` once quiet)
     standings: dict[tuple[str, bytes], Standing] = attrs.field(factory=dict)
+    spares: int = 0  # --spares N: nodes whose layers members cover that are kept idle, per layer (dgr.tracker.spares)
 
     # node id -> the key that first registered it, while its entry is known (pruned with it in `forget`)
     owners: dict[str, bytes] = attrs.field(factory=dict)
@@ -295,7 +188,9 @@ class Registry:
                         "machines cannot reach. If it serves other machines, give it --tracker with this tracker's "
                         "LAN address, or --advertise", entry.node_id, entry.url)
         entry.standing = self.standings.setdefault((entry.node_id, key), entry.standing)
+        entry.role = Role.SPARE  # a newcomer queues behind the members settled already: no role flaps for it
         self.nodes[entry.node_id] = entry
+        self.settle(entry)
         return entry
 
     def strike(self, node_id: str, now: float) -> bool:
@@ -351,6 +246,8 @@ class Registry:
         if beat.devices_dropped is not None and beat.devices_dropped != entry.devices_dropped:
             log.warning("node %s: its heartbeat's devices were dropped: %s", entry.node_id, beat.devices_dropped)
         entry.devices_dropped = beat.devices_dropped
+        if beat.draining:
+            self.drain(entry.node_id)
         return entry
 
     def mark_dead(self, node_id: str, now: float | None = None) -> None:
@@ -358,6 +255,7 @@ class Registry:
         if entry is not None and entry.alive:
             entry.alive = False
             entry.dead_since = entry.last_seen if now is None else now
+            self.settle()
 
     def sweep(self, now: float) -> list[str]:
         """Mark nodes whose heartbeats stopped; return the ids that just died."""
@@ -369,7 +267,28 @@ class Registry:
                 entry.alive = False
                 entry.dead_since = now
                 died.append(entry.node_id)
+        self.settle()  # deaths, and proofs passed or bans lifted since
         return died
+
+    def drain(self, node_id: str) -> NodeEntry | None:
+        """`node_id` is stopping (dgr.tracker.drain): routed nothing new from now on; its live entry, or None."""
+        entry = self.nodes.get(node_id)
+        if entry is None or not entry.alive:
+            return None
+        if entry.role is not Role.DRAINING:
+            log.info("node %s drains (it was a %s)", node_id, entry.role.value)
+            entry.role = Role.DRAINING
+            self.settle()
+        return entry
+
+    def settle(self, new: NodeEntry | None = None) -> None:
+        """Each live node's role from the layers of all (dgr.tracker.spares); `new` just registered."""
+        for entry, before in settle(self.nodes.values(), self.spares):
+            if entry is not new:
+                log.info("node %s (layers %d:%d) is a %s, was a %s", entry.node_id, entry.start, entry.stop,
+                         entry.role.value, before.value)
+        if new is not None:
+            log.info("node %s registered as a %s, layers %d:%d", new.node_id, new.role.value, new.start, new.stop)
 
     def forget(self, now: float) -> list[NodeEntry]:
         """Drop the entries of nodes dead for over `forget_after_s`, and their ids' owners; return them.

@@ -36,6 +36,11 @@ A repair that cannot finish (no replacement, a refused open, a context too
 small) fails the session with the loss's failure; a replacement node lost
 while it opens is another loss, repaired in turn while repairs are left.
 
+A drain (dgr.tracker.drain) is repaired the same way: its failure is
+`node_draining` naming the node, the Repair records `drained`, and the
+draining node, which still answers, is closed with the survivors rather
+than owed its close, and not judged for it.
+
 Left out: noticing the loss (a member's report, the tracker's probe, missed
 heartbeats: dgr.tracker.deliveries, dgr.tracker.gateway); driving the
 replacement (dgr.tracker.ring); and any KV for the replacement but computing
@@ -71,6 +76,7 @@ __all__ = ["Repairer"]
 log = logging.getLogger("dgr.gateway")
 
 _REPAIRABLE = (RouteState.PREFILL, RouteState.DECODE, RouteState.REPAIRING)
+_CAUSES = (Reason.ROUTE_NODE_LOST, Reason.NODE_DRAINING)  # a node lost, or draining (dgr.tracker.drain)
 
 
 @attrs.define
@@ -88,7 +94,7 @@ class Repairer:
         rs, sampling = live.rs, live.request.sampling
         if not self.config.resume:
             return "the tracker does not repair routes (dgr tracker --resume)"
-        if failure.reason is not Reason.ROUTE_NODE_LOST or failure.node is None:
+        if failure.reason not in _CAUSES or failure.node is None:
             return "not a node loss"
         if rs.state not in _REPAIRABLE:
             return f"lost in {rs.state.value}"
@@ -102,7 +108,7 @@ class Repairer:
 
     def unrepaired(self, failure: Failure, why: str) -> Failure:
         """`failure` as it ends the session: where repair is on and it is a loss, saying why it was not repaired."""
-        if not self.config.resume or failure.reason is not Reason.ROUTE_NODE_LOST:
+        if not self.config.resume or failure.reason not in _CAUSES:
             return failure
         return attrs.evolve(failure, message=f"{failure.message}; not repaired: {why}"[:500])
 
@@ -119,13 +125,15 @@ class Repairer:
     async def _replace(self, live: LiveSession, failure: Failure) -> tuple[Failure | None, bool]:
         """Move `live` onto a replacement for the node `failure` names: (None, False) once it is open; (the
         failure that ends the session, False); or (a replacement node's loss, True)."""
-        rs, lost = live.rs, failure.node
-        live.publish(RouteEvent.NODE_LOST, rs.node_lost(lost, trio.current_time()))
-        log.warning("route session %s lost node %s in %s after %d token(s): repairing", rs.sid, lost,
-                    rs.repairs[-1].phase, rs.generated)
-        await self._leave(live, lost)
+        rs, lost, drained = live.rs, failure.node, failure.reason is Reason.NODE_DRAINING
+        live.publish(RouteEvent.NODE_LOST, rs.node_lost(lost, trio.current_time(), drained))
+        log.log(logging.INFO if drained else logging.WARNING, "route session %s %s node %s in %s after %d token(s): "
+                "repairing", rs.sid, "drained from" if drained else "lost", lost, rs.repairs[-1].phase, rs.generated)
+        await self._leave(live, lost, drained)
         try:
-            choice = repair_route(self.registry.alive(), live.nodes, frozenset(r.lost for r in rs.repairs),
+            # the node lost now; one lost before is avoided while dead, and may serve again once it is back (a
+            # restarted node registers under its id): excluding every id ever lost left a range with no node
+            choice = repair_route(self.registry.alive(), live.nodes, frozenset({lost}),
                                   trusted=self.registry.trusted_ends, rng=self.admission.rng)
         except PeerError as exc:
             return self.unrepaired(failure, exc.message), False
@@ -161,24 +169,25 @@ class Repairer:
                  ", ".join(h.node_id for h in choice.hops), sid, len(ids) - reused, len(ids))
         return None, False
 
-    async def _leave(self, live: LiveSession, lost: str) -> None:
-        """End the lost route's node sessions: close the survivors', owe the lost node's, give the lane back."""
+    async def _leave(self, live: LiveSession, lost: str, drained: bool = False) -> None:
+        """End the lost route's node sessions: close the survivors', owe the lost node's (close a `drained` one's:
+        it still answers), give the lane back."""
         sid, rs = live.node_sid, live.rs
         if sid is None:  # a repair closed them already, and its replacement never opened
             return
         if live.head is not None:
             await live.head.drop()
             live.head = None
-        survivors = [h for h in rs.route if h.node_id != lost]
+        survivors = [h for h in rs.route if h.node_id != lost or drained]
         moved = Failure(Reason.CANCELLED, f"the route lost node {lost}: the session goes on on a repaired route")
         with trio.CancelScope(shield=True):  # closed whatever comes: a close cut short would hold their KV
-            for node_id in [lost, *await self.clients.close(sid, survivors, moved, live.caps)]:
+            for node_id in [*([] if drained else [lost]), *await self.clients.close(sid, survivors, moved, live.caps)]:
                 self.owe_close(node_id, sid)
         if live.phases is not None:
             self.admission.leave(live.phases, sid)
             live.phases = None
         entry = self.registry.nodes.get(lost)
-        if entry is not None:
+        if entry is not None and not drained:  # a drain is no fault
             entry.faulted()
         self.routes.pop(sid, None)
         if self.authority is not None:

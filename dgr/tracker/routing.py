@@ -37,6 +37,11 @@ won every session.
 A node at its limit is skipped; if only full nodes would complete a route the
 answer is 429 with Retry-After, else 503 with the missing layer ranges.
 
+Spares (issue 54, dgr.tracker.spares): within a group, the route is
+chosen among members first; spares (nodes whose layers members cover) are
+used only where members alone leave no route with room, so they stay idle
+for the repairs that take them first. Affinity never prefers a spare.
+
 Prefix affinity (`prefer_holders`): once the prompt's ids are known, a route
 made only of nodes that may hold a prefix of it (dgr.tracker.affinity says
 which) replaces the first choice, by the same rule among those nodes, but
@@ -46,9 +51,10 @@ hint: the nodes still answer what they hold.
 
 Repair (`repair_route`, issue 54): a Route Session that lost nodes moves to
 a route of the same files without them. Its live survivors are kept where
-nodes that hold only the lost layers (spares) can fill the gaps, chosen among
-themselves by the same rule; else any route of the same files that avoids
-the lost nodes. A survivor counts this session already, so it is never
+nodes that hold only the lost layers can fill the gaps: the registry's
+spares among them first, then any such node, chosen among themselves by the
+same rule; else any route of the same files that avoids the lost nodes (a
+draining node is not routable, so it is avoided like a lost one). A survivor counts this session already, so it is never
 refused for being full.
 
 Left out: which nodes may hold what, and how far their word is believed
@@ -65,7 +71,7 @@ import attrs
 
 from dgr.errors import CallerError, PeerError, Reason
 from dgr.fsm.route import Hop
-from dgr.tracker.registry import NodeEntry
+from dgr.tracker.entry import NodeEntry, Role
 
 __all__ = ["choose_route", "missing_ranges", "prefer_holders", "repair_route", "RouteChoice"]
 
@@ -217,7 +223,10 @@ def choose_route(candidates: list[NodeEntry], model: str, *, trusted: frozenset[
         n_layers = everyone[0].model.n_layers
         group = _trusted_ends(everyone, n_layers, trusted)
         untrusted |= len(group) < len(everyone) and _shortest(everyone, n_layers) is not None
-        path = _best_path([n for n in group if not n.full()], n_layers, ranks)
+        room = [n for n in group if not n.full()]
+        # spares only where the members have no room (or no cover) left: they are kept idle for repairs
+        path = (_best_path([n for n in room if n.role is not Role.SPARE], n_layers, ranks)
+                or _best_path(room, n_layers, ranks))
         if path is None:
             capacity_blocked |= _shortest(group, n_layers) is not None
             continue
@@ -254,7 +263,8 @@ def prefer_holders(candidates: list[NodeEntry], choice: RouteChoice, holders: fr
         return None
     first = choice.nodes[0]
     group = [n for n in candidates if n.alive and n.routable and n.node_id in holders and not n.full()
-             and _group_key(n) == _group_key(first) and n.model.name == first.model.name]
+             and n.role is not Role.SPARE and _group_key(n) == _group_key(first)
+             and n.model.name == first.model.name]
     path = _best_path(_trusted_ends(group, first.model.n_layers, trusted), first.model.n_layers,
                       draw(group, rng or random.Random()))
     if path is None:
@@ -285,7 +295,8 @@ def repair_route(candidates: list[NodeEntry], route: tuple[NodeEntry, ...], lost
     free = [n for n in same if id(n) not in ours and not n.full()]
     # a spare holds no layer a survivor holds: the cover keeps every survivor
     spares = [n for n in free if all(n.stop <= s.start or n.start >= s.stop for s in survivors)]
-    for pool in ([*survivors, *spares], [*survivors, *free]):
+    kept = [n for n in spares if n.role is Role.SPARE]  # the registry's spares first: idle, kept for this
+    for pool in ([*survivors, *kept], [*survivors, *spares], [*survivors, *free]):
         pool = _trusted_ends(pool, n_layers, trusted)
         path = _best_path(pool, n_layers, draw(pool, rng or random.Random()))
         if path is not None:

@@ -47,13 +47,13 @@ __all__ = ["run_tracker"]
 async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: Identity,
                       dead_after_s: float = DEAD_AFTER_S, prover: Prover | None = None, require_proof: bool = False,
                       trusted_ends: frozenset[bytes] = frozenset(), max_node_sessions: int = MAX_NODE_SESSIONS,
-                      admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
+                      spares: int = 0, admission: Admission = Admission(), api_keys: frozenset[str] = frozenset(),
                       max_body_bytes: int = 4 * 1024 * 1024, tls_files: tuple[str, str] | None = None,
                       tls: TlsTrust = TlsTrust(), listening: socket.socket | None = None,
                       slow: SlowPolicy = SlowPolicy(), vocabularies: Vocabularies | None = None) -> None:
     """Serve until cancelled. `prover` holds the manifests layer proofs are checked against; `slow` is what
     late steps cost a node (dgr.tracker.blame); `vocabularies` the models' token bytes the tails' answers are
-    checked against (default: the stub models' only).
+    checked against (default: the stub models' only); `spares` the idle nodes kept per layer (dgr.tracker.spares).
 
     `listening` is a socket already bound and listening (`dgr up` hands one over): the tracker serves
     on it, and host is then only checked against the exposure rule.
@@ -72,7 +72,7 @@ async def run_tracker(*, host: str, port: int, config: GatewayConfig, identity: 
     own = LinkCert(identity_cert(identity, "tracker"), identity.private)
     tls = attrs.evolve(tls, client=own)  # presented to every https node it calls
     gateway = Gateway(registry=Registry(dead_after_s=dead_after_s, require_proof=require_proof,
-                                        trusted_ends=trusted_ends, max_node_sessions=max_node_sessions,
+                                        trusted_ends=trusted_ends, max_node_sessions=max_node_sessions, spares=spares,
                                         require_tls=tls.required, encrypt=tls.encrypt, slow=slow), config=config,
                       authority=CapabilityAuthority.issuer(identity), tls=tls,
                       vocabularies=vocabularies or Vocabularies.builtin())
