@@ -1,14 +1,10 @@
 """Join a tracker and stay joined: register, then heartbeat.
 
 A heartbeat the tracker does not recognise (it restarted, or declared us
-dead) is answered 404, and the node registers again. A heartbeat or
-registration that does not reach the tracker is tried again soon
-(`HEARTBEAT_RETRY_S`, doubling up to the period), a heartbeat as a
-heartbeat: a tracker at its connection cap under a flood turns newcomers
-away for moments, and a node it hears nothing from for its death threshold
-(3 s by default) is declared lost with every session through it. Before, a
-node waited a whole period and then registered again. The node keeps
-serving its open sessions meanwhile. The period is the tracker's to set: its
+dead) is answered 404, and the node registers again. One that does not
+reach it is sent again soon (`HEARTBEAT_RETRY_S`, doubling to the period):
+a tracker at its connection cap turns newcomers away for moments, and one
+that hears nothing for 3 s fails every session through the node. The period is the tracker's to set: its
 registration reply says `heartbeat_s`, a fraction of its death threshold
 (--dead-after), so a tracker that declares nodes dead sooner hears from them
 more often.
@@ -114,10 +110,7 @@ log = logging.getLogger("dgr.node")
 HEARTBEAT_S = 0.25  # until the tracker's registration reply says its own period (`heartbeat_s`)
 HEARTBEAT_RANGE_S = (0.05, 10.0)  # a period a tracker may ask for
 HEARTBEAT_TIMEOUT_S = 2.0
-# A registration may reach a tracker that is still starting: `dgr up` starts nodes and tracker at once, and
-# a registration made before the tracker serves waits in its socket's backlog. Waiting that out beats
-# giving up after 2 s and sending it again, which the tracker would then read twice.
-REGISTER_TIMEOUT_S = 15.0
+REGISTER_TIMEOUT_S = 15.0  # `dgr up` starts all at once: it waits in a starting tracker's backlog (sent twice, read twice)
 HEARTBEAT_RETRY_S = 0.05  # a beat or registration that did not reach the tracker is tried again this soon
 RETRY_MIN_S = 1.0  # first wait after the tracker refused this node's credentials
 RETRY_MAX_S = 30.0
@@ -393,11 +386,8 @@ async def stay_registered(service: NodeService, tracker: str, url: str, *, artif
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError) as exc:  # ValueError: a non-JSON reply
                 if not (registered and isinstance(exc, httpx.TransportError)):
                     registered = False  # a refusal or a garbled reply: register again; not reached: beat again
-                if soon == HEARTBEAT_RETRY_S:
+                if soon == HEARTBEAT_RETRY_S:  # once a streak: sooner than the period (see the module)
                     log.warning("tracker %s unreachable or refused: %s", tracker, _why(exc))
-                # Sooner than the period: a tracker at its connection cap turns a newcomer away for moments
-                # (dgr.api.gate), and it declares a node dead after a few periods without a beat, failing
-                # every session through it.
                 await trio.sleep(soon)
                 soon = min(period, 2 * soon)
                 continue
