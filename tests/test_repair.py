@@ -108,21 +108,19 @@ def test_a_repair_keeps_the_survivors_and_takes_a_spare_of_the_lost_range() -> N
     assert info.value.reason is Reason.NO_ROUTE and "10:20" in info.value.message
 
 
-def test_a_repaired_route_rebuilds_the_prompt_in_chunks_then_each_streamed_token_alone() -> None:
+def test_a_route_numbers_its_steps_the_prompt_in_chunks_then_each_streamed_token_a_decode_step() -> None:
     rs = RouteSession(sid="r" * 32, model="stub", created_at=0.0)
     live = LiveSession(rs=rs, request=None, prompt=list(range(10)), max_tokens=8, nodes=(), model_width=8,
                        needs_token_ids=False, telemetry=Broadcast(), send=None, recv=None, text=TextAssembler())
-    live.fed = [70, 71, 72]
-    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9])]  # no repair: the prompt
-    live.rebuild_from = 0
-    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9]), (3, 10, [70]),
-                              (4, 11, [71]), (5, 12, [72])]
-    live.rebuild_from = 5  # every hop held a prefix: the prompt's last chunk is never one position after another
-    assert live.chunks(4)[:3] == [(0, 5, [5, 6, 7]), (1, 8, [8, 9]), (2, 10, [70])]
-    live.rebuild_from = 6
-    assert live.chunks(4)[:3] == [(0, 6, [6, 7, 8, 9]), (1, 10, [70]), (2, 11, [71])]
-    live.rebuild_from = 11
-    assert live.chunks(4) == [(0, 11, [71]), (1, 12, [72])]
+    assert live.steps(4) == [(0, 0, [0, 1, 2, 3], False), (1, 4, [4, 5, 6, 7], False), (2, 8, [8, 9], False)]
+    live.fed = [70, 71, 72]  # as the lost route numbered them: a repair keeps its numbers (dgr.tracker.resume)
+    assert live.steps(4)[2:] == [(2, 8, [8, 9], False), (3, 10, [70], True), (4, 11, [71], True), (5, 12, [72], True)]
+    live.steps_from = 5  # a replacement that reused a prefix: the prompt's last chunk is never one position alone
+    assert live.steps(4)[:3] == [(0, 5, [5, 6, 7], False), (1, 8, [8, 9], False), (2, 10, [70], True)]
+    live.steps_from = 6
+    assert live.steps(4)[:3] == [(0, 6, [6, 7, 8, 9], False), (1, 10, [70], True), (2, 11, [71], True)]
+    live.steps_from = 11
+    assert live.steps(4) == [(0, 11, [71], True), (1, 12, [72], True)]
 
 
 # -- real processes ------------------------------------------------------------------------------------
