@@ -27,8 +27,11 @@ def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_r
     # drops the capabilities verified for it (NodeSessions._forget, NodeTrust.forget; a node kept the tokens of its
     # last 2,048 sessions), and issue 58's cuts took one stop off. + 2 (issue 54, a stream survives a node loss):
     # the driver runs one route at a time (Gateway._run), so that a repaired route runs in the same loop, and a
-    # route's snapshot rows are made by one function for its first route and a repaired one (route._route_json)
-    assert result["stops"] <= 276 and result["modules"] <= 53, (result["stops"], result["modules"])
+    # route's snapshot rows are made by one function for its first route and a repaired one (route._route_json).
+    # + 4 stops and 1 module (issue 54, the survivors' KV kept): each non-tail node journals the frames it sends on
+    # for a repair's spare (dgr.node.journal: JournalBook.open, .add, .release), and an open's sample_from is read
+    # as a count (dgr.seam.opening._natural)
+    assert result["stops"] <= 280 and result["modules"] <= 54, (result["stops"], result["modules"])
     assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
     modules = result["per_module"]
     # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's

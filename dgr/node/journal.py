@@ -72,8 +72,9 @@ class JournalBook:
         """Step `seq`'s frame as sent; over the budget, the whole journal is refused."""
         if journal.refused is not None:
             return
-        if seq != journal.end:  # a step it never saw (it was opened later, or trimmed): a hole
-            self._refuse(journal, f"step {seq} after step {journal.end - 1}")
+        end = journal.first + len(journal.frames)  # not `end`: this runs for every step sent on
+        if seq != end:  # a step it never saw (it was opened later, or trimmed): a hole
+            self._refuse(journal, f"step {seq} after step {end - 1}")
         elif self.used + len(frame) > self.limit:
             self._refuse(journal, f"the node's journals hold {self.used} of {self.limit} bytes, step {seq} "
                                   f"needs {len(frame)} more (dgr node --journal-mb)")

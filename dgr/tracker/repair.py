@@ -12,37 +12,50 @@ the default.
 
 How (`Repairer.repair`), driven by dgr.tracker.gateway:
 1. NODE_LOST: the Route Session is repairing; its `Repair` records the node
-   and the pause's start (dgr.fsm.route).
-2. The lost route's node sessions end: the link to its head is dropped, the
-   survivors are closed (their KV freed, see below), the lost node is owed its
-   close (dgr.tracker.reconcile), the lane is given back, and the old id's
-   capabilities are forgotten (a late answer or report of it is refused).
-3. The replacement: the survivors and the spares that hold the lost layers,
+   and the pause's start (dgr.fsm.route). The head's link is dropped.
+2. The replacement: the survivors and the spares that hold the lost layers,
    else any route of the same files without the lost nodes
    (dgr.tracker.routing `repair_route`). Slots move with the session: new
    nodes are held, nodes it left are given back.
-4. It opens in one trip (dgr.fsm.opening: the ids are known) under a fresh
-   node-session id (a node opens each id once, dgr.security.tickets; the
-   Route Session keeps the id its client holds), with the prompt and every
-   token streamed as its ids, what is left of max_tokens as max_new (so every
-   hop stops where the lost route would have), the sampler `drawn` tokens in,
-   and the prompt's prefix offered to every hop: the route starts at what all
-   its hops hold. ROUTE_REPAIRED.
-5. The gateway's driver then runs the replacement's prefill from there
-   (dgr.tracker.live `LiveSession.chunks`: the prompt in chunks, each token
-   already fed one a step, as decode computed them), whose answer is the next
-   token: the repair's end, and the answer goes on.
-A repair that cannot finish (no replacement, a refused open, a context too
-small) fails the session with the loss's failure; a replacement node lost
-while it opens is another loss, repaired in turn while repairs are left.
+3. The plan (dgr.tracker.resume): each survivor on the replacement keeps its
+   KV; the others' node sessions are closed, the lost node is owed its close
+   (dgr.tracker.reconcile), the lane is given back and the old id's
+   capabilities are forgotten (a late answer or report of it is refused).
+4. The replacement opens under a fresh node-session id (a node opens each id
+   once, dgr.security.tickets; the Route Session keeps the id its client
+   holds), in waves: each survivor once the hop after it is open, resuming
+   its session (its KV renamed, cut to the steps the plan keeps) and sending
+   on from its seam journal (dgr.node.journal) what the hop after it lacks:
+   everything to a spare after it (which so takes, bit for bit and in the
+   same steps, what the lost node took, and computes every position), the
+   step it holds past the next survivor's otherwise. A spare opens empty,
+   the tail with `sample_from`, the sampler `drawn` tokens in, what is left
+   of max_tokens as max_new. ROUTE_REPAIRED, with what each survivor kept.
+5. The gateway's driver sends the head what it lacks (a lost head's spare:
+   the prompt in chunks and each streamed token as its decode step, from the
+   ids the gateway holds) and takes the answer of the step it waited on, the
+   next token: the repair's end, and the answer goes on. No survivor computes
+   a position again (the one exception: a step past the last token the
+   gateway knows, which a lost tail sampled and sent to the head: the head
+   drops it and computes it again).
+Where the plan cannot be made or its answers break it (a route that started
+on a kept prefix, whose positions no journal holds; a journal refused for the
+node's budget; a loss in the middle of a repair), every hop of the
+replacement opens empty (the survivors' KV freed) and computes every position
+(`_reopen`), the answer still exact. A repair that cannot finish (no
+replacement, a refused open, a context too small) fails the session with the
+loss's failure; a replacement node lost while it opens is another loss,
+repaired in turn while repairs are left.
+
+The pause, as Generation Telemetry splits it: `detect_ms` (the last token to
+the loss noticed), `reroute_ms` (the replacement chosen and open: the waves'
+round trips, the survivors' queued steps and KV renames), `rebuild_ms` (the
+spare computing every position from the journal, while the survivors wait,
+to the next token).
 
 Left out: noticing the loss (a member's report, the tracker's probe, missed
 heartbeats: dgr.tracker.deliveries, dgr.tracker.gateway); driving the
-replacement (dgr.tracker.ring); and any KV for the replacement but computing
-it again. A survivor's KV would be reused only where every hop of the
-replacement held as much (a route starts at the smallest prefix any hop
-holds), and a spare holds none of a live session's, so the survivors' KV is
-freed, not kept, and every hop of the replacement computes every position.
+replacement (dgr.tracker.ring); what the nodes do with a resume (dgr.node.sessions).
 """
 
 from __future__ import annotations
@@ -132,7 +145,7 @@ class Repairer:
         except PeerError as exc:
             await self._leave(live, lost)
             return self.unrepaired(failure, exc.message), False
-        ends = [pos0 + len(ids) for _, pos0, ids, _ in live.steps(self.config.prefill_chunk)][:answered + 1]
+        ends = [pos0 + len(ids) for _, pos0, ids, _ in live.steps(self.config.prefill_chunk)]
         start = rs.prefix_reused if live.steps_from is None else live.steps_from
         plan = (plan_resume(old_route, choice.hops, frozenset(r.lost for r in rs.repairs), old_sid, ends, answered, start, phase)
                 if old_sid is not None else "its route's sessions are closed already")

@@ -6,9 +6,10 @@ chunks, then one decode step per token streamed), and the repaired route goes on
 
 Theory. When the loss is noticed the gateway has taken the answers of steps 0..W-1 (`W`: the prompt's chunks
 it saw answered, or in decode the step of the last token streamed, which samples the next), so every
-survivor computed each of them. A survivor keeps what it holds: at most W + 1 steps (a step past the last
-token the gateway knows is not kept: the tail samples it again), and a tail W (it must compute step W to
-answer it). A hop after a survivor that kept more than that hop holds takes the missing steps from the
+survivor computed each of them. A survivor keeps what it holds of the steps the gateway knows (the prompt's
+chunks and, in decode, W + 1: a step past the last token it knows is not kept, the tail samples it again),
+and a tail all but the last (it must compute that one to answer it: the first token, or the next); the
+gateway takes no answer of a step the tail kept (its answer went with the lost route's inbox: an ACK). A hop after a survivor that kept more than that hop holds takes the missing steps from the
 survivor's journal (dgr.node.journal: its frames as it sent them), and drops unread a step it holds
 already (dgr.fsm.node `repeats`): so a survivor is told to send on its journal from step 0 where the hop
 after it is a replacement (which holds nothing), and from W where it is a survivor (which holds at least
@@ -61,7 +62,7 @@ def plan_resume(old: Sequence[Hop], new: Sequence[Hop], lost: frozenset[str], ol
                 ends: Sequence[int], answered: int, start: int, phase: str) -> ResumePlan | str:
     """The plan of a repair of the route `old` onto `new` (its node sessions `old_sid`), or why there is none.
 
-    `ends[k]`: the positions held after step k of the steps known (every answered one, and the next);
+    `ends[k]`: the positions held after step k of the steps known (the prompt's chunks, and a step a token fed);
     `answered`: W; `start`: the position step 0 started at; `phase`: the Route Session's state at the loss.
     """
     if phase not in ("prefill", "decode"):
@@ -79,7 +80,7 @@ def plan_resume(old: Sequence[Hop], new: Sequence[Hop], lost: frozenset[str], ol
         if hop.node_id not in names:
             continue
         tail = i == len(new) - 1
-        cap = min(answered if tail else answered + 1, len(ends))
+        cap = len(ends) - 1 if tail else len(ends)
         nxt = None if tail else new[i + 1]
         replay = cap if tail else min(cap, answered if nxt.node_id in names else 0)
         orders[hop.node_id] = ResumeOrder(old_sid, cap, ends[cap - 1] if cap else 0, replay)
@@ -107,5 +108,7 @@ def check_resumed(plan: ResumePlan, new: Sequence[Hop], answers: dict[str, OpenA
         owes = got.steps > order.replay_from and hop is not new[-1]
         if owes and (got.journal_from is None or got.journal_from > order.replay_from):
             return f"{hop.node_id} keeps no journal from step {order.replay_from} (dgr node --journal-mb)"
-    head = answers.get(new[0].node_id)
-    return Rebuild(head.steps if new[0].node_id in plan.orders and head is not None else 0, w)
+    head, tail = answers.get(new[0].node_id), answers.get(new[-1].node_id)
+    # a survivor tail answers no step it holds (it answered them on the lost route, whose inbox is gone)
+    held = tail.steps if new[-1].node_id in plan.orders and tail is not None else 0
+    return Rebuild(head.steps if new[0].node_id in plan.orders and head is not None else 0, max(w, held))
