@@ -144,15 +144,15 @@ class NodeSessions:
         self.links.detach(old)
         self.table.end(old_sid, None)
         self.ended(old_sid)
-        journal, old.journal = old.journal, None
         with trio.CancelScope(shield=True):  # the job runs whatever comes: what it moves must land in the table
-            try:  # after its queued steps, which it keeps
+            try:  # after its queued steps, which it keeps (they journal their frames as they finish)
                 await self.scheduler.call(functools.partial(self._move_kv, old_sid, sid, trim), sid=old_sid)
             except BaseException:
-                self.journals.release(journal)
+                self.journals.release(old.journal)
                 raise
             finally:
                 self.table.pop(old_sid)
+        journal, old.journal = old.journal, None
         fsm.max_positions = max_positions
         rec = self.table.add(sid, max_positions, NodeSessionRecord(
             fsm, lane, Sampler(sampling) if self.backend.is_tail else None, old.prompt, old.offered,
@@ -162,7 +162,8 @@ class NodeSessions:
         replay: list[bytes] = []
         if journal is not None:
             self.journals.keep(journal, fsm.next_seq)
-            first = None if journal.refused is not None else journal.first
+            # its first step, where it holds every step from there to the last it keeps: the gateway's check
+            first = journal.first if journal.covers(journal.first, fsm.next_seq) else None
             if journal.covers(order.replay_from, fsm.next_seq):
                 replay = self.journals.frames(journal, order.replay_from, fsm.next_seq, sid)
         self.links.attach(rec, relay)
