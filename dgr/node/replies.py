@@ -161,9 +161,14 @@ class NodeReplies:
         rec = self.table.live.get(sid)
         if rec is not None and rec.relay is None and sid not in self.table.ended:
             raise self._refused(CallerError(Reason.INVALID_REQUEST, f"session {sid} is still opening"))
-        if rec is not None and rec.fsm.held_steps and rec.fsm.repeats(decode_head(record.frame).seq):
-            self.journals.repeats += 1  # a step it took before a repair resumed it: the hop before sends from its own
-            return
+        if rec is not None and rec.fsm.held_steps:
+            try:
+                seq = decode_head(record.frame).seq
+            except CallerError as exc:
+                raise self._refused(exc)
+            if rec.fsm.repeats(seq):  # a step it took before a repair resumed it: the hop before sends from its own
+                self.journals.repeats += 1
+                return
         if steptrace.ON:
             steptrace.mark_frame("read", sid, record.frame)
         frame, rec = self.admit(record.frame, sid, rec)

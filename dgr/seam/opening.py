@@ -16,6 +16,9 @@ Rules:
   alone (a later hop opened before the prompt's length is known, its KV waiting). A head's prompt
   brings its own `max_new` (required) and `max_prompt` (`PromptPlan`); never a prefix root, which
   only the tracker holds (dgr.seam.keys): its prefix is named to it once the ids are known.
+- A repair's open of a survivor carries `resume` (`ResumeOrder`: the live session it goes on with, issue 54)
+  and none of a prompt, a prefix, `max_new` or speculation: its KV is its old session's. A resumed
+  session's answer adds the steps it holds and its journal's first step.
 - One encoder, `_to_json`, is every message's `to_json` but the open's: it writes the fields as their
   metadata declares. The open writes itself: it flattens the prefix and the prompt it carries.
 - The answer is read leniently where a lie costs nothing (`prefix_positions` not a count reads as 0:
