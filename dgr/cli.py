@@ -146,7 +146,8 @@ def cmd_node(args) -> int:
                             snapshot_max_mb=args.snapshot_max_mb,
                             busy_poll_s=busy_poll_ms(args.busy_poll_ms, args.backend, args.threads) / 1e3,
                             iteration_target_s=args.iteration_target_ms / 1e3, draft=draft, spare=args.spare,
-                            drain_s=args.drain_s, signals=(signal.SIGINT,) if args.drain_s > 0 else None)
+                            drain_s=args.drain_s, signals=(signal.SIGINT,) if args.drain_s > 0 else None,
+                            journal_bytes=int(args.journal_mb * 1024 * 1024))
 
 
 def _draft_model(args, backend):
@@ -287,6 +288,9 @@ def _add_node_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="KV of ended sessions kept for reuse, at most this many MiB (default: whatever sequence "
                         "slots live sessions leave free; 0: keep none)")
+    p.add_argument("--journal-mb", type=float, default=256.0, metavar="MB",
+                   help="the seam frames a node sent on for its live sessions, at most this many MiB, so that a "
+                        "repaired route's spare takes them instead of nodes computing again (tracker --resume; 0: none)")
     p.add_argument("--draft-model", metavar="GGUF",
                    help="a smaller GGUF sharing the model's vocabulary, for `draft` speculation: the route's tail "
                         "runs it beside its layers to draft tokens (dgr up: the last node)")

@@ -130,6 +130,18 @@ class SessionTable(Generic[T]):
         self.limits.pop(sid, None)
         return self.live.pop(sid, None)
 
+    def rename(self, sid: str, new: str) -> None:
+        """`sid`'s value and limit held under `new` from now on (a repair moves a session onto a fresh id).
+
+        Raises:
+            CallerError(SESSION_EXISTS): `new` is held or remembered. As `get`: `sid` is not live.
+        """
+        value = self.get(sid)
+        if new in self.live or new in self.ended:
+            raise CallerError(Reason.SESSION_EXISTS, f"session {new} exists or existed on {self.owner}")
+        self.live[new], self.limits[new] = value, self.limits.pop(sid, self.max_positions)
+        del self.live[sid]
+
     def clear(self) -> None:
         """Hold nothing (the owner is closing); ended ids stay remembered."""
         self.live.clear()

@@ -135,6 +135,8 @@ def node_args(args, layers: LayerRange, tracker: str, name: str, threads: int, i
         cmd += ["--snapshot-max-mb", str(args.snapshot_max_mb)]
     if getattr(args, "prefix_cache_mb", None) is not None:
         cmd += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
+    if getattr(args, "journal_mb", None) is not None:
+        cmd += ["--journal-mb", str(args.journal_mb)]
     if getattr(args, "busy_poll_ms", None) is not None:
         cmd += ["--busy-poll-ms", str(args.busy_poll_ms)]
     if getattr(args, "iteration_target_ms", None) is not None:

@@ -34,6 +34,8 @@ def _node_in(state: NodeState) -> NodeSession:
         s.close()
     if state is NodeState.FAILED:
         s.fail(Failure(Reason.ROUTE_NODE_LOST, "x"))
+    if state is NodeState.MOVED:  # a repair resumed it under a fresh id
+        s.move()
     return s
 
 
@@ -46,6 +48,8 @@ def _apply_node(s: NodeSession, event: NodeEvent) -> None:
         s.accept(StepKind.DECODE, s.next_seq, s.positions, 1, now=5.0)
     elif event is NodeEvent.CLOSE:
         s.close()
+    elif event is NodeEvent.MOVE:
+        s.move()
     else:
         s.fail(Failure(Reason.CANCELLED, "y"))
 
@@ -62,7 +66,7 @@ def test_node_every_state_event_pair(state: NodeState, event: NodeEvent) -> None
         with pytest.raises(CallerError) as info:
             _apply_node(s, event)
         assert attrs.asdict(s, recurse=False) == before
-        if state in (NodeState.DONE, NodeState.FAILED):
+        if state in (NodeState.DONE, NodeState.FAILED, NodeState.MOVED):
             assert info.value.reason is Reason.SESSION_ENDED
         else:
             assert isinstance(info.value, IllegalTransition)
@@ -226,7 +230,7 @@ def test_a_repair_records_the_lost_node_its_replacement_and_the_pause() -> None:
     snap = rs.token(3.0)
     assert snap["phase"] == "decode" and rs.generated == 3 and rs.first_token_at == 1.0
     assert snap["repairs"] == [{"lost": "b", "drained": False, "phase": "decode", "at_token": 2, "route": ["a", "b2"],
-                                "replacement": ["b2"], "rebuild": {"reused": 4, "done": 12, "total": 12},
+                                "replacement": ["b2"], "rebuild": {"reused": 4, "done": 12, "total": 12, "kept": {}},
                                 "pause_ms": 1000.0, "detect_ms": 250.0, "reroute_ms": 250.0, "rebuild_ms": 500.0}]
     rs.finish("length", 4.0)
     assert rs.state is RouteState.DONE and len(rs.repairs) == 1 and rs.lost == frozenset()
@@ -247,8 +251,8 @@ def test_every_state_appears_in_its_table() -> None:
     for table in (NODE_TABLE, ROUTE_TABLE, PROOF_TABLE):
         touched = {t.source for t in table.transitions} | {t.target for t in table.transitions}
         assert touched == set(table.states)
-    for table in (NODE_TABLE, ROUTE_TABLE):
-        assert table.terminal == {s for s in table.states if s.value in ("done", "failed")}
+    for table in (NODE_TABLE, ROUTE_TABLE):  # a node session a repair resumed elsewhere ends `moved`, its KV kept
+        assert table.terminal == {s for s in table.states if s.value in ("done", "failed", "moved")}
     assert PROOF_TABLE.terminal == {ProofState.PASSED, ProofState.FAILED}
 
 

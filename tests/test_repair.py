@@ -22,13 +22,18 @@ from dgr.api.textstream import TextAssembler
 from dgr.cli import build_parser
 from dgr.errors import Failure, PeerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
+from dgr.errors import CallerError
+from dgr.fsm.node import NodeSession, NodeState, StepKind
 from dgr.fsm.route import Hop, RouteSession
+from dgr.node.journal import JournalBook
+from dgr.seam.opening import OpenAnswer, ResumeOrder
 from dgr.sampling import SamplingParams
 from dgr.seam.types import ModelInfo
 from dgr.testing.harness import LocalRoute, sse_events
 from dgr.tracker.live import GatewayConfig, LiveSession
 from dgr.tracker.registry import NodeEntry
 from dgr.tracker.repair import Repairer
+from dgr.tracker.resume import Rebuild, check_resumed, plan_resume
 from dgr.tracker.routing import repair_route
 from dgr.tracker.telemetry import Broadcast
 from dgr.up import node_names, tracker_args
@@ -108,27 +113,98 @@ def test_a_repair_keeps_the_survivors_and_takes_a_spare_of_the_lost_range() -> N
     assert info.value.reason is Reason.NO_ROUTE and "10:20" in info.value.message
 
 
-def test_a_repaired_route_rebuilds_the_prompt_in_chunks_then_each_streamed_token_alone() -> None:
+def test_a_route_numbers_its_steps_the_prompt_in_chunks_then_each_streamed_token_a_decode_step() -> None:
     rs = RouteSession(sid="r" * 32, model="stub", created_at=0.0)
     live = LiveSession(rs=rs, request=None, prompt=list(range(10)), max_tokens=8, nodes=(), model_width=8,
                        needs_token_ids=False, telemetry=Broadcast(), send=None, recv=None, text=TextAssembler())
-    live.fed = [70, 71, 72]
-    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9])]  # no repair: the prompt
-    live.rebuild_from = 0
-    assert live.chunks(4) == [(0, 0, [0, 1, 2, 3]), (1, 4, [4, 5, 6, 7]), (2, 8, [8, 9]), (3, 10, [70]),
-                              (4, 11, [71]), (5, 12, [72])]
-    live.rebuild_from = 5  # every hop held a prefix: the prompt's last chunk is never one position after another
-    assert live.chunks(4)[:3] == [(0, 5, [5, 6, 7]), (1, 8, [8, 9]), (2, 10, [70])]
-    live.rebuild_from = 6
-    assert live.chunks(4)[:3] == [(0, 6, [6, 7, 8, 9]), (1, 10, [70]), (2, 11, [71])]
-    live.rebuild_from = 11
-    assert live.chunks(4) == [(0, 11, [71]), (1, 12, [72])]
+    assert live.steps(4) == [(0, 0, [0, 1, 2, 3], False), (1, 4, [4, 5, 6, 7], False), (2, 8, [8, 9], False)]
+    live.fed = [70, 71, 72]  # as the lost route numbered them: a repair keeps its numbers (dgr.tracker.resume)
+    assert live.steps(4)[2:] == [(2, 8, [8, 9], False), (3, 10, [70], True), (4, 11, [71], True), (5, 12, [72], True)]
+    live.steps_from = 5  # a replacement that reused a prefix: the prompt's last chunk is never one position alone
+    assert live.steps(4)[:3] == [(0, 5, [5, 6, 7], False), (1, 8, [8, 9], False), (2, 10, [70], True)]
+    live.steps_from = 6
+    assert live.steps(4)[:3] == [(0, 6, [6, 7, 8, 9], False), (1, 10, [70], True), (2, 11, [71], True)]
+    live.steps_from = 11
+    assert live.steps(4) == [(0, 11, [71], True), (1, 12, [72], True)]
+
+
+def test_a_moved_session_goes_on_under_its_new_id_holding_its_steps_and_drops_the_ones_it_holds() -> None:
+    old = NodeSession(sid="a" * 32, max_positions=100, last_active=0.0)
+    old.accept(StepKind.PREFILL, 0, 0, 8, now=1.0)
+    old.accept(StepKind.PREFILL, 1, 8, 4, now=1.0, last_chunk=True)
+    old.accept(StepKind.DECODE, 2, 12, 1, now=2.0)
+    old.accept(StepKind.DECODE, 3, 13, 1, now=3.0)
+    new = old.resumed("b" * 32, keep=5, positions_at_keep=15, now=4.0)  # it holds fewer than the cap: all of them
+    assert (new.state, new.positions, new.next_seq, new.held_steps) == (NodeState.DECODE, 14, 4, 4)
+    assert new.repeats(3) and not new.repeats(4)  # the hop before it sends from where it resumed
+    new.accept(StepKind.DECODE, 4, 14, 1, now=5.0)
+    cut = old.resumed("c" * 32, keep=2, positions_at_keep=12, now=4.0)  # a step past the cap is dropped
+    assert (cut.state, cut.positions, cut.next_seq, cut.decode_from) == (NodeState.PREFILL, 12, 2, None)
+    with pytest.raises(CallerError):  # the gateway's count must be what it holds
+        old.resumed("d" * 32, keep=2, positions_at_keep=40, now=4.0)
+    old.move()
+    assert old.state is NodeState.MOVED and old.ended
+    with pytest.raises(CallerError) as info:  # a late frame of the old id is refused
+        old.check_step(StepKind.DECODE, 4, 14, 1)
+    assert info.value.reason is Reason.SESSION_ENDED
+
+
+def test_a_journal_keeps_every_step_sent_on_within_the_nodes_budget_or_none() -> None:
+    book = JournalBook(limit=100)
+    a, b = book.open(), book.open()
+    for seq in range(3):
+        book.add(a, seq, bytes(20))
+    assert a.covers(0, 3) and book.used == 60
+    book.add(b, 0, bytes(30))
+    book.add(b, 1, bytes(30))  # over the node's 100 bytes: b's journal is refused whole, a's stays
+    assert b.refused and "journal-mb" in b.refused and not b.covers(0, 1) and book.used == 60 and book.refused == 1
+    book.keep(a, 2)
+    assert a.end == 2 and book.used == 40
+    book.add(a, 3, bytes(1))  # a hole: a journal that misses a step feeds no one
+    assert a.refused and book.used == 0
+    assert JournalBook(limit=0).open() is None  # --journal-mb 0: none kept
+
+
+def test_a_repair_plan_keeps_each_survivors_steps_and_opens_them_after_the_hop_they_feed() -> None:
+    a, b, c, b2 = Hop("a", "http://a", 0, 10), Hop("b", "http://b", 10, 20), Hop("c", "http://c", 20, 30), \
+        Hop("b2", "http://b2", 10, 20)
+    ends = [32, 64, 70, 71, 72]  # three prompt chunks, then two tokens fed: step 4 samples the next token
+    plan = plan_resume((a, b, c), (a, b2, c), frozenset({"b"}), "s" * 32, ends, 4, 0, "decode")
+    assert plan.orders["a"] == ResumeOrder("s" * 32, 5, 72, 0)  # all it holds; its journal from 0 to the spare
+    assert plan.orders["c"] == ResumeOrder("s" * 32, 4, 71, 4)  # the tail computes step 4 to answer it
+    assert plan.waves == (frozenset({"b2", "c"}), frozenset({"a"})) and plan.sample_from == 71
+    ok = {"a": OpenAnswer("t", "a", 72, steps=5, journal_from=0), "c": OpenAnswer("t", "c", 71, steps=4)}
+    assert check_resumed(plan, (a, b2, c), ok) == Rebuild(feed_from=5, answer_from=4)
+    refused = {**ok, "a": OpenAnswer("t", "a", 72, steps=5, journal_from=None)}  # over its --journal-mb
+    assert "journal" in check_resumed(plan, (a, b2, c), refused)
+    # a lost head: the gateway feeds its spare every step; a survivor before a survivor sends from W
+    head = plan_resume((a, b, c), (Hop("a2", "http://a2", 0, 10), b, c), frozenset({"a"}), "s" * 32, ends, 4, 0,
+                       "decode")
+    assert head.orders["b"].replay_from == 4 and head.waves == (frozenset({"a2", "c"}), frozenset({"b"}))
+    # where no journal can feed the spare, or the survivors may lack answered steps: every position again
+    assert "kept prefix" in plan_resume((a, b, c), (a, b2, c), frozenset({"b"}), "s" * 32, ends, 4, 32, "decode")
+    assert "repairing" in plan_resume((a, b, c), (a, b2, c), frozenset({"b"}), "s" * 32, ends, 4, 0, "repairing")
 
 
 # -- real processes ------------------------------------------------------------------------------------
 def _metric(route: LocalRoute, name: str) -> float:
     families = text_string_to_metric_families(route.http.get(f"{route.url}/metrics", timeout=5).text)
     return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
+def _ONCE(once: int, survivor: bool) -> tuple[int, ...]:
+    """What a hop of a repaired route computes: each position once. The one exception, a race: a token's answer
+    that never reached the gateway (a tail killed between sending the next step to the head and its answer,
+    which goes second: the step is the next token's path), or reached it after the loss's report, leaves the
+    survivors a step past the last token the gateway knows; they drop it and it is sampled again
+    (dgr.tracker.resume), so a survivor may compute that one position twice."""
+    return (once, once + 1) if survivor else (once,)
+
+
+def _positions(route: LocalRoute) -> dict[str, int]:
+    """Positions each live node has computed so far (its status's seam counters)."""
+    return {n["node"]: sum(route.node_status(n["node"])["seam"]["positions"].values())
+            for n in route.node_table() if n["alive"]}
 
 
 def _answer(route: LocalRoute, sampling: dict[str, Any], prompt: str = PROMPT) -> str:
@@ -196,8 +272,17 @@ def test_a_stream_survives_the_loss_of_its_head_middle_and_tail_token_for_token(
         assert want["seeded"] != want["greedy"] and want["seeded"] == _answer(route, SEEDED)  # sampled, reproducibly
         for name, sampling, hop in (("greedy", GREEDY, 0), ("seeded", SEEDED, 1), ("greedy", GREEDY, 2),
                                     ("long", GREEDY, 1)):
+            before = _positions(route)
             got = _stream_and_kill(route, sampling, hop, LONG if name == "long" else PROMPT, name == "long")
             lost, snap = got["killed"], got["snapshot"]
+            # no hop computed a position twice: the survivors kept their KV, the spare computed each once from
+            # the journal of the hop before it (a lost head's: the gateway's ids), so every hop of the route the
+            # session ended on computed each of its positions exactly once (the last token's is never fed)
+            computed = {n: c - before.get(n, 0) for n, c in _positions(route).items()}
+            once = snap["prefill"]["total"] + snap["tokens"] - 1
+            for h in snap["route"]:
+                assert computed[h["node"]] in _ONCE(once, h["node"] not in snap["repairs"][0]["replacement"]), (
+                    name, hop, h["node"], computed, snap["repairs"])
             assert got["error"] is None and got["text"] == want[name], (hop, got["error"], got["text"], want[name])
             # the telemetry shows the repair: its phase, the node lost, a spare of its range, the pause
             assert snap["phase"] == "done" and lost not in [h["node"] for h in snap["route"]], snap
@@ -210,6 +295,8 @@ def test_a_stream_survives_the_loss_of_its_head_middle_and_tail_token_for_token(
                 assert repair["phase"] == "decode" and repair["at_token"] >= KILL_AT - 1
                 assert 0 < repair["detect_ms"] < 2000, repair
             assert repair["rebuild"]["done"] == repair["rebuild"]["total"] >= repair["at_token"]
+            survivors = [h["node"] for h in snap["route"] if h["node"] not in repair["replacement"]]
+            assert sorted(repair["rebuild"]["kept"]) == sorted(survivors) and len(survivors) == 2, repair
             assert 0 < repair["pause_ms"] < 5000, repair
             assert "repairing" in got["phases"] and got["phases"][-1] == "done"
             assert got["usage"]["completion_tokens"] == MAX_TOKENS and got["usage"]["repairs"] == 1
@@ -229,3 +316,39 @@ def test_without_resume_a_lost_node_still_ends_the_stream_route_node_lost() -> N
         assert got["snapshot"]["phase"] == "failed" and got["snapshot"]["repairs"] == []
         assert "repairing" not in got["phases"]
         assert _metric(route, "dgr_route_repairs_total") == 0
+
+
+@pytest.mark.llama
+def test_a_llama_shard_route_that_loses_its_tail_answers_exactly_from_the_heads_journal() -> None:
+    """The spare tail takes the head's journal: the hidden states of every position as the lost tail took them,
+    in its steps (the prompt's chunks, each token a decode step alone: llama.cpp rounds a one-position step
+    otherwise than a chunk), so its KV and its logits are the lost tail's and the greedy answer goes on unchanged;
+    the head computes nothing again."""
+    import llama_cpp  # noqa: F401  a hard dependency of the llama backends: a broken build fails here
+
+    with LocalRoute(backend="llama_shard", nodes=2, ready_timeout_s=300,
+                    extra=("--resume", "--spares", "1", "--ctx", "1024", "--prefix-cache-mb", "0", "--threads", "1",
+                           "--dead-after", "1")) as route:
+        model = route.http.get(f"{route.api}/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "The lighthouse keeper opened the bottle and read:", "max_tokens": 32,
+                "temperature": 0, "ignore_eos": True}
+        want = route.http.post(f"{route.api}/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        before = _positions(route)
+        text, killed = [], None
+        with route.http.stream("POST", f"{route.api}/completions", json={**body, "stream": True}, timeout=120) as r:
+            sid = r.headers["X-Dgr-Route-Session"]
+            for kind, data in sse_events(r):
+                if kind != "data" or not isinstance(data, dict) or not data.get("choices"):
+                    continue
+                text.append(data["choices"][0]["text"])
+                if len(text) == 8 and killed is None:
+                    killed = route.session(sid)["route"][-1]["node"]
+                    route.kill(killed)
+        snap = route.wait_session_ended(sid)
+        assert "".join(text) == want and snap["phase"] == "done", ("".join(text), want)
+        (repair,) = snap["repairs"]
+        head = snap["route"][0]["node"]
+        assert repair["lost"] == killed and list(repair["rebuild"]["kept"]) == [head], repair
+        once = snap["prefill"]["total"] + snap["tokens"] - 1
+        computed = {n: c - before.get(n, 0) for n, c in _positions(route).items()}
+        assert computed[head] in _ONCE(once, True) and computed[snap["route"][-1]["node"]] == once, computed

@@ -30,7 +30,10 @@ def test_the_trace_follows_a_request_through_the_gateway_and_both_nodes_of_the_r
     # route's snapshot rows are made by one function for its first route and a repaired one (route._route_json).
     # + 1 module, no stop (issue 54's spares): NodeEntry moved to dgr.tracker.entry, registry.py being at its
     # 400-line bound, so the entry's methods on the path (limit, load, routable, full, served) count under it
-    assert result["stops"] <= 276 and result["modules"] <= 54, (result["stops"], result["modules"])
+    # + 4 stops and 1 module (issue 54, the survivors' KV kept): each non-tail node journals the frames it sends on
+    # for a repair's spare (dgr.node.journal: JournalBook.open, .add, .release), and an open's sample_from is read
+    # as a count (dgr.seam.opening._natural)
+    assert result["stops"] <= 280 and result["modules"] <= 55, (result["stops"], result["modules"])
     assert result["stops"] > 0 and result["calls"] >= result["stops"] and result["modules"] > 0
     modules = result["per_module"]
     # the gateway drives it, and each node's relay carries it on: the ring's path, not a star's

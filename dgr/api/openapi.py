@@ -175,8 +175,15 @@ def node_openapi_document() -> dict[str, Any]:
                     "prompt": {"type": "object", "properties": {
                         "prompt": {"type": "string", "maxLength": 2000},
                         "messages": {"type": "array", "maxItems": 4, "items": _MESSAGE}}},
-                    "max_new": {"type": "integer"}, "max_prompt": {"type": "integer"}}}),
-                "responses": {"201": _OK, **_errors(400, 403, 409, 413, 429)}}},
+                    "max_new": {"type": "integer"}, "max_prompt": {"type": "integer"},
+                    # a repair's survivor: the live session it goes on with, what it keeps of it, and where its
+                    # journal is sent on from (dgr.seam.opening ResumeOrder); a repaired route's tail: sample_from
+                    "resume": {"type": "object", "properties": {
+                        "session": _SID, "steps": {"type": "integer"}, "positions": {"type": "integer"},
+                        "replay_from": {"type": "integer"}}},
+                    "sample_from": {"type": "integer"}}}),
+                # 404, 410: a resume of a session this node does not hold, or that has ended
+                "responses": {"201": _OK, **_errors(400, 403, 404, 409, 410, 413, 429)}}},
             "/v1/seam/sessions/{sid}/prefix": {"post": {
                 "parameters": sid + cap,
                 # the prefix of a session opened waiting (max_new): block keys and base64 marks

@@ -41,7 +41,7 @@ import attrs
 import numpy as np
 import outcome
 
-from dgr.errors import DgrError
+from dgr.errors import CallerError, DgrError, Reason
 from dgr.seam.types import DeviceMemory, ModelInfo
 
 __all__ = ["LayerRange", "Compute", "PrefixSlots", "Vocabulary", "ShardBackend", "ChatMessage", "Step",
@@ -162,6 +162,15 @@ class Compute(abc.ABC):
             except COMPUTE_ERRORS as exc:
                 out.append(outcome.Error(exc))
         return out
+
+    def rename_session(self, sid: str, new: str) -> None:
+        """Hold `sid`'s KV, slot and counters under `new` from now on: a repair resumes a session under a
+        fresh id (a node opens each id once), computing nothing.
+
+        Raises: CallerError(UNKNOWN_SESSION | SESSION_EXISTS), as dgr.sessions `SessionTable.rename` decides;
+        CallerError(INVALID_REQUEST) from a backend that cannot (the repair then computes every position again).
+        """
+        raise CallerError(Reason.INVALID_REQUEST, f"the {self.name} backend cannot move a session to another id")
 
     @abc.abstractmethod
     def positions_computed(self, sid: str) -> int:

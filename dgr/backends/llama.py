@@ -215,6 +215,9 @@ class LlamaCppBackend(ShardBackend):
         if seq is not None:
             self.engine.seq_rm(seq)
 
+    def rename_session(self, sid: str, new: str) -> None:
+        self._table.rename(sid, new)
+
     def trim_session(self, sid: str, positions: int) -> None:
         self.engine.truncate(self._seq(sid), positions)
 

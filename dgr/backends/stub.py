@@ -179,6 +179,9 @@ class StubBackend(ShardBackend):
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)
 
+    def rename_session(self, sid: str, new: str) -> None:
+        self._table.rename(sid, new)
+
     def trim_session(self, sid: str, positions: int) -> None:
         s = self._table.live[sid]
         self._table.live[sid] = attrs.evolve(self._trimmed(s, positions), computed=s.computed)
@@ -389,12 +392,5 @@ class StubBackend(ShardBackend):
         return list(self.devices)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "backend": self.name,
-            "layers": str(self.layers),
-            "architecture": "stub",
-            "n_layers": self.spec.n_layers,
-            "hidden_size": self.spec.hidden_size,
-            "seam_width": self.spec.seam_width,
-            "delay_s": self.delay_s,
-        }
+        return {"backend": self.name, "layers": str(self.layers), "architecture": "stub", "n_layers": self.spec.n_layers,
+                "hidden_size": self.spec.hidden_size, "seam_width": self.spec.seam_width, "delay_s": self.delay_s}

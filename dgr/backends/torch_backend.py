@@ -120,6 +120,9 @@ class TorchBackend(ShardBackend):
     def drop_prefix(self, key: str) -> None:
         self._kept.pop(key, None)
 
+    def rename_session(self, sid: str, new: str) -> None:
+        self._table.rename(sid, new)
+
     def trim_session(self, sid: str, positions: int) -> None:
         s = self._session(sid)
         if not (0 <= positions <= s.positions):

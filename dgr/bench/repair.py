@@ -160,11 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-units", type=int, default=62, help="repeats of a 32-token sentence: the long prompt")
     p.add_argument("--no-resume", action="store_true", help="the control: no --resume, each kill must fail fast")
     p.add_argument("--cases", default="short,seeded,long,prefill", help="which of short,seeded,long,prefill")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="nodes keep no prefix (--prefix-cache-mb 0): the killed run computes its prompt instead of "
+                        "reusing the whole run's, so a repair feeds its spare from journals (a reused prefix is "
+                        "in none: that repair computes every position on every hop)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     extra = ["--spares", "1", "--dead-after", "1", "--ctx", "4096"]
     if not args.no_resume:
         extra.append("--resume")
+    if args.no_prefix_cache:
+        extra += ["--prefix-cache-mb", "0"]
     if args.backend == "stub":  # 2 ms a position a node: an answer long enough to be killed mid-way
         extra += ["--stub-delay", "0.002"]
     hops = list(range(args.nodes))

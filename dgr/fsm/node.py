@@ -32,6 +32,14 @@ Contract:
   positions the answer may take), holds the route's context as its bound
   until the prompt's last chunk is accepted (`last_chunk`), and from then on the
   prompt's positions plus `max_new`, as a session opened with the length does.
+- A repair (issue 54, dgr.tracker.repair) moves a live session onto a fresh
+  id: `move` ends it (`moved`: its KV and journal go on under the new id, so
+  nothing is freed) and `resumed` is the session that goes on, in the state
+  this one was in, holding the steps it took (at most `keep`: the gateway's
+  cap, past which the KV is trimmed) and numbering its steps on from them.
+  The repaired route sends every step again from where the hop before it
+  resumed; a step the session took before its move (`repeats`: a seq below
+  `held_steps`) is dropped unread, not refused.
 - The check is complete before anything is assigned; `accept` then moves the
   session as if the step was applied. If computing the step fails after that,
   the driver calls `fail`: the KV no longer matches the counters, so the
@@ -65,6 +73,7 @@ class NodeState(enum.Enum):
     DECODE = "decode"
     DONE = "done"
     FAILED = "failed"
+    MOVED = "moved"
 
 
 class NodeEvent(enum.Enum):
@@ -73,6 +82,7 @@ class NodeEvent(enum.Enum):
     DECODE_STEP = "decode_step"
     CLOSE = "close"
     FAIL = "fail"
+    MOVE = "move"
 
 
 class StepKind(enum.Enum):
@@ -87,7 +97,8 @@ NODE_TABLE: TransitionTable[NodeState, NodeEvent] = TransitionTable(
     states=NodeState,
     events=NodeEvent,
     initial=NodeState.CREATED,
-    also_initial=(NodeState.WAITING,),
+    # waiting: opened before its KV may open; prefill and decode: resumed by a repair in its predecessor's state
+    also_initial=(NodeState.WAITING, NodeState.PREFILL, NodeState.DECODE),
     transitions=(
         Transition(NodeState.WAITING, NodeEvent.KV_OPEN, NodeState.CREATED, "its KV opened on a kept prefix (adopt)"),
         Transition(NodeState.WAITING, NodeEvent.PREFILL_CHUNK, NodeState.PREFILL,
@@ -98,6 +109,8 @@ NODE_TABLE: TransitionTable[NodeState, NodeEvent] = TransitionTable(
         Transition(NodeState.DECODE, NodeEvent.DECODE_STEP, NodeState.DECODE, "one more token"),
         *(Transition(s, NodeEvent.CLOSE, NodeState.DONE, "session ended normally") for s in _LIVE),
         *(Transition(s, NodeEvent.FAIL, NodeState.FAILED, "route failed, expired or compute error") for s in _LIVE),
+        *(Transition(s, NodeEvent.MOVE, NodeState.MOVED, "a repair resumed it under a fresh id, its KV kept")
+          for s in _LIVE if s is not NodeState.WAITING),
     ),
 )
 
@@ -118,6 +131,8 @@ class NodeSession:
     next_seq: int = 0  # seq number the next step must carry
     max_new: int | None = None  # opened before its prompt's length was known: the answer's positions at most
     failure: Failure | None = None
+    decode_from: int | None = None  # the seq of its first decode step, once it took one
+    held_steps: int = 0  # resumed by a repair: the steps it took before; a frame of one of them is a repeat
 
     def _check_live(self) -> None:
         if self.state is NodeState.FAILED:
@@ -127,7 +142,7 @@ class NodeSession:
                 f"session {self.sid} failed earlier: {self.failure.reason.value if self.failure else '?'}",
                 failure=self.failure,
             )
-        if self.state is NodeState.DONE:
+        if self.state in (NodeState.DONE, NodeState.MOVED):
             raise CallerError(Reason.SESSION_ENDED, f"session {self.sid} has ended")
 
     def check_step(self, kind: StepKind, seq: int, pos0: int, n_tokens: int) -> NodeState:
@@ -186,10 +201,47 @@ class NodeSession:
         self.committed = pos0 + 1 if kind is StepKind.DECODE else self.positions
         self.next_seq = seq + 1
         self.last_active = now
+        if kind is StepKind.DECODE and self.decode_from is None:
+            self.decode_from = seq
         if last_chunk and self.max_new is not None:
             self.max_positions = min(self.max_positions, self.positions + self.max_new)
             self.max_new = None
         return rewinds
+
+    def repeats(self, seq: int) -> bool:
+        """Step `seq` is one this session took before a repair resumed it: its frame is dropped unread (the
+        repaired route sends each hop every step from where the hop before it resumed)."""
+        return seq < self.held_steps
+
+    def move(self) -> None:
+        """A repair resumes this session under a fresh id (`resumed`): it ends here, its KV kept.
+
+        Raises:
+            CallerError(SESSION_ENDED): ended. IllegalTransition: waiting (no KV to keep).
+        """
+        self._check_live()
+        self.state = NODE_TABLE.next(self.state, NodeEvent.MOVE)
+
+    def resumed(self, sid: str, keep: int, positions_at_keep: int, now: float) -> NodeSession:
+        """The session that goes on under `sid` once this one `move`d: the steps it took, at most `keep`
+        (`positions_at_keep`: the positions those `keep` hold, the gateway's count), numbered on from there.
+        Pure: the caller trims the KV where it held more (`positions` then drops).
+
+        Raises:
+            CallerError(INVALID_REQUEST): `positions_at_keep` is not within what it holds.
+        """
+        steps = min(self.next_seq, keep)
+        positions = self.positions if steps == self.next_seq else positions_at_keep
+        if not 0 <= positions <= self.positions or (steps == 0) != (positions == 0):
+            raise CallerError(Reason.INVALID_REQUEST, f"session {self.sid} holds {self.positions} positions in "
+                                                      f"{self.next_seq} steps: it cannot keep {positions_at_keep} "
+                                                      f"in {keep}")
+        decoding = self.decode_from is not None and steps > self.decode_from
+        state = NodeState.DECODE if decoding else NodeState.PREFILL if steps else NodeState.CREATED
+        return NodeSession(sid=sid, max_positions=self.max_positions, last_active=now, state=state,
+                           positions=positions, committed=positions, next_seq=steps,
+                           decode_from=self.decode_from if decoding else None, held_steps=steps,
+                           max_new=self.max_new)
 
     def kv_opened(self) -> None:
         """A waiting session's KV opened (on a kept prefix): it may take its first step from `created`.

@@ -141,6 +141,9 @@ class Repair:
     reused: int = 0  # positions the replacement route held already (a kept prefix on every hop)
     total: int = 0  # positions it needs before its first token: the prompt and every token streamed
     rebuilt: int = 0  # positions it has computed of those (REPAIR_PROGRESS)
+    # (node, positions) of each hop that kept its KV (a survivor resumed, dgr.tracker.resume): it computes only
+    # the positions past them; every other hop computes all `total`
+    kept: tuple[tuple[str, int], ...] = ()
     resumed_at: float | None = None  # its first token
     drained: bool = False  # the node was not lost but drained (SIGTERM): its sessions handed over (dgr.tracker.drain)
 
@@ -150,7 +153,7 @@ class Repair:
 
         return {"lost": self.lost, "drained": self.drained, "phase": self.phase, "at_token": self.at_token, "route": list(self.route),
                 "replacement": list(self.replacement), "rebuild": {"reused": self.reused, "done": self.rebuilt,
-                                                                   "total": self.total},
+                                                                   "total": self.total, "kept": dict(self.kept)},
                 "pause_ms": ms(self.since, self.resumed_at), "detect_ms": ms(self.since, self.lost_at),
                 "reroute_ms": ms(self.lost_at, self.routed_at), "rebuild_ms": ms(self.routed_at, self.resumed_at)}
 
@@ -267,9 +270,10 @@ class RouteSession:
         self.repairs = (*self.repairs, Repair(node, phase, self.generated, since, now, drained=drained))
         return self.snapshot(now)
 
-    def route_repaired(self, route: tuple[Hop, ...], reused: int, total: int, now: float) -> dict[str, Any]:
-        """The replacement `route` is open; it holds `reused` of the `total` positions it needs before it
-        samples (the prompt and every token streamed)."""
+    def route_repaired(self, route: tuple[Hop, ...], reused: int, total: int, now: float,
+                       kept: tuple[tuple[str, int], ...] = ()) -> dict[str, Any]:
+        """The replacement `route` is open; every hop holds `reused` of the `total` positions it needs before
+        it samples (the prompt and every token streamed), the survivors in `kept` (node, positions) more."""
         if not route:
             raise CallerError(Reason.INVALID_REQUEST, "a route needs at least one hop")
         if self.repairs and self.repairs[-1].routed_at is not None and self.state is RouteState.REPAIRING:
@@ -282,7 +286,7 @@ class RouteSession:
         before = {h.node_id for h in self.route}
         self.repairs = (*self.repairs[:-1], attrs.evolve(
             self.repairs[-1], route=tuple(h.node_id for h in route), routed_at=now, reused=reused, total=total,
-            rebuilt=reused, replacement=tuple(h.node_id for h in route if h.node_id not in before)))
+            rebuilt=reused, kept=kept, replacement=tuple(h.node_id for h in route if h.node_id not in before)))
         self.route, self.route_json = route, _route_json(route)
         return self.snapshot(now)
 

@@ -27,6 +27,7 @@ from dgr.backends.base import COMPUTE_ERRORS, Compute
 from dgr.errors import CallerError
 from dgr.metrics import NodeMetrics, device_gauges, gauge
 from dgr.node.draft import DraftModel
+from dgr.node.journal import JournalBook
 from dgr.node.kv import NodeKV
 from dgr.node.links import RingPhases
 from dgr.node.scheduler import StepScheduler
@@ -56,6 +57,8 @@ class SeamStats:
     last_decode_frame_bytes: int = 0
     last_decode_hidden_bytes: int = 0
     refused: collections.Counter = attrs.field(factory=collections.Counter)
+    # positions computed, by the kind of step: what a repair's survivors must not compute again (issue 54)
+    positions: collections.Counter = attrs.field(factory=collections.Counter)
     compute_s: float = 0.0  # summed over steps, each counted with its whole batch's call (the busy time: scheduler.busy_s)
 
     def to_json(self) -> dict[str, Any]:
@@ -66,6 +69,7 @@ class SeamStats:
             "last_decode_frame_bytes": self.last_decode_frame_bytes,
             "last_decode_hidden_bytes": self.last_decode_hidden_bytes,
             "refused": dict(self.refused),
+            "positions": dict(self.positions),
             "compute_s": round(self.compute_s, 6),
         }
 
@@ -86,6 +90,7 @@ class NodeAccounting:
     started_at: float = attrs.field(factory=time.monotonic)
     draft: DraftModel | None = None  # the tail's draft model: its sequences count as the node's KV too
     devices: tuple[DeviceMemory, ...] = ()  # its accelerators' memory as last read; none on the CPU
+    journals: JournalBook | None = None  # its sessions' seam journals (dgr.node.journal)
     _device_error: str | None = None  # the last failed reading's, said once on the log
     _step_metrics: dict[str, tuple[Any, Any, Any]] = attrs.field(factory=dict)  # kind -> `count`'s metric children
 
@@ -127,6 +132,7 @@ class NodeAccounting:
         """A computed step: its compute seconds and the bytes of what it sent on."""
         self.stats.compute_s += compute
         kind = frame.kind.name
+        self.stats.positions[kind] += frame.n_tokens
         children = self._step_metrics.get(kind)
         if children is None:  # labels looked up once per kind, not per step
             m = self.metrics
@@ -140,8 +146,10 @@ class NodeAccounting:
         self.sent(reply)
 
     def sent(self, reply: bytes) -> None:
-        """Bytes of one more frame a step sent on (a speculative step's tokens after its first)."""
-        self.stats.bytes_out[_KIND_NAMES[reply[5]]] += len(reply)
+        """Bytes of one more frame a step sent on (a speculative step's tokens after its first; none: a repaired
+        route's tail answering no step it answered before)."""
+        if reply:
+            self.stats.bytes_out[_KIND_NAMES[reply[5]]] += len(reply)
 
     def status(self, detail: bool = True) -> dict[str, Any]:
         """What the node holds now; backend figures as of the scheduler's last iteration."""
@@ -169,6 +177,7 @@ class NodeAccounting:
                           "polls_given_up": sched.polls_given_up, "cuts": sched.cuts, "dropped": sched.dropped,
                           "prefill_rate": None if sched.prefill_rate is None else round(sched.prefill_rate, 1)},
             "ring_phases": {"released": self.ring.released, "alone": self.ring.alone},
+            "journal": None if self.journals is None else self.journals.to_json(),
             "draft": None if self.draft is None else {
                 **self.draft.describe(), "sessions": self.draft.sessions(), "kv_bytes": self.draft.kv_bytes(),
                 "ms_a_token": None if self.draft.cost_s is None else round(self.draft.cost_s * 1e3, 3)},

@@ -98,8 +98,10 @@ def make_node_app(service: NodeService, *, artifact: NodeArtifact | None = None)
                                             relay=_relay_plan(service, req.relay), prefix=list(req.reuse.prefix),
                                             lane=req.lane, marks=req.reuse.marks,
                                             spec=None if req.spec is None else _spec_plan(service, req.spec),
-                                            prompt=req.prompt, max_new=req.max_new)
-        return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens).to_json(), 201)
+                                            prompt=req.prompt, max_new=req.max_new, resume=req.resume,
+                                            sample_from=req.sample_from)
+        return json_response(OpenAnswer(req.session, service.node_id, opened.reused, opened.tokens, opened.steps,
+                                        opened.journal_from).to_json(), 201)
 
     @app.post("/v1/seam/sessions/<sid>/prefix")
     async def adopt_prefix(sid: str):

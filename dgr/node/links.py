@@ -54,6 +54,7 @@ from dgr.fsm.phases import RoutePhases, hold_for
 from dgr.fsm.node import NodeSession
 from dgr.node.relay import Outgoing, Relay, RelayPlan, SelfLoop
 from dgr.node.draft import DraftModel
+from dgr.node.journal import Journal
 from dgr.node.speculation import SpecPlan, TailSpec
 from dgr.sampling import Sampler
 from dgr.seam.stream import Record
@@ -172,6 +173,10 @@ class NodeSessionRecord:
     exact: bool = False  # its steps compute one position at a time
     hold: Hold = attrs.field(factory=Hold)  # a ring's tail: its next step, held for its phase group
     done: int = -1  # the last step it computed and sent on (the tracker's probe asks: dgr.tracker.blame)
+    journal: Journal | None = None  # a non-tail's frames sent on, for a repair (dgr.node.journal); None: none kept
+    # a ring tail's: a repaired route's steps that end at or before this position were answered on the lost
+    # route, so the tail computes them (its KV) but samples, answers and loops none of them
+    sample_from: int = 0
 
 
 @attrs.define

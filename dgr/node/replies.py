@@ -37,6 +37,7 @@ from dgr.node.relay import Loop, Outgoing, Report
 from dgr.node.speculation import TailSpec
 from dgr.speculative.step import SpecStep
 from dgr.node.iteration import Job, JobKind
+from dgr.node.journal import JournalBook
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler
 from dgr.seam.frame import Frame, TokenResult, decode_frame, decode_head, encode_frame
@@ -124,6 +125,7 @@ class NodeReplies:
     accounting: NodeAccounting
     fail_session: Callable[[str, Failure], Awaitable[None]]
     kv_job: Callable[[NodeSessionRecord], Job]  # a waiting session's KV open, before its first step (dgr.node.sessions)
+    journals: JournalBook  # the frames non-tail sessions sent on, for a repair (dgr.node.journal)
 
     def _refused(self, exc: CallerError) -> CallerError:
         self.accounting.refuse(exc)
@@ -159,6 +161,14 @@ class NodeReplies:
         rec = self.table.live.get(sid)
         if rec is not None and rec.relay is None and sid not in self.table.ended:
             raise self._refused(CallerError(Reason.INVALID_REQUEST, f"session {sid} is still opening"))
+        if rec is not None and rec.fsm.held_steps:
+            try:
+                seq = decode_head(record.frame).seq
+            except CallerError as exc:
+                raise self._refused(exc)
+            if rec.fsm.repeats(seq):  # a step it took before a repair resumed it: the hop before sends from its own
+                self.journals.repeats += 1
+                return
         if steptrace.ON:
             steptrace.mark_frame("read", sid, record.frame)
         frame, rec = self.admit(record.frame, sid, rec)
@@ -226,6 +236,8 @@ class NodeReplies:
         scheduler's thread."""
         backend = self.backend
         if backend.is_tail:  # every tail has its loop back to the head
+            if frame.pos0 + frame.n_tokens <= rec.sample_from:  # answered on the route a repair replaced: its KV only
+                return [], None
             if not frame.flags & Flag.SAMPLE:
                 return ack_frame(frame), None  # a prompt chunk's answer, for the gateway
             loop, max_positions = rec.relay.plan.loop, rec.fsm.max_positions
@@ -262,7 +274,9 @@ class NodeReplies:
             spec.measured((sum(compute_us) + job.compute_s * 1e6) / 1e6)
         times = (*compute_us, int(job.compute_s * 1e6))
         replies = out if isinstance(out, list) else [out]  # a speculative step's tokens, one a frame
-        self.accounting.count(frame, replies[0], job.compute_s)
+        self.accounting.count(frame, replies[0] if replies else b"", job.compute_s)
+        if rec.journal is not None:
+            self.journals.add(rec.journal, frame.seq, replies[0])
         for i, reply in enumerate(replies):
             if i:
                 self.accounting.sent(reply)

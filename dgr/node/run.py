@@ -42,7 +42,7 @@ from dgr.node.app import make_node_app
 from dgr.node.membership import stay_registered
 from dgr.node.prefix import PrefixCache
 from dgr.node.scheduler import DEFAULT_ITERATION_TARGET_S
-from dgr.node.service import NodeService
+from dgr.node.service import DEFAULT_JOURNAL_BYTES, NodeService
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir
 from dgr.security.identity import Identity
 from dgr.security.pins import TrackerPin
@@ -101,10 +101,11 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                    prefix_cache_mb: float | None = None, snapshot_dir: str | None = None,
                    snapshot_max_mb: float | None = None, busy_poll_s: float = 0.0,
                    iteration_target_s: float = DEFAULT_ITERATION_TARGET_S, draft: DraftModel | None = None,
-                   spare: bool = False, drain_s: float = 0.0) -> None:
+                   spare: bool = False, drain_s: float = 0.0, journal_bytes: int = DEFAULT_JOURNAL_BYTES) -> None:
     """Serve until cancelled, or drained. `draft`: the tail's draft model (dgr.node.draft), unloaded with the
     backend. `spare`: ask the tracker to keep it as one. `drain_s` > 0: the first SIGTERM drains the node
-    (dgr.node.drain), which the caller must then not catch itself.
+    (dgr.node.drain), which the caller must then not catch itself. `journal_bytes`: its seam journals' bound
+    (dgr.node.journal).
 
     Raises:
         CallerError(INVALID_REQUEST): bound beyond loopback without a tracker to take capabilities from.
@@ -118,7 +119,8 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
     service = NodeService(backend=backend, node_id=node_id, idle_timeout_s=idle_timeout_s, joining=tracker is not None,
                           identity=identity, tls=tls, tracker_url=tracker.rstrip("/") if tracker else None,
                           prefix=_prefix_cache(prefix_cache_mb), snapshots=_snapshots(snapshot_dir, snapshot_max_mb, backend, artifact),
-                          busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s, draft=draft)
+                          busy_poll_s=busy_poll_s, iteration_target_s=iteration_target_s, draft=draft,
+                          journal_bytes=journal_bytes)
     app = make_node_app(service, artifact=artifact)
     steptrace.start_from_env()
     seed_host = urlsplit(advertise).hostname if advertise else None

@@ -33,10 +33,11 @@ from dgr.backends.base import ShardBackend
 from dgr.errors import CallerError, Failure, Reason
 from dgr.metrics import NodeMetrics
 from dgr.node.accounting import NodeAccounting, SeamStats
+from dgr.node.journal import JournalBook
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks, NodeSessionRecord
 from dgr.node.prefix import PrefixCache
-from dgr.seam.opening import PromptPlan
+from dgr.seam.opening import PromptPlan, ResumeOrder
 from dgr.node.draft import DraftModel
 from dgr.node.speculation import SpecPlan
 from dgr.node.relay import RelayPlan
@@ -55,17 +56,23 @@ from dgr.security.tls import TlsTrust
 from dgr.sessions import SessionTable
 from dgr.speculative.ngram import WINDOW
 
-__all__ = ["NodeService", "Opened", "SeamStats"]
+__all__ = ["NodeService", "Opened", "SeamStats", "DEFAULT_JOURNAL_BYTES"]
 
 
 @attrs.frozen
 class Opened:
-    """What an open answers: the positions reused; a head given the prompt, its ids."""
+    """What an open answers: the positions reused; a head given the prompt, its ids; a resumed session the steps
+    it holds and its journal's first step."""
 
     reused: int
     tokens: list[int] | None = None
+    steps: int | None = None
+    journal_from: int | None = None
 
 _KEEP = object()  # `prefix` not given: a default PrefixCache
+# What a node's seam journals hold at most (dgr.node.journal): 2,000 positions of a 4,096-wide model in f32 are
+# 33 MB, of the default model's 576 under 5 MB
+DEFAULT_JOURNAL_BYTES = 256 * 1024 * 1024
 
 
 @attrs.define(init=False)
@@ -97,12 +104,13 @@ class NodeService:
                  tracker_url: str | None = None, prefix: PrefixCache | None | object = _KEEP,
                  snapshots: SnapshotDir | None = None, busy_poll_s: float = 0.0,
                  iteration_target_s: float = DEFAULT_ITERATION_TARGET_S,
-                 connect_pool: Callable[..., ConnectionPool] = ConnectionPool, draft: DraftModel | None = None
-                 ) -> None:
+                 connect_pool: Callable[..., ConnectionPool] = ConnectionPool, draft: DraftModel | None = None,
+                 journal_bytes: int = DEFAULT_JOURNAL_BYTES) -> None:
         """`joining`: the node has a tracker (session calls need its capabilities, refused until it joins);
         `authority`: a tracker key pinned already. `prefix`: the kept prefixes (None: keep none, as
         --prefix-cache-mb 0); `snapshots`: --snapshot-dir. `busy_poll_s`, `iteration_target_s`: the
-        StepScheduler's. `draft`: the tail's draft model (`--draft-model`, dgr.node.draft)."""
+        StepScheduler's. `draft`: the tail's draft model (`--draft-model`, dgr.node.draft). `journal_bytes`: what
+        its sessions' seam journals may hold (`--journal-mb`, dgr.node.journal; 0: none)."""
         self.backend, self.node_id = backend, node_id
         self.tls = TlsTrust() if tls is None else tls
         self.tracker_url = tracker_url
@@ -123,10 +131,11 @@ class NodeService:
                                          draft=draft, devices=tuple(backend.device_memory()))
         self.trust = NodeTrust(node_id, backend.layers, self.accounting.refuse, authority=authority,
                                tickets=tickets, joining=joining, identity=identity)
+        journals = self.accounting.journals = JournalBook(0 if backend.is_tail else journal_bytes)
         self.lifecycle = NodeSessions(backend, node_id, self.table, self.scheduler, self.kv, self.links,
-                                      idle_timeout_s=idle_timeout_s, ended=self.trust.forget)
+                                      idle_timeout_s=idle_timeout_s, ended=self.trust.forget, journals=journals)
         self.replies = NodeReplies(backend, node_id, max_frame_bytes, self.table, self.scheduler, self.links,
-                                   self.accounting, self.fail_session, self.lifecycle.kv_job)
+                                   self.accounting, self.fail_session, self.lifecycle.kv_job, journals)
         self.links.accept_streamed = self.replies.accept_streamed
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -175,7 +184,8 @@ class NodeService:
     async def open_session(self, sid: str, max_positions: int, sampling: SamplingParams,
                            relay: RelayPlan, prefix: list[str] | None = None,
                            lane: int | None = None, marks: bytes = b"", spec: SpecPlan | None = None, *,
-                           prompt: PromptPlan | None = None, max_new: int | None = None) -> Opened:
+                           prompt: PromptPlan | None = None, max_new: int | None = None,
+                           resume: ResumeOrder | None = None, sample_from: int = 0) -> Opened:
         """Open a session (dgr.node.sessions); a head given `prompt` tokenizes it first (dgr.seam.opening.PromptPlan).
 
         Given a `prefix` or `marks` (the gateway had the ids), it opens on them now. Else its KV waits (for
@@ -185,9 +195,13 @@ class NodeService:
         Raises: CallerError (as NodeSessions.open, and PromptPlan.positions); INVALID_REQUEST: a prompt
         for a shard that is not a head.
         """
+        if resume is not None:  # a repair's survivor: it goes on with the session it holds (issue 54)
+            positions, steps, first = await self.lifecycle.resume(sid, max_positions, sampling, relay, resume, lane,
+                                                                  sample_from)
+            return Opened(positions, steps=steps, journal_from=first)
         if prompt is None:
             return Opened(await self.lifecycle.open(sid, max_positions, sampling, relay, prefix, lane, marks,
-                                                    spec, max_new))
+                                                    spec, max_new, sample_from=sample_from))
         if not self.backend.is_head:
             raise CallerError(Reason.INVALID_REQUEST, f"{self.node_id} is not a head shard: it takes no prompt")
         self.table.check_open(sid, 1)  # before the tokenizing: an open refused anyway costs none
@@ -200,9 +214,11 @@ class NodeService:
         if spec is not None and self.backend.is_tail and not spec.history:  # a route of one: it drafts from its own ids
             spec = attrs.evolve(spec, history=tuple(ids[-WINDOW:]))
         if prefix or marks:
-            reused = await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec, prompt=ids)
+            reused = await self.lifecycle.open(sid, positions, sampling, relay, prefix, lane, marks, spec, prompt=ids,
+                                               sample_from=sample_from)
             return Opened(reused, ids)
-        await self.lifecycle.open(sid, positions, sampling, relay, None, lane, b"", spec, waits=True, prompt=ids)
+        await self.lifecycle.open(sid, positions, sampling, relay, None, lane, b"", spec, waits=True, prompt=ids,
+                                  sample_from=sample_from)
         return Opened(0, ids)
 
     async def fail_session(self, sid: str, failure: Failure) -> None:

@@ -20,6 +20,10 @@ Rules:
   after any of its steps already queued: until then it still counts against capacity and in status,
   so `sessions` and `kv_bytes` agree. A close that keeps nothing needs none of the session's queued
   compute: it is dropped, not waited for.
+- A repair resumes a live session under a fresh id (`resume`, issue 54): the old id ends `moved` at once
+  (a late frame of it is refused), its queued steps run, and one job renames its KV to the new id,
+  trimmed to what the gateway keeps; the new session takes over its record's facts and journal
+  (dgr.node.journal) and sends on first the journal's steps the hop after it lacks.
 - Every backend call is a scheduler job: nothing here touches the backend from the event loop.
 """
 
@@ -36,13 +40,15 @@ import trio
 from dgr.backends.base import Compute
 from dgr.errors import CallerError, DgrError, Failure, Reason
 from dgr.fsm.node import NodeSession, NodeState
+from dgr.node.journal import JournalBook
 from dgr.node.kv import NodeKV
 from dgr.node.links import NodeLinks, NodeSessionRecord
-from dgr.node.relay import RelayPlan
+from dgr.node.relay import Outgoing, RelayPlan
 from dgr.node.speculation import SpecPlan
 from dgr.node.iteration import Job, JobKind
 from dgr.node.scheduler import StepScheduler
 from dgr.sampling import Sampler, SamplingParams
+from dgr.seam.opening import ResumeOrder
 from dgr.sessions import SessionTable
 
 __all__ = ["ENDED_MEMORY", "NodeSessions"]
@@ -62,11 +68,12 @@ class NodeSessions:
     links: NodeLinks
     idle_timeout_s: float = 120.0
     ended: Callable[[str], None] = lambda sid: None  # told each session's end (NodeTrust.forget)
+    journals: JournalBook = attrs.field(factory=lambda: JournalBook(0))  # non-tail sessions' frames sent on
 
     async def open(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan,
                    prefix: list[str] | None = None, lane: int | None = None, marks: bytes = b"",
                    spec: SpecPlan | None = None, max_new: int | None = None, waits: bool = False,
-                   prompt: list[int] | None = None) -> int:
+                   prompt: list[int] | None = None, sample_from: int = 0) -> int:
         """Open a ring session: its results go on through its `relay` (a tail's loops back to the head too).
 
         With `prefix` (a block hash chain, dgr.node.prefix) and `marks` (its positions' marks), the
@@ -76,7 +83,8 @@ class NodeSessions:
         decode steps may carry drafts (dgr.node.speculation; a ring's tail drafts them). With `max_new`, the
         prompt's length is not known yet: `max_positions` is a bound, and the KV waits (`adopt`, `kv_job`), as
         it does with `waits`. A head keeps its `prompt`'s ids: the prompt's chunks come without them
-        (NodeReplies.admit).
+        (NodeReplies.admit). A tail answers no step that ends at or before position `sample_from` (a repaired
+        route's rebuild: they were answered on the route it replaced).
 
         Raises: CallerError(SESSION_EXISTS | NODE_AT_CAPACITY | CONTEXT_LENGTH_EXCEEDED | INVALID_REQUEST).
         """
@@ -84,9 +92,11 @@ class NodeSessions:
         session = NodeSession(sid=sid, max_positions=max_positions, last_active=trio.current_time(),
                               state=NodeState.WAITING if waits else NodeState.CREATED,
                               max_decode=1 if spec is None else spec.k_max + 1, max_new=max_new)
+        tail = self.backend.is_tail
         rec = self.table.open(sid, max_positions, NodeSessionRecord(
-            session, lane, Sampler(sampling) if self.backend.is_tail else None,
-            None if prompt is None else np.asarray(prompt, dtype=np.int32)))
+            session, lane, Sampler(sampling) if tail else None,
+            None if prompt is None else np.asarray(prompt, dtype=np.int32),
+            journal=None if tail else self.journals.open(), sample_from=sample_from))
         reused = 0
         if not waits:
             try:
@@ -106,6 +116,75 @@ class NodeSessions:
             if marks and self.kv.prefix is not None:
                 rec.offered = marks
         return reused
+
+    async def resume(self, sid: str, max_positions: int, sampling: SamplingParams, relay: RelayPlan,
+                     order: ResumeOrder, lane: int | None = None, sample_from: int = 0) -> tuple[int, int, int | None]:
+        """Go on with live session `order.session` under `sid` (a repair, issue 54): its KV, prompt ids and
+        journal, at most `order.steps` steps of it, its results on through `relay`; first the journal's steps
+        from `order.replay_from` (those the hop after it lacks), where the journal holds them all. Returns the
+        positions and steps it holds, and the journal's first step (None: it keeps none, or refused it).
+
+        Raises:
+            CallerError(SESSION_ENDED | UNKNOWN_SESSION): no live `order.session` here.
+            CallerError(INVALID_REQUEST): it holds no KV yet, or fewer positions than the order names.
+            CallerError(SESSION_EXISTS | CONTEXT_LENGTH_EXCEEDED | NODE_AT_CAPACITY): as an open.
+            DgrError: its KV could not be moved (it is freed).
+        """
+        old_sid = order.session
+        old = self.table.get(old_sid)
+        if old.fsm.state is NodeState.WAITING:
+            raise CallerError(Reason.INVALID_REQUEST, f"session {old_sid} holds no KV to resume", param="resume")
+        self.table.check_open(sid, max_positions, in_use=len(self.table) - 1)  # its slot becomes the new one's
+        fsm = old.fsm.resumed(sid, order.steps, order.positions, trio.current_time())  # checks before any change
+        if fsm.positions > max_positions:
+            raise CallerError(Reason.CONTEXT_LENGTH_EXCEEDED, f"session {old_sid} holds {fsm.positions} positions, "
+                                                              f"more than the {max_positions} asked", param="resume")
+        trim = fsm.positions if fsm.positions < old.fsm.positions else None
+        old.fsm.move()  # from here a late frame of it is refused: nothing more joins its queue
+        self.links.detach(old)
+        self.table.end(old_sid, None)
+        self.ended(old_sid)
+        with trio.CancelScope(shield=True):  # the job runs whatever comes: what it moves must land in the table
+            try:  # after its queued steps, which it keeps (they journal their frames as they finish)
+                await self.scheduler.call(functools.partial(self._move_kv, old_sid, sid, trim), sid=old_sid)
+            except BaseException:
+                self.journals.release(old.journal)
+                raise
+            finally:
+                self.table.pop(old_sid)
+        journal, old.journal = old.journal, None
+        fsm.max_positions = max_positions
+        rec = self.table.add(sid, max_positions, NodeSessionRecord(
+            fsm, lane, Sampler(sampling) if self.backend.is_tail else None, old.prompt, old.offered,
+            journal=journal, sample_from=sample_from))
+        self.journals.resumed += 1
+        first = None
+        replay: list[bytes] = []
+        if journal is not None:
+            self.journals.keep(journal, fsm.next_seq)
+            # its first step, where it holds every step from there to the last it keeps: the gateway's check
+            first = journal.first if journal.covers(journal.first, fsm.next_seq) else None
+            if journal.covers(order.replay_from, fsm.next_seq):
+                replay = self.journals.frames(journal, order.replay_from, fsm.next_seq, sid)
+        self.links.attach(rec, relay)
+        for frame in replay:  # before any step it computes from here: the hop after it takes them in order
+            rec.relay.put(Outgoing(frame, ()))
+        return fsm.positions, fsm.next_seq, first
+
+    def _move_kv(self, sid: str, new: str, trim: int | None) -> None:
+        """In the scheduler's thread: `sid`'s KV held as `new`'s, cut to `trim` positions; freed where it cannot be."""
+        try:
+            self.backend.rename_session(sid, new)
+        except DgrError:
+            self.backend.close_session(sid)
+            raise
+        if trim is not None:
+            try:
+                self.backend.trim_session(new, trim)
+            except (DgrError, NotImplementedError) as exc:
+                self.backend.close_session(new)
+                raise CallerError(Reason.INVALID_REQUEST, f"cannot keep {trim} positions of a resumed session: "
+                                                          f"{exc}") from None
 
     async def adopt(self, sid: str, prefix: list[str], marks: bytes) -> int:
         """Open a waiting session's KV on the longest kept prefix of `prefix` and `marks` (as `open` does);
@@ -177,6 +256,8 @@ class NodeSessions:
         its KV is open (it was not waiting), so there is one to free or keep."""
         sid, head = rec.fsm.sid, rec.offered
         spec = self.links.detach(rec)
+        self.journals.release(rec.journal)
+        rec.journal = None
         self.table.end(sid, failure)
         self.ended(sid)
         try:

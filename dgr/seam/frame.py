@@ -35,7 +35,7 @@ from dgr.seam.wire import (
     FrameKind,
 )
 
-__all__ = ["Frame", "FrameHead", "TokenResult", "encode_frame", "decode_head", "decode_frame"]
+__all__ = ["Frame", "FrameHead", "TokenResult", "encode_frame", "decode_head", "decode_frame", "readdressed"]
 
 
 @attrs.frozen
@@ -263,3 +263,12 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_F
         width=head.width, dtype=head.dtype, flags=head.flags, token_ids=token_ids, hidden=hidden,
         extra=bytes(payload[end + head.hidden_bytes:]), crc32=head.crc32, size=size,
     )
+
+
+def readdressed(frame: bytes, session: str) -> bytes:
+    """An encoded frame (one this side encoded: it is not checked again) as session `session`'s: the header's
+    session field rewritten, the payload and its CRC as they were. A repaired route's hop sends its journal's
+    frames on under the session id the repair opened (dgr.node.journal)."""
+    fields = list(HEADER.unpack_from(frame))
+    fields[5] = uuid.UUID(hex=session).bytes
+    return HEADER.pack(*fields) + frame[HEADER_SIZE:]

@@ -16,6 +16,9 @@ Rules:
   alone (a later hop opened before the prompt's length is known, its KV waiting). A head's prompt
   brings its own `max_new` (required) and `max_prompt` (`PromptPlan`); never a prefix root, which
   only the tracker holds (dgr.seam.keys): its prefix is named to it once the ids are known.
+- A repair's open of a survivor carries `resume` (`ResumeOrder`: the live session it goes on with, issue 54)
+  and none of a prompt, a prefix, `max_new` or speculation: its KV is its old session's. A resumed
+  session's answer adds the steps it holds and its journal's first step.
 - One encoder, `_to_json`, is every message's `to_json` but the open's: it writes the fields as their
   metadata declares. The open writes itself: it flattens the prefix and the prompt it carries.
 - The answer is read leniently where a lie costs nothing (`prefix_positions` not a count reads as 0:
@@ -40,7 +43,7 @@ from dgr.seam.wire import BLOCK_TOKENS, KEY_HEX, MAX_DRAFTS, ROUTE_SESSION_HEADE
 from dgr.speculative.adapt import K_MAX
 from dgr.speculative.ngram import WINDOW
 
-__all__ = ["are_token_ids", "parse_messages", "DRAFT_SOURCES", "NextHop", "Loop", "RelayOrder", "SpecPlan", "PromptPlan", "OpenRequest",
+__all__ = ["are_token_ids", "parse_messages", "DRAFT_SOURCES", "NextHop", "Loop", "RelayOrder", "SpecPlan", "PromptPlan", "OpenRequest", "ResumeOrder",
            "AdoptRequest", "OpenAnswer", "token_bound"]
 
 DRAFT_SOURCES = ("ngram", "draft")  # the session's own tokens; the tail's draft model
@@ -310,6 +313,35 @@ class AdoptRequest:
 
 
 @attrs.frozen
+class ResumeOrder:
+    """A repair's open of a survivor (issue 54): go on with its live session `session` under the open's fresh id,
+    keeping at most `steps` steps of it (`positions`: what those hold), and send on first its journal's steps
+    from `replay_from` (dgr.node.journal), those the hop after it lacks."""
+
+    session: str
+    steps: int
+    positions: int
+    replay_from: int
+
+    to_json = _to_json
+
+    @classmethod
+    def from_json(cls, data: Any, max_positions: int) -> ResumeOrder:
+        """Raises: CallerError(INVALID_REQUEST), naming the field."""
+        if (not isinstance(data, dict) or set(data) != {"session", "steps", "positions", "replay_from"}
+                or not isinstance(data["session"], str) or not _SID.fullmatch(data["session"])
+                or not all(_natural(data[k]) for k in ("steps", "positions", "replay_from"))
+                or data["positions"] > max_positions or data["replay_from"] > data["steps"]):
+            raise _bad("resume is {session, steps, positions, replay_from}: a session id, and counts with "
+                       "replay_from <= steps and positions within this node's", "resume")
+        return cls(data["session"], data["steps"], data["positions"], data["replay_from"])
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@attrs.frozen
 class OpenRequest:
     """The open of one node session (`POST /v1/seam/sessions`)."""
 
@@ -322,6 +354,9 @@ class OpenRequest:
     spec: SpecPlan | None = None  # None: the session does not speculate
     prompt: PromptPlan | None = None  # a head's: the prompt to tokenize
     max_new: int | None = None  # a later hop's, without a prompt: it opens before the prompt's length is known
+    resume: ResumeOrder | None = None  # a repair's survivor: the session it goes on with (issue 54)
+    # a repaired route's tail: it answers no step that ends at or before this position (they were answered)
+    sample_from: int = 0
 
     def to_json(self) -> dict[str, Any]:
         p = self.prompt
@@ -332,6 +367,7 @@ class OpenRequest:
             "lane": self.lane, "spec": None if self.spec is None else self.spec.to_json(),
             "prompt": None if p is None else p.body(),
             "max_new": self.max_new if p is None else p.max_new, "max_prompt": None if p is None else p.max_prompt,
+            "resume": None if self.resume is None else self.resume.to_json(), "sample_from": self.sample_from or None,
         }
         return {k: v for k, v in fields.items() if v is not None}  # what this open does not carry is left out
 
@@ -375,7 +411,13 @@ class OpenRequest:
             vocab_size=vocab_size)
         # a later hop opened with the head: the prompt's length is not known, only what the answer may add
         max_new = None if prompt is not None or data.get("max_new") is None else _count(data["max_new"], "max_new")
-        return cls(sid, positions, relay, params, reuse, lane, spec, prompt, max_new)
+        resume = None if data.get("resume") is None else ResumeOrder.from_json(data["resume"], max_positions)
+        sample_from = data.get("sample_from", 0)
+        if not _natural(sample_from):
+            raise _bad("sample_from must be a position", "sample_from")
+        if resume is not None and (prompt is not None or max_new is not None or reuse.prefix or spec is not None):
+            raise _bad("a resumed session carries its KV: no prompt, prefix, max_new or speculation", "resume")
+        return cls(sid, positions, relay, params, reuse, lane, spec, prompt, max_new, resume, sample_from)
 
 
 @attrs.frozen
@@ -387,6 +429,9 @@ class OpenAnswer:
     node: str
     positions: int = attrs.field(metadata={"wire": "prefix_positions"})
     tokens: list[int] | None = attrs.field(default=None, metadata={"omit": None})  # a head's given the prompt
+    # a resumed session's (issue 54): the steps it holds, and its journal's first step (None: it keeps none)
+    steps: int | None = attrs.field(default=None, metadata={"omit": None})
+    journal_from: int | None = attrs.field(default=None, metadata={"beside": "steps"})
 
     to_json = _to_json
 
@@ -401,6 +446,12 @@ class OpenAnswer:
         reused = data.get("prefix_positions", 0)  # not a count: the route then reuses nothing
         positions = reused if isinstance(reused, int) and not isinstance(reused, bool) and reused >= 0 else 0
         sid = data.get("session") if isinstance(data.get("session"), str) else ""
+        steps, first = data.get("steps"), data.get("journal_from")
+        if steps is not None:  # a resumed session's: its counts decide what the repair sends, so they must be counts
+            if not _natural(steps) or not (first is None or _natural(first)):
+                raise PeerError(Reason.NODE_ERROR, f"{node} answered a resume with steps {str(steps)[:40]!r} and "
+                                                   f"journal_from {str(first)[:40]!r}", node=node)
+            return cls(sid, node, positions, None, steps, first)
         if tokens_bound is None:
             return cls(sid, node, positions)
         tokens = data.get("tokens")

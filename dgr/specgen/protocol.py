@@ -179,6 +179,22 @@ def render_seam() -> str:
         "body's `reporter`, if any, must be that node. The gateway keeps at most one prefill chunk a "
         f"node in flight. "
         f"`{wire.DELIVER_PATH}` takes only failure reports (a frame there is `{Reason.BAD_FRAME.value}`).",
+        "", "## A repaired route (issue 54, `--resume`)", "",
+        "Every non-tail node keeps, for each live session, the frames it sent on, by step, as they crossed the "
+        "seam (dgr.node.journal; `dgr node --journal-mb` bounds them all, and a session whose next frame does not "
+        "fit keeps none). A repair opens the replacement route under a fresh session id. A survivor's open "
+        "carries `resume: {session, steps, positions, replay_from}`: it goes on with its live session `session` "
+        "(which ends `moved`, its KV kept: a late frame of it is refused) under the new id, keeping at most "
+        "`steps` of its steps (`positions`: what those hold; the KV past them is dropped), numbering its steps on "
+        "from the old numbers, and sends on first its journal's frames from step `replay_from` (readdressed to "
+        "the new id); its answer adds `steps` (what it holds) and `journal_from` (its journal's first step, null "
+        "for none). A resumed session drops unread a frame of a step it holds (`seq` below the steps it resumed "
+        "with): the hop before it sends from where it resumed. Every other hop opens empty. The tail's open "
+        "carries `sample_from`: it answers, samples and loops no step that ends at or before that position "
+        "(those were answered on the lost route). The survivors open in waves, each once the hop after it is "
+        "open, so a journal's frames never reach a session not yet open. The gateway then sends the head the "
+        "steps it lacks (the prompt's chunks, and each token streamed as a DECODE step with its id, SAMPLE, as the "
+        "tail's loop sent it), and takes answers from the step it waited on (dgr.tracker.resume).",
         "", "## What a node refuses (4xx, state unchanged)", "",
         "unknown or ended session; a step out of order or replayed (`seq`); a position that does not continue its KV "
         "(`pos0`); wrong width, dtype or size; a bad CRC-32; a body over the limit; NaN/inf hidden states; "

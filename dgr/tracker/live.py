@@ -31,6 +31,7 @@ from dgr.seam.link import Link
 from dgr.seam.wire import MAX_DRAFTS, DType
 from dgr.tracker.patience import Allowance
 from dgr.tracker.registry import NodeEntry
+from dgr.tracker.resume import Rebuild
 from dgr.tracker.telemetry import Broadcast
 
 __all__ = ["GatewayConfig", "LiveSession", "Delta", "Answer", "HopStats", "PROMPT_BYTES_PER_TOKEN"]
@@ -168,9 +169,10 @@ class LiveSession:
     # lost route's, and the replacement's has not opened).
     node_sid: str | None = None
     speculates: bool = False  # its node sessions speculate (dgr.node.speculation): a repair is then not exact
-    # after a repair, the positions its replacement route holds already: its prefill (`chunks`) starts there and
-    # goes on through every token already streamed; None: no repair
-    rebuild_from: int | None = None
+    # after a repair: the position its node sessions' step 0 starts at (None: the prefix its route reused), and
+    # which of the steps (`steps`) the gateway sends the head and whose answers it takes (dgr.tracker.resume)
+    steps_from: int | None = None
+    rebuild: Rebuild | None = None
 
     @property
     def reused(self) -> int:
@@ -191,26 +193,29 @@ class LiveSession:
         tail = token_marks(tokens[len(chain) * BLOCK_TOKENS:], chain[-1] if chain else self.prefix_root)
         return (chain, encode_marks(tail)) if chain or tail else None
 
-    def chunks(self, size: int) -> list[tuple[int, int, list[int]]]:
-        """The prefill steps (seq, pos0, ids) from the reused prefix on, `size` positions each.
+    def steps(self, size: int) -> list[tuple[int, int, list[int], bool]]:
+        """Its node sessions' steps as the gateway knows them (seq, pos0, ids, decode): the prompt's chunks of
+        `size` positions from where they start (`steps_from`, else the reused prefix), then one decode step
+        per token already fed.
 
         Never a one-position chunk after another: llama.cpp runs one position with other kernels
         than two or more, so the tail moves one position back, and a prompt's KV is the same
-        however it was cut (what lets a later session reuse it exactly).
-
-        After a repair, from `rebuild_from` on: the prompt's positions as above, then every token
-        already fed, one a step, as decode computed them (so with the kernels it computed them with),
-        the last one sampling the next token.
+        however it was cut (what lets a later session reuse it exactly). A token fed is one decode step,
+        as the tail's loop sent it: a repaired route computes each again, if at all, with the kernels it
+        was computed with, and its steps keep the lost route's numbers (dgr.tracker.resume).
         """
         prompt = self.prompt
-        start = self.rs.prefix_reused if self.rebuild_from is None else self.rebuild_from
+        start = self.rs.prefix_reused if self.steps_from is None else self.steps_from
         bounds = list(range(start, len(prompt), size)) + [len(prompt)] if start < len(prompt) else []
         if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
             bounds[-2] -= 1
-        steps = [(a, prompt[a:b]) for a, b in zip(bounds, bounds[1:])]
-        if self.rebuild_from is not None:
-            steps += [(len(prompt) + i, [t]) for i, t in enumerate(self.fed) if len(prompt) + i >= start]
-        return [(k, a, ids) for k, (a, ids) in enumerate(steps)]
+        steps = [(a, prompt[a:b], False) for a, b in zip(bounds, bounds[1:])]
+        steps += [(len(prompt) + i, [t], True) for i, t in enumerate(self.fed) if len(prompt) + i >= start]
+        return [(k, a, ids, decode) for k, (a, ids, decode) in enumerate(steps)]
+
+    def answered(self) -> int:
+        """The steps whose answers the gateway has taken: the next one is the step it waits on."""
+        return 0 if self.answered_seq is None else self.answered_seq + 1
 
     def usage(self) -> dict[str, Any]:
         return usage_body(self.rs.prompt_tokens, self.rs.completion_tokens, self.rs.prefix_reused, len(self.rs.repairs))

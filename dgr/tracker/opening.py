@@ -20,7 +20,7 @@ from dgr.fsm.opening import Call, Trip
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop
 from dgr.sampling import SamplingParams
-from dgr.seam.opening import AdoptRequest, OpenRequest, PromptPlan, RelayOrder, SpecPlan
+from dgr.seam.opening import AdoptRequest, OpenAnswer, OpenRequest, PromptPlan, RelayOrder, ResumeOrder, SpecPlan
 from dgr.speculative.ngram import WINDOW
 from dgr.tracker.clients import NodeClients
 from dgr.tracker.credentials import Credentials
@@ -64,12 +64,19 @@ class RouteOpening:
     # a speculating tail is sent the prompt's last ids to draft from (GatewayConfig.prompt_to_tail); else it drafts
     # from the answer alone and never sees the prompt's ids
     prompt_to_tail: bool = False
+    # a repair's (dgr.tracker.resume): node id -> the session its survivor goes on with, and the first step the
+    # tail answers; what each survivor answered it holds
+    resume: dict[str, ResumeOrder] = attrs.field(factory=dict)
+    sample_from: int = 0
+    resumed: dict[str, OpenAnswer] = attrs.field(factory=dict)
 
-    async def trip(self, trip: Trip, prompt: dict[str, Any], ids: list[int] | None, offer: AdoptRequest) -> None:
+    async def trip(self, trip: Trip, prompt: dict[str, Any], ids: list[int] | None, offer: AdoptRequest,
+                   waves: tuple[frozenset[str], ...] = ()) -> None:
         """Run one planned trip: each hop's call (`trip.head` for the head, `trip.later` for the rest) at once.
 
         `prompt` is the request's prompt (dgr.api.openai `prompt_body`), `ids` its ids where they are known,
-        `offer` the prefix they offer (none without ids or a root).
+        `offer` the prefix they offer (none without ids or a root). With `waves` (node ids), the opens go wave
+        after wave instead (a repair's: dgr.tracker.resume).
 
         Raises: as `open` and `adopt`.
         """
@@ -78,6 +85,10 @@ class RouteOpening:
         opens = {h: self._request(h, call, prompt, ids, offer) for h, call in calls.items()
                  if call not in (Call.NONE, Call.ADOPT)}
         adopts = [h for h, call in calls.items() if call is Call.ADOPT]
+        for wave in waves:
+            await self.open({h: body for h, body in opens.items() if h.node_id in wave})
+        if waves:
+            return
         async with trio.open_nursery() as nursery:
             if opens:
                 nursery.start_soon(self.open, opens)
@@ -90,7 +101,11 @@ class RouteOpening:
         later hop's waiting (a bound and `max_new`), or with the ids, their exact positions and prefix."""
         b = self.bounds
         base = OpenRequest(self.sid, b.context, self.relays[hop.node_id], b.sampling, lane=self.lane,
-                           spec=self.spec)
+                           spec=self.spec, sample_from=self.sample_from if hop == self.hops[-1] else 0)
+        order = self.resume.get(hop.node_id)
+        if order is not None:  # a survivor: it goes on with what it holds, for the positions the route needs
+            n = len(ids or ())
+            return attrs.evolve(base, max_positions=n + min(b.max_new, b.context - n), resume=order)
         if hop == self.hops[0]:
             if call is Call.PROMPT:  # its KV waits: the gateway names its prefix once it has the ids
                 return attrs.evolve(base, prompt=PromptPlan.of(prompt, max_new=b.max_new, max_prompt=b.max_prompt))
@@ -129,6 +144,8 @@ class RouteOpening:
                 refusals[hop] = refused
                 return
             self.held[hop.node_id] = answer.positions
+            if answer.steps is not None:
+                self.resumed[hop.node_id] = answer
             if answer.tokens is not None:
                 self.tokens = answer.tokens
             self.opened.append(hop)

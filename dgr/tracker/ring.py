@@ -8,9 +8,10 @@ sampled a token that does not end the session (dgr.fsm.stop), sends the next
 decode step straight to the head itself. So the gateway's part is the two
 calls of `Driver`:
 
-- `prefill(live, links)`: every chunk to the head (after a repair, the
-  replacement route's rebuild: `LiveSession.chunks`), in order, with at most one
-  chunk a node in flight (enough for every node to compute at once, and no
+- `prefill(live, links)`: every chunk to the head (after a repair, the steps
+  the replacement's head lacks, and the answers from the step the gateway
+  waited on: `LiveSession.steps`, `rebuild`, dgr.tracker.resume), in order,
+  with at most one chunk a node in flight (enough for every node to compute at once, and no
   more, so a node never queues a whole prompt); each chunk's answer taken in
   order, prefill progress published; the last chunk's answer, the first
   token, returned. The link to the head then ends in the background: from
@@ -68,8 +69,11 @@ class Ring:
         return self.config.step_deadline_s + self.config.per_token_deadline_s * n_tokens
 
     async def prefill(self, live: LiveSession, links: trio.Nursery) -> Answer:
-        rs, chunks = live.rs, live.chunks(self.config.prefill_chunk)
-        last = len(chunks) - 1
+        rs, steps = live.rs, live.steps(self.config.prefill_chunk)
+        rebuild = live.rebuild
+        feed_from, answer_from = (0, 0) if rebuild is None else (rebuild.feed_from, rebuild.answer_from)
+        last = len(steps) - 1
+        prompt_last = max((k for k, _, _, decode in steps if not decode), default=-1)
         head = rs.route[0]
         live.allowance = self.patience.allowance(live.node_sid, self.deadline(1) * len(rs.route), live.caps)
         client = self.clients.get(head)
@@ -81,17 +85,22 @@ class Ring:
                          on_early=early)
         window = trio.Semaphore(len(rs.route))
 
-        async def feed() -> None:  # every chunk to the head, in order: the ring pipelines them
-            for k, pos0, ids in chunks:  # without the ids: the head has them, it tokenized the prompt at open
-                await window.acquire()
-                frame = encode_frame(FrameKind.PREFILL, live.node_sid, k, pos0, len(ids), live.model_width,
-                                     dtype=self.config.seam_dtype, flags=Flag.SAMPLE if k == last else Flag(0))
+        async def feed() -> None:  # every step the head lacks, in order: the ring pipelines them
+            for k, pos0, ids, decode in steps[feed_from:]:
+                if k >= answer_from:  # a step before it is answered by no one: it only rebuilds KV
+                    await window.acquire()
+                # a prompt chunk without its ids (the head has them, it tokenized the prompt at open); a token fed,
+                # as the tail's loop sent it: a decode step that samples
+                frame = encode_frame(FrameKind.DECODE if decode else FrameKind.PREFILL, live.node_sid, k, pos0,
+                                     len(ids), live.model_width, dtype=self.config.seam_dtype,
+                                     flags=Flag.SAMPLE if decode or k == prompt_last else Flag(0),
+                                     token_ids=ids if decode else None)
                 await self._send_head(live, frame, len(ids), k)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(feed)
-            for k, pos0, ids in chunks:
-                answer = await self.answer(live, k, len(ids), from_gateway=True)
+            for k, pos0, ids, _ in steps[answer_from:]:
+                answer = await self.answer(live, k, len(ids), from_gateway=k >= feed_from)
                 window.release()
                 if k < last:
                     live.publish_progress(pos0 + len(ids))
