@@ -343,8 +343,12 @@ class Admission:
             except CallerError as exc:
                 if exc.reason is not Reason.NODE_AT_CAPACITY or trio.current_time() >= deadline:
                     raise
-            with trio.move_on_at(deadline):
-                await self._freed.wait()
+            await self.until_freed(deadline)
+
+    async def until_freed(self, deadline: float) -> None:
+        """Wait until a node slot is given back, or `deadline` (trio's clock)."""
+        with trio.move_on_at(deadline):
+            await self._freed.wait()
 
     def kept(self, route: tuple[Hop, ...], keep: tuple[list[str], str] | None) -> None:
         """A session on `route` closed keeping the KV `keep` names (its chain and its tail's marks,

@@ -100,7 +100,7 @@ class Deliveries:
             live = self._member(sid, cap)
             try:
                 self.authority.holder(capability, session=sid, now=now, need=Scope.DELIVER)
-                if live is not None and cap.node != live.rs.route[-1].node_id:
+                if live is not None and cap.node != live.hops(sid)[-1].node_id:
                     raise CallerError(Reason.FORBIDDEN, f"node {cap.node} is not session {sid}'s tail: only the "
                                                         "route's tail delivers its answers")
             except CallerError:
@@ -127,7 +127,8 @@ class Deliveries:
         if frame.session != sid:
             raise CallerError(Reason.FORBIDDEN, f"a delivery stream of session {sid} carried an answer of {frame.session}")
         live = self._live(sid)
-        tail = live.rs.route[-1].node_id
+        opening = live.opening_route  # LiveSession.hops, inline on the every-token path
+        tail = (opening[1] if opening is not None and opening[0] == sid else live.rs.route)[-1].node_id
         holder = None if connection is None else connection.get(_HOLDER)
         if self.authority is not None and holder != tail:  # a stream authorized before the session lived
             raise CallerError(Reason.FORBIDDEN, f"node {holder} is not session {sid}'s tail: only the route's tail "
@@ -204,7 +205,7 @@ class Deliveries:
                 self.strike(reporter, f"reported in node {str(data.get('reporter'))[:64]}'s name for session {sid}")
                 raise CallerError(Reason.FORBIDDEN, f"this report comes from node {reporter}, whose capability it "
                                                     "holds: it cannot name another reporter")
-        members = {h.node_id for h in live.rs.route}
+        members = {h.node_id for h in live.hops(sid)}
         if reporter not in members or (failure.node is not None and failure.node not in members):
             raise CallerError(Reason.FORBIDDEN, "a report comes from a node of its session's route and names only one")
         log.warning("session %s: node %s reports %s for %s: %.200s", sid, reporter, failure.reason.value,
@@ -223,7 +224,7 @@ class Deliveries:
         if live is None or live.rs.ended:
             self._gone(sid)
             return None
-        if not any((h.node_id, h.start, h.stop) == (cap.node, cap.start, cap.stop) for h in live.rs.route):
+        if not any((h.node_id, h.start, h.stop) == (cap.node, cap.start, cap.stop) for h in live.hops(sid)):
             raise CallerError(Reason.FORBIDDEN, f"node {cap.node} is not a hop of session {sid}'s route")
         return live
 

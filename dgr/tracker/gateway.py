@@ -206,8 +206,9 @@ class Gateway:
         log.log(logging.INFO if drained else logging.WARNING, "node %s %s: %s", node_id,
                 "drained, and gone" if drained else "lost", why)  # a drained node leaves as it said it would
         self.registry.mark_dead(node_id, trio.current_time())
-        for live in list(self.sessions.values()):
-            if any(h.node_id == node_id for h in live.rs.route):
+        for live in list(self.sessions.values()):  # a replacement that opens is judged by its own hops
+            hops = live.opening_route[1] if live.opening_route is not None else live.rs.route
+            if any(h.node_id == node_id for h in hops):
                 failure = Failure(Reason.ROUTE_NODE_LOST, f"lost node {node_id}: {why}", node=node_id,
                                   phase=live.rs.state.value)
                 if self.repairer.refusal(live, failure) is None:

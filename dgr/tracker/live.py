@@ -173,6 +173,9 @@ class LiveSession:
     # which of the steps (`steps`) the gateway sends the head and whose answers it takes (dgr.tracker.resume)
     steps_from: int | None = None
     rebuild: Rebuild | None = None
+    # a repair's replacement while it opens: (its node-session id, its hops), whose members' answers and reports
+    # are taken before the Route Session records the route (dgr.tracker.repair `_expect`)
+    opening_route: tuple[str, tuple] | None = None
 
     @property
     def reused(self) -> int:
@@ -212,6 +215,12 @@ class LiveSession:
         steps = [(a, prompt[a:b], False) for a, b in zip(bounds, bounds[1:])]
         steps += [(len(prompt) + i, [t], True) for i, t in enumerate(self.fed) if len(prompt) + i >= start]
         return [(k, a, ids, decode) for k, (a, ids, decode) in enumerate(steps)]
+
+    def hops(self, sid: str) -> tuple:
+        """The hops of node session `sid`: the replacement's while it opens, else the Route Session's route."""
+        if self.opening_route is not None and self.opening_route[0] == sid:
+            return self.opening_route[1]
+        return self.rs.route
 
     def answered(self) -> int:
         """The steps whose answers the gateway has taken: the next one is the step it waits on."""

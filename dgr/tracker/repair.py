@@ -73,7 +73,7 @@ from typing import Callable
 import attrs
 import trio
 
-from dgr.errors import DgrError, Failure, PeerError, Reason
+from dgr.errors import CallerError, DgrError, Failure, PeerError, Reason
 from dgr.seam.opening import AdoptRequest
 from dgr.fsm.opening import Known, plan as plan_trip
 from dgr.fsm.route import RouteEvent, RouteState
@@ -145,14 +145,22 @@ class Repairer:
         live.publish(RouteEvent.NODE_LOST, rs.node_lost(lost, trio.current_time(), drained))
         log.log(logging.INFO if drained else logging.WARNING, "route session %s %s node %s in %s after %d token(s): "
                 "repairing", rs.sid, "drained from" if drained else "lost", lost, rs.repairs[-1].phase, rs.generated)
-        try:
-            # the node lost now; one lost before is avoided while dead, and may serve again once it is back (a
-            # restarted node registers under its id): excluding every id ever lost left a range with no node
-            choice = repair_route(self.registry.alive(), live.nodes, frozenset({lost}),
-                                  trusted=self.registry.trusted_ends, rng=self.admission.rng)
-        except PeerError as exc:
-            await self._leave(live, lost, drained)
-            return self.unrepaired(failure, exc.message), False
+        deadline = trio.current_time() + self.config.admission_wait_s
+        while True:
+            try:
+                # the node lost now; one lost before is avoided while dead, and may serve again once it is back
+                # (a restarted node registers under its id): excluding every id ever lost left a range with none
+                choice = repair_route(self.registry.alive(), live.nodes, frozenset({lost}),
+                                      trusted=self.registry.trusted_ends, rng=self.admission.rng)
+                break
+            except CallerError as exc:  # the nodes that hold its layers are full: wait for a slot, as an open does
+                if trio.current_time() >= deadline:
+                    await self._leave(live, lost, drained)
+                    return self.unrepaired(failure, exc.message), False
+                await self.admission.until_freed(deadline)
+            except PeerError as exc:
+                await self._leave(live, lost, drained)
+                return self.unrepaired(failure, exc.message), False
         ends = [pos0 + len(ids) for _, pos0, ids, _ in live.steps(self.config.prefill_chunk)]
         start = rs.prefix_reused if live.steps_from is None else live.steps_from
         plan = (plan_resume(old_route, choice.hops, frozenset({lost}), old_sid, ends, answered, start, phase)
@@ -187,6 +195,7 @@ class Repairer:
         opening = self.admission.opening(live.request, rs, choice, bounds, sid=sid, speculate=False)
         opening.resume, opening.sample_from = plan.orders, plan.sample_from
         why: str | Failure | None = None
+        self._expect(live, sid, choice.hops)
         try:
             await opening.trip(plan_trip(Known.IDS, False, len(choice.hops) == 1), live.request.prompt_body(), ids,
                                AdoptRequest(), plan.waves)
@@ -195,6 +204,8 @@ class Repairer:
                 "node") else f"a survivor did not resume: {exc.message}"
         rebuild = check_resumed(plan, choice.hops, opening.resumed) if why is None else why
         if not isinstance(rebuild, Rebuild):
+            self.routes.pop(sid, None)
+            live.opening_route = None
             await self.admission.abandon(opening, Failure(Reason.CANCELLED, "the repair rebuilds every position"))
             with trio.CancelScope(shield=True):  # survivors whose session did not move: it goes, as if left
                 await self.clients.close(old_sid, [h for h in choice.hops if h.node_id in plan.orders
@@ -218,10 +229,13 @@ class Repairer:
         opening = self.admission.opening(live.request, rs, choice, bounds, sid=sid, speculate=False)
         # in decode the tail answers the last token's step alone: the steps before were answered on the lost route
         opening.sample_from = len(ids) - 1 if live.fed else 0
+        self._expect(live, sid, choice.hops)
         try:
             await opening.trip(plan_trip(Known.IDS, False, len(choice.hops) == 1), live.request.prompt_body(), ids,
                                offer)
         except DgrError as exc:
+            self.routes.pop(sid, None)
+            live.opening_route = None
             await self.admission.abandon(opening, exc.failure(phase=rs.state.value))
             if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
                 return exc.failure(phase=rs.state.value), True
@@ -235,11 +249,18 @@ class Repairer:
                  ", ".join(h.node_id for h in choice.hops), sid, len(ids) - reused, len(ids))
         return None, False
 
-    def _opened(self, live: LiveSession, opening, sid: str, rebuild: Rebuild) -> None:
-        """`live` goes on on `opening`'s node sessions, driven from `rebuild`."""
-        live.node_sid, live.caps, live.phases, live.rebuild = sid, opening.caps, opening.board, rebuild
+    def _expect(self, live: LiveSession, sid: str, hops: tuple) -> None:
+        """Take the replacement's answers under its id from before its opens: a fresh hop computes what a
+        survivor's journal sends it while the later waves still open, and its tail delivered them into a 404
+        (an unknown session) before, which ended its answers' link: the route then stalled until its deadline."""
         live.inbox = trio.open_memory_channel(math.inf)  # nothing of the lost route's may reach the new one
-        live.answered_at = live.allowance = None
+        live.opening_route = (sid, hops)
+        self.routes[sid] = live
+
+    def _opened(self, live: LiveSession, opening, sid: str, rebuild: Rebuild) -> None:
+        """`live` goes on on `opening`'s node sessions, driven from `rebuild` (its answers since `_expect`)."""
+        live.node_sid, live.caps, live.phases, live.rebuild = sid, opening.caps, opening.board, rebuild
+        live.answered_at = live.allowance = live.opening_route = None
         live.answered_seq = rebuild.answer_from - 1 if rebuild.answer_from else None
         self.routes[sid] = live
 

@@ -285,6 +285,7 @@ def repair_route(candidates: list[NodeEntry], route: tuple[NodeEntry, ...], lost
 
     Raises:
         PeerError(NO_ROUTE): no live node outside `lost` holds some of the lost layers.
+        CallerError(NODE_AT_CAPACITY): live nodes hold them, but every one is full.
     """
     first = route[0]
     n_layers = first.model.n_layers
@@ -303,6 +304,9 @@ def repair_route(candidates: list[NodeEntry], route: tuple[NodeEntry, ...], lost
             return RouteChoice(tuple(Hop(n.node_id, n.url, n.start, n.stop) for n in path), path,
                                first.model.digest, first.manifest_id)
     gaps = missing_ranges([*survivors, *free], n_layers)
+    if gaps and not missing_ranges(same, n_layers):  # live nodes hold them, all full: room comes as sessions end
+        raise CallerError(Reason.NODE_AT_CAPACITY, f"every node that could replace {', '.join(sorted(lost))} "
+                                                   f"is full (layers {', '.join(gaps)})")
     raise PeerError(Reason.NO_ROUTE, f"no live node replaces {', '.join(sorted(lost))}: "
                                      f"{'missing layers ' + ', '.join(gaps) if gaps else 'every other node is full'}",
                     missing=gaps)
