@@ -34,7 +34,9 @@ from dgr.testing.harness import LocalRoute, sse_events
 
 __all__ = ["RepairBench", "main"]
 
-SHORT = "Write a short story about a lighthouse keeper who finds a message in a bottle on the beach. "
+SHORT = ("Write a short story about a lighthouse keeper who finds a message in a bottle on the beach. The "
+         "message is written in an old hand, and it names the keeper, his village and a ship that sank a "
+         "hundred years ago. Begin with the morning he finds it. ")  # about 50 tokens
 LONG_UNIT = ("The history of the lighthouse goes back to the ancient world, when fires on hilltops guided ships "
              "into harbour, and the keepers who tended them wrote down every ship that passed. ")
 
