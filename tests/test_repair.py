@@ -20,9 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dgr.api.textstream import TextAssembler
 from dgr.cli import build_parser
-from dgr.errors import Failure, PeerError, Reason
+from dgr.errors import CallerError, Failure, PeerError, Reason
 from dgr.fsm.proof import ProofState, ProofStatus
-from dgr.errors import CallerError
 from dgr.fsm.node import NodeSession, NodeState, StepKind
 from dgr.fsm.route import Hop, RouteSession
 from dgr.node.journal import JournalBook
@@ -111,6 +110,12 @@ def test_a_repair_keeps_the_survivors_and_takes_a_spare_of_the_lost_range() -> N
     with pytest.raises(PeerError) as info:
         repair_route([a, b, c], route, frozenset({"b"}))
     assert info.value.reason is Reason.NO_ROUTE and "10:20" in info.value.message
+    # the only other node of the lost range is full: not a missing range, a wait for room (the Repairer waits
+    # for a slot up to --admission-wait-s, as an open does; this failed "missing layers" in the storm with kills)
+    b2.reserved = b2.limit()
+    with pytest.raises(CallerError) as full:
+        repair_route([a, b, c, b2], route, frozenset({"b"}))
+    assert full.value.reason is Reason.NODE_AT_CAPACITY and "10:20" in full.value.message
 
 
 def test_a_route_numbers_its_steps_the_prompt_in_chunks_then_each_streamed_token_a_decode_step() -> None:
