@@ -507,3 +507,39 @@ async def test_a_peer_is_its_ipv4_address_or_its_ipv6_64() -> None:
     assert _peer(("2001:db8:1:2::1", 1)) == _peer(("2001:db8:1:2:ffff::9", 2)) != _peer(("2001:db8:1:3::1", 1))
     assert _peer(("::ffff:10.0.0.7", 1)) == "10.0.0.7"  # an IPv4 peer on a dual-stack socket
     assert _peer(None) == ""
+
+
+async def test_a_closed_connection_is_freed_at_once_not_by_the_cycle_collector() -> None:
+    """Each closed connection's seat held a hook to its connection, which held the seat: a cycle of 18 objects
+    (sockets, h11 state, events) that only a full collection frees. Beside the soak's attacker, about 1,000
+    connections a second, a node freed 250,000 objects by the cycle collector in a minute, its memory peaked
+    on whatever had piled up, and its RSS crept up by more than the soak's 5% (a fresh `make test` failed on it).
+    Idle guests, answered requests and half-sent bodies must now leave no cyclic garbage."""
+    import gc
+
+    async def one(connect, raw: bytes) -> None:
+        stream = await connect()
+        if raw:
+            await stream.send_all(raw)
+            if raw.startswith(b"GET"):
+                await read_responses(stream, 1)
+        await stream.aclose()
+
+    kinds = (b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab")
+    async with serving() as connect:
+        for raw in kinds:  # the server's own first-use objects, made before the count
+            await one(connect, raw)
+        await trio.sleep(0.1)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(10):
+                for raw in kinds:
+                    await one(connect, raw)
+            await trio.sleep(0.3)  # the server's side of each connection has ended
+            gc.collect()
+            left = sorted({type(o).__name__ for o in gc.garbage})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert left == [], left

@@ -142,6 +142,7 @@ class Gate:
 
     def leave(self, seat: Seat) -> None:
         """`seat`'s connection is closed (a no-op for one evicted: its counts went then)."""
+        seat.evict = _stay  # its hook holds the connection, which holds the seat: a cycle only gen-2 GC would free
         if seat.gone:
             return
         self.busy(seat)
