@@ -47,6 +47,7 @@ class SessionTable(Generic[T]):
     live: dict[str, T] = attrs.field(factory=dict)
     limits: dict[str, int] = attrs.field(factory=dict)  # sid -> the positions its open asked for
     ended: collections.OrderedDict[str, Failure | None] = attrs.field(factory=collections.OrderedDict)
+    opened: int = 0  # sessions ever held: what a node has served, whichever routes went elsewhere
 
     def check_open(self, sid: str, positions: int, *, in_use: int | None = None) -> None:
         """Refuse an open of `sid` for `positions` positions, or return; changes nothing.
@@ -86,6 +87,7 @@ class SessionTable(Generic[T]):
         (a slot) can only be had once the open is known to be allowed."""
         self.live[sid] = value
         self.limits[sid] = positions
+        self.opened += 1
         return value
 
     def check_fits(self, sid: str, positions: int) -> None:

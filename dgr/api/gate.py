@@ -164,7 +164,8 @@ class Gate:
         if not idle:
             return False
         seat = next(iter(idle))
+        evict = seat.evict  # taken before `leave` drops it
         self.leave(seat)
         self.evicted += 1
-        seat.evict()
+        evict()
         return True

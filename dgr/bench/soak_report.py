@@ -86,6 +86,7 @@ class NodeProc:
     pid: int
     alive: bool = True
     served: int = 0  # sessions that ended while it was alive
+    opened: int = 0  # sessions it opened itself (its status), as of the last batch's end: its own warm-up
     rss_base: int | None = None
     rss_end: int | None = None
     rss_trace: list[tuple[int, int]] = attrs.field(factory=list)  # (served, KiB) after the baseline

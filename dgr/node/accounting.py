@@ -169,6 +169,7 @@ class NodeAccounting:
             return aggregate
         return {
             **aggregate,
+            "sessions_opened": self.table.opened,  # how busy it has been: for its operator, not for anyone
             "prefix": None if kv.prefix is None else {**kv.prefix.to_json(), "bytes": kv.prefix_bytes},
             "snapshots": None if kv.snapshots is None else kv.snapshots.to_json(),
             "seam": self.stats.to_json(),
