@@ -243,7 +243,7 @@ def _stream_and_kill(route: LocalRoute, sampling: dict[str, Any], hop: int, prom
 
     def kill(sid: str) -> None:
         out["killed"] = route.session(sid)["route"][hop]["node"]
-        route.kill(out["killed"])
+        out["killed_at"] = route.kill(out["killed"])
 
     with route.http.stream("POST", f"{route.api}/completions", json=body, headers=route.headers, timeout=30) as r:
         sid = r.headers["X-Dgr-Route-Session"]
@@ -255,7 +255,7 @@ def _stream_and_kill(route: LocalRoute, sampling: dict[str, Any], hop: int, prom
             if kind != "data" or not isinstance(data, dict):
                 continue
             if "error" in data:
-                out["error"] = data["error"]
+                out["error"], out["error_at"] = data["error"], time.monotonic()
                 continue
             out["usage"] = data.get("usage") or out["usage"]
             text.append(data["choices"][0]["text"] if data.get("choices") else "")
@@ -321,6 +321,21 @@ def test_without_resume_a_lost_node_still_ends_the_stream_route_node_lost() -> N
         assert got["snapshot"]["phase"] == "failed" and got["snapshot"]["repairs"] == []
         assert "repairing" not in got["phases"]
         assert _metric(route, "dgr_route_repairs_total") == 0
+
+
+def test_with_resume_but_no_spare_a_lost_node_ends_the_stream_within_2_s_saying_why() -> None:
+    """Issue 54's last must-show: with --resume and no node to take the lost range, nothing is repaired and the
+    stream ends with the structured failure, within 2 s of the kill, saying it was not repaired and why."""
+    with LocalRoute(nodes=2, extra=(*ROUTE, "--resume")) as route:
+        got = _stream_and_kill(route, GREEDY, 1)
+        error = got["error"]
+        assert error is not None and error["code"] == "route_node_lost" and error["node"] == got["killed"], got
+        assert "not repaired" in error["message"], error
+        assert got["error_at"] - got["killed_at"] < 2.0, got["error_at"] - got["killed_at"]
+        # the attempt shows in the telemetry (the loss, its detection) with no replacement and no pause
+        [attempt] = got["snapshot"]["repairs"]
+        assert got["snapshot"]["phase"] == "failed" and attempt["lost"] == got["killed"], got["snapshot"]
+        assert attempt["replacement"] == [] and attempt["pause_ms"] is None, attempt
 
 
 @pytest.mark.llama
