@@ -42,10 +42,13 @@ Where the plan cannot be made or its answers break it (a route that started
 on a kept prefix, whose positions no journal holds; a journal refused for the
 node's budget; a loss in the middle of a repair), every hop of the
 replacement opens empty (the survivors' KV freed) and computes every position
-(`_reopen`), the answer still exact. A repair that cannot finish (no
-replacement, a refused open, a context too small) fails the session with the
-loss's failure; a replacement node lost while it opens is another loss,
-repaired in turn while repairs are left.
+(`_reopen`), the answer still exact. A repair waits for room up to
+--admission-wait-s, as an open does: for a replacement while its nodes are
+full by the gateway's count, then for a hop that refuses its open for room
+all the same (dgr.tracker.admission `waits_for_room`). A repair that cannot
+finish (no replacement, a refused open, a context too small) fails the
+session with the loss's failure; a replacement node lost while it opens is
+another loss, repaired in turn while repairs are left.
 
 The pause, as Generation Telemetry splits it: `detect_ms` (the last token to
 the loss noticed), `reroute_ms` (the replacement chosen and open: the waves'
@@ -224,7 +227,8 @@ class Repairer:
     async def _reopen(self, live: LiveSession, failure: Failure, choice, bounds: Bounds, ids: list[int],
                       deadline: float) -> tuple[Failure | None, bool]:
         """Open the replacement with every hop empty: it computes every position the route needs. A hop that
-        refuses for room is waited for until `deadline` (trio's clock), as a full route is (`_replace`)."""
+        refuses for room is waited for until `deadline` (trio's clock), as an open waits (Admission
+        `waits_for_room`)."""
         rs = live.rs
         while True:
             sid = uuid.uuid4().hex  # each try under a fresh id: a node opens each id once (dgr.security.tickets)
@@ -244,14 +248,10 @@ class Repairer:
                 await self.admission.abandon(opening, exc.failure(phase=rs.state.value))
                 if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
                     return exc.failure(phase=rs.state.value), True
-                if exc.reason is not Reason.NODE_AT_CAPACITY or trio.current_time() >= deadline:
+                if (until := self.admission.waits_for_room(exc, deadline)) is None:
                     return self.unrepaired(failure, f"the replacement route did not open: {exc.message}"), False
-                # The gateway counted room there, the node did not: it still holds sessions the gateway has closed
-                # (a close frees a session's slot once its queued steps have run, dgr.node.sessions), and frees
-                # them with no word to the gateway. So the wait ends at a slot given back here or the node's hint.
                 log.info("route session %s: %s; its repair waits for room", rs.sid, exc.message)
-                wait_until = min(deadline, trio.current_time() + (exc.details.get("retry_after") or 1))
-            await self.admission.until_freed(wait_until)
+            await self.admission.until_freed(until)
         # the route starts at what every hop holds; its steps from there, the answers from the last token's
         reused = min([offered, *opening.held.values()]) if live.prefix_root is not None else 0
         live.steps_from = reused
