@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +30,8 @@ from dgr.node.journal import JournalBook
 from dgr.seam.opening import OpenAnswer, ResumeOrder
 from dgr.sampling import SamplingParams
 from dgr.seam.types import ModelInfo
+from dgr.seam.wire import CAPABILITY_HEADER
+from dgr.security.auth import Scope
 from dgr.testing.harness import LocalRoute, sse_events
 from dgr.tracker.live import GatewayConfig, LiveSession
 from dgr.tracker.registry import NodeEntry
@@ -372,3 +376,51 @@ def test_a_llama_shard_route_that_loses_its_tail_answers_exactly_from_the_heads_
         once = snap["prefill"]["total"] + snap["tokens"] - 1
         computed = {n: c - before.get(n, 0) for n, c in _positions(route).items()}
         assert computed[head] in _ONCE(once, True) and computed[snap["route"][-1]["node"]] == once, computed
+
+
+def test_a_repair_whose_replacement_is_full_on_the_node_waits_for_room_and_the_tracker_serves_on() -> None:
+    """The storm with kills stopped the tracker (issue 54): a replacement node refused a repair's opens for room
+    it still held (a session the gateway was done with, its slot freed once its running step ended), and that
+    refusal came wrapped in the opens' nursery's exception group, which the repair's `except DgrError` did not
+    catch: it crossed the gateway's nursery and the tracker exited. Here the spare is full behind the gateway's
+    back until a second after the loss: the repair waits for room (up to --admission-wait-s) and the answer goes
+    on unchanged; before 11680e9 the tracker exited ('node1-spare0 holds 1 of 1 sessions'), and with the refusal
+    typed but no wait the stream failed 'not repaired'. An open waits so too (tests/test_gateway_clock.py)."""
+    with LocalRoute(nodes=2, extra=(*ROUTE, "--resume", "--spares", "1", "--max-sessions", "1")) as route:
+        want = _answer(route, GREEDY)
+        spare = _hold_a_slot(route, "node1-spare0")  # the spare of the tail's range, full on the node alone
+
+        def free_once_lost() -> None:  # a second after the loss: the repair has met the full spare by then
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and route.node("node1")["alive"]:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            spare()
+
+        freer = threading.Thread(target=free_once_lost, daemon=True)
+        freer.start()
+        got = _stream_and_kill(route, GREEDY, 1)
+        freer.join(30)
+        assert got["killed"] == "node1"
+        assert got["error"] is None and got["text"] == want, (got["error"], got["text"])
+        (repair,) = got["snapshot"]["repairs"]
+        assert repair["replacement"] == ["node1-spare0"] and repair["pause_ms"] > 500, repair  # it waited for room
+        assert route.proc.poll() is None and _answer(route, GREEDY) == want  # the tracker serves on
+
+
+def _hold_a_slot(route: LocalRoute, name: str) -> Callable[[], None]:
+    """Open a session on node `name` (a tail) as the gateway would, behind the gateway's back: the node then
+    counts a slot the gateway does not. Returns what closes it."""
+    sid = uuid.uuid4().hex
+    head = route.node("node0")
+    relay = {"next": None, "loop": {"head": {"node": "node0", "url": head["url"], "capability": route.capability(
+        sid, "node0", scope=Scope.STEP)[CAPABILITY_HEADER]}}}
+    raw, headers = route.opening(sid, name, {"max_positions": 64, "relay": relay})
+    url, cap = route.node(name)["url"], route.capability(sid, name)
+    r = httpx.post(f"{url}/v1/seam/sessions", content=raw, headers=headers, timeout=10)
+    assert r.status_code == 201, r.text
+
+    def close() -> None:
+        assert httpx.delete(f"{url}/v1/seam/sessions/{sid}", headers=cap, timeout=10).status_code == 200
+
+    return close

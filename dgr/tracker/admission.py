@@ -4,7 +4,8 @@
 it before a response starts and the client gets a plain 4xx/5xx:
 - a route (dgr.tracker.routing), waiting up to `admission_wait_s` for a slot
   when every route is full; its nodes' slots are held from then on, so
-  concurrent opens cannot overfill a node;
+  concurrent opens cannot overfill a node; a node that refuses for room all
+  the same is waited for within that time too (`waits_for_room`);
 - the limits: a prompt past `max_prompt_bytes` is refused before the head
   tokenizes it (`prompt_too_large`); the head refuses one past
   `max_prompt_tokens` or the route's context inside its open (dgr.seam.opening).
@@ -104,11 +105,31 @@ class Admission:
 
         `scope` isolates kept prefixes: only requests of the same scope (the API key's hash) reuse
         each other's, unless the gateway shares prefixes; it owns the Route Session (only it sees its telemetry).
+        A node's refusal for room is waited for (`waits_for_room`), then the open is tried again under a fresh id.
 
         Raises:
-            CallerError: bad model, prompt too long, nodes at capacity.
+            CallerError: bad model, prompt too long, nodes at capacity (after `admission_wait_s`).
             PeerError: no route, a node lost while opening.
         """
+        deadline = trio.current_time() + self.config.admission_wait_s
+        while True:
+            try:
+                return await self._open(req, scope, deadline)
+            except CallerError as exc:
+                if (until := self.waits_for_room(exc, deadline)) is None:
+                    raise
+            await self.until_freed(until)
+
+    def waits_for_room(self, exc: DgrError, deadline: float) -> float | None:
+        """Until when (trio's clock) an open that `exc` refused waits to be tried again (None: it is not): a node
+        refused for room the gateway counted free. It holds a session the gateway is done with (an ended one until
+        its running step is done, dgr.node.sessions; an owed close, dgr.tracker.reconcile), freed unannounced."""
+        now = trio.current_time()
+        if exc.reason is not Reason.NODE_AT_CAPACITY or exc.details.get("node") is None or now >= deadline:
+            return None
+        return min(deadline, now + (exc.details.get("retry_after") or 1))
+
+    async def _open(self, req: GenerationRequest, scope: str, deadline: float) -> LiveSession:  # one try of `open`
         now = trio.current_time()
         rs = RouteSession(sid=uuid.uuid4().hex, model=req.model, created_at=now, owner=scope)
         rs.start_routing(now)
@@ -116,7 +137,7 @@ class Admission:
         opening: RouteOpening | None = None
         cfg = self.config
         try:
-            choice = await self._admit(req.model)
+            choice = await self._admit(req.model, deadline)
             before = {n.node_id: n.routed_at for n in choice.nodes}  # its turn, given back if affinity replaces it
             reserved = self.hold(choice.nodes, now)
             info = choice.nodes[0].model
@@ -329,14 +350,13 @@ class Admission:
         self._freed.set()
         self._freed = trio.Event()
 
-    async def _admit(self, model: str):
-        """A route for `model`, waiting up to `admission_wait_s` for a slot when every route is full.
+    async def _admit(self, model: str, deadline: float):
+        """A route for `model`, waiting until `deadline` for a slot when every route is full.
 
         Raises:
             CallerError(NODE_AT_CAPACITY): still full after the wait.
             PeerError(NO_ROUTE) and the other refusals of `choose_route`, at once.
         """
-        deadline = trio.current_time() + self.config.admission_wait_s
         while True:
             try:
                 return choose_route(self.registry.alive(), model, trusted=self.registry.trusted_ends, rng=self.rng)

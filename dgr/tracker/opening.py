@@ -15,7 +15,7 @@ from typing import Any, Callable
 import attrs
 import trio
 
-from dgr.errors import DgrError, Reason
+from dgr.errors import DgrError, Reason, first_dgr_error
 from dgr.fsm.opening import Call, Trip
 from dgr.fsm.phases import RoutePhases
 from dgr.fsm.route import Hop
@@ -78,7 +78,7 @@ class RouteOpening:
         `offer` the prefix they offer (none without ids or a root). With `waves` (node ids), the opens go wave
         after wave instead (a repair's: dgr.tracker.resume).
 
-        Raises: as `open` and `adopt`.
+        Raises: as `open` and `adopt`: the first typed error itself, never an exception group that holds one.
         """
         head, rest = self.hops[0], self.hops[1:]
         calls = {head: trip.head} | {h: trip.later for h in rest}
@@ -89,11 +89,19 @@ class RouteOpening:
             await self.open({h: body for h, body in opens.items() if h.node_id in wave})
         if waves:
             return
-        async with trio.open_nursery() as nursery:
-            if opens:
-                nursery.start_soon(self.open, opens)
-            if adopts:
-                nursery.start_soon(self.adopt, adopts, offer)
+        try:
+            async with trio.open_nursery() as nursery:
+                if opens:
+                    nursery.start_soon(self.open, opens)
+                if adopts:
+                    nursery.start_soon(self.adopt, adopts, offer)
+        except BaseExceptionGroup as group:
+            # the nursery wraps what its calls raised: callers catch the typed refusal itself (a repair's reopen
+            # caught nothing else, and a refused open crossed the gateway's nursery: the tracker exited, issue 54)
+            refused = first_dgr_error(group)
+            if isinstance(refused, DgrError):
+                raise refused from None
+            raise
 
     def _request(self, hop: Hop, call: Call, prompt: dict[str, Any], ids: list[int] | None,
                  offer: AdoptRequest) -> OpenRequest:

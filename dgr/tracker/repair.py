@@ -42,10 +42,13 @@ Where the plan cannot be made or its answers break it (a route that started
 on a kept prefix, whose positions no journal holds; a journal refused for the
 node's budget; a loss in the middle of a repair), every hop of the
 replacement opens empty (the survivors' KV freed) and computes every position
-(`_reopen`), the answer still exact. A repair that cannot finish (no
-replacement, a refused open, a context too small) fails the session with the
-loss's failure; a replacement node lost while it opens is another loss,
-repaired in turn while repairs are left.
+(`_reopen`), the answer still exact. A repair waits for room up to
+--admission-wait-s, as an open does: for a replacement while its nodes are
+full by the gateway's count, then for a hop that refuses its open for room
+all the same (dgr.tracker.admission `waits_for_room`). A repair that cannot
+finish (no replacement, a refused open, a context too small) fails the
+session with the loss's failure; a replacement node lost while it opens is
+another loss, repaired in turn while repairs are left.
 
 The pause, as Generation Telemetry splits it: `detect_ms` (the last token to
 the loss noticed), `reroute_ms` (the replacement chosen and open: the waves'
@@ -185,7 +188,7 @@ class Repairer:
                 return why, True
             plan = why
         log.warning("route session %s: every hop of its replacement computes every position (%s)", rs.sid, plan)
-        return await self._reopen(live, failure, choice, bounds, ids)
+        return await self._reopen(live, failure, choice, bounds, ids, deadline)
 
     async def _resume(self, live: LiveSession, choice, plan: ResumePlan, bounds: Bounds, ids: list[int],
                       old_sid: str, old_caps: dict[str, str]) -> Failure | str | None:
@@ -221,25 +224,34 @@ class Repairer:
                  sid, ", ".join(f"{n} {p}" for n, p in kept), total, rebuild.feed_from, rebuild.answer_from)
         return None
 
-    async def _reopen(self, live: LiveSession, failure: Failure, choice, bounds: Bounds, ids: list[int]
-                      ) -> tuple[Failure | None, bool]:
-        """Open the replacement with every hop empty: it computes every position the route needs."""
-        rs, sid = live.rs, uuid.uuid4().hex
-        offered, offer = self.admission.offer(ids, live.prefix_root)
-        opening = self.admission.opening(live.request, rs, choice, bounds, sid=sid, speculate=False)
-        # in decode the tail answers the last token's step alone: the steps before were answered on the lost route
-        opening.sample_from = len(ids) - 1 if live.fed else 0
-        self._expect(live, sid, choice.hops)
-        try:
-            await opening.trip(plan_trip(Known.IDS, False, len(choice.hops) == 1), live.request.prompt_body(), ids,
-                               offer)
-        except DgrError as exc:
-            self.routes.pop(sid, None)
-            live.opening_route = None
-            await self.admission.abandon(opening, exc.failure(phase=rs.state.value))
-            if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
-                return exc.failure(phase=rs.state.value), True
-            return self.unrepaired(failure, f"the replacement route did not open: {exc.message}"), False
+    async def _reopen(self, live: LiveSession, failure: Failure, choice, bounds: Bounds, ids: list[int],
+                      deadline: float) -> tuple[Failure | None, bool]:
+        """Open the replacement with every hop empty: it computes every position the route needs. A hop that
+        refuses for room is waited for until `deadline` (trio's clock), as an open waits (Admission
+        `waits_for_room`)."""
+        rs = live.rs
+        while True:
+            sid = uuid.uuid4().hex  # each try under a fresh id: a node opens each id once (dgr.security.tickets)
+            offered, offer = self.admission.offer(ids, live.prefix_root)
+            opening = self.admission.opening(live.request, rs, choice, bounds, sid=sid, speculate=False)
+            # in decode the tail answers the last token's step alone: the steps before were answered on the lost
+            # route
+            opening.sample_from = len(ids) - 1 if live.fed else 0
+            self._expect(live, sid, choice.hops)
+            try:
+                await opening.trip(plan_trip(Known.IDS, False, len(choice.hops) == 1), live.request.prompt_body(),
+                                   ids, offer)
+                break
+            except DgrError as exc:
+                self.routes.pop(sid, None)
+                live.opening_route = None
+                await self.admission.abandon(opening, exc.failure(phase=rs.state.value))
+                if exc.reason is Reason.ROUTE_NODE_LOST and exc.details.get("node"):
+                    return exc.failure(phase=rs.state.value), True
+                if (until := self.admission.waits_for_room(exc, deadline)) is None:
+                    return self.unrepaired(failure, f"the replacement route did not open: {exc.message}"), False
+                log.info("route session %s: %s; its repair waits for room", rs.sid, exc.message)
+            await self.admission.until_freed(until)
         # the route starts at what every hop holds; its steps from there, the answers from the last token's
         reused = min([offered, *opening.held.values()]) if live.prefix_root is not None else 0
         live.steps_from = reused
