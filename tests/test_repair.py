@@ -95,6 +95,21 @@ def test_only_an_exact_continuation_of_a_node_loss_is_repaired() -> None:
     assert off.unrepaired(lost, refused["resume"]) == lost
 
 
+def test_a_fault_in_a_repair_ends_its_session_not_the_tracker() -> None:
+    """A repair's typed refusal once escaped as an exception group and stopped the tracker mid-storm; any fault
+    in one session's repair now ends that session with `internal`, as a fault in its route's run does."""
+    import trio
+
+    class Broken(Repairer):
+        async def _replace(self, live, failure):
+            raise ExceptionGroup("a trip's nursery", [KeyError("a bug")])
+
+    repairer = Broken(None, GatewayConfig(resume=True), None, None, {}, lambda *a: None)
+    lost = Failure(Reason.ROUTE_NODE_LOST, "lost node b", node="b", phase="decode")
+    ended = trio.run(repairer.repair, _live(), lost)
+    assert ended.reason is Reason.INTERNAL and "a bug" in ended.message and ended.node == "b", ended
+
+
 def _entry(node: str, start: int, stop: int) -> NodeEntry:
     info = ModelInfo(name="m", architecture="llama", n_layers=30, hidden_size=8, seam_width=8, vocab_size=10,
                      context_length=64, digest="d" * 64)

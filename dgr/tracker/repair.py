@@ -135,7 +135,12 @@ class Repairer:
         else the failure that ends the session (`unrepaired`). A replacement node lost while it opens is a
         loss of its own, repaired in turn while `refusal` allows."""
         while (why := self.refusal(live, failure)) is None:
-            failure, again = await self._replace(live, failure)
+            try:
+                failure, again = await self._replace(live, failure)
+            except Exception as exc:  # a fault in one session's repair ends that session, not the gateway (as _run)
+                log.error("route session %s: its repair crashed", live.rs.sid, exc_info=exc)
+                return Failure(Reason.INTERNAL, f"repair error: {exc!r}"[:300], node=failure.node,
+                               phase=live.rs.state.value)
             if failure is None or not again:
                 return failure
         return self.unrepaired(failure, why)
