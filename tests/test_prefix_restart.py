@@ -11,6 +11,7 @@ have reused without the restart: turn 3's prompt and its answer but the last tok
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,13 @@ def procs():
     try:
         yield started
     finally:
-        for p in reversed(started):
+        # the nodes first, all at once, while a tracker can hear their drains: a node whose tracker is gone waits
+        # HEAR_S (2 s) for it, and one after the other that was 10 s of every run
+        nodes = [p for p in started if p.name != "tracker"]
+        for p in nodes:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in [*nodes, *reversed([p for p in started if p.name == "tracker"])]:
             p.stop()
         for p in started:  # shown by pytest for a failed test
             print(" ".join(p.popen.args[-6:]) if isinstance(p.popen.args, list) else "", *p.lines[-15:], sep="\n  ")
