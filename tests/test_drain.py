@@ -187,3 +187,19 @@ def httpx_client(route: LocalRoute):
     import httpx
 
     return httpx.Client(timeout=60, headers=route.headers, verify=route.trust)
+
+
+def test_a_node_no_tracker_admitted_goes_at_once_and_a_joined_one_waits_to_be_heard() -> None:
+    """A draining node waits for its tracker to hear of the drain (at most HEAR_S), as an open may be on its way.
+    One that never joined (it refused its tracker, or has none) has nothing routed to it: it waited HEAR_S too,
+    2.5 s of every such test's teardown."""
+    from dgr.node.drain import HEAR_S, Drain
+
+    admitted = {"yes": False}
+    drain = Drain(30.0, "n0", joined=lambda: admitted["yes"])
+    drain.start(100.0)
+    assert drain.heard_of(100.0)  # never joined: nothing to wait for
+    admitted["yes"] = True
+    assert not drain.heard_of(100.0) and drain.heard_of(100.0 + HEAR_S)  # joined: heard, or HEAR_S of silence
+    drain.heard({"draining": True})
+    assert drain.heard_of(100.0)

@@ -57,7 +57,9 @@ class DrainState(enum.Enum):
 class Drain:
     bound_s: float = DRAIN_S
     node: str = ""  # its node id, in what it says on stderr
-    joined: bool = True  # it has a tracker, which must hear of the drain before the node may go
+    # whether a tracker has admitted it, and must hear of the drain before the node may go: one that never
+    # joined (no tracker, or one it refused) has no session routed here, and goes at once
+    joined: Callable[[], bool] = lambda: True
     state: DrainState = DrainState.SERVING
     since: float | None = None  # when it started draining (trio's clock)
     asked: trio.Event = attrs.field(factory=trio.Event)  # set at the first SIGTERM: the membership loop beats now
@@ -69,7 +71,7 @@ class Drain:
     def heard_of(self, now: float) -> bool:
         """Whether nothing new is routed here: the tracker said so, or there is none, or it said nothing for
         HEAR_S (it is gone too, or down)."""
-        return (self.state is DrainState.HEARD or not self.joined
+        return (self.state is DrainState.HEARD or not self.joined()
                 or (self.since is not None and now - self.since >= HEAR_S))
 
     def start(self, now: float) -> None:

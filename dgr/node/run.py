@@ -135,7 +135,7 @@ async def run_node(backend: ShardBackend, *, node_id: str, host: str, port: int,
                 if seed_host and artifact.seed:  # seeded on the bound address, announced at the advertised one
                     artifact.seed = f"{seed_host}:{artifact.seed.rpartition(':')[2]}"
             await nursery.start(service.run)  # the scheduler: the one owner of the backend
-            drain = Drain(drain_s, node_id, joined=tracker is not None)
+            drain = Drain(drain_s, node_id, joined=service.joined.is_set if tracker else lambda: False)
             if drain_s > 0:
                 await nursery.start(drain_on_signal, drain, lambda: len(service.sessions), nursery.cancel_scope)
             ctx, cert = None, None
