@@ -47,6 +47,10 @@ class TransportError(Exception):
     """The connection failed: refused, reset, closed early, or spoke bad HTTP."""
 
 
+class AnswerTooLarge(TransportError):
+    """The server's answer went past the bytes its request allowed: cut there, the connection closed."""
+
+
 @attrs.frozen
 class HttpResponse:
     status: int
@@ -102,7 +106,7 @@ class _Conn:
             elif isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > self.max_answer:
-                    raise TransportError(f"the answer exceeds {self.max_answer} bytes")
+                    raise AnswerTooLarge(f"the answer exceeds {self.max_answer} bytes")
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 break
@@ -257,9 +261,13 @@ class ConnectionPool:
         return OutStream(self, conn)
 
     async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None) -> HttpResponse:
-        """One request on a pooled connection."""
+                      headers: list[tuple[str, str]] | None = None, limit: int | None = None) -> HttpResponse:
+        """One request on a pooled connection; its answer's body capped at `limit` bytes (None: `max_answer`).
+
+        Raises: AnswerTooLarge (over the cap), TransportError.
+        """
         conn = await self._checkout()
+        conn.max_answer = self.max_answer if limit is None else limit
         ok = False
         try:
             response = await conn.request(method, target, self.host, headers or [], body)

@@ -102,7 +102,7 @@ class InProcRoute:
 
     def connect(self, node_id: str, url: str) -> NodeClient:
         client = NodeClient(node_id, url)
-        client._http = asgi_client(self.net.control(url), url)
+        client._control = self.net.control_pool(url)
         client._seam = self.net.pool(url)
         return self.wrap(client)
 

@@ -17,9 +17,9 @@ Rules:
   as `http.disconnect` on the server's side, as a closed socket does.
 - A stalled URL (`stall`) takes requests and stream records but serves none
   of them until `resume` (one session's only, when asked): a process whose
-  compute hangs while its socket still accepts. `control` wraps an app for httpx's ASGITransport with the
-  same faults (a kill is `httpx.ConnectError`), and `hang` stalls that path
-  too (its /healthz stops answering: a hung process).
+  compute hangs while its socket still accepts. A gateway's control calls
+  (`control_pool`) are answered meanwhile; `hang` stalls them too (its
+  /healthz stops answering: a hung process).
 - Sending on a stream whose server has answered (or ended) raises
   `TransportError`, as a write to a closed connection eventually does.
 
@@ -34,10 +34,9 @@ import ssl
 from typing import Any, Callable
 
 import attrs
-import httpx
 import trio
 
-from dgr.seam.transport import HttpResponse, TransportError
+from dgr.seam.transport import AnswerTooLarge, HttpResponse, TransportError
 from dgr.seam.wire import ROUTE_SESSION_HEADER
 
 __all__ = ["MemoryNet", "MemoryPool", "MemoryStream"]
@@ -82,11 +81,12 @@ class _Exchange:
     over: trio.Event = attrs.field(factory=trio.Event)  # the app returned (or was cancelled)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     broken: str = ""  # why the connection broke, if it did
+    control: bool = False  # a gateway's control call: only a hang stalls it
 
     @classmethod
-    def new(cls, url: str, net: "MemoryNet", session: str) -> "_Exchange":
+    def new(cls, url: str, net: "MemoryNet", session: str, control: bool = False) -> "_Exchange":
         send, recv = trio.open_memory_channel(math.inf)
-        return cls(url, net, session, send, recv)
+        return cls(url, net, session, send, recv, control=control)
 
     async def receive(self) -> dict[str, Any]:
         try:
@@ -96,7 +96,7 @@ class _Exchange:
         delay = self.net.latency.get(self.url, 0.0)
         if delay and message.get("body"):
             await trio.sleep(delay)
-        await self.net.unstalled(self.url, self.session)
+        await self.net.unstalled(self.url, self.session, self.control)
         return message
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -153,6 +153,7 @@ class MemoryPool:
     net: "MemoryNet"
     url: str
     ssl_context: ssl.SSLContext | None = None  # accepted for the pool's signature; nothing is encrypted
+    control: bool = False  # a gateway's control calls: a stalled node answers them unless it hangs
 
     @property
     def host(self) -> str:
@@ -167,14 +168,18 @@ class MemoryPool:
         return MemoryStream(exchange)
 
     async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: list[tuple[str, str]] | None = None) -> HttpResponse:
-        exchange = await self.net.start(self.url, _scope(method, self.url, target, headers or [], len(body)))
+                      headers: list[tuple[str, str]] | None = None, limit: int | None = None) -> HttpResponse:
+        exchange = await self.net.start(self.url, _scope(method, self.url, target, headers or [], len(body)),
+                                        control=self.control)
         exchange.send_body.send_nowait({"type": "http.request", "body": body, "more_body": False})
         try:
             await exchange.over.wait()
         finally:
             exchange.send_body.close()
-        return exchange.response()
+        response = exchange.response()
+        if limit is not None and len(response.body) > limit:
+            raise AnswerTooLarge(f"the answer exceeds {limit} bytes")
+        return response
 
     async def aclose(self) -> None:
         pass
@@ -190,7 +195,6 @@ class MemoryNet:
     latency: dict[str, float] = attrs.field(factory=dict)  # url -> how long each record sent there takes to arrive
     _stalled: dict[str, _Stall] = attrs.field(factory=dict)  # url -> what of it is stalled
     _serving: dict[str, set[_Exchange]] = attrs.field(factory=dict)
-    _control: dict[str, set[trio.CancelScope]] = attrs.field(factory=dict)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Host the apps' request tasks until cancelled."""
@@ -206,20 +210,25 @@ class MemoryNet:
         """A pool to `url` (the signature of ConnectionPool's constructor)."""
         return MemoryPool(self, url.rstrip("/"), ssl_context)
 
+    def control_pool(self, url: str) -> MemoryPool:
+        """A pool for a gateway's control calls to `url`: they stall only while it hangs (`stall(hang=True)`)."""
+        return MemoryPool(self, url.rstrip("/"), control=True)
+
     def _refuse(self, url: str) -> None:
         if url in self._dead:
             raise TransportError(f"connect to {url} failed: connection refused (killed)")
         if url not in self.apps:
             raise TransportError(f"connect to {url} failed: no such host")
 
-    async def start(self, url: str, scope: dict[str, Any]) -> _Exchange:
-        """A new request to `url`'s app, served in the net's nursery. Raises TransportError."""
+    async def start(self, url: str, scope: dict[str, Any], control: bool = False) -> _Exchange:
+        """A new request to `url`'s app, served in the net's nursery (`control`: a control call, which only a
+        hang stalls). Raises TransportError."""
         await trio.lowlevel.checkpoint()
         self._refuse(url)
         if self._nursery is None:
             raise TransportError(f"the in-memory net is not running (a request to {url})")
         session = next((v.decode("latin-1") for k, v in scope["headers"] if k == _SESSION), "")
-        exchange = _Exchange.new(url, self, session)
+        exchange = _Exchange.new(url, self, session, control)
         self._serving.setdefault(url, set()).add(exchange)
         self._nursery.start_soon(self._serve, self.apps[url], scope, exchange)
         return exchange
@@ -227,33 +236,13 @@ class MemoryNet:
     async def _serve(self, app: Asgi, scope: dict[str, Any], exchange: _Exchange) -> None:
         try:
             with exchange.scope:
-                await self.unstalled(exchange.url, exchange.session)
+                await self.unstalled(exchange.url, exchange.session, exchange.control)
                 await app(scope, exchange.receive, exchange.send)
             if exchange.scope.cancelled_caught:
                 exchange.broken = exchange.broken or f"{exchange.url} went away"
         finally:
             self._serving.get(exchange.url, set()).discard(exchange)
             exchange.over.set()
-
-    def control(self, url: str) -> Asgi:
-        """`url`'s app for httpx's ASGITransport, with this net's faults: a killed URL is `httpx.ConnectError`."""
-        url = url.rstrip("/")
-
-        async def asgi(scope, receive, send):
-            if url in self._dead:
-                raise httpx.ConnectError(f"{url}: connection refused (killed)")
-            with trio.CancelScope() as cancel:
-                self._control.setdefault(url, set()).add(cancel)
-                try:
-                    while (stall := self._stalled.get(url)) is not None and stall.hang:
-                        await stall.over.wait()
-                    await self.apps[url](scope, receive, send)
-                finally:
-                    self._control[url].discard(cancel)
-            if cancel.cancelled_caught:
-                raise httpx.ReadError(f"{url} went away mid-response")
-
-        return asgi
 
     def kill(self, url: str) -> None:
         """`url`'s process dies: its connections break and nothing reaches it any more."""
@@ -262,8 +251,6 @@ class MemoryNet:
         for exchange in list(self._serving.get(url, ())):
             exchange.broken = f"{url} went away (killed)"
             exchange.scope.cancel()
-        for cancel in list(self._control.get(url, ())):
-            cancel.cancel()
 
     def stall(self, url: str, *, hang: bool = False, session: str | None = None) -> None:
         """`url` stops serving its streams and steps (its compute is stuck) until `resume`; `hang`: its
@@ -278,8 +265,10 @@ class MemoryNet:
         if stall is not None:
             stall.over.set()
 
-    async def unstalled(self, url: str, session: str) -> None:
-        """Return once `url` serves `session`'s requests (at once unless it is stalled)."""
-        while (stall := self._stalled.get(url)) is not None and stall.session in (None, session):
+    async def unstalled(self, url: str, session: str, control: bool = False) -> None:
+        """Return once `url` serves `session`'s requests (at once unless it is stalled); `control`: a control
+        call's, which only a hang stalls."""
+        while (stall := self._stalled.get(url)) is not None and (
+                stall.hang if control else stall.session in (None, session)):
             await stall.over.wait()
 
