@@ -225,6 +225,7 @@ class ConnectionPool:
         while self._idle:
             candidate = self._idle.pop()
             if now - candidate.last_used < _IDLE_S and not _dropped(candidate.stream):
+                candidate.max_answer = self.max_answer  # a request's own `limit` ended with it
                 return candidate
             await candidate.stream.aclose()
         return await self._connect()
@@ -267,7 +268,8 @@ class ConnectionPool:
         Raises: AnswerTooLarge (over the cap), TransportError.
         """
         conn = await self._checkout()
-        conn.max_answer = self.max_answer if limit is None else limit
+        if limit is not None:
+            conn.max_answer = limit
         ok = False
         try:
             response = await conn.request(method, target, self.host, headers or [], body)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
 from typing import Any, Callable
 from urllib.parse import urlencode
 
@@ -49,10 +48,11 @@ _TOKENIZE_REPLY_PER_BYTE = 16
 
 @attrs.frozen
 class Reply:
-    """A node's whole reply, read within its cap."""
+    """A node's whole reply, read within its cap by `read_capped` (an httpx caller's; NodeClient's calls answer
+    HttpResponse)."""
 
     status_code: int
-    headers: Mapping[str, str]  # names in lower case
+    headers: httpx.Headers
     content: bytes
 
 
@@ -109,11 +109,10 @@ class NodeClient:
             phase=phase,
         )
 
-    def _refused(self, r: Reply | HttpResponse, param: str | None = None) -> Exception:
+    def _refused(self, r: HttpResponse, param: str | None = None) -> Exception:
         """A node's refusal as the gateway raises it; `param`: the request's prompt parameter, where the node
         was given the prompt, so that a refusal of the prompt itself (dgr.seam.opening.PromptPlan.positions) is the client's."""
-        body = r.content if isinstance(r, Reply) else r.body
-        status = r.status_code if isinstance(r, Reply) else r.status
+        body, status = r.body, r.status
         code, message = parse_error_body(body)
         if param is not None and code in (Reason.CONTEXT_LENGTH_EXCEEDED.value, Reason.INVALID_REQUEST.value) \
                 and _error_param(body) == "prompt":
@@ -127,19 +126,16 @@ class NodeClient:
                          node=self.node_id, node_code=code)
 
     async def _request(self, method: str, path: str, capability: str | None = None, limit: int = MAX_CONTROL_BYTES,
-                       **kw: Any) -> Reply:
+                       *, headers: list[tuple[str, str]] = (), body: bytes = b"",
+                       params: dict[str, str] | None = None) -> HttpResponse:
         """One control call, carrying the session's `capability` where given, its reply read up to `limit` bytes.
 
         Raises: PeerError (ROUTE_NODE_LOST, NODE_ERROR).
         """
-        headers = [("Accept-Encoding", "identity"), *kw.get("headers", {}).items()]
+        headers = [("Accept-Encoding", "identity"), *headers]
         if capability is not None:
             headers.append((CAPABILITY_HEADER, capability))
-        body = kw.get("content", b"")
-        if "json" in kw:
-            body = json.dumps(kw["json"]).encode()
-            headers.append(("Content-Type", "application/json"))
-        target = path + ("?" + urlencode(kw["params"]) if kw.get("params") else "")
+        target = path + ("?" + urlencode(params) if params else "")
         try:
             r = await self._control.request(method, target, body, headers, limit=limit)
         except AnswerTooLarge:
@@ -151,12 +147,12 @@ class NodeClient:
         if encoding != "identity":
             raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a reply encoded {encoding[:40]!r}, unasked",
                             node=self.node_id)
-        return Reply(r.status, r.headers, r.body)
+        return r
 
-    def _json(self, r: Reply) -> dict[str, Any]:
+    def _json(self, r: HttpResponse) -> dict[str, Any]:
         """A reply's JSON object. Raises PeerError(NODE_ERROR) for anything else."""
         try:
-            data = json.loads(r.content)
+            data = json.loads(r.body)
         except ValueError:
             data = None
         if not isinstance(data, dict):
@@ -174,22 +170,23 @@ class NodeClient:
         sends none.
         """
         raw = req.encode()
-        headers = {"Content-Type": "application/json", ROUTE_SESSION_HEADER: req.session}
+        headers = [("Content-Type", "application/json"), (ROUTE_SESSION_HEADER, req.session)]
         signed = None if ticket is None else ticket(raw)
         if signed is not None:
-            headers[TICKET_HEADER] = signed
+            headers.append((TICKET_HEADER, signed))
         bound = None if req.prompt is None else token_bound(req.prompt)
-        r = await self._request("POST", "/v1/seam/sessions", capability, headers=headers, content=raw,
+        r = await self._request("POST", "/v1/seam/sessions", capability, headers=headers, body=raw,
                                 limit=MAX_CONTROL_BYTES + _TOKENIZE_REPLY_PER_BYTE * (bound or 0))
-        if r.status_code != 201:
+        if r.status != 201:
             raise self._refused(r, None if req.prompt is None else req.prompt.param())
         return OpenAnswer.from_json(self._json(r), node=self.node_id, tokens_bound=bound, vocab_size=vocab_size)
 
     async def adopt_prefix(self, sid: str, named: AdoptRequest, capability: str | None = None) -> int:
         """Name the prefix of a session opened before its prompt's length was known (an open with `max_new`):
         the node opens its KV on the longest kept prefix of it; returns the positions it holds from there."""
-        r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", capability, json=named.to_json())
-        if r.status_code != 200:
+        r = await self._request("POST", f"/v1/seam/sessions/{sid}/prefix", capability,
+                                headers=[("Content-Type", "application/json")], body=json.dumps(named.to_json()).encode())
+        if r.status != 200:
             raise self._refused(r)
         return OpenAnswer.from_json(self._json(r), node=self.node_id).positions
 
@@ -203,7 +200,7 @@ class NodeClient:
         if failure is None and tail:
             params["tail"] = tail
         r = await self._request("DELETE", f"/v1/seam/sessions/{sid}", capability, params=params)
-        if r.status_code not in (200, 404, 410):
+        if r.status not in (200, 404, 410):
             raise self._refused(r)
 
     async def open_stream(self, sid: str, capability: str | None = None) -> OutStream:
@@ -227,7 +224,7 @@ class NodeClient:
 
     async def session_status(self, sid: str, capability: str | None = None) -> dict[str, Any]:
         r = await self._request("GET", f"/v1/seam/sessions/{sid}", capability)
-        if r.status_code != 200:
+        if r.status != 200:
             raise self._refused(r)
         return self._json(r)
 
@@ -248,13 +245,13 @@ class NodeClient:
         """
         r = await self._request("GET", "/healthz", capability, params={"session": sid} if sid else None)
         try:
-            return json.loads(r.content) if r.status_code == 200 else None
+            return json.loads(r.body) if r.status == 200 else None
         except ValueError:
             return None
 
     async def status(self) -> dict[str, Any]:
         r = await self._request("GET", "/v1/node/status")
-        if r.status_code != 200:
+        if r.status != 200:
             raise self._refused(r)
         return self._json(r)
 
