@@ -39,6 +39,7 @@ from dgr.backends.base import LayerRange
 from dgr.backends.stub import StubBackend, StubSpec
 from dgr.errors import CallerError, Reason
 from dgr.node.app import make_node_app
+from dgr.node.drain import HEAR_S
 from dgr.node.membership import registration
 from dgr.node.run import check_transport
 from dgr.node.service import NodeService
@@ -358,6 +359,11 @@ def test_a_node_refuses_a_tracker_whose_certificate_holds_another_key(tmp_path: 
     said = next(line for line in node.lines if "answered with key" in line)
     assert impostor.public_text in said and real.public_text in said
     assert fake.handshakes >= 1 and fake.received == 0 and node.ready is None
+    # never admitted, it has nothing routed to it: on SIGTERM it waits for no tracker to hear of its drain (it
+    # waited HEAR_S, then QUIET_S, before 27b3bfa); the figure is the node's own clock, not this process's
+    node.stop()
+    drained = next(line for line in node.lines if "drained in" in line)
+    assert float(drained.split("drained in ")[1].split("s")[0]) < HEAR_S, drained
 
 
 class _TlsRelay(_Impostor):
