@@ -37,6 +37,7 @@ def cmd_tracker(args) -> int:
 
     config = GatewayConfig(
         prefill_chunk=args.prefill_chunk,
+        pipeline_cuts=args.pipeline_cuts,
         step_deadline_s=args.step_deadline,
         slow_cap=args.slow_cap,
         seam_dtype=DType[args.seam_dtype.upper()],
@@ -173,6 +174,9 @@ def _draft_model(args, backend):
 _BUSY_POLL_BACKENDS = ("llama", "llama_shard")
 # dgr.node.scheduler.DEFAULT_ITERATION_TARGET_S, here so that parsing arguments imports no trio or numpy
 ITERATION_TARGET_MS = 250.0
+# dgr.tracker.live.PIPELINE_CUTS and MIN_PIPELINE_CHUNK, here for the same reason
+PIPELINE_CUTS = 32
+MIN_PIPELINE_CHUNK = 64
 BUSY_POLL_MS = 100.0  # covers a token's trip through the rest of a 2- or 3-node SmolLM2 route
 
 
@@ -443,6 +447,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="serve on this inherited socket, already bound and listening, instead of --host and --port "
                         "(how dgr up starts its nodes while the tracker starts)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt positions per prefill frame (one llama.cpp ubatch)")
+    p.add_argument("--pipeline-cuts", type=int, default=PIPELINE_CUTS, metavar="K",
+                   help="on a route of N > 1 nodes, cut a prompt into about K chunks per extra node (at least "
+                        f"{MIN_PIPELINE_CHUNK} positions, at most --prefill-chunk), so that no node idles long at its "
+                        "start and end; 0: chunks of --prefill-chunk")
     p.add_argument("--step-deadline", type=float, default=10.0, help="seconds a node may take for one step")
     p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
                    help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on: "
@@ -536,6 +544,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=positive_int, help="threads per node (default: cores / nodes)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512)
+    p.add_argument("--pipeline-cuts", type=int, default=PIPELINE_CUTS, metavar="K",
+                   help="the tracker's --pipeline-cuts")
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
                    help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on: "

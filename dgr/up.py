@@ -179,9 +179,9 @@ def tracker_args(args, identity: Path | None = None, listen_fd: int | None = Non
         cmd += ["--vocab", str(model)]
     if getattr(args, "api_key_file", None):
         cmd += ["--api-key-file", str(args.api_key_file)]
-    for flag in ("max_prompt_tokens", "max_prompt_bytes", "max_tokens_cap", "max_session_s", "slow_client_s",
-                 "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow", "max_repairs",
-                 "spares"):
+    for flag in ("pipeline_cuts", "max_prompt_tokens", "max_prompt_bytes", "max_tokens_cap", "max_session_s",
+                 "slow_client_s", "admission_wait_s", "dead_after", "spec", "spec_k_max", "spec_k", "spec_allow",
+                 "max_repairs", "spares"):
         value = getattr(args, flag, None)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]

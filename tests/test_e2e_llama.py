@@ -148,7 +148,8 @@ def test_models_metadata(single) -> None:
 # -- the networked GGUF route ----------------------------------------------------
 # Both route lengths: the 3-node ring has a middle node, forwarded.
 @pytest.mark.parametrize("nodes", [2, 3])
-def test_sharded_route_equals_single_node(single_answers, nodes: int) -> None:
+def test_sharded_route_equals_single_node(single, single_answers, nodes: int) -> None:
+    single_route = single
     want = single_answers
     # prompt chunks of 64 positions: PROMPTS fit one chunk each, as on the single node's 512, and a
     # prompt of a few hundred tokens already crosses several chunks without minutes of prefill
@@ -172,6 +173,14 @@ def test_sharded_route_equals_single_node(single_answers, nodes: int) -> None:
             assert -(-got.usage.prompt_tokens // 64) == chunks
             sizes.append([route.node_status(f"node{i}")["seam"]["last_decode_frame_bytes"] for i in range(1, nodes)])
         assert sizes[0] == sizes[1] == [HEADER_SIZE + 576 * 4] * (nodes - 1)
+        # a prompt the single node computes as one 512-row chunk and the route as a pipeline's 64-row chunks
+        # (dgr.tracker.live.pipeline_chunk): the same answer, as llama.cpp computes a position the same in
+        # either (flash attention off)
+        long = " ".join(f"Ship {i} passed the point at dawn." for i in range(60))
+        got = client.completions.create(model=MODEL, prompt=long, max_tokens=24, temperature=0)
+        assert got.usage.prompt_tokens > 400
+        assert got.choices[0].text == _client(single_route).completions.create(
+            model=MODEL, prompt=long, max_tokens=24, temperature=0).choices[0].text
 
 
 def test_eight_concurrent_sessions_on_a_sharded_route_equal_sequential() -> None:

@@ -46,7 +46,7 @@ from dgr.plan import (
 )
 from dgr.plan.cli import register
 from dgr.plan.cost import shard_global_bytes
-from dgr.plan.search import LAYER_OVERHEAD_BYTES
+from dgr.plan.search import LAYER_OVERHEAD_BYTES, even_split
 from dgr.plan.layout import KvTerm, tensor_nbytes
 from dgr.plan.rules import kv_terms_for_layer
 from dgr.plan.sources import layout_from_gguf, layout_from_json, layout_from_manifest, load_layout
@@ -256,29 +256,43 @@ def test_the_range_tables_hold_need_and_valid_of_every_range(smol, dsv4):
                     assert pricer.need_table[a, b] == pricer.need(a, b)
 
 
-def test_plan_even_minimises_the_slowest_decode_step(smol, dsv4):
-    """Each shard is priced as the bytes it reads per decode token plus a fixed cost per layer; the tail
-    also reads the LM head, so it gets fewer layers (SmolLM2: 18:12, where the shards measured 7.1 and
-    7.6 ms a token against 6.1 and 8.6 for 15:15)."""
-    for layout, k in ((smol, 2), (smol, 3), (smol, 4), (dsv4, 5)):
-        ranges = plan_even(layout, k)
+def test_plan_even_minimises_a_prompt_and_an_answer_on_a_full_pipeline(smol, dsv4):
+    """A shard's decode pace is the bytes it reads per token plus a fixed cost per layer (the tail also reads
+    the LM head); its prefill pace, its layers' weights (the head runs once a chunk). The cut minimises
+    positions x the slowest prefill pace + tokens x the slowest decode pace: decode alone puts SmolLM2's
+    at 18:12 (shards measured 7.1 and 7.6 ms a token against 6.1 and 8.6 for 15:15), a long prompt at
+    15:15 (a 2,316-token cold turn 6.4 s against 7.5 s at 18:12)."""
+    for layout, k, prompt, answer in ((smol, 2, 2048, 256), (smol, 2, 0, 1), (smol, 2, 300, 256), (smol, 3, 2048, 256),
+                                      (smol, 4, 100, 1000), (dsv4, 5, 2048, 256)):
+        split = even_split(layout, k, prompt, answer)
+        ranges = split.ranges
+        assert ranges == plan_even(layout, k, prompt, answer)
         assert ranges[0].start == 0 and ranges[-1].stop == layout.n_layers
         assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
         n = layout.n_layers
         tail_reads = shard_global_bytes(layout, PlanParams(), is_head=False, is_tail=True)[1]
         assert tail_reads > 0
 
-        def cost(a: int, b: int) -> int:
+        def decode(a: int, b: int) -> int:
             head = shard_global_bytes(layout, PlanParams(), is_head=a == 0, is_tail=b == n)[1]
             return head + sum(layer.active_bytes + LAYER_OVERHEAD_BYTES for layer in layout.layers[a:b])
 
-        got = max(cost(r.start, r.stop) for r in ranges)
+        def prefill(a: int, b: int) -> int:
+            return sum(layer.active_bytes for layer in layout.layers[a:b])
+
+        def time(cuts: list[int]) -> int:
+            pairs = list(zip(cuts, cuts[1:]))
+            return answer * max(decode(a, b) for a, b in pairs) + prompt * max(prefill(a, b) for a, b in pairs)
+
+        got = [0] + [r.stop for r in ranges]
+        assert (split.decode_bytes, split.prefill_bytes) == (max(decode(r.start, r.stop) for r in ranges),
+                                                              max(prefill(r.start, r.stop) for r in ranges))
+        assert f"a prompt of {prompt} positions and an answer of {answer} tokens" in split.describe()
         if layout is smol:
-            best = min(
-                max(cost(a, b) for a, b in zip([0, *c], [*c, n])) for c in itertools.combinations(range(1, n), k - 1)
-            )
-            assert got == best
-    assert [str(r) for r in plan_even(smol, 2)] == ["0:18", "18:30"]
+            best = min(time([0, *c, n]) for c in itertools.combinations(range(1, n), k - 1))
+            assert time(got) == best, (k, prompt, answer, [str(r) for r in ranges])
+    assert [str(r) for r in plan_even(smol, 2)] == ["0:15", "15:30"]  # the default: a chat turn's long prompt
+    assert [str(r) for r in plan_even(smol, 2, prompt_positions=0)] == ["0:18", "18:30"]
     with pytest.raises(CallerError):
         plan_even(smol, 31)
 

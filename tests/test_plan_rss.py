@@ -30,8 +30,10 @@ def _rss_bytes(pid: int) -> int:
 def test_plan_matches_node_rss(nodes: int) -> None:
     backend = "llama" if nodes == 1 else "llama_shard"
     with LocalRoute(backend=backend, nodes=nodes, ready_timeout_s=300,
-                    extra=("--ctx", str(CTX), "--max-sessions", str(SESSIONS))) as route:
-        # one request past a full 512-row ubatch, so compute and output buffers reach their serving size
+                    extra=("--ctx", str(CTX), "--max-sessions", str(SESSIONS), "--pipeline-cuts", "0")) as route:
+        # one request past a full 512-row ubatch, so compute and output buffers reach their serving size: the
+        # planner prices the ubatch a node may be sent (a one-node route's, or a long prompt's), and a pipeline's
+        # finer chunks (--pipeline-cuts, dgr.tracker.live) would leave this short prompt's below it
         import httpx
 
         httpx.post(f"{route.api}/completions", timeout=120,

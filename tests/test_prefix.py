@@ -17,6 +17,7 @@ from dgr.seam.keys import BLOCK_TOKENS, MARK_BYTES, MAX_ADVERTISED, block_chain,
 from dgr.node.snapshot import SNAPSHOT_MAX_MB, SnapshotDir, check
 from dgr.testing.inproc import InProcRoute
 from dgr.tracker.gateway import GatewayConfig
+from dgr.tracker.live import pipeline_chunk
 from dgr.tracker.routing import choose_route
 
 QUIET = GatewayConfig(sweep_s=3600.0)
@@ -234,7 +235,9 @@ async def test_a_conversation_reuses_its_prefix_and_answers_as_without(nursery, 
         assert s.backend.prefix_bytes() == st["bytes"]
     # the head computed only what it did not reuse
     head = on.services[0]
-    assert head.stats.frames_in["PREFILL"] == 4  # one chunk a turn
+    chunks = [-(-(p - n) // pipeline_chunk(p - n, 512, len(on.services))) for (_, n), (p, _) in zip(reused, kept)]
+    assert chunks[1:] == [1, 1, 1]  # a turn after the first: its new positions, one chunk
+    assert head.stats.frames_in["PREFILL"] == sum(chunks)
 
 
 async def test_reuse_is_exact_to_the_token_and_never_takes_the_last_prompt_token(nursery) -> None:

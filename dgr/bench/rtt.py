@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dgr.bench.netns import PLACEMENT, NetnsRoute, prerequisites
+from dgr.tracker.live import pipeline_chunk
 
 __all__ = ["expectations", "round_trips_per_token", "rtt_sweep", "ttft_round_trips"]
 
@@ -62,9 +63,12 @@ def ttft_round_trips(hops: int, prompt_tokens: int, prefill_chunk: int, reused: 
     told it (1, `reused` on a route of 2 or more); then K prefill chunks flow
     through the hops as a pipeline, the last one leaving the tail with the
     first token: K - 1 trips, plus the last chunk's way gateway -> head -> ...
-    -> tail -> gateway (N + 1 one-way trips).
+    -> tail -> gateway (N + 1 one-way trips). K counts a ubatch's positions as one chunk however
+    finely a pipeline cuts them, as the gateway keeps that many in flight a hop.
     """
-    chunks = max(1, math.ceil(prompt_tokens / prefill_chunk))
+    # chunks of a pipeline (dgr.tracker.live.pipeline_chunk) go a ubatch's worth in flight a hop: trips by ubatches
+    size = pipeline_chunk(prompt_tokens, prefill_chunk, hops)
+    chunks = max(1, math.ceil(prompt_tokens / (size * max(1, prefill_chunk // size))))
     return 1 + (1 if reused and hops > 1 else 0) + chunks - 1 + (hops + 1) / 2
 
 

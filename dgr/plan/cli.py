@@ -14,7 +14,7 @@ from dgr.plan.params import GPU_RESERVE_BYTES, LLAMA_CPU_RUNTIME_BYTES, PlanPara
 from dgr.plan.latency import decode_latency
 from dgr.plan.layout import DEFAULT_UBATCH, KV_DTYPES
 from dgr.plan.render import gpu_layers_flag, render_plan
-from dgr.plan.search import plan
+from dgr.plan.search import ANSWER_TOKENS, PROMPT_POSITIONS, even_split, plan
 from dgr.plan.sizes import parse_nodes, parse_size
 from dgr.plan.sources import load_layout
 
@@ -51,6 +51,8 @@ def _handler(args: argparse.Namespace) -> int:
             raise CallerError(Reason.INVALID_REQUEST, "--cpu-moe and --gpu-reserve place what a GPU holds: "
                               "give --gpu-memory SIZE, or gpu=SIZE in a --node")
         result = plan(layout, nodes, params)
+        # what `dgr up` would give this many nodes on one machine, where speed, not memory, decides the cut
+        speed = even_split(layout, len(result.shards), args.prompt_positions, args.answer_tokens)
     except DgrError as exc:
         print(f"dgr plan: {exc.message}", file=sys.stderr)
         return 2
@@ -71,10 +73,15 @@ def _handler(args: argparse.Namespace) -> int:
             "estimates": [e.to_json() for e in estimates],
             "assumptions": {"mem_bw_gbs": args.mem_bw, "rtt_ms": args.rtt_ms, "frame_ms": args.frame_ms},
             "gpu_layers": gpu_layers_flag(result),
+            "speed_cut": {"layers": [str(r) for r in speed.ranges], "prompt_positions": speed.prompt_positions,
+                          "answer_tokens": speed.answer_tokens, "decode_bytes": speed.decode_bytes,
+                          "prefill_bytes": speed.prefill_bytes},
         }
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(result, layout, estimates, assumptions))
+        print(f"\nspeed cut (dgr up, {len(speed.ranges)} node(s) on one machine): "
+              f"{' | '.join(str(r) for r in speed.ranges)}, {speed.describe()}")
     return 0
 
 
@@ -124,6 +131,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seam-dtype", default="f32", choices=["f32", "f16"], help="seam value type (default f32)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="positions per prefill frame (default 512)")
     p.add_argument("--all-nodes", action="store_true", help="use every node given instead of the fewest")
+    p.add_argument("--prompt-positions", type=int, default=PROMPT_POSITIONS,
+                   help=f"the prompt the speed cut is balanced for (default {PROMPT_POSITIONS})")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                   help=f"the answer the speed cut is balanced for (default {ANSWER_TOKENS})")
     p.add_argument(
         "--link", type=float, action="append", help="link speed in Gbit/s for the estimate (default 1 and 10)"
     )

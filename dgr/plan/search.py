@@ -29,8 +29,8 @@ both. Whether it fits is then no longer monotone in the range's end (a range
 wholly on the GPU sheds the host's compute buffer), so the dynamic program
 decides it.
 
-Also here: `plan_even(layout, n)` balances decode work over n nodes, for
-`dgr up`. The prices are dgr.plan.cost's.
+Also here: `plan_even(layout, n)` balances a prompt's and an answer's work over n
+nodes, for `dgr up` (`even_split` says what it weighed). The prices are dgr.plan.cost's.
 
 Left out: pricing (dgr.plan.cost), the table (dgr.plan.render) and the
 command (dgr.plan.cli).
@@ -58,6 +58,8 @@ __all__ = [
     "fitting_ranges",
     "plan",
     "plan_even",
+    "even_split",
+    "EvenSplit",
 ]
 
 
@@ -392,23 +394,52 @@ def fitting_ranges(layout: ModelLayout, params: PlanParams, node: Node) -> list[
 # A layer costs more than the bytes it reads: dozens of small kernels, each ending in a thread
 # barrier. Measured on SmolLM2-135M Q4_1 with 1 thread: a 2.2 MB layer takes about 0.45 ms and the
 # tail's 30 MB tied LM head about 2 ms. Counting a layer as its bytes plus 2 MiB prices that head at
-# 7 layers, and puts the best two-node cut at 18:12, where shards measured 7.1 and 7.6 ms a token
-# (15:15, the weight-balanced cut: 6.1 and 8.6 ms).
+# 7 layers, and puts the best two-node cut for decode alone at 18:12, where shards measured 7.1 and
+# 7.6 ms a token (15:15, the weight-balanced cut: 6.1 and 8.6 ms).
 LAYER_OVERHEAD_BYTES = 2 * 2**20
+# The work `dgr up` balances its cut for: a prompt of PROMPT_POSITIONS positions and an answer of
+# ANSWER_TOKENS tokens, a chat turn with a long system prompt (issue 43's has 2,260 tokens).
+PROMPT_POSITIONS = 2048
+ANSWER_TOKENS = 256
 
 
-def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
-    """Contiguous ranges over `n_nodes` nodes that minimise the slowest shard's decode step.
+@attrs.frozen
+class EvenSplit:
+    """`plan_even`'s cut and what it weighed: a shard's pace in bytes read, a decoded token's and a prompt
+    position's, for the stage that sets each pace (the slowest)."""
 
-    For `dgr up` on one machine: memory is not the limit there, the slowest
-    shard is (a pipeline of concurrent sessions runs at its pace). A shard's
-    decode step is priced as the bytes it reads per token (its layers' active
-    weights, and on the tail the output norm and LM head) plus
-    LAYER_OVERHEAD_BYTES per layer. Prefill pays for it: a long prompt's
-    chunks are pipelined and computed at the head's pace, and the LM head
-    runs once per chunk, not per position, so a decode-balanced head is the
-    slow stage there (SmolLM2, 2 nodes, a 2048-token prompt: 8.4 s to first
-    token at 15:15, 9.2 s at 18:12). Decode is what every token pays.
+    ranges: list[LayerRange]
+    decode_bytes: int  # the slowest shard's bytes a decoded token (its layers', LM head and overheads included)
+    prefill_bytes: int  # the slowest shard's bytes a prompt position (its layers' weights alone)
+    prompt_positions: int
+    answer_tokens: int
+
+    def describe(self) -> str:
+        return (f"balanced for a prompt of {self.prompt_positions} positions and an answer of {self.answer_tokens} "
+                f"tokens: the slowest shard holds {format_size(self.prefill_bytes)} of weights a prompt position "
+                f"passes, and reads {format_size(self.decode_bytes)} a decoded token")
+
+
+def plan_even(layout: ModelLayout, n_nodes: int, prompt_positions: int = PROMPT_POSITIONS,
+              answer_tokens: int = ANSWER_TOKENS) -> list[LayerRange]:
+    """`even_split(...).ranges`: the cut `dgr up` gives its nodes."""
+    return even_split(layout, n_nodes, prompt_positions, answer_tokens).ranges
+
+
+def even_split(layout: ModelLayout, n_nodes: int, prompt_positions: int = PROMPT_POSITIONS,
+               answer_tokens: int = ANSWER_TOKENS) -> EvenSplit:
+    """Contiguous ranges over `n_nodes` nodes that minimise the time of a prompt of `prompt_positions` and an
+    answer of `answer_tokens` on a full pipeline: positions times the slowest shard's prefill pace, plus tokens
+    times the slowest shard's decode pace.
+
+    For `dgr up` on one machine: memory is not the limit there, the slowest shard is (concurrent sessions and
+    a long prompt's chunks both run at its pace). A shard's decode step is priced as the bytes it reads per
+    token (its layers' active weights, and on the tail the output norm and LM head) plus LAYER_OVERHEAD_BYTES
+    per layer; a prompt position as its layers' active weights alone: a chunk's positions share each kernel,
+    and the LM head runs once a chunk. The two paces disagree on the tail, which decode charges for the head:
+    on SmolLM2, 2 nodes, decode alone balances at 18:12, prefill at 15:15, where a 2,316-token cold turn
+    measured 7.45 to 7.53 s at 18:12 and 6.38 to 6.47 s at 15:15 (128-position chunks, 1 thread a node) and 8
+    decoding sessions about 6% slower. A single session's decode does not care: its token passes every shard.
 
     Raises:
         CallerError(INVALID_REQUEST): fewer than 1 node, more nodes than layers, or
@@ -419,22 +450,45 @@ def plan_even(layout: ModelLayout, n_nodes: int) -> list[LayerRange]:
     params = PlanParams()
     pricer = _Pricer(layout, params)
     n = layout.n_layers
-    read = [0]
+    read, weights = [0], [0]
     for layer in layout.layers:
         read.append(read[-1] + layer.active_bytes + LAYER_OVERHEAD_BYTES)
+        weights.append(weights[-1] + layer.active_bytes)
     ends = {(h, t): shard_global_bytes(layout, params, is_head=h, is_tail=t)[1]
             for h in (False, True) for t in (False, True)}
-    costs = np.where(pricer.valid_table, -_range_costs(read, ends), -math.inf)
+    decode = _range_costs(read, ends)
+    prefill = _range_costs(weights, {k: 0 for k in ends})
+    valid = pricer.valid_table
 
-    def step_cost(a: int, b: int) -> int:
-        return read[b] - read[a] + ends[(a == 0, b == n)]
+    def split(bound: float) -> tuple[float, list[int]]:  # the decode-balanced cut whose shards' prefill <= bound
+        ok = valid & (prefill <= bound)
+        costs = np.where(ok, -decode, -math.inf)
+        return _max_min_split(n, n_nodes, lambda j, a, b: -float(decode[a, b]) if ok[a, b] else -math.inf,
+                              lambda j: costs)
 
-    best, cuts = _max_min_split(
-        n, n_nodes, lambda j, a, b: -step_cost(a, b) if pricer.valid(a, b) else -math.inf,
-        lambda j: costs)
+    best, cuts = split(math.inf)
     if best == -math.inf:
         raise CallerError(
             Reason.INVALID_REQUEST,
             f"cannot split {layout.name} over {n_nodes} nodes: {layout.split_rule()}",
         )
-    return [LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)]
+
+    def paces(c: list[int]) -> tuple[int, int]:
+        return (max(int(decode[a, b]) for a, b in zip(c, c[1:])), max(int(prefill[a, b]) for a, b in zip(c, c[1:])))
+
+    def time(c: list[int]) -> int:
+        d, p = paces(c)
+        return answer_tokens * d + prompt_positions * p
+
+    # Bounding the shards' prefill trades decode for it: every bound from the decode-balanced cut's prefill
+    # down to the prefill-balanced cut's is tried (the ranges' own prefill costs between the two).
+    least = -_max_min_split(n, n_nodes, lambda j, a, b: -float(prefill[a, b]) if valid[a, b] else -math.inf,
+                            lambda j: np.where(valid, -prefill, -math.inf).astype(np.float64))[0]
+    top = paces(cuts)[1]
+    for bound in np.unique(prefill[valid & (prefill >= least) & (prefill < top)]):
+        value, c = split(float(bound))
+        if value > -math.inf and time(c) < time(cuts):
+            cuts = c
+    d, p = paces(cuts)
+    return EvenSplit([LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)], d, p, prompt_positions,
+                     answer_tokens)

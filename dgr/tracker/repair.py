@@ -169,7 +169,7 @@ class Repairer:
             except PeerError as exc:
                 await self._leave(live, lost, drained)
                 return self.unrepaired(failure, exc.message), False
-        ends = [pos0 + len(ids) for _, pos0, ids, _ in live.steps(self.config.prefill_chunk)]
+        ends = [pos0 + len(ids) for _, pos0, ids, _ in live.steps(live.chunk_size(self.config))]
         start = rs.prefix_reused if live.steps_from is None else live.steps_from
         plan = (plan_resume(old_route, choice.hops, frozenset({lost}), old_sid, ends, answered, start, phase)
                 if old_sid is not None else "its route's sessions are closed already")
@@ -260,7 +260,8 @@ class Repairer:
         # the route starts at what every hop holds; its steps from there, the answers from the last token's
         reused = min([offered, *opening.held.values()]) if live.prefix_root is not None else 0
         live.steps_from = reused
-        self._opened(live, opening, sid, Rebuild(0, len(live.steps(self.config.prefill_chunk)) - 1 if live.fed else 0))
+        steps = live.steps(live.chunk_size(self.config))
+        self._opened(live, opening, sid, Rebuild(0, len(steps) - 1 if live.fed else 0))
         live.publish(RouteEvent.ROUTE_REPAIRED, rs.route_repaired(choice.hops, reused, len(ids), trio.current_time()))
         log.info("route session %s repaired onto %s (node session %s): %d of %d positions to compute", rs.sid,
                  ", ".join(h.node_id for h in choice.hops), sid, len(ids) - reused, len(ids))
