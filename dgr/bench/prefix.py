@@ -31,6 +31,7 @@ prefill), sampling, concurrency (tests/test_prefix.py holds the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -167,6 +168,9 @@ def run_prefix(threads: int, log: Callable[[str], None], peers: bool = True, max
     out["dgr_ttft_s"] = [[run[t]["ttft_s"] for run in dgr] for t in range(turns)]
     out["dgr_node_prefill_s"] = [[run[t]["node_prefill_s"] for run in dgr] for t in range(turns)]
     out["answers_equal_across_repeats"] = [len({run[t]["text"] for run in dgr}) == 1 for t in range(turns)]
+    # what runs on two trees are compared by: a change of speed must leave every answer as it was
+    out["dgr_answers_sha256"] = [[hashlib.sha256(run[t]["text"].encode()).hexdigest()[:16] for run in dgr]
+                                 for t in range(turns)]
     if server and server[0]:
         out["server_ttft_s"] = [[run[t]["ttft_s"] for run in server] for t in range(turns)]
         out["server_prefilled"] = [[run[t]["timings"].get("prompt_n") for run in server] for t in range(turns)]
