@@ -207,6 +207,28 @@ def test_cpu_accounting_names_every_route_process_and_charges_the_stream() -> No
     assert f"| stub | 1 | {run['tok_s']:.1f} |" in text
 
 
+def test_the_stub_ceiling_rates_one_session_and_many_and_charges_each_process(monkeypatch) -> None:
+    """`dgr bench --only ceiling` (scaled down): every round streams one session and then several at once on a
+    2-node stub ring, each run delivers every token it asked for, and each process is charged CPU for it."""
+    from dgr.bench import ceiling
+
+    monkeypatch.setattr(ceiling, "ROUNDS", 2)
+    monkeypatch.setattr(ceiling, "ONE_TOKENS", 32)
+    monkeypatch.setattr(ceiling, "MANY", 4)
+    monkeypatch.setattr(ceiling, "MANY_TOKENS", 16)
+    res = ceiling.run_ceiling(lambda _: None)
+    assert len(res["rounds"]) == 2
+    for r in res["rounds"]:
+        assert (r["one"]["tokens"], r["many"]["tokens"]) == (32, 64) and r["many"]["errors"] == 0
+        for run in (r["one"], r["many"]):
+            assert list(run["cpu_us_per_token"]) == ["tracker", "node0", "node1", "client"]
+            assert all(run["cpu_us_per_token"][p] >= 0 for p in run["cpu_us_per_token"]) and run["tok_s"] > 0
+    assert res["one_pass"] == (res["one_tok_s"] >= ceiling.ONE_TARGET)
+    text = "\n".join(ceiling.markdown(res))
+    assert f"| 4 sessions | 2 | {res['rounds'][1]['many']['tok_s']:.0f} |" in text
+    assert f"4 sessions: median {res['many_tok_s']:.0f} tok/s in all against a target of 3000" in text
+
+
 def test_the_threads_bench_decodes_in_each_of_its_cases(model_path) -> None:
     from dgr.bench.threads import CASES, _case
 

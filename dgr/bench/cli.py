@@ -40,13 +40,15 @@ def register(subparsers) -> None:
     p.add_argument("--rtt-link", default="auto", choices=("auto", "netem", "tun"),
                    help="how --rtt delays links: veth + tc netem, or TUN + a user-space delay line "
                         "(auto: netem when the kernel has it)")
-    p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired", "cpu", "steps", "storm", "spec"),
+    p.add_argument("--only", choices=("rtt", "peers", "prefix", "paired", "cpu", "steps", "ceiling", "storm", "spec"),
                    help="run only this part of the suite (peers: dgr's routes beside llama.cpp's servers; "
                         "prefix: issue 43's 6-turn chat (a 2,260-token system prompt), each turn's TTFT on a "
                         "2-node route beside llama-server's with cache_prompt, paired, with the issue's bounds; paired: the single- and 8-session head-to-heads and the short-prompt TTFT, with every setup up at "
                         "once, measured in alternating rounds; cpu: each process of a 2-node route's CPU per decoded token, "
                         "beside its layers computed alone; steps: where a 2-node route's token goes, stage by stage "
-                        "on each node and link by link, from the nodes' stage timestamps; storm: 8 streaming clients "
+                        "on each node and link by link, from the nodes' stage timestamps; ceiling: a 2-node stub ring's "
+                        "tok/s and each process's CPU a token, one session and 32 at once (the route's own cost, "
+                        "issue 58's targets); storm: 8 streaming clients "
                         "on a 2-node llama_shard route beside a CPU hog for 90 s, its 5xx, error events, lost nodes, "
                         "open latency and token gaps while a long prompt prefills; spec: speculative decoding on 2- "
                         "and 3-node rings in network namespaces at 0, 20 and 50 ms, a copy task, a summary and free "

@@ -51,6 +51,9 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
     if res["config"].get("only") == "steps":
         lines = ["# dgr benchmark: where a decoded token's time goes", "", f"Run {res['started']} to "
                  f"{res['finished']} on one machine, SmolLM2-135M-Instruct Q4_1."]
+    if res["config"].get("only") == "ceiling":
+        lines = ["# dgr benchmark: the stub ceiling", "", f"Run {res['started']} to {res['finished']} on one machine, "
+                 "the stub backend."]
     if res["config"].get("only") == "paired":
         lines = ["# dgr benchmark: paired decode", "", f"Run {res['started']} to {res['finished']} on "
                  f"one machine, SmolLM2-135M-Instruct Q4_1, {res['config']['threads']} threads in total per setup, "
@@ -123,6 +126,10 @@ def markdown(res: dict[str, Any], plots: list[str]) -> str:
         from dgr.bench.steps import markdown as steps_markdown
 
         lines += steps_markdown(res["steps"])
+    if res.get("ceiling"):
+        from dgr.bench.ceiling import markdown as ceiling_markdown
+
+        lines += ceiling_markdown(res["ceiling"])
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "Made by `" + _command(res["config"]) + "`."]
     return "\n".join(lines) + "\n"

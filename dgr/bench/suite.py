@@ -41,7 +41,8 @@ class BenchConfig:
     # "prefix": just the multi-turn chat with and without prefix reuse (dgr.bench.prefix); "paired": just the
     # single- and 8-session head-to-heads measured in alternation (dgr.bench.paired); "cpu": each route
     # process's CPU per token beside its shards' compute alone (dgr.bench.cpu); "steps": each stage of a
-    # decode step on each node and link (dgr.bench.steps); "storm": 8 clients beside a CPU hog (dgr.bench.storm)
+    # decode step on each node and link (dgr.bench.steps); "ceiling": a 2-node stub ring's tok/s and CPU a
+    # token (dgr.bench.ceiling); "storm": 8 clients beside a CPU hog (dgr.bench.storm)
     rtt_link: str = "auto"  # netem, tun, or auto (dgr.bench.netns)
     peers: bool = False  # llama.cpp's llama-server and rpc-server beside dgr (dgr.bench.peers)
     big: bool = False  # repeat the head-to-head rows on a random-weight 1B-shape llama (dgr.bench.shapes)
@@ -107,6 +108,12 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
         from dgr.bench.steps import run_steps
 
         results["steps"] = run_steps(_log)
+        results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        return results
+    if cfg.only == "ceiling":
+        from dgr.bench.ceiling import run_ceiling
+
+        results["ceiling"] = run_ceiling(_log)
         results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         return results
     if cfg.rtts_ms:
