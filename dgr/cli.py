@@ -546,6 +546,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=positive_int, default=512)
     p.add_argument("--pipeline-cuts", type=int, default=PIPELINE_CUTS, metavar="K",
                    help="the tracker's --pipeline-cuts")
+    p.add_argument("--prompt-positions", type=int, default=None, metavar="P",
+                   help="balance the nodes' layers for prompts of about P positions (default 2048: a chat turn "
+                        "with a long system prompt; dgr plan prints the cut and what it weighed)")
+    p.add_argument("--answer-tokens", type=int, default=None, metavar="D",
+                   help="... and answers of about D tokens (default 256); --prompt-positions 0 balances decode "
+                        "alone, which suits many concurrent sessions with short prompts")
     p.add_argument("--step-deadline", type=float, default=10.0)
     p.add_argument("--slow-cap", type=float, default=4.0, metavar="X",
                    help="a step whose nodes still answer their liveness probe (/healthz) at its deadline waits on: "

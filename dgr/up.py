@@ -61,14 +61,20 @@ READY_TIMEOUT_S = 900.0  # a node's first start on a large model hashes its file
 TRACKER_HOST = "127.0.0.1"
 
 
-def route_splits(model: Path | None, n_layers: int, n_nodes: int) -> list[LayerRange]:
-    """The layer ranges of a local route: planned from the GGUF's tensor sizes, or even for the stub."""
+def route_splits(model: Path | None, n_layers: int, n_nodes: int, prompt_positions: int | None = None,
+                 answer_tokens: int | None = None) -> list[LayerRange]:
+    """The layer ranges of a local route: planned from the GGUF's tensor sizes, or even for the stub.
+
+    A GGUF's are balanced for a prompt of `prompt_positions` and an answer of `answer_tokens` on a full
+    pipeline (dgr.plan.plan_even; None: its defaults, a chat turn with a long prompt)."""
     if model is None:
         return even_split(n_layers, n_nodes)
-    # balanced by decode work: the bytes a shard reads per token and a fixed cost per layer
     from dgr.plan import layout_from_gguf, plan_even
+    from dgr.plan.search import ANSWER_TOKENS, PROMPT_POSITIONS
 
-    return plan_even(layout_from_gguf(model), n_nodes)
+    return plan_even(layout_from_gguf(model), n_nodes,
+                     PROMPT_POSITIONS if prompt_positions is None else prompt_positions,
+                     ANSWER_TOKENS if answer_tokens is None else answer_tokens)
 
 
 def node_names(n_ranges: int, spares: int = 0) -> list[tuple[str, int]]:
@@ -215,7 +221,8 @@ def _run_up(args, env: dict[str, str], keys: Path, entry: Callable[[list[str]], 
         from dgr.backends.llama_shard import check_shard_ranges
 
         check_shard_ranges(model, [LayerRange(0, n_layers)])
-    splits = route_splits(model, n_layers, args.nodes)
+    splits = route_splits(model, n_layers, args.nodes, getattr(args, "prompt_positions", None),
+                          getattr(args, "answer_tokens", None))
     if args.backend == "llama_shard":
         check_shard_ranges(model, splits)
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.nodes * (1 + getattr(args, "spares", 0))))

@@ -209,3 +209,27 @@ def test_a_count_below_one_is_a_usage_error(argv, said, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser(_command(argv)).parse_args(argv)
     assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_dgr_up_cuts_for_the_work_it_is_told_to_expect_and_pipelines_prompts():
+    """`dgr up` balances its nodes' layers for a chat turn's long prompt by default (SmolLM2: 15:15), for decode
+    alone with --prompt-positions 0 (18:12: the tail also computes the LM head every token), and hands its
+    tracker the prompt's pipeline cuts (dgr.tracker.live.pipeline_chunk)."""
+    from dgr.backends.base import LayerRange
+    from dgr.cli import PIPELINE_CUTS
+    from dgr.models import default_model_path
+    from dgr.up import route_splits, tracker_args
+
+    up = build_parser("up")
+    model = default_model_path()
+    default = up.parse_args(["up", "--nodes", "2"])
+    decode = up.parse_args(["up", "--nodes", "2", "--prompt-positions", "0"])
+    assert route_splits(model, 30, 2, default.prompt_positions, default.answer_tokens) == [LayerRange(0, 15),
+                                                                                          LayerRange(15, 30)]
+    assert route_splits(model, 30, 2, decode.prompt_positions, decode.answer_tokens) == [LayerRange(0, 18),
+                                                                                        LayerRange(18, 30)]
+    cmd = tracker_args(default)
+    assert cmd[cmd.index("--pipeline-cuts") + 1] == str(PIPELINE_CUTS)
+    cmd = tracker_args(up.parse_args(["up", "--pipeline-cuts", "0"]))
+    assert cmd[cmd.index("--pipeline-cuts") + 1] == "0"
+    assert build_parser().parse_args(["tracker", "--pipeline-cuts", "8"]).pipeline_cuts == 8
