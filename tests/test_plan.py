@@ -338,6 +338,11 @@ def test_json_round_trips(smol):
     data = json.loads(out)
     assert Plan.from_json(data["plan"]) == p
     assert [e["link_gbit"] for e in data["estimates"]] == [1.0, 1.0, 10.0, 10.0]
+    # what dgr up would give these 2 nodes, balanced for a chat turn's prompt, or (--prompt-positions 0) decode
+    assert data["speed_cut"]["layers"] == [str(r) for r in plan_even(smol, 2)] == ["0:15", "15:30"]
+    rc, out, _ = run_cli("--node", "a=300MiB", "--node", "b=400MiB", "--all-nodes", "--prompt-positions", "0")
+    assert rc == 0 and "speed cut (dgr up, 2 node(s) on one machine): 0:18 | 18:30, balanced for a prompt of 0 " \
+                      "positions and an answer of 256 tokens" in out
 
 
 def test_human_table_names_every_node(smol):

@@ -7,6 +7,8 @@ after one stage's sum; 512-position chunks left a core idle for a whole chunk at
 
 from __future__ import annotations
 
+import trio
+
 from dgr import cli
 from dgr.fsm.route import RouteSession
 from dgr.tracker import live as live_mod
@@ -47,3 +49,28 @@ def test_a_sessions_chunk_is_chosen_once_from_the_prompt_its_route_computes() ->
                          telemetry=Broadcast(), send=None, recv=None, text=TextAssembler())
     reused.rs.route, reused.rs.prefix_reused = ("a", "b"), 2360  # a kept prefix: 640 positions left to compute
     assert reused.chunk_size(config) == 64
+
+
+async def test_a_ubatchs_positions_go_in_flight_a_hop_however_finely_a_prompt_is_cut(autojump_clock, nursery) -> None:
+    """The gateway keeps up to a ubatch's positions in flight a hop: with the tail stalled, the head of a 2-node
+    ring takes 16 chunks of 64 positions (2 x 512 positions), not 2 (the window counted chunks before the
+    pipeline's finer cut, and on a slow link each chunk then paid a round trip); then the prompt completes."""
+    from dgr.api.openai import parse_request
+    from dgr.testing.inproc import InProcRoute
+
+    route = InProcRoute.stub(config=GatewayConfig(sweep_s=0.1), inline=True)
+    route.latency(0.001)
+    route.register_all()
+    await nursery.start(route.run)
+    route.stall(1)
+    req = parse_request({"model": "stub", "prompt": "x" * 2000, "temperature": 0, "max_tokens": 2}, "completion")
+    live = await route.gateway.open(req)
+    assert live.chunk_size(route.gateway.config) == MIN_PIPELINE_CHUNK and len(live.prompt) > 16 * MIN_PIPELINE_CHUNK
+    await trio.sleep(1.0)  # well within a step's deadline: the head has every chunk the window lets through
+    head = route.services[0]
+    assert head.stats.frames_in["PREFILL"] == 2 * (512 // MIN_PIPELINE_CHUNK)
+    route.resume(1)
+    with trio.fail_after(30):
+        text = "".join([d.text async for d in live.recv])
+    assert live.rs.failure is None and live.rs.completion_tokens == 2 and text
+    assert head.stats.frames_in["PREFILL"] == -(-len(live.prompt) // MIN_PIPELINE_CHUNK)

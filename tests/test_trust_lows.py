@@ -10,6 +10,7 @@ would drive it.
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 
 import httpx
@@ -285,6 +286,47 @@ def test_an_oversize_node_reply_is_cut_at_its_cap_with_memory_bounded() -> None:
         assert outcome.startswith("node_error: liar sent a reply"), (name, outcome)
         assert peak < 4 * MAX_CONTROL_BYTES, (name, peak)  # before: the whole 48 MiB, buffered
         assert sent < _HUGE // 2, (name, sent)
+
+
+def test_an_encoded_node_reply_is_refused_as_its_fault_by_either_capped_reader() -> None:
+    """Replies are asked for unencoded, as an encoded one could expand past its cap: a node that sends a gzip
+    body anyway fails the gateway's control call (NodeClient, on the seam's pool) and the tracker's proof
+    (read_capped, on httpx) as node_error, naming it."""
+    from dgr.artifact.proof import Challenge
+    from dgr.backends.base import LayerRange
+    from dgr.errors import PeerError
+    from dgr.seam.types import ModelInfo
+    from dgr.tracker.proofs import Prover
+    from dgr.tracker.registry import NodeEntry
+    from dgr.tracker.seam_client import NodeClient
+
+    body = gzip.compress(json.dumps({"node": "x"}).encode())
+    fake = _FakeNode(lambda path: ([b"Content-Type: application/json", b"Content-Encoding: gzip",
+                                    b"Content-Length: %d" % len(body)], [body]))
+    info = ModelInfo(name="m", architecture="llama", n_layers=30, hidden_size=8, seam_width=8, vocab_size=10,
+                     context_length=64, digest="d" * 64)
+
+    async def main() -> tuple[str, str | None]:
+        async with trio.open_nursery() as nursery:
+            url = await fake.start(nursery)
+            client = NodeClient("zipper", url)
+            try:
+                await client.status()
+                control = "answered"
+            except PeerError as exc:
+                control = f"{exc.reason.value}: {exc.message}"
+            await client.aclose()
+            prover = Prover(deadline_s=20.0)
+            await nursery.start(prover.run)
+            entry = NodeEntry(node_id="zipper", url=url, start=0, stop=30, backend="stub", model=info, capacity=4,
+                              describe={}, registered_at=0.0, last_seen=0.0)
+            _, why = await prover._ask(entry, None, Challenge("m", LayerRange(0, 30), 0, 0))  # type: ignore[arg-type]
+            nursery.cancel_scope.cancel()
+        return control, why
+
+    control, why = trio.run(main)
+    assert control == "node_error: zipper sent a reply encoded 'gzip', unasked", control
+    assert why == "zipper sent a reply encoded 'gzip', unasked", why
 
 
 @pytest.mark.parametrize("tokens, words", [

@@ -460,13 +460,12 @@ def even_split(layout: ModelLayout, n_nodes: int, prompt_positions: int = PROMPT
     prefill = _range_costs(weights, {k: 0 for k in ends})
     valid = pricer.valid_table
 
-    def split(bound: float) -> tuple[float, list[int]]:  # the decode-balanced cut whose shards' prefill <= bound
-        ok = valid & (prefill <= bound)
-        costs = np.where(ok, -decode, -math.inf)
-        return _max_min_split(n, n_nodes, lambda j, a, b: -float(decode[a, b]) if ok[a, b] else -math.inf,
-                              lambda j: costs)
+    def balanced(cost: np.ndarray, ok: np.ndarray) -> tuple[float, list[int]]:
+        """The cut whose costliest shard by `cost` is the cheapest, of shards `ok` allows: (-that cost, cuts)."""
+        table = np.where(ok, -cost, -math.inf).astype(np.float64)
+        return _max_min_split(n, n_nodes, lambda j, a, b: float(table[a, b]), lambda j: table)
 
-    best, cuts = split(math.inf)
+    best, cuts = balanced(decode, valid)
     if best == -math.inf:
         raise CallerError(
             Reason.INVALID_REQUEST,
@@ -476,18 +475,17 @@ def even_split(layout: ModelLayout, n_nodes: int, prompt_positions: int = PROMPT
     def paces(c: list[int]) -> tuple[int, int]:
         return (max(int(decode[a, b]) for a, b in zip(c, c[1:])), max(int(prefill[a, b]) for a, b in zip(c, c[1:])))
 
-    def time(c: list[int]) -> int:
+    def turn(c: list[int]) -> int:  # a prompt's and an answer's time, in bytes read
         d, p = paces(c)
         return answer_tokens * d + prompt_positions * p
 
     # Bounding the shards' prefill trades decode for it: every bound from the decode-balanced cut's prefill
-    # down to the prefill-balanced cut's is tried (the ranges' own prefill costs between the two).
-    least = -_max_min_split(n, n_nodes, lambda j, a, b: -float(prefill[a, b]) if valid[a, b] else -math.inf,
-                            lambda j: np.where(valid, -prefill, -math.inf).astype(np.float64))[0]
-    top = paces(cuts)[1]
+    # down to the prefill-balanced cut's is tried (the ranges' own prefill costs between the two), each with
+    # the decode-balanced cut under it.
+    least, top = -balanced(prefill, valid)[0], paces(cuts)[1]
     for bound in np.unique(prefill[valid & (prefill >= least) & (prefill < top)]):
-        value, c = split(float(bound))
-        if value > -math.inf and time(c) < time(cuts):
+        value, c = balanced(decode, valid & (prefill <= bound))
+        if value > -math.inf and turn(c) < turn(cuts):
             cuts = c
     d, p = paces(cuts)
     return EvenSplit([LayerRange(cuts[j], cuts[j + 1]) for j in range(n_nodes)], d, p, prompt_positions,

@@ -54,7 +54,7 @@ def pipeline_chunk(positions: int, ubatch: int, nodes: int, cuts: int = PIPELINE
     (or with `cuts` 0), else about positions / (cuts * (nodes - 1)), within [MIN_PIPELINE_CHUNK, ubatch]."""
     if nodes <= 1 or cuts <= 0:
         return ubatch
-    return max(1, min(ubatch, max(MIN_PIPELINE_CHUNK, -(-positions // (cuts * (nodes - 1))))))
+    return min(ubatch, max(MIN_PIPELINE_CHUNK, -(-positions // (cuts * (nodes - 1)))))
 
 
 @attrs.frozen

@@ -69,7 +69,8 @@ class Ring:
         return self.config.step_deadline_s + self.config.per_token_deadline_s * n_tokens
 
     async def prefill(self, live: LiveSession, links: trio.Nursery) -> Answer:
-        rs, steps = live.rs, live.steps(live.chunk_size(self.config))
+        size = live.chunk_size(self.config)
+        rs, steps = live.rs, live.steps(size)
         rebuild = live.rebuild
         feed_from, answer_from = (0, 0) if rebuild is None else (rebuild.feed_from, rebuild.answer_from)
         last = len(steps) - 1
@@ -85,7 +86,6 @@ class Ring:
                          on_early=early)
         # a ubatch's positions in flight a hop, however finely the prompt is cut: chunks smaller than the ubatch
         # (a pipeline's, live.pipeline_chunk) must not add round trips on a slow link
-        size = live.chunk_size(self.config)
         window = trio.Semaphore(len(rs.route) * max(1, self.config.prefill_chunk // size))
 
         async def feed() -> None:  # every step the head lacks, in order: the ring pipelines them

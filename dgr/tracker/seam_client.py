@@ -14,10 +14,12 @@ over TLS with `ssl_context` (the node's registered certificate pinned, see
 dgr.security.tls), on both of its pools (control calls, and the seam's).
 
 A node's replies are read with a cap, chunk by chunk, never more than the cap
-held (ConnectionPool's `limit`; `read_capped` for an httpx caller): MAX_CONTROL_BYTES for open, close and status, and for a
+held (ConnectionPool's `limit`; `read_capped` for an httpx caller, the
+tracker's proofs): MAX_CONTROL_BYTES for open, close and status, and for a
 head's open of a prompt what the prompt can yield besides (`token_bound`: one
-token per byte of the request at most, each a short JSON number). Replies come unencoded (`Accept-Encoding: identity`),
-so no compressed reply expands past the cap. A reply over its cap, or one
+token per byte of the request at most, each a short JSON number). Replies come
+unencoded (`Accept-Encoding: identity`, `check_unencoded`), so no compressed
+reply expands past the cap. A reply over its cap, or one
 that is not the JSON it should be, is `PeerError(NODE_ERROR)` naming the
 node. The head's token ids are checked too: integers in [0, vocab_size),
 no more of them than the bound; a head that lies fails the session as a
@@ -56,6 +58,17 @@ class Reply:
     content: bytes
 
 
+def check_unencoded(encoding: str | None, node: str) -> None:
+    """Refuse a reply that came encoded (its Content-Encoding header; None: absent): it was asked for unencoded,
+    and an encoded one could expand past its cap.
+
+    Raises: PeerError(NODE_ERROR).
+    """
+    encoding = (encoding or "identity").strip().lower()
+    if encoding != "identity":
+        raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply encoded {encoding[:40]!r}, unasked", node=node)
+
+
 async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit: int, node: str,
                       **kw: Any) -> Reply:
     """One request whose reply is read up to `limit` bytes, chunk by chunk: an oversize one is cut there.
@@ -66,10 +79,7 @@ async def read_capped(client: httpx.AsyncClient, method: str, url: str, *, limit
     """
     headers = {**kw.pop("headers", {}), "Accept-Encoding": "identity"}
     async with client.stream(method, url, headers=headers, **kw) as r:
-        encoding = r.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply encoded {encoding[:40]!r}, unasked",
-                            node=node)
+        check_unencoded(r.headers.get("content-encoding"), node)
         announced = r.headers.get("content-length", "")
         if announced.isdigit() and int(announced) > limit:
             raise PeerError(Reason.NODE_ERROR, f"{node} sent a reply of {announced} bytes, over {limit}", node=node)
@@ -143,10 +153,8 @@ class NodeClient:
                             node=self.node_id) from None
         except TransportError as exc:
             raise self._lost(exc) from None
-        encoding = r.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            raise PeerError(Reason.NODE_ERROR, f"{self.node_id} sent a reply encoded {encoding[:40]!r}, unasked",
-                            node=self.node_id)
+        if "content-encoding" in r.headers:  # asked for none: most replies name none
+            check_unencoded(r.headers["content-encoding"], self.node_id)
         return r
 
     def _json(self, r: HttpResponse) -> dict[str, Any]:
